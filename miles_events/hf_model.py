@@ -1,0 +1,90 @@
+"""Hugging Face causal LMs: the built-in tiny model and tokenizer, and loading by path.
+
+Every actor loads the model from one Hugging Face directory. For the built-in model the
+driver writes that directory once, under ``<run.dir>/base_model``, before any actor starts,
+so that the Generator and the Trainer (possibly in other processes) start from the same
+bytes and the Saver can copy the config and tokenizer next to every checkpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from schemas.config import BuiltinModelConfig, ModelConfig
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+)
+
+ARITH_SPECIAL = ["<pad>", "<eos>", "<unk>"]
+ARITH_SYMBOLS = list("0123456789+-*=?")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_arith_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per character of arithmetic text, plus pad / eos / unk."""
+    vocab = {tok: i for i, tok in enumerate(ARITH_SPECIAL + ARITH_SYMBOLS)}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"\S"), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
+    )
+
+
+def build_builtin(config: BuiltinModelConfig, seed: int) -> tuple[torch.nn.Module, PreTrainedTokenizerFast]:
+    tokenizer = build_arith_tokenizer()
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        max_position_embeddings=config.max_position_embeddings,
+        tie_word_embeddings=config.tie_word_embeddings,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+    )
+    hf_config = Qwen2Config(**common) if config.architecture == "qwen2" else LlamaConfig(**common)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    return model, tokenizer
+
+
+def prepare_base_model(config: ModelConfig, run_dir: Path, seed: int) -> Path:
+    """The Hugging Face directory every actor loads: ``model.path`` or the built-in one."""
+    if config.path is not None:
+        return Path(config.path)
+    target = run_dir / "base_model"
+    if (target / "config.json").exists():
+        return target
+    model, tokenizer = build_builtin(config.builtin, seed)
+    partial = run_dir / ".base_model.partial"
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    partial.rename(target)
+    return target
+
+
+def load_model(path: str | Path, dtype: str = "float32") -> torch.nn.Module:
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype])
+    return model
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def load_config(path: str | Path) -> object:
+    return AutoConfig.from_pretrained(str(path))

@@ -1,0 +1,153 @@
+"""The data plane: bulk data (rollout batches, weights, train state) travels here, and
+events carry a ``DataRef`` to it.
+
+One seam, small implementations: ``InProcessTransport`` keeps objects in this process (the
+local runtime), ``ShmTransport`` writes them under ``/dev/shm`` so any process on the host
+maps them (the ray runtime). Whoever consumes a reference publishes ``DataReleased``; the
+owner then calls ``free``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from schemas.data import DataRef
+
+
+class Transport(ABC):
+    name: str
+
+    def __init__(self, run_id: str) -> None:
+        self.run_id = run_id
+
+    @abstractmethod
+    def put_tensors(self, key: str, tensors: dict[str, torch.Tensor], owner: str) -> DataRef:
+        """Stage a copy of ``tensors``: later changes to the originals do not reach readers."""
+
+    @abstractmethod
+    def get_tensors(self, ref: DataRef) -> dict[str, torch.Tensor]: ...
+
+    @abstractmethod
+    def put_bytes(self, key: str, data: bytes, owner: str) -> DataRef: ...
+
+    @abstractmethod
+    def get_bytes(self, ref: DataRef) -> bytes: ...
+
+    @abstractmethod
+    def free(self, ref: DataRef) -> None:
+        """Drop the data; freeing twice is allowed."""
+
+    def close(self) -> None:
+        """Drop everything of this run held by this transport."""
+
+
+# Objects of the in-process transport, by run id then key. Module-level so that every
+# actor of a local run (one process) sees the same store.
+_IN_PROCESS: dict[str, dict[str, object]] = {}
+
+
+class InProcessTransport(Transport):
+    name = "inprocess"
+
+    def _store(self) -> dict[str, object]:
+        return _IN_PROCESS.setdefault(self.run_id, {})
+
+    def put_tensors(self, key: str, tensors: dict[str, torch.Tensor], owner: str) -> DataRef:
+        copy = {name: t.detach().clone() for name, t in tensors.items()}
+        self._store()[key] = copy
+        return DataRef(self.name, key, owner, sum(t.numel() * t.element_size() for t in copy.values()))
+
+    def get_tensors(self, ref: DataRef) -> dict[str, torch.Tensor]:
+        value = self._get(ref)
+        assert isinstance(value, dict)
+        return value
+
+    def put_bytes(self, key: str, data: bytes, owner: str) -> DataRef:
+        self._store()[key] = bytes(data)
+        return DataRef(self.name, key, owner, len(data))
+
+    def get_bytes(self, ref: DataRef) -> bytes:
+        value = self._get(ref)
+        assert isinstance(value, bytes)
+        return value
+
+    def _get(self, ref: DataRef) -> object:
+        try:
+            return self._store()[ref.key]
+        except KeyError:
+            raise KeyError(f"in-process data {ref.key!r} is gone (freed, or from another process)") from None
+
+    def free(self, ref: DataRef) -> None:
+        self._store().pop(ref.key, None)
+
+    def close(self) -> None:
+        _IN_PROCESS.pop(self.run_id, None)
+
+
+def shm_root() -> Path:
+    base = Path("/dev/shm")
+    return base if base.is_dir() and os.access(base, os.W_OK) else Path(tempfile.gettempdir())
+
+
+class ShmTransport(Transport):
+    """Files in shared memory: one safetensors file per tensor set, raw bytes otherwise.
+
+    Writes go to a temporary name and are renamed into place, so a reader never sees a
+    half-written file.
+    """
+
+    name = "shm"
+
+    def __init__(self, run_id: str, root: Path | None = None) -> None:
+        super().__init__(run_id)
+        self.root = (root or shm_root()) / f"miles-events-{run_id}"
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, key: str) -> Path:
+        if "/" in key or key.startswith("."):
+            raise ValueError(f"bad data key {key!r}")
+        return self.root / key
+
+    def _publish(self, key: str, write: object) -> Path:
+        final = self._path(key)
+        partial = final.with_name(f".{key}.partial")
+        write(partial)  # type: ignore[operator]
+        os.replace(partial, final)
+        return final
+
+    def put_tensors(self, key: str, tensors: dict[str, torch.Tensor], owner: str) -> DataRef:
+        contiguous = {name: t.detach().contiguous().cpu() for name, t in tensors.items()}
+        path = self._publish(key, lambda p: save_file(contiguous, str(p)))
+        return DataRef(self.name, key, owner, path.stat().st_size)
+
+    def get_tensors(self, ref: DataRef) -> dict[str, torch.Tensor]:
+        return load_file(str(self._path(ref.key)))
+
+    def put_bytes(self, key: str, data: bytes, owner: str) -> DataRef:
+        path = self._publish(key, lambda p: p.write_bytes(data))
+        return DataRef(self.name, key, owner, len(data))
+
+    def get_bytes(self, ref: DataRef) -> bytes:
+        return self._path(ref.key).read_bytes()
+
+    def free(self, ref: DataRef) -> None:
+        self._path(ref.key).unlink(missing_ok=True)
+
+    def close(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+TRANSPORTS: dict[str, type[Transport]] = {"inprocess": InProcessTransport, "shm": ShmTransport}
+
+
+def open_transport(name: str, run_id: str) -> Transport:
+    try:
+        return TRANSPORTS[name](run_id)
+    except KeyError:
+        raise ValueError(f"unknown transport {name!r}; known: {sorted(TRANSPORTS)}") from None

@@ -1,0 +1,169 @@
+"""The run configuration: one TOML file decoded strictly into these Structs.
+
+Every section forbids unknown keys. ``[run]`` keeps the argument names of the seed's driver
+(``num_rollout``, ``start_rollout_id``, ``eval_interval``, ...). Paths are resolved relative
+to the directory of the config file.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
+PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
+NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
+Probability = Annotated[float, msgspec.Meta(gt=0, le=1)]
+
+
+class Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class RunConfig(Section):
+    dir: str = "runs/default"
+    """Where the event log, checkpoints and the built model go."""
+    runtime: Literal["ray", "local"] = "ray"
+    seed: int = 1234
+    num_rollout: NonNegativeInt | None = None
+    """Rollouts to run; derived from dataset size, batch size and num_epoch when unset."""
+    num_epoch: PositiveInt = 1
+    start_rollout_id: NonNegativeInt | None = None
+    """First rollout id; 0 on a fresh run, the checkpoint's next one on resume."""
+    resume: bool = False
+    """Continue from the latest complete checkpoint under ``<dir>/checkpoints``."""
+    eval_interval: PositiveInt | None = None
+    skip_eval_before_train: bool = False
+    save_interval: PositiveInt | None = None
+    save_trigger_sentinel: str | None = None
+    """A file whose existence triggers a save after the current rollout; it is removed."""
+    debug_exit_after_rollout: PositiveInt | None = None
+    check_weight_update_equal: bool = False
+    """After the initial publication, ask every engine to compare served weights with a snapshot."""
+
+
+class BuiltinModelConfig(Section):
+    """A small causal LM built in code (random init) with a tokenizer built in code."""
+
+    architecture: Literal["qwen2", "llama"] = "qwen2"
+    hidden_size: PositiveInt = 64
+    intermediate_size: PositiveInt = 128
+    num_hidden_layers: PositiveInt = 2
+    num_attention_heads: PositiveInt = 4
+    num_key_value_heads: PositiveInt = 2
+    max_position_embeddings: PositiveInt = 64
+    tie_word_embeddings: bool = False
+    tokenizer: Literal["arith"] = "arith"
+
+
+class ModelConfig(Section):
+    path: str | None = None
+    """A Hugging Face model directory (config, safetensors, tokenizer). Unset: build ``builtin``."""
+    builtin: BuiltinModelConfig = msgspec.field(default_factory=BuiltinModelConfig)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+
+class DataConfig(Section):
+    prompt_data: str = ""
+    """JSONL file of prompts for training rollouts."""
+    eval_data: str | None = None
+    input_key: str = "input"
+    label_key: str = "label"
+    rollout_batch_size: PositiveInt = 8
+    """Prompts per rollout."""
+    n_samples_per_prompt: PositiveInt = 8
+    rollout_shuffle: bool = True
+    eval_n_samples_per_prompt: PositiveInt = 1
+
+
+class RolloutConfig(Section):
+    reward_fn: str = "miles_events.rewards.exact_match"
+    """Dotted path to ``fn(prompt, response, label) -> float``."""
+    num_engines: PositiveInt = 1
+    temperature: NonNegativeFloat = 1.0
+    top_p: Probability = 1.0
+    max_new_tokens: PositiveInt = 16
+    stop: list[str] = []
+    """Stop strings; the tokenizer's EOS token always stops."""
+    max_batch_size: PositiveInt = 256
+    """Sequences decoded together by one engine."""
+    eval_temperature: NonNegativeFloat = 0.0
+    num_threads: NonNegativeInt = 0
+    """torch threads in the Generator; 0 keeps torch's default."""
+
+
+class TrainerConfig(Section):
+    lr: PositiveFloat = 1e-3
+    weight_decay: NonNegativeFloat = 0.0
+    adam_beta1: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.9
+    adam_beta2: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.999
+    adam_eps: PositiveFloat = 1e-8
+    clip_grad: NonNegativeFloat = 1.0
+    """Max gradient norm; 0 disables clipping."""
+    global_batch_size: PositiveInt | None = None
+    """Samples per optimizer step; unset: the whole rollout in one step."""
+    micro_batch_size: PositiveInt = 16
+    eps_clip: PositiveFloat = 0.2
+    eps_clip_high: PositiveFloat | None = None
+    """Upper clip range (DAPO clip-higher); unset: same as eps_clip."""
+    use_kl_loss: bool = False
+    kl_loss_coef: NonNegativeFloat = 0.0
+    kl_loss_type: Literal["k1", "k3"] = "k3"
+    entropy_coef: float = 0.0
+    normalize_advantage_std: bool = True
+    """GRPO divides by the group's reward std; Dr.GRPO does not."""
+    use_rollout_logprobs: bool = False
+    """Use the engine's logprobs as old logprobs instead of recomputing them."""
+    num_threads: NonNegativeInt = 0
+
+
+class PublisherConfig(Section):
+    transport: Literal["auto", "inprocess", "shm"] = "auto"
+    """``auto``: in-process on the local runtime, shared memory on ray."""
+    stage_timeout: PositiveFloat = 120.0
+    load_timeout: PositiveFloat = 120.0
+    """Seconds each phase may take before the publication fails."""
+
+
+class VerifierConfig(Section):
+    enabled: bool = True
+    continue_on_mismatch: bool = False
+    skip_tensor_list: list[str] = []
+    """Substrings of tensor names left out of the comparison."""
+
+
+class SaverConfig(Section):
+    keep_last: NonNegativeInt = 0
+    """Complete checkpoints to keep; 0 keeps all."""
+    fsync: bool = True
+
+
+class BusConfig(Section):
+    mailbox_size: PositiveInt = 4096
+    max_batch: PositiveInt = 512
+    """Events per cross-process delivery at most."""
+    stall_warning_seconds: PositiveFloat = 30.0
+
+
+class RayConfig(Section):
+    address: str | None = None
+    """Join this cluster; unset: start a local one for this run."""
+    num_cpus: PositiveInt | None = None
+    """Logical CPUs of the local cluster; unset: enough for every actor's bundle."""
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK"] = "PACK"
+    actor_start_timeout: PositiveFloat = 120.0
+
+
+class Config(Section):
+    run: RunConfig = msgspec.field(default_factory=RunConfig)
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    data: DataConfig = msgspec.field(default_factory=DataConfig)
+    rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
+    publisher: PublisherConfig = msgspec.field(default_factory=PublisherConfig)
+    verifier: VerifierConfig = msgspec.field(default_factory=VerifierConfig)
+    saver: SaverConfig = msgspec.field(default_factory=SaverConfig)
+    bus: BusConfig = msgspec.field(default_factory=BusConfig)
+    ray: RayConfig = msgspec.field(default_factory=RayConfig)

@@ -1,0 +1,285 @@
+"""Every event that crosses the bus: frozen msgspec Structs in one tagged union.
+
+Commands end in ``Requested`` (they ask for work); facts name what happened. Every event
+carries the same header: ``run_id`` and ``seq`` (both stamped by the bus, ``seq`` strictly
+increasing), ``time`` (seconds since the epoch, stamped where the event was made) and
+``source`` (the actor that emitted it). Header fields have defaults so that an actor builds
+an event with its own fields only.
+
+Schema evolution: a field added later must have a default, so that recorded logs stay
+decodable. Fields are never renamed or removed.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from schemas.data import DataRef
+
+
+class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag=True):
+    """The header every event carries."""
+
+    run_id: str = ""
+    seq: int = 0
+    time: float = 0.0
+    source: str = ""
+
+
+# --- run lifecycle -------------------------------------------------------------------
+
+
+class RunStarted(Event, frozen=True, kw_only=True):
+    """The Coordinator has every actor ready and starts the seed's loop."""
+
+    runtime: str
+    config_digest: str
+    start_rollout_id: int
+    num_rollout: int
+    num_rollout_per_epoch: int
+    resumed: bool = False
+    weight_version: str = "default"
+    """The trainer's version at start: ``"default"`` on a fresh run, the saved one on resume."""
+    engines: list[str] = []
+
+
+class StopRequested(Event, frozen=True, kw_only=True):
+    """Someone (a user, a sentinel, a failure) asks the run to stop."""
+
+    reason: str
+
+
+class RunFinished(Event, frozen=True, kw_only=True):
+    status: Literal["completed", "failed", "stopped"]
+    reason: str = ""
+    last_rollout_id: int = -1
+    weight_version: str = "default"
+
+
+class ActorFailed(Event, frozen=True, kw_only=True):
+    """A handler raised, or an actor process died. The run stops with this message."""
+
+    actor: str
+    error: str
+    event_type: str = ""
+    event_seq: int = -1
+
+
+class DataReleased(Event, frozen=True, kw_only=True):
+    """The consumer of a bulk-data reference is done with it; its owner frees it."""
+
+    ref: DataRef
+
+
+# --- rollouts and training --------------------------------------------------------------
+
+
+class RolloutRequested(Event, frozen=True, kw_only=True):
+    rollout_id: int
+
+
+class RolloutGenerated(Event, frozen=True, kw_only=True):
+    rollout_id: int
+    batch: DataRef
+    """A ``schemas.rollout.RolloutBatch`` in the data plane."""
+    num_samples: int
+    reward_mean: float
+    weight_versions: list[str]
+    """The distinct weight versions the samples were generated with, sorted."""
+    response_tokens: int = 0
+    generate_seconds: float = 0.0
+
+
+class TrainStepFinished(Event, frozen=True, kw_only=True):
+    rollout_id: int
+    weight_version: str
+    """The trainer's version when the batch was consumed (the one being improved upon)."""
+    loss: float
+    pg_loss: float
+    kl: float
+    entropy: float
+    grad_norm: float
+    clipfrac: float
+    train_tokens: int
+    num_optimizer_steps: int
+    staleness_max: int = 0
+    """Trainer version minus the oldest version a sample was generated with."""
+    train_seconds: float = 0.0
+
+
+class EvalRequested(Event, frozen=True, kw_only=True):
+    rollout_id: int
+
+
+class EvalFinished(Event, frozen=True, kw_only=True):
+    rollout_id: int
+    metrics: dict[str, float]
+    weight_versions: list[str] = []
+    eval_seconds: float = 0.0
+
+
+# --- publication saga --------------------------------------------------------------------
+
+
+class PublishRequested(Event, frozen=True, kw_only=True):
+    """Publish the trainer's current weights to every engine."""
+
+    rollout_id: int | None = None
+    """None for the initial publication ("always update weights first")."""
+
+
+class WeightsStaged(Event, frozen=True, kw_only=True):
+    """The trainer put version ``weight_version`` in the data plane, with its checksums."""
+
+    weight_version: str
+    weights: DataRef
+    checksums: dict[str, str]
+    """Tensor name -> 16-hex-digit fingerprint of exactly the bytes published."""
+    digest: str
+    """sha256 over the sorted name/fingerprint pairs."""
+    num_tensors: int
+    num_bytes: int
+    rollout_id: int | None = None
+    stage_seconds: float = 0.0
+
+
+class WeightsLoaded(Event, frozen=True, kw_only=True):
+    """One engine now serves ``weight_version``; checksums are of what it serves."""
+
+    engine: str
+    weight_version: str
+    previous_version: str
+    checksums: dict[str, str]
+    digest: str
+    load_seconds: float = 0.0
+
+
+class WeightsPublished(Event, frozen=True, kw_only=True):
+    """Every engine loaded ``weight_version`` with the version semantics of the seed."""
+
+    weight_version: str
+    engines: list[str]
+    previous_versions: list[str]
+    rollout_id: int | None = None
+    stage_seconds: float = 0.0
+    load_seconds: float = 0.0
+    publish_seconds: float = 0.0
+
+
+class PublicationFailed(Event, frozen=True, kw_only=True):
+    weight_version: str
+    phase: Literal["stage", "load", "version"]
+    reason: str
+    rollout_id: int | None = None
+
+
+class TensorMismatch(msgspec.Struct, frozen=True):
+    engine: str
+    tensor: str
+    expected: str
+    """Trainer fingerprint, or "" when the engine serves a tensor the trainer did not publish."""
+    actual: str
+    """Engine fingerprint, or "" when the engine is missing the tensor."""
+
+
+class PublicationVerified(Event, frozen=True, kw_only=True):
+    weight_version: str
+    digest: str
+    num_tensors: int
+    engines: list[str]
+    rollout_id: int | None = None
+    verify_seconds: float = 0.0
+
+
+class PublicationMismatch(Event, frozen=True, kw_only=True):
+    weight_version: str
+    mismatches: list[TensorMismatch]
+    expected_digest: str
+    engine_digests: dict[str, str]
+    rollout_id: int | None = None
+    verify_seconds: float = 0.0
+
+
+# --- engine weight checks (SGLang's weights_checker actions) ------------------------------
+
+
+class WeightsCheckRequested(Event, frozen=True, kw_only=True):
+    action: Literal["checksum", "snapshot", "reset_tensors", "compare"]
+    selector: Literal["all", "target", "draft"] = "all"
+    skip_tensor_list: list[str] = []
+    allow_quant_error: bool = False
+    request_id: str = ""
+
+
+class WeightsCheckFinished(Event, frozen=True, kw_only=True):
+    engine: str
+    action: str
+    success: bool
+    message: str = ""
+    checksums: dict[str, str] = {}
+    digest: str = ""
+    weight_version: str = "default"
+    request_id: str = ""
+
+
+# --- checkpoints ---------------------------------------------------------------------
+
+
+class SaveRequested(Event, frozen=True, kw_only=True):
+    rollout_id: int
+    reason: Literal["interval", "last", "sentinel", "request"] = "interval"
+
+
+class TrainStateStaged(Event, frozen=True, kw_only=True):
+    """The trainer's full state for ``rollout_id`` is in the data plane, ready to be saved."""
+
+    rollout_id: int
+    state: DataRef
+    """A ``schemas.checkpoint.TrainState`` (tensors + msgpack metadata)."""
+    weight_version: str
+
+
+class CheckpointSaved(Event, frozen=True, kw_only=True):
+    rollout_id: int
+    path: str
+    weight_version: str
+    num_bytes: int
+    save_seconds: float = 0.0
+
+
+class CheckpointFailed(Event, frozen=True, kw_only=True):
+    rollout_id: int
+    reason: str
+
+
+AnyEvent = (
+    RunStarted
+    | StopRequested
+    | RunFinished
+    | ActorFailed
+    | DataReleased
+    | RolloutRequested
+    | RolloutGenerated
+    | TrainStepFinished
+    | EvalRequested
+    | EvalFinished
+    | PublishRequested
+    | WeightsStaged
+    | WeightsLoaded
+    | WeightsPublished
+    | PublicationFailed
+    | PublicationVerified
+    | PublicationMismatch
+    | WeightsCheckRequested
+    | WeightsCheckFinished
+    | SaveRequested
+    | TrainStateStaged
+    | CheckpointSaved
+    | CheckpointFailed
+)
+"""The tagged union every decoder uses; the tag is the class name, under ``"type"``."""
+
+EVENT_TYPES: tuple[type[Event], ...] = AnyEvent.__args__  # type: ignore[attr-defined]
+EVENT_TYPES_BY_NAME: dict[str, type[Event]] = {t.__name__: t for t in EVENT_TYPES}

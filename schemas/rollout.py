@@ -1,0 +1,29 @@
+"""Rollout samples as the Generator hands them to the Trainer (through the data plane)."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class Sample(msgspec.Struct, frozen=True, kw_only=True):
+    index: int
+    """Position of the prompt in the dataset (the data order is a pure function of the seed)."""
+    group: int
+    """Samples of one prompt share a group; GRPO normalises rewards within it."""
+    prompt: str
+    label: str
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_logprobs: list[float]
+    """Log-probability of each response token under the engine that sampled it."""
+    response: str
+    reward: float
+    weight_version: str
+    engine: str
+    finish_reason: str
+    """``"stop"`` (a stop token or string) or ``"length"`` (max new tokens)."""
+
+
+class RolloutBatch(msgspec.Struct, frozen=True, kw_only=True):
+    rollout_id: int
+    samples: list[Sample]
