@@ -16,6 +16,7 @@ from typing import Literal
 
 import msgspec
 
+from schemas.checkpoint import TrainerState
 from schemas.data import DataRef
 
 
@@ -233,12 +234,19 @@ class SaveRequested(Event, frozen=True, kw_only=True):
 
 
 class TrainStateStaged(Event, frozen=True, kw_only=True):
-    """The trainer's full state for ``rollout_id`` is in the data plane, ready to be saved."""
+    """The trainer's full state after training ``rollout_id`` is in the data plane.
+
+    ``weights`` holds the model's tensors under their Hugging Face names (no tied
+    duplicates); ``optimizer`` and ``rng`` hold ``torch.save`` bytes of the optimizer's
+    state dict and of the RNG states; ``trainer_state`` is saved as ``trainer_state.json``.
+    """
 
     rollout_id: int
-    state: DataRef
-    """A ``schemas.checkpoint.TrainState`` (tensors + msgpack metadata)."""
-    weight_version: str
+    weights: DataRef
+    optimizer: DataRef
+    rng: DataRef
+    trainer_state: TrainerState
+    reason: str = "interval"
 
 
 class CheckpointSaved(Event, frozen=True, kw_only=True):
