@@ -40,8 +40,6 @@ class RunConfig(Section):
     save_trigger_sentinel: str | None = None
     """A file whose existence triggers a save after the current rollout; it is removed."""
     debug_exit_after_rollout: PositiveInt | None = None
-    check_weight_update_equal: bool = False
-    """After the initial publication, ask every engine to compare served weights with a snapshot."""
 
 
 class BuiltinModelConfig(Section):

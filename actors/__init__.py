@@ -1,0 +1,1 @@
+"""The actors: Generator, Trainer, Publisher, Verifier, Saver, and their backends."""

@@ -1,0 +1,166 @@
+"""The Publisher: runs the publication saga and enforces the seed's version semantics.
+
+    PublishRequested -> (Trainer) WeightsStaged -> (each engine) WeightsLoaded
+                     -> WeightsPublished(version)      or PublicationFailed(phase)
+
+Versions: engines bootstrapped from a checkpoint serve ``"default"``; the first publication
+of a run makes every engine the trainer's next version (``"1"`` on a fresh run, the saved
+version plus one on a resumed run); each later publication adds exactly one. Every phase has
+a timeout, so an engine or trainer that hangs turns into ``PublicationFailed``, never a
+stuck run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from schemas.config import Config
+from schemas.events import (
+    DataReleased,
+    PublicationFailed,
+    PublishRequested,
+    RunStarted,
+    WeightsLoaded,
+    WeightsPublished,
+    WeightsStaged,
+)
+
+from miles_events.actor import Actor, ActorContext, Resources, handles
+from miles_events.topology import engine_names, version_number
+
+
+@dataclass
+class Publication:
+    rollout_id: int | None
+    requested_at: float
+    phase: str = "stage"
+    staged: WeightsStaged | None = None
+    staged_at: float = 0.0
+    loaded: dict[str, WeightsLoaded] = field(default_factory=dict)
+    timer: asyncio.Task[None] | None = None
+
+
+class Publisher(Actor):
+    name = "publisher"
+
+    def __init__(self, config: Config, context: ActorContext) -> None:
+        super().__init__(config, context)
+        self.engines = engine_names(config)
+        self.served: dict[str, str] = dict.fromkeys(self.engines, "default")
+        self.first_version = "1"
+        self.current: Publication | None = None
+
+    @classmethod
+    def resources(cls, config: Config) -> Resources:
+        return Resources(num_cpus=0.1)
+
+    @handles(RunStarted)
+    async def on_run_started(self, event: RunStarted) -> None:
+        self.first_version = str(version_number(event.weight_version) + 1)
+
+    @handles(PublishRequested)
+    async def on_publish_requested(self, event: PublishRequested) -> None:
+        self._cancel_timer()
+        self.current = Publication(rollout_id=event.rollout_id, requested_at=time.monotonic())
+        self._arm("stage", self.config.publisher.stage_timeout)
+
+    @handles(WeightsStaged)
+    async def on_weights_staged(self, event: WeightsStaged) -> None:
+        publication = self.current
+        if publication is None or publication.staged is not None:
+            # Staged without a request (another driver asked the trainer): still a saga.
+            publication = self.current = Publication(rollout_id=event.rollout_id, requested_at=time.monotonic())
+        publication.staged = event
+        publication.staged_at = time.monotonic()
+        self._arm("load", self.config.publisher.load_timeout)
+        wrong = {e: v for e, v in self.served.items() if self._expected_version(v) != event.weight_version}
+        if wrong:
+            await self._fail(
+                "version",
+                f"trainer staged version {event.weight_version!r}, which does not follow what the "
+                f"engines serve ({wrong!r}): each publication must add exactly one",
+            )
+
+    def _expected_version(self, served: str) -> str:
+        return self.first_version if served == "default" else str(int(served) + 1)
+
+    @handles(WeightsLoaded)
+    async def on_weights_loaded(self, event: WeightsLoaded) -> None:
+        publication = self.current
+        if publication is None or publication.staged is None:
+            return
+        if event.weight_version != publication.staged.weight_version:
+            return
+        if event.previous_version != self.served.get(event.engine):
+            await self._fail(
+                "version",
+                f"{event.engine} reports it served {event.previous_version!r} before loading, "
+                f"but it last loaded {self.served.get(event.engine)!r}",
+            )
+            return
+        publication.loaded[event.engine] = event
+        if set(publication.loaded) >= set(self.engines):
+            await self._complete(publication)
+
+    async def _complete(self, publication: Publication) -> None:
+        self._cancel_timer()
+        staged = publication.staged
+        assert staged is not None
+        previous = [self.served[e] for e in self.engines]
+        for engine in self.engines:
+            self.served[engine] = staged.weight_version
+        now = time.monotonic()
+        self.current = None
+        await self.publish(DataReleased(ref=staged.weights))
+        await self.publish(
+            WeightsPublished(
+                weight_version=staged.weight_version,
+                engines=list(self.engines),
+                previous_versions=previous,
+                rollout_id=publication.rollout_id,
+                stage_seconds=publication.staged_at - publication.requested_at,
+                load_seconds=now - publication.staged_at,
+                publish_seconds=now - publication.requested_at,
+            )
+        )
+
+    # -- timeouts -----------------------------------------------------------------------
+
+    def _arm(self, phase: str, timeout: float) -> None:
+        self._cancel_timer()
+        publication = self.current
+        assert publication is not None
+        publication.phase = phase
+        publication.timer = asyncio.get_running_loop().create_task(self._expire(publication, phase, timeout))
+
+    def _cancel_timer(self) -> None:
+        if self.current is not None and self.current.timer is not None:
+            self.current.timer.cancel()
+            self.current.timer = None
+
+    async def _expire(self, publication: Publication, phase: str, timeout: float) -> None:
+        await asyncio.sleep(timeout)
+        if self.current is publication and publication.phase == phase:
+            publication.timer = None
+            missing = sorted(set(self.engines) - set(publication.loaded))
+            detail = "the trainer did not stage weights" if phase == "stage" else f"no WeightsLoaded from {missing}"
+            await self._fail(phase, f"timed out after {timeout:g}s: {detail}")
+
+    async def _fail(self, phase: str, reason: str) -> None:
+        publication = self.current
+        self._cancel_timer()
+        self.current = None
+        version = publication.staged.weight_version if publication and publication.staged else ""
+        await self.publish(
+            PublicationFailed(
+                weight_version=version,
+                phase=phase,  # type: ignore[arg-type]
+                reason=reason,
+                rollout_id=publication.rollout_id if publication else None,
+            )
+        )
+
+    async def stop(self) -> None:
+        self._cancel_timer()

@@ -1,0 +1,114 @@
+"""The Saver: turns the trainer's staged state into a checkpoint on disk.
+
+It reacts to ``TrainStateStaged`` (the Trainer's answer to a ``SaveRequested``): it reads
+the staged weights, optimizer and RNG bytes from the data plane, writes
+``<run_dir>/checkpoints/rollout_XXXXXX`` atomically off the event loop, prunes old
+checkpoints, hands the references back to their owner with ``DataReleased`` and reports
+``CheckpointSaved``. Any failure becomes ``CheckpointFailed``, never an exception: a
+failed save must not take the run down, and older checkpoints stay as they were.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import anyio.to_thread
+from schemas.config import Config
+from schemas.events import CheckpointFailed, CheckpointSaved, DataReleased, TrainStateStaged
+
+from miles_events.actor import Actor, Resources, handles
+from miles_events.checkpoint import prune_checkpoints, write_checkpoint
+
+log = logging.getLogger(__name__)
+
+_MAX_REASON_CHARS = 500
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or repr(exc)
+    reason = f"{type(exc).__name__}: {text}"
+    return reason if len(reason) <= _MAX_REASON_CHARS else reason[: _MAX_REASON_CHARS - 3] + "..."
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+
+
+class Saver(Actor):
+    """Writes checkpoints from staged trainer state; one save at a time, in bus order."""
+
+    name = "saver"
+
+    @classmethod
+    def resources(cls, config: Config) -> Resources:
+        return Resources(num_cpus=0.5)
+
+    def _write(self, event: TrainStateStaged) -> Path:
+        """Read the staged state and write the checkpoint (runs in a worker thread)."""
+        transport = self.context.transport
+        weights = transport.get_tensors(event.weights)
+        optimizer = transport.get_bytes(event.optimizer)
+        rng = transport.get_bytes(event.rng)
+        if self.config.model.path is None:
+            raise ValueError("model.path is unset: no base model to copy config and tokenizer from")
+        return write_checkpoint(
+            run_dir=Path(self.context.run_dir),
+            base_model_dir=Path(self.config.model.path),
+            rollout_id=event.rollout_id,
+            weights=weights,
+            optimizer=optimizer,
+            rng=rng,
+            trainer_state=event.trainer_state,
+            fsync=self.config.saver.fsync,
+        )
+
+    def _prune(self) -> None:
+        # A save that landed stays a success even when cleaning up older ones fails.
+        try:
+            removed = prune_checkpoints(Path(self.context.run_dir), self.config.saver.keep_last)
+        except OSError as exc:
+            log.warning("pruning old checkpoints failed: %s", _one_line(exc))
+            return
+        for path in removed:
+            log.info("removed old checkpoint dir %s", path)
+
+    async def _release(self, event: TrainStateStaged) -> None:
+        # The Trainer owns the staged data and frees it once told we are done with it.
+        for ref in (event.weights, event.optimizer, event.rng):
+            await self.publish(DataReleased(ref=ref))
+
+    @handles(TrainStateStaged)
+    async def on_train_state_staged(self, event: TrainStateStaged) -> None:
+        """Save the staged state of ``event.rollout_id`` and report the outcome."""
+        started = time.perf_counter()
+        try:
+            final = await anyio.to_thread.run_sync(self._write, event)
+            num_bytes = await anyio.to_thread.run_sync(_dir_bytes, final)
+        except Exception as exc:
+            reason = _one_line(exc)
+            log.error("checkpoint of rollout %d failed: %s", event.rollout_id, reason)
+            await self._release(event)
+            await self.publish(CheckpointFailed(rollout_id=event.rollout_id, reason=reason))
+            return
+        await anyio.to_thread.run_sync(self._prune)
+        save_seconds = time.perf_counter() - started
+        await self._release(event)
+        log.info(
+            "saved rollout %d (version %s, %d bytes) to %s in %.2fs",
+            event.rollout_id,
+            event.trainer_state.weight_version,
+            num_bytes,
+            final,
+            save_seconds,
+        )
+        await self.publish(
+            CheckpointSaved(
+                rollout_id=event.rollout_id,
+                path=str(final),
+                weight_version=event.trainer_state.weight_version,
+                num_bytes=num_bytes,
+                save_seconds=save_seconds,
+            )
+        )

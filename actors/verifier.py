@@ -1,0 +1,103 @@
+"""The Verifier: on every publication, compares what the trainer published with what each
+engine serves, tensor by tensor, and says so.
+
+It keeps the trainer's checksums from ``WeightsStaged`` and each engine's from
+``WeightsLoaded``; when ``WeightsPublished(v)`` arrives it emits ``PublicationVerified`` or
+``PublicationMismatch`` naming every tensor that differs, is missing or is extra. This is the
+seed's ``check_weight_update_equal`` as a subscriber, on by default: the fingerprints are
+computed where the tensors live, at memory bandwidth, and compared here as strings.
+"""
+
+from __future__ import annotations
+
+import time
+
+from schemas.config import Config
+from schemas.events import (
+    PublicationMismatch,
+    PublicationVerified,
+    TensorMismatch,
+    WeightsLoaded,
+    WeightsPublished,
+    WeightsStaged,
+)
+
+from miles_events.actor import Actor, ActorContext, Resources, handles
+from miles_events.checksum import checksums_digest, is_skipped
+
+
+def compare_checksums(
+    engine: str, expected: dict[str, str], actual: dict[str, str], skip_tensor_list: list[str]
+) -> list[TensorMismatch]:
+    """Every tensor whose fingerprint differs, that the engine lacks, or that it has extra."""
+    mismatches = []
+    for name in sorted(set(expected) | set(actual)):
+        if is_skipped(name, skip_tensor_list):
+            continue
+        want, got = expected.get(name, ""), actual.get(name, "")
+        if want != got:
+            mismatches.append(TensorMismatch(engine=engine, tensor=name, expected=want, actual=got))
+    return mismatches
+
+
+class Verifier(Actor):
+    name = "verifier"
+
+    def __init__(self, config: Config, context: ActorContext) -> None:
+        super().__init__(config, context)
+        self.staged: dict[str, WeightsStaged] = {}
+        self.loaded: dict[str, dict[str, WeightsLoaded]] = {}
+
+    @classmethod
+    def resources(cls, config: Config) -> Resources:
+        return Resources(num_cpus=0.1)
+
+    @handles(WeightsStaged)
+    async def on_weights_staged(self, event: WeightsStaged) -> None:
+        self.staged[event.weight_version] = event
+
+    @handles(WeightsLoaded)
+    async def on_weights_loaded(self, event: WeightsLoaded) -> None:
+        self.loaded.setdefault(event.weight_version, {})[event.engine] = event
+
+    @handles(WeightsPublished)
+    async def on_weights_published(self, event: WeightsPublished) -> None:
+        version = event.weight_version
+        staged = self.staged.pop(version, None)
+        loaded = self.loaded.pop(version, {})
+        if not self.config.verifier.enabled:
+            return
+        started = time.perf_counter()
+        skip = self.config.verifier.skip_tensor_list
+        expected = staged.checksums if staged is not None else {}
+        mismatches: list[TensorMismatch] = []
+        for engine in event.engines:
+            served = loaded[engine].checksums if engine in loaded else {}
+            mismatches.extend(compare_checksums(engine, expected, served, skip))
+        engine_digests = {e: checksums_digest(loaded[e].checksums) for e in event.engines if e in loaded}
+        expected_digest = checksums_digest(expected)
+        if not expected:
+            mismatches.insert(0, TensorMismatch(engine="trainer", tensor="*", expected="", actual=""))
+        elapsed = time.perf_counter() - started
+        if mismatches:
+            await self.publish(
+                PublicationMismatch(
+                    weight_version=version,
+                    mismatches=mismatches,
+                    expected_digest=expected_digest,
+                    engine_digests=engine_digests,
+                    rollout_id=event.rollout_id,
+                    verify_seconds=elapsed,
+                )
+            )
+        else:
+            await self.publish(
+                PublicationVerified(
+                    weight_version=version,
+                    digest=expected_digest,
+                    num_tensors=len(expected),
+                    engines=list(event.engines),
+                    rollout_id=event.rollout_id,
+                    verify_seconds=elapsed,
+                )
+            )

@@ -1,0 +1,228 @@
+"""The central event bus: typed subscriptions, one bounded mailbox per subscriber.
+
+Guarantees:
+- ``seq`` is stamped under one lock, so it strictly increases in publish order, and every
+  mailbox receives its events in ``seq`` order.
+- Backpressure, never drops: publishing into a full mailbox waits until the subscriber
+  makes room. A publish that waits longer than ``stall_warning_seconds`` logs the mailbox
+  that holds it up (the usual cause is a cycle of full mailboxes).
+- ``close()`` stops new publications; each mailbox then drains what it holds and its
+  consumer sees the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import msgspec
+from schemas.events import Event
+
+logger = logging.getLogger(__name__)
+
+
+class BusClosed(RuntimeError):
+    """Publishing on a closed bus."""
+
+
+@dataclass(frozen=True)
+class MailboxStatistics:
+    """A snapshot of one mailbox (as trio's channel ``statistics()``)."""
+
+    name: str
+    depth: int
+    max_size: int
+    delivered: int
+    high_water_mark: int
+    closed: bool
+
+
+class Mailbox:
+    """A bounded FIFO of events for one subscriber."""
+
+    def __init__(self, name: str, max_size: int, types: tuple[type[Event], ...]) -> None:
+        self.name = name
+        self.max_size = max_size
+        self.types = types
+        self._items: deque[Event] = deque()
+        self._getters: deque[asyncio.Future[None]] = deque()
+        self._putters: deque[asyncio.Future[None]] = deque()
+        self._delivered = 0
+        self._high_water_mark = 0
+        self._closed = False
+
+    def accepts(self, event: Event) -> bool:
+        return isinstance(event, self.types)
+
+    def statistics(self) -> MailboxStatistics:
+        return MailboxStatistics(
+            name=self.name,
+            depth=len(self._items),
+            max_size=self.max_size,
+            delivered=self._delivered,
+            high_water_mark=self._high_water_mark,
+            closed=self._closed,
+        )
+
+    @staticmethod
+    def _wake(waiters: deque[asyncio.Future[None]]) -> None:
+        while waiters:
+            waiter = waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    async def put(self, event: Event) -> None:
+        while len(self._items) >= self.max_size:
+            waiter = asyncio.get_running_loop().create_future()
+            self._putters.append(waiter)
+            await waiter
+        self._items.append(event)
+        depth = len(self._items)
+        if depth > self._high_water_mark:
+            self._high_water_mark = depth
+        if self._getters:
+            self._wake(self._getters)
+
+    def put_nowait(self, event: Event) -> bool:
+        """Enqueue if there is room; False when full."""
+        if len(self._items) >= self.max_size:
+            return False
+        self._items.append(event)
+        depth = len(self._items)
+        if depth > self._high_water_mark:
+            self._high_water_mark = depth
+        if self._getters:
+            self._wake(self._getters)
+        return True
+
+    async def _wait_for_items(self) -> bool:
+        while not self._items:
+            if self._closed:
+                return False
+            waiter = asyncio.get_running_loop().create_future()
+            self._getters.append(waiter)
+            await waiter
+        return True
+
+    async def get(self) -> Event | None:
+        """The next event, or None once the mailbox is closed and drained."""
+        if not await self._wait_for_items():
+            return None
+        event = self._items.popleft()
+        self._delivered += 1
+        if self._putters:
+            self._wake(self._putters)
+        return event
+
+    async def get_batch(self, max_items: int) -> list[Event]:
+        """Up to ``max_items`` events (at least one), or [] once closed and drained."""
+        if not await self._wait_for_items():
+            return []
+        count = min(max_items, len(self._items))
+        batch = [self._items.popleft() for _ in range(count)]
+        self._delivered += count
+        for _ in range(min(count, len(self._putters))):
+            self._wake(self._putters)
+        return batch
+
+    def close(self) -> None:
+        self._closed = True
+        while self._getters:
+            waiter = self._getters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+
+
+class EventBus:
+    """Stamps, orders and fans out events to the mailboxes subscribed to their types."""
+
+    def __init__(self, run_id: str, mailbox_size: int = 4096, stall_warning_seconds: float = 30.0) -> None:
+        self.run_id = run_id
+        self.mailbox_size = mailbox_size
+        self.stall_warning_seconds = stall_warning_seconds
+        self._mailboxes: list[Mailbox] = []
+        self._routes: dict[type[Event], list[Mailbox]] = {}
+        self._lock = asyncio.Lock()
+        self._seq = 0
+        self._closed = False
+        self.published_by_type: dict[str, int] = {}
+
+    @property
+    def last_seq(self) -> int:
+        return self._seq
+
+    def subscribe(
+        self, name: str, types: Iterable[type[Event]], max_size: int | None = None
+    ) -> Mailbox:
+        """A new mailbox receiving every event that is an instance of one of ``types``."""
+        mailbox = Mailbox(name, max_size or self.mailbox_size, tuple(types))
+        self._mailboxes.append(mailbox)
+        self._routes.clear()
+        return mailbox
+
+    def mailboxes(self) -> list[Mailbox]:
+        return list(self._mailboxes)
+
+    def statistics(self) -> list[MailboxStatistics]:
+        return [m.statistics() for m in self._mailboxes]
+
+    def _route(self, event_type: type[Event]) -> list[Mailbox]:
+        route = self._routes.get(event_type)
+        if route is None:
+            route = [m for m in self._mailboxes if issubclass(event_type, m.types)]
+            self._routes[event_type] = route
+        return route
+
+    def _stamp(self, event: Event, source: str | None) -> Event:
+        self._seq += 1
+        return msgspec.structs.replace(
+            event,
+            run_id=self.run_id,
+            seq=self._seq,
+            time=event.time or time.time(),
+            source=event.source or source or "",
+        )
+
+    async def publish(self, event: Event, source: str | None = None) -> Event:
+        """Stamp ``event`` and deliver it to every subscribed mailbox; returns the stamped event."""
+        async with self._lock:
+            if self._closed:
+                raise BusClosed(f"bus closed; cannot publish {type(event).__name__}")
+            stamped = self._stamp(event, source)
+            name = type(event).__name__
+            self.published_by_type[name] = self.published_by_type.get(name, 0) + 1
+            for mailbox in self._route(type(event)):
+                if not mailbox.put_nowait(stamped):
+                    await self._put_waiting(mailbox, stamped)
+            return stamped
+
+    async def _put_waiting(self, mailbox: Mailbox, event: Event) -> None:
+        started = time.monotonic()
+        put = asyncio.ensure_future(mailbox.put(event))
+        while True:
+            done, _ = await asyncio.wait({put}, timeout=self.stall_warning_seconds)
+            if done:
+                put.result()
+                return
+            logger.warning(
+                "bus: publishing %s has waited %.0fs on the full mailbox %r (%d events)",
+                type(event).__name__,
+                time.monotonic() - started,
+                mailbox.name,
+                mailbox.statistics().depth,
+            )
+
+    def close(self) -> None:
+        """No more publications; mailboxes drain what they hold, then report the end."""
+        self._closed = True
+        for mailbox in self._mailboxes:
+            mailbox.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed

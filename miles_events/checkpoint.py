@@ -1,0 +1,411 @@
+"""Checkpoints on disk: Hugging Face weights plus the trainer's state, written atomically.
+
+Layout under a run directory::
+
+    checkpoints/
+      latest                      text file: the name of the checkpoint saved last
+      rollout_000012/
+        model.safetensors         HF tensor names, {"format": "pt"} metadata
+        config.json, generation_config.json, tokenizer files   (copied from the base model)
+        optimizer.pt, rng.pt      torch.save bytes as the trainer staged them
+        trainer_state.json        schemas.checkpoint.TrainerState
+        manifest.json             sha256 and size of every other file; written last
+
+``AutoModelForCausalLM.from_pretrained(dir)`` and ``AutoTokenizer.from_pretrained(dir)``
+load a checkpoint directory as it is. A checkpoint is complete exactly when its manifest
+verifies: it is assembled under a hidden ``.rollout_XXXXXX.partial-<pid>`` name and renamed
+into place only after every byte (manifest included) is on disk, so a crash at any moment
+leaves either the previous checkpoint or the new one, never a torn one under the final name.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import hashlib
+import logging
+import os
+import pickle
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+from safetensors.torch import load_file, save_file
+from schemas.checkpoint import Manifest, ManifestEntry, TrainerState
+
+log = logging.getLogger(__name__)
+
+CHECKPOINTS_DIR = "checkpoints"
+LATEST_FILE = "latest"
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.pt"
+RNG_FILE = "rng.pt"
+TRAINER_STATE_FILE = "trainer_state.json"
+MANIFEST_FILE = "manifest.json"
+REQUIRED_FILES = (MODEL_FILE, "config.json", OPTIMIZER_FILE, RNG_FILE, TRAINER_STATE_FILE)
+
+_FINAL_NAME = re.compile(r"^rollout_(\d+)$")
+# Hidden work dirs: being written (partial), swapped out (old), being removed (deleting).
+_WORK_NAME = re.compile(r"^\.(?:rollout_\d+\.(?:partial|old|deleting)|latest\.tmp)-(\d+)$")
+# The base model's own weights are replaced by ours; everything else at its top level
+# (config, generation config, tokenizer files, remote code) is copied so that the
+# checkpoint loads exactly like the base did.
+_BASE_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx")
+_OWN_FILES = frozenset((MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, TRAINER_STATE_FILE, MANIFEST_FILE))
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is incomplete or does not match its manifest."""
+
+
+@dataclass
+class LoadedCheckpoint:
+    """Everything a verified checkpoint holds, loaded into memory."""
+
+    path: Path
+    weights: dict[str, torch.Tensor]
+    optimizer: dict[str, Any]
+    rng: dict[str, Any]
+    trainer_state: TrainerState
+    manifest: Manifest
+
+
+def checkpoint_name(rollout_id: int) -> str:
+    """The directory name of the checkpoint taken after ``rollout_id``."""
+    return f"rollout_{rollout_id:06d}"
+
+
+def checkpoint_rollout_id(path: Path) -> int | None:
+    """The rollout id encoded in a checkpoint directory's name, or None for other names."""
+    match = _FINAL_NAME.match(path.name)
+    return int(match.group(1)) if match else None
+
+
+# --- writing ---------------------------------------------------------------------------
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_file(path: Path, data: bytes, fsync: bool) -> None:
+    with open(path, "xb") as f:
+        f.write(data)
+        f.flush()
+        if fsync:
+            os.fsync(f.fileno())
+
+
+def _pretty_json(value: object) -> bytes:
+    return msgspec.json.format(msgspec.json.encode(value), indent=2)
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _safetensors_ready(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """CPU, contiguous tensors of which no two share storage (safetensors refuses aliases)."""
+    seen: set[int] = set()
+    ready: dict[str, torch.Tensor] = {}
+    for name, tensor in weights.items():
+        t = tensor.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        ptr = t.untyped_storage().data_ptr()
+        if ptr != 0 and ptr in seen:
+            # Tied or fused views of one buffer: give each name its own bytes.
+            t = t.clone(memory_format=torch.contiguous_format)
+        elif not t.is_contiguous():
+            t = t.contiguous()
+        seen.add(t.untyped_storage().data_ptr())
+        ready[name] = t
+    return ready
+
+
+def _copy_base_files(base_model_dir: Path, target: Path, fsync: bool) -> None:
+    if not (base_model_dir / "config.json").is_file():
+        raise CheckpointError(f"base model {base_model_dir} has no config.json")
+    for source in sorted(base_model_dir.iterdir()):
+        name = source.name
+        if not source.is_file() or name.startswith(".") or name in _OWN_FILES:
+            continue
+        if name.endswith(_BASE_WEIGHT_SUFFIXES) or name.endswith(".index.json"):
+            continue
+        shutil.copyfile(source, target / name)
+        if fsync:
+            _fsync_path(target / name)
+
+
+def _manifest_for(directory: Path, rollout_id: int, weight_version: str) -> Manifest:
+    files = [
+        ManifestEntry(path=p.name, sha256=_sha256(p), num_bytes=p.stat().st_size)
+        for p in sorted(directory.iterdir())
+        if p.is_file() and p.name != MANIFEST_FILE
+    ]
+    return Manifest(rollout_id=rollout_id, weight_version=weight_version, files=files)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two directory entries (Linux renameat2); False where unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    renameat2.restype = ctypes.c_int
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM):
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+def _install(partial: Path, final: Path, fsync: bool) -> None:
+    """Move the finished ``partial`` dir to ``final``, replacing an existing one safely."""
+    root = final.parent
+    if not final.exists():
+        os.rename(partial, final)
+        return
+    # After an exchange, ``partial`` holds the previous checkpoint until it is removed.
+    if _exchange(partial, final):
+        if fsync:
+            _fsync_path(root)
+        shutil.rmtree(partial, ignore_errors=True)
+        return
+    aside = root / f".{final.name}.old-{os.getpid()}"
+    shutil.rmtree(aside, ignore_errors=True)
+    os.rename(final, aside)
+    try:
+        os.rename(partial, final)
+    except BaseException:
+        os.rename(aside, final)
+        raise
+    if fsync:
+        _fsync_path(root)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _point_latest(root: Path, name: str, fsync: bool) -> None:
+    tmp = root / f".{LATEST_FILE}.tmp-{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    _write_file(tmp, (name + "\n").encode(), fsync)
+    os.replace(tmp, root / LATEST_FILE)
+    if fsync:
+        _fsync_path(root)
+
+
+def write_checkpoint(
+    run_dir: Path,
+    base_model_dir: Path,
+    rollout_id: int,
+    weights: dict[str, torch.Tensor],
+    optimizer: bytes,
+    rng: bytes,
+    trainer_state: TrainerState,
+    fsync: bool = True,
+) -> Path:
+    """Write the checkpoint of ``rollout_id`` atomically and point ``latest`` at it.
+
+    ``optimizer`` and ``rng`` are ``torch.save`` bytes, stored as they are. An existing
+    checkpoint of the same rollout is replaced only once the new one is complete. On
+    failure the partial directory is removed and every older checkpoint is untouched.
+    """
+    root = Path(run_dir) / CHECKPOINTS_DIR
+    root.mkdir(parents=True, exist_ok=True)
+    name = checkpoint_name(rollout_id)
+    final = root / name
+    partial = root / f".{name}.partial-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir()
+    try:
+        save_file(_safetensors_ready(weights), str(partial / MODEL_FILE), metadata={"format": "pt"})
+        if fsync:
+            _fsync_path(partial / MODEL_FILE)
+        _write_file(partial / OPTIMIZER_FILE, optimizer, fsync)
+        _write_file(partial / RNG_FILE, rng, fsync)
+        _write_file(partial / TRAINER_STATE_FILE, _pretty_json(trainer_state), fsync)
+        _copy_base_files(Path(base_model_dir), partial, fsync)
+        manifest = _manifest_for(partial, rollout_id, trainer_state.weight_version)
+        _write_file(partial / MANIFEST_FILE, _pretty_json(manifest), fsync)
+        if fsync:
+            _fsync_path(partial)
+        _install(partial, final, fsync)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    if fsync:
+        _fsync_path(root)
+    _point_latest(root, name, fsync)
+    return final
+
+
+# --- reading ---------------------------------------------------------------------------
+
+
+def _read_manifest(path: Path) -> Manifest:
+    manifest_path = path / MANIFEST_FILE
+    if not manifest_path.is_file():
+        raise CheckpointError(f"checkpoint {path} incomplete: no manifest")
+    try:
+        return msgspec.json.decode(manifest_path.read_bytes(), type=Manifest)
+    except msgspec.DecodeError as exc:
+        raise CheckpointError(f"checkpoint {path}: unreadable manifest: {exc}") from exc
+
+
+def verify_checkpoint(path: Path) -> Manifest:
+    """Recompute every file's size and sha256 against the manifest; return the manifest.
+
+    Raises ``CheckpointError`` naming the first missing or mismatching file.
+    """
+    path = Path(path)
+    manifest = _read_manifest(path)
+    listed = {entry.path for entry in manifest.files}
+    for required in REQUIRED_FILES:
+        if required not in listed:
+            raise CheckpointError(f"checkpoint {path}: manifest does not list {required}")
+    for entry in manifest.files:
+        # Manifest entries are plain names inside the checkpoint, never paths out of it.
+        if Path(entry.path).name != entry.path or entry.path in ("", ".", ".."):
+            raise CheckpointError(f"checkpoint {path}: bad manifest entry {entry.path!r}")
+        file = path / entry.path
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint {path}: missing file {entry.path}")
+        size = file.stat().st_size
+        if size != entry.num_bytes:
+            raise CheckpointError(
+                f"checkpoint {path}: {entry.path} has {size} bytes, manifest says {entry.num_bytes}"
+            )
+        if _sha256(file) != entry.sha256:
+            raise CheckpointError(f"checkpoint {path}: {entry.path} does not match its sha256")
+    return manifest
+
+
+def _torch_load(path: Path) -> Any:
+    try:
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError:
+            # Our own file, verified against the manifest: numpy RNG states need full pickle.
+            return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:
+        raise CheckpointError(f"checkpoint {path.parent}: cannot load {path.name}: {exc}") from exc
+
+
+def read_checkpoint(path: Path) -> LoadedCheckpoint:
+    """Verify ``path`` against its manifest, then load weights, optimizer, RNG and state."""
+    path = Path(path)
+    manifest = verify_checkpoint(path)
+    return LoadedCheckpoint(
+        path=path,
+        weights=load_file(str(path / MODEL_FILE)),
+        optimizer=_torch_load(path / OPTIMIZER_FILE),
+        rng=_torch_load(path / RNG_FILE),
+        trainer_state=msgspec.json.decode((path / TRAINER_STATE_FILE).read_bytes(), type=TrainerState),
+        manifest=manifest,
+    )
+
+
+def _latest_pointer(root: Path) -> str | None:
+    try:
+        name = (root / LATEST_FILE).read_text(encoding="utf-8").strip()
+    except (FileNotFoundError, UnicodeDecodeError):
+        return None
+    return name if _FINAL_NAME.match(name) else None
+
+
+def _candidates(root: Path) -> list[Path]:
+    """Checkpoint dirs with a manifest, newest rollout first."""
+    found = [p for p in root.iterdir() if _FINAL_NAME.match(p.name) and (p / MANIFEST_FILE).is_file()]
+    return sorted(found, key=lambda p: checkpoint_rollout_id(p) or 0, reverse=True)
+
+
+def latest_checkpoint(run_dir: Path, verify: bool = True) -> Path | None:
+    """The checkpoint to resume from, or None when the run has no complete one.
+
+    ``latest`` names the checkpoint saved last; when it is gone or fails verification the
+    complete checkpoint with the highest rollout id is used instead, so a torn or corrupted
+    last save falls back to the previous one. ``verify=False`` trusts the manifests'
+    presence and skips hashing.
+    """
+    root = Path(run_dir) / CHECKPOINTS_DIR
+    if not root.is_dir():
+        return None
+    pointed = _latest_pointer(root)
+    ordered = _candidates(root)
+    if pointed is not None:
+        ordered = sorted(ordered, key=lambda p: p.name != pointed)
+    for candidate in ordered:
+        if not verify:
+            return candidate
+        try:
+            verify_checkpoint(candidate)
+        except CheckpointError as exc:
+            log.warning("skipping checkpoint that does not verify: %s", exc)
+            continue
+        return candidate
+    return None
+
+
+# --- pruning ---------------------------------------------------------------------------
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_dir(path: Path) -> None:
+    # Hide it first, so that a crash half-way never leaves a checkpoint-looking dir.
+    doomed = path.with_name(f".{path.name}.deleting-{os.getpid()}")
+    os.rename(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def prune_checkpoints(run_dir: Path, keep_last: int) -> list[Path]:
+    """Remove the oldest complete checkpoints beyond ``keep_last`` (0 keeps all).
+
+    The checkpoint ``latest`` points at is never removed. Work dirs left by writers that
+    died (``.partial``, ``.old``, ``.deleting``) are removed too. Returns what was removed.
+    """
+    root = Path(run_dir) / CHECKPOINTS_DIR
+    if not root.is_dir():
+        return []
+    removed: list[Path] = []
+    for entry in sorted(root.iterdir()):
+        match = _WORK_NAME.match(entry.name)
+        if match and not _pid_alive(int(match.group(1))):
+            if entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+            removed.append(entry)
+    if keep_last > 0:
+        pointed = _latest_pointer(root)
+        for old in _candidates(root)[keep_last:]:
+            if old.name == pointed:
+                continue
+            _remove_dir(old)
+            removed.append(old)
+    return removed

@@ -1,0 +1,255 @@
+"""The Coordinator: the seed's training loop (``train.py``) written as reactions.
+
+Read top to bottom, the handlers are the loop:
+
+    RunStarted               -> publish the initial weights ("always update weight first")
+    publication verified     -> eval-only / eval before train / first rollout;
+                                after rollout k: periodic eval, then rollout k+1 or finish
+    EvalFinished             -> whatever was waiting on the eval
+    TrainStepFinished(k)     -> save if periodic / last / sentinel, then publish
+    CheckpointSaved          -> remove the sentinel; finish once nothing is pending
+    failure facts            -> RunFinished(failed) with one clear line
+
+The Coordinator holds no model and calls no actor: it reads facts and publishes commands.
+It runs in the driver, so it alone touches the sentinel file.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from schemas.config import Config
+from schemas.events import (
+    ActorFailed,
+    CheckpointFailed,
+    CheckpointSaved,
+    EvalFinished,
+    EvalRequested,
+    PublicationFailed,
+    PublicationMismatch,
+    PublicationVerified,
+    PublishRequested,
+    RolloutRequested,
+    RunFinished,
+    RunStarted,
+    SaveRequested,
+    StopRequested,
+    TrainStepFinished,
+    WeightsPublished,
+)
+
+from miles_events.actor import Actor, ActorContext, handles
+
+logger = logging.getLogger(__name__)
+
+
+def should_run_periodic_action(
+    rollout_id: int,
+    interval: int | None,
+    num_rollout_per_epoch: int | None = None,
+    num_rollout: int | None = None,
+) -> bool:
+    """As in miles: every ``interval`` rollouts, at each epoch end, and (when ``num_rollout``
+    is given) on the last rollout."""
+    if interval is None:
+        return False
+    if num_rollout is not None and rollout_id == num_rollout - 1:
+        return True
+    step = rollout_id + 1
+    return step % interval == 0 or (num_rollout_per_epoch is not None and step % num_rollout_per_epoch == 0)
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What the driver worked out before the run: the loop's bounds and where it resumes."""
+
+    start_rollout_id: int
+    num_rollout: int
+    num_rollout_per_epoch: int
+    resumed: bool
+    weight_version: str
+    engines: tuple[str, ...]
+    runtime: str
+    config_digest: str
+
+
+class Coordinator(Actor):
+    name = "coordinator"
+
+    def __init__(self, config: Config, context: ActorContext, plan: RunPlan) -> None:
+        super().__init__(config, context)
+        self.plan = plan
+        self.run = config.run
+        self._after_eval: Callable[[], object] | None = None
+        self._pending_saves: set[int] = set()
+        self._sentinel_saves: set[int] = set()
+        self._finishing: RunFinished | None = None
+        self.finished: RunFinished | None = None
+        self.last_rollout_id = plan.start_rollout_id - 1
+        self.weight_version = plan.weight_version
+
+    # -- the loop ---------------------------------------------------------------------
+
+    async def begin(self) -> None:
+        """Called by the session once every actor is ready."""
+        await self.publish(
+            RunStarted(
+                runtime=self.plan.runtime,
+                config_digest=self.plan.config_digest,
+                start_rollout_id=self.plan.start_rollout_id,
+                num_rollout=self.plan.num_rollout,
+                num_rollout_per_epoch=self.plan.num_rollout_per_epoch,
+                resumed=self.plan.resumed,
+                weight_version=self.plan.weight_version,
+                engines=list(self.plan.engines),
+            )
+        )
+
+    @handles(RunStarted)
+    async def on_run_started(self, event: RunStarted) -> None:
+        # Always update weights first, so the engines serve what the trainer holds.
+        await self.publish(PublishRequested(rollout_id=None))
+
+    @handles(WeightsPublished)
+    async def on_weights_published(self, event: WeightsPublished) -> None:
+        self.weight_version = event.weight_version
+        if not self.config.verifier.enabled:
+            await self._after_publication(event.rollout_id)
+
+    @handles(PublicationVerified)
+    async def on_publication_verified(self, event: PublicationVerified) -> None:
+        await self._after_publication(event.rollout_id)
+
+    @handles(PublicationMismatch)
+    async def on_publication_mismatch(self, event: PublicationMismatch) -> None:
+        first = event.mismatches[0] if event.mismatches else None
+        detail = f"; first: {first.engine} {first.tensor}" if first else ""
+        message = (
+            f"weight version {event.weight_version}: {len(event.mismatches)} tensor(s) served by the "
+            f"engines differ from what the trainer published{detail}"
+        )
+        if self.config.verifier.continue_on_mismatch:
+            logger.warning("%s (continuing: verifier.continue_on_mismatch)", message)
+            await self._after_publication(event.rollout_id)
+        else:
+            await self._finish("failed", f"publication mismatch: {message}")
+
+    async def _after_publication(self, rollout_id: int | None) -> None:
+        if self._finishing is not None:
+            return
+        start, num_rollout = self.plan.start_rollout_id, self.plan.num_rollout
+        if rollout_id is None:
+            if num_rollout == 0 and self.run.eval_interval is not None:
+                await self._eval(0, then=lambda: self._finish("completed"))
+            elif start >= num_rollout:
+                await self._finish("completed", "no rollouts left to run")
+            elif self.run.eval_interval is not None and not self.run.skip_eval_before_train:
+                await self._eval(start, then=lambda: self._request_rollout(start))
+            else:
+                await self._request_rollout(start)
+            return
+        if should_run_periodic_action(rollout_id, self.run.eval_interval, self.plan.num_rollout_per_epoch):
+            await self._eval(rollout_id, then=lambda: self._continue_after(rollout_id))
+        else:
+            await self._continue_after(rollout_id)
+
+    async def _continue_after(self, rollout_id: int) -> None:
+        debug_exit = self.run.debug_exit_after_rollout
+        if debug_exit is not None and rollout_id - self.plan.start_rollout_id + 1 >= debug_exit:
+            logger.info("debug_exit_after_rollout=%d reached at rollout_id=%d", debug_exit, rollout_id)
+            await self._finish("completed", f"debug_exit_after_rollout={debug_exit}")
+        elif rollout_id + 1 < self.plan.num_rollout:
+            await self._request_rollout(rollout_id + 1)
+        else:
+            await self._finish("completed")
+
+    async def _request_rollout(self, rollout_id: int) -> None:
+        await self.publish(RolloutRequested(rollout_id=rollout_id))
+
+    async def _eval(self, rollout_id: int, then: Callable[[], object]) -> None:
+        self._after_eval = then
+        await self.publish(EvalRequested(rollout_id=rollout_id))
+
+    @handles(EvalFinished)
+    async def on_eval_finished(self, event: EvalFinished) -> None:
+        then, self._after_eval = self._after_eval, None
+        if then is not None:
+            await then()  # type: ignore[misc]
+
+    @handles(TrainStepFinished)
+    async def on_train_step_finished(self, event: TrainStepFinished) -> None:
+        rollout_id = event.rollout_id
+        self.last_rollout_id = rollout_id
+        sentinel = self.run.save_trigger_sentinel
+        external_save = sentinel is not None and os.path.exists(sentinel)
+        if external_save:
+            self._sentinel_saves.add(rollout_id)
+            await self._save(rollout_id, "sentinel")
+        elif should_run_periodic_action(
+            rollout_id, self.run.save_interval, self.plan.num_rollout_per_epoch, self.plan.num_rollout
+        ):
+            reason = "last" if rollout_id == self.plan.num_rollout - 1 else "interval"
+            await self._save(rollout_id, reason)
+        await self.publish(PublishRequested(rollout_id=rollout_id))
+
+    async def _save(self, rollout_id: int, reason: str) -> None:
+        self._pending_saves.add(rollout_id)
+        await self.publish(SaveRequested(rollout_id=rollout_id, reason=reason))  # type: ignore[arg-type]
+
+    @handles(CheckpointSaved)
+    async def on_checkpoint_saved(self, event: CheckpointSaved) -> None:
+        self._pending_saves.discard(event.rollout_id)
+        if event.rollout_id in self._sentinel_saves:
+            self._sentinel_saves.discard(event.rollout_id)
+            sentinel = self.run.save_trigger_sentinel
+            if sentinel is not None:
+                try:
+                    os.remove(sentinel)
+                except FileNotFoundError:
+                    pass
+        if self._finishing is not None and not self._pending_saves:
+            await self._publish_finished(self._finishing)
+
+    # -- failures and stops -------------------------------------------------------------
+
+    @handles(CheckpointFailed)
+    async def on_checkpoint_failed(self, event: CheckpointFailed) -> None:
+        self._pending_saves.discard(event.rollout_id)
+        await self._finish("failed", f"checkpoint of rollout {event.rollout_id} failed: {event.reason}")
+
+    @handles(PublicationFailed)
+    async def on_publication_failed(self, event: PublicationFailed) -> None:
+        await self._finish(
+            "failed", f"publication of weight version {event.weight_version} failed in phase {event.phase}: {event.reason}"
+        )
+
+    @handles(ActorFailed)
+    async def on_actor_failed(self, event: ActorFailed) -> None:
+        on = f" on {event.event_type}" if event.event_type else ""
+        await self._finish("failed", f"actor {event.actor} failed{on}: {event.error}")
+
+    @handles(StopRequested)
+    async def on_stop_requested(self, event: StopRequested) -> None:
+        await self._finish("stopped", event.reason)
+
+    async def _finish(self, status: str, reason: str = "") -> None:
+        if self._finishing is not None or self.finished is not None:
+            return
+        finished = RunFinished(
+            status=status,  # type: ignore[arg-type]
+            reason=reason,
+            last_rollout_id=self.last_rollout_id,
+            weight_version=self.weight_version,
+        )
+        self._finishing = finished
+        # A completed run waits for its checkpoints; a failed one does not.
+        if status != "completed" or not self._pending_saves:
+            await self._publish_finished(finished)
+
+    async def _publish_finished(self, finished: RunFinished) -> None:
+        if self.finished is None:
+            self.finished = finished
+            await self.publish(finished)

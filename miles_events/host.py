@@ -1,0 +1,111 @@
+"""Hosting one actor: its mailbox, the loop that feeds it events one at a time, and what
+happens when a handler raises.
+
+The same host runs an actor in the driver (local runtime) and inside a Ray actor process
+(ray runtime); only the ``publish`` function it is given differs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import traceback
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+from schemas.config import Config
+from schemas.events import ActorFailed, Event
+
+from miles_events.actor import Actor
+from miles_events.bus import Mailbox
+from miles_events.transport import Transport
+
+logger = logging.getLogger(__name__)
+
+Publish = Callable[[Event], Awaitable[object]]
+
+
+@dataclass
+class HostContext:
+    """The ``ActorContext`` a host gives its actor."""
+
+    run_id: str
+    name: str
+    config: Config
+    run_dir: Path
+    transport: Transport
+    _publish: Publish = field(repr=False)
+
+    async def publish(self, event: Event) -> None:
+        if not event.time or not event.source:
+            event = msgspec.structs.replace(
+                event, time=event.time or time.time(), source=event.source or self.name
+            )
+        await self._publish(event)
+
+
+def describe_error(error: BaseException) -> str:
+    """One line: the exception type and message, and where it was raised."""
+    frames = traceback.extract_tb(error.__traceback__)
+    where = f" ({Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
+    message = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return f"{type(error).__name__}: {message}{where}" if message else f"{type(error).__name__}{where}"
+
+
+class ActorHost:
+    """Feeds ``mailbox`` to ``actor`` in order. A handler that raises is reported as
+    ``ActorFailed`` and the actor handles nothing more (the Coordinator stops the run)."""
+
+    def __init__(self, actor: Actor, mailbox: Mailbox, publish: Publish) -> None:
+        self.actor = actor
+        self.mailbox = mailbox
+        self._publish = publish
+        self.busy = False
+        self.failed: ActorFailed | None = None
+        self.handled = 0
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def name(self) -> str:
+        return self.mailbox.name
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._consume(), name=f"actor-{self.name}")
+
+    async def handle(self, event: Event) -> None:
+        """Handle one event now (the ray host delivers batches through this)."""
+        if self.failed is not None:
+            return
+        self.busy = True
+        try:
+            await self.actor.handle(event)
+            self.handled += 1
+        except Exception as error:
+            logger.error("actor %s failed on %s #%d", self.name, type(event).__name__, event.seq, exc_info=True)
+            self.failed = ActorFailed(
+                actor=self.name,
+                error=describe_error(error),
+                event_type=type(event).__name__,
+                event_seq=event.seq,
+                time=time.time(),
+                source=self.name,
+            )
+            await self._publish(self.failed)
+        finally:
+            self.busy = False
+
+    async def _consume(self) -> None:
+        while (event := await self.mailbox.get()) is not None:
+            await self.handle(event)
+
+    @property
+    def idle(self) -> bool:
+        return not self.busy and self.mailbox.statistics().depth == 0
+
+    async def join(self) -> None:
+        """Wait until the mailbox is closed and drained."""
+        if self._task is not None:
+            await self._task

@@ -1,0 +1,273 @@
+"""The ``ray`` runtime: each actor in its own Ray actor process on a local Ray cluster that
+the run starts itself, placed with one placement group whose bundles are the resources each
+actor declares.
+
+The bus stays in the driver. For each remote actor the driver keeps a proxy: a bus
+mailbox whose events are msgpack-encoded and delivered in batches (one Ray call carries up to
+``bus.max_batch`` events), and a long-poll that brings back, again in batches, what the actor
+published. A remote handler that raises is reported as ``ActorFailed`` by the remote host;
+an actor process that dies is reported as ``ActorFailed`` by its proxy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from schemas.config import Config
+from schemas.events import ActorFailed, Event
+
+from miles_events.actor import Actor
+from miles_events.bus import EventBus, Mailbox
+from miles_events.codec import decode_batch, encode_batch
+from miles_events.host import ActorHost, HostContext, describe_error
+from miles_events.runtime_local import RunContext
+from miles_events.transport import open_transport
+
+logger = logging.getLogger(__name__)
+
+
+class RemoteActorHost:
+    """Lives in the Ray actor process: hosts one actor, takes event batches in, and queues
+    what the actor publishes for the driver to collect."""
+
+    def __init__(
+        self, actor_cls: type[Actor], config_json: bytes, run_id: str, run_dir: str, transport: str, outbox_size: int
+    ) -> None:
+        self.actor_cls = actor_cls
+        self.config = msgspec.json.decode(config_json, type=Config)
+        self.run_id = run_id
+        self.run_dir = Path(run_dir)
+        self.transport = open_transport(transport, run_id)
+        self.outbox = Mailbox(f"{actor_cls.name}-outbox", outbox_size, (Event,))
+        self.emitted = 0
+        self.host: ActorHost | None = None
+
+    async def _publish(self, event: Event) -> None:
+        self.emitted += 1
+        await self.outbox.put(event)
+
+    async def start(self) -> int:
+        name = self.actor_cls.name
+        context = HostContext(
+            run_id=self.run_id,
+            name=name,
+            config=self.config,
+            run_dir=self.run_dir,
+            transport=self.transport,
+            _publish=self._publish,
+        )
+        actor = self.actor_cls(self.config, context)
+        await actor.start()
+        inbox = Mailbox(name, 1, tuple(actor.handlers()))
+        self.host = ActorHost(actor, inbox, context.publish)
+        return os.getpid()
+
+    async def deliver(self, payload: bytes) -> int:
+        """Handle a batch of events in order; returns how many events the actor has emitted."""
+        assert self.host is not None
+        for event in decode_batch(payload):
+            await self.host.handle(event)
+        return self.emitted
+
+    async def poll(self, max_items: int) -> bytes:
+        """Wait for published events; b"" once stopped and drained."""
+        batch = await self.outbox.get_batch(max_items)
+        return encode_batch(batch) if batch else b""
+
+    async def stop(self) -> int:
+        if self.host is not None:
+            await self.host.actor.stop()
+        self.outbox.close()
+        return self.emitted
+
+
+class RemoteActorProxy:
+    """Driver side of one remote actor."""
+
+    def __init__(self, bus: EventBus, name: str, handle: Any, mailbox: Mailbox, max_batch: int) -> None:
+        self.bus = bus
+        self.name = name
+        self.handle = handle
+        self.mailbox = mailbox
+        self.max_batch = max_batch
+        self.in_flight = False
+        self.emitted = 0
+        self.collected = 0
+        self.dead = False
+        self._tasks = [
+            asyncio.create_task(self._forward(), name=f"forward-{name}"),
+            asyncio.create_task(self._collect(), name=f"collect-{name}"),
+        ]
+
+    async def _forward(self) -> None:
+        while batch := await self.mailbox.get_batch(self.max_batch):
+            if self.dead:
+                continue
+            self.in_flight = True
+            try:
+                self.emitted = await self.handle.deliver.remote(encode_batch(batch))
+            except Exception as error:
+                await self._died(error, batch[0])
+            finally:
+                self.in_flight = False
+
+    async def _collect(self) -> None:
+        while not self.dead:
+            try:
+                payload = await self.handle.poll.remote(self.max_batch)
+            except Exception as error:
+                await self._died(error, None)
+                return
+            if not payload:
+                return
+            events = decode_batch(payload)
+            self.collected += len(events)
+            for event in events:
+                await self.bus.publish(event)
+
+    async def _died(self, error: BaseException, event: Event | None) -> None:
+        if self.dead:
+            return
+        self.dead = True
+        logger.error("actor %s is gone: %s", self.name, error)
+        if not self.bus.closed:
+            await self.bus.publish(
+                ActorFailed(
+                    actor=self.name,
+                    error=f"actor process died: {describe_error(error)}",
+                    event_type=type(event).__name__ if event else "",
+                    event_seq=event.seq if event else -1,
+                ),
+                source="runtime",
+            )
+
+    @property
+    def idle(self) -> bool:
+        if self.dead:
+            return True
+        return not self.in_flight and self.mailbox.statistics().depth == 0 and self.collected >= self.emitted
+
+    async def stop(self) -> None:
+        for task in self._tasks[:1]:
+            await task  # the mailbox is closed: forwarding ends after the last batch
+        if not self.dead:
+            try:
+                self.emitted = await self.handle.stop.remote()
+            except Exception as error:
+                logger.warning("stopping %s failed: %s", self.name, error)
+        try:
+            await asyncio.wait_for(self._tasks[1], timeout=30)
+        except TimeoutError:
+            self._tasks[1].cancel()
+
+
+class RayRuntime:
+    name = "ray"
+
+    def __init__(self, run: RunContext) -> None:
+        self.run = run
+        self.proxies: list[RemoteActorProxy] = []
+        self._placement_group: Any = None
+        self._started_ray = False
+
+    def _init_ray(self, bundles: list[dict[str, float]]) -> None:
+        import ray
+
+        ray_config = self.run.config.ray
+        if ray.is_initialized():
+            return
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        kwargs: dict[str, Any] = dict(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True)
+        if ray_config.address is None:
+            needed = math.ceil(sum(b.get("CPU", 0.0) for b in bundles))
+            kwargs["num_cpus"] = ray_config.num_cpus or max(needed, os.cpu_count() or 1)
+            num_gpus = math.ceil(sum(b.get("GPU", 0.0) for b in bundles))
+            if num_gpus:
+                kwargs["num_gpus"] = num_gpus
+            kwargs["_node_ip_address"] = "127.0.0.1"
+        else:
+            kwargs["address"] = ray_config.address
+        ray.init(**kwargs)
+        self._started_ray = True
+
+    async def start(self, bus: EventBus, actor_classes: list[type[Actor]]) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        config = self.run.config
+        resources = [cls.resources(config) for cls in actor_classes]
+        bundles = []
+        for r in resources:
+            bundle = {"CPU": r.num_cpus}
+            if r.num_gpus:
+                bundle["GPU"] = r.num_gpus
+            bundles.append(bundle)
+        self._init_ray(bundles)
+        self._placement_group = placement_group(bundles, strategy=config.ray.placement_strategy)
+        timeout = config.ray.actor_start_timeout
+        try:
+            await asyncio.wait_for(self._placement_group.ready(), timeout)
+        except TimeoutError:
+            raise RuntimeError(
+                f"ray could not place the actors' bundles {bundles} within {timeout:g}s "
+                f"(cluster resources: {ray.cluster_resources()})"
+            ) from None
+        remote_cls = ray.remote(RemoteActorHost)
+        config_json = msgspec.json.encode(config)
+        handles = []
+        for index, (cls, r) in enumerate(zip(actor_classes, resources, strict=True)):
+            handle = remote_cls.options(
+                name=f"miles-{self.run.run_id}-{cls.name}",
+                num_cpus=r.num_cpus,
+                num_gpus=r.num_gpus,
+                max_concurrency=16,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self._placement_group, placement_group_bundle_index=index
+                ),
+            ).remote(cls, config_json, self.run.run_id, str(self.run.run_dir), self.run.transport, config.bus.mailbox_size)
+            handles.append(handle)
+        # Start them all at once: model loading overlaps across processes.
+        starts = [h.start.remote() for h in handles]
+        try:
+            pids = await asyncio.wait_for(asyncio.gather(*starts), timeout)
+        except TimeoutError:
+            raise RuntimeError(f"actors did not start within {timeout:g}s") from None
+        for cls, handle, pid in zip(actor_classes, handles, pids, strict=True):
+            mailbox = bus.subscribe(cls.name, tuple(cls.handlers()))
+            self.proxies.append(RemoteActorProxy(bus, cls.name, handle, mailbox, config.bus.max_batch))
+            logger.info("started %s (ray actor, pid %d)", cls.name, pid)
+
+    def idle(self) -> bool:
+        return all(proxy.idle for proxy in self.proxies)
+
+    async def stop(self) -> None:
+        for proxy in self.proxies:
+            await proxy.stop()
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            return
+        for proxy in self.proxies:
+            try:
+                ray.kill(proxy.handle)
+            except Exception:
+                pass
+        if self._placement_group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            try:
+                remove_placement_group(self._placement_group)
+            except Exception:
+                pass
+        if self._started_ray:
+            ray.shutdown()

@@ -1,0 +1,216 @@
+"""One run from start to finish: plan it, start the bus, the event log, the actors (on the
+chosen runtime) and the Coordinator, wait for ``RunFinished``, then drain and stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+from schemas.checkpoint import TrainerState
+from schemas.config import Config
+from schemas.events import ActorFailed, Event, RunFinished, StopRequested
+
+from miles_events.actor import Actor
+from miles_events.bus import EventBus, Mailbox
+from miles_events.host import describe_error
+from miles_events.checkpoint import latest_checkpoint, verify_checkpoint
+from miles_events.config import config_digest
+from miles_events.coordinator import Coordinator, RunPlan
+from miles_events.data import load_prompts, num_rollout_per_epoch
+from miles_events.event_log import EventLogWriter
+from miles_events.hf_model import prepare_base_model
+from miles_events.runtime_local import LocalRuntime, RunContext, start_local_host
+from miles_events.topology import engine_names
+from miles_events.transport import open_transport
+
+logger = logging.getLogger(__name__)
+
+EVENT_LOG = "events.log"
+
+
+@dataclass(frozen=True)
+class RunResult:
+    run_id: str
+    finished: RunFinished
+    run_dir: Path
+    seconds: float
+
+
+def new_run_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]
+
+
+def prepare(config: Config) -> Config:
+    """Create the run directory and the model every actor loads; return the resolved config."""
+    run_dir = Path(config.run.dir).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    model_path = prepare_base_model(config.model, run_dir, config.run.seed)
+    model = msgspec.structs.replace(config.model, path=str(Path(model_path).resolve()))
+    run = msgspec.structs.replace(config.run, dir=str(run_dir))
+    return msgspec.structs.replace(config, model=model, run=run)
+
+
+def make_plan(config: Config, runtime: str) -> RunPlan:
+    """The loop's bounds, and where a resumed run picks up."""
+    data = config.data
+    num_prompts = len(load_prompts(data.prompt_data, data.input_key, data.label_key)) if data.prompt_data else 0
+    per_epoch = num_rollout_per_epoch(num_prompts, data.rollout_batch_size) if num_prompts else 1
+    num_rollout = config.run.num_rollout if config.run.num_rollout is not None else per_epoch * config.run.num_epoch
+    start, weight_version, resumed = 0, "default", False
+    if config.run.resume:
+        checkpoint = latest_checkpoint(Path(config.run.dir))
+        if checkpoint is None:
+            logger.info("run.resume: no complete checkpoint under %s; starting fresh", config.run.dir)
+        else:
+            verify_checkpoint(checkpoint)
+            state = msgspec.json.decode((checkpoint / "trainer_state.json").read_bytes(), type=TrainerState)
+            start, weight_version, resumed = state.rollout_id + 1, state.weight_version, True
+            logger.info("resuming from %s: rollout %d, weight version %s", checkpoint, start, weight_version)
+    if config.run.start_rollout_id is not None:
+        start = config.run.start_rollout_id
+    return RunPlan(
+        start_rollout_id=start,
+        num_rollout=num_rollout,
+        num_rollout_per_epoch=per_epoch,
+        resumed=resumed,
+        weight_version=weight_version,
+        engines=tuple(engine_names(config)),
+        runtime=runtime,
+        config_digest=config_digest(config),
+    )
+
+
+class EventLogSubscriber:
+    """Appends every event to ``<run dir>/events.log`` as it is published."""
+
+    def __init__(self, bus: EventBus, path: Path, max_batch: int) -> None:
+        self.writer = EventLogWriter(path)
+        self.mailbox = bus.subscribe("event-log", (Event,), max_size=max(bus.mailbox_size, 4 * max_batch))
+        self.max_batch = max_batch
+        self.task = asyncio.create_task(self._write(), name="event-log")
+
+    async def _write(self) -> None:
+        try:
+            while batch := await self.mailbox.get_batch(self.max_batch):
+                self.writer.append_many(batch)
+        finally:
+            self.writer.close()
+
+
+class Session:
+    def __init__(
+        self,
+        config: Config,
+        actor_classes: list[type[Actor]],
+        run_id: str | None = None,
+        on_bus: list[Callable[[EventBus], object]] | None = None,
+    ) -> None:
+        """``on_bus``: hooks called with the bus before any actor starts, to subscribe
+        sinks (console, metrics); a hook's result with a ``task`` is awaited at the end."""
+        self.on_bus = on_bus or []
+        self.config = prepare(config)
+        self.actor_classes = actor_classes
+        self.run_id = run_id or new_run_id()
+        self.run_dir = Path(self.config.run.dir)
+        self.runtime_name = self.config.run.runtime
+        transport = self.config.publisher.transport
+        if transport == "auto":
+            transport = "inprocess" if self.runtime_name == "local" else "shm"
+        self.transport_name = transport
+        self.bus: EventBus | None = None
+        self.coordinator: Coordinator | None = None
+
+    async def run(self) -> RunResult:
+        started = time.monotonic()
+        config = self.config
+        plan = make_plan(config, self.runtime_name)
+        bus = self.bus = EventBus(self.run_id, config.bus.mailbox_size, config.bus.stall_warning_seconds)
+        log = EventLogSubscriber(bus, self.run_dir / EVENT_LOG, config.bus.max_batch)
+        watch = bus.subscribe("session", (RunFinished, ActorFailed))
+        sinks = [hook(bus) for hook in self.on_bus]
+        transport = open_transport(self.transport_name, self.run_id)
+        context = RunContext(self.run_id, config, self.run_dir, self.transport_name)
+        runtime: LocalRuntime | object
+        if self.runtime_name == "local":
+            runtime = LocalRuntime(context, transport)
+        else:
+            from miles_events.runtime_ray import RayRuntime
+
+            runtime = RayRuntime(context)
+        try:
+            try:
+                await runtime.start(bus, self.actor_classes)  # type: ignore[attr-defined]
+            except Exception as error:
+                logger.debug("startup failed", exc_info=True)
+                failed = RunFinished(status="failed", reason=f"actors failed to start: {describe_error(error)}")
+                finished = await bus.publish(failed, source="session")  # type: ignore[assignment]
+            else:
+                local = LocalRuntime(context, transport)
+                coordinator = self.coordinator = Coordinator(config, local.context(bus, Coordinator.name), plan)
+                coordinator_host = await start_local_host(bus, coordinator, Coordinator.name)
+                self._install_signal_handlers(bus)
+                await coordinator.begin()
+                finished = await self._wait_finished(watch)
+                quiet_hosts = [coordinator_host]
+                await self._wait_quiet(bus, runtime, quiet_hosts, exclude={"event-log", "session", "console"})
+        finally:
+            bus.close()
+            await runtime.stop()  # type: ignore[attr-defined]
+            await log.task
+            for sink in sinks:
+                task = getattr(sink, "task", None)
+                if task is not None:
+                    await task
+            transport.close()
+        return RunResult(self.run_id, finished, self.run_dir, time.monotonic() - started)
+
+    async def _wait_finished(self, watch: Mailbox) -> RunFinished:
+        while (event := await watch.get()) is not None:
+            if isinstance(event, RunFinished):
+                return event
+            if isinstance(event, ActorFailed) and event.actor == Coordinator.name:
+                # The loop itself broke: nobody else will say the run is over.
+                finished = RunFinished(status="failed", reason=f"coordinator failed: {event.error}")
+                assert self.bus is not None
+                return await self.bus.publish(finished, source="session")  # type: ignore[return-value]
+        raise RuntimeError("bus closed before the run finished")
+
+    @staticmethod
+    async def _wait_quiet(bus: EventBus, runtime: object, hosts: list, exclude: set[str], timeout: float = 60.0) -> None:  # type: ignore[type-arg]
+        """Let in-flight work settle (frees, last saves) before closing the bus."""
+        deadline = time.monotonic() + timeout
+        quiet_checks = 0
+        while time.monotonic() < deadline:
+            busy_mailboxes = [s.name for s in bus.statistics() if s.depth and s.name not in exclude]
+            quiet = not busy_mailboxes and runtime.idle() and all(h.idle for h in hosts)  # type: ignore[attr-defined]
+            quiet_checks = quiet_checks + 1 if quiet else 0
+            if quiet_checks >= 3:
+                return
+            await asyncio.sleep(0.02)
+        logger.warning("run did not go quiet within %.0fs; stopping anyway", timeout)
+
+    def _install_signal_handlers(self, bus: EventBus) -> None:
+        loop = asyncio.get_running_loop()
+        interrupted = False
+
+        def on_signal() -> None:
+            nonlocal interrupted
+            if interrupted:
+                raise KeyboardInterrupt
+            interrupted = True
+            logger.warning("interrupted: stopping after the current step (again to abort)")
+            loop.create_task(bus.publish(StopRequested(reason="interrupted by signal"), source="session"))
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, on_signal)
+            except (NotImplementedError, RuntimeError):
+                pass

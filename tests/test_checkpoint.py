@@ -1,0 +1,427 @@
+"""Checkpoints on disk (miles_events.checkpoint) and the Saver actor."""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+from schemas.checkpoint import DataCursor, TrainerState
+from schemas.config import Config, ModelConfig, SaverConfig
+from schemas.data import DataRef
+from schemas.events import CheckpointFailed, CheckpointSaved, DataReleased, Event, TrainStateStaged
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from actors.saver import Saver
+from miles_events import checkpoint as ckpt
+from miles_events.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    prune_checkpoints,
+    read_checkpoint,
+    verify_checkpoint,
+    write_checkpoint,
+)
+from miles_events.hf_model import load_model, load_tokenizer, prepare_base_model
+from miles_events.transport import InProcessTransport, Transport
+
+# --- building blocks -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return prepare_base_model(ModelConfig(), tmp_path_factory.mktemp("base"), seed=7)
+
+
+def _state(rollout_id: int, weight_version: str = "3") -> TrainerState:
+    return TrainerState(
+        rollout_id=rollout_id,
+        weight_version=weight_version,
+        num_optimizer_steps=2 * (rollout_id + 1),
+        data=DataCursor(next_rollout_id=rollout_id + 1, epoch=0, offset=8 * (rollout_id + 1)),
+        seed=1234,
+        run_id="run-test",
+    )
+
+
+def _torch_bytes(obj: object) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _trained(base_dir: Path) -> tuple[torch.nn.Module, bytes, bytes]:
+    """A model moved away from the base by one optimizer step, its optimizer and RNG bytes."""
+    torch.manual_seed(0)
+    model = load_model(base_dir)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    input_ids = torch.tensor([[3, 4, 5, 6, 7]])
+    model(input_ids=input_ids, labels=input_ids).loss.backward()
+    optimizer.step()
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    return model, _torch_bytes(optimizer.state_dict()), _torch_bytes(rng)
+
+
+def _small_weights(value: float) -> dict[str, torch.Tensor]:
+    return {"model.embed_tokens.weight": torch.full((4, 2), value), "lm_head.weight": torch.ones(4, 2)}
+
+
+def _write(run_dir: Path, base_dir: Path, rollout_id: int, value: float = 1.0) -> Path:
+    return write_checkpoint(
+        run_dir,
+        base_dir,
+        rollout_id,
+        _small_weights(value),
+        _torch_bytes({"state": {}}),
+        _torch_bytes({"torch": torch.get_rng_state()}),
+        _state(rollout_id),
+        fsync=False,
+    )
+
+
+def _flip_byte(path: Path, offset_from_end: int = 16) -> None:
+    data = bytearray(path.read_bytes())
+    data[-offset_from_end] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+# --- writing and reading -------------------------------------------------------------
+
+
+def test_round_trip_gives_identical_weights_optimizer_rng_and_state(base_dir: Path, tmp_path: Path) -> None:
+    model, optimizer, rng = _trained(base_dir)
+    weights = model.state_dict()
+    path = write_checkpoint(tmp_path, base_dir, 5, weights, optimizer, rng, _state(5))
+
+    loaded = read_checkpoint(path)
+
+    assert path == tmp_path / "checkpoints" / "rollout_000005"
+    assert loaded.weights.keys() == weights.keys()
+    assert all(torch.equal(loaded.weights[k], weights[k]) for k in weights)
+    assert _torch_bytes(loaded.optimizer) == _torch_bytes(torch.load(io.BytesIO(optimizer)))
+    assert torch.equal(loaded.rng["torch"], torch.load(io.BytesIO(rng))["torch"])
+    assert loaded.rng["python"] == torch.load(io.BytesIO(rng))["python"]
+    assert loaded.trainer_state == _state(5)
+    assert loaded.manifest.rollout_id == 5 and loaded.manifest.weight_version == "3"
+
+
+def test_manifest_lists_every_other_file_with_size(base_dir: Path, tmp_path: Path) -> None:
+    path = _write(tmp_path, base_dir, 0)
+
+    manifest = verify_checkpoint(path)
+
+    on_disk = {p.name: p.stat().st_size for p in path.iterdir() if p.name != "manifest.json"}
+    assert {e.path: e.num_bytes for e in manifest.files} == on_disk
+    assert {"model.safetensors", "config.json", "tokenizer.json", "trainer_state.json"} <= on_disk.keys()
+
+
+def test_latest_file_names_the_last_written_checkpoint(base_dir: Path, tmp_path: Path) -> None:
+    _write(tmp_path, base_dir, 2)
+    _write(tmp_path, base_dir, 1)
+
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "rollout_000001"
+
+
+def test_transformers_loads_checkpoint_with_same_logits(base_dir: Path, tmp_path: Path) -> None:
+    model, optimizer, rng = _trained(base_dir)
+    path = write_checkpoint(tmp_path, base_dir, 1, model.state_dict(), optimizer, rng, _state(1), fsync=False)
+
+    reloaded = AutoModelForCausalLM.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+
+    input_ids = tokenizer("12+34=", return_tensors="pt").input_ids
+    assert input_ids.tolist() == load_tokenizer(base_dir)("12+34=", return_tensors="pt").input_ids.tolist()
+    with torch.no_grad():
+        expected = model.eval()(input_ids=input_ids).logits
+        actual = reloaded.eval()(input_ids=input_ids).logits
+        base = load_model(base_dir).eval()(input_ids=input_ids).logits
+    assert torch.equal(actual, expected)
+    assert not torch.equal(actual, base)
+
+
+def test_weights_that_share_storage_are_saved(base_dir: Path, tmp_path: Path) -> None:
+    embedding = torch.randn(4, 2)
+    weights = {"model.embed_tokens.weight": embedding, "lm_head.weight": embedding}
+
+    path = write_checkpoint(tmp_path, base_dir, 0, weights, _torch_bytes({}), _torch_bytes({}), _state(0))
+
+    loaded = read_checkpoint(path).weights
+    assert torch.equal(loaded["lm_head.weight"], embedding)
+    assert torch.equal(loaded["model.embed_tokens.weight"], embedding)
+
+
+def test_flipped_byte_in_weights_makes_read_raise_naming_the_file(base_dir: Path, tmp_path: Path) -> None:
+    path = _write(tmp_path, base_dir, 0)
+    _flip_byte(path / "model.safetensors")
+
+    with pytest.raises(CheckpointError, match=r"model\.safetensors"):
+        read_checkpoint(path)
+
+
+def test_missing_manifest_is_reported_incomplete(base_dir: Path, tmp_path: Path) -> None:
+    path = _write(tmp_path, base_dir, 0)
+    (path / "manifest.json").unlink()
+
+    with pytest.raises(CheckpointError, match="incomplete: no manifest"):
+        verify_checkpoint(path)
+
+
+def test_missing_listed_file_is_named(base_dir: Path, tmp_path: Path) -> None:
+    path = _write(tmp_path, base_dir, 0)
+    (path / "rng.pt").unlink()
+
+    with pytest.raises(CheckpointError, match=r"missing file rng\.pt"):
+        verify_checkpoint(path)
+
+
+# --- finding the checkpoint to resume from ---------------------------------------------
+
+
+def test_latest_is_none_without_checkpoints(tmp_path: Path) -> None:
+    assert latest_checkpoint(tmp_path) is None
+
+
+def test_latest_ignores_partial_dir(base_dir: Path, tmp_path: Path) -> None:
+    complete = _write(tmp_path, base_dir, 1)
+    partial = tmp_path / "checkpoints" / ".rollout_000002.partial-999999"
+    partial.mkdir()
+    (partial / "model.safetensors").write_bytes(b"half")
+
+    assert latest_checkpoint(tmp_path) == complete
+
+
+def test_latest_falls_back_past_checkpoint_without_manifest(base_dir: Path, tmp_path: Path) -> None:
+    complete = _write(tmp_path, base_dir, 1)
+    torn = _write(tmp_path, base_dir, 2)
+    (torn / "manifest.json").unlink()
+
+    assert latest_checkpoint(tmp_path) == complete
+
+
+def test_latest_falls_back_past_corrupted_checkpoint(base_dir: Path, tmp_path: Path) -> None:
+    complete = _write(tmp_path, base_dir, 1)
+    corrupted = _write(tmp_path, base_dir, 2)
+    _flip_byte(corrupted / "model.safetensors")
+
+    assert latest_checkpoint(tmp_path) == complete
+
+
+def test_latest_uses_highest_rollout_when_pointer_is_missing(base_dir: Path, tmp_path: Path) -> None:
+    _write(tmp_path, base_dir, 1)
+    newest = _write(tmp_path, base_dir, 3)
+    _write(tmp_path, base_dir, 2)
+    (tmp_path / "checkpoints" / "latest").unlink()
+
+    assert latest_checkpoint(tmp_path) == newest
+
+
+# --- replacing a checkpoint of the same rollout ------------------------------------------
+
+
+def test_rewriting_a_rollout_replaces_it_with_a_complete_checkpoint(base_dir: Path, tmp_path: Path) -> None:
+    _write(tmp_path, base_dir, 4, value=1.0)
+
+    path = _write(tmp_path, base_dir, 4, value=2.0)
+
+    verify_checkpoint(path)
+    assert torch.equal(read_checkpoint(path).weights["model.embed_tokens.weight"], torch.full((4, 2), 2.0))
+    assert sorted(p.name for p in path.parent.iterdir()) == ["latest", "rollout_000004"]
+
+
+def test_rewriting_without_atomic_exchange_still_replaces(
+    base_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _write(tmp_path, base_dir, 4, value=1.0)
+    monkeypatch.setattr(ckpt, "_exchange", lambda a, b: False)
+
+    path = _write(tmp_path, base_dir, 4, value=2.0)
+
+    assert torch.equal(read_checkpoint(path).weights["model.embed_tokens.weight"], torch.full((4, 2), 2.0))
+    assert sorted(p.name for p in path.parent.iterdir()) == ["latest", "rollout_000004"]
+
+
+def test_failed_rewrite_leaves_previous_checkpoint_intact(base_dir: Path, tmp_path: Path) -> None:
+    previous = _write(tmp_path, base_dir, 4, value=1.0)
+    no_config = tmp_path / "no_config"
+    no_config.mkdir()
+
+    with pytest.raises(CheckpointError):
+        write_checkpoint(tmp_path, no_config, 4, _small_weights(2.0), b"o", b"r", _state(4), fsync=False)
+
+    embedding = read_checkpoint(previous).weights["model.embed_tokens.weight"]
+    assert torch.equal(embedding, torch.full((4, 2), 1.0))
+    assert sorted(p.name for p in previous.parent.iterdir()) == ["latest", "rollout_000004"]
+
+
+# --- pruning -------------------------------------------------------------------------
+
+
+def test_prune_keeps_the_newest_n(base_dir: Path, tmp_path: Path) -> None:
+    for rollout_id in range(5):
+        _write(tmp_path, base_dir, rollout_id)
+
+    removed = prune_checkpoints(tmp_path, keep_last=2)
+
+    assert sorted(p.name for p in removed) == ["rollout_000000", "rollout_000001", "rollout_000002"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("rollout_*")) == [
+        "rollout_000003",
+        "rollout_000004",
+    ]
+
+
+def test_prune_zero_keeps_all(base_dir: Path, tmp_path: Path) -> None:
+    for rollout_id in range(3):
+        _write(tmp_path, base_dir, rollout_id)
+
+    assert prune_checkpoints(tmp_path, keep_last=0) == []
+    assert len(list((tmp_path / "checkpoints").glob("rollout_*"))) == 3
+
+
+def test_prune_never_removes_the_latest_target(base_dir: Path, tmp_path: Path) -> None:
+    for rollout_id in (2, 3, 1):
+        _write(tmp_path, base_dir, rollout_id)
+
+    prune_checkpoints(tmp_path, keep_last=1)
+
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("rollout_*")) == [
+        "rollout_000001",
+        "rollout_000003",
+    ]
+
+
+def test_prune_removes_work_dirs_of_dead_writers_only(base_dir: Path, tmp_path: Path) -> None:
+    _write(tmp_path, base_dir, 0)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / "checkpoints" / f".rollout_000001.partial-{dead.pid}"
+    live = tmp_path / "checkpoints" / f".rollout_000002.partial-{os.getpid()}"
+    stale.mkdir()
+    live.mkdir()
+
+    removed = prune_checkpoints(tmp_path, keep_last=0)
+
+    assert removed == [stale]
+    assert live.exists() and not stale.exists()
+
+
+# --- the Saver actor ---------------------------------------------------------------------
+
+
+@dataclass
+class FakeContext:
+    run_dir: Path
+    config: Config
+    transport: Transport
+    run_id: str = "run-test"
+    name: str = "saver"
+    events: list[Event] = field(default_factory=list)
+
+    async def publish(self, event: Event) -> None:
+        self.events.append(event)
+
+
+def _saver(base_dir: Path, run_dir: Path, keep_last: int = 0) -> tuple[Saver, FakeContext]:
+    saver_config = SaverConfig(keep_last=keep_last, fsync=False)
+    config = Config(model=ModelConfig(path=str(base_dir)), saver=saver_config)
+    context = FakeContext(run_dir=run_dir, config=config, transport=InProcessTransport("run-test"))
+    return Saver(config, context), context
+
+
+def _staged(context: FakeContext, rollout_id: int) -> TrainStateStaged:
+    transport = context.transport
+    return TrainStateStaged(
+        rollout_id=rollout_id,
+        weights=transport.put_tensors(f"w{rollout_id}", _small_weights(float(rollout_id)), "trainer"),
+        optimizer=transport.put_bytes(f"o{rollout_id}", _torch_bytes({"state": {}}), "trainer"),
+        rng=transport.put_bytes(f"r{rollout_id}", _torch_bytes({"torch": torch.get_rng_state()}), "trainer"),
+        trainer_state=_state(rollout_id, weight_version=str(rollout_id + 1)),
+    )
+
+
+def _released(events: list[Event]) -> list[DataRef]:
+    return [e.ref for e in events if isinstance(e, DataReleased)]
+
+
+@pytest.fixture(autouse=True)
+def _drop_in_process_data() -> Iterator[None]:
+    yield
+    InProcessTransport("run-test").close()
+
+
+async def test_saver_releases_three_refs_then_reports_saved(base_dir: Path, tmp_path: Path) -> None:
+    saver, context = _saver(base_dir, tmp_path)
+    event = _staged(context, 3)
+
+    await saver.handle(event)
+
+    assert [type(e) for e in context.events] == [DataReleased] * 3 + [CheckpointSaved]
+    assert _released(context.events) == [event.weights, event.optimizer, event.rng]
+    saved = context.events[-1]
+    assert isinstance(saved, CheckpointSaved)
+    assert (saved.rollout_id, saved.weight_version) == (3, "4")
+    assert Path(saved.path) == tmp_path / "checkpoints" / "rollout_000003"
+    assert saved.num_bytes == sum(p.stat().st_size for p in Path(saved.path).iterdir())
+    assert read_checkpoint(Path(saved.path)).trainer_state == event.trainer_state
+
+
+async def test_saver_prunes_to_keep_last(base_dir: Path, tmp_path: Path) -> None:
+    saver, context = _saver(base_dir, tmp_path, keep_last=2)
+
+    for rollout_id in range(4):
+        await saver.handle(_staged(context, rollout_id))
+
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("rollout_*")) == [
+        "rollout_000002",
+        "rollout_000003",
+    ]
+
+
+async def test_saver_reports_failure_when_run_dir_is_not_writable(base_dir: Path, tmp_path: Path) -> None:
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("")
+    saver, context = _saver(base_dir, blocker / "run")
+    event = _staged(context, 1)
+
+    await saver.handle(event)
+
+    assert [type(e) for e in context.events] == [DataReleased] * 3 + [CheckpointFailed]
+    failed = context.events[-1]
+    assert isinstance(failed, CheckpointFailed) and failed.rollout_id == 1
+    assert failed.reason and "\n" not in failed.reason
+
+
+async def test_saver_reports_failure_when_weights_ref_is_gone(base_dir: Path, tmp_path: Path) -> None:
+    saver, context = _saver(base_dir, tmp_path)
+    event = _staged(context, 1)
+    context.transport.free(event.weights)
+
+    await saver.handle(event)
+
+    assert [type(e) for e in context.events] == [DataReleased] * 3 + [CheckpointFailed]
+    assert "gone" in context.events[-1].reason
+
+
+async def test_saver_failure_keeps_older_checkpoint(base_dir: Path, tmp_path: Path) -> None:
+    saver, context = _saver(base_dir, tmp_path)
+    await saver.handle(_staged(context, 1))
+    older = latest_checkpoint(tmp_path)
+    broken = _staged(context, 1)
+    context.transport.free(broken.rng)
+
+    await saver.handle(broken)
+
+    assert isinstance(context.events[-1], CheckpointFailed)
+    assert latest_checkpoint(tmp_path) == older
+    assert read_checkpoint(older).trainer_state.rollout_id == 1
+
+
+def test_saver_asks_for_half_a_cpu() -> None:
+    assert Saver.name == "saver"
+    assert Saver.resources(Config()).num_cpus == 0.5
