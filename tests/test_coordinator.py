@@ -1,0 +1,203 @@
+"""The Coordinator's reaction table: the seed's loop, one behaviour per test."""
+
+from __future__ import annotations
+
+import pytest
+from schemas.config import Config, RunConfig, VerifierConfig
+from schemas.events import (
+    ActorFailed,
+    CheckpointFailed,
+    CheckpointSaved,
+    EvalFinished,
+    EvalRequested,
+    PublicationMismatch,
+    PublicationVerified,
+    PublishRequested,
+    RolloutRequested,
+    RunFinished,
+    RunStarted,
+    SaveRequested,
+    TensorMismatch,
+    TrainStepFinished,
+    WeightsPublished,
+)
+
+from miles_events.coordinator import Coordinator, RunPlan, should_run_periodic_action
+from tests.support import RecordingContext, feed
+
+
+def make(num_rollout: int = 3, start: int = 0, per_epoch: int = 100, verifier: bool = True, **run) -> Coordinator:
+    config = Config(run=RunConfig(num_rollout=num_rollout, **run), verifier=VerifierConfig(enabled=verifier))
+    plan = RunPlan(
+        start_rollout_id=start,
+        num_rollout=num_rollout,
+        num_rollout_per_epoch=per_epoch,
+        resumed=start > 0,
+        weight_version="default",
+        engines=("engine-0",),
+        runtime="local",
+        config_digest="x",
+    )
+    return Coordinator(config, RecordingContext(config, name="coordinator"), plan)
+
+
+def started(c: Coordinator) -> RunStarted:
+    return RunStarted(runtime="local", config_digest="x", start_rollout_id=c.plan.start_rollout_id,
+                      num_rollout=c.plan.num_rollout, num_rollout_per_epoch=c.plan.num_rollout_per_epoch)
+
+
+def verified(version: int, rollout_id: int | None) -> PublicationVerified:
+    return PublicationVerified(weight_version=str(version), digest="d", num_tensors=1, engines=["engine-0"], rollout_id=rollout_id)
+
+
+def trained(rollout_id: int) -> TrainStepFinished:
+    return TrainStepFinished(rollout_id=rollout_id, weight_version="1", loss=0, pg_loss=0, kl=0, entropy=0,
+                             grad_norm=0, clipfrac=0, train_tokens=1, num_optimizer_steps=1)
+
+
+def kinds(events) -> list[tuple]:
+    out = []
+    for e in events:
+        key = getattr(e, "rollout_id", None)
+        out.append((type(e).__name__, key) if not isinstance(e, RunFinished) else ("RunFinished", e.status))
+    return out
+
+
+async def test_run_started_publishes_the_initial_weights_first():
+    c = make()
+    assert kinds(await feed(c, started(c))) == [("PublishRequested", None)]
+
+
+async def test_the_loop_is_rollout_train_publish_until_num_rollout():
+    c = make(num_rollout=2)
+    out = await feed(c, started(c), verified(1, None), trained(0), verified(2, 0), trained(1), verified(3, 1))
+    assert kinds(out) == [
+        ("PublishRequested", None),
+        ("RolloutRequested", 0),
+        ("PublishRequested", 0),
+        ("RolloutRequested", 1),
+        ("PublishRequested", 1),
+        ("RunFinished", "completed"),
+    ]
+
+
+async def test_eval_runs_before_training_unless_skipped():
+    c = make(eval_interval=5)
+    assert kinds(await feed(c, started(c), verified(1, None))) == [("PublishRequested", None), ("EvalRequested", 0)]
+    assert kinds(await feed(c, EvalFinished(rollout_id=0, metrics={}))) == [("RolloutRequested", 0)]
+    skipped = make(eval_interval=5, skip_eval_before_train=True)
+    assert kinds(await feed(skipped, started(skipped), verified(1, None)))[-1] == ("RolloutRequested", 0)
+
+
+async def test_periodic_eval_after_publication_then_the_next_rollout():
+    c = make(num_rollout=4, eval_interval=2, skip_eval_before_train=True)
+    await feed(c, started(c), verified(1, None), trained(0))
+    assert kinds(await feed(c, verified(2, 0))) == [("RolloutRequested", 1)]
+    await feed(c, trained(1))
+    assert kinds(await feed(c, verified(3, 1))) == [("EvalRequested", 1)]
+    assert kinds(await feed(c, EvalFinished(rollout_id=1, metrics={}))) == [("RolloutRequested", 2)]
+
+
+async def test_num_rollout_zero_with_eval_interval_is_eval_only():
+    c = make(num_rollout=0, eval_interval=1)
+    out = await feed(c, started(c), verified(1, None), EvalFinished(rollout_id=0, metrics={}))
+    assert kinds(out) == [("PublishRequested", None), ("EvalRequested", 0), ("RunFinished", "completed")]
+
+
+async def test_periodic_save_and_forced_save_on_the_last_rollout():
+    c = make(num_rollout=3, save_interval=2)
+    await feed(c, started(c), verified(1, None))
+    assert kinds(await feed(c, trained(0))) == [("PublishRequested", 0)]
+    await feed(c, verified(2, 0))
+    saves = await feed(c, trained(1))
+    assert kinds(saves) == [("SaveRequested", 1), ("PublishRequested", 1)]
+    await feed(c, verified(3, 1), trained(2))
+    last = c.context.published[-2]
+    assert isinstance(last, SaveRequested) and last.rollout_id == 2 and last.reason == "last"
+
+
+async def test_a_completed_run_waits_for_its_pending_checkpoint():
+    c = make(num_rollout=1, save_interval=1)
+    out = await feed(c, started(c), verified(1, None), trained(0), verified(2, 0))
+    assert ("RunFinished", "completed") not in kinds(out)
+    done = await feed(c, CheckpointSaved(rollout_id=0, path="p", weight_version="1", num_bytes=1))
+    assert kinds(done) == [("RunFinished", "completed")]
+
+
+async def test_the_sentinel_file_triggers_a_save_and_is_removed(tmp_path):
+    sentinel = tmp_path / "save-now"
+    sentinel.touch()
+    c = make(num_rollout=5, save_trigger_sentinel=str(sentinel))
+    await feed(c, started(c), verified(1, None))
+    out = await feed(c, trained(0))
+    assert isinstance(out[0], SaveRequested) and out[0].reason == "sentinel"
+    assert sentinel.exists(), "removed only once the checkpoint is saved"
+    await feed(c, CheckpointSaved(rollout_id=0, path="p", weight_version="1", num_bytes=1))
+    assert not sentinel.exists()
+    assert kinds(await feed(c, verified(2, 0), trained(1)))[-1] == ("PublishRequested", 1)
+
+
+async def test_debug_exit_after_rollout_counts_from_the_start_rollout():
+    c = make(num_rollout=10, start=4, debug_exit_after_rollout=2)
+    out = await feed(c, started(c), verified(5, None), trained(4), verified(6, 4), trained(5), verified(7, 5))
+    assert kinds(out)[-1] == ("RunFinished", "completed")
+    assert [e.rollout_id for e in out if isinstance(e, RolloutRequested)] == [4, 5]
+
+
+async def test_resumed_plan_starts_at_its_start_rollout_id():
+    c = make(num_rollout=6, start=3)
+    out = await feed(c, started(c), verified(4, None))
+    assert kinds(out)[-1] == ("RolloutRequested", 3)
+
+
+async def test_a_mismatch_stops_the_run_with_the_tensor_named():
+    c = make()
+    mismatch = PublicationMismatch(
+        weight_version="1", mismatches=[TensorMismatch("engine-0", "model.norm.weight", "a", "b")],
+        expected_digest="e", engine_digests={}, rollout_id=None,
+    )
+    out = await feed(c, started(c), mismatch)
+    assert isinstance(out[-1], RunFinished) and out[-1].status == "failed"
+    assert "model.norm.weight" in out[-1].reason
+
+
+async def test_a_mismatch_continues_when_configured():
+    config = Config(run=RunConfig(num_rollout=2), verifier=VerifierConfig(continue_on_mismatch=True))
+    c = Coordinator(config, RecordingContext(config), make().plan)
+    mismatch = PublicationMismatch(weight_version="1", mismatches=[], expected_digest="e", engine_digests={})
+    out = await feed(c, started(c), mismatch)
+    assert kinds(out)[-1] == ("RolloutRequested", 0)
+
+
+async def test_without_verification_the_loop_follows_weights_published():
+    c = make(verifier=False)
+    published = WeightsPublished(weight_version="1", engines=["engine-0"], previous_versions=["default"])
+    assert kinds(await feed(c, started(c), published))[-1] == ("RolloutRequested", 0)
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        ActorFailed(actor="trainer", error="ValueError: boom", event_type="RolloutGenerated"),
+        CheckpointFailed(rollout_id=0, reason="disk full"),
+    ],
+)
+async def test_failures_finish_the_run_once_with_a_reason(failure):
+    c = make()
+    out = await feed(c, started(c), failure, failure)
+    finished = [e for e in out if isinstance(e, RunFinished)]
+    assert len(finished) == 1 and finished[0].status == "failed"
+    assert ("boom" in finished[0].reason) or ("disk full" in finished[0].reason)
+
+
+def test_periodic_action_matches_miles():
+    assert [r for r in range(10) if should_run_periodic_action(r, 3)] == [2, 5, 8]
+    assert should_run_periodic_action(9, 4, num_rollout=10)
+    assert should_run_periodic_action(4, 100, num_rollout_per_epoch=5)
+    assert not should_run_periodic_action(3, None, 1, 4)
+
+
+def test_the_coordinator_handles_only_facts_and_commands_it_reacts_to():
+    handled = set(Coordinator.handlers())
+    assert RolloutRequested not in handled and EvalRequested not in handled
+    assert PublishRequested not in handled
