@@ -81,12 +81,7 @@ class Mailbox:
             waiter = asyncio.get_running_loop().create_future()
             self._putters.append(waiter)
             await waiter
-        self._items.append(event)
-        depth = len(self._items)
-        if depth > self._high_water_mark:
-            self._high_water_mark = depth
-        if self._getters:
-            self._wake(self._getters)
+        self.put_nowait(event)
 
     def put_nowait(self, event: Event) -> bool:
         """Enqueue if there is room; False when full."""
@@ -111,9 +106,14 @@ class Mailbox:
 
     async def get(self) -> Event | None:
         """The next event, or None once the mailbox is closed and drained."""
-        if not await self._wait_for_items():
-            return None
-        event = self._items.popleft()
+        items = self._items
+        while not items:
+            if self._closed:
+                return None
+            waiter = asyncio.get_running_loop().create_future()
+            self._getters.append(waiter)
+            await waiter
+        event = items.popleft()
         self._delivered += 1
         if self._putters:
             self._wake(self._putters)
@@ -151,6 +151,8 @@ class EventBus:
         self._seq = 0
         self._closed = False
         self.published_by_type: dict[str, int] = {}
+        self._blocked: tuple[Mailbox, str, float] | None = None
+        self._watchdog: asyncio.Task[None] | None = None
 
     @property
     def last_seq(self) -> int:
@@ -180,6 +182,8 @@ class EventBus:
 
     def _stamp(self, event: Event, source: str | None) -> Event:
         self._seq += 1
+        name = type(event).__name__
+        self.published_by_type[name] = self.published_by_type.get(name, 0) + 1
         return msgspec.structs.replace(
             event,
             run_id=self.run_id,
@@ -190,38 +194,61 @@ class EventBus:
 
     async def publish(self, event: Event, source: str | None = None) -> Event:
         """Stamp ``event`` and deliver it to every subscribed mailbox; returns the stamped event."""
+        if self._closed:
+            raise BusClosed(f"bus closed; cannot publish {type(event).__name__}")
+        route = self._route(type(event))
+        # Fast path: nobody is waiting to publish and every mailbox has room, so the whole
+        # delivery happens without yielding and cannot be overtaken.
+        if not self._lock.locked() and all(len(m._items) < m.max_size for m in route):
+            stamped = self._stamp(event, source)
+            for mailbox in route:
+                mailbox.put_nowait(stamped)
+            return stamped
         async with self._lock:
             if self._closed:
                 raise BusClosed(f"bus closed; cannot publish {type(event).__name__}")
             stamped = self._stamp(event, source)
-            name = type(event).__name__
-            self.published_by_type[name] = self.published_by_type.get(name, 0) + 1
             for mailbox in self._route(type(event)):
                 if not mailbox.put_nowait(stamped):
                     await self._put_waiting(mailbox, stamped)
             return stamped
 
     async def _put_waiting(self, mailbox: Mailbox, event: Event) -> None:
-        started = time.monotonic()
-        put = asyncio.ensure_future(mailbox.put(event))
-        while True:
-            done, _ = await asyncio.wait({put}, timeout=self.stall_warning_seconds)
-            if done:
-                put.result()
-                return
-            logger.warning(
-                "bus: publishing %s has waited %.0fs on the full mailbox %r (%d events)",
-                type(event).__name__,
-                time.monotonic() - started,
-                mailbox.name,
-                mailbox.statistics().depth,
-            )
+        self._blocked = (mailbox, type(event).__name__, time.monotonic())
+        if self._watchdog is None:
+            self._watchdog = asyncio.get_running_loop().create_task(self._watch_stalls(), name="bus-watchdog")
+        try:
+            await mailbox.put(event)
+        finally:
+            self._blocked = None
+
+    async def _watch_stalls(self) -> None:
+        """Warn about a publish held up by a full mailbox (a slow or stuck subscriber)."""
+        warned: object = None
+        while not self._closed:
+            await asyncio.sleep(self.stall_warning_seconds / 4)
+            blocked = self._blocked
+            if blocked is None or blocked is warned:
+                continue
+            mailbox, event_type, since = blocked
+            waited = time.monotonic() - since
+            if waited >= self.stall_warning_seconds:
+                warned = blocked
+                logger.warning(
+                    "bus: publishing %s has waited %.1fs on the full mailbox %r (%d events)",
+                    event_type,
+                    waited,
+                    mailbox.name,
+                    mailbox.statistics().depth,
+                )
 
     def close(self) -> None:
         """No more publications; mailboxes drain what they hold, then report the end."""
         self._closed = True
         for mailbox in self._mailboxes:
             mailbox.close()
+        if self._watchdog is not None:
+            self._watchdog.cancel()
 
     @property
     def closed(self) -> bool:
