@@ -1,0 +1,240 @@
+"""The Trainer actor: trains the policy on rollouts, stages weights and train state.
+
+It owns the trainer's weight version. The version is ``"default"`` until the first
+publication; the n-th publication stages version ``str(n)``; a resumed trainer continues
+from the version saved in its checkpoint, so engines never see a version twice.
+
+Data-plane ownership: the trainer owns what it stages. Published weights stay staged until
+the next version is staged (engines may still be loading the current one), until their
+consumer publishes ``DataReleased`` for them, or until ``stop``. Train state staged for a
+save is freed when the Saver, done writing, publishes ``DataReleased`` for it; it is not
+freed at ``stop``, since the Saver may still be reading it then (the transport's close at
+the end of the run drops whatever is left).
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from typing import Any
+
+import anyio
+import msgspec
+import torch
+
+from actors.trainer_backend import TrainerBackend, TrainMetrics, build_backend
+from miles_events.actor import Actor, ActorContext, Resources, handles
+from miles_events.checksum import checksums_digest, fingerprints
+from miles_events.data import data_cursor, load_prompts
+from miles_events.hf_model import DTYPES
+from miles_events.topology import version_number
+from schemas.checkpoint import TrainerState
+from schemas.config import Config
+from schemas.data import DataRef
+from schemas.events import (
+    DataReleased,
+    PublishRequested,
+    RolloutGenerated,
+    SaveRequested,
+    TrainStateStaged,
+    TrainStepFinished,
+    WeightsStaged,
+)
+from schemas.rollout import RolloutBatch
+
+
+def next_weight_version(weight_version: str) -> str:
+    """The version the next publication stages: ``"default"`` -> ``"1"``, ``"n"`` -> ``"n+1"``."""
+    return str(version_number(weight_version) + 1)
+
+
+def staleness_max(trainer_version: str, sample_versions: list[str]) -> int:
+    """How many publications the oldest sample's weights lag behind the trainer's."""
+    if not sample_versions:
+        return 0
+    return version_number(trainer_version) - min(version_number(v) for v in sample_versions)
+
+
+def staged_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+class Trainer(Actor):
+    """Consumes ``RolloutGenerated``, ``PublishRequested``, ``SaveRequested`` and ``DataReleased``;
+    emits ``DataReleased`` + ``TrainStepFinished``, ``WeightsStaged`` and ``TrainStateStaged``."""
+
+    name = "trainer"
+
+    def __init__(self, config: Config, context: ActorContext) -> None:
+        super().__init__(config, context)
+        self._backend: TrainerBackend | None = None
+        self.weight_version = "default"
+        self.num_prompts = 0
+        self.resumed_from: str | None = None
+        """The checkpoint directory restored at start, if any."""
+        self._published: DataRef | None = None
+        self._num_saves = 0
+
+    @classmethod
+    def resources(cls, config: Config) -> Resources:
+        return Resources(num_cpus=1)
+
+    @property
+    def backend(self) -> TrainerBackend:
+        if self._backend is None:
+            raise RuntimeError("the trainer has not started")
+        return self._backend
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        data = self.config.data
+        if data.prompt_data:
+            # Only the count is needed: the data cursor saved with each checkpoint.
+            self.num_prompts = len(load_prompts(data.prompt_data, data.input_key, data.label_key))
+        config = self.config
+        self._backend = await anyio.to_thread.run_sync(lambda: build_backend(config))
+        if config.run.resume:
+            await anyio.to_thread.run_sync(self._restore_latest_checkpoint)
+
+    def _restore_latest_checkpoint(self) -> None:
+        # Imported here: only a resumed run reads checkpoints.
+        from miles_events.checkpoint import latest_checkpoint, read_checkpoint
+
+        path = latest_checkpoint(self.context.run_dir)
+        if path is None:
+            return
+        loaded = read_checkpoint(path)
+        state = loaded.trainer_state
+        self.backend.load_state(loaded.weights, loaded.optimizer, loaded.rng, state.num_optimizer_steps)
+        self.weight_version = state.weight_version
+        self.resumed_from = str(path)
+
+    async def stop(self) -> None:
+        if self._published is not None:
+            self._free(self._published)
+            self._published = None
+
+    def _free(self, ref: DataRef) -> None:
+        self.context.transport.free(ref)
+
+    # --- training --------------------------------------------------------------------------
+
+    @handles(RolloutGenerated)
+    async def on_rollout_generated(self, event: RolloutGenerated) -> None:
+        started = time.perf_counter()
+        # The version being improved upon: the one in force when the batch arrives.
+        version = self.weight_version
+
+        def read_and_train() -> tuple[RolloutBatch, TrainMetrics]:
+            data = self.context.transport.get_bytes(event.batch)
+            batch = msgspec.msgpack.decode(data, type=RolloutBatch)
+            return batch, self.backend.train(batch)
+
+        batch, metrics = await anyio.to_thread.run_sync(read_and_train)
+        await self.publish(DataReleased(ref=event.batch))
+        await self.publish(
+            TrainStepFinished(
+                rollout_id=event.rollout_id,
+                weight_version=version,
+                loss=metrics.loss,
+                pg_loss=metrics.pg_loss,
+                kl=metrics.kl,
+                entropy=metrics.entropy,
+                grad_norm=metrics.grad_norm,
+                clipfrac=metrics.clipfrac,
+                train_tokens=metrics.train_tokens,
+                num_optimizer_steps=metrics.num_optimizer_steps,
+                staleness_max=staleness_max(version, [s.weight_version for s in batch.samples]),
+                train_seconds=time.perf_counter() - started,
+            )
+        )
+
+    # --- publication -----------------------------------------------------------------------
+
+    def _stage_weights(self, key: str, dtype: torch.dtype) -> tuple[DataRef, dict[str, str], int, int]:
+        tensors = self.backend.named_weights(dtype)
+        ref = self.context.transport.put_tensors(key, tensors, owner=self.name)
+        # Same bytes as the staged copy, fingerprinted before training can touch them (this
+        # runs inside the handler, and the trainer handles one event at a time).
+        checksums = fingerprints(tensors)
+        return ref, checksums, len(tensors), staged_bytes(tensors)
+
+    @handles(PublishRequested)
+    async def on_publish_requested(self, event: PublishRequested) -> None:
+        started = time.perf_counter()
+        version = next_weight_version(self.weight_version)
+        engine_dtype = DTYPES[self.config.model.dtype]
+        ref, checksums, num_tensors, num_bytes = await anyio.to_thread.run_sync(
+            self._stage_weights, f"weights-v{version}", engine_dtype
+        )
+        previous, self._published = self._published, ref
+        if previous is not None:
+            self._free(previous)
+        self.weight_version = version
+        await self.publish(
+            WeightsStaged(
+                weight_version=version,
+                weights=ref,
+                checksums=checksums,
+                digest=checksums_digest(checksums),
+                num_tensors=num_tensors,
+                num_bytes=num_bytes,
+                rollout_id=event.rollout_id,
+                stage_seconds=time.perf_counter() - started,
+            )
+        )
+
+    @handles(DataReleased)
+    async def on_data_released(self, event: DataReleased) -> None:
+        if event.ref.owner != self.name:
+            return
+        self._free(event.ref)
+        if self._published is not None and self._published.key == event.ref.key:
+            self._published = None
+
+    # --- checkpoints -----------------------------------------------------------------------
+
+    def _stage_train_state(self, prefix: str) -> tuple[DataRef, DataRef, DataRef]:
+        transport = self.context.transport
+        # The training dtype, unconverted: a resumed run continues from exactly these bytes.
+        weights = transport.put_tensors(f"{prefix}-weights", self.backend.named_weights(), owner=self.name)
+        optimizer = transport.put_bytes(
+            f"{prefix}-optimizer", torch_save_bytes(self.backend.optimizer_state_dict()), owner=self.name
+        )
+        rng = transport.put_bytes(
+            f"{prefix}-rng", torch_save_bytes(self.backend.rng_state()), owner=self.name
+        )
+        return weights, optimizer, rng
+
+    @handles(SaveRequested)
+    async def on_save_requested(self, event: SaveRequested) -> None:
+        self._num_saves += 1
+        # The counter keeps keys unique when one rollout is saved twice (say, sentinel then last).
+        prefix = f"train-state-r{event.rollout_id}-{self._num_saves}"
+        weights, optimizer, rng = await anyio.to_thread.run_sync(self._stage_train_state, prefix)
+        trainer_state = TrainerState(
+            rollout_id=event.rollout_id,
+            weight_version=self.weight_version,
+            num_optimizer_steps=self.backend.num_optimizer_steps,
+            data=data_cursor(event.rollout_id + 1, self.config.data.rollout_batch_size, self.num_prompts),
+            seed=self.config.run.seed,
+            run_id=self.context.run_id,
+        )
+        await self.publish(
+            TrainStateStaged(
+                rollout_id=event.rollout_id,
+                weights=weights,
+                optimizer=optimizer,
+                rng=rng,
+                trainer_state=trainer_state,
+                reason=event.reason,
+            )
+        )
+
+
+def torch_save_bytes(obj: Any) -> bytes:
+    """``torch.save`` into memory."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()

@@ -1,0 +1,97 @@
+"""The trainer backend seam: what the Trainer actor needs from a training engine.
+
+The actor owns the protocol (events, weight versions, data-plane references); a backend
+owns the model and the optimizer. The PyTorch backend implements this on one process; a
+Megatron-core backend would implement the same methods over its parallel groups, gathering
+full Hugging Face-named tensors on the rank that publishes.
+"""
+
+from __future__ import annotations
+
+import random
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from schemas.rollout import RolloutBatch
+
+
+@dataclass(frozen=True)
+class TrainMetrics:
+    """What training on one rollout did.
+
+    ``loss``, ``pg_loss``, ``kl``, ``entropy`` and ``clipfrac`` are token-level means over
+    every response token of the rollout (each step's values weighted by its tokens);
+    ``grad_norm`` is the pre-clip gradient norm of the rollout's last optimizer step;
+    ``num_optimizer_steps`` counts this rollout's steps only.
+    """
+
+    loss: float
+    pg_loss: float
+    kl: float
+    entropy: float
+    grad_norm: float
+    clipfrac: float
+    train_tokens: int
+    num_optimizer_steps: int
+
+
+class TrainerBackend(ABC):
+    """A policy model with its optimizer, trained on rollout batches."""
+
+    @abstractmethod
+    def train(self, batch: RolloutBatch) -> TrainMetrics:
+        """Train on every sample of ``batch`` (one or more optimizer steps); blocking."""
+
+    @abstractmethod
+    def named_weights(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """The model's tensors under Hugging Face names, as published to engines.
+
+        Tied duplicates (a tensor sharing storage with one listed earlier) and
+        non-persistent buffers are left out. With ``dtype`` the tensors are converted;
+        the result may alias live parameters, so callers copy before training continues.
+        """
+
+    @property
+    @abstractmethod
+    def num_optimizer_steps(self) -> int:
+        """Optimizer steps taken since the run began (restored on resume)."""
+
+    @abstractmethod
+    def optimizer_state_dict(self) -> dict[str, Any]:
+        """The optimizer's ``state_dict()``, loadable by ``load_state``."""
+
+    @abstractmethod
+    def load_state(
+        self,
+        weights: dict[str, torch.Tensor],
+        optimizer: dict[str, Any],
+        rng: dict[str, Any],
+        num_optimizer_steps: int,
+    ) -> None:
+        """Restore a checkpoint staged from ``named_weights``, ``optimizer_state_dict`` and
+        ``rng_state``."""
+
+    def rng_state(self) -> dict[str, Any]:
+        """Every random number generator state training may draw from."""
+        return capture_rng_state()
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """The process's RNG states: torch CPU, every CUDA device when present, Python's ``random``."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Put back what ``capture_rng_state`` took; a missing CUDA entry leaves CUDA alone."""
+    torch.set_rng_state(state["torch"])
+    python_state = state["python"]
+    # torch.load may hand back the inner tuple as a list; random.setstate wants tuples.
+    random.setstate((python_state[0], tuple(python_state[1]), python_state[2]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -1,0 +1,294 @@
+"""The PyTorch trainer backend: a Hugging Face causal LM trained with GRPO and AdamW.
+
+One rollout is trained as follows. Advantages are normalised within each group over the
+whole rollout. The samples, in rollout order, are cut into optimizer steps of
+``global_batch_size`` samples (unset: one step; a last, shorter step takes the remainder),
+and each step into micro-batches of ``micro_batch_size``. Old log-probabilities (and the
+reference's, with a KL loss) are computed once, before the first optimizer step, with the
+same micro-batches the training pass uses, so that the first step's ratio is exactly 1.
+Every micro-batch's loss is divided by the token count of its whole step, so accumulating
+gradients over micro-batches equals one step on the undivided batch.
+
+The model stays in eval mode: dropout would make the recomputed old log-probabilities
+disagree with the ones of the training pass, and RL fine-tuning does not use it.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from actors.trainer_backend.base import TrainerBackend, TrainMetrics, restore_rng_state
+from actors.trainer_backend.grpo import (
+    entropy_from_logits,
+    expand_advantages,
+    group_advantages,
+    policy_loss,
+    token_logprobs,
+)
+from miles_events.hf_model import DTYPES, load_model
+from schemas.config import Config
+from schemas.rollout import RolloutBatch, Sample
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """Samples packed for one forward pass, right-padded; token tensors are response-aligned."""
+
+    indices: list[int]
+    """Positions of the samples in the rollout."""
+    input_ids: torch.Tensor
+    """``[batch, max_len]`` prompt + response ids, padded with 0."""
+    attention_mask: torch.Tensor
+    logit_index: torch.Tensor
+    """``[batch, max_response_len]``: the sequence position whose logits predict each response token."""
+    targets: torch.Tensor
+    """``[batch, max_response_len]`` response ids, padded with 0."""
+    mask: torch.Tensor
+    """``[batch, max_response_len]`` float32, 1.0 for real response tokens."""
+
+
+def pack_samples(samples: list[Sample], indices: list[int]) -> MicroBatch:
+    """Right-pad prompt+response sequences and locate each response token's predicting logits."""
+    for sample in samples:
+        if not sample.prompt_ids:
+            raise ValueError(f"sample {sample.index} has an empty prompt: nothing predicts its first token")
+    max_len = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    max_response = max(len(s.response_ids) for s in samples)
+    batch = len(samples)
+    input_ids = torch.zeros(batch, max_len, dtype=torch.long)
+    attention_mask = torch.zeros(batch, max_len, dtype=torch.long)
+    logit_index = torch.zeros(batch, max_response, dtype=torch.long)
+    targets = torch.zeros(batch, max_response, dtype=torch.long)
+    mask = torch.zeros(batch, max_response, dtype=torch.float32)
+    for row, sample in enumerate(samples):
+        prompt_len, response_len = len(sample.prompt_ids), len(sample.response_ids)
+        total = prompt_len + response_len
+        input_ids[row, :total] = torch.tensor(sample.prompt_ids + sample.response_ids, dtype=torch.long)
+        attention_mask[row, :total] = 1
+        # Logits at position t predict token t + 1.
+        logit_index[row, :response_len] = torch.arange(prompt_len - 1, total - 1)
+        targets[row, :response_len] = torch.tensor(sample.response_ids, dtype=torch.long)
+        mask[row, :response_len] = 1.0
+    return MicroBatch(indices, input_ids, attention_mask, logit_index, targets, mask)
+
+
+def split(indices: list[int], size: int) -> list[list[int]]:
+    return [indices[start : start + size] for start in range(0, len(indices), size)]
+
+
+class TorchTrainerBackend(TrainerBackend):
+    """GRPO on a Hugging Face causal LM in this process (CPU, or the current CUDA device)."""
+
+    def __init__(self, config: Config) -> None:
+        if config.model.path is None:
+            raise ValueError("model.path is unset: the driver prepares the model before actors start")
+        self.config = config
+        trainer = config.trainer
+        if trainer.num_threads > 0:
+            torch.set_num_threads(trainer.num_threads)
+        torch.manual_seed(config.run.seed)
+        self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        self.dtype = DTYPES[config.model.dtype]
+        self.model = load_model(config.model.path, config.model.dtype).to(self.device)
+        self.model.eval()
+        self.reference: torch.nn.Module | None = None
+        if trainer.use_kl_loss:
+            # Frozen at the base weights for the whole run, resumed or not.
+            self.reference = copy.deepcopy(self.model).requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=trainer.lr,
+            betas=(trainer.adam_beta1, trainer.adam_beta2),
+            eps=trainer.adam_eps,
+            weight_decay=trainer.weight_decay,
+        )
+        self._num_optimizer_steps = 0
+
+    # --- forward passes ------------------------------------------------------------------
+
+    def _forward(
+        self, model: torch.nn.Module, micro: MicroBatch, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Response-aligned log-probabilities (and entropies) of ``micro`` under ``model``."""
+        logits = model(
+            input_ids=micro.input_ids.to(self.device),
+            attention_mask=micro.attention_mask.to(self.device),
+            use_cache=False,
+        ).logits
+        index = micro.logit_index.to(self.device)
+        # Keep only the positions that predict response tokens before the vocab-wide softmax.
+        response_logits = logits.gather(1, index.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+        logp = token_logprobs(response_logits, micro.targets.to(self.device))
+        entropy = entropy_from_logits(response_logits) if with_entropy else None
+        return logp, entropy
+
+    @torch.no_grad()
+    def response_logprobs(self, samples: list[Sample]) -> list[torch.Tensor]:
+        """Per-token log-probabilities of each sample's response under the current weights."""
+        micro = pack_samples(samples, list(range(len(samples))))
+        logp, _ = self._forward(self.model, micro, with_entropy=False)
+        return [logp[row, : len(s.response_ids)].cpu() for row, s in enumerate(samples)]
+
+    def _rollout_logprobs(self, samples: list[Sample], micro: MicroBatch) -> torch.Tensor:
+        old = torch.zeros_like(micro.mask)
+        for row, index in enumerate(micro.indices):
+            sample = samples[index]
+            if len(sample.response_logprobs) != len(sample.response_ids):
+                raise ValueError(
+                    f"sample {sample.index}: {len(sample.response_logprobs)} rollout logprobs "
+                    f"for {len(sample.response_ids)} response tokens"
+                )
+            old[row, : len(sample.response_ids)] = torch.tensor(sample.response_logprobs)
+        return old.to(self.device)
+
+    # --- training ------------------------------------------------------------------------
+
+    def train(self, batch: RolloutBatch) -> TrainMetrics:
+        trainer = self.config.trainer
+        samples = batch.samples
+        if not samples:
+            return TrainMetrics(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0)
+        advantages = group_advantages(
+            torch.tensor([s.reward for s in samples], dtype=torch.float32),
+            torch.tensor([s.group for s in samples]),
+            normalize_std=trainer.normalize_advantage_std,
+        ).to(self.device)
+        step_size = trainer.global_batch_size or len(samples)
+        steps = [
+            [pack_samples([samples[i] for i in part], part) for part in split(step, trainer.micro_batch_size)]
+            for step in split(list(range(len(samples))), step_size)
+        ]
+        micro_batches = [micro for step in steps for micro in step]
+
+        # Old (and reference) log-probabilities: fixed before the first optimizer step.
+        old_logps: list[torch.Tensor] = []
+        ref_logps: list[torch.Tensor | None] = []
+        with torch.no_grad():
+            for micro in micro_batches:
+                if trainer.use_rollout_logprobs:
+                    old_logps.append(self._rollout_logprobs(samples, micro))
+                else:
+                    old_logps.append(self._forward(self.model, micro, with_entropy=False)[0])
+                ref_logps.append(
+                    None if self.reference is None else self._forward(self.reference, micro, False)[0]
+                )
+
+        totals = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "entropy": 0.0, "clipfrac": 0.0}
+        total_tokens = 0
+        grad_norm = 0.0
+        position = 0
+        for step in steps:
+            step_tokens = int(sum(int(micro.mask.sum().item()) for micro in step))
+            self.optimizer.zero_grad(set_to_none=True)
+            for micro in step:
+                old_logp, ref_logp = old_logps[position], ref_logps[position]
+                position += 1
+                mask = micro.mask.to(self.device)
+                logp, entropy = self._forward(self.model, micro, with_entropy=True)
+                if entropy is not None and not trainer.entropy_coef:
+                    entropy = entropy.detach()  # logged only: no backward through the softmax
+                terms = policy_loss(
+                    logp,
+                    old_logp,
+                    expand_advantages(advantages[micro.indices], mask),
+                    mask,
+                    eps_clip=trainer.eps_clip,
+                    eps_clip_high=trainer.eps_clip_high,
+                    entropy=entropy,
+                    entropy_coef=trainer.entropy_coef,
+                    ref_logp=ref_logp,
+                    kl_coef=trainer.kl_loss_coef if trainer.use_kl_loss else 0.0,
+                    kl_type=trainer.kl_loss_type,
+                    num_tokens=step_tokens,
+                )
+                terms.loss.backward()
+                # Terms are sums / step_tokens: scale back to sums for the rollout-wide mean.
+                weight = max(step_tokens, 1)
+                totals["loss"] += float(terms.loss.detach().item()) * weight
+                totals["pg_loss"] += float(terms.pg_loss.item()) * weight
+                totals["kl"] += float(terms.kl.item()) * weight
+                totals["entropy"] += float(terms.entropy.item()) * weight
+                totals["clipfrac"] += float(terms.clipfrac.item()) * weight
+            grad_norm = self._clip_gradients()
+            self.optimizer.step()
+            self._num_optimizer_steps += 1
+            total_tokens += step_tokens
+        self.optimizer.zero_grad(set_to_none=True)
+
+        denominator = max(total_tokens, 1)
+        return TrainMetrics(
+            loss=totals["loss"] / denominator,
+            pg_loss=totals["pg_loss"] / denominator,
+            kl=totals["kl"] / denominator,
+            entropy=totals["entropy"] / denominator,
+            grad_norm=grad_norm,
+            clipfrac=totals["clipfrac"] / denominator,
+            train_tokens=total_tokens,
+            num_optimizer_steps=len(steps),
+        )
+
+    def _clip_gradients(self) -> float:
+        """Clip to ``clip_grad`` (0: no clipping); return the norm before clipping."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if not params:
+            return 0.0
+        max_norm = self.config.trainer.clip_grad
+        if max_norm > 0:
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        return float(norm.item())
+
+    # --- state ---------------------------------------------------------------------------
+
+    def named_weights(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        # state_dict() already omits non-persistent buffers (rotary inv_freq and the like).
+        seen: set[tuple[int, int, tuple[int, ...]]] = set()
+        weights: dict[str, torch.Tensor] = {}
+        for name, tensor in self.model.state_dict().items():
+            if tensor.numel() > 0:
+                storage = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+                if storage in seen:
+                    continue  # a tied duplicate (lm_head sharing the embedding)
+                seen.add(storage)
+            weights[name] = tensor.detach() if dtype is None else tensor.detach().to(dtype)
+        return weights
+
+    @property
+    def num_optimizer_steps(self) -> int:
+        return self._num_optimizer_steps
+
+    def optimizer_state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state(
+        self,
+        weights: dict[str, torch.Tensor],
+        optimizer: dict[str, Any],
+        rng: dict[str, Any],
+        num_optimizer_steps: int,
+    ) -> None:
+        live = self.named_weights()
+        # A tied duplicate saved by another writer is harmless: its storage is restored
+        # through the name it is tied to.
+        known = set(self.model.state_dict())
+        missing, unexpected = sorted(set(live) - set(weights)), sorted(set(weights) - known)
+        if missing or unexpected:
+            raise ValueError(
+                f"checkpoint weights do not fit the model: missing {missing}, unexpected {unexpected}"
+            )
+        with torch.no_grad():
+            for name, tensor in live.items():
+                saved = weights[name]
+                if saved.shape != tensor.shape:
+                    raise ValueError(
+                        f"checkpoint tensor {name}: shape {tuple(saved.shape)}, model {tuple(tensor.shape)}"
+                    )
+                tensor.copy_(saved)
+        self.optimizer.load_state_dict(optimizer)
+        restore_rng_state(rng)
+        self._num_optimizer_steps = num_optimizer_steps

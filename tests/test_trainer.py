@@ -1,0 +1,415 @@
+"""The Trainer actor and its PyTorch backend, driven through a fake context."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import torch
+
+from actors.trainer import Trainer, staleness_max
+from actors.trainer_backend import TorchTrainerBackend
+from miles_events.checksum import checksums_digest, fingerprints
+from miles_events.hf_model import prepare_base_model
+from miles_events.transport import InProcessTransport, Transport
+from schemas.checkpoint import TrainerState
+from schemas.config import BuiltinModelConfig, Config, DataConfig, ModelConfig, RunConfig, TrainerConfig
+from schemas.events import (
+    DataReleased,
+    Event,
+    PublishRequested,
+    RolloutGenerated,
+    SaveRequested,
+    TrainStateStaged,
+    TrainStepFinished,
+    WeightsStaged,
+)
+from schemas.rollout import RolloutBatch, Sample
+
+SEED = 7
+PROMPT = [4, 13, 5, 16]  # "1+2=" in the arithmetic tokenizer
+
+
+@dataclass
+class FakeContext:
+    config: Config
+    run_dir: Path
+    run_id: str = "test-run"
+    name: str = "trainer"
+    transport: Transport = field(default_factory=lambda: InProcessTransport("test-run"))
+    events: list[Event] = field(default_factory=list)
+
+    async def publish(self, event: Event) -> None:
+        self.events.append(event)
+
+    def of_type(self, event_type: type[Event]) -> list[Any]:
+        return [e for e in self.events if isinstance(e, event_type)]
+
+
+@pytest.fixture(scope="module")
+def base_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return prepare_base_model(ModelConfig(), tmp_path_factory.mktemp("model"), SEED)
+
+
+def make_config(model_path: Path, run_dir: Path, **trainer: Any) -> Config:
+    trainer.setdefault("lr", 1e-2)
+    return Config(
+        run=RunConfig(dir=str(run_dir), seed=SEED, runtime="local"),
+        model=ModelConfig(path=str(model_path)),
+        data=DataConfig(rollout_batch_size=2),
+        trainer=TrainerConfig(**trainer),
+    )
+
+
+async def started_trainer(
+    config: Config, run_dir: Path, run_id: str = "test-run"
+) -> tuple[Trainer, FakeContext]:
+    context = FakeContext(config=config, run_dir=run_dir, run_id=run_id, transport=InProcessTransport(run_id))
+    trainer = Trainer(config, context)
+    await trainer.start()
+    return trainer, context
+
+
+def sample(
+    group: int, response: list[int], reward: float, version: str = "default", index: int = 0
+) -> Sample:
+    return Sample(
+        index=index, group=group, prompt="1+2=", label="3", prompt_ids=PROMPT, response_ids=response,
+        response_logprobs=[-1.0] * len(response), response="", reward=reward, weight_version=version,
+        engine="engine-0", finish_reason="stop",
+    )  # fmt: skip
+
+
+GOOD, BAD = [7, 1], [9, 10, 1]  # "3<eos>" and "56<eos>"
+
+
+def two_group_samples(version: str = "default") -> list[Sample]:
+    return [
+        sample(0, GOOD, 1.0, version),
+        sample(0, BAD, 0.0, version),
+        sample(1, [8, 1], 0.0, version, index=1),
+        sample(1, [6, 6, 6, 1], 1.0, version, index=1),
+    ]
+
+
+def rollout_event(context: FakeContext, rollout_id: int, samples: list[Sample]) -> RolloutGenerated:
+    batch = RolloutBatch(rollout_id=rollout_id, samples=samples)
+    ref = context.transport.put_bytes(
+        f"rollout-{rollout_id}", msgspec.msgpack.encode(batch), owner="generator"
+    )
+    return RolloutGenerated(
+        rollout_id=rollout_id, batch=ref, num_samples=len(samples), reward_mean=0.0,
+        weight_versions=sorted({s.weight_version for s in samples}),
+    )  # fmt: skip
+
+
+def weights_of(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {name: t.clone() for name, t in trainer.backend.named_weights().items()}
+
+
+def torch_load(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+# --- training ----------------------------------------------------------------------------------
+
+
+async def test_training_moves_the_weights(base_model: Path, tmp_path: Path) -> None:
+    trainer, context = await started_trainer(make_config(base_model, tmp_path), tmp_path)
+    before = weights_of(trainer)
+    await trainer.handle(rollout_event(context, 0, two_group_samples()))
+    after = weights_of(trainer)
+    assert any(not torch.equal(before[name], after[name]) for name in before)
+
+
+async def test_training_raises_the_logprob_of_positively_advantaged_responses(
+    base_model: Path, tmp_path: Path
+) -> None:
+    trainer, context = await started_trainer(make_config(base_model, tmp_path), tmp_path)
+    backend = trainer.backend
+    assert isinstance(backend, TorchTrainerBackend)
+    good, bad = sample(0, GOOD, 1.0), sample(0, BAD, 0.0)
+    before = [float(lp.sum()) for lp in backend.response_logprobs([good, bad])]
+    for rollout_id in range(3):
+        await trainer.handle(rollout_event(context, rollout_id, [good, bad]))
+    after = [float(lp.sum()) for lp in backend.response_logprobs([good, bad])]
+    assert after[0] > before[0]
+    assert after[1] < before[1]
+
+
+async def test_a_rollout_is_released_then_reported_as_a_train_step(base_model: Path, tmp_path: Path) -> None:
+    trainer, context = await started_trainer(make_config(base_model, tmp_path), tmp_path)
+    event = rollout_event(context, 3, two_group_samples())
+    await trainer.handle(event)
+    released, finished = context.events
+    assert isinstance(released, DataReleased) and released.ref == event.batch
+    assert isinstance(finished, TrainStepFinished)
+    assert finished.rollout_id == 3
+    assert finished.weight_version == "default"
+    assert finished.train_tokens == 2 + 3 + 2 + 4
+    assert finished.num_optimizer_steps == 1
+    assert finished.grad_norm > 0
+
+
+async def test_global_batch_size_sets_the_optimizer_steps_per_rollout(
+    base_model: Path, tmp_path: Path
+) -> None:
+    trainer, context = await started_trainer(make_config(base_model, tmp_path, global_batch_size=2), tmp_path)
+    await trainer.handle(rollout_event(context, 0, two_group_samples()))
+    await trainer.handle(rollout_event(context, 1, two_group_samples()))
+    assert [e.num_optimizer_steps for e in context.of_type(TrainStepFinished)] == [2, 2]
+    assert trainer.backend.num_optimizer_steps == 4
+
+
+async def test_micro_batching_gives_the_same_update_as_one_batch(base_model: Path, tmp_path: Path) -> None:
+    # A large adam_eps makes the first AdamW update ~ lr * gradient instead of ~ lr * sign(gradient),
+    # so the comparison measures the accumulated gradient, not the sign of its round-off.
+    updates = []
+    for micro_batch_size in (4, 1, 3):
+        config = make_config(
+            base_model, tmp_path, micro_batch_size=micro_batch_size, lr=1.0, adam_eps=1.0, clip_grad=0.0
+        )
+        trainer, context = await started_trainer(config, tmp_path)
+        before = weights_of(trainer)
+        await trainer.handle(rollout_event(context, 0, two_group_samples()))
+        updates.append({name: t - before[name] for name, t in weights_of(trainer).items()})
+    whole = updates[0]
+    assert max(float(t.abs().max()) for t in whole.values()) > 1e-4
+    for split in updates[1:]:
+        assert max(float((split[name] - whole[name]).abs().max()) for name in whole) < 1e-5
+
+
+async def test_recomputed_old_logprobs_make_the_first_step_unclipped(
+    base_model: Path, tmp_path: Path
+) -> None:
+    trainer, context = await started_trainer(make_config(base_model, tmp_path), tmp_path)
+    await trainer.handle(rollout_event(context, 0, two_group_samples()))
+    assert context.of_type(TrainStepFinished)[0].clipfrac == 0.0
+
+
+async def test_rollout_logprobs_serve_as_old_logprobs_when_configured(
+    base_model: Path, tmp_path: Path
+) -> None:
+    # The samples claim logprob -1 per token; the model's are near -log(18): ratios far above 1 + eps.
+    trainer, context = await started_trainer(
+        make_config(base_model, tmp_path, use_rollout_logprobs=True), tmp_path
+    )
+    await trainer.handle(rollout_event(context, 0, two_group_samples()))
+    assert context.of_type(TrainStepFinished)[0].clipfrac > 0.0
+
+
+async def test_kl_to_the_reference_is_zero_until_the_policy_moves(base_model: Path, tmp_path: Path) -> None:
+    config = make_config(base_model, tmp_path, use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="k3")
+    trainer, context = await started_trainer(config, tmp_path)
+    await trainer.handle(rollout_event(context, 0, two_group_samples()))
+    await trainer.handle(rollout_event(context, 1, two_group_samples()))
+    first, second = context.of_type(TrainStepFinished)
+    assert first.kl == 0.0
+    assert second.kl > 0.0
+
+
+def test_staleness_counts_publications_since_the_oldest_sample_version() -> None:
+    assert staleness_max("3", ["2", "1", "3"]) == 2
+    assert staleness_max("2", ["default"]) == 2
+    assert staleness_max("default", []) == 0
+
+
+async def test_train_step_reports_the_trainer_version_and_staleness(base_model: Path, tmp_path: Path) -> None:
+    trainer, context = await started_trainer(make_config(base_model, tmp_path), tmp_path)
+    await trainer.handle(PublishRequested(rollout_id=None))
+    await trainer.handle(PublishRequested(rollout_id=0))
+    await trainer.handle(rollout_event(context, 1, two_group_samples("default")))
+    finished = context.of_type(TrainStepFinished)[0]
+    assert finished.weight_version == "2"
+    assert finished.staleness_max == 2
+
+
+# --- publication -------------------------------------------------------------------------------
+
+
+async def test_publications_stage_version_one_then_two(base_model: Path, tmp_path: Path) -> None:
+    trainer, context = await started_trainer(make_config(base_model, tmp_path), tmp_path)
+    await trainer.handle(PublishRequested(rollout_id=None))
+    await trainer.handle(rollout_event(context, 0, two_group_samples()))
+    await trainer.handle(PublishRequested(rollout_id=0))
+    staged = context.of_type(WeightsStaged)
+    assert [e.weight_version for e in staged] == ["1", "2"]
+    assert [e.rollout_id for e in staged] == [None, 0]
+    assert trainer.weight_version == "2"
+
+
+async def test_staged_checksums_fingerprint_the_staged_tensors(base_model: Path, tmp_path: Path) -> None:
+    trainer, context = await started_trainer(make_config(base_model, tmp_path), tmp_path)
+    await trainer.handle(PublishRequested(rollout_id=None))
+    event = context.of_type(WeightsStaged)[0]
+    tensors = context.transport.get_tensors(event.weights)
+    assert event.checksums == fingerprints(tensors)
+    assert event.digest == checksums_digest(event.checksums)
+    assert event.num_tensors == len(tensors)
+    assert event.num_bytes == sum(t.numel() * t.element_size() for t in tensors.values())
+    assert event.weights.owner == "trainer"
+
+
+async def test_staged_weights_do_not_change_when_training_continues(base_model: Path, tmp_path: Path) -> None:
+    trainer, context = await started_trainer(make_config(base_model, tmp_path), tmp_path)
+    await trainer.handle(PublishRequested(rollout_id=None))
+    event = context.of_type(WeightsStaged)[0]
+    await trainer.handle(rollout_event(context, 0, two_group_samples()))
+    assert fingerprints(context.transport.get_tensors(event.weights)) == event.checksums
+    assert fingerprints(trainer.backend.named_weights()) != event.checksums
+
+
+async def test_staging_the_next_version_frees_the_previous_one(base_model: Path, tmp_path: Path) -> None:
+    trainer, context = await started_trainer(make_config(base_model, tmp_path), tmp_path)
+    await trainer.handle(PublishRequested(rollout_id=None))
+    await trainer.handle(PublishRequested(rollout_id=None))
+    first, second = context.of_type(WeightsStaged)
+    with pytest.raises(KeyError):
+        context.transport.get_tensors(first.weights)
+    context.transport.get_tensors(second.weights)
+    await trainer.stop()
+    with pytest.raises(KeyError):
+        context.transport.get_tensors(second.weights)
+
+
+async def test_tied_embeddings_are_published_once(tmp_path: Path) -> None:
+    tied = prepare_base_model(
+        ModelConfig(builtin=BuiltinModelConfig(tie_word_embeddings=True)), tmp_path, SEED
+    )
+    trainer, context = await started_trainer(make_config(tied, tmp_path), tmp_path)
+    await trainer.handle(PublishRequested(rollout_id=None))
+    names = set(context.of_type(WeightsStaged)[0].checksums)
+    assert "model.embed_tokens.weight" in names
+    assert "lm_head.weight" not in names
+    assert not any("rotary" in name for name in names)
+
+
+async def test_weights_are_published_in_the_engine_dtype(base_model: Path, tmp_path: Path) -> None:
+    config = msgspec.structs.replace(
+        make_config(base_model, tmp_path), model=ModelConfig(path=str(base_model), dtype="bfloat16")
+    )
+    trainer, context = await started_trainer(config, tmp_path)
+    await trainer.handle(PublishRequested(rollout_id=None))
+    tensors = context.transport.get_tensors(context.of_type(WeightsStaged)[0].weights)
+    assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
+
+
+# --- checkpoints -------------------------------------------------------------------------------
+
+
+async def test_saved_optimizer_bytes_load_back_into_an_optimizer(base_model: Path, tmp_path: Path) -> None:
+    trainer, context = await started_trainer(make_config(base_model, tmp_path), tmp_path)
+    await trainer.handle(rollout_event(context, 0, two_group_samples()))
+    await trainer.handle(SaveRequested(rollout_id=0, reason="interval"))
+    staged = context.of_type(TrainStateStaged)[0]
+    state = torch_load(context.transport.get_bytes(staged.optimizer))
+    assert len(state["state"]) > 0
+    fresh = TorchTrainerBackend(trainer.config)
+    fresh.optimizer.load_state_dict(state)
+    assert fresh.optimizer.state_dict()["param_groups"][0]["lr"] == pytest.approx(1e-2)
+
+
+async def test_saved_train_state_carries_version_steps_and_data_cursor(
+    base_model: Path, tmp_path: Path
+) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        "".join(json.dumps({"input": f"{i}+1=", "label": str(i + 1)}) + "\n" for i in range(5))
+    )
+    config = make_config(base_model, tmp_path)
+    config = msgspec.structs.replace(config, data=DataConfig(prompt_data=str(prompts), rollout_batch_size=2))
+    trainer, context = await started_trainer(config, tmp_path, run_id="run-abc")
+    await trainer.handle(PublishRequested(rollout_id=None))
+    await trainer.handle(rollout_event(context, 0, two_group_samples()))
+    await trainer.handle(SaveRequested(rollout_id=0, reason="last"))
+    staged = context.of_type(TrainStateStaged)[0]
+    assert staged.reason == "last"
+    state = staged.trainer_state
+    assert (state.rollout_id, state.weight_version, state.num_optimizer_steps) == (0, "1", 1)
+    assert (state.seed, state.run_id) == (SEED, "run-abc")
+    # 5 prompts, 2 per rollout: 2 rollouts per epoch; rollout 1 starts at offset 2 of epoch 0.
+    assert (state.data.next_rollout_id, state.data.epoch, state.data.offset) == (1, 0, 2)
+    weights = context.transport.get_tensors(staged.weights)
+    assert all(torch.equal(weights[n], t) for n, t in trainer.backend.named_weights().items())
+
+
+async def test_released_train_state_is_freed_by_its_owner(base_model: Path, tmp_path: Path) -> None:
+    trainer, context = await started_trainer(make_config(base_model, tmp_path), tmp_path)
+    await trainer.handle(SaveRequested(rollout_id=0))
+    staged = context.of_type(TrainStateStaged)[0]
+    for ref in (staged.weights, staged.optimizer, staged.rng):
+        await trainer.handle(DataReleased(ref=ref))
+    with pytest.raises(KeyError):
+        context.transport.get_bytes(staged.optimizer)
+    with pytest.raises(KeyError):
+        context.transport.get_tensors(staged.weights)
+
+
+@dataclass
+class LoadedCheckpoint:
+    weights: dict[str, torch.Tensor]
+    optimizer: dict[str, Any]
+    rng: dict[str, Any]
+    trainer_state: TrainerState
+
+
+def install_checkpoint_module(
+    monkeypatch: pytest.MonkeyPatch, checkpoint_dir: Path | None, loaded: Any
+) -> None:
+    module = types.ModuleType("miles_events.checkpoint")
+    module.latest_checkpoint = lambda run_dir: checkpoint_dir  # type: ignore[attr-defined]
+    module.read_checkpoint = lambda path: loaded  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "miles_events.checkpoint", module)
+
+
+async def test_resume_continues_training_exactly_where_the_save_left_off(
+    base_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    original, context = await started_trainer(make_config(base_model, tmp_path), tmp_path)
+    await original.handle(rollout_event(context, 0, two_group_samples()))
+    await original.handle(PublishRequested(rollout_id=0))
+    await original.handle(SaveRequested(rollout_id=0))
+    staged = context.of_type(TrainStateStaged)[0]
+    loaded = LoadedCheckpoint(
+        weights={n: t.clone() for n, t in context.transport.get_tensors(staged.weights).items()},
+        optimizer=torch_load(context.transport.get_bytes(staged.optimizer)),
+        rng=torch_load(context.transport.get_bytes(staged.rng)),
+        trainer_state=staged.trainer_state,
+    )
+    install_checkpoint_module(monkeypatch, tmp_path / "checkpoints" / "rollout-0", loaded)
+    resumed_config = msgspec.structs.replace(
+        original.config, run=msgspec.structs.replace(original.config.run, resume=True)
+    )
+    resumed, resumed_context = await started_trainer(resumed_config, tmp_path, run_id="resumed-run")
+
+    assert resumed.weight_version == "1"
+    assert resumed.backend.num_optimizer_steps == 1
+    await original.handle(rollout_event(context, 1, two_group_samples()))
+    await resumed.handle(rollout_event(resumed_context, 1, two_group_samples()))
+    # Same weights *and* the same Adam moments: the next step lands on identical weights.
+    expected = original.backend.named_weights()
+    assert all(torch.equal(t, expected[n]) for n, t in resumed.backend.named_weights().items())
+    await resumed.handle(PublishRequested(rollout_id=1))
+    assert resumed_context.of_type(WeightsStaged)[0].weight_version == "2"
+
+
+async def test_resume_without_a_checkpoint_starts_fresh(
+    base_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    install_checkpoint_module(monkeypatch, None, None)
+    config = make_config(base_model, tmp_path)
+    config = msgspec.structs.replace(config, run=msgspec.structs.replace(config.run, resume=True))
+    trainer, _ = await started_trainer(config, tmp_path)
+    assert trainer.weight_version == "default"
+    assert trainer.backend.num_optimizer_steps == 0
+
+
+def test_the_trainer_asks_for_one_cpu() -> None:
+    assert Trainer.resources(Config()).num_cpus == 1
