@@ -1,0 +1,175 @@
+"""The inference-engine seam the Generator is written against.
+
+An engine serves one copy of the policy: it samples completions, loads published weights
+under a version, fingerprints what it serves, and answers SGLang's four
+``/weights_checker`` actions. The embedded ``TorchEngine`` implements it in process; an
+engine that drives an SGLang server over HTTP would implement the same methods with
+``/generate``, ``/update_weights_from_*`` and ``/weights_checker``.
+
+The module also holds the engine-independent pieces of those contracts: stop-string
+matching, the snapshot comparison (bitwise, or within one ULP) and the per-engine checksum.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+Selector = Literal["all", "target", "draft"]
+WeightsCheckAction = Literal["checksum", "snapshot", "reset_tensors", "compare"]
+WEIGHTS_CHECK_ACTIONS: tuple[str, ...] = ("checksum", "snapshot", "reset_tensors", "compare")
+
+_SIGNED_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+MAX_NAMES_IN_MESSAGE = 10
+"""Tensor names listed in a message at most; the rest are counted."""
+
+GenerateRequest = str | Sequence[int]
+"""A prompt: text (tokenized by the engine) or token ids used as they are."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one batch of completions.
+
+    ``temperature == 0`` is greedy decoding. ``top_p`` keeps the smallest set of most
+    likely tokens whose probability reaches ``top_p``. Generation stops at an EOS token,
+    at one of the ``stop`` strings, or after ``max_new_tokens`` tokens.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 16
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass
+class Completion:
+    """One sampled completion.
+
+    ``response_ids`` are every token the engine sampled, including a final EOS token and
+    the token(s) that completed a stop string, so that the trainer learns to stop.
+    ``response`` is the text the reward function sees: EOS and other special tokens are
+    left out, and the text is cut just before a matched stop string (SGLang's default).
+    ``response_logprobs[i]`` is the log-probability of ``response_ids[i]``: see
+    ``TorchEngine.generate`` for which distribution.
+    """
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_logprobs: list[float]
+    response: str
+    finish_reason: Literal["stop", "length"]
+    weight_version: str
+    matched_stop: str | None = None
+    """The stop string that ended the completion; None for EOS or length."""
+
+
+class Engine(ABC):
+    """One inference engine (one served copy of the policy)."""
+
+    name: str
+
+    @property
+    @abstractmethod
+    def weight_version(self) -> str:
+        """The version of the weights served now: ``"default"`` until the first load."""
+
+    @abstractmethod
+    def generate(
+        self,
+        requests: Sequence[GenerateRequest],
+        sampling: SamplingParams,
+        generator: torch.Generator | None = None,
+    ) -> list[Completion]:
+        """Sample one completion per request, in request order.
+
+        Given the same weights, requests, sampling parameters and generator state, the
+        result is identical: the Generator seeds ``generator`` per rollout and engine so
+        that a resumed run regenerates the same samples.
+        """
+
+    @abstractmethod
+    def load_weights(self, tensors: Mapping[str, torch.Tensor], weight_version: str) -> None:
+        """Serve ``tensors`` (Hugging Face names) from now on, as ``weight_version``.
+
+        Raises ``ValueError`` naming the unknown or missing tensors, or those of the wrong
+        shape; nothing is loaded then.
+        """
+
+    @abstractmethod
+    def checksums(self, skip_tensor_list: Iterable[str] = (), selector: Selector = "all") -> dict[str, str]:
+        """Tensor name -> fingerprint of every served tensor not skipped."""
+
+    @abstractmethod
+    def weights_check(
+        self,
+        action: WeightsCheckAction,
+        selector: Selector = "all",
+        skip_tensor_list: Iterable[str] = (),
+        allow_quant_error: bool = False,
+    ) -> dict[str, Any]:
+        """One SGLang ``/weights_checker`` action; ``{"success": bool, "message": str, ...}``."""
+
+    def close(self) -> None:
+        """Release the engine's memory."""
+
+
+def per_engine_checksum(per_gpu_checksums: Iterable[str]) -> str:
+    """sha256 over the per-GPU checksums of one engine, in rank order, one per line."""
+    h = hashlib.sha256()
+    for checksum in per_gpu_checksums:
+        h.update(checksum.encode())
+        h.update(b"\n")
+    return h.hexdigest()
+
+
+def find_stop(text: str, stops: Sequence[str]) -> tuple[int, str | None]:
+    """Index of the earliest stop string in ``text`` and which one (None if none)."""
+    best, which = len(text), None
+    for stop in stops:
+        index = text.find(stop) if stop else -1
+        if index != -1 and index < best:
+            best, which = index, stop
+    return best, which
+
+
+def _ordered_bits(tensor: torch.Tensor) -> torch.Tensor:
+    """Float bits mapped to int64 so that neighbouring floats differ by exactly 1."""
+    bits = tensor.reshape(-1).view(_SIGNED_OF_WIDTH[tensor.element_size()]).to(torch.int64)
+    magnitude = bits & ((1 << (8 * tensor.element_size() - 1)) - 1)
+    return torch.where(bits < 0, -magnitude, magnitude)
+
+
+def tensors_match(served: torch.Tensor, snapshot: torch.Tensor, allow_quant_error: bool) -> bool:
+    """Whether ``served`` equals ``snapshot`` bitwise, or within one ULP of their float dtype
+    when ``allow_quant_error`` (dtype and shape must match either way)."""
+    served = served.detach().to("cpu").contiguous()
+    snapshot = snapshot.contiguous()
+    if served.dtype != snapshot.dtype or served.shape != snapshot.shape:
+        return False
+    if torch.equal(served.reshape(-1).view(torch.uint8), snapshot.reshape(-1).view(torch.uint8)):
+        return True
+    if not allow_quant_error or not served.is_floating_point():
+        return False
+    distance = (_ordered_bits(served) - _ordered_bits(snapshot)).abs()
+    return bool((distance <= 1).all())
+
+
+def name_list(names: Sequence[str]) -> str:
+    """Names for a message: the first few, then how many more."""
+    shown = ", ".join(names[:MAX_NAMES_IN_MESSAGE])
+    more = len(names) - MAX_NAMES_IN_MESSAGE
+    return f"{shown} (+{more} more)" if more > 0 else shown

@@ -1,0 +1,419 @@
+"""The embedded inference engine: batched KV-cached sampling with a Hugging Face causal LM.
+
+Sampling follows what an RL trainer needs from an engine:
+
+- prompts are left-padded into chunks of at most ``max_batch_size`` sequences; one prefill
+  fills the KV cache, then each step decodes one token for the sequences still running
+  (finished rows are dropped from the cache, so their cost stops);
+- randomness comes only from the ``torch.Generator`` passed in: one uniform draw per row of
+  the chunk per step (inverse-CDF sampling), so identical inputs and generator state give
+  identical samples, and a row's sample does not depend on when other rows finish;
+- ``response_logprobs`` are log-softmax of the temperature-scaled logits (logits / T),
+  taken *before* top-p truncation; at ``T == 0`` (greedy) they are of the unscaled logits.
+  At the default T = 1 this is the distribution the trainer recomputes;
+- an EOS token or a stop string ends a row with ``finish_reason="stop"``; its tokens stay in
+  ``response_ids`` (the trainer learns to stop) while the text leaves out special tokens
+  and is cut before the stop string (see ``Completion``); ``max_new_tokens`` gives "length".
+
+Served weights are the model's ``state_dict()`` (so non-persistent buffers such as rotary
+``inv_freq`` are not weights), without tied duplicates: with tied embeddings only the first
+name of a shared tensor (``model.embed_tokens.weight``) is served and checksummed, and a
+load may name the tensor by either name.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+from miles_events.checksum import checksums_digest, fingerprints, is_skipped
+from miles_events.hf_model import load_model, load_tokenizer
+from schemas.checksums import EngineChecksumReport, RankChecksums
+from transformers import DynamicCache, PreTrainedTokenizerBase
+
+from actors.engine.base import (
+    WEIGHTS_CHECK_ACTIONS,
+    Completion,
+    Engine,
+    GenerateRequest,
+    SamplingParams,
+    Selector,
+    WeightsCheckAction,
+    find_stop,
+    name_list,
+    per_engine_checksum,
+    tensors_match,
+)
+
+
+class TorchEngine(Engine):
+    """One copy of a Hugging Face causal LM serving completions in this process."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        name: str = "engine-0",
+        max_batch_size: int = 256,
+    ) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.name = name
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
+        self.device = next(model.parameters()).device
+        self._weight_version = "default"
+        self._served, self._aliases = _served_tensors(model)
+        self._snapshot: dict[str, torch.Tensor] | None = None
+        self._eos_ids = _eos_token_ids(model, tokenizer)
+        pad = tokenizer.pad_token_id
+        self._pad_id = pad if pad is not None else min(self._eos_ids, default=0)
+        # transformers 5 renamed the cache argument; accept either spelling.
+        params = inspect.signature(model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        *,
+        name: str = "engine-0",
+        dtype: str = "float32",
+        device: str | torch.device = "cpu",
+        max_batch_size: int = 256,
+    ) -> TorchEngine:
+        """Load the model and tokenizer of a Hugging Face directory onto ``device``."""
+        model = load_model(path, dtype).to(torch.device(device))
+        return cls(model, load_tokenizer(path), name=name, max_batch_size=max_batch_size)
+
+    @property
+    def weight_version(self) -> str:
+        return self._weight_version
+
+    def served_tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors this engine serves, by Hugging Face name (views, not copies)."""
+        return dict(self._served)
+
+    # --- generation ----------------------------------------------------------------------
+
+    def encode(self, request: GenerateRequest) -> list[int]:
+        """Token ids of one prompt: text through the tokenizer, ids as they are."""
+        ids = (
+            list(self.tokenizer(request, add_special_tokens=True)["input_ids"])
+            if isinstance(request, str)
+            else [int(t) for t in request]
+        )
+        if not ids:
+            raise ValueError(f"prompt {request!r} has no tokens")
+        return ids
+
+    def generate(
+        self,
+        requests: Sequence[GenerateRequest],
+        sampling: SamplingParams,
+        generator: torch.Generator | None = None,
+    ) -> list[Completion]:
+        """Sample one completion per request (see the module docstring for the semantics)."""
+        prompt_ids = [self.encode(request) for request in requests]
+        completions: list[Completion] = []
+        with torch.inference_mode():
+            for start in range(0, len(prompt_ids), self.max_batch_size):
+                chunk = prompt_ids[start : start + self.max_batch_size]
+                completions.extend(self._generate_chunk(chunk, sampling, generator))
+        return completions
+
+    def _forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, cache: Any
+    ) -> torch.Tensor:
+        """Logits of the last position of every row, in float32."""
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_kwarg: cache},
+        )
+        return out.logits[:, -1, :].float()
+
+    def _generate_chunk(
+        self, prompt_ids: list[list[int]], sampling: SamplingParams, generator: torch.Generator | None
+    ) -> list[Completion]:
+        rows, width = len(prompt_ids), max(len(p) for p in prompt_ids)
+        input_ids = torch.full((rows, width), self._pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((rows, width), dtype=torch.long)
+        for row, ids in enumerate(prompt_ids):
+            input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+            attention_mask[row, width - len(ids) :] = 1
+        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
+        # Left padding: each prompt's first real token sits at position 0.
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        next_position = position_ids[:, -1] + 1
+
+        version = self._weight_version
+        cache = DynamicCache(config=self.model.config)
+        logits = self._forward(input_ids, attention_mask, position_ids, cache)
+        active = list(range(rows))  # chunk rows still running, in cache order
+        response_ids: list[list[int]] = [[] for _ in range(rows)]
+        response_logprobs: list[list[float]] = [[] for _ in range(rows)]
+        finish: list[str] = ["length"] * rows
+        texts: list[str | None] = [None] * rows
+        matched: list[str | None] = [None] * rows
+
+        for step in range(sampling.max_new_tokens):
+            uniform = None
+            if sampling.temperature > 0:
+                draws = torch.rand(rows, generator=generator, dtype=torch.float32)
+                uniform = draws[active].to(self.device)
+            tokens, logprobs = sample_tokens(logits, sampling.temperature, sampling.top_p, uniform)
+            running: list[int] = []
+            for slot, (token, logprob) in enumerate(zip(tokens.tolist(), logprobs.tolist(), strict=True)):
+                row = active[slot]
+                response_ids[row].append(token)
+                response_logprobs[row].append(logprob)
+                if token in self._eos_ids:
+                    finish[row] = "stop"
+                    continue
+                if sampling.stop:
+                    text = self._decode(response_ids[row])
+                    cut, stop = find_stop(text, sampling.stop)
+                    if stop is not None:
+                        finish[row], texts[row], matched[row] = "stop", text[:cut], stop
+                        continue
+                running.append(slot)
+            if not running or step == sampling.max_new_tokens - 1:
+                break
+            if len(running) < len(active):
+                keep = torch.tensor(running, dtype=torch.long, device=self.device)
+                cache.batch_select_indices(keep)
+                attention_mask, tokens = attention_mask[keep], tokens[keep]
+                next_position = next_position[keep]
+                active = [active[slot] for slot in running]
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(active), 1))], dim=1)
+            logits = self._forward(tokens.unsqueeze(1), attention_mask, next_position.unsqueeze(1), cache)
+            next_position = next_position + 1
+
+        return [
+            Completion(
+                prompt_ids=list(prompt_ids[row]),
+                response_ids=response_ids[row],
+                response_logprobs=response_logprobs[row],
+                response=texts[row] if texts[row] is not None else self._decode(response_ids[row]),
+                finish_reason="stop" if finish[row] == "stop" else "length",
+                weight_version=version,
+                matched_stop=matched[row],
+            )
+            for row in range(rows)
+        ]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    # --- weights -------------------------------------------------------------------------
+
+    def load_weights(self, tensors: Mapping[str, torch.Tensor], weight_version: str) -> None:
+        """Copy ``tensors`` into the served parameters, then serve them as ``weight_version``.
+
+        Every served tensor must be given (a tied tensor under either of its names), no
+        unknown name may be given, and shapes must match; otherwise ``ValueError`` names the
+        offenders and nothing is copied. Dtypes are converted to the served dtype.
+        """
+        plan = self._load_plan(tensors)
+        with torch.no_grad():
+            for target, source in plan:
+                target.copy_(source.to(device=target.device))
+        self._weight_version = str(weight_version)
+
+    def _load_plan(self, tensors: Mapping[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        unknown = sorted(n for n in tensors if n not in self._served and n not in self._aliases)
+        missing: list[str] = []
+        wrong_shape: list[str] = []
+        plan: list[tuple[torch.Tensor, torch.Tensor]] = []
+        names_of = {name: [name] for name in self._served}
+        for alias, canonical in self._aliases.items():
+            names_of[canonical].append(alias)
+        for canonical, target in self._served.items():
+            given = [n for n in names_of[canonical] if n in tensors]
+            if not given:
+                missing.append(canonical)
+                continue
+            for n in given:
+                if tuple(tensors[n].shape) != tuple(target.shape):
+                    wrong_shape.append(f"{n} {tuple(tensors[n].shape)} (serves {tuple(target.shape)})")
+            plan.append((target, tensors[given[0]]))
+        problems = [
+            f"{label}: {name_list(names)}"
+            for label, names in (("unknown", unknown), ("missing", missing), ("wrong shape", wrong_shape))
+            if names
+        ]
+        if problems:
+            raise ValueError(f"engine {self.name} cannot load these weights; " + "; ".join(problems))
+        return plan
+
+    def _select(self, selector: Selector) -> dict[str, torch.Tensor]:
+        if selector in ("all", "target"):
+            return self._served
+        if selector == "draft":
+            return {}  # no speculative draft model in this engine
+        raise ValueError(f"unknown selector {selector!r}; known: all, target, draft")
+
+    def checksums(self, skip_tensor_list: Iterable[str] = (), selector: Selector = "all") -> dict[str, str]:
+        return fingerprints(self._select(selector), skip_tensor_list)
+
+    def weights_check(
+        self,
+        action: WeightsCheckAction,
+        selector: Selector = "all",
+        skip_tensor_list: Iterable[str] = (),
+        allow_quant_error: bool = False,
+    ) -> dict[str, Any]:
+        """SGLang's ``/weights_checker`` actions on what this engine serves.
+
+        ``snapshot`` copies the selected tensors to CPU; ``reset_tensors`` overwrites them with
+        random data; ``compare`` checks them against the snapshot bitwise (with
+        ``allow_quant_error``: within one ULP of their dtype); ``checksum`` reports the
+        fingerprints in the shape of ``EngineChecksumReport``. ``"draft"`` selects nothing.
+        """
+        if action not in WEIGHTS_CHECK_ACTIONS:
+            return self._result(False, f"unknown action {action!r}; known: {list(WEIGHTS_CHECK_ACTIONS)}")
+        skip = list(skip_tensor_list)
+        selected = {n: t for n, t in self._select(selector).items() if not is_skipped(n, skip)}
+        if action == "checksum":
+            return self._checksum_report(selected)
+        if selector == "draft":
+            return self._result(True, f"{action}: no draft model, nothing selected", num_tensors=0)
+        if action == "snapshot":
+            self._snapshot = {n: t.detach().to("cpu", copy=True) for n, t in selected.items()}
+            return self._result(True, f"snapshot of {len(selected)} tensors", num_tensors=len(selected))
+        if action == "reset_tensors":
+            self._reset(selected)
+            message = f"reset {len(selected)} tensors to random data"
+            return self._result(True, message, num_tensors=len(selected))
+        return self._compare(selected, allow_quant_error)
+
+    def _result(self, success: bool, message: str, **extra: Any) -> dict[str, Any]:
+        return {"success": success, "message": message, "weight_version": self._weight_version, **extra}
+
+    def _checksum_report(self, selected: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        checksums = fingerprints(selected)
+        per_gpu = checksums_digest(checksums)
+        report = EngineChecksumReport(
+            success=True,
+            message=f"checksums of {len(checksums)} tensors",
+            ranks=[
+                RankChecksums(
+                    checksums=checksums,
+                    per_gpu_checksum=per_gpu,
+                    parallelism_info=[{"tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1}],
+                )
+            ],
+            per_engine_checksum=per_engine_checksum([per_gpu]),
+        )
+        return {**msgspec.to_builtins(report), "weight_version": self._weight_version}
+
+    def _reset(self, selected: Mapping[str, torch.Tensor]) -> None:
+        # A private generator: resetting must not move the process-wide RNG, which a
+        # trainer in the same process relies on for reproducibility.
+        seed = int.from_bytes(os.urandom(8), "little") >> 1
+        generators: dict[torch.device, torch.Generator] = {}
+        with torch.no_grad():
+            for tensor in selected.values():
+                gen = generators.get(tensor.device)
+                if gen is None:
+                    gen = generators[tensor.device] = torch.Generator(device=tensor.device).manual_seed(seed)
+                if tensor.is_floating_point():
+                    tensor.normal_(generator=gen)
+                elif tensor.dtype == torch.bool:
+                    tensor.random_(0, 2, generator=gen)
+                else:
+                    tensor.random_(generator=gen)
+
+    def _compare(self, selected: Mapping[str, torch.Tensor], allow_quant_error: bool) -> dict[str, Any]:
+        if self._snapshot is None:
+            return self._result(False, "compare: no snapshot; run the snapshot action first")
+        absent = sorted(n for n in selected if n not in self._snapshot)
+        differ = sorted(
+            n
+            for n, t in selected.items()
+            if n in self._snapshot and not tensors_match(t, self._snapshot[n], allow_quant_error)
+        )
+        if absent or differ:
+            parts = [
+                f"{len(differ)} of {len(selected)} tensors differ from the snapshot: {name_list(differ)}"
+            ]
+            if absent:
+                parts.append(f"not in the snapshot: {name_list(absent)}")
+            return self._result(False, "; ".join(parts), mismatched=differ, missing=absent)
+        mode = "within one ULP" if allow_quant_error else "bitwise"
+        message = f"{len(selected)} tensors equal the snapshot ({mode})"
+        return self._result(True, message, num_tensors=len(selected))
+
+    def close(self) -> None:
+        self._snapshot = None
+
+
+def sample_tokens(
+    logits: torch.Tensor, temperature: float, top_p: float, uniform: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick one token per row of ``logits`` ([rows, vocab]) and its log-probability.
+
+    ``temperature == 0``: the argmax, with log-probabilities of the unscaled logits.
+    Otherwise the token at ``uniform`` (one U[0, 1) per row) of the inverse CDF of the
+    top-p-truncated distribution of ``logits / temperature``; its log-probability is taken
+    from the untruncated tempered distribution.
+    """
+    if temperature == 0:
+        logprobs_all = torch.log_softmax(logits, dim=-1)
+        tokens = logits.argmax(dim=-1)
+    else:
+        if uniform is None:
+            raise ValueError("sampling at temperature > 0 needs one uniform draw per row")
+        logprobs_all = torch.log_softmax(logits / temperature, dim=-1)
+        probs = logprobs_all.exp()
+        if top_p < 1.0:
+            probs, order = probs.sort(dim=-1, descending=True)
+            # Keep a token while the mass before it is below top_p: the smallest set that
+            # reaches top_p, and always at least the most likely token.
+            probs = probs * ((probs.cumsum(dim=-1) - probs) < top_p)
+        else:
+            order = None
+        cdf = probs.cumsum(dim=-1)
+        threshold = (uniform.to(cdf.dtype) * cdf[:, -1]).unsqueeze(-1)
+        picked = torch.searchsorted(cdf, threshold, right=True).clamp(max=cdf.shape[-1] - 1)
+        tokens = (order.gather(-1, picked) if order is not None else picked).squeeze(-1)
+    return tokens, logprobs_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def _served_tensors(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(name -> tensor without tied duplicates, duplicate name -> the name it shares with)."""
+    served: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    owner_of: dict[tuple[Any, ...], str] = {}
+    for name, tensor in model.state_dict().items():
+        key = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
+        if tensor.numel() and key in owner_of:
+            aliases[name] = owner_of[key]
+            continue
+        owner_of.setdefault(key, name)
+        served[name] = tensor
+    return served, aliases
+
+
+def _eos_token_ids(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    generation_config = getattr(model, "generation_config", None)
+    configured = getattr(generation_config, "eos_token_id", None)
+    if isinstance(configured, int):
+        ids.add(configured)
+    elif configured is not None:
+        ids.update(int(i) for i in configured)
+    return frozenset(ids)

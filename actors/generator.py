@@ -1,0 +1,317 @@
+"""The Generator: inference engines that turn prompts into scored rollout samples.
+
+It owns ``rollout.num_engines`` engines ("engine-0", "engine-1", ...), all bootstrapped from
+``model.path`` and serving version ``"default"``, and reacts to:
+
+- ``RolloutRequested``: samples ``n_samples_per_prompt`` completions for each prompt of the
+  rollout (one group per prompt; groups go to engines round-robin), scores them with the
+  reward function, puts the ``RolloutBatch`` in the data plane and emits
+  ``RolloutGenerated``. Each engine samples with a ``torch.Generator`` seeded from
+  (run seed, rollout_id, engine index), so a resumed run regenerates identical samples.
+- ``EvalRequested``: the same on the eval prompts at ``eval_temperature``; ``EvalFinished``.
+- ``WeightsStaged``: every engine loads the staged weights and fingerprints what it now
+  serves; one ``WeightsLoaded`` per engine, emitted as soon as that engine is done.
+- ``WeightsCheckRequested``: SGLang's weight-checker action on every engine; one
+  ``WeightsCheckFinished`` per engine.
+- ``DataReleased`` of a batch it owns: frees it.
+
+Engines run on CUDA when this process sees a GPU (engine i on GPU i modulo the count),
+on CPU otherwise. ``rollout.num_threads`` sets torch's thread count for the whole process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+import anyio
+import msgspec
+import torch
+from miles_events.actor import Actor, ActorContext, Resources, handles
+from miles_events.checksum import checksums_digest
+from miles_events.data import Prompt, load_prompts, rollout_prompts
+from miles_events.rewards import load_function
+from schemas.config import Config
+from schemas.events import (
+    DataReleased,
+    EvalFinished,
+    EvalRequested,
+    RolloutGenerated,
+    RolloutRequested,
+    WeightsCheckFinished,
+    WeightsCheckRequested,
+    WeightsLoaded,
+    WeightsStaged,
+)
+from schemas.rollout import RolloutBatch, Sample
+
+from actors.engine import SamplingParams, TorchEngine
+
+RewardFn = Callable[[str, str, str], float]
+
+
+class Generator(Actor):
+    """Rollout generation, evaluation and weight loading over a set of inference engines."""
+
+    name = "generator"
+
+    def __init__(self, config: Config, context: ActorContext) -> None:
+        super().__init__(config, context)
+        self.engines: list[TorchEngine] = []
+        self.prompts: list[Prompt] = []
+        self.eval_prompts: list[Prompt] = []
+        self.reward_fn: RewardFn | None = None
+
+    @classmethod
+    def resources(cls, config: Config) -> Resources:
+        return Resources(num_cpus=1)
+
+    async def start(self) -> None:
+        rollout, data = self.config.rollout, self.config.data
+        if rollout.num_threads > 0:
+            torch.set_num_threads(rollout.num_threads)
+        if self.config.model.path is None:
+            raise RuntimeError("model.path is unset: the driver writes the base model before actors start")
+        if data.prompt_data:
+            self.prompts = load_prompts(data.prompt_data, data.input_key, data.label_key)
+        self.eval_prompts = (
+            load_prompts(data.eval_data, data.input_key, data.label_key) if data.eval_data else self.prompts
+        )
+        self.reward_fn = load_function(rollout.reward_fn)
+        self.engines = await anyio.to_thread.run_sync(self._load_engines)
+
+    def _load_engines(self) -> list[TorchEngine]:
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return [
+            TorchEngine.from_pretrained(
+                str(self.config.model.path),
+                name=f"engine-{index}",
+                dtype=self.config.model.dtype,
+                device=f"cuda:{index % gpus}" if gpus else "cpu",
+                max_batch_size=self.config.rollout.max_batch_size,
+            )
+            for index in range(self.config.rollout.num_engines)
+        ]
+
+    async def stop(self) -> None:
+        for engine in self.engines:
+            engine.close()
+        self.engines = []
+
+    # --- rollouts and evaluation ------------------------------------------------------------
+
+    @handles(RolloutRequested)
+    async def on_rollout_requested(self, event: RolloutRequested) -> None:
+        data, rollout = self.config.data, self.config.rollout
+        if not self.prompts:
+            raise ValueError("no prompt data: set data.prompt_data to generate rollouts")
+        prompts = rollout_prompts(
+            self.prompts,
+            event.rollout_id,
+            data.rollout_batch_size,
+            self.config.run.seed,
+            data.rollout_shuffle,
+        )
+        sampling = SamplingParams(
+            temperature=rollout.temperature,
+            top_p=rollout.top_p,
+            max_new_tokens=rollout.max_new_tokens,
+            stop=tuple(rollout.stop),
+        )
+        started = time.perf_counter()
+        samples = await self._sample_groups(
+            prompts, data.n_samples_per_prompt, sampling, "rollout", event.rollout_id
+        )
+        batch = RolloutBatch(rollout_id=event.rollout_id, samples=samples)
+        payload = msgspec.msgpack.encode(batch)
+        ref = self.context.transport.put_bytes(f"rollout-{event.rollout_id}", payload, owner=self.name)
+        await self.publish(
+            RolloutGenerated(
+                rollout_id=event.rollout_id,
+                batch=ref,
+                num_samples=len(samples),
+                reward_mean=_mean([s.reward for s in samples]),
+                weight_versions=sorted_versions(s.weight_version for s in samples),
+                response_tokens=sum(len(s.response_ids) for s in samples),
+                generate_seconds=time.perf_counter() - started,
+            )
+        )
+
+    @handles(EvalRequested)
+    async def on_eval_requested(self, event: EvalRequested) -> None:
+        """Evaluate on ``eval_data`` (or the prompt data) at ``eval_temperature``.
+
+        ``eval/accuracy`` is the fraction of samples with reward >= 1.0 (full credit), which
+        is the pass rate for the usual 0/1 rewards and counts only full marks otherwise.
+        """
+        rollout = self.config.rollout
+        if not self.eval_prompts:
+            raise ValueError("no eval data: set data.eval_data or data.prompt_data to evaluate")
+        sampling = SamplingParams(
+            temperature=rollout.eval_temperature,
+            top_p=rollout.top_p,
+            max_new_tokens=rollout.max_new_tokens,
+            stop=tuple(rollout.stop),
+        )
+        started = time.perf_counter()
+        samples = await self._sample_groups(
+            self.eval_prompts, self.config.data.eval_n_samples_per_prompt, sampling, "eval", event.rollout_id
+        )
+        rewards = [s.reward for s in samples]
+        metrics = {
+            "eval/reward_mean": _mean(rewards),
+            "eval/accuracy": _mean([float(r >= 1.0) for r in rewards]),
+            "eval/response_length_mean": _mean([float(len(s.response_ids)) for s in samples]),
+            "eval/truncated_ratio": _mean([float(s.finish_reason == "length") for s in samples]),
+            "eval/num_samples": float(len(samples)),
+        }
+        await self.publish(
+            EvalFinished(
+                rollout_id=event.rollout_id,
+                metrics=metrics,
+                weight_versions=sorted_versions(s.weight_version for s in samples),
+                eval_seconds=time.perf_counter() - started,
+            )
+        )
+
+    async def _sample_groups(
+        self, prompts: Sequence[Prompt], n_samples: int, sampling: SamplingParams, kind: str, rollout_id: int
+    ) -> list[Sample]:
+        """``n_samples`` scored samples per prompt, ordered by group; engines run concurrently."""
+        num_engines = len(self.engines)
+        per_engine = [list(range(i, len(prompts), num_engines)) for i in range(num_engines)]
+        results: list[list[Sample]] = [[] for _ in self.engines]
+
+        async def run(index: int) -> None:
+            generator = torch.Generator().manual_seed(
+                engine_seed(self.config.run.seed, kind, rollout_id, index)
+            )
+            results[index] = await anyio.to_thread.run_sync(
+                self._generate_groups,
+                self.engines[index],
+                prompts,
+                per_engine[index],
+                n_samples,
+                sampling,
+                generator,
+            )
+
+        async with anyio.create_task_group() as group:
+            for index, groups in enumerate(per_engine):
+                if groups:
+                    group.start_soon(run, index)
+        return sorted((s for samples in results for s in samples), key=lambda s: s.group)
+
+    def _generate_groups(
+        self,
+        engine: TorchEngine,
+        prompts: Sequence[Prompt],
+        groups: list[int],
+        n_samples: int,
+        sampling: SamplingParams,
+        generator: torch.Generator,
+    ) -> list[Sample]:
+        assert self.reward_fn is not None, "start() loads the reward function"
+        requests = [prompts[g].prompt for g in groups for _ in range(n_samples)]
+        completions = engine.generate(requests, sampling, generator)
+        samples: list[Sample] = []
+        for position, completion in enumerate(completions):
+            group = groups[position // n_samples]
+            prompt = prompts[group]
+            samples.append(
+                Sample(
+                    index=prompt.index,
+                    group=group,
+                    prompt=prompt.prompt,
+                    label=prompt.label,
+                    prompt_ids=completion.prompt_ids,
+                    response_ids=completion.response_ids,
+                    response_logprobs=completion.response_logprobs,
+                    response=completion.response,
+                    reward=float(self.reward_fn(prompt.prompt, completion.response, prompt.label)),
+                    weight_version=completion.weight_version,
+                    engine=engine.name,
+                    finish_reason=completion.finish_reason,
+                )
+            )
+        return samples
+
+    # --- weights ------------------------------------------------------------------------------
+
+    @handles(WeightsStaged)
+    async def on_weights_staged(self, event: WeightsStaged) -> None:
+        # The staged ref belongs to the trainer/publisher: read it, never free it.
+        tensors = await anyio.to_thread.run_sync(self.context.transport.get_tensors, event.weights)
+        skip = list(self.config.verifier.skip_tensor_list)
+        for engine in self.engines:
+            previous = engine.weight_version
+            started = time.perf_counter()
+
+            def load(engine: TorchEngine = engine) -> dict[str, str]:
+                engine.load_weights(tensors, event.weight_version)
+                return engine.checksums(skip)
+
+            checksums = await anyio.to_thread.run_sync(load)
+            await self.publish(
+                WeightsLoaded(
+                    engine=engine.name,
+                    weight_version=engine.weight_version,
+                    previous_version=previous,
+                    checksums=checksums,
+                    digest=checksums_digest(checksums),
+                    load_seconds=time.perf_counter() - started,
+                )
+            )
+
+    @handles(WeightsCheckRequested)
+    async def on_weights_check_requested(self, event: WeightsCheckRequested) -> None:
+        for engine in self.engines:
+            result = await anyio.to_thread.run_sync(
+                engine.weights_check,
+                event.action,
+                event.selector,
+                list(event.skip_tensor_list),
+                event.allow_quant_error,
+            )
+            ranks = result.get("ranks") or [{}]
+            await self.publish(
+                WeightsCheckFinished(
+                    engine=engine.name,
+                    action=event.action,
+                    success=bool(result["success"]),
+                    message=str(result.get("message", "")),
+                    checksums=dict(ranks[0].get("checksums", {})),
+                    digest=str(ranks[0].get("per_gpu_checksum", "")),
+                    weight_version=engine.weight_version,
+                    request_id=event.request_id,
+                )
+            )
+
+    @handles(DataReleased)
+    async def on_data_released(self, event: DataReleased) -> None:
+        if event.ref.owner == self.name:
+            self.context.transport.free(event.ref)
+
+
+def engine_seed(run_seed: int, kind: str, rollout_id: int, engine_index: int) -> int:
+    """The sampling seed of one engine for one rollout (``kind`` keeps eval draws apart)."""
+    key = f"{kind}:{run_seed}:{rollout_id}:{engine_index}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+
+
+def sorted_versions(versions: Iterable[str]) -> list[str]:
+    """Distinct weight versions, oldest first: "default", then numeric versions in order."""
+
+    def key(version: str) -> tuple[int, int, str]:
+        if version == "default":
+            return (0, 0, "")
+        if version.isdigit():
+            return (1, int(version), "")
+        return (2, 0, version)
+
+    return sorted(set(versions), key=key)
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else 0.0

@@ -1,0 +1,78 @@
+"""The wire codec: every event as msgpack (bus, event log) or JSON (humans, tools).
+
+One encoder and one decoder typed with the ``AnyEvent`` tagged union serve the whole
+process; the tag is the event's class name under ``"type"``. Decoding is tolerant of
+unknown fields (msgspec ignores them unless a Struct forbids them, and events do not), so
+a reader older than the writer still decodes what it knows, and a reader newer than the
+writer fills fields added later with their defaults.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import msgspec
+
+from schemas.events import AnyEvent, Event
+
+DecodeError = msgspec.DecodeError
+"""Raised by every decode function for bytes that are not a valid event (or batch)."""
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder: msgspec.msgpack.Decoder[Event] = msgspec.msgpack.Decoder(AnyEvent)
+_batch_decoder: msgspec.msgpack.Decoder[list[Event]] = msgspec.msgpack.Decoder(list[AnyEvent])
+_json_encoder = msgspec.json.Encoder()
+_json_decoder: msgspec.json.Decoder[Event] = msgspec.json.Decoder(AnyEvent)
+
+
+def encode_event(event: Event) -> bytes:
+    """The event as one msgpack map (the tag under ``"type"``)."""
+    return _encoder.encode(event)
+
+
+def encode_event_into(event: Event, buffer: bytearray, offset: int = 0) -> None:
+    """Write the event's msgpack bytes into ``buffer`` from ``offset`` (reusing its memory)."""
+    _encoder.encode_into(event, buffer, offset)
+
+
+def decode_event(data: bytes | bytearray | memoryview) -> Event:
+    """One event from its msgpack bytes; raises ``DecodeError`` (or its ``ValidationError``)."""
+    return _decoder.decode(data)
+
+
+def encode_batch(events: Iterable[Event]) -> bytes:
+    """Several events as one msgpack array: one message for a cross-process delivery."""
+    if not isinstance(events, list | tuple):
+        events = list(events)
+    return _encoder.encode(events)
+
+
+def decode_batch(data: bytes | bytearray | memoryview) -> list[Event]:
+    """The events of ``encode_batch``, in order."""
+    return _batch_decoder.decode(data)
+
+
+def event_to_json(event: Event) -> dict[str, Any]:
+    """The event as JSON-compatible builtins, its type name under ``"type"`` first."""
+    return msgspec.to_builtins(event)
+
+
+def event_to_json_bytes(event: Event) -> bytes:
+    """The event as one line of compact JSON (no newline).
+
+    JSON has no NaN or infinity: such floats become ``null`` and do not decode back.
+    """
+    return _json_encoder.encode(event)
+
+
+def event_from_json(data: bytes | str | dict[str, Any]) -> Event:
+    """The event from JSON text or from the builtins ``event_to_json`` returned."""
+    if isinstance(data, dict):
+        return msgspec.convert(data, AnyEvent)
+    return _json_decoder.decode(data)
+
+
+def events_from_json_lines(lines: Sequence[bytes | str]) -> list[Event]:
+    """Events from JSON lines (``replay --json`` output); blank lines are skipped."""
+    return [_json_decoder.decode(line) for line in lines if line.strip()]

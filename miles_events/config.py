@@ -1,0 +1,404 @@
+"""Loading the run configuration: TOML, ``--set`` overrides, strict decoding, checks.
+
+``load_config(path, overrides)`` reads the TOML file, applies ``--set a.b=value``
+overrides (the value is read as a TOML value, else taken as a string), decodes strictly
+into ``schemas.config.Config``, resolves relative paths and checks the rules that span
+fields (``validate``). Every problem is a ``ConfigError`` whose message is one line::
+
+    examples/default.toml:7: run.num_rolout: unknown key (did you mean num_rollout?)
+    examples/default.toml: --set run.seed=x: run.seed: expected int, got str
+
+Relative paths in the file are relative to the file's directory; relative paths given
+with ``--set`` are relative to the current directory, as on any command line.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import os
+import re
+import tomllib
+from collections.abc import Collection, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from miles_events.rewards import load_function
+from schemas.config import Config
+
+PATH_KEYS: tuple[tuple[str, str], ...] = (
+    ("run", "dir"),
+    ("run", "save_trigger_sentinel"),
+    ("data", "prompt_data"),
+    ("data", "eval_data"),
+    ("model", "path"),
+)
+"""(section, key) of every setting that is a filesystem path."""
+
+
+class ConfigError(ValueError):
+    """A configuration problem, described in one line."""
+
+    def __init__(self, message: str, *, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+        """The dotted key path at fault, when there is one."""
+
+
+# --- overrides ------------------------------------------------------------------------
+
+
+def parse_override(argument: str) -> tuple[list[str], Any]:
+    """``"a.b=value"`` -> (``["a", "b"]``, the value read as TOML, else the raw string)."""
+    key, sep, raw = argument.partition("=")
+    if not sep:
+        raise ConfigError(f"--set {argument}: expected KEY=VALUE, e.g. run.num_rollout=3")
+    parts = [part.strip() for part in key.strip().split(".")]
+    if not all(parts):
+        raise ConfigError(f"--set {argument}: {key.strip()!r} is not a dotted key like run.seed")
+    try:
+        parsed = tomllib.loads("v = " + raw)
+    except tomllib.TOMLDecodeError:
+        parsed = {}
+    # Anything but exactly one value (e.g. text with a newline and another key) is a string.
+    value = parsed["v"] if parsed.keys() == {"v"} else raw
+    return parts, value
+
+
+def apply_override(data: dict[str, Any], argument: str) -> list[str]:
+    """Apply one ``--set`` to the raw TOML data in place; returns the key path it set."""
+    parts, value = parse_override(argument)
+    table = data
+    for depth, part in enumerate(parts[:-1]):
+        child = table.setdefault(part, {})
+        if not isinstance(child, dict):
+            prefix = ".".join(parts[: depth + 1])
+            raise ConfigError(f"--set {argument}: {prefix} is a {type(child).__name__}, not a table")
+        table = child
+    table[parts[-1]] = value
+    return parts
+
+
+# --- error messages -------------------------------------------------------------------
+
+_AT = re.compile(r"^(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?$")
+_UNKNOWN = re.compile(r"^Object contains unknown field `(?P<field>[^`]*)`$")
+_EXPECTED = re.compile(r"^Expected `(?P<expected>[^`]*)`(?:, got `(?P<got>[^`]*)`)?(?P<rest>.*)$")
+
+
+def _path_parts(path: str) -> list[str]:
+    """``.run.stop[0]`` -> ``["run", "stop", "[0]"]`` (indices kept for the message)."""
+    return [p for p in re.split(r"\.|(?=\[)", path) if p]
+
+
+def _dotted(parts: Sequence[str]) -> str:
+    return ".".join(parts).replace(".[", "[")
+
+
+def _struct_at(parts: Sequence[str]) -> type[msgspec.Struct] | None:
+    """The Struct type of the table at ``parts`` in ``Config``, if there is one."""
+    struct: type[msgspec.Struct] = Config
+    for part in parts:
+        info = msgspec.inspect.type_info(struct)
+        field = next((f for f in info.fields if f.name == part), None)  # type: ignore[attr-defined]
+        if field is None or not isinstance(field.type, msgspec.inspect.StructType):
+            return None
+        struct = field.type.cls
+    return struct
+
+
+def _field_type(parts: Sequence[str]) -> msgspec.inspect.Type | None:
+    parent = _struct_at(parts[:-1])
+    if parent is None or not parts:
+        return None
+    info = msgspec.inspect.type_info(parent)
+    field = next((f for f in info.fields if f.name == parts[-1]), None)  # type: ignore[attr-defined]
+    return None if field is None else field.type
+
+
+def _literal_choices(parts: Sequence[str]) -> list[Any]:
+    field_type = _field_type(parts)
+    options = field_type.types if isinstance(field_type, msgspec.inspect.UnionType) else (field_type,)
+    for option in options:
+        if isinstance(option, msgspec.inspect.LiteralType):
+            return list(option.values)
+    return []
+
+
+def _describe(error: msgspec.ValidationError) -> tuple[list[str], str]:
+    """msgspec's message -> (key path, what is wrong in plain words)."""
+    match = _AT.match(str(error))
+    assert match is not None  # the pattern matches any text
+    what, path = match.group("what"), match.group("path") or ""
+    parts = _path_parts(path)
+    unknown = _UNKNOWN.match(what)
+    if unknown:
+        field = unknown.group("field")
+        struct = _struct_at(parts)
+        hint = ""
+        if struct is not None:
+            close = difflib.get_close_matches(field, struct.__struct_fields__, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else f" (known: {', '.join(struct.__struct_fields__)})"
+        return [*parts, field], f"unknown key{hint}"
+    expected = _EXPECTED.match(what)
+    if expected:
+        # TOML has no null: an optional key is simply left out, so hide "| null".
+        wanted = expected.group("expected").replace(" | null", "").replace("object", "table")
+        got = (expected.group("got") or "").replace("object", "table")
+        rest = expected.group("rest").strip()
+        if got:
+            return parts, f"expected {wanted}, got {got}"
+        return parts, f"must be {rest}" if rest else f"expected {wanted}"
+    if what.startswith("Invalid enum value"):
+        choices = _literal_choices(parts)
+        value = what.removeprefix("Invalid enum value").strip()
+        if choices:
+            return parts, f"invalid value {value}, expected one of {', '.join(map(repr, choices))}"
+        return parts, f"invalid value {value}"
+    return parts, what[0].lower() + what[1:] if what else "invalid value"
+
+
+_HEADER = re.compile(r"^\s*\[\[?\s*(?P<name>[^\]]+?)\s*\]\]?\s*(?:#.*)?$")
+_KEY = re.compile(r"""^\s*(?P<key>[A-Za-z0-9_\-."' ]+?)\s*=""")
+
+
+def _split_key(key: str) -> list[str]:
+    return [part.strip().strip("\"'") for part in key.split(".")]
+
+
+def find_key_line(text: str, key_path: Sequence[str]) -> int | None:
+    """Best-effort 1-based line of ``key_path`` in TOML text (its key, else its table header)."""
+    target = [p for p in key_path if not p.startswith("[")]
+    table: list[str] = []
+    header_line: int | None = None
+    for number, line in enumerate(text.splitlines(), start=1):
+        header = _HEADER.match(line)
+        if header:
+            table = _split_key(header.group("name"))
+            if table == target and header_line is None:
+                header_line = number
+            continue
+        key = _KEY.match(line)
+        if key and table + _split_key(key.group("key")) == target:
+            return number
+    return header_line
+
+
+def _override_for(key_path: Sequence[str], overrides: dict[tuple[str, ...], str]) -> str | None:
+    """The ``--set`` argument that put ``key_path`` (or a table above it) in the data."""
+    plain = tuple(p for p in key_path if not p.startswith("["))
+    for length in range(len(plain), 0, -1):
+        argument = overrides.get(plain[:length])
+        if argument is not None:
+            return argument
+    # An override below the failing key made it a table (``--set run.dir.x=1``).
+    return next((arg for key, arg in overrides.items() if plain and key[: len(plain)] == plain), None)
+
+
+# --- loading --------------------------------------------------------------------------
+
+
+def load_config(
+    path: str | os.PathLike[str], overrides: Sequence[str] = (), *, check: bool = True
+) -> Config:
+    """Read, override, decode, resolve and (unless ``check=False``) validate a config file."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a directory, not a config file") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"{path}: cannot read config file: {error}") from None
+    return load_config_text(text, name=str(path), base_dir=path.parent, overrides=overrides, check=check)
+
+
+def load_config_text(
+    text: str,
+    *,
+    name: str = "<config>",
+    base_dir: str | os.PathLike[str] = ".",
+    overrides: Sequence[str] = (),
+    check: bool = True,
+) -> Config:
+    """``load_config`` for TOML text (an embedded default); ``name`` appears in errors."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"{name}: TOML syntax error: {error}") from None
+    overridden: dict[tuple[str, ...], str] = {}
+    for argument in overrides:
+        try:
+            overridden[tuple(apply_override(data, argument))] = argument
+        except ConfigError as error:
+            raise ConfigError(f"{name}: {error}", key=error.key) from None
+    try:
+        config = msgspec.convert(data, Config)
+    except msgspec.ValidationError as error:
+        key_path, what = _describe(error)
+        raise _located(name, text, key_path, what, overridden) from None
+    config = resolve_paths(config, Path(base_dir), {k for k in overridden if len(k) == 2})
+    if check:
+        try:
+            validate(config)
+        except ConfigError as error:
+            key_path = error.key.split(".") if error.key else []
+            raise _located(name, text, key_path, str(error), overridden, prefixed=True) from None
+    return config
+
+
+def _located(
+    name: str,
+    text: str,
+    key_path: Sequence[str],
+    what: str,
+    overridden: dict[tuple[str, ...], str],
+    *,
+    prefixed: bool = False,
+) -> ConfigError:
+    """The one-line error: where (file and line, or the ``--set``), which key, what."""
+    dotted = _dotted(key_path)
+    message = what if prefixed or not dotted else f"{dotted}: {what}"
+    argument = _override_for(key_path, overridden)
+    if argument is not None:
+        return ConfigError(f"{name}: --set {argument}: {message}", key=dotted or None)
+    line = find_key_line(text, key_path) if key_path else None
+    where = f"{name}:{line}" if line is not None else name
+    return ConfigError(f"{where}: {message}", key=dotted or None)
+
+
+def _resolve(value: str, base: Path) -> str:
+    expanded = os.path.expanduser(value)
+    if os.path.isabs(expanded):
+        return os.path.normpath(expanded)
+    return os.path.normpath(os.path.join(base, expanded))
+
+
+def resolve_paths(
+    config: Config, base_dir: Path, from_cwd: Collection[tuple[str, ...]] = ()
+) -> Config:
+    """A copy with every path setting absolute: relative to ``base_dir``, or to the current
+    directory for keys in ``from_cwd`` (those given on the command line). Empty and unset
+    paths stay as they are."""
+    file_base, cwd = base_dir.absolute(), Path.cwd()
+    sections: dict[str, dict[str, str]] = {}
+    for section, key in PATH_KEYS:
+        value = getattr(getattr(config, section), key)
+        if value:
+            base = cwd if (section, key) in from_cwd else file_base
+            sections.setdefault(section, {})[key] = _resolve(value, base)
+    changes = {
+        section: msgspec.structs.replace(getattr(config, section), **values)
+        for section, values in sections.items()
+    }
+    return msgspec.structs.replace(config, **changes)
+
+
+def validate(config: Config) -> None:
+    """Check the rules that span fields; raises ``ConfigError`` (with ``.key``) on the first."""
+    run, data, trainer = config.run, config.data, config.trainer
+    if run.num_rollout != 0:
+        needed = "run.num_rollout is unset" if run.num_rollout is None else f"run.num_rollout = {run.num_rollout}"
+        if not data.prompt_data:
+            raise ConfigError(f"data.prompt_data: required because {needed}", key="data.prompt_data")
+        if not os.path.isfile(data.prompt_data):
+            raise ConfigError(
+                f"data.prompt_data: no such file {data.prompt_data} (needed because {needed})",
+                key="data.prompt_data",
+            )
+    if data.eval_data and not os.path.isfile(data.eval_data):
+        raise ConfigError(f"data.eval_data: no such file {data.eval_data}", key="data.eval_data")
+    rollout_samples = data.rollout_batch_size * data.n_samples_per_prompt
+    global_batch = trainer.global_batch_size or rollout_samples
+    if rollout_samples % global_batch:
+        raise ConfigError(
+            f"trainer.global_batch_size: {global_batch} must divide the samples per rollout "
+            f"(data.rollout_batch_size * data.n_samples_per_prompt = {rollout_samples})",
+            key="trainer.global_batch_size",
+        )
+    if trainer.micro_batch_size > global_batch:
+        raise ConfigError(
+            f"trainer.micro_batch_size: {trainer.micro_batch_size} must be <= the global batch "
+            f"of {global_batch} samples",
+            key="trainer.micro_batch_size",
+        )
+    try:
+        load_function(config.rollout.reward_fn)
+    except ValueError as error:
+        raise ConfigError(f"rollout.reward_fn: {error}", key="rollout.reward_fn") from None
+
+
+# --- output ---------------------------------------------------------------------------
+
+_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def _toml_key(key: str) -> str:
+    return key if _BARE_KEY.match(key) else _toml_string(key)
+
+
+def _toml_string(value: str) -> str:
+    out = ['"']
+    for char in value:
+        if char in ('"', "\\"):
+            out.append("\\" + char)
+        elif char == "\n":
+            out.append("\\n")
+        elif char == "\t":
+            out.append("\\t")
+        elif ord(char) < 0x20 or ord(char) == 0x7F:
+            out.append(f"\\u{ord(char):04x}")
+        else:
+            out.append(char)
+    out.append('"')
+    return "".join(out)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if value != value:
+            return "nan"
+        if value in (float("inf"), float("-inf")):
+            return "inf" if value > 0 else "-inf"
+        return repr(value)
+    if isinstance(value, str):
+        return _toml_string(value)
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    raise TypeError(f"cannot write {type(value).__name__} as TOML")
+
+
+def _emit_table(struct: msgspec.Struct, name: list[str], lines: list[str]) -> None:
+    values = [(f, getattr(struct, f)) for f in struct.__struct_fields__]
+    scalars = [(f, v) for f, v in values if not isinstance(v, msgspec.Struct)]
+    if name:
+        lines.append(f"\n[{'.'.join(_toml_key(n) for n in name)}]")
+    for field, value in scalars:
+        if value is None:
+            lines.append(f"# {_toml_key(field)} = (unset)")
+        else:
+            lines.append(f"{_toml_key(field)} = {_toml_value(value)}")
+    for field, value in values:
+        if isinstance(value, msgspec.Struct):
+            _emit_table(value, [*name, field], lines)
+
+
+def dump_config(config: Config) -> str:
+    """The config as TOML text that ``load_config`` reads back to an equal ``Config``."""
+    lines = [f"# miles-events resolved config, digest {config_digest(config)}"]
+    _emit_table(config, [], lines)
+    return "\n".join(lines).lstrip("\n") + "\n"
+
+
+def config_digest(config: Config) -> str:
+    """sha256 (hex) of the config's canonical JSON (keys sorted)."""
+    return hashlib.sha256(msgspec.json.encode(config, order="sorted")).hexdigest()

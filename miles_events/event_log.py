@@ -1,0 +1,346 @@
+"""The event log: every event of a run, msgpack-framed and appended to one file.
+
+File layout::
+
+    b"MILESEV1"                                   8-byte magic and format version
+    then per record:
+        length   4 bytes, big-endian, of the payload
+        crc32    4 bytes, big-endian, zlib.crc32 of the payload
+        payload  one event as msgpack (``miles_events.codec``)
+
+A crash can leave the last record incomplete ("torn"). Readers yield every complete record
+and then raise ``TornRecordError`` with the byte offset of the first bad one. The log is
+never truncated silently: ``EventLogWriter`` refuses to append after a torn tail unless it
+is opened with ``repair=True``, in which case the torn bytes are first copied to
+``<log>.torn-<offset>`` and only then cut off.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import zlib
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+from miles_events.codec import DecodeError, decode_event, encode_event
+from schemas.events import Event
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not on Linux/macOS
+    fcntl = None  # type: ignore[assignment]
+
+MAGIC = b"MILESEV1"
+HEADER_SIZE = len(MAGIC)
+FRAME = struct.Struct(">II")
+FRAME_SIZE = FRAME.size
+MAX_RECORD_BYTES = 1 << 30
+"""A length field above this is corruption, not an event (events are small)."""
+_READ_CHUNK = 1 << 22
+
+
+class TornRecordError(ValueError):
+    """The record at byte ``offset`` is incomplete or corrupt; ``reason`` says how."""
+
+    def __init__(self, offset: int, reason: str) -> None:
+        super().__init__(f"torn record at byte {offset}: {reason}")
+        self.offset = offset
+        self.reason = reason
+
+
+class NotAnEventLogError(ValueError):
+    """The file does not start with the event-log magic."""
+
+
+def _check_magic(head: bytes, path: Path) -> None:
+    """Raise unless ``head`` (the first bytes of the file) is a complete, known header."""
+    if len(head) >= HEADER_SIZE:
+        if head[:HEADER_SIZE] != MAGIC:
+            raise NotAnEventLogError(
+                f"{path}: not a miles-events event log (starts with {head[:HEADER_SIZE]!r}, "
+                f"expected {MAGIC!r})"
+            )
+        return
+    if MAGIC.startswith(head):
+        # A crash between creating the file and writing the header.
+        raise TornRecordError(0, f"incomplete file header ({len(head)} of {HEADER_SIZE} bytes)")
+    raise NotAnEventLogError(f"{path}: not a miles-events event log (too short and no magic)")
+
+
+def _open_log(path: Path) -> BinaryIO:
+    """The log opened for reading, positioned after its validated header."""
+    file = open(path, "rb")  # noqa: SIM115 - the caller owns it
+    try:
+        _check_magic(file.read(HEADER_SIZE), path)
+    except BaseException:
+        file.close()
+        raise
+    return file
+
+
+class LogReader:
+    """Reads a log record by record, exposing each record's byte offset.
+
+    ``records()`` yields ``(offset, event)``; ``end_offset`` is where the last complete
+    record ended (after iteration stopped, normally or with ``TornRecordError``). A file
+    that is still being appended to is read up to its size when a chunk runs out.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.end_offset = 0
+
+    def records(self) -> Iterator[tuple[int, Event]]:
+        """Every complete record in order; raises ``TornRecordError`` at the first bad one."""
+        with _open_log(self.path) as file:
+            self.end_offset = HEADER_SIZE
+            for offset, payload in _frames(file, HEADER_SIZE):
+                try:
+                    event = decode_event(payload)
+                except DecodeError as error:
+                    raise TornRecordError(offset, f"undecodable payload: {error}") from None
+                self.end_offset = offset + FRAME_SIZE + len(payload)
+                yield offset, event
+
+    def __iter__(self) -> Iterator[Event]:
+        for _, event in self.records():
+            yield event
+
+
+def _frames(file: BinaryIO, start: int) -> Iterator[tuple[int, memoryview]]:
+    """(offset, payload) for each record with a valid length and CRC from ``start`` on.
+
+    Reads in large chunks so the per-record cost is a few C calls; raises
+    ``TornRecordError`` at the first short or corrupt record.
+    """
+    unpack_from = FRAME.unpack_from
+    crc32 = zlib.crc32
+    data = b""
+    view = memoryview(data)
+    pos = 0
+    base = start  # file offset of data[0]
+    while True:
+        size = len(data)
+        # The hot loop: every record completely inside the current chunk.
+        while pos + FRAME_SIZE <= size:
+            length, stored_crc = unpack_from(data, pos)
+            end = pos + FRAME_SIZE + length
+            if end > size:
+                break
+            payload = view[pos + FRAME_SIZE : end]
+            if crc32(payload) != stored_crc:
+                raise TornRecordError(
+                    base + pos,
+                    f"CRC mismatch (stored {stored_crc:#010x}, computed {crc32(payload):#010x})",
+                )
+            yield base + pos, payload
+            pos = end
+        # Need more bytes: keep the partial record and read at least the rest of it.
+        remaining = size - pos
+        needed = FRAME_SIZE
+        if remaining >= FRAME_SIZE:
+            length, _ = unpack_from(data, pos)
+            if length > MAX_RECORD_BYTES:
+                raise TornRecordError(base + pos, f"implausible record length {length}")
+            needed = FRAME_SIZE + length
+        file_left = max(os.fstat(file.fileno()).st_size - file.tell(), 0)
+        chunk = b""
+        if remaining + file_left >= needed:
+            chunk = file.read(max(_READ_CHUNK, needed - remaining))
+        if remaining + len(chunk) < needed:
+            # Too few bytes left for the next record (or the file shrank under us).
+            have = remaining + max(file_left, len(chunk))
+            if have == 0:
+                return
+            if have < FRAME_SIZE:
+                reason = f"short header ({have} of {FRAME_SIZE} bytes)"
+            else:
+                reason = f"short payload ({have - FRAME_SIZE} of {needed - FRAME_SIZE} bytes)"
+            raise TornRecordError(base + pos, reason)
+        data = data[pos:] + chunk if remaining else chunk
+        view = memoryview(data)
+        base += pos
+        pos = 0
+
+
+def read_events(path: str | os.PathLike[str]) -> Iterator[Event]:
+    """Every event of the log in order.
+
+    Raises at once ``FileNotFoundError`` for a missing file and ``NotAnEventLogError``
+    for a file without the magic (``TornRecordError`` for a header cut short). While
+    iterating, raises ``TornRecordError`` (after yielding every complete record before
+    it) at the first record that is short, fails its CRC or does not decode.
+    """
+    return _events(_open_log(Path(path)))
+
+
+def _events(file: BinaryIO) -> Iterator[Event]:
+    with file:
+        for offset, payload in _frames(file, HEADER_SIZE):
+            try:
+                event = decode_event(payload)
+            except DecodeError as error:
+                raise TornRecordError(offset, f"undecodable payload: {error}") from None
+            yield event
+
+
+def scan_log(path: str | os.PathLike[str]) -> tuple[int, TornRecordError | None]:
+    """The end offset of the last record with a valid frame and CRC, and the tear if any.
+
+    Only framing and CRCs are checked (payloads are not decoded): a record from a newer
+    writer with an event type this reader does not know is still a complete record.
+    """
+    with _open_log(Path(path)) as file:
+        end = HEADER_SIZE
+        try:
+            for offset, payload in _frames(file, HEADER_SIZE):
+                end = offset + FRAME_SIZE + len(payload)
+        except TornRecordError as torn:
+            return end, torn
+    return end, None
+
+
+class EventLogWriter:
+    """Appends events to a log, flushing to the OS after every ``append``/``append_many``.
+
+    A new or empty file gets the header. An existing log is validated and appended to
+    (resume). If its tail is torn, opening fails with ``TornRecordError`` unless
+    ``repair=True``: then the bytes from the torn record on are copied to
+    ``<log>.torn-<offset>`` (never overwriting an existing file) and the log is truncated
+    to its last complete record. ``fsync=True`` also forces every append to stable
+    storage. Only one writer may hold a log at a time (an advisory ``flock``).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, fsync: bool = False, repair: bool = False) -> None:
+        self.path = Path(path)
+        self.fsync = fsync
+        self.torn_copy: Path | None = None
+        """Where a repaired torn tail was saved, if one was."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # Open read-write without truncating; create if missing.
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        self._file: BinaryIO = os.fdopen(fd, "r+b")
+        try:
+            self._lock()
+            self._offset = self._prepare(repair)
+        except BaseException:
+            self._file.close()
+            raise
+        self._buffer = bytearray()
+
+    @property
+    def offset(self) -> int:
+        """The file offset where the next record will start."""
+        return self._offset
+
+    @property
+    def closed(self) -> bool:
+        return self._file.closed
+
+    def _lock(self) -> None:
+        if fcntl is None:
+            return
+        try:
+            fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RuntimeError(f"{self.path}: event log is already open by another writer") from None
+
+    def _prepare(self, repair: bool) -> int:
+        """Validate (or create) the header, handle a torn tail, return the append offset."""
+        size = os.fstat(self._file.fileno()).st_size
+        if size == 0:
+            self._file.write(MAGIC)
+            self._file.flush()
+            return HEADER_SIZE
+        try:
+            end, torn = scan_log(self.path)
+        except TornRecordError as header_torn:
+            end, torn = 0, header_torn
+        if torn is not None:
+            if not repair:
+                raise TornRecordError(
+                    torn.offset,
+                    f"{torn.reason}; {self.path} has a torn tail, refusing to append "
+                    f"(open with repair=True to move bytes {torn.offset}..{size} to "
+                    f"{self.path}.torn-{torn.offset} and truncate)",
+                )
+            self._repair(end, size)
+            if end == 0:
+                self._file.write(MAGIC)
+                end = HEADER_SIZE
+        self._file.seek(end)
+        return end
+
+    def _repair(self, end: int, size: int) -> None:
+        """Copy bytes ``end..size`` aside (exclusively created), then truncate to ``end``."""
+        copy_path = self.path.with_name(f"{self.path.name}.torn-{end}")
+        self._file.seek(end)
+        tail = self._file.read(size - end)
+        with open(copy_path, "xb") as copy:
+            copy.write(tail)
+            copy.flush()
+            os.fsync(copy.fileno())
+        self.torn_copy = copy_path
+        self._file.truncate(end)
+        self._file.seek(end)
+        os.fsync(self._file.fileno())
+
+    def _frame_into(self, buffer: bytearray, event: Event) -> None:
+        payload = encode_event(event)
+        buffer += FRAME.pack(len(payload), zlib.crc32(payload))
+        buffer += payload
+
+    def append(self, event: Event) -> int:
+        """Append one event, flush; returns the record's offset."""
+        payload = encode_event(event)
+        return self._write(FRAME.pack(len(payload), zlib.crc32(payload)) + payload)
+
+    def append_many(self, events: Iterable[Event]) -> int:
+        """Append events with one write and one flush; returns the first record's offset.
+
+        Every event is encoded before anything is written, so an unencodable event leaves
+        the log unchanged.
+        """
+        buffer = self._buffer
+        buffer.clear()
+        for event in events:
+            self._frame_into(buffer, event)
+        if not buffer:
+            return self._offset
+        return self._write(buffer)
+
+    def _write(self, data: bytes | bytearray) -> int:
+        file = self._file
+        if file.closed:
+            raise ValueError(f"{self.path}: event log writer is closed")
+        offset = self._offset
+        file.write(data)
+        file.flush()
+        if self.fsync:
+            os.fsync(file.fileno())
+        self._offset = offset + len(data)
+        return offset
+
+    def flush(self) -> None:
+        """Flush to the OS (and to disk when ``fsync``); appends already do this."""
+        if not self._file.closed:
+            self._file.flush()
+            if self.fsync:
+                os.fsync(self._file.fileno())
+
+    def close(self) -> None:
+        """Flush and close; closing twice is harmless."""
+        if self._file.closed:
+            return
+        try:
+            self.flush()
+        finally:
+            self._file.close()
+
+    def __enter__(self) -> EventLogWriter:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

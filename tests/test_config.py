@@ -1,0 +1,206 @@
+"""Config loading: strict decoding with located one-line errors, overrides, checks, dump."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from miles_events.config import (
+    ConfigError,
+    config_digest,
+    dump_config,
+    find_key_line,
+    load_config,
+    load_config_text,
+    parse_override,
+    validate,
+)
+from schemas.config import Config, DataConfig
+
+PROMPTS = '{"input": "1+1=", "label": "2"}\n'
+
+
+def write_config(tmp_path: Path, body: str) -> Path:
+    (tmp_path / "prompts.jsonl").write_text(PROMPTS)
+    path = tmp_path / "run.toml"
+    path.write_text(body)
+    return path
+
+
+BASE = '[data]\nprompt_data = "prompts.jsonl"\nrollout_batch_size = 4\nn_samples_per_prompt = 4\n'
+
+
+def error_of(path: Path, overrides: list[str] | None = None) -> str:
+    with pytest.raises(ConfigError) as caught:
+        load_config(path, overrides or [])
+    message = str(caught.value)
+    assert "\n" not in message
+    return message
+
+
+def test_valid_file_loads(tmp_path: Path) -> None:
+    config = load_config(write_config(tmp_path, BASE + "[run]\nseed = 7\n"))
+    assert config.run.seed == 7
+    assert config.data.rollout_batch_size == 4
+
+
+def test_unknown_key_names_its_path_and_line(tmp_path: Path) -> None:
+    path = write_config(tmp_path, BASE + "\n[run]\nseed = 1\nfoo = 2\n")
+    message = error_of(path)
+    assert message.startswith(f"{path}:8: run.foo: unknown key")
+
+
+def test_misspelled_key_suggests_the_known_one(tmp_path: Path) -> None:
+    message = error_of(write_config(tmp_path, BASE + "[run]\nnum_rolout = 3\n"))
+    assert "run.num_rolout" in message and "did you mean num_rollout?" in message
+
+
+def test_unknown_section_is_an_unknown_key(tmp_path: Path) -> None:
+    path = write_config(tmp_path, BASE + "[runn]\nseed = 1\n")
+    assert error_of(path).startswith(f"{path}:5: runn: unknown key")
+
+
+def test_wrong_type_names_the_path_and_both_types(tmp_path: Path) -> None:
+    path = write_config(tmp_path, BASE + '[run]\nseed = "abc"\n')
+    assert error_of(path) == f"{path}:6: run.seed: expected int, got str"
+
+
+def test_out_of_range_value_says_the_bound(tmp_path: Path) -> None:
+    path = write_config(tmp_path, BASE.replace("rollout_batch_size = 4", "rollout_batch_size = 0"))
+    assert error_of(path) == f"{path}:3: data.rollout_batch_size: must be >= 1"
+
+
+def test_invalid_choice_lists_the_choices(tmp_path: Path) -> None:
+    message = error_of(write_config(tmp_path, BASE + '[run]\nruntime = "slurm"\n'))
+    assert "run.runtime" in message and "'local'" in message and "'ray'" in message
+
+
+def test_nested_table_key_is_located(tmp_path: Path) -> None:
+    path = write_config(tmp_path, BASE + "[model.builtin]\nhidden_size = 1.5\n")
+    assert error_of(path) == f"{path}:6: model.builtin.hidden_size: expected int, got float"
+
+
+def test_toml_syntax_error_is_one_line_with_position(tmp_path: Path) -> None:
+    message = error_of(write_config(tmp_path, "[run\nseed = 1\n"))
+    assert "TOML syntax error" in message and "line 1" in message
+
+
+def test_missing_file_is_one_line(tmp_path: Path) -> None:
+    assert error_of(tmp_path / "absent.toml") == f"{tmp_path / 'absent.toml'}: no such config file"
+
+
+def test_set_overrides_a_value(tmp_path: Path) -> None:
+    config = load_config(write_config(tmp_path, BASE), ["run.num_rollout=3"])
+    assert config.run.num_rollout == 3
+
+
+def test_set_creates_missing_tables_and_parses_toml_values(tmp_path: Path) -> None:
+    config = load_config(
+        write_config(tmp_path, BASE), ['rollout.stop=["\\n", "END"]', "verifier.enabled=false", "rollout.top_p=0.5"]
+    )
+    assert config.rollout.stop == ["\n", "END"]
+    assert config.verifier.enabled is False
+    assert config.rollout.top_p == 0.5
+
+
+def test_set_value_that_is_not_toml_is_a_string() -> None:
+    assert parse_override("run.dir=runs/my run") == (["run", "dir"], "runs/my run")
+
+
+def test_set_without_equals_is_an_error(tmp_path: Path) -> None:
+    message = error_of(write_config(tmp_path, BASE), ["run.num_rollout"])
+    assert "--set run.num_rollout" in message and "KEY=VALUE" in message
+
+
+def test_set_with_bad_value_names_the_set_argument(tmp_path: Path) -> None:
+    path = write_config(tmp_path, BASE + "[run]\nseed = 1\n")
+    assert error_of(path, ["run.seed=x"]) == f"{path}: --set run.seed=x: run.seed: expected int, got str"
+
+
+def test_set_through_a_non_table_is_an_error(tmp_path: Path) -> None:
+    path = write_config(tmp_path, BASE + '[run]\ndir = "runs/a"\n')
+    assert "--set run.dir.x=1: run.dir is a str, not a table" in error_of(path, ["run.dir.x=1"])
+
+
+def test_set_creating_a_table_where_a_value_belongs_names_the_set(tmp_path: Path) -> None:
+    path = write_config(tmp_path, BASE)
+    assert error_of(path, ["run.dir.x=1"]) == f"{path}: --set run.dir.x=1: run.dir: expected str, got table"
+
+
+def test_relative_paths_resolve_against_the_config_directory(tmp_path: Path) -> None:
+    config = load_config(write_config(tmp_path, BASE + '[run]\ndir = "runs/a"\n'))
+    assert config.run.dir == str(tmp_path / "runs" / "a")
+    assert config.data.prompt_data == str(tmp_path / "prompts.jsonl")
+
+
+def test_relative_paths_from_set_resolve_against_the_current_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "conf").mkdir()
+    path = write_config(tmp_path / "conf", BASE)
+    monkeypatch.chdir(tmp_path)
+    config = load_config(path, ["run.dir=out"])
+    assert config.run.dir == os.path.join(str(tmp_path), "out")
+
+
+def test_missing_prompt_data_is_an_error_unless_no_rollouts(tmp_path: Path) -> None:
+    path = write_config(tmp_path, BASE.replace("prompts.jsonl", "absent.jsonl"))
+    assert error_of(path).startswith(f"{path}:2: data.prompt_data: no such file")
+    assert load_config(path, ["run.num_rollout=0"]).run.num_rollout == 0
+
+
+def test_global_batch_must_divide_the_rollout_samples(tmp_path: Path) -> None:
+    message = error_of(write_config(tmp_path, BASE), ["trainer.global_batch_size=5"])
+    assert "trainer.global_batch_size" in message and "16" in message
+
+
+def test_micro_batch_may_not_exceed_the_global_batch(tmp_path: Path) -> None:
+    message = error_of(
+        write_config(tmp_path, BASE), ["trainer.global_batch_size=8", "trainer.micro_batch_size=9"]
+    )
+    assert "trainer.micro_batch_size" in message
+
+
+def test_reward_fn_must_be_importable(tmp_path: Path) -> None:
+    message = error_of(write_config(tmp_path, BASE), ["rollout.reward_fn=no_such_module.reward"])
+    assert "rollout.reward_fn" in message
+
+
+def test_validate_accepts_the_defaults_with_existing_prompts(tmp_path: Path) -> None:
+    (tmp_path / "p.jsonl").write_text(PROMPTS)
+    validate(Config(data=DataConfig(prompt_data=str(tmp_path / "p.jsonl"))))
+
+
+def test_dump_then_load_gives_the_same_config(tmp_path: Path) -> None:
+    config = load_config(
+        write_config(tmp_path, BASE),
+        ['rollout.stop=["a\\"b", "tab\\t", "x\\u007f", "back\\\\slash"]', "run.save_interval=2", "trainer.lr=3e-05"],
+    )
+    assert config.rollout.stop == ['a"b', "tab\t", "x\x7f", "back\\slash"]
+    dumped = tmp_path / "dumped.toml"
+    dumped.write_text(dump_config(config))
+    assert load_config(dumped) == config
+
+
+def test_dump_marks_unset_values_as_comments() -> None:
+    assert "# num_rollout = (unset)" in dump_config(Config()).splitlines()
+
+
+def test_digest_changes_with_any_value() -> None:
+    assert config_digest(Config()) == config_digest(Config())
+    assert config_digest(Config()) != config_digest(Config(data=DataConfig(rollout_batch_size=3)))
+
+
+def test_embedded_text_loads_with_its_name_in_errors() -> None:
+    with pytest.raises(ConfigError, match=r"^<default>:1: run.bogus: unknown key"):
+        load_config_text("run.bogus = 1\n", name="<default>")
+
+
+def test_key_line_finds_dotted_keys_under_tables() -> None:
+    text = "[model]\nbuiltin.hidden_size = 3\n[run]\n  seed = 1 # comment\n"
+    assert find_key_line(text, ["model", "builtin", "hidden_size"]) == 2
+    assert find_key_line(text, ["run", "seed"]) == 4
+    assert find_key_line(text, ["run"]) == 3
+    assert find_key_line(text, ["data"]) is None

@@ -1,0 +1,321 @@
+"""The embedded PyTorch inference engine: sampling, weight loading, weight checks."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+from actors.engine import SamplingParams, TorchEngine, sample_tokens
+from miles_events.checksum import checksums_digest, fingerprints
+from miles_events.hf_model import prepare_base_model
+from schemas.checksums import EngineChecksumReport
+from schemas.config import BuiltinModelConfig, ModelConfig
+
+PROMPTS = ["3+4=", "12*3=", "9-", "1", "7*8+1=", "2+2="]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return prepare_base_model(ModelConfig(), tmp_path_factory.mktemp("model"), seed=3)
+
+
+@pytest.fixture(scope="module")
+def tied_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    config = ModelConfig(builtin=BuiltinModelConfig(tie_word_embeddings=True))
+    return prepare_base_model(config, tmp_path_factory.mktemp("tied"), seed=3)
+
+
+@pytest.fixture
+def engine(model_dir: Path) -> TorchEngine:
+    return TorchEngine.from_pretrained(model_dir, max_batch_size=4)
+
+
+def seeded(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def full_forward_logprobs(
+    engine: TorchEngine, prompt_ids: list[int], response_ids: list[int], temperature: float
+) -> torch.Tensor:
+    """Log-probabilities of the response tokens from one unpadded, uncached forward pass."""
+    ids = torch.tensor([prompt_ids + response_ids])
+    with torch.no_grad():
+        logits = engine.model(input_ids=ids).logits[0].float()
+    scaled = logits / temperature if temperature > 0 else logits
+    logprobs = torch.log_softmax(scaled, dim=-1)
+    positions = torch.arange(len(prompt_ids) - 1, len(prompt_ids) + len(response_ids) - 1)
+    return logprobs[positions, torch.tensor(response_ids)]
+
+
+def perturbed_state(engine: TorchEngine, seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = seeded(seed)
+    return {
+        name: tensor + 0.01 * torch.randn(tensor.shape, generator=gen, dtype=tensor.dtype)
+        for name, tensor in engine.served_tensors().items()
+    }
+
+
+# --- sampling -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
+def test_kv_cached_logprobs_match_full_forward_pass(engine: TorchEngine, temperature: float) -> None:
+    sampling = SamplingParams(temperature=temperature, max_new_tokens=10)
+    completions = engine.generate(PROMPTS, sampling, seeded(0))
+    assert sum(len(c.response_ids) for c in completions) > len(PROMPTS)
+    for completion in completions:
+        expected = full_forward_logprobs(engine, completion.prompt_ids, completion.response_ids, temperature)
+        got = torch.tensor(completion.response_logprobs)
+        assert torch.allclose(got, expected, atol=1e-5, rtol=0), (got - expected).abs().max()
+
+
+def test_greedy_decoding_is_deterministic_and_ignores_the_generator(engine: TorchEngine) -> None:
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=8)
+    first = engine.generate(PROMPTS, sampling, seeded(1))
+    second = engine.generate(PROMPTS, sampling, seeded(2))
+    assert [c.response_ids for c in first] == [c.response_ids for c in second]
+
+
+def test_greedy_decoding_picks_the_argmax_of_a_full_forward_pass(engine: TorchEngine) -> None:
+    [completion] = engine.generate(["3+4="], SamplingParams(temperature=0.0, max_new_tokens=6))
+    ids = completion.prompt_ids + completion.response_ids
+    with torch.no_grad():
+        logits = engine.model(input_ids=torch.tensor([ids])).logits[0]
+    start = len(completion.prompt_ids) - 1
+    assert logits[start : start + len(completion.response_ids)].argmax(-1).tolist() == completion.response_ids
+
+
+def test_tiny_top_p_picks_the_argmax(engine: TorchEngine) -> None:
+    greedy = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=8))
+    tiny = SamplingParams(temperature=1.0, top_p=1e-6, max_new_tokens=8)
+    nucleus = engine.generate(PROMPTS, tiny, seeded(5))
+    assert [c.response_ids for c in nucleus] == [c.response_ids for c in greedy]
+
+
+def test_top_p_samples_only_the_nucleus_and_reports_untruncated_logprobs() -> None:
+    probs = torch.tensor([0.5, 0.3, 0.2])
+    logits = probs.log().expand(5, 3)
+    uniform = torch.tensor([0.0, 0.3, 0.6, 0.8, 0.99])
+    tokens, logprobs = sample_tokens(logits, 1.0, 0.6, uniform)
+    # The nucleus is {0, 1} (mass 0.8): draws above 0.5 / 0.8 land on token 1, never on 2.
+    assert tokens.tolist() == [0, 0, 0, 1, 1]
+    assert torch.allclose(logprobs, probs.log()[tokens])
+
+
+def test_full_top_p_samples_by_inverse_cdf() -> None:
+    probs = torch.tensor([0.5, 0.3, 0.2])
+    tokens, _ = sample_tokens(probs.log().expand(3, 3), 1.0, 1.0, torch.tensor([0.1, 0.6, 0.9]))
+    assert tokens.tolist() == [0, 1, 2]
+
+
+def test_same_seed_reproduces_samples(engine: TorchEngine) -> None:
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=8)
+    first = engine.generate(PROMPTS, sampling, seeded(11))
+    second = engine.generate(PROMPTS, sampling, seeded(11))
+    assert [(c.response_ids, c.response_logprobs) for c in first] == [
+        (c.response_ids, c.response_logprobs) for c in second
+    ]
+
+
+def test_different_seeds_give_different_samples(engine: TorchEngine) -> None:
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=8)
+    first = engine.generate(PROMPTS, sampling, seeded(11))
+    second = engine.generate(PROMPTS, sampling, seeded(12))
+    assert [c.response_ids for c in first] != [c.response_ids for c in second]
+
+
+def test_max_new_tokens_bounds_the_response(engine: TorchEngine) -> None:
+    completions = engine.generate(PROMPTS * 3, SamplingParams(temperature=1.0, max_new_tokens=3), seeded(0))
+    eos = engine.tokenizer.eos_token_id
+    assert all(len(c.response_ids) <= 3 for c in completions)
+    for c in completions:
+        ended_by_eos = c.response_ids[-1] == eos
+        assert c.finish_reason == ("stop" if ended_by_eos else "length")
+        assert ended_by_eos or len(c.response_ids) == 3
+
+
+def test_eos_ends_the_response_and_is_left_out_of_the_text(engine: TorchEngine) -> None:
+    eos = engine.tokenizer.eos_token_id
+    completions = engine.generate(PROMPTS * 8, SamplingParams(temperature=1.0, max_new_tokens=12), seeded(0))
+    ended = [c for c in completions if c.response_ids[-1] == eos]
+    assert ended, "the fixed seed is expected to sample EOS somewhere"
+    for c in completions:
+        assert eos not in c.response_ids[:-1]
+    for c in ended:
+        assert c.finish_reason == "stop"
+        assert c.response == engine.tokenizer.decode(c.response_ids[:-1], skip_special_tokens=True)
+        assert "<eos>" not in c.response
+
+
+def test_stop_string_ends_the_response_and_is_cut_from_the_text(engine: TorchEngine) -> None:
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=12)
+    [free] = engine.generate(["3+4="], sampling, seeded(21))
+    assert len(free.response) >= 3, free
+    stop = free.response[2]
+    cut = free.response.index(stop)
+    # The token that completes the stop string is the first whose prefix text contains it.
+    decode = engine.tokenizer.decode
+    last = next(
+        i
+        for i in range(len(free.response_ids))
+        if stop in decode(free.response_ids[: i + 1], skip_special_tokens=True)
+    )
+    stopping = SamplingParams(temperature=1.0, max_new_tokens=12, stop=("@@", stop))
+    [stopped] = engine.generate(["3+4="], stopping, seeded(21))
+    assert stopped.response_ids == free.response_ids[: last + 1]
+    assert stopped.response == free.response[:cut]
+    assert stopped.finish_reason == "stop"
+    assert stopped.matched_stop == stop
+
+
+def test_completions_come_back_in_request_order_across_chunks(engine: TorchEngine) -> None:
+    assert engine.max_batch_size < len(PROMPTS)
+    completions = engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=2), seeded(0))
+    assert [c.prompt_ids for c in completions] == [engine.encode(p) for p in PROMPTS]
+
+
+def test_token_id_prompts_are_used_as_given(engine: TorchEngine) -> None:
+    ids = engine.encode("3+4=")
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=4)
+    [from_text] = engine.generate(["3+4="], sampling)
+    [from_ids] = engine.generate([ids], sampling)
+    assert from_ids.prompt_ids == ids and from_ids.response_ids == from_text.response_ids
+
+
+def test_completions_carry_the_served_weight_version(engine: TorchEngine) -> None:
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=2)
+    assert engine.generate(["1"], sampling)[0].weight_version == "default"
+    engine.load_weights(perturbed_state(engine), "1")
+    assert engine.generate(["1"], sampling)[0].weight_version == "1"
+
+
+# --- weights --------------------------------------------------------------------------------
+
+
+def test_weight_version_starts_as_default(engine: TorchEngine) -> None:
+    assert engine.weight_version == "default"
+
+
+def test_load_weights_serves_the_new_tensors_under_the_new_version(engine: TorchEngine) -> None:
+    state = perturbed_state(engine)
+    engine.load_weights(state, "1")
+    assert engine.weight_version == "1"
+    assert engine.checksums() == fingerprints(state)
+
+
+@pytest.mark.parametrize("problem", ["unknown", "missing", "wrong shape"])
+def test_load_weights_rejects_bad_names_and_shapes_and_loads_nothing(
+    engine: TorchEngine, problem: str
+) -> None:
+    before = engine.checksums()
+    state = perturbed_state(engine)
+    if problem == "unknown":
+        state["model.not_a_tensor.weight"] = torch.zeros(2)
+        name = "model.not_a_tensor.weight"
+    elif problem == "missing":
+        name = "model.norm.weight"
+        del state[name]
+    else:
+        name = "model.layers.0.mlp.up_proj.weight"
+        state[name] = torch.zeros(3, 3)
+    with pytest.raises(ValueError, match=problem) as error:
+        engine.load_weights(state, "1")
+    assert name in str(error.value)
+    assert engine.weight_version == "default"
+    assert engine.checksums() == before
+
+
+def test_checksums_cover_the_state_dict_without_non_persistent_buffers(engine: TorchEngine) -> None:
+    checksums = engine.checksums()
+    assert set(checksums) == set(engine.model.state_dict())
+    assert not any("inv_freq" in name for name in checksums)
+    assert any("inv_freq" in name for name, _ in engine.model.named_buffers())
+
+
+def test_checksums_leave_out_skipped_tensors(engine: TorchEngine) -> None:
+    checksums = engine.checksums(skip_tensor_list=["norm"])
+    assert checksums and not any("norm" in name for name in checksums)
+
+
+def test_tied_embeddings_are_served_once_and_load_under_either_name(tied_model_dir: Path) -> None:
+    engine = TorchEngine.from_pretrained(tied_model_dir)
+    assert "lm_head.weight" not in engine.checksums()
+    state = perturbed_state(engine)
+    engine.load_weights(state, "1")
+    assert torch.equal(engine.model.lm_head.weight, state["model.embed_tokens.weight"])
+    by_head = dict(state)
+    by_head["lm_head.weight"] = by_head.pop("model.embed_tokens.weight") * 2
+    engine.load_weights(by_head, "2")
+    assert torch.equal(engine.model.get_input_embeddings().weight, by_head["lm_head.weight"])
+
+
+# --- SGLang weight-checker actions -----------------------------------------------------------
+
+
+def test_compare_without_a_snapshot_fails(engine: TorchEngine) -> None:
+    result = engine.weights_check("compare")
+    assert result["success"] is False and "snapshot" in result["message"]
+
+
+def test_compare_right_after_a_snapshot_succeeds(engine: TorchEngine) -> None:
+    assert engine.weights_check("snapshot")["success"]
+    assert engine.weights_check("compare")["success"]
+
+
+def test_reset_tensors_changes_every_selected_tensor_and_no_skipped_one(engine: TorchEngine) -> None:
+    before = engine.checksums()
+    assert engine.weights_check("reset_tensors", skip_tensor_list=["norm"])["success"]
+    after = engine.checksums()
+    for name in before:
+        assert (before[name] == after[name]) == ("norm" in name), name
+
+
+def test_compare_fails_after_reset_and_passes_after_reloading_the_snapshot(engine: TorchEngine) -> None:
+    original = {n: t.clone() for n, t in engine.served_tensors().items()}
+    engine.weights_check("snapshot")
+    engine.weights_check("reset_tensors")
+    failed = engine.weights_check("compare")
+    assert failed["success"] is False
+    assert "model.embed_tokens.weight" in failed["mismatched"]
+    engine.load_weights(original, "1")
+    assert engine.weights_check("compare")["success"]
+
+
+def test_compare_allows_one_ulp_only_with_allow_quant_error(engine: TorchEngine) -> None:
+    engine.weights_check("snapshot")
+    weight = engine.served_tensors()["model.norm.weight"]
+    with torch.no_grad():
+        weight[0] = torch.nextafter(weight[0], torch.tensor(float("inf")))
+    assert engine.weights_check("compare")["success"] is False
+    assert engine.weights_check("compare", allow_quant_error=True)["success"]
+    with torch.no_grad():
+        weight[0] = torch.nextafter(weight[0], torch.tensor(float("inf")))
+    assert engine.weights_check("compare", allow_quant_error=True)["success"] is False
+
+
+def test_compare_ignores_skipped_tensors(engine: TorchEngine) -> None:
+    engine.weights_check("snapshot", skip_tensor_list=["norm"])
+    engine.weights_check("reset_tensors", skip_tensor_list=["mlp", "attn", "embed", "lm_head"])
+    assert engine.weights_check("compare", skip_tensor_list=["norm"])["success"]
+
+
+def test_checksum_action_returns_an_sglang_shaped_report(engine: TorchEngine) -> None:
+    result = engine.weights_check("checksum", skip_tensor_list=["norm"])
+    report = msgspec.convert({k: v for k, v in result.items() if k != "weight_version"}, EngineChecksumReport)
+    [rank] = report.ranks
+    assert report.success and rank.checksums == engine.checksums(skip_tensor_list=["norm"])
+    assert rank.per_gpu_checksum == checksums_digest(rank.checksums)
+    assert report.per_engine_checksum == hashlib.sha256(rank.per_gpu_checksum.encode() + b"\n").hexdigest()
+    assert result["weight_version"] == "default"
+
+
+def test_draft_selector_selects_nothing(engine: TorchEngine) -> None:
+    engine.weights_check("snapshot")
+    assert engine.weights_check("checksum", selector="draft")["ranks"][0]["checksums"] == {}
+    for action in ("snapshot", "reset_tensors", "compare"):
+        assert engine.weights_check(action, selector="draft")["success"], action
+    # The draft actions touched neither the served weights nor the target snapshot.
+    assert engine.weights_check("compare", selector="target")["success"]

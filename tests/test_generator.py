@@ -1,0 +1,327 @@
+"""The Generator actor, driven through a fake context that collects what it publishes."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+from actors.generator import Generator, engine_seed, sorted_versions
+from miles_events.actor import Resources
+from miles_events.checksum import checksums_digest, fingerprints
+from miles_events.data import load_prompts, rollout_prompts
+from miles_events.hf_model import load_model, prepare_base_model
+from miles_events.transport import InProcessTransport, Transport
+from schemas.config import Config, DataConfig, ModelConfig, RolloutConfig, RunConfig, VerifierConfig
+from schemas.events import (
+    DataReleased,
+    EvalFinished,
+    EvalRequested,
+    Event,
+    RolloutGenerated,
+    RolloutRequested,
+    WeightsCheckFinished,
+    WeightsCheckRequested,
+    WeightsLoaded,
+    WeightsStaged,
+)
+from schemas.rollout import RolloutBatch
+
+ROLLOUT_BATCH = 4
+N_SAMPLES = 3
+
+
+def response_length_reward(prompt: str, response: str, label: str) -> float:
+    return len(response) / 4
+
+
+def half_reward(prompt: str, response: str, label: str) -> float:
+    return 0.5
+
+
+def full_reward(prompt: str, response: str, label: str) -> float:
+    return 1.0
+
+
+@dataclass
+class FakeContext:
+    config: Config
+    run_dir: Path
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    name: str = "generator"
+    events: list[Event] = field(default_factory=list)
+    transport: Transport = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.transport = InProcessTransport(self.run_id)
+
+    async def publish(self, event: Event) -> None:
+        self.events.append(event)
+
+    def of(self, event_type: type[Event]) -> list:
+        return [e for e in self.events if isinstance(e, event_type)]
+
+
+Started = tuple[Generator, FakeContext]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return prepare_base_model(ModelConfig(), tmp_path_factory.mktemp("model"), seed=5)
+
+
+@pytest.fixture(scope="module")
+def prompt_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "prompts.jsonl"
+    rows = [{"input": f"{a}+{b}=", "label": str(a + b)} for a in range(3) for b in range(4)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def make_config(model_dir: Path, prompt_file: Path, tmp_path: Path, **rollout: object) -> Config:
+    rollout_fields = {
+        "num_engines": 2,
+        "max_new_tokens": 4,
+        "reward_fn": f"{__name__}.response_length_reward",
+        **rollout,
+    }
+    return Config(
+        run=RunConfig(dir=str(tmp_path), seed=7, runtime="local"),
+        model=ModelConfig(path=str(model_dir)),
+        data=DataConfig(
+            prompt_data=str(prompt_file), rollout_batch_size=ROLLOUT_BATCH, n_samples_per_prompt=N_SAMPLES
+        ),
+        rollout=RolloutConfig(**rollout_fields),  # type: ignore[arg-type]
+    )
+
+
+async def started(config: Config, tmp_path: Path) -> Started:
+    context = FakeContext(config=config, run_dir=tmp_path)
+    generator = Generator(config, context)
+    await generator.start()
+    return generator, context
+
+
+@pytest.fixture
+async def actor(model_dir: Path, prompt_file: Path, tmp_path: Path) -> Started:
+    return await started(make_config(model_dir, prompt_file, tmp_path), tmp_path)
+
+
+def batch_of(context: FakeContext, event: RolloutGenerated) -> RolloutBatch:
+    return msgspec.msgpack.decode(context.transport.get_bytes(event.batch), type=RolloutBatch)
+
+
+def staged_weights(model_dir: Path, scale: float) -> dict[str, torch.Tensor]:
+    model = load_model(model_dir)
+    gen = torch.Generator().manual_seed(0)
+    return {n: t + scale * torch.randn(t.shape, generator=gen) for n, t in model.state_dict().items()}
+
+
+def weights_staged(context: FakeContext, tensors: dict[str, torch.Tensor], version: str) -> WeightsStaged:
+    ref = context.transport.put_tensors(f"weights-{version}", tensors, owner="trainer")
+    checksums = fingerprints(tensors)
+    return WeightsStaged(
+        weight_version=version,
+        weights=ref,
+        checksums=checksums,
+        digest=checksums_digest(checksums),
+        num_tensors=len(tensors),
+        num_bytes=ref.num_bytes,
+    )
+
+
+# --- rollouts ---------------------------------------------------------------------------------
+
+
+def test_generator_declares_one_cpu(model_dir: Path, prompt_file: Path, tmp_path: Path) -> None:
+    assert Generator.resources(make_config(model_dir, prompt_file, tmp_path)) == Resources(num_cpus=1)
+
+
+async def test_start_loads_one_engine_per_configured_engine(actor: Started) -> None:
+    generator, _ = actor
+    assert [e.name for e in generator.engines] == ["engine-0", "engine-1"]
+    assert all(e.weight_version == "default" for e in generator.engines)
+
+
+async def test_rollout_yields_groups_of_samples_at_the_default_version(actor: Started) -> None:
+    generator, context = actor
+    await generator.handle(RolloutRequested(rollout_id=0))
+    [event] = context.of(RolloutGenerated)
+    batch = batch_of(context, event)
+    expected = rollout_prompts(generator.prompts, 0, ROLLOUT_BATCH, 7, True)
+    assert event.num_samples == len(batch.samples) == ROLLOUT_BATCH * N_SAMPLES
+    assert event.weight_versions == ["default"]
+    assert event.batch.owner == "generator" and event.batch.key == "rollout-0"
+    assert event.response_tokens == sum(len(s.response_ids) for s in batch.samples)
+    for group, prompt in enumerate(expected):
+        members = [s for s in batch.samples if s.group == group]
+        assert len(members) == N_SAMPLES
+        identity = {(s.index, s.prompt, s.label) for s in members}
+        assert identity == {(prompt.index, prompt.prompt, prompt.label)}
+        assert {s.engine for s in members} == {f"engine-{group % 2}"}
+    assert all(s.weight_version == "default" for s in batch.samples)
+    assert [s.group for s in batch.samples] == sorted(s.group for s in batch.samples)
+
+
+async def test_reward_mean_matches_recomputed_rewards(actor: Started) -> None:
+    generator, context = actor
+    await generator.handle(RolloutRequested(rollout_id=1))
+    [event] = context.of(RolloutGenerated)
+    samples = batch_of(context, event).samples
+    rewards = [response_length_reward(s.prompt, s.response, s.label) for s in samples]
+    assert [s.reward for s in samples] == rewards
+    assert event.reward_mean == pytest.approx(sum(rewards) / len(rewards))
+    assert event.reward_mean > 0
+
+
+async def test_same_rollout_id_reproduces_the_identical_batch(
+    model_dir: Path, prompt_file: Path, tmp_path: Path
+) -> None:
+    batches = []
+    for _ in range(2):
+        generator, context = await started(make_config(model_dir, prompt_file, tmp_path), tmp_path)
+        await generator.handle(RolloutRequested(rollout_id=2))
+        [event] = context.of(RolloutGenerated)
+        batches.append(context.transport.get_bytes(event.batch))
+    assert batches[0] == batches[1]
+
+
+async def test_data_released_frees_only_the_generators_own_data(actor: Started) -> None:
+    generator, context = actor
+    await generator.handle(RolloutRequested(rollout_id=0))
+    [event] = context.of(RolloutGenerated)
+    foreign = context.transport.put_bytes("foreign", b"x", owner="trainer")
+    await generator.handle(DataReleased(ref=foreign))
+    await generator.handle(DataReleased(ref=event.batch))
+    assert context.transport.get_bytes(foreign) == b"x"
+    with pytest.raises(KeyError):
+        context.transport.get_bytes(event.batch)
+
+
+async def test_eval_reports_reward_mean_and_full_credit_accuracy(
+    model_dir: Path, prompt_file: Path, tmp_path: Path
+) -> None:
+    eval_file = tmp_path / "eval.jsonl"
+    rows = [("1+1=", "2"), ("2+2=", "4"), ("3", "3")]
+    eval_file.write_text("".join(json.dumps({"input": i, "label": l}) + "\n" for i, l in rows))
+    for reward_fn, accuracy in (("half_reward", 0.0), ("full_reward", 1.0)):
+        config = make_config(model_dir, prompt_file, tmp_path, reward_fn=f"{__name__}.{reward_fn}")
+        config.data.eval_data = str(eval_file)
+        config.data.eval_n_samples_per_prompt = 2
+        generator, context = await started(config, tmp_path)
+        await generator.handle(EvalRequested(rollout_id=4))
+        [event] = context.of(EvalFinished)
+        assert event.rollout_id == 4 and event.weight_versions == ["default"]
+        assert event.metrics["eval/num_samples"] == 6
+        assert event.metrics["eval/reward_mean"] == (0.5 if reward_fn == "half_reward" else 1.0)
+        assert event.metrics["eval/accuracy"] == accuracy
+
+
+async def test_eval_falls_back_to_the_prompt_data(actor: Started, prompt_file: Path) -> None:
+    generator, context = actor
+    await generator.handle(EvalRequested(rollout_id=0))
+    [event] = context.of(EvalFinished)
+    assert event.metrics["eval/num_samples"] == len(load_prompts(prompt_file, "input", "label"))
+
+
+# --- weights ----------------------------------------------------------------------------------
+
+
+async def test_weights_staged_loads_every_engine_and_reports_served_checksums(
+    actor: Started, model_dir: Path
+) -> None:
+    generator, context = actor
+    tensors = staged_weights(model_dir, 0.01)
+    staged = weights_staged(context, tensors, "1")
+    await generator.handle(staged)
+    loaded = context.of(WeightsLoaded)
+    assert [e.engine for e in loaded] == ["engine-0", "engine-1"]
+    for event in loaded:
+        assert (event.weight_version, event.previous_version) == ("1", "default")
+        assert event.checksums == fingerprints(tensors) == staged.checksums
+        assert event.digest == staged.digest
+    # The staged weights belong to their stager: still readable.
+    assert set(context.transport.get_tensors(staged.weights)) == set(tensors)
+
+
+async def test_rollouts_after_a_load_carry_the_new_version(
+    actor: Started, model_dir: Path
+) -> None:
+    generator, context = actor
+    await generator.handle(weights_staged(context, staged_weights(model_dir, 0.01), "1"))
+    await generator.handle(RolloutRequested(rollout_id=0))
+    [event] = context.of(RolloutGenerated)
+    assert event.weight_versions == ["1"]
+
+
+async def test_loaded_checksums_leave_out_the_verifier_skip_list(
+    model_dir: Path, prompt_file: Path, tmp_path: Path
+) -> None:
+    config = make_config(model_dir, prompt_file, tmp_path)
+    config.verifier = VerifierConfig(skip_tensor_list=["norm"])
+    generator, context = await started(config, tmp_path)
+    tensors = staged_weights(model_dir, 0.01)
+    await generator.handle(weights_staged(context, tensors, "1"))
+    for event in context.of(WeightsLoaded):
+        assert event.checksums == fingerprints(tensors, ["norm"])
+
+
+async def test_weights_with_a_missing_tensor_fail_the_load(
+    actor: Started, model_dir: Path
+) -> None:
+    generator, context = actor
+    tensors = staged_weights(model_dir, 0.01)
+    del tensors["model.norm.weight"]
+    with pytest.raises(ValueError, match="model.norm.weight"):
+        await generator.handle(weights_staged(context, tensors, "1"))
+    assert context.of(WeightsLoaded) == []
+
+
+async def test_checksum_check_reports_each_engines_served_checksums(
+    actor: Started, model_dir: Path
+) -> None:
+    generator, context = actor
+    request = WeightsCheckRequested(action="checksum", skip_tensor_list=["norm"], request_id="r1")
+    await generator.handle(request)
+    finished = context.of(WeightsCheckFinished)
+    expected = fingerprints(load_model(model_dir).state_dict(), ["norm"])
+    assert [e.engine for e in finished] == ["engine-0", "engine-1"]
+    for event in finished:
+        assert event.success and event.action == "checksum" and event.request_id == "r1"
+        assert event.checksums == expected and event.digest == checksums_digest(expected)
+        assert event.weight_version == "default"
+
+
+async def test_compare_check_fails_after_reset_and_passes_after_republication(
+    actor: Started, model_dir: Path
+) -> None:
+    generator, context = actor
+    await generator.handle(WeightsCheckRequested(action="snapshot"))
+    await generator.handle(WeightsCheckRequested(action="reset_tensors"))
+    await generator.handle(WeightsCheckRequested(action="compare", request_id="after-reset"))
+    await generator.handle(weights_staged(context, load_model(model_dir).state_dict(), "1"))
+    await generator.handle(WeightsCheckRequested(action="compare", request_id="after-load"))
+    outcome = {(e.request_id, e.engine): e for e in context.of(WeightsCheckFinished) if e.action == "compare"}
+    for engine in ("engine-0", "engine-1"):
+        assert not outcome["after-reset", engine].success
+        assert outcome["after-load", engine].success
+        assert outcome["after-load", engine].weight_version == "1"
+        assert outcome["after-load", engine].checksums == {}
+
+
+# --- pure functions ---------------------------------------------------------------------------
+
+
+def test_engine_seeds_differ_by_rollout_engine_and_kind() -> None:
+    seeds = {engine_seed(7, kind, r, i) for kind in ("rollout", "eval") for r in range(3) for i in range(2)}
+    assert len(seeds) == 12
+    assert engine_seed(7, "rollout", 1, 0) == engine_seed(7, "rollout", 1, 0)
+
+
+def test_versions_sort_oldest_first() -> None:
+    assert sorted_versions(["10", "default", "9", "10"]) == ["default", "9", "10"]
+

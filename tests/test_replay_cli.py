@@ -1,0 +1,139 @@
+"""``python -m miles_events.replay``: output formats, filters, exit statuses."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from miles_events.codec import encode_event
+from miles_events.event_log import FRAME_SIZE, HEADER_SIZE, EventLogWriter
+from miles_events.replay import format_event, main
+from schemas.data import DataRef
+from schemas.events import Event, RolloutGenerated, RolloutRequested, TrainStepFinished
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def sample_events() -> list[Event]:
+    events: list[Event] = []
+    for rollout_id in range(3):
+        events.append(RolloutRequested(rollout_id=rollout_id, source="coordinator"))
+        events.append(
+            RolloutGenerated(
+                rollout_id=rollout_id,
+                batch=DataRef("inprocess", f"batch-{rollout_id}", "generator"),
+                num_samples=4,
+                reward_mean=0.25,
+                weight_versions=["default"],
+                source="generator",
+            )
+        )
+        events.append(
+            TrainStepFinished(
+                rollout_id=rollout_id,
+                weight_version=str(rollout_id),
+                loss=0.5,
+                pg_loss=0.5,
+                kl=0.0,
+                entropy=1.0,
+                grad_norm=1.0,
+                clipfrac=0.0,
+                train_tokens=10,
+                num_optimizer_steps=rollout_id + 1,
+                source="trainer",
+            )
+        )
+    # Stamp the header as the bus would.
+    return [msgspec.structs.replace(e, seq=i + 1, time=1_700_000_000.0 + i) for i, e in enumerate(events)]
+
+
+@pytest.fixture
+def log(tmp_path: Path) -> Path:
+    path = tmp_path / "events.log"
+    with EventLogWriter(path) as writer:
+        writer.append_many(sample_events())
+    return path
+
+
+def test_default_output_is_one_line_per_event(log: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([str(log)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [format_event(e) for e in sample_events()]
+
+
+def test_human_line_shows_seq_source_type_and_key_fields() -> None:
+    line = format_event(sample_events()[1])
+    assert line.split()[0] == "2"
+    assert "generator" in line and "RolloutGenerated" in line
+    assert "rollout_id=0" in line and "batch=inprocess:batch-0" in line
+
+
+def test_json_output_is_one_object_per_line_with_type(log: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([str(log), "--json"]) == 0
+    objects = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [o["type"] for o in objects] == [type(e).__name__ for e in sample_events()]
+    assert objects[1]["batch"]["key"] == "batch-0"
+
+
+def test_type_filter_keeps_only_those_types(log: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([str(log), "--json", "--type", "TrainStepFinished", "--type", "RolloutRequested"]) == 0
+    types = {json.loads(line)["type"] for line in capsys.readouterr().out.splitlines()}
+    assert types == {"TrainStepFinished", "RolloutRequested"}
+
+
+def test_source_and_rollout_filters_combine(log: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([str(log), "--json", "--source", "trainer,generator", "--rollout-id", "1"]) == 0
+    objects = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(o["type"], o["rollout_id"]) for o in objects] == [("RolloutGenerated", 1), ("TrainStepFinished", 1)]
+
+
+def test_unknown_type_filter_is_a_usage_error(log: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([str(log), "--type", "NoSuchEvent"]) == 2
+    assert "NoSuchEvent" in capsys.readouterr().err
+
+
+def test_run_directory_reads_its_events_log(log: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([str(log.parent), "--json"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == len(sample_events())
+
+
+def test_torn_log_prints_complete_records_then_exits_1_naming_the_offset(
+    log: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    events = sample_events()
+    torn_offset = HEADER_SIZE + sum(FRAME_SIZE + len(encode_event(e)) for e in events[:5])
+    log.write_bytes(log.read_bytes()[: torn_offset + FRAME_SIZE + 2])
+    assert main([str(log), "--json"]) == 1
+    captured = capsys.readouterr()
+    assert [json.loads(line)["seq"] for line in captured.out.splitlines()] == [1, 2, 3, 4, 5]
+    assert captured.err.splitlines() == [
+        f"replay: {log}: torn record at byte {torn_offset}: short payload "
+        f"(2 of {len(encode_event(events[5]))} bytes)"
+    ]
+
+
+def test_not_an_event_log_exits_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "config.toml"
+    path.write_text("[run]\nseed = 1\n")
+    assert main([str(path)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "not a miles-events event log" in err
+
+
+def test_missing_file_exits_2_without_traceback(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.log"
+    result = subprocess.run(
+        [sys.executable, "-m", "miles_events.replay", str(missing)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip() == f"replay: {missing}: no such file"

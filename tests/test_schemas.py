@@ -1,0 +1,214 @@
+"""Every event survives the wire codec, and the header/evolution rules hold."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import pytest
+
+from miles_events.codec import (
+    decode_batch,
+    decode_event,
+    encode_batch,
+    encode_event,
+    event_from_json,
+    event_to_json,
+    event_to_json_bytes,
+)
+from schemas.checkpoint import DataCursor, TrainerState
+from schemas.data import DataRef
+from schemas.events import EVENT_TYPES, EVENT_TYPES_BY_NAME, Event, RolloutRequested, TensorMismatch
+
+HEADER = {"run_id": "run-7", "seq": 42, "time": 1_700_000_000.25, "source": "tester"}
+REF = DataRef("shm", "rollout-3", "generator", 4096)
+CHECKSUMS = {"model.embed_tokens.weight": "0123456789abcdef", "lm_head.weight": "fedcba9876543210"}
+STATE = TrainerState(
+    rollout_id=3,
+    weight_version="4",
+    num_optimizer_steps=12,
+    data=DataCursor(next_rollout_id=4, epoch=1, offset=16),
+    seed=1234,
+    run_id="run-7",
+)
+
+# One instance per event type with every field given a non-default value.
+EXAMPLES: dict[str, dict[str, Any]] = {
+    "RunStarted": dict(
+        runtime="local",
+        config_digest="ab" * 32,
+        start_rollout_id=2,
+        num_rollout=10,
+        num_rollout_per_epoch=5,
+        resumed=True,
+        weight_version="3",
+        engines=["engine-0", "engine-1"],
+    ),
+    "StopRequested": dict(reason="sentinel file"),
+    "RunFinished": dict(status="stopped", reason="user", last_rollout_id=7, weight_version="8"),
+    "ActorFailed": dict(actor="trainer", error="boom", event_type="RolloutGenerated", event_seq=17),
+    "DataReleased": dict(ref=REF),
+    "RolloutRequested": dict(rollout_id=3),
+    "RolloutGenerated": dict(
+        rollout_id=3,
+        batch=REF,
+        num_samples=64,
+        reward_mean=0.375,
+        weight_versions=["2", "3"],
+        response_tokens=900,
+        generate_seconds=1.5,
+    ),
+    "TrainStepFinished": dict(
+        rollout_id=3,
+        weight_version="3",
+        loss=0.5,
+        pg_loss=0.25,
+        kl=0.01,
+        entropy=2.0,
+        grad_norm=0.75,
+        clipfrac=0.125,
+        train_tokens=2048,
+        num_optimizer_steps=4,
+        staleness_max=1,
+        train_seconds=3.0,
+    ),
+    "EvalRequested": dict(rollout_id=5),
+    "EvalFinished": dict(
+        rollout_id=5, metrics={"accuracy": 0.5, "reward": 0.25}, weight_versions=["5"], eval_seconds=2.0
+    ),
+    "PublishRequested": dict(rollout_id=3),
+    "WeightsStaged": dict(
+        weight_version="4",
+        weights=REF,
+        checksums=CHECKSUMS,
+        digest="cd" * 32,
+        num_tensors=2,
+        num_bytes=1 << 20,
+        rollout_id=3,
+        stage_seconds=0.5,
+    ),
+    "WeightsLoaded": dict(
+        engine="engine-0",
+        weight_version="4",
+        previous_version="3",
+        checksums=CHECKSUMS,
+        digest="cd" * 32,
+        load_seconds=0.25,
+    ),
+    "WeightsPublished": dict(
+        weight_version="4",
+        engines=["engine-0"],
+        previous_versions=["3"],
+        rollout_id=3,
+        stage_seconds=0.5,
+        load_seconds=0.25,
+        publish_seconds=0.875,
+    ),
+    "PublicationFailed": dict(weight_version="4", phase="load", reason="timeout", rollout_id=3),
+    "PublicationVerified": dict(
+        weight_version="4", digest="cd" * 32, num_tensors=2, engines=["engine-0"], rollout_id=3, verify_seconds=0.01
+    ),
+    "PublicationMismatch": dict(
+        weight_version="4",
+        mismatches=[TensorMismatch("engine-0", "lm_head.weight", "fedcba9876543210", "0000000000000000")],
+        expected_digest="cd" * 32,
+        engine_digests={"engine-0": "ef" * 32},
+        rollout_id=3,
+        verify_seconds=0.01,
+    ),
+    "WeightsCheckRequested": dict(
+        action="compare",
+        selector="target",
+        skip_tensor_list=["rotary_emb"],
+        allow_quant_error=True,
+        request_id="check-1",
+    ),
+    "WeightsCheckFinished": dict(
+        engine="engine-0",
+        action="checksum",
+        success=False,
+        message="mismatch",
+        checksums=CHECKSUMS,
+        digest="cd" * 32,
+        weight_version="4",
+        request_id="check-1",
+    ),
+    "SaveRequested": dict(rollout_id=3, reason="sentinel"),
+    "TrainStateStaged": dict(
+        rollout_id=3,
+        weights=REF,
+        optimizer=DataRef("shm", "optimizer-3", "trainer", 10),
+        rng=DataRef("shm", "rng-3", "trainer", 5),
+        trainer_state=STATE,
+        reason="last",
+    ),
+    "CheckpointSaved": dict(
+        rollout_id=3, path="/runs/x/checkpoints/rollout_3", weight_version="4", num_bytes=123, save_seconds=1.0
+    ),
+    "CheckpointFailed": dict(rollout_id=3, reason="disk full"),
+}
+
+
+def example(name: str) -> Event:
+    return EVENT_TYPES_BY_NAME[name](**EXAMPLES[name], **HEADER)
+
+
+def test_examples_cover_every_event_type_and_every_field() -> None:
+    assert set(EXAMPLES) == set(EVENT_TYPES_BY_NAME)
+    for name, fields in EXAMPLES.items():
+        own_fields = set(EVENT_TYPES_BY_NAME[name].__struct_fields__) - set(HEADER)
+        assert set(fields) == own_fields, name
+
+
+@pytest.mark.parametrize("event_type", EVENT_TYPES, ids=lambda t: t.__name__)
+def test_event_round_trips_through_msgpack(event_type: type[Event]) -> None:
+    event = example(event_type.__name__)
+    decoded = decode_event(encode_event(event))
+    assert type(decoded) is event_type
+    assert decoded == event
+
+
+@pytest.mark.parametrize("event_type", EVENT_TYPES, ids=lambda t: t.__name__)
+def test_event_round_trips_through_json(event_type: type[Event]) -> None:
+    event = example(event_type.__name__)
+    as_dict = event_to_json(event)
+    assert as_dict["type"] == event_type.__name__
+    assert event_from_json(as_dict) == event
+    assert event_from_json(event_to_json_bytes(event)) == event
+
+
+def test_batch_round_trips_in_order() -> None:
+    events = [example(name) for name in EXAMPLES]
+    assert decode_batch(encode_batch(events)) == events
+
+
+def test_header_defaults_are_unstamped() -> None:
+    event = RolloutRequested(rollout_id=1)
+    assert (event.run_id, event.seq, event.time, event.source) == ("", 0, 0.0, "")
+
+
+def test_events_are_frozen() -> None:
+    event = RolloutRequested(rollout_id=1)
+    with pytest.raises(AttributeError):
+        event.rollout_id = 2  # type: ignore[misc]
+
+
+def test_unknown_field_from_a_newer_writer_is_ignored() -> None:
+    class NewerRolloutRequested(Event, frozen=True, kw_only=True, tag="RolloutRequested"):
+        rollout_id: int
+        priority: int = 0
+
+    data = msgspec.msgpack.encode(NewerRolloutRequested(rollout_id=9, priority=3, seq=5))
+    assert decode_event(data) == RolloutRequested(rollout_id=9, seq=5)
+
+
+def test_field_missing_from_an_older_writer_gets_its_default() -> None:
+    data = msgspec.msgpack.encode({"type": "RunFinished", "status": "completed"})
+    event = decode_event(data)
+    assert event == EVENT_TYPES_BY_NAME["RunFinished"](status="completed")
+    assert event.last_rollout_id == -1  # type: ignore[attr-defined]
+
+
+def test_unknown_event_type_does_not_decode() -> None:
+    with pytest.raises(msgspec.DecodeError):
+        decode_event(msgspec.msgpack.encode({"type": "NoSuchEvent"}))
