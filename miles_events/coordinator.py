@@ -75,6 +75,20 @@ class RunPlan:
     runtime: str
     config_digest: str
 
+    @classmethod
+    def from_run_started(cls, event: RunStarted) -> RunPlan:
+        """The plan a recorded run announced (for re-driving the Coordinator from its log)."""
+        return cls(
+            start_rollout_id=event.start_rollout_id,
+            num_rollout=event.num_rollout,
+            num_rollout_per_epoch=event.num_rollout_per_epoch,
+            resumed=event.resumed,
+            weight_version=event.weight_version,
+            engines=tuple(event.engines),
+            runtime=event.runtime,
+            config_digest=event.config_digest,
+        )
+
 
 class Coordinator(Actor):
     name = "coordinator"

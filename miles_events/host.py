@@ -47,8 +47,16 @@ class HostContext:
         await self._publish(event)
 
 
+def innermost(error: BaseException) -> BaseException:
+    """The exception itself, out of the groups that task groups wrap single errors in."""
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    return error
+
+
 def describe_error(error: BaseException) -> str:
     """One line: the exception type and message, and where it was raised."""
+    error = innermost(error)
     frames = traceback.extract_tb(error.__traceback__)
     where = f" ({Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
     message = str(error).strip().splitlines()[0] if str(error).strip() else ""
@@ -84,10 +92,12 @@ class ActorHost:
             await self.actor.handle(event)
             self.handled += 1
         except Exception as error:
-            logger.error("actor %s failed on %s #%d", self.name, type(event).__name__, event.seq, exc_info=True)
+            # One line for the console; the whole traceback goes into the event log.
+            logger.debug("actor %s failed on %s #%d", self.name, type(event).__name__, event.seq, exc_info=True)
             self.failed = ActorFailed(
                 actor=self.name,
                 error=describe_error(error),
+                traceback="".join(traceback.format_exception(innermost(error))),
                 event_type=type(event).__name__,
                 event_seq=event.seq,
                 time=time.time(),

@@ -60,6 +60,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--rollout-id", type=int, default=None, metavar="N", help="only events about rollout N"
     )
+    parser.add_argument(
+        "--redrive",
+        action="append",
+        default=[],
+        metavar="ACTOR",
+        help="re-drive this actor (coordinator, verifier, publisher) from the log and check that "
+        "it makes the recorded decisions (repeatable, or comma-separated)",
+    )
+    parser.add_argument(
+        "--config",
+        default=None,
+        metavar="TOML",
+        help="the run's config for --redrive (default: configs/<run_id>.toml beside the log)",
+    )
     return parser
 
 
@@ -174,6 +188,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         err.write(f"replay: {args.log}: torn record at byte {torn.offset}: {torn.reason}\n")
         return 1
 
+    if args.redrive:
+        return _redrive(path, events, sorted(_split(args.redrive)), args.config, sys.stdout, err)
     selected = filter_events(events, types=types, sources=_split(args.sources), rollout_id=args.rollout_id)
     out = sys.stdout
     try:
@@ -189,6 +205,45 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(devnull, out.fileno())
         return 141
     return 0
+
+
+def _redrive(
+    path: Path, events: Iterable[Event], names: list[str], config: str | None, out: TextIO, err: TextIO
+) -> int:
+    """Re-drive each named actor over each run in the log; 0 when every decision matches."""
+    import asyncio
+
+    from miles_events.config import ConfigError, load_config
+    from miles_events.redrive import REDRIVABLE, build_actor, redrive, split_runs
+
+    unknown = [n for n in names if n not in REDRIVABLE]
+    if unknown:
+        err.write(f"replay: cannot re-drive {', '.join(unknown)} (choose from {', '.join(sorted(REDRIVABLE))})\n")
+        return 2
+    try:
+        runs = split_runs(events)
+    except TornRecordError as torn:
+        err.write(f"replay: {path}: torn record at byte {torn.offset}: {torn.reason}\n")
+        return 1
+    status = 0
+    for run_id, recorded in runs.items():
+        config_path = Path(config) if config else path.parent / "configs" / f"{run_id}.toml"
+        try:
+            run_config = load_config(config_path, check=False)
+        except ConfigError as error:
+            err.write(f"replay: run {run_id}: {error}\n")
+            return 2
+        for name in names:
+            try:
+                actor = build_actor(name, run_config, recorded)
+            except ValueError as error:
+                err.write(f"replay: run {run_id}: {error}\n")
+                return 2
+            result = asyncio.run(redrive(actor, recorded))
+            verdict = "same decisions" if result.matches else "DIFFERENT: " + result.first_difference()
+            out.write(f"{name:12} run {run_id}: {result.inputs} events in, {len(result.produced)} decisions: {verdict}\n")
+            status = status or (0 if result.matches else 1)
+    return status
 
 
 if __name__ == "__main__":

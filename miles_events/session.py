@@ -22,7 +22,7 @@ from miles_events.actor import Actor
 from miles_events.bus import EventBus, Mailbox
 from miles_events.host import describe_error
 from miles_events.checkpoint import latest_checkpoint, verify_checkpoint
-from miles_events.config import config_digest
+from miles_events.config import config_digest, dump_config
 from miles_events.coordinator import Coordinator, RunPlan
 from miles_events.data import load_prompts, num_rollout_per_epoch
 from miles_events.event_log import EventLogWriter
@@ -42,6 +42,10 @@ class RunResult:
     finished: RunFinished
     run_dir: Path
     seconds: float
+
+
+def run_config_path(run_dir: Path, run_id: str) -> Path:
+    return run_dir / "configs" / f"{run_id}.toml"
 
 
 def new_run_id() -> str:
@@ -132,6 +136,10 @@ class Session:
         started = time.monotonic()
         config = self.config
         plan = make_plan(config, self.runtime_name)
+        # The resolved config of every run beside the log, so the log can be re-driven.
+        config_path = run_config_path(self.run_dir, self.run_id)
+        config_path.parent.mkdir(parents=True, exist_ok=True)
+        config_path.write_text(dump_config(config))
         bus = self.bus = EventBus(self.run_id, config.bus.mailbox_size, config.bus.stall_warning_seconds)
         log = EventLogSubscriber(bus, self.run_dir / EVENT_LOG, config.bus.max_batch)
         watch = bus.subscribe("session", (RunFinished, ActorFailed))

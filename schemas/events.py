@@ -64,8 +64,11 @@ class ActorFailed(Event, frozen=True, kw_only=True):
 
     actor: str
     error: str
+    """One line: exception type, message and where it was raised."""
     event_type: str = ""
     event_seq: int = -1
+    traceback: str = ""
+    """The full traceback, for post-mortems from the event log."""
 
 
 class DataReleased(Event, frozen=True, kw_only=True):

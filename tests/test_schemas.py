@@ -46,7 +46,7 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     ),
     "StopRequested": dict(reason="sentinel file"),
     "RunFinished": dict(status="stopped", reason="user", last_rollout_id=7, weight_version="8"),
-    "ActorFailed": dict(actor="trainer", error="boom", event_type="RolloutGenerated", event_seq=17),
+    "ActorFailed": dict(actor="trainer", error="boom", event_type="RolloutGenerated", event_seq=17, traceback="Traceback (most recent call last): ..."),
     "DataReleased": dict(ref=REF),
     "RolloutRequested": dict(rollout_id=3),
     "RolloutGenerated": dict(

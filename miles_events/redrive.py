@@ -1,0 +1,114 @@
+"""Re-drive an actor from a recorded event log and compare its decisions with the record.
+
+The actor gets, in log order, every recorded event of a type it handles; what it publishes
+is compared with what it published in the recorded run (events from its ``source`` whose
+types it does not itself handle). Header fields (``run_id``, ``seq``, ``time``, ``source``)
+and measured durations (fields ending in ``_seconds``) are not decisions and are ignored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from schemas.config import Config
+from schemas.events import Event, RunStarted
+
+from miles_events.actor import Actor
+from miles_events.transport import InProcessTransport, Transport
+
+HEADER = ("run_id", "seq", "time", "source")
+
+
+def decision(event: Event) -> tuple[str, dict[str, Any]]:
+    """What an event decides: its type and its fields, without header and timings."""
+    fields = msgspec.structs.asdict(event)
+    body = {k: v for k, v in fields.items() if k not in HEADER and not k.endswith("_seconds")}
+    return type(event).__name__, msgspec.to_builtins(body)
+
+
+@dataclass
+class RecordingContext:
+    """An actor context that records publications instead of putting them on a bus."""
+
+    config: Config
+    name: str = "actor"
+    run_id: str = "redrive"
+    run_dir: Path = Path(".")
+    transport: Transport = field(default_factory=lambda: InProcessTransport("redrive"))
+    published: list[Event] = field(default_factory=list)
+
+    async def publish(self, event: Event) -> None:
+        self.published.append(event)
+
+
+@dataclass(frozen=True)
+class RedriveResult:
+    actor: str
+    inputs: int
+    expected: list[tuple[str, dict[str, Any]]]
+    produced: list[tuple[str, dict[str, Any]]]
+
+    @property
+    def matches(self) -> bool:
+        return self.expected == self.produced
+
+    def first_difference(self) -> str:
+        for index, (want, got) in enumerate(zip(self.expected, self.produced, strict=False)):
+            if want != got:
+                return f"decision {index}: recorded {want[0]} {want[1]}, re-driven {got[0]} {got[1]}"
+        if len(self.expected) != len(self.produced):
+            return f"recorded {len(self.expected)} decisions, re-driven {len(self.produced)}"
+        return ""
+
+
+async def redrive(actor: Actor, recorded: Sequence[Event], name: str | None = None) -> RedriveResult:
+    """Feed ``actor`` its inputs from ``recorded``; compare its outputs with the record."""
+    name = name or actor.name
+    handled = tuple(actor.handlers())
+    context = actor.context
+    assert isinstance(context, RecordingContext), "build the actor with a RecordingContext"
+    inputs = [e for e in recorded if isinstance(e, handled)]
+    for event in inputs:
+        await actor.handle(event)
+    expected = [decision(e) for e in recorded if e.source == name and not isinstance(e, handled)]
+    produced = [decision(e) for e in context.published if not isinstance(e, handled)]
+    return RedriveResult(actor=name, inputs=len(inputs), expected=expected, produced=produced)
+
+
+# Actors that can be re-driven from a log, by name; imported only when asked for, since
+# the CLIs sit above the actors in the dependency order.
+REDRIVABLE = {
+    "coordinator": "miles_events.coordinator.Coordinator",
+    "verifier": "actors.verifier.Verifier",
+    "publisher": "actors.publisher.Publisher",
+}
+
+
+def split_runs(recorded: Iterable[Event]) -> dict[str, list[Event]]:
+    """A log appended to by several runs (a resumed run continues the same log), by run id."""
+    runs: dict[str, list[Event]] = {}
+    for event in recorded:
+        runs.setdefault(event.run_id, []).append(event)
+    return runs
+
+
+def build_actor(name: str, config: Config, recorded: Sequence[Event]) -> Actor:
+    """The actor ``name`` as it was at the start of the recorded run."""
+    from miles_events.rewards import load_function
+
+    if name not in REDRIVABLE:
+        raise ValueError(f"cannot re-drive {name!r}; choose from {sorted(REDRIVABLE)}")
+    cls = load_function(REDRIVABLE[name])
+    context = RecordingContext(config, name=name)
+    if name == "coordinator":
+        from miles_events.coordinator import RunPlan
+
+        started = next((e for e in recorded if isinstance(e, RunStarted)), None)
+        if started is None:
+            raise ValueError("the log has no RunStarted: cannot rebuild the coordinator's plan")
+        return cls(config, context, RunPlan.from_run_started(started))  # type: ignore[no-any-return]
+    return cls(config, context)  # type: ignore[no-any-return]

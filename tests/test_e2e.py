@@ -1,0 +1,171 @@
+"""End to end, as a user runs it: ``python -m miles_events.run examples/tiny.toml`` on each
+runtime, resume, failures and bad input. Short runs (a few rollouts) of the embedded
+default; the full learning run is the README's first command."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+from schemas.events import (
+    ActorFailed,
+    CheckpointSaved,
+    PublicationVerified,
+    RolloutGenerated,
+    RunFinished,
+    RunStarted,
+    WeightsPublished,
+)
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from miles_events.checkpoint import latest_checkpoint, read_checkpoint
+from miles_events.event_log import read_events
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "examples" / "tiny.toml"
+
+pytestmark = pytest.mark.slow
+
+
+def run_cli(run_dir: Path, *overrides: str, flags: tuple[str, ...] = (), timeout: int = 300) -> subprocess.CompletedProcess:
+    args = [sys.executable, "-m", "miles_events.run", str(TINY), "--set", f'run.dir="{run_dir}"', *flags]
+    for override in overrides:
+        args += ["--set", override]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+
+
+def events(run_dir: Path) -> list:
+    return list(read_events(run_dir / "events.log"))
+
+
+def rollouts(log: list) -> list[tuple[int, float, list[str]]]:
+    return [(e.rollout_id, e.reward_mean, e.weight_versions) for e in log if isinstance(e, RolloutGenerated)]
+
+
+def published_versions(log: list) -> list[str]:
+    return [e.weight_version for e in log if isinstance(e, WeightsPublished)]
+
+
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("local")
+    result = run_cli(run_dir, 'run.runtime="local"', "run.num_rollout=3", "run.save_interval=2", "run.eval_interval=2")
+    return run_dir, result
+
+
+@pytest.fixture(scope="module")
+def ray_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("ray")
+    result = run_cli(run_dir, 'run.runtime="ray"', "run.num_rollout=3", "run.save_interval=2", "run.eval_interval=2")
+    return run_dir, result
+
+
+@pytest.mark.parametrize("which", ["local_run", "ray_run"])
+def test_a_short_run_completes_with_every_publication_verified(which, request):
+    run_dir, result = request.getfixturevalue(which)
+    assert result.returncode == 0, result.stderr[-2000:]
+    log = events(run_dir)
+    assert isinstance(log[0], RunStarted) and isinstance(log[-1], RunFinished)
+    assert log[-1].status == "completed"
+    assert published_versions(log) == ["1", "2", "3", "4"]
+    assert [e.weight_version for e in log if isinstance(e, PublicationVerified)] == ["1", "2", "3", "4"]
+    assert [r[0] for r in rollouts(log)] == [0, 1, 2]
+    assert [e.seq for e in log] == list(range(1, len(log) + 1))
+    assert "rollout 3/3" in result.stdout
+
+
+def test_both_runtimes_make_the_same_run(local_run, ray_run):
+    local_log, ray_log = events(local_run[0]), events(ray_run[0])
+    assert rollouts(local_log) == rollouts(ray_log)
+    assert [type(e).__name__ for e in local_log if e.source == "coordinator"] == [
+        type(e).__name__ for e in ray_log if e.source == "coordinator"
+    ]
+
+
+def test_the_last_checkpoint_loads_in_transformers_as_it_is(local_run):
+    run_dir, _ = local_run
+    log = events(run_dir)
+    saved = [e for e in log if isinstance(e, CheckpointSaved)]
+    assert [e.rollout_id for e in saved] == [1, 2]  # interval, then forced on the last rollout
+    path = latest_checkpoint(run_dir)
+    assert path is not None and path.name == "rollout_000002"
+    model = AutoModelForCausalLM.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    ids = tokenizer("1+2=", return_tensors="pt").input_ids
+    assert model(ids).logits.shape[-1] == len(tokenizer)
+    loaded = read_checkpoint(path)
+    assert loaded.trainer_state.weight_version == "3" and loaded.trainer_state.rollout_id == 2
+
+
+def test_the_recorded_log_redrives_to_the_same_decisions(local_run):
+    run_dir, _ = local_run
+    result = subprocess.run(
+        [sys.executable, "-m", "miles_events.replay", str(run_dir / "events.log"), "--redrive", "coordinator,verifier"],
+        capture_output=True, text=True, cwd=ROOT, timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("same decisions") == 2
+
+
+def test_resume_continues_with_the_same_rollouts_versions_and_weights(tmp_path):
+    common = ('run.runtime="local"', "run.num_rollout=4", "run.save_interval=2")
+    whole = run_cli(tmp_path / "whole", *common)
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    first = run_cli(tmp_path / "split", *common, "run.debug_exit_after_rollout=2")
+    assert first.returncode == 0, first.stderr[-2000:]
+    second = run_cli(tmp_path / "split", *common, "run.resume=true")
+    assert second.returncode == 0, second.stderr[-2000:]
+
+    whole_log, split_log = events(tmp_path / "whole"), events(tmp_path / "split")
+    starts = [e for e in split_log if isinstance(e, RunStarted)]
+    assert [(s.start_rollout_id, s.resumed, s.weight_version) for s in starts] == [(0, False, "default"), (2, True, "2")]
+    assert rollouts(split_log) == rollouts(whole_log)
+    assert published_versions(split_log) == ["1", "2", "3", "3", "4", "5"]  # "3" again: the resume republishes it
+    assert published_versions(whole_log) == ["1", "2", "3", "4", "5"]
+    a = read_checkpoint(latest_checkpoint(tmp_path / "whole"))
+    b = read_checkpoint(latest_checkpoint(tmp_path / "split"))
+    assert msgspec.structs.replace(b.trainer_state, run_id=a.trainer_state.run_id) == a.trainer_state
+    for name, tensor in a.weights.items():
+        assert torch.equal(tensor, b.weights[name]), name
+
+
+def test_a_failing_handler_stops_the_run_with_one_clear_line(tmp_path):
+    result = run_cli(tmp_path, 'run.runtime="local"', "run.num_rollout=3", 'rollout.reward_fn="tests.e2e_rewards.broken"')
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    error_lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(error_lines) == 1 and "actor generator failed" in error_lines[0] and "reward" in error_lines[0]
+    log = events(tmp_path)
+    assert any(isinstance(e, ActorFailed) and e.actor == "generator" for e in log)
+    assert isinstance(log[-1], RunFinished) and log[-1].status == "failed"
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("run.num_rolout=3", "run.num_rolout"),
+        ('run.num_rollout="many"', "run.num_rollout"),
+        ('data.prompt_data="missing.jsonl"', "missing.jsonl"),
+        ('rollout.reward_fn="no.such.module.fn"', "no.such.module"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, override, expected):
+    result = run_cli(tmp_path / "run", override)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and expected in lines[0]
+    assert not (tmp_path / "run").exists()
+
+
+def test_dry_run_prints_the_resolved_config_and_runs_nothing(tmp_path):
+    result = run_cli(tmp_path / "run", "run.num_rollout=7", flags=("--dry-run",))
+    assert result.returncode == 0
+    assert "num_rollout = 7" in result.stdout and "[trainer]" in result.stdout
+    assert not (tmp_path / "run").exists()
