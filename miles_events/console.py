@@ -77,7 +77,7 @@ class ProgressPrinter:
             )
         elif isinstance(event, EvalFinished):
             metrics = " ".join(f"{k}={v:.3f}" for k, v in sorted(event.metrics.items()))
-            self._line(f"eval after rollout {event.rollout_id}: {metrics}")
+            self._line(f"eval at rollout {event.rollout_id}: {metrics}")
         elif isinstance(event, CheckpointSaved):
             self._line(f"checkpoint rollout {event.rollout_id} (version {event.weight_version}) -> {event.path}")
         elif isinstance(event, RunFinished):
