@@ -1,0 +1,115 @@
+"""One RL step of the embedded default, split into generate / train / publish / verify / save.
+
+    .venv/bin/python bench/rl_step.py [--runtime local|ray] [--rollouts 12] [--config examples/tiny.toml]
+
+Runs the embedded default with a save after every rollout, then reads the run's event log:
+- step: wall time between consecutive ``RolloutRequested`` events (the whole loop),
+- generate / train: ``RolloutGenerated.generate_seconds`` / ``TrainStepFinished.train_seconds``,
+- publish: ``WeightsPublished.publish_seconds`` (stage + every engine's load),
+- verify: what verification adds to a step: fingerprinting the published tensors on the
+  trainer and on every engine (measured here on the same weights, same process) plus the
+  Verifier's comparison (``PublicationVerified.verify_seconds``),
+- save: ``CheckpointSaved.save_seconds`` (runs beside the publication, not in series).
+Medians over the rollouts after the first (warm-up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import msgspec
+from schemas.events import (
+    CheckpointSaved,
+    PublicationVerified,
+    RolloutGenerated,
+    RolloutRequested,
+    TrainStepFinished,
+    WeightsPublished,
+)
+
+from miles_events.checksum import fingerprints
+from miles_events.config import load_config
+from miles_events.event_log import read_events
+from miles_events.hf_model import load_model
+from miles_events.run import actor_classes
+from miles_events.session import Session
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def median_after_warmup(values: list[float]) -> float:
+    return statistics.median(values[1:] if len(values) > 2 else values)
+
+
+def fingerprint_seconds(model_path: str, repeats: int = 20) -> float:
+    tensors = dict(load_model(model_path).state_dict())
+    fingerprints(tensors)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fingerprints(tensors)
+    return (time.perf_counter() - start) / repeats
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", default=str(ROOT / "examples" / "tiny.toml"))
+    parser.add_argument("--runtime", default="local", choices=["local", "ray"])
+    parser.add_argument("--rollouts", type=int, default=12)
+    args = parser.parse_args()
+    run_dir = Path(tempfile.mkdtemp(prefix="rl-step-"))
+    config = load_config(
+        args.config,
+        [
+            f'run.dir="{run_dir}"',
+            f'run.runtime="{args.runtime}"',
+            f"run.num_rollout={args.rollouts}",
+            "run.save_interval=1",
+            "run.skip_eval_before_train=true",
+        ],
+    )
+    config = msgspec.structs.replace(config, run=msgspec.structs.replace(config.run, eval_interval=None))
+    session = Session(config, actor_classes())
+    result = asyncio.run(session.run())
+    assert result.finished.status == "completed", result.finished
+    log = list(read_events(run_dir / "events.log"))
+
+    requested = [e.time for e in log if isinstance(e, RolloutRequested)]
+    steps = [b - a for a, b in zip(requested, requested[1:], strict=False)]
+    generate = [e.generate_seconds for e in log if isinstance(e, RolloutGenerated)]
+    train = [e.train_seconds for e in log if isinstance(e, TrainStepFinished)]
+    publish = [e.publish_seconds for e in log if isinstance(e, WeightsPublished) and e.rollout_id is not None]
+    compare = [e.verify_seconds for e in log if isinstance(e, PublicationVerified) and e.rollout_id is not None]
+    save = [e.save_seconds for e in log if isinstance(e, CheckpointSaved)]
+    num_engines = config.rollout.num_engines
+    fingerprint = fingerprint_seconds(session.config.model.path or "") * (1 + num_engines)
+    verify = [fingerprint + c for c in compare]
+
+    rows = {
+        "step (wall)": median_after_warmup(steps),
+        "generate": median_after_warmup(generate),
+        "train": median_after_warmup(train),
+        "publish": median_after_warmup(publish),
+        "verify": median_after_warmup(verify),
+        "save (beside)": median_after_warmup(save),
+    }
+    step = rows["step (wall)"]
+    print(f"runtime {args.runtime}, {args.rollouts} rollouts, {num_engines} engine(s); medians after warm-up")
+    print(f"{'phase':16}{'ms':>10}{'% of step':>12}")
+    for name, seconds in rows.items():
+        print(f"{name:16}{seconds * 1000:10.2f}{100 * seconds / step:11.1f}%")
+    fraction = rows["verify"] / step
+    print(f"verification is {100 * fraction:.2f}% of a step (goal < 5%)")
+    print(
+        f"RESULT verify_fraction={fraction:.4f} step_ms={step * 1000:.1f} generate_ms={rows['generate'] * 1000:.1f} "
+        f"train_ms={rows['train'] * 1000:.1f} publish_ms={rows['publish'] * 1000:.1f} "
+        f"verify_ms={rows['verify'] * 1000:.2f} save_ms={rows['save (beside)'] * 1000:.1f}"
+    )
+
+
+if __name__ == "__main__":
+    main()
