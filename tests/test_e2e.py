@@ -4,6 +4,7 @@ default; the full learning run is the README's first command."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import torch
 from schemas.events import (
     ActorFailed,
     CheckpointSaved,
+    PublicationMismatch,
     PublicationVerified,
     RolloutGenerated,
     RunFinished,
@@ -23,8 +25,11 @@ from schemas.events import (
 )
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from actors.generator import Generator
 from miles_events.checkpoint import latest_checkpoint, read_checkpoint
+from miles_events.config import load_config
 from miles_events.event_log import read_events
+from miles_events.session import Session
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "examples" / "tiny.toml"
@@ -169,3 +174,47 @@ def test_dry_run_prints_the_resolved_config_and_runs_nothing(tmp_path):
     assert result.returncode == 0
     assert "num_rollout = 7" in result.stdout and "[trainer]" in result.stdout
     assert not (tmp_path / "run").exists()
+
+
+class CorruptingGenerator(Generator):
+    """A Generator whose second engine corrupts one tensor while loading version 3, as a
+    faulty transport or loader would."""
+
+    def _load_engines(self):  # type: ignore[no-untyped-def]
+        engines = super()._load_engines()
+        faulty = engines[-1]
+        real_load = faulty.load_weights
+
+        def load_weights(tensors, weight_version):  # type: ignore[no-untyped-def]
+            real_load(tensors, weight_version)
+            if weight_version == "3":
+                with torch.no_grad():
+                    faulty.model.get_parameter("model.norm.weight")[0] += 1e-3
+
+        faulty.load_weights = load_weights  # type: ignore[method-assign]
+        return engines
+
+
+@pytest.mark.parametrize("continue_on_mismatch", [False, True])
+def test_an_engine_serving_different_weights_is_caught(tmp_path, continue_on_mismatch):
+    from actors.publisher import Publisher
+    from actors.saver import Saver
+    from actors.trainer import Trainer
+    from actors.verifier import Verifier
+
+    config = load_config(TINY, [
+        f'run.dir="{tmp_path}"', 'run.runtime="local"', "run.num_rollout=4", "rollout.num_engines=2",
+        f"verifier.continue_on_mismatch={str(continue_on_mismatch).lower()}",
+    ])
+    session = Session(config, [CorruptingGenerator, Trainer, Publisher, Verifier, Saver])
+    result = asyncio.run(session.run())
+    log = events(tmp_path)
+    mismatches = [e for e in log if isinstance(e, PublicationMismatch)]
+    assert [m.weight_version for m in mismatches][:1] == ["3"]
+    assert [(m.engine, m.tensor) for m in mismatches[0].mismatches] == [("engine-1", "model.norm.weight")]
+    if continue_on_mismatch:
+        assert result.finished.status == "completed"
+    else:
+        assert result.finished.status == "failed"
+        assert "engine-1 model.norm.weight" in result.finished.reason
+        assert not [e for e in log if isinstance(e, RolloutGenerated) and e.rollout_id >= 2]
