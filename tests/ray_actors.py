@@ -1,0 +1,31 @@
+"""Actors for the ray runtime's own tests (imported by Ray worker processes)."""
+
+from __future__ import annotations
+
+import os
+
+from schemas.events import RolloutGenerated, RolloutRequested, StopRequested
+
+from miles_events.actor import Actor, Resources, handles
+
+
+class Echo(Actor):
+    """Answers each RolloutRequested with a StopRequested naming its process and the id."""
+
+    name = "echo"
+
+    @classmethod
+    def resources(cls, config):  # type: ignore[no-untyped-def]
+        return Resources(num_cpus=0.5)
+
+    @handles(RolloutRequested)
+    async def on_rollout(self, event: RolloutRequested) -> None:
+        if event.rollout_id == 13:
+            raise ValueError("unlucky rollout")
+        if event.rollout_id == 666:
+            os._exit(1)
+        await self.publish(StopRequested(reason=f"{os.getpid()}:{event.rollout_id}"))
+
+    @handles(RolloutGenerated)
+    async def on_generated(self, event: RolloutGenerated) -> None:  # pragma: no cover - routing only
+        pass
