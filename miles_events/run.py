@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     from miles_events.session import Session
 
     try:
-        session = Session(config, actor_classes(), on_bus=[ProgressPrinter])
+        session = Session(config, actor_classes(), on_bus=[lambda bus, _: ProgressPrinter(bus)])
         result = asyncio.run(session.run())
     except (ConfigError, DataError, CheckpointError) as error:
         print(f"error: {error}", file=sys.stderr)

@@ -92,6 +92,19 @@ def make_plan(config: Config, runtime: str) -> RunPlan:
     )
 
 
+async def close_sink(sink: object) -> None:
+    task = getattr(sink, "task", None)
+    if task is not None:
+        await task
+    aclose = getattr(sink, "aclose", None)
+    if aclose is not None:
+        await aclose()
+        return
+    close = getattr(sink, "close", None)
+    if close is not None:
+        close()
+
+
 class EventLogSubscriber:
     """Appends every event to ``<run dir>/events.log`` as it is published."""
 
@@ -115,10 +128,12 @@ class Session:
         config: Config,
         actor_classes: list[type[Actor]],
         run_id: str | None = None,
-        on_bus: list[Callable[[EventBus], object]] | None = None,
+        on_bus: list[Callable[[EventBus, Session], object]] | None = None,
     ) -> None:
-        """``on_bus``: hooks called with the bus before any actor starts, to subscribe
-        sinks (console, metrics); a hook's result with a ``task`` is awaited at the end."""
+        """``on_bus``: hooks called as ``hook(bus, session)`` before any actor starts, to
+        subscribe sinks (console, metrics, tracking). At the end, after the bus is closed,
+        a sink's ``task`` is awaited (its mailbox drains), then its ``aclose()`` awaited or
+        its ``close()`` called."""
         self.on_bus = on_bus or []
         self.config = prepare(config)
         self.actor_classes = actor_classes
@@ -143,7 +158,7 @@ class Session:
         bus = self.bus = EventBus(self.run_id, config.bus.mailbox_size, config.bus.stall_warning_seconds)
         log = EventLogSubscriber(bus, self.run_dir / EVENT_LOG, config.bus.max_batch)
         watch = bus.subscribe("session", (RunFinished, ActorFailed))
-        sinks = [hook(bus) for hook in self.on_bus]
+        sinks = [hook(bus, self) for hook in self.on_bus]
         transport = open_transport(self.transport_name, self.run_id)
         context = RunContext(self.run_id, config, self.run_dir, self.transport_name)
         runtime: LocalRuntime | object
@@ -174,9 +189,7 @@ class Session:
             await runtime.stop()  # type: ignore[attr-defined]
             await log.task
             for sink in sinks:
-                task = getattr(sink, "task", None)
-                if task is not None:
-                    await task
+                await close_sink(sink)
             transport.close()
         return RunResult(self.run_id, finished, self.run_dir, time.monotonic() - started)
 

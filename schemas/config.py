@@ -154,6 +154,34 @@ class RayConfig(Section):
     actor_start_timeout: PositiveFloat = 120.0
 
 
+class MetricsConfig(Section):
+    """The Prometheus exporter: a bus subscriber serving ``/metrics``."""
+
+    enabled: bool = True
+    host: str = "127.0.0.1"
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 9464
+    """0 picks a free port (printed at start and recorded in ``RunStarted``'s log line)."""
+
+
+class ConsoleConfig(Section):
+    mode: Literal["auto", "rich", "plain", "quiet"] = "auto"
+    """``auto``: a live rich display on a terminal, plain lines otherwise (CI, files)."""
+
+
+class TrackingConfig(Section):
+    """Optional experiment-tracking sinks, each a bus subscriber."""
+
+    tensorboard: bool = False
+    tensorboard_dir: str | None = None
+    """Unset: ``<run.dir>/tensorboard``."""
+    wandb: bool = False
+    wandb_mode: Literal["online", "offline", "disabled"] = "offline"
+    wandb_project: str = "miles-events"
+    wandb_group: str | None = None
+    wandb_dir: str | None = None
+    """Unset: ``<run.dir>/wandb``."""
+
+
 class Config(Section):
     run: RunConfig = msgspec.field(default_factory=RunConfig)
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
@@ -165,3 +193,6 @@ class Config(Section):
     saver: SaverConfig = msgspec.field(default_factory=SaverConfig)
     bus: BusConfig = msgspec.field(default_factory=BusConfig)
     ray: RayConfig = msgspec.field(default_factory=RayConfig)
+    metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
+    console: ConsoleConfig = msgspec.field(default_factory=ConsoleConfig)
+    tracking: TrackingConfig = msgspec.field(default_factory=TrackingConfig)
