@@ -74,6 +74,17 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="TOML",
         help="the run's config for --redrive (default: configs/<run_id>.toml beside the log)",
     )
+    parser.add_argument(
+        "--serve-metrics",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="rebuild the Prometheus metrics of every run in the log and serve them at "
+        "http://HOST:PORT/metrics until interrupted (0 picks a free port; filters are ignored)",
+    )
+    parser.add_argument(
+        "--host", default="127.0.0.1", metavar="H", help="the address --serve-metrics listens on (default 127.0.0.1)"
+    )
     return parser
 
 
@@ -188,6 +199,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         err.write(f"replay: {args.log}: torn record at byte {torn.offset}: {torn.reason}\n")
         return 1
 
+    if args.serve_metrics is not None:
+        return _serve_metrics(events, args.log, args.host, args.serve_metrics, sys.stdout, err)
     if args.redrive:
         return _redrive(path, events, sorted(_split(args.redrive)), args.config, sys.stdout, err)
     selected = filter_events(events, types=types, sources=_split(args.sources), rollout_id=args.rollout_id)
@@ -244,6 +257,39 @@ def _redrive(
             out.write(f"{name:12} run {run_id}: {result.inputs} events in, {len(result.produced)} decisions: {verdict}\n")
             status = status or (0 if result.matches else 1)
     return status
+
+
+def _serve_metrics(events: Iterable[Event], log: str, host: str, port: int, out: TextIO, err: TextIO) -> int:
+    """Serve the metrics rebuilt from the whole log until interrupted (Ctrl-C: status 0).
+
+    A torn log is served up to its last complete record; the tear is reported on ``err``.
+    """
+    import time
+
+    from miles_events.metrics import MetricsError, MetricsServer, RunMetrics
+
+    metrics = RunMetrics()
+    count = 0
+    try:
+        for event in events:
+            metrics.observe(event)
+            count += 1
+    except TornRecordError as torn:
+        err.write(f"replay: {log}: torn record at byte {torn.offset}: {torn.reason}\n")
+    try:
+        server = MetricsServer(metrics.registry, host, port, hint="choose another --serve-metrics PORT (0 picks one)")
+    except MetricsError as error:
+        err.write(f"replay: {error}\n")
+        return 2
+    out.write(f"serving metrics of {count} events from {log} at {server.url}\n")
+    out.flush()
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        server.close()
 
 
 if __name__ == "__main__":

@@ -61,12 +61,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from miles_events.console import ProgressPrinter
+    from miles_events.metrics import MetricsError, attach_metrics
     from miles_events.session import Session
 
+    def metrics_hook(bus, session):  # type: ignore[no-untyped-def]
+        exporter = attach_metrics(bus, session)
+        if exporter is not None:
+            print(f"metrics: {exporter.url}", flush=True)
+        return exporter
+
     try:
-        session = Session(config, actor_classes(), on_bus=[lambda bus, _: ProgressPrinter(bus)])
+        session = Session(config, actor_classes(), on_bus=[lambda bus, _: ProgressPrinter(bus), metrics_hook])
         result = asyncio.run(session.run())
-    except (ConfigError, DataError, CheckpointError) as error:
+    except (ConfigError, DataError, CheckpointError, MetricsError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

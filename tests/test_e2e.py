@@ -38,7 +38,7 @@ pytestmark = pytest.mark.slow
 
 
 def run_cli(run_dir: Path, *overrides: str, flags: tuple[str, ...] = (), timeout: int = 300) -> subprocess.CompletedProcess:
-    args = [sys.executable, "-m", "miles_events.run", str(TINY), "--set", f'run.dir="{run_dir}"', *flags]
+    args = [sys.executable, "-m", "miles_events.run", str(TINY), "--set", f'run.dir="{run_dir}"', "--set", "metrics.port=0", *flags]
     for override in overrides:
         args += ["--set", override]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -203,7 +203,7 @@ def test_an_engine_serving_different_weights_is_caught(tmp_path, continue_on_mis
     from actors.verifier import Verifier
 
     config = load_config(TINY, [
-        f'run.dir="{tmp_path}"', 'run.runtime="local"', "run.num_rollout=4", "rollout.num_engines=2",
+        f'run.dir="{tmp_path}"', "metrics.port=0", 'run.runtime="local"', "run.num_rollout=4", "rollout.num_engines=2",
         f"verifier.continue_on_mismatch={str(continue_on_mismatch).lower()}",
     ])
     session = Session(config, [CorruptingGenerator, Trainer, Publisher, Verifier, Saver])

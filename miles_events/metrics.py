@@ -1,0 +1,465 @@
+"""Prometheus metrics of a run, rebuilt from its events.
+
+``RunMetrics`` turns events into metrics in its own registry: pure and synchronous, so a
+live run (``MetricsExporter``, a bus subscriber with an HTTP ``/metrics`` endpoint) and a
+replay of an event log (``python -m miles_events.replay LOG --serve-metrics PORT``) give
+the same numbers. Every metric carries a ``run`` label (the event's ``run_id``).
+
+``METRICS`` is the one table of every metric; ``docs/metrics.md`` is generated from it::
+
+    python -m miles_events.metrics          # rewrite docs/metrics.md
+    python -m miles_events.metrics --check  # exit 1 if it is out of date
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import math
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import anyio
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
+from prometheus_client.core import GaugeMetricFamily, Metric
+from schemas.events import (
+    ActorFailed,
+    CheckpointFailed,
+    CheckpointSaved,
+    EvalFinished,
+    Event,
+    PublicationFailed,
+    PublicationMismatch,
+    PublicationVerified,
+    RolloutGenerated,
+    RunFinished,
+    RunStarted,
+    TrainStepFinished,
+    WeightsLoaded,
+    WeightsPublished,
+    WeightsStaged,
+)
+
+from miles_events.bus import EventBus
+from miles_events.topology import version_number
+
+if TYPE_CHECKING:
+    from miles_events.session import Session
+
+logger = logging.getLogger(__name__)
+
+DOCS_PATH = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
+
+DURATION_BUCKETS: tuple[float, ...] = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+)  # fmt: skip
+"""Seconds, 1 ms .. 10 min: a tiny CPU run's publication to a large run's checkpoint."""
+
+Kind = Literal["counter", "gauge", "histogram", "info"]
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One exposed metric: its full name, type, labels (after ``run``), meaning and source."""
+
+    name: str
+    kind: Kind
+    labels: tuple[str, ...]
+    meaning: str
+    source: str
+    info_labels: tuple[str, ...] = ()
+    """For an info metric: the labels that carry its value (replaced, never accumulated)."""
+    live_only: bool = False
+    """Read from the live bus at scrape time; absent when metrics are rebuilt from a log."""
+
+    @property
+    def all_labels(self) -> tuple[str, ...]:
+        return ("run", *self.labels, *self.info_labels)
+
+
+def _m(name: str, kind: Kind, labels: str, meaning: str, source: str, **extra: Any) -> MetricSpec:
+    return MetricSpec(name, kind, tuple(labels.split()), meaning, source, **extra)
+
+
+METRICS: tuple[MetricSpec, ...] = (
+    _m("miles_run_info", "info", "", "Always 1; `runtime` (local, ray) and `status` (running, completed, failed, stopped).", "RunStarted, RunFinished", info_labels=("runtime", "status")),
+    _m("miles_run_finished", "gauge", "", "0 while the run runs, 1 once it finished.", "RunStarted, RunFinished"),
+    _m("miles_rollout_num", "gauge", "", "Rollouts the run will do (`num_rollout`).", "RunStarted"),
+    _m("miles_rollout_id", "gauge", "", "The last rollout generated.", "RolloutGenerated"),
+    _m("miles_rollout_reward_mean", "gauge", "", "Mean reward of the last rollout.", "RolloutGenerated"),
+    _m("miles_rollout_duration_seconds", "histogram", "", "Time to generate a rollout.", "RolloutGenerated.generate_seconds"),
+    _m("miles_tokens_generated_total", "counter", "", "Response tokens generated for training rollouts.", "RolloutGenerated.response_tokens"),
+    _m("miles_rollout_staleness", "gauge", "", "Trainer version minus the oldest version a sample of the last trained batch was generated with.", "TrainStepFinished.staleness_max"),
+    _m("miles_train_loss", "gauge", "", "Loss of the last train step.", "TrainStepFinished"),
+    _m("miles_train_kl", "gauge", "", "KL to the reference of the last train step.", "TrainStepFinished"),
+    _m("miles_train_grad_norm", "gauge", "", "Gradient norm of the last train step.", "TrainStepFinished"),
+    _m("miles_train_entropy", "gauge", "", "Policy entropy of the last train step.", "TrainStepFinished"),
+    _m("miles_train_clipfrac", "gauge", "", "Fraction of clipped ratios in the last train step.", "TrainStepFinished"),
+    _m("miles_train_tokens_total", "counter", "", "Tokens trained on.", "TrainStepFinished.train_tokens"),
+    _m("miles_train_duration_seconds", "histogram", "", "Time of a train step.", "TrainStepFinished.train_seconds"),
+    _m("miles_eval_score", "gauge", "metric", "The last evaluation, one series per metric it reports.", "EvalFinished.metrics"),
+    _m("miles_eval_duration_seconds", "histogram", "", "Time of an evaluation.", "EvalFinished.eval_seconds"),
+    _m("miles_weight_version", "gauge", "role engine", 'Weight version as a number (`"default"` = 0). `role="trainer"` (with `engine=""`): staged by the trainer; `role="engine"`: served by that engine. Trainer = the run\'s start version and engines = 0 at RunStarted.', "RunStarted, WeightsStaged, WeightsLoaded"),
+    _m("miles_weight_checksum_info", "info", "role engine", "Always 1; the digest of the weights the trainer staged / the engine serves. One series per role and engine: the previous version's series is replaced.", "WeightsStaged.digest, WeightsLoaded.digest", info_labels=("weight_version", "digest")),
+    _m("miles_publications_total", "counter", "outcome", "Publications by verification outcome: `verified`, `mismatch`, `failed` (all three exist from RunStarted on).", "PublicationVerified, PublicationMismatch, PublicationFailed"),
+    _m("miles_publication_duration_seconds", "histogram", "phase", "Publication time by `phase`: `stage` (trainer), `load` (engines), `total`.", "WeightsPublished.stage_seconds, .load_seconds, .publish_seconds"),
+    _m("miles_verification_duration_seconds", "histogram", "", "Time to compare trainer and engine checksums.", "PublicationVerified/PublicationMismatch.verify_seconds"),
+    _m("miles_publication_mismatched_tensors", "gauge", "", "Tensors that differed in the last mismatching publication (0 until one).", "RunStarted, PublicationMismatch"),
+    _m("miles_checkpoints_total", "counter", "outcome", "Checkpoints by outcome: `saved`, `failed`.", "CheckpointSaved, CheckpointFailed"),
+    _m("miles_checkpoint_duration_seconds", "histogram", "", "Time to save a checkpoint.", "CheckpointSaved.save_seconds"),
+    _m("miles_checkpoint_last_rollout_id", "gauge", "", "Rollout of the last saved checkpoint.", "CheckpointSaved"),
+    _m("miles_checkpoint_bytes", "gauge", "", "Size of the last saved checkpoint.", "CheckpointSaved.num_bytes"),
+    _m("miles_actor_failures_total", "counter", "actor", "Actor failures (a handler raised or a process died).", "ActorFailed"),
+    _m("miles_bus_events_total", "counter", "type", "Events on the bus, by event class name.", "every event"),
+    _m("miles_bus_mailbox_depth", "gauge", "actor", "Events waiting in each bus mailbox, read at scrape time (the actor is the subscriber's name).", "the live bus", live_only=True),
+    _m("miles_bus_mailbox_high_water_mark", "gauge", "actor", "Most events a mailbox ever held; near its capacity means backpressure.", "the live bus", live_only=True),
+)  # fmt: skip
+SPECS_BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in METRICS}
+
+
+def _version(weight_version: str) -> float:
+    try:
+        return float(version_number(weight_version))
+    except ValueError:
+        return math.nan
+
+
+class _Family:
+    """A labelled metric with its children cached: one dict lookup per update."""
+
+    __slots__ = ("children", "metric")
+
+    def __init__(self, metric: Any) -> None:
+        self.metric = metric
+        self.children: dict[tuple[str, ...], Any] = {}
+
+    def __call__(self, *values: str) -> Any:
+        child = self.children.get(values)
+        if child is None:
+            child = self.children[values] = self.metric.labels(*values)
+        return child
+
+
+class BusCollector:
+    """Mailbox depths and high-water marks of a live bus, read when Prometheus scrapes."""
+
+    def __init__(self, bus: EventBus) -> None:
+        self.bus = bus
+
+    def _families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
+        depth, high = SPECS_BY_NAME["miles_bus_mailbox_depth"], SPECS_BY_NAME["miles_bus_mailbox_high_water_mark"]
+        return (
+            GaugeMetricFamily(depth.name, depth.meaning, labels=depth.all_labels),
+            GaugeMetricFamily(high.name, high.meaning, labels=high.all_labels),
+        )
+
+    def describe(self) -> list[Metric]:
+        return list(self._families())
+
+    def collect(self) -> Iterator[Metric]:
+        depth, high = self._families()
+        run = self.bus.run_id
+        for stats in self.bus.statistics():
+            depth.add_metric([run, stats.name], stats.depth)
+            high.add_metric([run, stats.name], stats.high_water_mark)
+        yield depth
+        yield high
+
+
+class RunMetrics:
+    """Every metric of ``METRICS`` in an own registry, updated by ``observe(event)``."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.runtime_by_run: dict[str, str] = {}
+        families: dict[str, _Family] = {}
+        for spec in METRICS:
+            if not spec.live_only:
+                families[spec.name] = _Family(self._create(spec))
+        self.families = families
+        f = families.__getitem__
+        self.run_info, self.run_finished, self.rollout_num = f("miles_run_info"), f("miles_run_finished"), f("miles_rollout_num")
+        self.rollout_id, self.reward_mean = f("miles_rollout_id"), f("miles_rollout_reward_mean")
+        self.rollout_seconds, self.tokens_generated = f("miles_rollout_duration_seconds"), f("miles_tokens_generated_total")
+        self.staleness, self.loss, self.kl = f("miles_rollout_staleness"), f("miles_train_loss"), f("miles_train_kl")
+        self.grad_norm, self.entropy, self.clipfrac = f("miles_train_grad_norm"), f("miles_train_entropy"), f("miles_train_clipfrac")
+        self.train_tokens, self.train_seconds = f("miles_train_tokens_total"), f("miles_train_duration_seconds")
+        self.eval_score, self.eval_seconds = f("miles_eval_score"), f("miles_eval_duration_seconds")
+        self.weight_version, self.checksum = f("miles_weight_version"), f("miles_weight_checksum_info")
+        self.publications, self.publication_seconds = f("miles_publications_total"), f("miles_publication_duration_seconds")
+        self.verify_seconds, self.mismatched = f("miles_verification_duration_seconds"), f("miles_publication_mismatched_tensors")
+        self.checkpoints, self.checkpoint_seconds = f("miles_checkpoints_total"), f("miles_checkpoint_duration_seconds")
+        self.checkpoint_rollout, self.checkpoint_bytes = f("miles_checkpoint_last_rollout_id"), f("miles_checkpoint_bytes")
+        self.actor_failures, self.events = f("miles_actor_failures_total"), f("miles_bus_events_total")
+        self._handlers: dict[type[Event], Callable[[Any], None]] = {
+            RunStarted: self._run_started,
+            RunFinished: self._run_finished,
+            RolloutGenerated: self._rollout_generated,
+            TrainStepFinished: self._train_step_finished,
+            EvalFinished: self._eval_finished,
+            WeightsStaged: self._weights_staged,
+            WeightsLoaded: self._weights_loaded,
+            WeightsPublished: self._weights_published,
+            PublicationVerified: self._publication_verified,
+            PublicationMismatch: self._publication_mismatch,
+            PublicationFailed: lambda e: self.publications(e.run_id, "failed").inc(),
+            CheckpointSaved: self._checkpoint_saved,
+            CheckpointFailed: lambda e: self.checkpoints(e.run_id, "failed").inc(),
+            ActorFailed: lambda e: self.actor_failures(e.run_id, e.actor).inc(),
+        }
+
+    def _create(self, spec: MetricSpec) -> Any:
+        labels = ("run", *spec.labels)
+        if spec.kind == "counter":
+            return Counter(spec.name, spec.meaning, labels, registry=self.registry)
+        if spec.kind == "gauge":
+            return Gauge(spec.name, spec.meaning, labels, registry=self.registry)
+        if spec.kind == "histogram":
+            return Histogram(spec.name, spec.meaning, labels, buckets=DURATION_BUCKETS, registry=self.registry)
+        return Info(spec.name.removesuffix("_info"), spec.meaning, labels, registry=self.registry)
+
+    def attach_bus(self, bus: EventBus) -> None:
+        """Also expose the live mailbox depths of ``bus`` (read at each scrape)."""
+        self.registry.register(BusCollector(bus))
+
+    def observe(self, event: Event) -> None:
+        """Update the metrics with one event (events of unknown types are only counted)."""
+        self.events(event.run_id, type(event).__name__).inc()
+        handler = self._handlers.get(type(event))
+        if handler is not None:
+            handler(event)
+
+    # Durations default to 0.0 in events that did not measure them: those are not observed.
+
+    def _run_started(self, e: RunStarted) -> None:
+        run = e.run_id
+        self.runtime_by_run[run] = e.runtime
+        self.run_info(run).info({"runtime": e.runtime, "status": "running"})
+        self.run_finished(run).set(0)
+        self.rollout_num(run).set(e.num_rollout)
+        self.weight_version(run, "trainer", "").set(_version(e.weight_version))
+        for engine in e.engines:
+            self.weight_version(run, "engine", engine).set(0)
+        for outcome in ("verified", "mismatch", "failed"):
+            self.publications(run, outcome)
+        for outcome in ("saved", "failed"):
+            self.checkpoints(run, outcome)
+        self.mismatched(run).set(0)
+        self.tokens_generated(run)
+        self.train_tokens(run)
+
+    def _run_finished(self, e: RunFinished) -> None:
+        self.run_info(e.run_id).info({"runtime": self.runtime_by_run.get(e.run_id, ""), "status": e.status})
+        self.run_finished(e.run_id).set(1)
+
+    def _rollout_generated(self, e: RolloutGenerated) -> None:
+        run = e.run_id
+        self.rollout_id(run).set(e.rollout_id)
+        self.reward_mean(run).set(e.reward_mean)
+        self.tokens_generated(run).inc(e.response_tokens)
+        if e.generate_seconds > 0:
+            self.rollout_seconds(run).observe(e.generate_seconds)
+
+    def _train_step_finished(self, e: TrainStepFinished) -> None:
+        run = e.run_id
+        self.loss(run).set(e.loss)
+        self.kl(run).set(e.kl)
+        self.grad_norm(run).set(e.grad_norm)
+        self.entropy(run).set(e.entropy)
+        self.clipfrac(run).set(e.clipfrac)
+        self.staleness(run).set(e.staleness_max)
+        self.train_tokens(run).inc(e.train_tokens)
+        if e.train_seconds > 0:
+            self.train_seconds(run).observe(e.train_seconds)
+
+    def _eval_finished(self, e: EvalFinished) -> None:
+        for metric, value in e.metrics.items():
+            self.eval_score(e.run_id, metric).set(value)
+        if e.eval_seconds > 0:
+            self.eval_seconds(e.run_id).observe(e.eval_seconds)
+
+    def _weights_staged(self, e: WeightsStaged) -> None:
+        self.weight_version(e.run_id, "trainer", "").set(_version(e.weight_version))
+        # Info keeps one value per (run, role, engine): the previous digest's series goes.
+        self.checksum(e.run_id, "trainer", "").info({"weight_version": e.weight_version, "digest": e.digest})
+
+    def _weights_loaded(self, e: WeightsLoaded) -> None:
+        self.weight_version(e.run_id, "engine", e.engine).set(_version(e.weight_version))
+        self.checksum(e.run_id, "engine", e.engine).info({"weight_version": e.weight_version, "digest": e.digest})
+
+    def _weights_published(self, e: WeightsPublished) -> None:
+        for phase, seconds in (("stage", e.stage_seconds), ("load", e.load_seconds), ("total", e.publish_seconds)):
+            if seconds > 0:
+                self.publication_seconds(e.run_id, phase).observe(seconds)
+
+    def _publication_verified(self, e: PublicationVerified) -> None:
+        self.publications(e.run_id, "verified").inc()
+        if e.verify_seconds > 0:
+            self.verify_seconds(e.run_id).observe(e.verify_seconds)
+
+    def _publication_mismatch(self, e: PublicationMismatch) -> None:
+        self.publications(e.run_id, "mismatch").inc()
+        self.mismatched(e.run_id).set(len(e.mismatches))
+        if e.verify_seconds > 0:
+            self.verify_seconds(e.run_id).observe(e.verify_seconds)
+
+    def _checkpoint_saved(self, e: CheckpointSaved) -> None:
+        run = e.run_id
+        self.checkpoints(run, "saved").inc()
+        self.checkpoint_rollout(run).set(e.rollout_id)
+        self.checkpoint_bytes(run).set(e.num_bytes)
+        if e.save_seconds > 0:
+            self.checkpoint_seconds(run).observe(e.save_seconds)
+
+
+class MetricsError(ValueError):
+    """The metrics endpoint cannot be served (the port is taken, the host is wrong)."""
+
+
+CONFIG_HINT = "set metrics.port to a free port (0 picks one) or metrics.enabled = false"
+
+
+class MetricsServer:
+    """``/metrics`` of one registry over HTTP, in a daemon thread, until ``close()``."""
+
+    def __init__(
+        self, registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 0, hint: str = CONFIG_HINT
+    ) -> None:
+        try:
+            self._server, self._thread = start_http_server(port, addr=host, registry=registry)
+        except (OSError, OverflowError) as error:
+            # OverflowError: a port outside 0..65535, from socket.bind.
+            reason = getattr(error, "strerror", None) or str(error)
+            raise MetricsError(f"metrics: cannot serve on {host}:{port}: {reason}; {hint}") from None
+        self.host = host
+        self.port: int = self._server.server_address[1]
+        self._closed = False
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/metrics"
+
+    def close(self) -> None:
+        """Stop serving and free the port (blocks up to the server's 0.5 s poll)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join()
+
+
+class MetricsExporter:
+    """A bus subscriber feeding ``RunMetrics``, served at ``url`` until ``close()``."""
+
+    def __init__(self, bus: EventBus, host: str = "127.0.0.1", port: int = 0, max_batch: int = 256) -> None:
+        self.metrics = RunMetrics()
+        self.metrics.attach_bus(bus)
+        # Serve first: a failure must not leave a subscribed mailbox that nobody drains.
+        self.server = MetricsServer(self.metrics.registry, host, port)
+        self.max_batch = max_batch
+        self.mailbox = bus.subscribe("metrics", (Event,), max_size=max(bus.mailbox_size, 4 * max_batch))
+        self.task: asyncio.Task[None] = asyncio.create_task(self._drain(), name="metrics")
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    async def _drain(self) -> None:
+        observe = self.metrics.observe
+        warned = False
+        while batch := await self.mailbox.get_batch(self.max_batch):
+            for event in batch:
+                try:
+                    observe(event)
+                except Exception:
+                    # A bad event must cost its metrics, never the run.
+                    if not warned:
+                        warned = True
+                        logger.warning("metrics: cannot observe %s", type(event).__name__, exc_info=True)
+
+    def close(self) -> None:
+        """Stop serving; the task ends by itself once the bus is closed and drained."""
+        if not self.task.done():
+            self.task.cancel()
+        self.server.close()
+
+    async def aclose(self) -> None:
+        """``close()`` off the event loop (shutting the server down waits for its thread)."""
+        if not self.task.done():
+            self.task.cancel()
+        await anyio.to_thread.run_sync(self.server.close)
+
+
+def attach_metrics(bus: EventBus, session: Session) -> MetricsExporter | None:
+    """Session hook: the exporter of ``session.config.metrics``, or None when disabled."""
+    config = session.config
+    if not config.metrics.enabled:
+        return None
+    exporter = MetricsExporter(bus, config.metrics.host, config.metrics.port, config.bus.max_batch)
+    logger.info("metrics at %s", exporter.url)
+    return exporter
+
+
+def metrics_reference() -> str:
+    """The text of ``docs/metrics.md``, generated from ``METRICS``."""
+    buckets = ", ".join(f"{b:g}" for b in DURATION_BUCKETS)
+    lines = [
+        "# Metrics reference",
+        "",
+        "Generated from `miles_events/metrics.py` (`python -m miles_events.metrics`); do not edit.",
+        "",
+        "The exporter subscribes to the bus and serves Prometheus metrics at",
+        "`http://<metrics.host>:<metrics.port>/metrics` while a run runs (`[metrics]` in the config;",
+        "`port = 0` picks a free port). `python -m miles_events.replay LOG --serve-metrics PORT`",
+        "rebuilds the same metrics from an event log, for every run in it.",
+        "",
+        "- Every metric carries `run`, the run id, so a dashboard can select one run.",
+        '- Weight versions are numbers: `"default"` (the bootstrap weights) is 0, then 1, 2, ...',
+        '  The trainer\'s series have `role="trainer"` and `engine=""` (no engine label in PromQL).',
+        "- Info metrics are always 1; their value is in their labels. Only the current value of",
+        "  each series exists: a new digest replaces the old one instead of adding a series.",
+        f"- Histograms are in seconds with buckets {buckets}.",
+        "  A duration an event did not measure (0) is not observed.",
+        "- Counters also expose `<name>_created` (prometheus_client's creation timestamp).",
+        "- Metrics read from the live bus are absent when rebuilt from a log.",
+        "",
+        "| metric | type | labels | meaning | source |",
+        "|---|---|---|---|---|",
+    ]
+    for spec in METRICS:
+        labels = ", ".join(f"`{label}`" for label in spec.all_labels)
+        kind = f"{spec.kind} (live only)" if spec.live_only else spec.kind
+        lines.append(f"| `{spec.name}` | {kind} | {labels} | {spec.meaning} | {spec.source} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Write ``docs/metrics.md``, or with ``--check`` report whether it is current."""
+    parser = argparse.ArgumentParser(prog="python -m miles_events.metrics", description="Generate docs/metrics.md.")
+    parser.add_argument("--check", action="store_true", help="exit 1 if docs/metrics.md is out of date")
+    args = parser.parse_args(argv)
+    text = metrics_reference()
+    if args.check:
+        current = DOCS_PATH.exists() and DOCS_PATH.read_text() == text
+        if not current:
+            print(f"{DOCS_PATH} is out of date: run python -m miles_events.metrics", file=sys.stderr)
+        return 0 if current else 1
+    DOCS_PATH.parent.mkdir(parents=True, exist_ok=True)
+    DOCS_PATH.write_text(text)
+    print(f"wrote {DOCS_PATH}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

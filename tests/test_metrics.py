@@ -1,0 +1,408 @@
+"""The Prometheus exporter: metrics rebuilt from the recorded tiny run, the live endpoint,
+the metrics reference, and ``replay --serve-metrics``."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+from types import SimpleNamespace
+
+import msgspec
+import pytest
+from prometheus_client.core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+from miles_events.bus import EventBus
+from miles_events.event_log import read_events
+from miles_events.metrics import (
+    METRICS,
+    MetricsError,
+    MetricsExporter,
+    MetricsServer,
+    RunMetrics,
+    attach_metrics,
+    main,
+    metrics_reference,
+)
+from schemas.config import Config
+from schemas.events import (
+    ActorFailed,
+    EvalFinished,
+    Event,
+    PublicationMismatch,
+    PublicationVerified,
+    RunFinished,
+    TensorMismatch,
+    WeightsPublished,
+    WeightsStaged,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURE_LOG = REPO / "tests" / "fixtures" / "tiny_run" / "events.log"
+FAILURE_ONLY = {"miles_actor_failures_total"}
+"""Metrics that get a series only when something fails (the fixture run succeeded)."""
+
+
+@pytest.fixture(scope="module")
+def events() -> list[Event]:
+    return list(read_events(FIXTURE_LOG))
+
+
+@pytest.fixture(scope="module")
+def run_id(events: list[Event]) -> str:
+    return events[0].run_id
+
+
+@pytest.fixture(scope="module")
+def observed(events: list[Event]) -> RunMetrics:
+    metrics = RunMetrics()
+    for event in events:
+        metrics.observe(event)
+    return metrics
+
+
+def value(metrics: RunMetrics, name: str, **labels: str) -> float | None:
+    return metrics.registry.get_sample_value(name, labels)
+
+
+def series(metrics: RunMetrics, name: str) -> list[dict[str, str]]:
+    return [s.labels for family in metrics.registry.collect() for s in family.samples if s.name == name]
+
+
+def exposed_name(family: Metric) -> str:
+    return family.name + {"counter": "_total", "info": "_info"}.get(family.type, "")
+
+
+def last(events: list[Event], kind: type[Event]) -> Event:
+    return [e for e in events if isinstance(e, kind)][-1]
+
+
+# --- metrics rebuilt from the recorded run ------------------------------------------------
+
+
+def test_final_weight_versions_equal_the_last_published_version(observed: RunMetrics, events, run_id) -> None:
+    published = int(last(events, WeightsPublished).weight_version)  # type: ignore[attr-defined]
+    assert value(observed, "miles_weight_version", run=run_id, role="trainer", engine="") == published
+    for engine in ("engine-0", "engine-1"):
+        assert value(observed, "miles_weight_version", run=run_id, role="engine", engine=engine) == published
+
+
+def test_verified_publications_count_the_verified_events(observed: RunMetrics, events, run_id) -> None:
+    verified = sum(isinstance(e, PublicationVerified) for e in events)
+    assert verified > 0
+    assert value(observed, "miles_publications_total", run=run_id, outcome="verified") == verified
+
+
+def test_every_publication_outcome_has_a_series_from_run_start(observed: RunMetrics, run_id) -> None:
+    assert value(observed, "miles_publications_total", run=run_id, outcome="mismatch") == 0
+    assert value(observed, "miles_publications_total", run=run_id, outcome="failed") == 0
+
+
+def test_checksum_info_has_one_current_series_per_role_and_engine(observed: RunMetrics, events, run_id) -> None:
+    info = series(observed, "miles_weight_checksum_info")
+    assert sorted((s["role"], s["engine"]) for s in info) == [("engine", "engine-0"), ("engine", "engine-1"), ("trainer", "")]
+    staged = last(events, WeightsStaged)
+    assert {(s["weight_version"], s["digest"]) for s in info} == {(staged.weight_version, staged.digest)}  # type: ignore[attr-defined]
+
+
+def test_eval_score_has_each_metric_of_the_last_eval(observed: RunMetrics, events, run_id) -> None:
+    evaluated = last(events, EvalFinished).metrics  # type: ignore[attr-defined]
+    assert evaluated
+    for metric, score in evaluated.items():
+        assert value(observed, "miles_eval_score", run=run_id, metric=metric) == pytest.approx(score)
+    assert {s["metric"] for s in series(observed, "miles_eval_score")} == set(evaluated)
+
+
+def test_token_counters_sum_the_rollouts_and_train_steps(observed: RunMetrics, events, run_id) -> None:
+    generated = sum(getattr(e, "response_tokens", 0) for e in events)
+    trained = sum(getattr(e, "train_tokens", 0) for e in events)
+    assert value(observed, "miles_tokens_generated_total", run=run_id) == generated
+    assert value(observed, "miles_train_tokens_total", run=run_id) == trained
+
+
+def test_bus_events_are_counted_by_type(observed: RunMetrics, events, run_id) -> None:
+    for kind in {type(e) for e in events}:
+        count = sum(type(e) is kind for e in events)
+        assert value(observed, "miles_bus_events_total", run=run_id, type=kind.__name__) == count
+
+
+def test_run_info_and_finished_show_the_final_status(observed: RunMetrics, run_id) -> None:
+    assert series(observed, "miles_run_info") == [{"run": run_id, "runtime": "local", "status": "completed"}]
+    assert value(observed, "miles_run_finished", run=run_id) == 1
+
+
+def test_checkpoint_metrics_follow_the_saves(observed: RunMetrics, run_id) -> None:
+    assert value(observed, "miles_checkpoint_last_rollout_id", run=run_id) == 2
+    assert value(observed, "miles_checkpoints_total", run=run_id, outcome="saved") == 2
+    assert value(observed, "miles_checkpoint_duration_seconds_count", run=run_id) == 2
+
+
+def test_publication_durations_are_observed_per_phase(observed: RunMetrics, events, run_id) -> None:
+    publications = sum(isinstance(e, WeightsPublished) for e in events)
+    for phase in ("stage", "load", "total"):
+        assert value(observed, "miles_publication_duration_seconds_count", run=run_id, phase=phase) == publications
+
+
+def test_every_series_carries_the_run_label(observed: RunMetrics, run_id) -> None:
+    samples = [s for family in observed.registry.collect() for s in family.samples]
+    assert samples
+    assert all(s.labels.get("run") == run_id for s in samples)
+
+
+def test_runs_in_one_log_get_separate_series(events: list[Event], run_id: str) -> None:
+    metrics = RunMetrics()
+    for event in events:
+        metrics.observe(event)
+    for event in events[:8]:  # a second run up to its first verified publication
+        metrics.observe(msgspec.structs.replace(event, run_id="other"))
+    assert value(metrics, "miles_weight_version", run=run_id, role="trainer", engine="") == 4
+    assert value(metrics, "miles_weight_version", run="other", role="trainer", engine="") == 1
+    assert value(metrics, "miles_publications_total", run="other", outcome="verified") == 1
+
+
+def test_mismatch_counts_and_records_the_mismatched_tensors(events: list[Event], run_id: str) -> None:
+    metrics = RunMetrics()
+    metrics.observe(events[0])
+    mismatch = PublicationMismatch(
+        weight_version="1",
+        mismatches=[TensorMismatch("engine-0", "lm_head.weight", "a" * 16, "b" * 16)] * 3,
+        expected_digest="x",
+        engine_digests={"engine-0": "y"},
+        verify_seconds=0.002,
+        run_id=run_id,
+    )
+    metrics.observe(mismatch)
+    assert value(metrics, "miles_publications_total", run=run_id, outcome="mismatch") == 1
+    assert value(metrics, "miles_publication_mismatched_tensors", run=run_id) == 3
+    assert value(metrics, "miles_verification_duration_seconds_count", run=run_id) == 1
+
+
+def test_actor_failures_are_counted_per_actor() -> None:
+    metrics = RunMetrics()
+    metrics.observe(ActorFailed(actor="trainer", error="RuntimeError: boom", run_id="r"))
+    metrics.observe(ActorFailed(actor="trainer", error="RuntimeError: boom", run_id="r"))
+    assert value(metrics, "miles_actor_failures_total", run="r", actor="trainer") == 2
+
+
+def test_a_failed_run_shows_failed_status() -> None:
+    metrics = RunMetrics()
+    metrics.observe(RunFinished(status="failed", reason="x", run_id="r"))
+    assert series(metrics, "miles_run_info") == [{"run": "r", "runtime": "", "status": "failed"}]
+
+
+def test_metrics_of_separate_instances_do_not_share_a_registry(observed: RunMetrics) -> None:
+    assert RunMetrics().registry.get_sample_value("miles_publications_total", {}) is None
+    assert RunMetrics().registry is not observed.registry
+
+
+# --- the reference table ------------------------------------------------------------------
+
+
+def test_docs_metrics_md_is_the_generated_reference() -> None:
+    assert (REPO / "docs" / "metrics.md").read_text() == metrics_reference(), "run: python -m miles_events.metrics"
+
+
+def test_registered_metrics_are_exactly_the_documented_ones(events: list[Event]) -> None:
+    metrics = RunMetrics()
+    metrics.attach_bus(EventBus("r"))
+    for event in events:
+        metrics.observe(event)
+    registered = {exposed_name(family) for family in metrics.registry.collect()}
+    assert registered == {spec.name for spec in METRICS}
+
+
+def test_every_documented_metric_gets_a_series_in_a_full_run(events: list[Event]) -> None:
+    bus = EventBus("r")
+    bus.subscribe("metrics", (Event,))
+    metrics = RunMetrics()
+    metrics.attach_bus(bus)
+    for event in events:
+        metrics.observe(event)
+    with_samples = {exposed_name(f) for f in metrics.registry.collect() if f.samples}
+    assert with_samples == {spec.name for spec in METRICS} - FAILURE_ONLY
+
+
+def test_documented_labels_are_the_exposed_labels(events: list[Event]) -> None:
+    bus = EventBus("r")
+    bus.subscribe("metrics", (Event,))
+    metrics = RunMetrics()
+    metrics.attach_bus(bus)
+    metrics.observe(ActorFailed(actor="trainer", error="e", run_id="r"))
+    for event in events:
+        metrics.observe(event)
+    exposed = {
+        s.name: set(s.labels) - {"le"}
+        for family in metrics.registry.collect()
+        for s in family.samples
+        if s.name == exposed_name(family) or s.name.endswith("_count")
+    }
+    for spec in METRICS:
+        name = spec.name + ("_count" if spec.kind == "histogram" else "")
+        assert exposed[name] == set(spec.all_labels), spec.name
+
+
+def test_docs_check_fails_on_a_stale_reference(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    stale = tmp_path / "metrics.md"
+    stale.write_text("old\n")
+    monkeypatch.setattr("miles_events.metrics.DOCS_PATH", stale)
+    assert main(["--check"]) == 1
+    assert main([]) == 0
+    assert main(["--check"]) == 0
+
+
+# --- the live exporter --------------------------------------------------------------------
+
+
+def scrape(url: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """Every sample served at ``url``, grouped by sample name."""
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    found: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            found.setdefault(s.name, []).append((s.labels, s.value))
+    return found
+
+
+async def test_live_exporter_serves_the_run_and_mailbox_depths(events: list[Event]) -> None:
+    bus = EventBus("live-run")
+    idle = bus.subscribe("idle-actor", (Event,))
+    exporter = MetricsExporter(bus, "127.0.0.1", 0)
+    try:
+        assert exporter.port > 0 and exporter.url == f"http://127.0.0.1:{exporter.port}/metrics"
+        for event in events:
+            await bus.publish(msgspec.structs.replace(event, run_id="", seq=0))
+        while exporter.mailbox.statistics().depth:
+            await asyncio.sleep(0.01)
+        found = await asyncio.to_thread(scrape, exporter.url)
+        depths = {labels["actor"]: v for labels, v in found["miles_bus_mailbox_depth"]}
+        assert depths == {"idle-actor": len(events), "metrics": 0}
+        versions = {labels["engine"]: v for labels, v in found["miles_weight_version"]}
+        assert versions == {"": 4, "engine-0": 4, "engine-1": 4}
+        assert all(labels["run"] == "live-run" for samples in found.values() for labels, _ in samples)
+    finally:
+        bus.close()
+        idle.close()
+        await exporter.task
+        await exporter.aclose()
+
+
+async def test_exporter_task_ends_when_the_bus_closes() -> None:
+    bus = EventBus("r")
+    exporter = MetricsExporter(bus, "127.0.0.1", 0)
+    bus.close()
+    await asyncio.wait_for(exporter.task, 5)
+    exporter.close()
+
+
+async def test_closed_exporter_frees_its_port() -> None:
+    bus = EventBus("r")
+    exporter = MetricsExporter(bus, "127.0.0.1", 0)
+    bus.close()
+    await exporter.task
+    await exporter.aclose()
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(exporter.url, timeout=5)
+    MetricsServer(RunMetrics().registry, "127.0.0.1", exporter.port).close()
+
+
+def test_a_busy_port_is_a_metrics_error_naming_host_port_and_setting() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(MetricsError) as raised:
+            MetricsServer(RunMetrics().registry, "127.0.0.1", port)
+    message = str(raised.value)
+    assert f"127.0.0.1:{port}" in message and "metrics.port" in message and "\n" not in message
+    assert isinstance(raised.value, ValueError)
+
+
+async def test_a_busy_port_leaves_no_mailbox_on_the_bus() -> None:
+    bus = EventBus("r")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(MetricsError):
+            MetricsExporter(bus, "127.0.0.1", taken.getsockname()[1])
+    assert bus.mailboxes() == []
+
+
+async def test_attach_metrics_is_none_when_disabled() -> None:
+    config = Config()
+    config = msgspec.structs.replace(config, metrics=msgspec.structs.replace(config.metrics, enabled=False))
+    assert attach_metrics(EventBus("r"), SimpleNamespace(config=config)) is None  # type: ignore[arg-type]
+
+
+async def test_attach_metrics_serves_on_the_configured_port() -> None:
+    config = Config()
+    config = msgspec.structs.replace(config, metrics=msgspec.structs.replace(config.metrics, port=0))
+    bus = EventBus("r")
+    exporter = attach_metrics(bus, SimpleNamespace(config=config))  # type: ignore[arg-type]
+    assert exporter is not None
+    try:
+        assert [m.name for m in bus.mailboxes()] == ["metrics"]
+        assert "miles_bus_mailbox_depth" in await asyncio.to_thread(scrape, exporter.url)
+    finally:
+        bus.close()
+        await exporter.task
+        await exporter.aclose()
+
+
+# --- replay --serve-metrics ---------------------------------------------------------------
+
+
+def start_replay(log: Path) -> tuple[subprocess.Popen[str], str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "miles_events.replay", str(log), "--serve-metrics", "0"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    return proc, line
+
+
+def stop(proc: subprocess.Popen[str]) -> tuple[int, str]:
+    proc.send_signal(signal.SIGINT)
+    try:
+        _, err = proc.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    return proc.returncode, err
+
+
+def test_replay_serves_the_metrics_of_the_log_until_interrupted(events: list[Event], run_id: str) -> None:
+    proc, line = start_replay(FIXTURE_LOG)
+    try:
+        assert line.startswith(f"serving metrics of {len(events)} events from {FIXTURE_LOG} at http://127.0.0.1:")
+        found = scrape(line.split()[-1])
+    finally:
+        status, err = stop(proc)
+    assert status == 0, err
+    verified = sum(isinstance(e, PublicationVerified) for e in events)
+    assert ({"run": run_id, "outcome": "verified"}, verified) in found["miles_publications_total"]
+    assert ({"run": run_id, "role": "engine", "engine": "engine-1"}, 4) in found["miles_weight_version"]
+    assert "miles_bus_mailbox_depth" not in found
+
+
+def test_replay_of_a_torn_log_serves_the_complete_records(tmp_path: Path, events: list[Event]) -> None:
+    torn = tmp_path / "events.log"
+    torn.write_bytes(FIXTURE_LOG.read_bytes()[:-5])
+    proc, line = start_replay(torn)
+    try:
+        assert line.startswith(f"serving metrics of {len(events) - 1} events from {torn} at ")
+        found = scrape(line.split()[-1])
+    finally:
+        status, err = stop(proc)
+    assert "miles_run_finished" in found
+    assert status == 0
+    assert f"replay: {torn}: torn record at byte" in err
