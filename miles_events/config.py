@@ -34,6 +34,8 @@ PATH_KEYS: tuple[tuple[str, str], ...] = (
     ("data", "prompt_data"),
     ("data", "eval_data"),
     ("model", "path"),
+    ("tracking", "tensorboard_dir"),
+    ("tracking", "wandb_dir"),
 )
 """(section, key) of every setting that is a filesystem path."""
 

@@ -1,98 +1,455 @@
-"""Plain progress lines on the console, one per rollout, as a bus subscriber."""
+"""The run on the console, as a bus subscriber: a live ``rich`` display on a terminal,
+one line per rollout otherwise, or only the final status line.
+
+``attach_console(bus, session)`` is a ``Session(on_bus=[...])`` hook choosing by
+``config.console.mode``. Every display folds the same events into a ``RunProgress`` and
+never raises into the bus: a display error is logged once and the mailbox keeps draining
+(a stalled mailbox would hold up every publisher through backpressure).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
-from typing import TextIO
+import time
+from collections import deque
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Protocol, TextIO
 
+from rich.console import Console
+from rich.live import Live
+from rich.panel import Panel
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+from rich.text import Text
+from schemas.config import Config
 from schemas.events import (
-    CheckpointSaved,
-    EvalFinished,
-    Event,
-    PublicationMismatch,
-    PublicationVerified,
-    RolloutGenerated,
-    RunFinished,
-    RunStarted,
-    TrainStepFinished,
-    WeightsPublished,
-)
+    ActorFailed, CheckpointFailed, CheckpointSaved, EvalFinished, Event, PublicationFailed,
+    PublicationMismatch, PublicationVerified, RolloutGenerated, RunFinished, RunStarted, TrainStepFinished,
+    WeightsLoaded, WeightsPublished, WeightsStaged,
+)  # fmt: skip
 
 from miles_events.bus import EventBus
 
-SHOWN = (
-    RunStarted,
-    RolloutGenerated,
-    TrainStepFinished,
-    WeightsPublished,
-    PublicationVerified,
-    PublicationMismatch,
-    EvalFinished,
-    CheckpointSaved,
-    RunFinished,
-)
+logger = logging.getLogger(__name__)
+
+SHOWN: tuple[type[Event], ...] = (
+    RunStarted, RolloutGenerated, TrainStepFinished, WeightsStaged, WeightsLoaded, WeightsPublished,
+    PublicationVerified, PublicationMismatch, PublicationFailed, EvalFinished, CheckpointSaved,
+    CheckpointFailed, ActorFailed, RunFinished,
+)  # fmt: skip
+STEP_PHASES = (("generate", "gen"), ("train", "train"), ("publish", "pub"), ("verify", "verify"), ("save", "save"))
+SPARK = "▁▂▃▄▅▆▇█"
 
 
-class ProgressPrinter:
-    """Summarises each rollout in one line: reward, loss, step time split, versions."""
+class SessionLike(Protocol):
+    """What a sink needs of ``miles_events.session.Session``."""
 
-    def __init__(self, bus: EventBus, stream: TextIO = sys.stdout) -> None:
-        self.stream = stream
-        self.mailbox = bus.subscribe("console", SHOWN)
+    config: Config
+    run_id: str
+    run_dir: Path
+
+
+def sparkline(values: list[float]) -> str:
+    """One block character per value, scaled between the values' min and max."""
+    if not values:
+        return ""
+    low, high = min(values), max(values)
+    if high == low:
+        return SPARK[len(SPARK) // 2] * len(values)
+    return "".join(SPARK[round((v - low) / (high - low) * (len(SPARK) - 1))] for v in values)
+
+
+def metric_name(key: str) -> str:
+    """``eval/accuracy`` -> ``accuracy``: the section is already on the line."""
+    return key.removeprefix("eval/")
+
+
+def describe_mismatch(event: PublicationMismatch) -> str:
+    """``MISMATCH in 2 tensor(s), first engine-0:model.norm.weight``: the first is where to look."""
+    first = event.mismatches[0] if event.mismatches else None
+    where = f", first {first.engine}:{first.tensor}" if first else ""
+    return f"MISMATCH in {len(event.mismatches)} tensor(s){where}"
+
+
+class RunProgress:
+    """Where the run stands, folded from its events (event times only, so a replay shows
+    the same numbers as the live run)."""
+
+    def __init__(self, recent: int = 10) -> None:
+        self.run_id = ""
+        self.runtime = ""
+        self.start_rollout_id = 0
         self.num_rollout = 0
-        self.reward: dict[int, RolloutGenerated] = {}
-        self.train: dict[int, TrainStepFinished] = {}
-        self.verified = 0
-        self.task = asyncio.create_task(self._print(), name="console")
+        self.started_at: float | None = None
+        self.last_time: float | None = None
+        self.last_trained: int | None = None
+        self.rewards: deque[float] = deque(maxlen=recent)
+        self.train: TrainStepFinished | None = None
+        self.step_seconds: dict[str, float] = {}
+        self.trainer_version = "default"
+        self.engine_versions: dict[str, str] = {}
+        self.verification = ""
+        self.verification_ok: bool | None = None
+        self.checkpoint: CheckpointSaved | None = None
+        self.checkpoint_problem = ""
+        self.eval: EvalFinished | None = None
+        self.failures: list[str] = []
+        self.finished: RunFinished | None = None
 
-    def _line(self, text: str) -> None:
-        print(text, file=self.stream, flush=True)
+    @property
+    def total(self) -> int:
+        """Rollouts this run is to do (a resumed run starts past 0)."""
+        return max(self.num_rollout - self.start_rollout_id, 0)
 
-    async def _print(self) -> None:
+    @property
+    def done(self) -> int:
+        """Rollouts trained so far in this run."""
+        return 0 if self.last_trained is None else self.last_trained - self.start_rollout_id + 1
+
+    def eta_seconds(self) -> float | None:
+        """Remaining time at the pace of the rollouts done so far."""
+        if not self.done or self.started_at is None or self.last_time is None:
+            return None
+        return (self.last_time - self.started_at) / self.done * max(self.total - self.done, 0)
+
+    def apply(self, event: Event) -> None:
+        """Fold one event in."""
+        if event.time:
+            self.last_time = event.time
+        if isinstance(event, RunStarted):
+            self.run_id, self.runtime = event.run_id, event.runtime
+            self.start_rollout_id, self.num_rollout = event.start_rollout_id, event.num_rollout
+            self.started_at = event.time or None
+            self.trainer_version = event.weight_version
+            # Engines boot from the Hugging Face directory, even on resume, until the first publication.
+            self.engine_versions = dict.fromkeys(event.engines, "default")
+        elif isinstance(event, RolloutGenerated):
+            self.rewards.append(event.reward_mean)
+            self.step_seconds["generate"] = event.generate_seconds
+        elif isinstance(event, TrainStepFinished):
+            self.train, self.last_trained = event, event.rollout_id
+            self.step_seconds["train"] = event.train_seconds
+        elif isinstance(event, WeightsStaged):
+            self.trainer_version = event.weight_version
+        elif isinstance(event, WeightsLoaded):
+            self.engine_versions[event.engine] = event.weight_version
+        elif isinstance(event, WeightsPublished):
+            self.step_seconds["publish"] = event.publish_seconds
+        elif isinstance(event, PublicationVerified):
+            self.verification_ok = True
+            self.verification = f"v{event.weight_version} verified ({event.num_tensors} tensors)"
+            self.step_seconds["verify"] = event.verify_seconds
+        elif isinstance(event, PublicationMismatch):
+            self.verification_ok = False
+            self.verification = f"v{event.weight_version} {describe_mismatch(event)}"
+            self.step_seconds["verify"] = event.verify_seconds
+        elif isinstance(event, PublicationFailed):
+            self.verification_ok = False
+            self.verification = f"v{event.weight_version} publication failed ({event.phase}): {event.reason}"
+        elif isinstance(event, CheckpointSaved):
+            self.checkpoint, self.checkpoint_problem = event, ""
+            self.step_seconds["save"] = event.save_seconds
+        elif isinstance(event, CheckpointFailed):
+            self.checkpoint_problem = f"rollout {event.rollout_id} FAILED: {event.reason}"
+        elif isinstance(event, EvalFinished):
+            self.eval = event
+        elif isinstance(event, ActorFailed):
+            self.failures.append(f"{event.actor}: {event.error}")
+        elif isinstance(event, RunFinished):
+            self.finished = event
+
+    def final_line(self) -> str:
+        """The run's outcome in one line; the only output in quiet mode."""
+        finished = self.finished
+        if finished is None:
+            return "run interrupted before it finished"
+        if finished.last_rollout_id >= 0:
+            where = f"after rollout {finished.last_rollout_id + 1}/{self.num_rollout}"
+        else:
+            where = "before any rollout"
+        took = ""
+        if self.started_at is not None and finished.time:
+            took = f" in {finished.time - self.started_at:.1f}s"
+        reason = f": {finished.reason}" if finished.reason else ""
+        return f"run {finished.status} {where} at weight version {finished.weight_version}{took}{reason}"
+
+
+class ConsoleSink:
+    """Drains the ``console`` mailbox into ``show``; ``finish`` runs once it is closed."""
+
+    def __init__(self, bus: EventBus) -> None:
+        self.progress = RunProgress()
+        self._failed_once = False
+        self.mailbox = bus.subscribe("console", SHOWN)
+        self.task = asyncio.create_task(self._drain(), name="console")
+
+    async def _drain(self) -> None:
         while (event := await self.mailbox.get()) is not None:
-            self.show(event)
+            self._guarded(self._show, event)
+        self._guarded(self.finish)
+
+    def _show(self, event: Event) -> None:
+        self.progress.apply(event)
+        self.show(event)
+
+    def _guarded(self, fn: Callable[..., None], *args: object) -> None:
+        try:
+            fn(*args)
+        except Exception:
+            if not self._failed_once:
+                self._failed_once = True
+                logger.warning("console display failed; the run goes on", exc_info=True)
+
+    def show(self, event: Event) -> None:
+        """React to one event (``self.progress`` already includes it)."""
+
+    def finish(self) -> None:
+        """The bus is closed and every event shown."""
+
+
+class PlainProgress(ConsoleSink):
+    """One line per rollout (reward, loss, step times, publication outcome), plus lines for
+    the start, evals, checkpoints, mismatches, failures and the end. ``quiet`` keeps only
+    the final line. Lines follow event order, so a given log always prints the same."""
+
+    def __init__(self, bus: EventBus, stream: TextIO | None = None, *, verify: bool = True, quiet: bool = False) -> None:
+        self.stream = stream or sys.stdout
+        self.verify = verify
+        self.quiet = quiet
+        self.generated: dict[int, RolloutGenerated] = {}
+        self.trained: dict[int, TrainStepFinished] = {}
+        self.published: dict[int, WeightsPublished] = {}
+        self.ended = False
+        super().__init__(bus)
+
+    def _line(self, text: str, *, final: bool = False) -> None:
+        if final or not self.quiet:
+            print(text, file=self.stream, flush=True)
 
     def show(self, event: Event) -> None:
         if isinstance(event, RunStarted):
-            self.num_rollout = event.num_rollout
             resumed = f", resumed at weight version {event.weight_version}" if event.resumed else ""
             self._line(
                 f"run {event.run_id} ({event.runtime}): rollouts {event.start_rollout_id}..{event.num_rollout - 1}, "
                 f"engines {', '.join(event.engines)}{resumed}"
             )
         elif isinstance(event, RolloutGenerated):
-            self.reward[event.rollout_id] = event
+            self.generated[event.rollout_id] = event
         elif isinstance(event, TrainStepFinished):
-            self.train[event.rollout_id] = event
+            self.trained[event.rollout_id] = event
+        elif isinstance(event, WeightsPublished):
+            if event.rollout_id is None:
+                self._line(f"initial weights published as version {event.weight_version} in {event.publish_seconds:.2f}s")
+            else:
+                self.published[event.rollout_id] = event
+            if not self.verify:
+                self._publication(event.rollout_id, f"v{event.weight_version} published")
         elif isinstance(event, PublicationVerified):
-            self.verified += 1
-            self._rollout_line(event.rollout_id, f"v{event.weight_version} verified")
-        elif isinstance(event, WeightsPublished) and event.rollout_id is None:
-            self._line(f"initial weights published as version {event.weight_version} in {event.publish_seconds:.2f}s")
+            self._publication(event.rollout_id, f"v{event.weight_version} verified", event.verify_seconds)
         elif isinstance(event, PublicationMismatch):
-            self._line(
-                f"weight version {event.weight_version}: MISMATCH in {len(event.mismatches)} tensor(s), "
-                f"e.g. {event.mismatches[0].engine}:{event.mismatches[0].tensor}"
-            )
+            self._publication(event.rollout_id, f"v{event.weight_version} MISMATCH", event.verify_seconds)
+            first = event.mismatches[0] if event.mismatches else None
+            detail = f" (expected {first.expected or '-'}, got {first.actual or '-'})" if first else ""
+            self._line(f"weight version {event.weight_version}: {describe_mismatch(event)}{detail}")
+        elif isinstance(event, PublicationFailed):
+            self._publication(event.rollout_id, f"v{event.weight_version} publication failed")
+            self._line(f"weight version {event.weight_version}: publication failed ({event.phase}): {event.reason}")
         elif isinstance(event, EvalFinished):
-            metrics = " ".join(f"{k}={v:.3f}" for k, v in sorted(event.metrics.items()))
+            metrics = " ".join(f"{metric_name(k)}={v:.3f}" for k, v in sorted(event.metrics.items()))
             self._line(f"eval at rollout {event.rollout_id}: {metrics}")
         elif isinstance(event, CheckpointSaved):
-            self._line(f"checkpoint rollout {event.rollout_id} (version {event.weight_version}) -> {event.path}")
+            self._line(
+                f"checkpoint rollout {event.rollout_id} (version {event.weight_version}) -> {event.path} "
+                f"in {event.save_seconds:.2f}s"
+            )
+        elif isinstance(event, CheckpointFailed):
+            self._line(f"checkpoint rollout {event.rollout_id} FAILED: {event.reason}")
+        elif isinstance(event, ActorFailed):
+            self._line(f"actor {event.actor} failed: {event.error}")
         elif isinstance(event, RunFinished):
-            reason = f": {event.reason}" if event.reason else ""
-            self._line(f"run {event.status}{reason}")
+            # A rollout trained but never published (a stop, a failure) still gets its line.
+            for rollout_id in sorted(self.trained):
+                self._publication(rollout_id, "not published")
+            self._end()
 
-    def _rollout_line(self, rollout_id: int | None, publication: str) -> None:
+    def _publication(self, rollout_id: int | None, outcome: str, verify_seconds: float | None = None) -> None:
+        """The rollout's line, once its publication has an outcome."""
         if rollout_id is None:
-            self._line(f"initial publication {publication}")
+            self._line(f"initial publication {outcome}")
             return
-        generated, train = self.reward.pop(rollout_id, None), self.train.pop(rollout_id, None)
-        if generated is None or train is None:
+        generated, train = self.generated.pop(rollout_id, None), self.trained.pop(rollout_id, None)
+        published = self.published.pop(rollout_id, None)
+        if train is None:
             return
+        reward = f"reward {generated.reward_mean:.3f} " if generated else ""
+        times = f"gen {generated.generate_seconds:.2f}s " if generated else ""
+        times += f"train {train.train_seconds:.2f}s"
+        if published is not None:
+            times += f" pub {published.publish_seconds:.2f}s"
+        if verify_seconds is not None:
+            times += f" verify {verify_seconds:.2f}s"
         self._line(
-            f"rollout {rollout_id + 1}/{self.num_rollout}: reward {generated.reward_mean:.3f} "
-            f"loss {train.loss:+.4f} kl {train.kl:.4f} grad {train.grad_norm:.3f} | "
-            f"gen {generated.generate_seconds:.2f}s train {train.train_seconds:.2f}s | {publication}"
+            f"rollout {rollout_id + 1}/{self.progress.num_rollout}: {reward}"
+            f"loss {train.loss:+.4f} kl {train.kl:.4f} grad {train.grad_norm:.3f} | {times} | {outcome}"
         )
+
+    def _end(self) -> None:
+        if not self.ended:
+            self.ended = True
+            self._line(self.progress.final_line(), final=True)
+
+    def finish(self) -> None:
+        self._end()
+
+
+def _duration(seconds: float) -> str:
+    return str(timedelta(seconds=round(seconds)))
+
+
+def render_progress(progress: RunProgress, *, final: bool = False) -> Panel:
+    """The display: progress and ETA, reward trend, losses, step time split, versions,
+    the last publication's verification, checkpoint and eval; ``final`` for the summary."""
+    p = progress
+    rows = Table.grid(padding=(0, 2))
+    rows.add_column(style="bold", no_wrap=True)
+    rows.add_column()
+    through = p.last_trained + 1 if p.last_trained is not None else p.start_rollout_id
+    eta = p.eta_seconds()
+    pace = ""
+    if final and p.started_at is not None and p.last_time is not None:
+        pace = f"took {_duration(p.last_time - p.started_at)}"
+    elif eta is not None:
+        pace = f"ETA {_duration(eta)}"
+    bar = Table.grid(padding=(0, 2))
+    bar.add_row(ProgressBar(total=p.total or 1, completed=p.done, width=30), Text(f"rollout {through}/{p.num_rollout}"), Text(pace))
+    rows.add_row("progress", bar)
+    if p.rewards:
+        recent = list(p.rewards)
+        rows.add_row(
+            "reward",
+            Text(f"{recent[-1]:.3f}  {sparkline(recent)}  min {min(recent):.3f} max {max(recent):.3f} (last {len(recent)})"),
+        )
+    if p.train is not None:
+        t = p.train
+        rows.add_row(
+            "train",
+            Text(f"loss {t.loss:+.4f}  kl {t.kl:.4f}  grad {t.grad_norm:.3f}  entropy {t.entropy:.3f}  clip {t.clipfrac:.3f}"),
+        )
+    if p.step_seconds:
+        split = "  ".join(f"{label} {p.step_seconds[phase]:.2f}s" for phase, label in STEP_PHASES if phase in p.step_seconds)
+        rows.add_row("step time", Text(split))
+    versions = Text(f"trainer {p.trainer_version}")
+    for engine, version in p.engine_versions.items():
+        versions.append(f"  {engine} {version}", style="" if version == p.trainer_version else "yellow")
+    rows.add_row("versions", versions)
+    if p.verification:
+        rows.add_row("verification", Text(p.verification, style="green" if p.verification_ok else "bold red"))
+    if p.checkpoint_problem:
+        rows.add_row("checkpoint", Text(p.checkpoint_problem, style="bold red"))
+    elif p.checkpoint is not None:
+        c = p.checkpoint
+        rows.add_row("checkpoint", Text(f"rollout {c.rollout_id} (version {c.weight_version}) -> {c.path}"))
+    if p.eval is not None:
+        scores = " ".join(f"{metric_name(k)}={v:.4g}" for k, v in sorted(p.eval.metrics.items()))
+        rows.add_row("eval", Text(f"rollout {p.eval.rollout_id}: {scores}"))
+    for failure in p.failures[-3:]:
+        rows.add_row("failed", Text(failure, style="bold red"))
+    status = p.finished.status if p.finished else "running"
+    border = {"completed": "green", "stopped": "yellow", "failed": "red"}.get(status, "blue")
+    if final:
+        rows.add_row("status", Text(p.final_line(), style=border))
+    title = f"run {p.run_id} ({p.runtime})" if p.run_id else "run"
+    return Panel(rows, title=title, subtitle=status, border_style=border, expand=False)
+
+
+class RichProgress(ConsoleSink):
+    """A live display, redrawn on events at most once per ``min_interval`` seconds; at the
+    end it gives way to the final summary, which stays on screen."""
+
+    def __init__(
+        self,
+        bus: EventBus,
+        console: Console | None = None,
+        *,
+        stream: TextIO | None = None,
+        verify: bool = True,
+        min_interval: float = 0.25,
+    ) -> None:
+        super().__init__(bus)
+        self.console = console or Console(file=stream or sys.stdout)
+        self.min_interval = min_interval
+        self._last_refresh = float("-inf")
+        self._timer: asyncio.TimerHandle | None = None
+        self.live = Live(render_progress(self.progress), console=self.console, auto_refresh=False, transient=True)
+        streams = sys.stdout, sys.stderr
+        self.live.start()
+        self._moved = self._follow_redirect(streams)
+
+    @staticmethod
+    def _follow_redirect(before: tuple[TextIO, TextIO]) -> list[tuple[logging.StreamHandler, TextIO]]:  # type: ignore[type-arg]
+        """Point console log handlers at the streams the live display redirected, so log
+        lines print above the display instead of tearing it."""
+        moved = []
+        for old, new in zip(before, (sys.stdout, sys.stderr), strict=True):
+            if new is old:
+                continue
+            for handler in logging.getLogger().handlers:
+                if type(handler) is logging.StreamHandler and handler.stream is old:
+                    handler.setStream(new)
+                    moved.append((handler, old))
+        return moved
+
+    def show(self, event: Event) -> None:
+        wait = self._last_refresh + self.min_interval - time.monotonic()
+        if wait <= 0:
+            self._refresh()
+        elif self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(wait, self._timed_refresh)
+
+    def _timed_refresh(self) -> None:
+        self._timer = None
+        self._guarded(self._refresh)
+
+    def _refresh(self) -> None:
+        self._last_refresh = time.monotonic()
+        self.live.update(render_progress(self.progress), refresh=True)
+
+    def finish(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        try:
+            self.live.stop()
+        finally:
+            for handler, stream in self._moved:
+                handler.setStream(stream)
+        self.console.print(render_progress(self.progress, final=True))
+
+
+ProgressPrinter = PlainProgress
+"""The name the driver used before the console had modes."""
+
+
+def _is_tty(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def attach_console(bus: EventBus, session: SessionLike, stream: TextIO | None = None) -> ConsoleSink:
+    """The ``Session`` hook: the display ``config.console.mode`` asks for, on ``stream``
+    (default ``sys.stdout``). ``auto`` is the live display on a terminal, plain lines
+    otherwise (CI logs, files, pipes)."""
+    stream = stream or sys.stdout
+    mode = session.config.console.mode
+    verify = session.config.verifier.enabled
+    if mode == "auto":
+        mode = "rich" if _is_tty(stream) else "plain"
+    if mode == "rich":
+        return RichProgress(bus, stream=stream, verify=verify)
+    return PlainProgress(bus, stream, verify=verify, quiet=mode == "quiet")

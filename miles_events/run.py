@@ -60,27 +60,31 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
 
-    from miles_events.console import ProgressPrinter
+    from miles_events.console import attach_console
     from miles_events.metrics import MetricsError, attach_metrics
     from miles_events.session import Session
+    from miles_events.tracking import TrackingError, attach_tracking, check_tracking
 
     def metrics_hook(bus, session):  # type: ignore[no-untyped-def]
         exporter = attach_metrics(bus, session)
-        if exporter is not None:
+        if exporter is not None and config.console.mode != "quiet":
             print(f"metrics: {exporter.url}", flush=True)
         return exporter
 
     try:
-        session = Session(config, actor_classes(), on_bus=[lambda bus, _: ProgressPrinter(bus), metrics_hook])
+        check_tracking(config)  # fail fast, before the model is prepared
+        # Tracking first: a tracking error must not leave a live display on the screen.
+        session = Session(config, actor_classes(), on_bus=[attach_tracking, metrics_hook, attach_console])
         result = asyncio.run(session.run())
-    except (ConfigError, DataError, CheckpointError, MetricsError) as error:
+    except (ConfigError, DataError, CheckpointError, MetricsError, TrackingError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("error: aborted", file=sys.stderr)
         return 130
     finished = result.finished
-    print(f"events: {result.run_dir / 'events.log'}  ({result.seconds:.1f}s)")
+    if config.console.mode != "quiet":
+        print(f"events: {result.run_dir / 'events.log'}  ({result.seconds:.1f}s)")
     if finished.status == "failed":
         print(f"error: run failed: {finished.reason}", file=sys.stderr)
         return 1

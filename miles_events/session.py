@@ -183,7 +183,7 @@ class Session:
                 await coordinator.begin()
                 finished = await self._wait_finished(watch)
                 quiet_hosts = [coordinator_host]
-                await self._wait_quiet(bus, runtime, quiet_hosts, exclude={"event-log", "session", "console", "metrics"})
+                await self._wait_quiet(bus, runtime, quiet_hosts, exclude={"event-log", "session", "console", "metrics", "tensorboard", "wandb"})
         finally:
             bus.close()
             await runtime.stop()  # type: ignore[attr-defined]

@@ -1,0 +1,269 @@
+"""The console sinks, driven through a real bus by the recorded run in tests/fixtures/tiny_run
+(3 rollouts, 2 engines, evals at 0..2, checkpoints at 1 and 2, every publication verified)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from io import StringIO
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from rich.console import Console
+from schemas.config import Config, ConsoleConfig, VerifierConfig
+from schemas.events import (
+    ActorFailed,
+    Event,
+    PublicationMismatch,
+    PublicationVerified,
+    RunFinished,
+    RunStarted,
+    TensorMismatch,
+    TrainStepFinished,
+)
+
+from miles_events.bus import EventBus
+from miles_events.console import (
+    ConsoleSink,
+    PlainProgress,
+    RichProgress,
+    RunProgress,
+    attach_console,
+    sparkline,
+)
+from miles_events.event_log import read_events
+from miles_events.session import close_sink
+
+FIXTURE = Path(__file__).parent / "fixtures" / "tiny_run" / "events.log"
+EVENTS: list[Event] = list(read_events(FIXTURE))
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+async def drive(make_sink, events: list[Event], settle: float = 0.0) -> ConsoleSink:
+    """Publish ``events`` on a real bus to the sink ``make_sink(bus)``, then end as the session does."""
+    bus = EventBus("test-run")
+    sink = make_sink(bus)
+    for event in events:
+        await bus.publish(event)
+        await asyncio.sleep(0)
+    if settle:
+        await asyncio.sleep(settle)
+    bus.close()
+    await close_sink(sink)
+    return sink
+
+
+async def plain_lines(events: list[Event], **options: object) -> list[str]:
+    stream = StringIO()
+    await drive(lambda bus: PlainProgress(bus, stream, **options), events)
+    return stream.getvalue().splitlines()
+
+
+def with_mismatch_at_rollout_0(events: list[Event]) -> list[Event]:
+    """The fixture with the verification of version 2 turned into a mismatch on one tensor."""
+    mismatch = TensorMismatch(engine="engine-1", tensor="model.norm.weight", expected="aaaa", actual="bbbb")
+    out: list[Event] = []
+    for event in events:
+        if isinstance(event, PublicationVerified) and event.rollout_id == 0:
+            event = PublicationMismatch(
+                weight_version="2", mismatches=[mismatch], expected_digest="d", engine_digests={}, rollout_id=0
+            )
+        out.append(event)
+    return out
+
+
+def rich_summary(output: str) -> str:
+    """The final summary: the last panel printed."""
+    return ANSI.sub("", output).rsplit("╭", 1)[1]
+
+
+async def test_plain_prints_one_line_per_rollout_with_reward_loss_times_and_verification():
+    lines = [line for line in await plain_lines(EVENTS) if line.startswith("rollout ")]
+    assert lines == [
+        "rollout 1/3: reward 0.047 loss -0.0000 kl 0.0000 grad 0.497 | gen 0.02s train 0.04s pub 0.01s verify 0.00s | v2 verified",
+        "rollout 2/3: reward 0.031 loss -0.0089 kl 0.0000 grad 0.319 | gen 0.02s train 0.04s pub 0.02s verify 0.00s | v3 verified",
+        "rollout 3/3: reward 0.062 loss +0.0057 kl 0.0000 grad 0.404 | gen 0.03s train 0.04s pub 0.02s verify 0.00s | v4 verified",
+    ]
+
+
+async def test_plain_prints_start_publication_evals_checkpoints_and_end_in_event_order():
+    lines = await plain_lines(EVENTS)
+    assert lines[:3] == [
+        "run test-run (local): rollouts 0..2, engines engine-0, engine-1",
+        "initial weights published as version 1 in 0.01s",
+        "initial publication v1 verified",
+    ]
+    assert lines[3].startswith("eval at rollout 0: accuracy=0.000 ")
+    assert lines[6] == "checkpoint rollout 1 (version 2) -> /tmp/fx/checkpoints/rollout_000001 in 0.02s"
+    assert lines[-1] == "run completed after rollout 3/3 at weight version 4 in 0.3s"
+    assert len(lines) == 12
+
+
+async def test_plain_output_is_the_same_on_every_replay():
+    assert await plain_lines(EVENTS) == await plain_lines(EVENTS)
+
+
+async def test_plain_reports_a_mismatch_naming_the_first_tensor():
+    lines = await plain_lines(with_mismatch_at_rollout_0(EVENTS))
+    assert lines[4].startswith("rollout 1/3: ") and lines[4].endswith("| v2 MISMATCH")
+    assert lines[5] == (
+        "weight version 2: MISMATCH in 1 tensor(s), first engine-1:model.norm.weight (expected aaaa, got bbbb)"
+    )
+
+
+async def test_plain_reports_an_actor_failure_and_the_failed_run_with_its_reason():
+    start = EVENTS[0]
+    failed = [
+        start,
+        ActorFailed(actor="trainer", error="RuntimeError: out of memory at trainer.py:10"),
+        RunFinished(status="failed", reason="trainer failed", weight_version="default", time=start.time + 2),
+    ]
+    lines = await plain_lines(failed)
+    assert lines[1] == "actor trainer failed: RuntimeError: out of memory at trainer.py:10"
+    assert lines[2] == "run failed before any rollout at weight version default in 2.0s: trainer failed"
+
+
+async def test_plain_without_verification_prints_each_rollout_when_it_is_published():
+    unverified = [e for e in EVENTS if not isinstance(e, PublicationVerified)]
+    lines = [line for line in await plain_lines(unverified, verify=False) if line.startswith("rollout ")]
+    assert [line.rsplit("| ", 1)[1] for line in lines] == ["v2 published", "v3 published", "v4 published"]
+
+
+async def test_a_trained_rollout_that_was_never_published_still_gets_its_line():
+    cut = next(i for i, e in enumerate(EVENTS) if isinstance(e, TrainStepFinished) and e.rollout_id == 2)
+    stopped = [*EVENTS[: cut + 1], RunFinished(status="stopped", reason="interrupted", last_rollout_id=2, weight_version="3")]
+    lines = await plain_lines(stopped)
+    assert lines[-2].startswith("rollout 3/3: reward 0.062 ") and lines[-2].endswith("| not published")
+    assert lines[-1].startswith("run stopped after rollout 3/3 at weight version 3")
+
+
+async def test_a_run_that_ends_without_run_finished_says_it_was_interrupted():
+    lines = await plain_lines(EVENTS[:12])
+    assert lines[-1] == "run interrupted before it finished"
+
+
+async def test_quiet_prints_only_the_final_line():
+    assert await plain_lines(EVENTS, quiet=True) == ["run completed after rollout 3/3 at weight version 4 in 0.3s"]
+
+
+def session_with(mode: str, verify: bool = True) -> SimpleNamespace:
+    config = Config(console=ConsoleConfig(mode=mode), verifier=VerifierConfig(enabled=verify))  # type: ignore[arg-type]
+    return SimpleNamespace(config=config, run_id="test-run", run_dir=Path("."))
+
+
+class Terminal(StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize(
+    ("mode", "stream", "kind"),
+    [
+        ("auto", StringIO, PlainProgress),
+        ("auto", Terminal, RichProgress),
+        ("plain", Terminal, PlainProgress),
+        ("rich", StringIO, RichProgress),
+    ],
+)
+async def test_attach_console_picks_the_display_by_mode_and_terminal(mode, stream, kind):
+    sink = await drive(lambda bus: attach_console(bus, session_with(mode), stream()), EVENTS)
+    assert type(sink) is kind
+
+
+async def test_attach_console_quiet_mode_prints_only_the_end():
+    stream = StringIO()
+    await drive(lambda bus: attach_console(bus, session_with("quiet"), stream), EVENTS)
+    assert stream.getvalue() == "run completed after rollout 3/3 at weight version 4 in 0.3s\n"
+
+
+async def test_attach_console_follows_the_verifier_setting():
+    unverified = [e for e in EVENTS if not isinstance(e, PublicationVerified)]
+    stream = StringIO()
+    await drive(lambda bus: attach_console(bus, session_with("plain", verify=False), stream), unverified)
+    assert "rollout 3/3: " in stream.getvalue() and "v4 published" in stream.getvalue()
+
+
+def rich_console() -> Console:
+    return Console(file=StringIO(), force_terminal=True, width=120)
+
+
+async def test_rich_leaves_a_summary_with_reward_versions_and_verification():
+    console = rich_console()
+    await drive(lambda bus: RichProgress(bus, console), EVENTS)
+    summary = rich_summary(console.file.getvalue())  # type: ignore[attr-defined]
+    assert "rollout 3/3" in summary
+    assert "0.062" in summary and "min 0.031 max 0.062" in summary
+    assert "trainer 4  engine-0 4  engine-1 4" in summary
+    assert "v4 verified (27 tensors)" in summary
+    assert "gen 0.03s  train 0.04s  pub 0.02s  verify 0.00s  save 0.02s" in summary
+    assert "rollout 2 (version 3) -> /tmp/fx/checkpoints/rollout_000002" in summary
+    assert "run completed after rollout 3/3 at weight version 4" in summary
+
+
+async def test_rich_summary_names_the_first_mismatched_tensor():
+    console = rich_console()
+    await drive(lambda bus: RichProgress(bus, console), with_mismatch_at_rollout_0(EVENTS)[:22])
+    summary = rich_summary(console.file.getvalue())  # type: ignore[attr-defined]
+    assert "v2 MISMATCH in 1 tensor(s), first engine-1:model.norm.weight" in summary
+
+
+async def test_rich_redraws_at_most_once_per_interval_and_catches_up_after_it():
+    console = rich_console()
+    updates: list[int] = []
+
+    def make(bus: EventBus) -> RichProgress:
+        sink = RichProgress(bus, console, min_interval=0.2)
+        update = sink.live.update
+        sink.live.update = lambda *a, **k: (updates.append(1), update(*a, **k))  # type: ignore[method-assign]
+        return sink
+
+    await drive(make, EVENTS, settle=0.3)
+    # The first event draws at once; the burst after it is drawn once, when the interval ends.
+    assert len(updates) == 2
+
+
+async def test_a_display_that_cannot_write_keeps_draining_its_mailbox():
+    class Broken(StringIO):
+        def write(self, text: str) -> int:
+            raise OSError("broken pipe")
+
+    sink = await drive(lambda bus: PlainProgress(bus, Broken()), EVENTS)
+    assert sink.task.done() and sink.task.exception() is None
+    assert sink.mailbox.statistics().delivered == sum(isinstance(e, sink.mailbox.types) for e in EVENTS)
+
+
+def test_eta_is_the_remaining_rollouts_at_the_pace_so_far():
+    progress = RunProgress()
+    progress.apply(RunStarted(runtime="local", config_digest="", start_rollout_id=2, num_rollout=6, num_rollout_per_epoch=6, time=100.0))
+    train = TrainStepFinished(
+        rollout_id=3, weight_version="4", loss=0, pg_loss=0, kl=0, entropy=0, grad_norm=0, clipfrac=0,
+        train_tokens=0, num_optimizer_steps=1, time=110.0,
+    )  # fmt: skip
+    progress.apply(train)
+    assert (progress.done, progress.total) == (2, 4)
+    assert progress.eta_seconds() == pytest.approx(10.0)
+
+
+def test_engine_versions_start_at_default_even_on_resume():
+    progress = RunProgress()
+    resumed = RunStarted(
+        runtime="local", config_digest="", start_rollout_id=5, num_rollout=9, num_rollout_per_epoch=9,
+        resumed=True, weight_version="6", engines=["engine-0"],
+    )  # fmt: skip
+    progress.apply(resumed)
+    assert progress.trainer_version == "6"
+    assert progress.engine_versions == {"engine-0": "default"}
+
+
+def test_sparkline_scales_between_min_and_max():
+    assert sparkline([0.0, 0.5, 1.0]) == "▁▅█"
+    assert sparkline([0.3, 0.3]) == "▅▅"
+    assert sparkline([]) == ""
+
+
+def test_final_line_of_a_completed_run_has_no_trailing_reason():
+    progress = RunProgress()
+    progress.apply(EVENTS[0])
+    progress.apply(RunFinished(status="completed", last_rollout_id=2, weight_version="4"))
+    assert progress.final_line() == "run completed after rollout 3/3 at weight version 4"

@@ -1,0 +1,213 @@
+"""Tracking sinks, driven through a real bus by the recorded run in tests/fixtures/tiny_run
+(3 rollouts, evals at 0..2, checkpoints at 1 and 2), closed the way the session closes sinks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from schemas.config import Config, RunConfig, TrackingConfig
+from schemas.events import CheckpointSaved, Event, RunFinished
+
+from miles_events import tracking
+from miles_events.bus import EventBus
+from miles_events.event_log import read_events
+from miles_events.session import close_sink
+from miles_events.tracking import Tracking, TrackingError, WandbSink, attach_tracking
+
+FIXTURE = Path(__file__).parent / "fixtures" / "tiny_run" / "events.log"
+EVENTS: list[Event] = list(read_events(FIXTURE))
+SPEC_SCALARS = {
+    "rollout/reward_mean", "rollout/response_tokens", "train/loss", "train/pg_loss", "train/kl",
+    "train/entropy", "train/grad_norm", "train/clipfrac", "perf/generate_seconds", "perf/train_seconds",
+    "perf/publish_seconds", "perf/verify_seconds", "checkpoint/save_seconds", "weights/version",
+    "eval/accuracy", "eval/reward_mean",
+}  # fmt: skip
+
+
+def session(tmp_path: Path, **settings: Any) -> SimpleNamespace:
+    config = Config(run=RunConfig(dir=str(tmp_path)), tracking=TrackingConfig(**settings))
+    return SimpleNamespace(config=config, run_id="run-1", run_dir=tmp_path)
+
+
+async def drive(make_sink, events: list[Event]) -> Any:
+    bus = EventBus("run-1")
+    sink = make_sink(bus)
+    for event in events:
+        await bus.publish(event)
+        await asyncio.sleep(0)
+    bus.close()
+    await close_sink(sink)
+    return sink
+
+
+def tensorboard_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(log_dir))
+    accumulator.Reload()
+    return {tag: [(s.step, s.value) for s in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]}
+
+
+async def test_tensorboard_logs_every_scalar_at_its_rollout_step(tmp_path):
+    await drive(lambda bus: attach_tracking(bus, session(tmp_path, tensorboard=True)), EVENTS)
+    scalars = tensorboard_scalars(tmp_path / "tensorboard" / "run-1")
+    assert SPEC_SCALARS <= set(scalars)
+    assert scalars["rollout/reward_mean"] == [(0, 0.046875), (1, 0.03125), (2, 0.0625)]
+    assert scalars["weights/version"] == [(0, 2.0), (1, 3.0), (2, 4.0)]
+    assert [step for step, _ in scalars["checkpoint/save_seconds"]] == [1, 2]
+
+
+async def test_tensorboard_logs_evals_at_the_eval_rollout_id_including_before_training(tmp_path):
+    await drive(lambda bus: attach_tracking(bus, session(tmp_path, tensorboard=True)), EVENTS)
+    accuracy = tensorboard_scalars(tmp_path / "tensorboard" / "run-1")["eval/accuracy"]
+    assert [step for step, _ in accuracy] == [0, 1, 2]
+    assert accuracy[2][1] == pytest.approx(0.04)
+
+
+async def test_tensorboard_writes_to_the_configured_directory(tmp_path):
+    target = tmp_path / "elsewhere"
+    await drive(lambda bus: attach_tracking(bus, session(tmp_path, tensorboard=True, tensorboard_dir=str(target))), EVENTS)
+    assert list(target.glob("events.out.tfevents.*"))
+    assert not (tmp_path / "tensorboard").exists()
+
+
+def wandb_records(path: Path) -> list[Any]:
+    """The records of an offline ``.wandb`` file (LevelDB log framing around protobufs)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data, block, position, pending, records = path.read_bytes(), 32768, 7, b"", []
+    assert data[:4] == b":W&B"
+    while position + 7 <= len(data):
+        if block - position % block < 7:  # block trailer too small for a header
+            position += block - position % block
+            continue
+        length, kind = int.from_bytes(data[position + 4 : position + 6], "little"), data[position + 6]
+        chunk = data[position + 7 : position + 7 + length]
+        position += 7 + length
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+    return records
+
+
+async def test_wandb_offline_run_records_the_metrics_against_rollout_id_and_finishes(tmp_path, monkeypatch):
+    # The sink sets these for wandb's service process; restore them after the test.
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    wandb_dir = tmp_path / "wb"
+    await drive(lambda bus: attach_tracking(bus, session(tmp_path, wandb=True, wandb_dir=str(wandb_dir))), EVENTS)
+    (run_file,) = wandb_dir.glob("wandb/offline-run-*/run-run-1.wandb")
+    records = wandb_records(run_file)
+    history = [
+        {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
+        for r in records
+        if r.WhichOneof("record_type") == "history"
+    ]
+    rewards = [(row["rollout_id"], row["rollout/reward_mean"]) for row in history if "rollout/reward_mean" in row]
+    assert rewards == [(0, 0.046875), (1, 0.03125), (2, 0.0625)]
+    (run_record,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    assert run_record.run_id == "run-1" and run_record.project == "miles-events"
+    (exit_record,) = [r.exit for r in records if r.WhichOneof("record_type") == "exit"]
+    assert exit_record.exit_code == 0
+
+
+class FakeRun:
+    """Records what a wandb run is asked to do."""
+
+    def __init__(self, fail_log: bool = False) -> None:
+        self.logged: list[dict[str, float]] = []
+        self.metrics: dict[str, str | None] = {}
+        self.exit_code: int | None = None
+        self.fail_log = fail_log
+
+    def define_metric(self, name: str, step_metric: str | None = None) -> None:
+        self.metrics[name] = step_metric
+
+    def log(self, row: dict[str, float]) -> None:
+        if self.fail_log:
+            raise RuntimeError("wandb service died")
+        self.logged.append(row)
+
+    def finish(self, exit_code: int = 0) -> None:
+        self.exit_code = exit_code
+
+
+@pytest.mark.parametrize(
+    ("ending", "exit_code"),
+    [
+        (RunFinished(status="completed"), 0),
+        (RunFinished(status="stopped", reason="interrupted"), 0),
+        (RunFinished(status="failed", reason="trainer failed"), 1),
+        (None, 1),
+    ],
+)
+async def test_wandb_finishes_with_exit_code_1_only_when_the_run_failed_or_never_finished(ending, exit_code):
+    run = FakeRun()
+    events = [*EVENTS[:-1], *([ending] if ending else [])]
+    await drive(lambda bus: WandbSink(bus, run), events)
+    assert run.exit_code == exit_code
+
+
+async def test_wandb_plots_every_section_against_rollout_id():
+    run = FakeRun()
+    await drive(lambda bus: WandbSink(bus, run), EVENTS)
+    assert run.metrics["rollout_id"] is None
+    assert {run.metrics[f"{s}/*"] for s in ("rollout", "train", "perf", "weights", "checkpoint", "eval")} == {"rollout_id"}
+
+
+async def test_wandb_keeps_a_checkpoint_that_finishes_after_later_rollouts():
+    run = FakeRun()
+    late = CheckpointSaved(rollout_id=0, path="/ckpt/0", weight_version="1", num_bytes=1, save_seconds=7.5)
+    await drive(lambda bus: WandbSink(bus, run), [*EVENTS[:-1], late, EVENTS[-1]])
+    assert run.logged[-1] == {"rollout_id": 0, "checkpoint/save_seconds": 7.5}
+
+
+async def test_a_backend_that_fails_to_log_keeps_draining_and_still_finishes():
+    run = FakeRun(fail_log=True)
+    sink = await drive(lambda bus: WandbSink(bus, run), EVENTS)
+    assert sink.mailbox.statistics().depth == 0
+    assert run.exit_code == 0
+
+
+async def test_enabling_wandb_without_the_package_is_a_one_line_tracking_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    bus = EventBus("run-1")
+    with pytest.raises(TrackingError) as raised:
+        attach_tracking(bus, session(tmp_path, wandb=True))
+    message = str(raised.value)
+    assert isinstance(raised.value, ValueError)
+    assert "\n" not in message and "tracking.wandb" in message and "pip install wandb" in message
+    assert bus.mailboxes() == []
+
+
+async def test_a_backend_failing_to_start_subscribes_nothing_and_closes_the_others(tmp_path, monkeypatch):
+    writer = SimpleNamespace(closed=False)
+    writer.close = lambda: setattr(writer, "closed", True)
+
+    def refuse(_session: object) -> None:
+        raise TrackingError("tracking.wandb: cannot start a online run: api key not configured")
+
+    monkeypatch.setattr(tracking, "open_tensorboard", lambda _dir: writer)
+    monkeypatch.setattr(tracking, "start_wandb", refuse)
+    bus = EventBus("run-1")
+    with pytest.raises(TrackingError, match="api key"):
+        attach_tracking(bus, session(tmp_path, tensorboard=True, wandb=True))
+    assert bus.mailboxes() == []
+    assert writer.closed
+
+
+async def test_no_backend_enabled_subscribes_nothing(tmp_path):
+    bus = EventBus("run-1")
+    sink = attach_tracking(bus, session(tmp_path))
+    assert isinstance(sink, Tracking) and sink.sinks == []
+    assert bus.mailboxes() == []
+    bus.close()
+    await close_sink(sink)
