@@ -1,0 +1,318 @@
+"""Build the Grafana dashboards under ``grafana/dashboards/`` from the definitions below.
+
+    python grafana/make_dashboards.py           # rewrite the JSON files
+    python grafana/make_dashboards.py --check   # exit 1 if a committed file is out of date
+
+The dashboards are written as code so that every PromQL expression sits in one reviewable
+place and the grid layout is computed; tests/test_grafana.py checks the committed JSON
+against this file, against Grafana's schema, and runs every expression on a real
+Prometheus scraping a real run. Edit here, not in the JSON (or in Grafana's UI).
+
+Every query selects the dashboard's run with ``run=~"$run"`` (metric names and labels are
+in docs/metrics.md); engine-level series also honour ``$engine``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+# The building blocks sit beside this script, which is run as a file, not imported as a package.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from dashboard_json import (  # noqa: E402
+    BAD_FROM_ONE,
+    Json,
+    PanelSpec,
+    Query,
+    dashboard,
+    gauge,
+    quantiles,
+    render,
+    stat,
+    table,
+    threshold_config,
+    timeseries,
+)
+
+DASHBOARDS_DIR = Path(__file__).resolve().parent / "dashboards"
+
+
+# --- the RL overview ------------------------------------------------------------------------
+
+TRAINER_VERSION = 'max by (run) (miles_weight_version{run=~"$run", role="trainer"})'
+ENGINES = 'run=~"$run", role="engine", engine=~"$engine"'
+# A healthy run has no failure series at all; "(none)" = 0 keeps the panels from showing "No data".
+NO_FAILURE = 'label_replace(0 * max(miles_rollout_id{run=~"$run"}), "actor", "(none)", "", "")'
+
+
+def _last_value_series(title: str, description: str, metric: str, unit: str = "short", width: int = 8) -> PanelSpec:
+    query = Query(f'max by (run) ({metric}{{run=~"$run"}})', title.lower())
+    return timeseries(title, description, query, unit=unit, width=width)
+
+
+def _weights_and_verification() -> list[PanelSpec]:
+    return [
+        timeseries(
+            "Weight version",
+            'The version each engine serves and the version the trainer last staged ("default" = 0).',
+            Query(f"max by (engine) (miles_weight_version{{{ENGINES}}})", "{{engine}}"),
+            Query(TRAINER_VERSION, "trainer"),
+            width=12,
+            stepped=True,
+        ),
+        stat(
+            "Version skew",
+            "Trainer version minus the oldest version an engine serves: 1 while a publication is in "
+            "flight, more when engines fall behind.",
+            Query(f"{TRAINER_VERSION} - min by (run) (miles_weight_version{{{ENGINES}}})", "skew"),
+            thresholds=threshold_config((None, "green"), (2, "orange"), (3, "red")),
+        ),
+        stat(
+            "Distinct digests",
+            "Different weight digests among the trainer and the engines: 1 when all hold the same "
+            "weights (2 between a stage and its load).",
+            Query('count by (run) (count by (run, digest) (miles_weight_checksum_info{run=~"$run"}))', "digests"),
+            thresholds=threshold_config((None, "green"), (2, "orange"), (3, "red")),
+        ),
+        stat(
+            "Engines on the trainer's digest",
+            "Engines whose served weights have the digest of the weights the trainer staged last, "
+            "out of all engines.",
+            Query(
+                f"count by (run) (miles_weight_checksum_info{{{ENGINES}}} * on (run, digest) group_left () "
+                'max by (run, digest) (miles_weight_checksum_info{run=~"$run", role="trainer"}))',
+                "on trainer digest",
+            ),
+            Query(f"count by (run) (miles_weight_version{{{ENGINES}}})", "engines"),
+            no_value="0",
+        ),
+        stat(
+            "Verified publications",
+            "Publications whose engine checksums matched the trainer's.",
+            Query('sum by (run) (miles_publications_total{run=~"$run", outcome="verified"})', "verified"),
+        ),
+        stat(
+            "Mismatches and failures",
+            "Publications whose checksums differed (mismatch) or that did not complete (failed).",
+            Query('sum by (outcome) (miles_publications_total{run=~"$run", outcome=~"mismatch|failed"})', "{{outcome}}"),
+            thresholds=BAD_FROM_ONE,
+        ),
+        stat(
+            "Mismatched tensors",
+            "Tensors that differed in the last mismatching publication (0 until one).",
+            Query('max by (run) (miles_publication_mismatched_tensors{run=~"$run"})', "tensors"),
+            thresholds=BAD_FROM_ONE,
+        ),
+        timeseries(
+            "Publications by outcome",
+            "Publications per interval, by verification outcome.",
+            Query('sum by (outcome) (increase(miles_publications_total{run=~"$run"}[$__rate_interval]))', "{{outcome}}"),
+            width=12,
+            bars=True,
+        ),
+        table(
+            "Weight digests",
+            "The digest and version of the weights the trainer staged last and each engine serves.",
+            'max by (role, engine, weight_version, digest) (miles_weight_checksum_info{run=~"$run", engine=~"$engine|"})',
+            width=12,
+            height=8,
+            hide=("Time", "Value"),
+        ),
+    ]
+
+
+def _learning() -> list[PanelSpec]:
+    return [
+        stat("Rollout", "The last rollout generated.", Query('max by (run) (miles_rollout_id{run=~"$run"})', "rollout")),
+        gauge(
+            "Progress",
+            "Rollouts generated out of the run's num_rollout.",
+            Query(
+                '(max by (run) (miles_rollout_id{run=~"$run"}) + 1) / max by (run) (miles_rollout_num{run=~"$run"})',
+                "progress",
+            ),
+            unit="percentunit",
+            maximum=1,
+        ),
+        table(
+            "Run",
+            "Runtime and status (running, completed, failed, stopped).",
+            'max by (run, runtime, status) (miles_run_info{run=~"$run"})',
+            width=8,
+            height=4,
+            hide=("Time", "Value"),
+        ),
+        stat(
+            "Reward mean",
+            "Mean reward of the last rollout.",
+            Query('max by (run) (miles_rollout_reward_mean{run=~"$run"})', "reward"),
+        ),
+        stat(
+            "Staleness",
+            "Trainer version minus the oldest version a sample of the last trained batch was generated with.",
+            Query('max by (run) (miles_rollout_staleness{run=~"$run"})', "staleness"),
+            thresholds=threshold_config((None, "green"), (2, "orange")),
+        ),
+        _last_value_series("Reward", "Mean reward of each rollout.", "miles_rollout_reward_mean"),
+        timeseries(
+            "Eval scores",
+            "The last evaluation, one series per metric it reports (sample counts and lengths left out).",
+            Query('max by (metric) (miles_eval_score{run=~"$run", metric!~".*(num_samples|length).*"})', "{{metric}}"),
+        ),
+        _last_value_series("Staleness", "Staleness of each trained batch, in weight versions.", "miles_rollout_staleness"),
+        _last_value_series("Loss", "Loss of each train step.", "miles_train_loss"),
+        _last_value_series("KL", "KL to the reference policy of each train step.", "miles_train_kl"),
+        _last_value_series("Grad norm", "Gradient norm of each train step.", "miles_train_grad_norm"),
+        _last_value_series("Entropy", "Policy entropy of each train step.", "miles_train_entropy", width=12),
+        _last_value_series(
+            "Clip fraction", "Fraction of clipped ratios of each train step.", "miles_train_clipfrac", "percentunit", 12
+        ),
+    ]
+
+
+def _throughput_and_latency() -> list[PanelSpec]:
+    def p95(metric: str, legend: str) -> Query:
+        return Query(
+            f'histogram_quantile(0.95, sum by (le) (rate({metric}_bucket{{run=~"$run"}}[$__rate_interval])))', legend
+        )
+
+    return [
+        timeseries(
+            "Tokens per second",
+            "Response tokens generated for training rollouts, and tokens trained on.",
+            Query('sum by (run) (rate(miles_tokens_generated_total{run=~"$run"}[$__rate_interval]))', "generated"),
+            Query('sum by (run) (rate(miles_train_tokens_total{run=~"$run"}[$__rate_interval]))', "trained"),
+        ),
+        timeseries(
+            "Step time (p95)",
+            "Time to generate a rollout, to train on it, and to evaluate.",
+            p95("miles_rollout_duration_seconds", "generate"),
+            p95("miles_train_duration_seconds", "train"),
+            p95("miles_eval_duration_seconds", "eval"),
+            unit="s",
+        ),
+        timeseries(
+            "Publication latency",
+            "Publication time by phase: stage (trainer), load (engines), total.",
+            *quantiles("miles_publication_duration_seconds", by="phase", legend="{{phase}}"),
+            unit="s",
+        ),
+        timeseries(
+            "Verification latency",
+            "Time to compare the trainer's and the engines' checksums.",
+            *quantiles("miles_verification_duration_seconds"),
+            unit="s",
+        ),
+        timeseries(
+            "Checkpoint save latency", "Time to save a checkpoint.", *quantiles("miles_checkpoint_duration_seconds"), unit="s"
+        ),
+        stat(
+            "Last checkpoint",
+            "Rollout of the last saved checkpoint.",
+            Query('max by (run) (miles_checkpoint_last_rollout_id{run=~"$run"})', "rollout"),
+        ),
+        stat(
+            "Checkpoint size",
+            "Size of the last saved checkpoint.",
+            Query('max by (run) (miles_checkpoint_bytes{run=~"$run"})', "size"),
+            unit="bytes",
+        ),
+        stat(
+            "Checkpoints",
+            "Checkpoints saved and failed.",
+            Query('sum by (outcome) (miles_checkpoints_total{run=~"$run"})', "{{outcome}}"),
+        ),
+        stat(
+            "Publication p95 (range)",
+            "95th percentile of publication time by phase over the dashboard's time range.",
+            Query(
+                "histogram_quantile(0.95, sum by (le, phase) "
+                '(increase(miles_publication_duration_seconds_bucket{run=~"$run"}[$__range])))',
+                "{{phase}}",
+            ),
+            unit="s",
+        ),
+    ]
+
+
+def _bus_and_failures() -> list[PanelSpec]:
+    return [
+        timeseries(
+            "Mailbox depth",
+            "Most events waiting in each actor's bus mailbox per interval (live runs only).",
+            Query('max by (actor) (max_over_time(miles_bus_mailbox_depth{run=~"$run"}[$__rate_interval]))', "{{actor}}"),
+        ),
+        timeseries(
+            "Mailbox high-water mark",
+            "Most events a mailbox ever held; near its capacity means backpressure (live runs only).",
+            Query('max by (actor) (miles_bus_mailbox_high_water_mark{run=~"$run"})', "{{actor}}"),
+        ),
+        timeseries(
+            "Events per second",
+            "Events on the bus, by event type.",
+            Query('sum by (type) (rate(miles_bus_events_total{run=~"$run"}[$__rate_interval]))', "{{type}}"),
+        ),
+        stat(
+            "Actor failures",
+            "Handler errors and dead actor processes, by actor.",
+            Query(f'sum by (actor) (miles_actor_failures_total{{run=~"$run"}}) or on () {NO_FAILURE}', "{{actor}}"),
+            thresholds=BAD_FROM_ONE,
+            width=8,
+            height=8,
+        ),
+        timeseries(
+            "Actor failures over time",
+            "Actor failures per interval, by actor.",
+            Query(
+                f'sum by (actor) (increase(miles_actor_failures_total{{run=~"$run"}}[$__rate_interval])) or on () {NO_FAILURE}',
+                "{{actor}}",
+            ),
+            width=16,
+            bars=True,
+        ),
+    ]
+
+
+def overview() -> Json:
+    """The RL overview of one run: weights, learning, throughput and latency, the bus."""
+    return dashboard(
+        "miles-rl-overview",
+        "miles-events: RL overview",
+        "Weights and their verification, learning curves, throughput and latency, and the event bus "
+        "of a miles-events run (metrics: docs/metrics.md).",
+        [
+            ("Weights & verification", _weights_and_verification()),
+            ("Learning", _learning()),
+            ("Throughput & latency", _throughput_and_latency()),
+            ("Bus & failures", _bus_and_failures()),
+        ],
+    )
+
+
+DASHBOARDS: dict[str, Callable[[], Json]] = {"miles-rl-overview.json": overview}
+"""File name under ``dashboards/`` -> the function building it."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--check", action="store_true", help="compare instead of writing")
+    args = parser.parse_args(argv)
+    stale = []
+    for name, build in DASHBOARDS.items():
+        path = DASHBOARDS_DIR / name
+        text = render(build())
+        if args.check:
+            if not path.exists() or path.read_text() != text:
+                stale.append(name)
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+    for name in stale:
+        print(f"{DASHBOARDS_DIR / name} is out of date: run python grafana/make_dashboards.py", file=sys.stderr)
+    return 1 if stale else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
