@@ -36,10 +36,19 @@ TINY = ROOT / "examples" / "tiny.toml"
 
 pytestmark = pytest.mark.slow
 
+# Smaller rollouts than the embedded default: the tests check the loop, not the learning,
+# and with 16 of the 55 prompts per rollout an epoch spans 3 rollouts.
+SMALL = (
+    "data.rollout_batch_size=16",
+    "data.n_samples_per_prompt=8",
+    "trainer.global_batch_size=64",
+    "trainer.micro_batch_size=64",
+)
+
 
 def run_cli(run_dir: Path, *overrides: str, flags: tuple[str, ...] = (), timeout: int = 300) -> subprocess.CompletedProcess:
     args = [sys.executable, "-m", "miles_events.run", str(TINY), "--set", f'run.dir="{run_dir}"', "--set", "metrics.port=0", *flags]
-    for override in overrides:
+    for override in (*SMALL, *overrides):
         args += ["--set", override]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     return subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
@@ -203,7 +212,7 @@ def test_an_engine_serving_different_weights_is_caught(tmp_path, continue_on_mis
     from actors.verifier import Verifier
 
     config = load_config(TINY, [
-        f'run.dir="{tmp_path}"', "metrics.port=0", 'run.runtime="local"', "run.num_rollout=4", "rollout.num_engines=2",
+        *SMALL, f'run.dir="{tmp_path}"', "metrics.port=0", 'run.runtime="local"', "run.num_rollout=4", "rollout.num_engines=2",
         f"verifier.continue_on_mismatch={str(continue_on_mismatch).lower()}",
     ])
     session = Session(config, [CorruptingGenerator, Trainer, Publisher, Verifier, Saver])
