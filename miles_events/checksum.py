@@ -56,33 +56,51 @@ def tensor_fingerprint(tensor: torch.Tensor) -> str:
     words = _words(tensor)
     if words.device.type == "cpu":
         total = _mix_sum_numpy(words.numpy())
+    elif words.device.type == "cuda" and _triton_mix_sum() is not None:
+        total = _triton_mix_sum()(words, _K1, _K2, _K3)  # type: ignore[misc]
     else:
         total = _mix_sum_torch(words)
     header = f"{tensor.dtype}|{tuple(tensor.shape)}|{total}".encode()
     return hashlib.blake2b(header, digest_size=8).hexdigest()
 
 
+def _triton_mix_sum():  # type: ignore[no-untyped-def]
+    """The fused CUDA kernel when Triton is installed, else None (cached)."""
+    global _TRITON
+    if _TRITON is False:
+        try:
+            from miles_events.checksum_triton import mix_sum
+
+            _TRITON = mix_sum
+        except ImportError:
+            _TRITON = None
+    return _TRITON
+
+
+_TRITON: object = False
+
+
+def _mix_chunk(chunk: torch.Tensor, start: int) -> torch.Tensor:
+    """The multiply-xorshift of one chunk of words at global offset ``start``, summed."""
+    index = torch.arange(chunk.numel(), dtype=torch.int64, device=chunk.device) + start
+    mixed = chunk * _K1 + index * _K2
+    mixed = mixed ^ (mixed >> 31)
+    mixed = mixed * _K3
+    mixed = mixed ^ (mixed >> 29)
+    return mixed.sum()
+
+
+# On an accelerator, chunks are large: kernel launches, not bytes, are the cost of small ones.
+_DEVICE_CHUNK_WORDS = 1 << 25
+
+
 def _mix_sum_torch(words: torch.Tensor) -> int:
-    """Position-dependent multiply-xorshift of every word, summed modulo 2**64."""
-    n = words.numel()
-    device = words.device
-    acc = torch.zeros((), dtype=torch.int64, device=device)
-    # Work in cache-sized chunks with reused buffers: fresh allocations per pass would make
-    # page faults, not arithmetic, the cost.
-    step = min(n, _CHUNK_WORDS) or 1
-    base_index = torch.arange(step, dtype=torch.int64, device=device).mul_(_K2)
-    mixed = torch.empty(step, dtype=torch.int64, device=device)
-    shifted = torch.empty(step, dtype=torch.int64, device=device)
-    for start in range(0, n, step):
-        size = min(step, n - start)
-        m, s = mixed[:size], shifted[:size]
-        torch.mul(words[start : start + size], _K1, out=m)
-        m.add_(base_index[:size]).add_(_wrap64(start * _K2))
-        torch.bitwise_right_shift(m, 31, out=s)
-        m.bitwise_xor_(s).mul_(_K3)
-        torch.bitwise_right_shift(m, 29, out=s)
-        m.bitwise_xor_(s)
-        acc += m.sum()
+    """Position-dependent multiply-xorshift of every word, summed modulo 2**64, on the
+    tensor's own device."""
+    step = _DEVICE_CHUNK_WORDS if words.device.type != "cpu" else _CHUNK_WORDS
+    acc = torch.zeros((), dtype=torch.int64, device=words.device)
+    for start in range(0, words.numel(), step):
+        acc += _mix_chunk(words[start : start + step], _wrap64(start))
     return int(acc.item())
 
 

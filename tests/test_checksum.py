@@ -63,3 +63,16 @@ def test_skip_list_and_order_independent_digest():
     assert set(sums) == {"a.weight", "b.bias"}
     assert checksums_digest(sums) == checksums_digest(dict(reversed(list(sums.items()))))
     assert checksums_digest(sums) != checksums_digest({**sums, "b.bias": "0" * 16})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_fingerprints_equal_cpu_fingerprints():
+    for t in (torch.randn(4097, 333), torch.randn(1 << 20).to(torch.bfloat16), torch.arange(70_001)):
+        words = checksum._words(t.cuda())
+        expected = checksum._mix_sum_numpy(checksum._words(t).numpy())
+        assert checksum._mix_sum_torch(words) == expected
+        fused = checksum._triton_mix_sum()
+        if fused is not None:
+            assert fused(words, checksum._K1, checksum._K2, checksum._K3) == expected
+        assert tensor_fingerprint(t.cuda()) == tensor_fingerprint(t)
