@@ -14,6 +14,7 @@ the end of the run drops whatever is left).
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import time
 from typing import Any
@@ -137,14 +138,7 @@ class Trainer(Actor):
             TrainStepFinished(
                 rollout_id=event.rollout_id,
                 weight_version=version,
-                loss=metrics.loss,
-                pg_loss=metrics.pg_loss,
-                kl=metrics.kl,
-                entropy=metrics.entropy,
-                grad_norm=metrics.grad_norm,
-                clipfrac=metrics.clipfrac,
-                train_tokens=metrics.train_tokens,
-                num_optimizer_steps=metrics.num_optimizer_steps,
+                **dataclasses.asdict(metrics),
                 staleness_max=staleness_max(version, [s.weight_version for s in batch.samples]),
                 train_seconds=time.perf_counter() - started,
             )
