@@ -26,7 +26,7 @@ from schemas.events import RolloutRequested, RunFinished
 from miles_events.actor import Actor, handles
 from miles_events.bus import EventBus
 from miles_events.codec import decode_event, encode_event
-from miles_events.runtime_local import RunContext
+from miles_events.runtime import RunContext
 from miles_events.runtime_ray import RayRuntime
 
 

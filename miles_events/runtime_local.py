@@ -7,37 +7,31 @@ classes the ray runtime hosts in their own processes.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from pathlib import Path
-
-from schemas.config import Config
 
 from miles_events.actor import Actor
 from miles_events.bus import EventBus
 from miles_events.host import ActorHost, HostContext
+from miles_events.runtime import RunContext
 from miles_events.transport import Transport
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class RunContext:
-    """What every runtime needs to host a run's actors."""
+def host_context(run: RunContext, transport: Transport, bus: EventBus, name: str) -> HostContext:
+    """The context of an actor hosted in this process: it publishes straight onto ``bus``."""
 
-    run_id: str
-    config: Config
-    run_dir: Path
-    transport: str
+    async def publish(event):  # type: ignore[no-untyped-def]
+        return await bus.publish(event, source=name)
+
+    return HostContext(
+        run_id=run.run_id, name=name, config=run.config, run_dir=run.run_dir, transport=transport, _publish=publish
+    )
 
 
 async def start_local_host(bus: EventBus, actor: Actor, name: str) -> ActorHost:
     """Subscribe ``actor`` to the types it handles and start feeding it."""
     mailbox = bus.subscribe(name, tuple(actor.handlers()))
-
-    async def publish(event):  # type: ignore[no-untyped-def]
-        return await bus.publish(event, source=name)
-
-    host = ActorHost(actor, mailbox, publish)
+    host = ActorHost(actor, mailbox, actor.context.publish)
     host.start()
     return host
 
@@ -50,22 +44,9 @@ class LocalRuntime:
         self.transport = transport
         self.hosts: list[ActorHost] = []
 
-    def context(self, bus: EventBus, name: str) -> HostContext:
-        async def publish(event):  # type: ignore[no-untyped-def]
-            return await bus.publish(event, source=name)
-
-        return HostContext(
-            run_id=self.run.run_id,
-            name=name,
-            config=self.run.config,
-            run_dir=self.run.run_dir,
-            transport=self.transport,
-            _publish=publish,
-        )
-
     async def start(self, bus: EventBus, actor_classes: list[type[Actor]]) -> None:
         for cls in actor_classes:
-            actor = cls(self.run.config, self.context(bus, cls.name))
+            actor = cls(self.run.config, host_context(self.run, self.transport, bus, cls.name))
             await actor.start()
             self.hosts.append(await start_local_host(bus, actor, cls.name))
             logger.info("started %s (local)", cls.name)

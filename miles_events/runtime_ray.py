@@ -26,7 +26,7 @@ from miles_events.actor import Actor
 from miles_events.bus import EventBus, Mailbox
 from miles_events.codec import decode_batch, encode_batch
 from miles_events.host import ActorHost, HostContext, describe_error
-from miles_events.runtime_local import RunContext
+from miles_events.runtime import RunContext
 from miles_events.transport import open_transport
 
 logger = logging.getLogger(__name__)

@@ -20,14 +20,15 @@ from schemas.events import ActorFailed, Event, RunFinished, StopRequested
 
 from miles_events.actor import Actor
 from miles_events.bus import EventBus, Mailbox
-from miles_events.host import describe_error
+from miles_events.host import ActorHost, describe_error
 from miles_events.checkpoint import latest_checkpoint, verify_checkpoint
 from miles_events.config import config_digest, dump_config
 from miles_events.coordinator import Coordinator, RunPlan
 from miles_events.data import load_prompts, num_rollout_per_epoch
 from miles_events.event_log import EventLogWriter
 from miles_events.hf_model import prepare_base_model
-from miles_events.runtime_local import LocalRuntime, RunContext, start_local_host
+from miles_events.runtime import RunContext, Runtime
+from miles_events.runtime_local import LocalRuntime, host_context, start_local_host
 from miles_events.topology import engine_names
 from miles_events.transport import open_transport
 
@@ -158,35 +159,37 @@ class Session:
         bus = self.bus = EventBus(self.run_id, config.bus.mailbox_size, config.bus.stall_warning_seconds)
         log = EventLogSubscriber(bus, self.run_dir / EVENT_LOG, config.bus.max_batch)
         watch = bus.subscribe("session", (RunFinished, ActorFailed))
-        sinks = [hook(bus, self) for hook in self.on_bus]
         transport = open_transport(self.transport_name, self.run_id)
         context = RunContext(self.run_id, config, self.run_dir, self.transport_name)
-        runtime: LocalRuntime | object
+        runtime: Runtime
         if self.runtime_name == "local":
             runtime = LocalRuntime(context, transport)
         else:
             from miles_events.runtime_ray import RayRuntime
 
             runtime = RayRuntime(context)
+        sinks: list[object] = []
         try:
+            for hook in self.on_bus:
+                sinks.append(hook(bus, self))
             try:
-                await runtime.start(bus, self.actor_classes)  # type: ignore[attr-defined]
+                await runtime.start(bus, self.actor_classes)
             except Exception as error:
                 logger.debug("startup failed", exc_info=True)
                 failed = RunFinished(status="failed", reason=f"actors failed to start: {describe_error(error)}")
                 finished = await bus.publish(failed, source="session")  # type: ignore[assignment]
             else:
-                local = LocalRuntime(context, transport)
-                coordinator = self.coordinator = Coordinator(config, local.context(bus, Coordinator.name), plan)
+                coordinator = self.coordinator = Coordinator(
+                    config, host_context(context, transport, bus, Coordinator.name), plan
+                )
                 coordinator_host = await start_local_host(bus, coordinator, Coordinator.name)
                 self._install_signal_handlers(bus)
                 await coordinator.begin()
                 finished = await self._wait_finished(watch)
-                quiet_hosts = [coordinator_host]
-                await self._wait_quiet(bus, runtime, quiet_hosts, exclude={"event-log", "session", "console", "metrics", "tensorboard", "wandb"})
+                await self._wait_quiet(runtime, coordinator_host)
         finally:
             bus.close()
-            await runtime.stop()  # type: ignore[attr-defined]
+            await runtime.stop()
             await log.task
             for sink in sinks:
                 await close_sink(sink)
@@ -205,13 +208,13 @@ class Session:
         raise RuntimeError("bus closed before the run finished")
 
     @staticmethod
-    async def _wait_quiet(bus: EventBus, runtime: object, hosts: list, exclude: set[str], timeout: float = 60.0) -> None:  # type: ignore[type-arg]
-        """Let in-flight work settle (frees, last saves) before closing the bus."""
+    async def _wait_quiet(runtime: Runtime, coordinator: ActorHost, timeout: float = 60.0) -> None:
+        """Let in-flight work settle (frees, last saves) before closing the bus: every
+        actor idle with an empty mailbox, three checks in a row."""
         deadline = time.monotonic() + timeout
         quiet_checks = 0
         while time.monotonic() < deadline:
-            busy_mailboxes = [s.name for s in bus.statistics() if s.depth and s.name not in exclude]
-            quiet = not busy_mailboxes and runtime.idle() and all(h.idle for h in hosts)  # type: ignore[attr-defined]
+            quiet = runtime.idle() and coordinator.idle
             quiet_checks = quiet_checks + 1 if quiet else 0
             if quiet_checks >= 3:
                 return

@@ -10,7 +10,7 @@ from schemas.config import Config, RunConfig
 from schemas.events import ActorFailed, Event, RolloutRequested, StopRequested
 
 from miles_events.bus import EventBus
-from miles_events.runtime_local import RunContext
+from miles_events.runtime import RunContext
 from miles_events.runtime_ray import RayRuntime
 from tests.ray_actors import Echo
 
