@@ -12,6 +12,7 @@ from schemas.events import ActorFailed, Event, RolloutRequested, StopRequested
 from miles_events.bus import EventBus
 from miles_events.runtime import RunContext
 from miles_events.runtime_ray import RayRuntime
+from miles_events.transport import ShmTransport
 from tests.ray_actors import Echo
 
 pytestmark = pytest.mark.slow
@@ -49,6 +50,7 @@ async def test_events_cross_processes_in_order_and_failures_become_actor_failed(
     finally:
         bus.close()
         await runtime.stop()
+        ShmTransport("ray-test").close()
 
 
 async def test_a_dead_actor_process_is_reported_not_hung(tmp_path):
@@ -62,3 +64,4 @@ async def test_a_dead_actor_process_is_reported_not_hung(tmp_path):
     finally:
         bus.close()
         await runtime.stop()
+        ShmTransport("ray-test").close()
