@@ -28,7 +28,7 @@ from schemas.events import (
 )
 
 from miles_events.actor import Actor, ActorContext, Resources, handles
-from miles_events.topology import engine_names, version_number
+from miles_events.topology import engine_names, next_version
 
 
 @dataclass
@@ -58,7 +58,7 @@ class Publisher(Actor):
 
     @handles(RunStarted)
     async def on_run_started(self, event: RunStarted) -> None:
-        self.first_version = str(version_number(event.weight_version) + 1)
+        self.first_version = next_version(event.weight_version)
 
     @handles(PublishRequested)
     async def on_publish_requested(self, event: PublishRequested) -> None:
@@ -84,7 +84,7 @@ class Publisher(Actor):
             )
 
     def _expected_version(self, served: str) -> str:
-        return self.first_version if served == "default" else str(int(served) + 1)
+        return self.first_version if served == "default" else next_version(served)
 
     @handles(WeightsLoaded)
     async def on_weights_loaded(self, event: WeightsLoaded) -> None:

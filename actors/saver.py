@@ -4,8 +4,9 @@ It reacts to ``TrainStateStaged`` (the Trainer's answer to a ``SaveRequested``):
 the staged weights, optimizer and RNG bytes from the data plane, writes
 ``<run_dir>/checkpoints/rollout_XXXXXX`` atomically off the event loop, prunes old
 checkpoints, hands the references back to their owner with ``DataReleased`` and reports
-``CheckpointSaved``. Any failure becomes ``CheckpointFailed``, never an exception: a
-failed save must not take the run down, and older checkpoints stay as they were.
+``CheckpointSaved``. Any failure becomes ``CheckpointFailed`` (the Coordinator then ends
+the run with that reason), never an exception in the actor, and older checkpoints stay
+as they were.
 """
 
 from __future__ import annotations
@@ -20,17 +21,9 @@ from schemas.events import CheckpointFailed, CheckpointSaved, DataReleased, Trai
 
 from miles_events.actor import Actor, Resources, handles
 from miles_events.checkpoint import prune_checkpoints, write_checkpoint
+from miles_events.host import describe_error
 
 log = logging.getLogger(__name__)
-
-_MAX_REASON_CHARS = 500
-
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split()) or repr(exc)
-    reason = f"{type(exc).__name__}: {text}"
-    return reason if len(reason) <= _MAX_REASON_CHARS else reason[: _MAX_REASON_CHARS - 3] + "..."
-
 
 def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
@@ -69,7 +62,7 @@ class Saver(Actor):
         try:
             removed = prune_checkpoints(Path(self.context.run_dir), self.config.saver.keep_last)
         except OSError as exc:
-            log.warning("pruning old checkpoints failed: %s", _one_line(exc))
+            log.warning("pruning old checkpoints failed: %s", describe_error(exc))
             return
         for path in removed:
             log.info("removed old checkpoint dir %s", path)
@@ -87,7 +80,7 @@ class Saver(Actor):
             final = await anyio.to_thread.run_sync(self._write, event)
             num_bytes = await anyio.to_thread.run_sync(_dir_bytes, final)
         except Exception as exc:
-            reason = _one_line(exc)
+            reason = describe_error(exc)
             log.error("checkpoint of rollout %d failed: %s", event.rollout_id, reason)
             await self._release(event)
             await self.publish(CheckpointFailed(rollout_id=event.rollout_id, reason=reason))

@@ -28,7 +28,7 @@ from miles_events.actor import Actor, ActorContext, Resources, handles
 from miles_events.checksum import checksums_digest, fingerprints
 from miles_events.data import data_cursor, load_prompts
 from miles_events.hf_model import DTYPES
-from miles_events.topology import version_number
+from miles_events.topology import next_version, version_number
 from schemas.checkpoint import TrainerState
 from schemas.config import Config
 from schemas.data import DataRef
@@ -42,11 +42,6 @@ from schemas.events import (
     WeightsStaged,
 )
 from schemas.rollout import RolloutBatch
-
-
-def next_weight_version(weight_version: str) -> str:
-    """The version the next publication stages: ``"default"`` -> ``"1"``, ``"n"`` -> ``"n+1"``."""
-    return str(version_number(weight_version) + 1)
 
 
 def staleness_max(trainer_version: str, sample_versions: list[str]) -> int:
@@ -157,7 +152,7 @@ class Trainer(Actor):
     @handles(PublishRequested)
     async def on_publish_requested(self, event: PublishRequested) -> None:
         started = time.perf_counter()
-        version = next_weight_version(self.weight_version)
+        version = next_version(self.weight_version)
         engine_dtype = DTYPES[self.config.model.dtype]
         ref, checksums, num_tensors, num_bytes = await anyio.to_thread.run_sync(
             self._stage_weights, f"weights-v{version}", engine_dtype

@@ -24,6 +24,7 @@ from schemas.events import (
 
 from miles_events.actor import Actor, ActorContext, Resources, handles
 from miles_events.checksum import checksums_digest, is_skipped
+from miles_events.topology import version_number
 
 
 def compare_checksums(
@@ -65,6 +66,11 @@ class Verifier(Actor):
         version = event.weight_version
         staged = self.staged.pop(version, None)
         loaded = self.loaded.pop(version, {})
+        # Whatever is older than this publication belongs to sagas that failed: drop it.
+        current = version_number(version)
+        for table in (self.staged, self.loaded):
+            for stale in [v for v in table if version_number(v) < current]:
+                del table[stale]
         if not self.config.verifier.enabled:
             return
         started = time.perf_counter()

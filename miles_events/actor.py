@@ -8,7 +8,6 @@ context. It never calls another actor. The runtime (local or ray) constructs it,
 
 from __future__ import annotations
 
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,7 +98,3 @@ class Actor:
         if method is None:
             return
         await getattr(self, method)(event)
-
-
-def now() -> float:
-    return time.time()

@@ -1,11 +1,11 @@
 """The central event bus: typed subscriptions, one bounded mailbox per subscriber.
 
 Guarantees:
-- ``seq`` is stamped under one lock, so it strictly increases in publish order, and every
-  mailbox receives its events in ``seq`` order.
+- ``seq`` strictly increases in publish order, and every mailbox receives its events in
+  ``seq`` order: an event is stamped and delivered to all its mailboxes in one step.
 - Backpressure, never drops: publishing into a full mailbox waits until the subscriber
-  makes room. A publish that waits longer than ``stall_warning_seconds`` logs the mailbox
-  that holds it up (the usual cause is a cycle of full mailboxes).
+  makes room, holding nothing meanwhile. A publish that waits longer than
+  ``stall_warning_seconds`` logs the mailbox that holds it up.
 - ``close()`` stops new publications; each mailbox then drains what it holds and its
   consumer sees the end.
 """
@@ -55,9 +55,6 @@ class Mailbox:
         self._high_water_mark = 0
         self._closed = False
 
-    def accepts(self, event: Event) -> bool:
-        return isinstance(event, self.types)
-
     def statistics(self) -> MailboxStatistics:
         return MailboxStatistics(
             name=self.name,
@@ -76,11 +73,15 @@ class Mailbox:
                 waiter.set_result(None)
                 return
 
-    async def put(self, event: Event) -> None:
-        while len(self._items) >= self.max_size:
+    async def wait_for_room(self) -> None:
+        """Return once the mailbox has room (or is closed); reserves nothing."""
+        while len(self._items) >= self.max_size and not self._closed:
             waiter = asyncio.get_running_loop().create_future()
             self._putters.append(waiter)
             await waiter
+
+    async def put(self, event: Event) -> None:
+        await self.wait_for_room()
         self.put_nowait(event)
 
     def put_nowait(self, event: Event) -> bool:
@@ -132,10 +133,11 @@ class Mailbox:
 
     def close(self) -> None:
         self._closed = True
-        while self._getters:
-            waiter = self._getters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
+        for waiters in (self._getters, self._putters):
+            while waiters:
+                waiter = waiters.popleft()
+                if not waiter.done():
+                    waiter.set_result(None)
 
 
 class EventBus:
@@ -147,10 +149,8 @@ class EventBus:
         self.stall_warning_seconds = stall_warning_seconds
         self._mailboxes: list[Mailbox] = []
         self._routes: dict[type[Event], list[Mailbox]] = {}
-        self._lock = asyncio.Lock()
         self._seq = 0
         self._closed = False
-        self.published_by_type: dict[str, int] = {}
         self._blocked: tuple[Mailbox, str, float] | None = None
         self._watchdog: asyncio.Task[None] | None = None
 
@@ -182,8 +182,6 @@ class EventBus:
 
     def _stamp(self, event: Event, source: str | None) -> Event:
         self._seq += 1
-        name = type(event).__name__
-        self.published_by_type[name] = self.published_by_type.get(name, 0) + 1
         return msgspec.structs.replace(
             event,
             run_id=self.run_id,
@@ -193,34 +191,35 @@ class EventBus:
         )
 
     async def publish(self, event: Event, source: str | None = None) -> Event:
-        """Stamp ``event`` and deliver it to every subscribed mailbox; returns the stamped event."""
-        if self._closed:
-            raise BusClosed(f"bus closed; cannot publish {type(event).__name__}")
+        """Stamp ``event`` and deliver it to every subscribed mailbox; returns the stamped event.
+
+        The event is stamped and delivered in one step without yielding, once every target
+        mailbox has room, so each mailbox receives events in ``seq`` order. Until then the
+        publisher waits (backpressure) without holding anything that another publisher
+        needs: the consumer of a full mailbox can always publish elsewhere.
+        """
         route = self._route(type(event))
-        # Fast path: nobody is waiting to publish and every mailbox has room, so the whole
-        # delivery happens without yielding and cannot be overtaken.
-        if not self._lock.locked() and all(len(m._items) < m.max_size for m in route):
-            stamped = self._stamp(event, source)
-            for mailbox in route:
-                mailbox.put_nowait(stamped)
-            return stamped
-        async with self._lock:
+        while True:
             if self._closed:
                 raise BusClosed(f"bus closed; cannot publish {type(event).__name__}")
-            stamped = self._stamp(event, source)
-            for mailbox in self._route(type(event)):
-                if not mailbox.put_nowait(stamped):
-                    await self._put_waiting(mailbox, stamped)
-            return stamped
+            full = next((m for m in route if len(m._items) >= m.max_size), None)
+            if full is None:
+                stamped = self._stamp(event, source)
+                for mailbox in route:
+                    mailbox.put_nowait(stamped)
+                return stamped
+            await self._wait_for_room(full, event)
 
-    async def _put_waiting(self, mailbox: Mailbox, event: Event) -> None:
-        self._blocked = (mailbox, type(event).__name__, time.monotonic())
+    async def _wait_for_room(self, mailbox: Mailbox, event: Event) -> None:
+        blocked = (mailbox, type(event).__name__, time.monotonic())
+        self._blocked = blocked
         if self._watchdog is None:
             self._watchdog = asyncio.get_running_loop().create_task(self._watch_stalls(), name="bus-watchdog")
         try:
-            await mailbox.put(event)
+            await mailbox.wait_for_room()
         finally:
-            self._blocked = None
+            if self._blocked is blocked:
+                self._blocked = None
 
     async def _watch_stalls(self) -> None:
         """Warn about a publish held up by a full mailbox (a slow or stuck subscriber)."""

@@ -8,7 +8,10 @@ bytes and the Saver can copy the config and tokenizer next to every checkpoint.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
+
+import msgspec
 
 import torch
 from schemas.config import BuiltinModelConfig, ModelConfig
@@ -62,17 +65,34 @@ def build_builtin(config: BuiltinModelConfig, seed: int) -> tuple[torch.nn.Modul
     return model, tokenizer
 
 
+BUILTIN_RECIPE = "miles_builtin.json"
+"""Beside a built-in base model: the settings and seed it was built from."""
+
+
+class BaseModelMismatch(ValueError):
+    """The run directory's built-in model was built from other settings."""
+
+
 def prepare_base_model(config: ModelConfig, run_dir: Path, seed: int) -> Path:
     """The Hugging Face directory every actor loads: ``model.path`` or the built-in one."""
     if config.path is not None:
         return Path(config.path)
     target = run_dir / "base_model"
+    recipe = msgspec.json.encode({"builtin": config.builtin, "seed": seed})
     if (target / "config.json").exists():
+        built_from = (target / BUILTIN_RECIPE).read_bytes() if (target / BUILTIN_RECIPE).exists() else b""
+        if built_from != recipe:
+            raise BaseModelMismatch(
+                f"{target} was built from other [model.builtin] settings or run.seed "
+                f"({built_from.decode() or 'unknown'}); use a new run.dir, or the settings it was built with"
+            )
         return target
     model, tokenizer = build_builtin(config.builtin, seed)
     partial = run_dir / ".base_model.partial"
+    shutil.rmtree(partial, ignore_errors=True)
     model.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
+    (partial / BUILTIN_RECIPE).write_bytes(recipe)
     partial.rename(target)
     return target
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 import traceback
 from collections.abc import Awaitable, Callable
@@ -20,7 +21,7 @@ from schemas.config import Config
 from schemas.events import ActorFailed, Event
 
 from miles_events.actor import Actor
-from miles_events.bus import Mailbox
+from miles_events.bus import BusClosed, Mailbox
 from miles_events.transport import Transport
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,9 @@ class HostContext:
         await self._publish(event)
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
 def innermost(error: BaseException) -> BaseException:
     """The exception itself, out of the groups that task groups wrap single errors in."""
     while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
@@ -59,7 +63,8 @@ def describe_error(error: BaseException) -> str:
     error = innermost(error)
     frames = traceback.extract_tb(error.__traceback__)
     where = f" ({Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
-    message = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    text = _ANSI.sub("", str(error)).strip()
+    message = text.splitlines()[0] if text else ""
     return f"{type(error).__name__}: {message}{where}" if message else f"{type(error).__name__}{where}"
 
 
@@ -73,7 +78,6 @@ class ActorHost:
         self._publish = publish
         self.busy = False
         self.failed: ActorFailed | None = None
-        self.handled = 0
         self._task: asyncio.Task[None] | None = None
 
     @property
@@ -90,7 +94,9 @@ class ActorHost:
         self.busy = True
         try:
             await self.actor.handle(event)
-            self.handled += 1
+        except BusClosed:
+            # The run ended while this handler ran; what it had left to say has nowhere to go.
+            logger.warning("actor %s finished %s after the run ended; its events are dropped", self.name, type(event).__name__)
         except Exception as error:
             # One line for the console; the whole traceback goes into the event log.
             logger.debug("actor %s failed on %s #%d", self.name, type(event).__name__, event.seq, exc_info=True)
@@ -103,7 +109,10 @@ class ActorHost:
                 time=time.time(),
                 source=self.name,
             )
-            await self._publish(self.failed)
+            try:
+                await self._publish(self.failed)
+            except BusClosed:
+                logger.error("actor %s failed after the run ended: %s", self.name, self.failed.error)
         finally:
             self.busy = False
 
@@ -115,7 +124,13 @@ class ActorHost:
     def idle(self) -> bool:
         return not self.busy and self.mailbox.statistics().depth == 0
 
-    async def join(self) -> None:
-        """Wait until the mailbox is closed and drained."""
-        if self._task is not None:
-            await self._task
+    async def join(self, timeout: float | None = None) -> None:
+        """Wait until the mailbox is closed and drained; after ``timeout`` seconds, cancel
+        the handler still running (a stuck actor must not hold the run's shutdown)."""
+        if self._task is None:
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(self._task), timeout)
+        except TimeoutError:
+            logger.warning("actor %s still busy %.0fs after the run ended; cancelled", self.name, timeout)
+            self._task.cancel()

@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from miles_events.console import attach_console
     from miles_events.metrics import MetricsError, attach_metrics
-    from miles_events.session import Session
+    from miles_events.hf_model import BaseModelMismatch
+    from miles_events.session import RunDirError, Session
     from miles_events.tracking import TrackingError, attach_tracking, check_tracking
 
     def metrics_hook(bus, session):  # type: ignore[no-untyped-def]
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         # Tracking first: a tracking error must not leave a live display on the screen.
         session = Session(config, actor_classes(), on_bus=[attach_tracking, metrics_hook, attach_console])
         result = asyncio.run(session.run())
-    except (ConfigError, DataError, CheckpointError, MetricsError, TrackingError) as error:
+    except (ConfigError, DataError, CheckpointError, MetricsError, TrackingError, RunDirError, BaseModelMismatch) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

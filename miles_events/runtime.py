@@ -22,6 +22,10 @@ class RunContext:
     transport: str
 
 
+class ActorStartError(RuntimeError):
+    """An actor's ``start()`` raised; the message names the actor and its error."""
+
+
 class Runtime(Protocol):
     """Hosts the run's actors: ``local`` (this process) or ``ray`` (a process each)."""
 

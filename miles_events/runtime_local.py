@@ -10,8 +10,8 @@ import logging
 
 from miles_events.actor import Actor
 from miles_events.bus import EventBus
-from miles_events.host import ActorHost, HostContext
-from miles_events.runtime import RunContext
+from miles_events.host import ActorHost, HostContext, describe_error
+from miles_events.runtime import ActorStartError, RunContext
 from miles_events.transport import Transport
 
 logger = logging.getLogger(__name__)
@@ -47,17 +47,20 @@ class LocalRuntime:
     async def start(self, bus: EventBus, actor_classes: list[type[Actor]]) -> None:
         for cls in actor_classes:
             actor = cls(self.run.config, host_context(self.run, self.transport, bus, cls.name))
-            await actor.start()
+            try:
+                await actor.start()
+            except Exception as error:
+                raise ActorStartError(f"{cls.name}: {describe_error(error)}") from error
             self.hosts.append(await start_local_host(bus, actor, cls.name))
             logger.info("started %s (local)", cls.name)
 
     def idle(self) -> bool:
         return all(host.idle for host in self.hosts)
 
-    async def stop(self) -> None:
+    async def stop(self, timeout: float = 60.0) -> None:
         """After the bus is closed: let every mailbox drain, then stop the actors."""
         for host in self.hosts:
-            await host.join()
+            await host.join(timeout)
         for host in self.hosts:
             try:
                 await host.actor.stop()

@@ -23,10 +23,10 @@ from schemas.config import Config
 from schemas.events import ActorFailed, Event
 
 from miles_events.actor import Actor
-from miles_events.bus import EventBus, Mailbox
+from miles_events.bus import BusClosed, EventBus, Mailbox
 from miles_events.codec import decode_batch, encode_batch
 from miles_events.host import ActorHost, HostContext, describe_error
-from miles_events.runtime import RunContext
+from miles_events.runtime import ActorStartError, RunContext
 from miles_events.transport import open_transport
 
 logger = logging.getLogger(__name__)
@@ -128,8 +128,16 @@ class RemoteActorProxy:
                 return
             events = decode_batch(payload)
             self.collected += len(events)
+            if self.bus.closed:
+                # The run ended while this actor was still working; nothing can hear it.
+                logger.warning("dropping %d events %s published after the run ended", len(events), self.name)
+                continue
             for event in events:
-                await self.bus.publish(event)
+                try:
+                    await self.bus.publish(event)
+                except BusClosed:
+                    logger.warning("dropping events %s published after the run ended", self.name)
+                    break
 
     async def _died(self, error: BaseException, event: Event | None) -> None:
         if self.dead:
@@ -153,9 +161,15 @@ class RemoteActorProxy:
             return True
         return not self.in_flight and self.mailbox.statistics().depth == 0 and self.collected >= self.emitted
 
-    async def stop(self) -> None:
-        for task in self._tasks[:1]:
-            await task  # the mailbox is closed: forwarding ends after the last batch
+    async def stop(self, timeout: float = 60.0) -> None:
+        forward = self._tasks[0]
+        try:
+            # The mailbox is closed: forwarding ends after the last batch is handled.
+            await asyncio.wait_for(asyncio.shield(forward), timeout)
+        except TimeoutError:
+            logger.warning("actor %s still busy %.0fs after the run ended; killing it", self.name, timeout)
+            forward.cancel()
+            self.dead = True
         if not self.dead:
             try:
                 self.emitted = await self.handle.stop.remote()
@@ -236,9 +250,14 @@ class RayRuntime:
         # Start them all at once: model loading overlaps across processes.
         starts = [h.start.remote() for h in handles]
         try:
-            pids = await asyncio.wait_for(asyncio.gather(*starts), timeout)
+            pids = await asyncio.wait_for(asyncio.gather(*starts, return_exceptions=True), timeout)
         except TimeoutError:
             raise RuntimeError(f"actors did not start within {timeout:g}s") from None
+        for cls, result in zip(actor_classes, pids, strict=True):
+            if isinstance(result, BaseException):
+                # Ray wraps the actor's own exception; the user needs that one, and whose it was.
+                cause = getattr(result, "cause", None)
+                raise ActorStartError(f"{cls.name}: {describe_error(cause or result)}") from None
         for cls, handle, pid in zip(actor_classes, handles, pids, strict=True):
             mailbox = bus.subscribe(cls.name, tuple(cls.handlers()))
             self.proxies.append(RemoteActorProxy(bus, cls.name, handle, mailbox, config.bus.max_batch))
@@ -248,9 +267,11 @@ class RayRuntime:
         return all(proxy.idle for proxy in self.proxies)
 
     async def stop(self) -> None:
-        for proxy in self.proxies:
-            await proxy.stop()
-        self.shutdown()
+        try:
+            for proxy in self.proxies:
+                await proxy.stop()
+        finally:
+            self.shutdown()
 
     def shutdown(self) -> None:
         import ray

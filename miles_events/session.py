@@ -9,7 +9,7 @@ import logging
 import signal
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,10 +27,10 @@ from miles_events.coordinator import Coordinator, RunPlan
 from miles_events.data import load_prompts, num_rollout_per_epoch
 from miles_events.event_log import EventLogWriter
 from miles_events.hf_model import prepare_base_model
-from miles_events.runtime import RunContext, Runtime
+from miles_events.runtime import ActorStartError, RunContext, Runtime
 from miles_events.runtime_local import LocalRuntime, host_context, start_local_host
 from miles_events.topology import engine_names
-from miles_events.transport import open_transport
+from miles_events.transport import Transport, open_transport
 
 logger = logging.getLogger(__name__)
 
@@ -53,10 +53,30 @@ def new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]
 
 
+class RunDirError(ValueError):
+    """The run directory cannot be used; one line says why."""
+
+
+def open_event_log(run_dir: Path) -> EventLogWriter:
+    """Create the run directory and take its event log: first, so that a directory that
+    cannot be used, or is in use by another run, fails before anything is written."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        writer = EventLogWriter(run_dir / EVENT_LOG, repair=True)
+    except OSError as error:
+        raise RunDirError(f"run.dir {run_dir}: {error.strerror or error}") from None
+    except RuntimeError as error:  # the log's lock is held
+        raise RunDirError(f"run.dir {run_dir} is in use by another run ({error})") from None
+    except ValueError as error:  # not an event log
+        raise RunDirError(f"run.dir {run_dir}: {error}") from None
+    if writer.torn_copy is not None:
+        logger.warning("%s ended in a torn record (a crash?); its bytes are kept in %s", writer.path, writer.torn_copy)
+    return writer
+
+
 def prepare(config: Config) -> Config:
-    """Create the run directory and the model every actor loads; return the resolved config."""
+    """Build the model every actor loads (once per run directory); return the resolved config."""
     run_dir = Path(config.run.dir).resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
     model_path = prepare_base_model(config.model, run_dir, config.run.seed)
     model = msgspec.structs.replace(config.model, path=str(Path(model_path).resolve()))
     run = msgspec.structs.replace(config.run, dir=str(run_dir))
@@ -107,20 +127,38 @@ async def close_sink(sink: object) -> None:
 
 
 class EventLogSubscriber:
-    """Appends every event to ``<run dir>/events.log`` as it is published."""
+    """Appends every event to ``<run dir>/events.log`` as it is published.
 
-    def __init__(self, bus: EventBus, path: Path, max_batch: int) -> None:
-        self.writer = EventLogWriter(path)
+    If the log cannot be written (disk full, say) the run fails with that reason, and the
+    mailbox keeps draining so that the bus never backs up behind a dead writer.
+    """
+
+    def __init__(self, bus: EventBus, writer: EventLogWriter, max_batch: int) -> None:
+        self.bus = bus
+        self.writer = writer
         self.mailbox = bus.subscribe("event-log", (Event,), max_size=max(bus.mailbox_size, 4 * max_batch))
         self.max_batch = max_batch
+        self.error: BaseException | None = None
         self.task = asyncio.create_task(self._write(), name="event-log")
 
     async def _write(self) -> None:
         try:
             while batch := await self.mailbox.get_batch(self.max_batch):
-                self.writer.append_many(batch)
+                if self.error is not None:
+                    continue
+                try:
+                    self.writer.append_many(batch)
+                except Exception as error:
+                    self.error = error
+                    logger.error("cannot write the event log: %s", describe_error(error))
+                    reason = f"cannot write the event log {self.writer.path}: {describe_error(error)}"
+                    asyncio.get_running_loop().create_task(self._fail(reason))
         finally:
             self.writer.close()
+
+    async def _fail(self, reason: str) -> None:
+        if not self.bus.closed:
+            await self.bus.publish(RunFinished(status="failed", reason=reason), source="session")
 
 
 class Session:
@@ -136,7 +174,12 @@ class Session:
         a sink's ``task`` is awaited (its mailbox drains), then its ``aclose()`` awaited or
         its ``close()`` called."""
         self.on_bus = on_bus or []
-        self.config = prepare(config)
+        self.log_writer = open_event_log(Path(config.run.dir).resolve())
+        try:
+            self.config = prepare(config)
+        except BaseException:
+            self.log_writer.close()
+            raise
         self.actor_classes = actor_classes
         self.run_id = run_id or new_run_id()
         self.run_dir = Path(self.config.run.dir)
@@ -157,7 +200,7 @@ class Session:
         config_path.parent.mkdir(parents=True, exist_ok=True)
         config_path.write_text(dump_config(config))
         bus = self.bus = EventBus(self.run_id, config.bus.mailbox_size, config.bus.stall_warning_seconds)
-        log = EventLogSubscriber(bus, self.run_dir / EVENT_LOG, config.bus.max_batch)
+        log = EventLogSubscriber(bus, self.log_writer, config.bus.max_batch)
         watch = bus.subscribe("session", (RunFinished, ActorFailed))
         transport = open_transport(self.transport_name, self.run_id)
         context = RunContext(self.run_id, config, self.run_dir, self.transport_name)
@@ -176,7 +219,8 @@ class Session:
                 await runtime.start(bus, self.actor_classes)
             except Exception as error:
                 logger.debug("startup failed", exc_info=True)
-                failed = RunFinished(status="failed", reason=f"actors failed to start: {describe_error(error)}")
+                detail = str(error) if isinstance(error, ActorStartError) else describe_error(error)
+                failed = RunFinished(status="failed", reason=f"an actor failed to start: {detail}")
                 finished = await bus.publish(failed, source="session")  # type: ignore[assignment]
             else:
                 coordinator = self.coordinator = Coordinator(
@@ -189,12 +233,26 @@ class Session:
                 await self._wait_quiet(runtime, coordinator_host)
         finally:
             bus.close()
-            await runtime.stop()
-            await log.task
-            for sink in sinks:
-                await close_sink(sink)
-            transport.close()
+            await self._shutdown(runtime, log, sinks, transport)
         return RunResult(self.run_id, finished, self.run_dir, time.monotonic() - started)
+
+    @staticmethod
+    async def _shutdown(runtime: Runtime, log: EventLogSubscriber, sinks: list[object], transport: Transport) -> None:
+        """Each step runs even when an earlier one fails: the event log is completed,
+        every sink closed and the run's shared memory removed."""
+        steps: list[tuple[str, Callable[[], Awaitable[object]]]] = [
+            ("stopping the actors", runtime.stop),
+            ("completing the event log", lambda: log.task),
+            *((f"closing {type(sink).__name__}", lambda sink=sink: close_sink(sink)) for sink in sinks),
+        ]
+        try:
+            for what, step in steps:
+                try:
+                    await step()
+                except Exception as error:
+                    logger.warning("%s failed: %s", what, describe_error(error))
+        finally:
+            transport.close()
 
     async def _wait_finished(self, watch: Mailbox) -> RunFinished:
         while (event := await watch.get()) is not None:

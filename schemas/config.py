@@ -149,7 +149,8 @@ class RayConfig(Section):
     address: str | None = None
     """Join this cluster; unset: start a local one for this run."""
     num_cpus: PositiveInt | None = None
-    """Logical CPUs of the local cluster; unset: enough for every actor's bundle."""
+    """Logical CPUs of the local cluster; unset: the host's CPU count, or more if the
+    actors' bundles need more."""
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK"] = "PACK"
     actor_start_timeout: PositiveFloat = 120.0
 
@@ -160,7 +161,7 @@ class MetricsConfig(Section):
     enabled: bool = True
     host: str = "127.0.0.1"
     port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 9464
-    """0 picks a free port (printed at start and recorded in ``RunStarted``'s log line)."""
+    """0 picks a free port; the CLI prints the metrics URL at start (not in quiet mode)."""
 
 
 class ConsoleConfig(Section):

@@ -176,3 +176,31 @@ async def test_a_raising_handler_becomes_actor_failed_and_the_actor_stops_handli
 async def test_handlers_are_found_through_the_decorator():
     assert Exploding.handlers() == {RolloutRequested: "on_rollout"}
     assert RunFinished not in Exploding.handlers()
+
+
+async def test_the_consumer_of_a_full_mailbox_can_still_publish():
+    bus = EventBus("r")
+    inbox = bus.subscribe("actor", (RolloutRequested,), max_size=1)
+    outbox = bus.subscribe("other", (SaveRequested,))
+    await bus.publish(RolloutRequested(rollout_id=0))
+    blocked = asyncio.create_task(bus.publish(RolloutRequested(rollout_id=1)))
+    await asyncio.sleep(0.01)
+    assert not blocked.done()
+    # The actor, before it takes its next event, publishes elsewhere: it must not wait.
+    await asyncio.wait_for(bus.publish(SaveRequested(rollout_id=0)), 1)
+    assert (await outbox.get()).rollout_id == 0
+    assert (await inbox.get()).rollout_id == 0
+    await asyncio.wait_for(blocked, 1)
+    got = await inbox.get()
+    assert got.rollout_id == 1 and got.seq > 2
+
+
+async def test_closing_the_bus_releases_a_blocked_publisher():
+    bus = EventBus("r")
+    bus.subscribe("stuck", (Event,), max_size=1)
+    await bus.publish(RolloutRequested(rollout_id=0))
+    blocked = asyncio.create_task(bus.publish(RolloutRequested(rollout_id=1)))
+    await asyncio.sleep(0.01)
+    bus.close()
+    with pytest.raises(BusClosed):
+        await asyncio.wait_for(blocked, 1)

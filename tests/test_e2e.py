@@ -167,10 +167,11 @@ def test_a_failing_handler_stops_the_run_with_one_clear_line(tmp_path):
         ('run.num_rollout="many"', "run.num_rollout"),
         ('data.prompt_data="missing.jsonl"', "missing.jsonl"),
         ('rollout.reward_fn="no.such.module.fn"', "no.such.module"),
+        ('run.dir="/dev/null/run"', "run.dir /dev/null/run"),
     ],
 )
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, override, expected):
-    result = run_cli(tmp_path / "run", override)
+    result = run_cli(tmp_path / "run", override)  # a later --set wins
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()

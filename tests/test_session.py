@@ -1,0 +1,68 @@
+"""The session's guards: unusable run directories, a reused base model, a dead event log."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from schemas.config import BuiltinModelConfig, ModelConfig
+from schemas.events import Event, RolloutRequested, RunFinished
+
+from miles_events.bus import EventBus
+from miles_events.event_log import EventLogWriter
+from miles_events.hf_model import BaseModelMismatch, prepare_base_model
+from miles_events.session import EventLogSubscriber, RunDirError, open_event_log
+
+
+def test_a_run_dir_under_a_file_is_one_clear_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(RunDirError, match="run.dir .*file/run: Not a directory"):
+        open_event_log(blocker / "run")
+
+
+def test_a_run_dir_in_use_by_another_run_is_refused(tmp_path):
+    first = open_event_log(tmp_path)
+    try:
+        with pytest.raises(RunDirError, match="in use by another run"):
+            open_event_log(tmp_path)
+    finally:
+        first.close()
+
+
+def test_a_torn_log_is_repaired_and_its_tail_kept(tmp_path):
+    writer = open_event_log(tmp_path)
+    writer.append(RolloutRequested(rollout_id=0, seq=1))
+    writer.close()
+    with open(tmp_path / "events.log", "ab") as log:
+        log.write(b"\x00\x00\x01")  # a crash mid-record
+    repaired = open_event_log(tmp_path)
+    assert repaired.torn_copy is not None and repaired.torn_copy.read_bytes() == b"\x00\x00\x01"
+    repaired.close()
+
+
+def test_the_built_in_model_of_a_run_dir_is_not_silently_replaced(tmp_path):
+    prepare_base_model(ModelConfig(), tmp_path, seed=1)
+    assert prepare_base_model(ModelConfig(), tmp_path, seed=1) == tmp_path / "base_model"
+    with pytest.raises(BaseModelMismatch, match="run.seed"):
+        prepare_base_model(ModelConfig(), tmp_path, seed=2)
+    with pytest.raises(BaseModelMismatch):
+        prepare_base_model(ModelConfig(builtin=BuiltinModelConfig(hidden_size=32)), tmp_path, seed=1)
+
+
+class FullDisk(EventLogWriter):
+    def append_many(self, events):  # type: ignore[no-untyped-def]
+        raise OSError(28, "No space left on device")
+
+
+async def test_an_event_log_that_cannot_be_written_fails_the_run_without_blocking_the_bus(tmp_path):
+    bus = EventBus("r", mailbox_size=8)
+    finished = bus.subscribe("watch", (RunFinished,))
+    log = EventLogSubscriber(bus, FullDisk(tmp_path / "events.log"), max_batch=4)
+    for i in range(200):  # far more than the log's mailbox holds
+        await asyncio.wait_for(bus.publish(RolloutRequested(rollout_id=i)), 1)
+    event: Event = await asyncio.wait_for(finished.get(), 1)
+    assert isinstance(event, RunFinished) and event.status == "failed"
+    assert "No space left on device" in event.reason
+    bus.close()
+    await asyncio.wait_for(log.task, 1)
