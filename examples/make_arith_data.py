@@ -7,8 +7,10 @@ scored by ``miles_events.rewards.exact_match`` is right only when it is the digi
 by ``<eos>``.
 
 The sum is capped at 9 so that the answer is one token: from a random init exact match
-then succeeds by chance about once in 18 * 18 samples, which GRPO can climb from, while a
-two-digit answer (one in 18 ** 3) leaves almost every group without a success.
+then succeeds by chance about once in 170 samples (the digit then ``<eos>``, give or take
+skipped special tokens), which GRPO climbs from to a mean reward above 0.9 in 20-35
+rollouts. With two-digit sums (all 100 pairs) an answer needs three right tokens, and the
+same recipe is still near 0.6 after 45 rollouts.
 
 The task is a lookup table small enough to sample whole, so the eval file holds the same
 55 problems as the training file: eval measures how well the table has been learned, not

@@ -22,6 +22,7 @@ from schemas.events import (
     RunFinished,
     RunStarted,
     WeightsPublished,
+    WeightsStaged,
 )
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -97,6 +98,12 @@ def test_a_short_run_completes_with_every_publication_verified(which, request):
 def test_both_runtimes_make_the_same_run(local_run, ray_run):
     local_log, ray_log = events(local_run[0]), events(ray_run[0])
     assert rollouts(local_log) == rollouts(ray_log)
+    assert published_versions(local_log) == published_versions(ray_log)
+
+    def digests(log: list) -> list[tuple[str, str]]:
+        return [(e.weight_version, e.digest) for e in log if isinstance(e, WeightsStaged)]
+
+    assert digests(local_log) == digests(ray_log), "the same weights, bit for bit, on both runtimes"
     assert [type(e).__name__ for e in local_log if e.source == "coordinator"] == [
         type(e).__name__ for e in ray_log if e.source == "coordinator"
     ]
