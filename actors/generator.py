@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterable, Sequence
 import anyio
 import msgspec
 import torch
+
+from actors.engine import SamplingParams, TorchEngine
 from miles_events.actor import Actor, ActorContext, Resources, handles
 from miles_events.checksum import checksums_digest
 from miles_events.data import Prompt, load_prompts, rollout_prompts
@@ -45,8 +47,6 @@ from schemas.events import (
     WeightsStaged,
 )
 from schemas.rollout import RolloutBatch, Sample
-
-from actors.engine import SamplingParams, TorchEngine
 
 RewardFn = Callable[[str, str, str], float]
 

@@ -16,12 +16,12 @@ import time
 from pathlib import Path
 
 import anyio.to_thread
-from schemas.config import Config
-from schemas.events import CheckpointFailed, CheckpointSaved, DataReleased, TrainStateStaged
 
 from miles_events.actor import Actor, Resources, handles
 from miles_events.checkpoint import prune_checkpoints, write_checkpoint
 from miles_events.host import describe_error
+from schemas.config import Config
+from schemas.events import CheckpointFailed, CheckpointSaved, DataReleased, TrainStateStaged
 
 log = logging.getLogger(__name__)
 

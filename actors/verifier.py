@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import time
 
+from miles_events.actor import Actor, ActorContext, Resources, handles
+from miles_events.checksum import checksums_digest, is_skipped
+from miles_events.topology import version_number
 from schemas.config import Config
 from schemas.events import (
     PublicationMismatch,
@@ -21,10 +24,6 @@ from schemas.events import (
     WeightsPublished,
     WeightsStaged,
 )
-
-from miles_events.actor import Actor, ActorContext, Resources, handles
-from miles_events.checksum import checksums_digest, is_skipped
-from miles_events.topology import version_number
 
 
 def compare_checksums(

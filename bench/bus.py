@@ -14,9 +14,8 @@ import asyncio
 import statistics
 import time
 
-from schemas.events import Event, RolloutRequested
-
 from miles_events.bus import EventBus
+from schemas.events import Event, RolloutRequested
 
 
 async def run_queue(events: list[Event], size: int) -> tuple[float, list[int]]:
@@ -26,7 +25,7 @@ async def run_queue(events: list[Event], size: int) -> tuple[float, list[int]]:
 
     async def consume() -> None:
         i = 0
-        while (event := await queue.get()) is not None:
+        while (await queue.get()) is not None:
             latency[i] = time.perf_counter_ns() - sent[i]
             i += 1
 

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import argparse
 import gc
-import threading
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -30,9 +30,9 @@ from pydantic import BaseModel, ConfigDict, Field, RootModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from miles_events.event_log import EventLogWriter, read_events  # noqa: E402
-from schemas.data import DataRef  # noqa: E402
-from schemas.events import (  # noqa: E402
+from miles_events.event_log import EventLogWriter, read_events
+from schemas.data import DataRef
+from schemas.events import (
     DataReleased,
     Event,
     PublicationVerified,
@@ -430,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'':46}{'ours':>12}{'pydantic':>12}{'ratio':>8}")
     for name, ours, base in rows:
         print(f"{name:46}{ours:>12,.0f}{base:>12,.0f}{ours / base:>7.2f}x")
-    print(f"\n(ratios against a file kept open are the like-for-like ones; miles keeps nothing open)")
+    print("\n(ratios against a file kept open are the like-for-like ones; miles keeps nothing open)")
     print(
         f"RESULT event_log_write_ratio_vs_miles={miles_ratio:.2f} "
         f"event_log_batched_write_ratio_vs_miles={miles_w / ours_wb:.2f} "

@@ -20,14 +20,14 @@ import time
 from pathlib import Path
 
 import ray
-from schemas.config import BusConfig, Config, RunConfig
-from schemas.events import RolloutRequested, RunFinished
 
 from miles_events.actor import Actor, handles
 from miles_events.bus import EventBus
 from miles_events.codec import decode_event, encode_event
 from miles_events.runtime import RunContext
 from miles_events.runtime_ray import RayRuntime
+from schemas.config import BusConfig, Config, RunConfig
+from schemas.events import RolloutRequested, RunFinished
 
 
 class Sink(Actor):

@@ -17,12 +17,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import msgspec
+
+from miles_events.checksum import fingerprints
+from miles_events.config import load_config
+from miles_events.event_log import read_events
+from miles_events.hf_model import load_model
+from miles_events.run import actor_classes
+from miles_events.session import Session
 from schemas.events import (
     CheckpointSaved,
     PublicationVerified,
@@ -31,13 +39,6 @@ from schemas.events import (
     TrainStepFinished,
     WeightsPublished,
 )
-
-from miles_events.checksum import fingerprints
-from miles_events.config import load_config
-from miles_events.event_log import read_events
-from miles_events.hf_model import load_model
-from miles_events.run import actor_classes
-from miles_events.session import Session
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -79,7 +80,7 @@ def main() -> None:
     log = list(read_events(run_dir / "events.log"))
 
     requested = [e.time for e in log if isinstance(e, RolloutRequested)]
-    steps = [b - a for a, b in zip(requested, requested[1:], strict=False)]
+    steps = [b - a for a, b in itertools.pairwise(requested)]
     generate = [e.generate_seconds for e in log if isinstance(e, RolloutGenerated)]
     train = [e.train_seconds for e in log if isinstance(e, TrainStepFinished)]
     publish = [e.publish_seconds for e in log if isinstance(e, WeightsPublished) and e.rollout_id is not None]

@@ -13,10 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, TypeVar
 
+from miles_events.transport import Transport
 from schemas.config import Config
 from schemas.events import Event
-
-from miles_events.transport import Transport
 
 E = TypeVar("E", bound=Event)
 Handler = Callable[[Any, Any], Awaitable[None]]

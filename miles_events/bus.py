@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import msgspec
+
 from schemas.events import Event
 
 logger = logging.getLogger(__name__)

@@ -35,6 +35,7 @@ from typing import Any
 import msgspec
 import torch
 from safetensors.torch import load_file, save_file
+
 from schemas.checkpoint import Manifest, ManifestEntry, TrainerState
 
 log = logging.getLogger(__name__)

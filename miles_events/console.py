@@ -25,14 +25,26 @@ from rich.panel import Panel
 from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
-from schemas.config import Config
-from schemas.events import (
-    ActorFailed, CheckpointFailed, CheckpointSaved, EvalFinished, Event, PublicationFailed,
-    PublicationMismatch, PublicationVerified, RolloutGenerated, RunFinished, RunStarted, TrainStepFinished,
-    WeightsLoaded, WeightsPublished, WeightsStaged,
-)  # fmt: skip
 
 from miles_events.bus import EventBus
+from schemas.config import Config
+from schemas.events import (
+    ActorFailed,
+    CheckpointFailed,
+    CheckpointSaved,
+    EvalFinished,
+    Event,
+    PublicationFailed,
+    PublicationMismatch,
+    PublicationVerified,
+    RolloutGenerated,
+    RunFinished,
+    RunStarted,
+    TrainStepFinished,
+    WeightsLoaded,
+    WeightsPublished,
+    WeightsStaged,
+)  # fmt: skip
 
 logger = logging.getLogger(__name__)
 

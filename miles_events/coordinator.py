@@ -21,6 +21,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from miles_events.actor import Actor, ActorContext, handles
 from schemas.config import Config
 from schemas.events import (
     ActorFailed,
@@ -40,8 +41,6 @@ from schemas.events import (
     TrainStepFinished,
     WeightsPublished,
 )
-
-from miles_events.actor import Actor, ActorContext, handles
 
 logger = logging.getLogger(__name__)
 

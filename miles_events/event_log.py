@@ -71,7 +71,7 @@ def _check_magic(head: bytes, path: Path) -> None:
 
 def _open_log(path: Path) -> BinaryIO:
     """The log opened for reading, positioned after its validated header."""
-    file = open(path, "rb")  # noqa: SIM115 - the caller owns it
+    file = open(path, "rb")
     try:
         _check_magic(file.read(HEADER_SIZE), path)
     except BaseException:

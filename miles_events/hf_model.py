@@ -12,9 +12,7 @@ import shutil
 from pathlib import Path
 
 import msgspec
-
 import torch
-from schemas.config import BuiltinModelConfig, ModelConfig
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoConfig,
@@ -25,6 +23,8 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
 )
+
+from schemas.config import BuiltinModelConfig, ModelConfig
 
 ARITH_SPECIAL = ["<pad>", "<eos>", "<unk>"]
 ARITH_SYMBOLS = list("0123456789+-*=?")

@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
-from schemas.config import Config
-from schemas.events import ActorFailed, Event
 
 from miles_events.actor import Actor
 from miles_events.bus import BusClosed, Mailbox
 from miles_events.transport import Transport
+from schemas.config import Config
+from schemas.events import ActorFailed, Event
 
 logger = logging.getLogger(__name__)
 

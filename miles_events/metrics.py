@@ -26,6 +26,9 @@ from typing import TYPE_CHECKING, Any, Literal
 import anyio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
 from prometheus_client.core import GaugeMetricFamily, Metric
+
+from miles_events.bus import EventBus
+from miles_events.topology import version_number
 from schemas.events import (
     ActorFailed,
     CheckpointFailed,
@@ -43,9 +46,6 @@ from schemas.events import (
     WeightsPublished,
     WeightsStaged,
 )
-
-from miles_events.bus import EventBus
-from miles_events.topology import version_number
 
 if TYPE_CHECKING:
     from miles_events.session import Session

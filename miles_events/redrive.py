@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-from schemas.config import Config
-from schemas.events import Event, RunStarted
 
 from miles_events.actor import Actor
 from miles_events.transport import InProcessTransport, Transport
+from schemas.config import Config
+from schemas.events import Event, RunStarted
 
 HEADER = ("run_id", "seq", "time", "source")
 

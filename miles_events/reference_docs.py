@@ -17,6 +17,7 @@ import typing
 from pathlib import Path
 
 import msgspec
+
 from schemas import config as config_module
 from schemas import events as events_module
 from schemas.config import Config

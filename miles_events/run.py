@@ -61,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from miles_events.console import attach_console
-    from miles_events.metrics import MetricsError, attach_metrics
     from miles_events.hf_model import BaseModelMismatch
+    from miles_events.metrics import MetricsError, attach_metrics
     from miles_events.session import RunDirError, Session
     from miles_events.tracking import TrackingError, attach_tracking, check_tracking
 

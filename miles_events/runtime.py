@@ -6,10 +6,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from schemas.config import Config
-
 from miles_events.actor import Actor
 from miles_events.bus import EventBus
+from schemas.config import Config
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-from schemas.config import Config
-from schemas.events import ActorFailed, Event
 
 from miles_events.actor import Actor
 from miles_events.bus import BusClosed, EventBus, Mailbox
@@ -28,6 +26,8 @@ from miles_events.codec import decode_batch, encode_batch
 from miles_events.host import ActorHost, HostContext, describe_error
 from miles_events.runtime import ActorStartError, RunContext
 from miles_events.transport import open_transport
+from schemas.config import Config
+from schemas.events import ActorFailed, Event
 
 logger = logging.getLogger(__name__)
 

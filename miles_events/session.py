@@ -14,23 +14,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
-from schemas.checkpoint import TrainerState
-from schemas.config import Config
-from schemas.events import ActorFailed, Event, RunFinished, StopRequested
 
 from miles_events.actor import Actor
 from miles_events.bus import EventBus, Mailbox
-from miles_events.host import ActorHost, describe_error
 from miles_events.checkpoint import latest_checkpoint, verify_checkpoint
 from miles_events.config import config_digest, dump_config
 from miles_events.coordinator import Coordinator, RunPlan
 from miles_events.data import load_prompts, num_rollout_per_epoch
 from miles_events.event_log import EventLogWriter
 from miles_events.hf_model import prepare_base_model
+from miles_events.host import ActorHost, describe_error
 from miles_events.runtime import ActorStartError, RunContext, Runtime
 from miles_events.runtime_local import LocalRuntime, host_context, start_local_host
 from miles_events.topology import engine_names
 from miles_events.transport import Transport, open_transport
+from schemas.checkpoint import TrainerState
+from schemas.config import Config
+from schemas.events import ActorFailed, Event, RunFinished, StopRequested
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +139,7 @@ class EventLogSubscriber:
         self.mailbox = bus.subscribe("event-log", (Event,), max_size=max(bus.mailbox_size, 4 * max_batch))
         self.max_batch = max_batch
         self.error: BaseException | None = None
+        self._failing: asyncio.Task[None] | None = None
         self.task = asyncio.create_task(self._write(), name="event-log")
 
     async def _write(self) -> None:
@@ -152,7 +153,7 @@ class EventLogSubscriber:
                     self.error = error
                     logger.error("cannot write the event log: %s", describe_error(error))
                     reason = f"cannot write the event log {self.writer.path}: {describe_error(error)}"
-                    asyncio.get_running_loop().create_task(self._fail(reason))
+                    self._failing = asyncio.get_running_loop().create_task(self._fail(reason))
         finally:
             self.writer.close()
 
@@ -190,6 +191,7 @@ class Session:
         self.transport_name = transport
         self.bus: EventBus | None = None
         self.coordinator: Coordinator | None = None
+        self._stop_task: asyncio.Task[Event] | None = None
 
     async def run(self) -> RunResult:
         started = time.monotonic()
@@ -289,7 +291,7 @@ class Session:
                 raise KeyboardInterrupt
             interrupted = True
             logger.warning("interrupted: stopping after the current step (again to abort)")
-            loop.create_task(bus.publish(StopRequested(reason="interrupted by signal"), source="session"))
+            self._stop_task = loop.create_task(bus.publish(StopRequested(reason="interrupted by signal"), source="session"))
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:

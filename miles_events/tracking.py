@@ -33,6 +33,8 @@ from typing import Any, Protocol
 
 import anyio
 import msgspec
+
+from miles_events.bus import EventBus
 from schemas.config import Config
 from schemas.events import (
     CheckpointSaved,
@@ -45,8 +47,6 @@ from schemas.events import (
     TrainStepFinished,
     WeightsPublished,
 )
-
-from miles_events.bus import EventBus
 
 logger = logging.getLogger(__name__)
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+
 from schemas.data import DataRef
 
 
@@ -130,7 +131,7 @@ class ShmTransport(Transport):
         return load_file(str(self._path(ref.key)))
 
     def put_bytes(self, key: str, data: bytes, owner: str) -> DataRef:
-        path = self._publish(key, lambda p: p.write_bytes(data))
+        self._publish(key, lambda p: p.write_bytes(data))
         return DataRef(self.name, key, owner, len(data))
 
     def get_bytes(self, ref: DataRef) -> bytes:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import os
 
-from schemas.events import RolloutGenerated, RolloutRequested, StopRequested
-
 from miles_events.actor import Actor, Resources, handles
+from schemas.events import RolloutGenerated, RolloutRequested, StopRequested
 
 
 class Echo(Actor):

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from schemas.events import Event
-
 from miles_events.actor import Actor
 from miles_events.redrive import RecordingContext
+from schemas.events import Event
 
 __all__ = ["RecordingContext", "feed"]
 

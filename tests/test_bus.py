@@ -7,6 +7,10 @@ import asyncio
 import logging
 
 import pytest
+
+from miles_events.actor import Actor, handles
+from miles_events.bus import BusClosed, EventBus
+from miles_events.host import ActorHost
 from schemas.events import (
     ActorFailed,
     Event,
@@ -14,10 +18,6 @@ from schemas.events import (
     RunFinished,
     SaveRequested,
 )
-
-from miles_events.actor import Actor, handles
-from miles_events.bus import BusClosed, EventBus
-from miles_events.host import ActorHost
 
 
 async def test_seq_strictly_increases_in_every_mailbox_under_concurrent_publishers():

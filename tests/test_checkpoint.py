@@ -13,10 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from schemas.checkpoint import DataCursor, TrainerState
-from schemas.config import Config, ModelConfig, SaverConfig
-from schemas.data import DataRef
-from schemas.events import CheckpointFailed, CheckpointSaved, DataReleased, Event, TrainStateStaged
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from actors.saver import Saver
@@ -31,6 +27,10 @@ from miles_events.checkpoint import (
 )
 from miles_events.hf_model import load_model, load_tokenizer, prepare_base_model
 from miles_events.transport import InProcessTransport, Transport
+from schemas.checkpoint import DataCursor, TrainerState
+from schemas.config import Config, ModelConfig, SaverConfig
+from schemas.data import DataRef
+from schemas.events import CheckpointFailed, CheckpointSaved, DataReleased, Event, TrainStateStaged
 
 # --- building blocks -------------------------------------------------------------------
 

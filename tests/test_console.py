@@ -11,17 +11,6 @@ from types import SimpleNamespace
 
 import pytest
 from rich.console import Console
-from schemas.config import Config, ConsoleConfig, VerifierConfig
-from schemas.events import (
-    ActorFailed,
-    Event,
-    PublicationMismatch,
-    PublicationVerified,
-    RunFinished,
-    RunStarted,
-    TensorMismatch,
-    TrainStepFinished,
-)
 
 from miles_events.bus import EventBus
 from miles_events.console import (
@@ -34,6 +23,17 @@ from miles_events.console import (
 )
 from miles_events.event_log import read_events
 from miles_events.session import close_sink
+from schemas.config import Config, ConsoleConfig, VerifierConfig
+from schemas.events import (
+    ActorFailed,
+    Event,
+    PublicationMismatch,
+    PublicationVerified,
+    RunFinished,
+    RunStarted,
+    TensorMismatch,
+    TrainStepFinished,
+)
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tiny_run" / "events.log"
 EVENTS: list[Event] = list(read_events(FIXTURE))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+
+from miles_events.coordinator import Coordinator, RunPlan, should_run_periodic_action
 from schemas.config import Config, RunConfig, VerifierConfig
 from schemas.events import (
     ActorFailed,
@@ -21,8 +23,6 @@ from schemas.events import (
     TrainStepFinished,
     WeightsPublished,
 )
-
-from miles_events.coordinator import Coordinator, RunPlan, should_run_periodic_action
 from tests.support import RecordingContext, feed
 
 

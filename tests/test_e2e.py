@@ -13,6 +13,13 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from actors.generator import Generator
+from miles_events.checkpoint import latest_checkpoint, read_checkpoint
+from miles_events.config import load_config
+from miles_events.event_log import read_events
+from miles_events.session import Session
 from schemas.events import (
     ActorFailed,
     CheckpointSaved,
@@ -24,13 +31,6 @@ from schemas.events import (
     WeightsPublished,
     WeightsStaged,
 )
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
-from actors.generator import Generator
-from miles_events.checkpoint import latest_checkpoint, read_checkpoint
-from miles_events.config import load_config
-from miles_events.event_log import read_events
-from miles_events.session import Session
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "examples" / "tiny.toml"

@@ -8,6 +8,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
+
 from actors.engine import SamplingParams, TorchEngine, sample_tokens
 from miles_events.checksum import checksums_digest, fingerprints
 from miles_events.hf_model import prepare_base_model

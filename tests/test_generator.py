@@ -10,6 +10,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
+
 from actors.generator import Generator, engine_seed, sorted_versions
 from miles_events.actor import Resources
 from miles_events.checksum import checksums_digest, fingerprints
@@ -207,7 +208,7 @@ async def test_eval_reports_reward_mean_and_full_credit_accuracy(
 ) -> None:
     eval_file = tmp_path / "eval.jsonl"
     rows = [("1+1=", "2"), ("2+2=", "4"), ("3", "3")]
-    eval_file.write_text("".join(json.dumps({"input": i, "label": l}) + "\n" for i, l in rows))
+    eval_file.write_text("".join(json.dumps({"input": i, "label": label}) + "\n" for i, label in rows))
     for reward_fn, accuracy in (("half_reward", 0.0), ("full_reward", 1.0)):
         config = make_config(model_dir, prompt_file, tmp_path, reward_fn=f"{__name__}.{reward_fn}")
         config.data.eval_data = str(eval_file)

@@ -8,6 +8,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+
 from miles_events.data import load_prompts
 from miles_events.hf_model import build_arith_tokenizer
 

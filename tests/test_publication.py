@@ -5,6 +5,10 @@ from __future__ import annotations
 import asyncio
 
 import torch
+
+from actors.publisher import Publisher
+from actors.verifier import Verifier
+from miles_events.checksum import checksums_digest, fingerprints
 from schemas.config import Config, PublisherConfig, RolloutConfig, VerifierConfig
 from schemas.data import DataRef
 from schemas.events import (
@@ -18,10 +22,6 @@ from schemas.events import (
     WeightsPublished,
     WeightsStaged,
 )
-
-from actors.publisher import Publisher
-from actors.verifier import Verifier
-from miles_events.checksum import checksums_digest, fingerprints
 from tests.support import RecordingContext, feed
 
 REF = DataRef("inprocess", "weights-v1", "trainer")

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from schemas.events import PublicationMismatch, PublicationVerified, WeightsLoaded
 
 from miles_events.config import load_config
 from miles_events.event_log import read_events
 from miles_events.redrive import build_actor, redrive, split_runs
 from miles_events.replay import main as replay_main
+from schemas.events import PublicationMismatch, PublicationVerified, WeightsLoaded
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tiny_run"
 
@@ -68,7 +68,7 @@ def test_the_replay_cli_redrives_the_fixture(capsys):
 
 
 def test_the_replay_cli_reports_different_decisions_with_exit_1(tmp_path, capsys, recorded):
-    events, config = recorded
+    events, _config = recorded
     run_id = events[0].run_id
     changed = tmp_path / "changed.toml"
     text = (FIXTURE / "configs" / f"{run_id}.toml").read_text().replace("save_interval = 2", "save_interval = 1")

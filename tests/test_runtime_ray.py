@@ -6,13 +6,13 @@ import asyncio
 import os
 
 import pytest
-from schemas.config import Config, RunConfig
-from schemas.events import ActorFailed, Event, RolloutRequested, StopRequested
 
 from miles_events.bus import EventBus
 from miles_events.runtime import RunContext
 from miles_events.runtime_ray import RayRuntime
 from miles_events.transport import ShmTransport
+from schemas.config import Config, RunConfig
+from schemas.events import ActorFailed, Event, RolloutRequested, StopRequested
 from tests.ray_actors import Echo
 
 pytestmark = pytest.mark.slow

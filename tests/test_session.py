@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from schemas.config import BuiltinModelConfig, ModelConfig
-from schemas.events import Event, RolloutRequested, RunFinished
 
 from miles_events.bus import EventBus
 from miles_events.event_log import EventLogWriter
 from miles_events.hf_model import BaseModelMismatch, prepare_base_model
 from miles_events.session import EventLogSubscriber, RunDirError, open_event_log
+from schemas.config import BuiltinModelConfig, ModelConfig
+from schemas.events import Event, RolloutRequested, RunFinished
 
 
 def test_a_run_dir_under_a_file_is_one_clear_error(tmp_path):

@@ -11,14 +11,14 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from schemas.config import Config, RunConfig, TrackingConfig
-from schemas.events import CheckpointSaved, Event, RunFinished
 
 from miles_events import tracking
 from miles_events.bus import EventBus
 from miles_events.event_log import read_events
 from miles_events.session import close_sink
 from miles_events.tracking import Tracking, TrackingError, WandbSink, attach_tracking
+from schemas.config import Config, RunConfig, TrackingConfig
+from schemas.events import CheckpointSaved, Event, RunFinished
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tiny_run" / "events.log"
 EVENTS: list[Event] = list(read_events(FIXTURE))

@@ -31,9 +31,6 @@ from typing import Any
 
 import msgspec
 import torch
-from miles_events.checksum import checksums_digest, fingerprints, is_skipped
-from miles_events.hf_model import load_model, load_tokenizer
-from schemas.checksums import EngineChecksumReport, RankChecksums
 from transformers import DynamicCache, PreTrainedTokenizerBase
 
 from actors.engine.base import (
@@ -49,6 +46,9 @@ from actors.engine.base import (
     per_engine_checksum,
     tensors_match,
 )
+from miles_events.checksum import checksums_digest, fingerprints, is_skipped
+from miles_events.hf_model import load_model, load_tokenizer
+from schemas.checksums import EngineChecksumReport, RankChecksums
 
 
 class TorchEngine(Engine):
