@@ -101,6 +101,12 @@ class Generator(Actor):
 
     # --- rollouts and evaluation ------------------------------------------------------------
 
+    def _sampling(self, temperature: float) -> SamplingParams:
+        rollout = self.config.rollout
+        return SamplingParams(
+            temperature=temperature, top_p=rollout.top_p, max_new_tokens=rollout.max_new_tokens, stop=tuple(rollout.stop)
+        )
+
     @handles(RolloutRequested)
     async def on_rollout_requested(self, event: RolloutRequested) -> None:
         data, rollout = self.config.data, self.config.rollout
@@ -113,12 +119,7 @@ class Generator(Actor):
             self.config.run.seed,
             data.rollout_shuffle,
         )
-        sampling = SamplingParams(
-            temperature=rollout.temperature,
-            top_p=rollout.top_p,
-            max_new_tokens=rollout.max_new_tokens,
-            stop=tuple(rollout.stop),
-        )
+        sampling = self._sampling(rollout.temperature)
         started = time.perf_counter()
         samples = await self._sample_groups(
             prompts, data.n_samples_per_prompt, sampling, "rollout", event.rollout_id
@@ -148,12 +149,7 @@ class Generator(Actor):
         rollout = self.config.rollout
         if not self.eval_prompts:
             raise ValueError("no eval data: set data.eval_data or data.prompt_data to evaluate")
-        sampling = SamplingParams(
-            temperature=rollout.eval_temperature,
-            top_p=rollout.top_p,
-            max_new_tokens=rollout.max_new_tokens,
-            stop=tuple(rollout.stop),
-        )
+        sampling = self._sampling(rollout.eval_temperature)
         started = time.perf_counter()
         samples = await self._sample_groups(
             self.eval_prompts, self.config.data.eval_n_samples_per_prompt, sampling, "eval", event.rollout_id

@@ -94,15 +94,10 @@ class LogReader:
 
     def records(self) -> Iterator[tuple[int, Event]]:
         """Every complete record in order; raises ``TornRecordError`` at the first bad one."""
-        with _open_log(self.path) as file:
-            self.end_offset = HEADER_SIZE
-            for offset, payload in _frames(file, HEADER_SIZE):
-                try:
-                    event = decode_event(payload)
-                except DecodeError as error:
-                    raise TornRecordError(offset, f"undecodable payload: {error}") from None
-                self.end_offset = offset + FRAME_SIZE + len(payload)
-                yield offset, event
+        self.end_offset = HEADER_SIZE
+        for offset, end, event in _decoded(_open_log(self.path)):
+            self.end_offset = end
+            yield offset, event
 
     def __iter__(self) -> Iterator[Event]:
         for _, event in self.records():
@@ -173,17 +168,18 @@ def read_events(path: str | os.PathLike[str]) -> Iterator[Event]:
     iterating, raises ``TornRecordError`` (after yielding every complete record before
     it) at the first record that is short, fails its CRC or does not decode.
     """
-    return _events(_open_log(Path(path)))
+    return (event for _, _, event in _decoded(_open_log(Path(path))))
 
 
-def _events(file: BinaryIO) -> Iterator[Event]:
+def _decoded(file: BinaryIO) -> Iterator[tuple[int, int, Event]]:
+    """(offset, end offset, event) of every complete record; closes ``file`` when done."""
     with file:
         for offset, payload in _frames(file, HEADER_SIZE):
             try:
                 event = decode_event(payload)
             except DecodeError as error:
                 raise TornRecordError(offset, f"undecodable payload: {error}") from None
-            yield event
+            yield offset, offset + FRAME_SIZE + len(payload), event
 
 
 def scan_log(path: str | os.PathLike[str]) -> tuple[int, TornRecordError | None]:
