@@ -30,10 +30,10 @@ import msgspec
 import torch
 
 from actors.engine import SamplingParams, TorchEngine
-from miles_events.actor import Actor, ActorContext, Resources, handles
-from miles_events.checksum import checksums_digest
-from miles_events.data import Prompt, load_prompts, rollout_prompts
-from miles_events.rewards import load_function
+from miles_events.bus.actor import Actor, ActorContext, Resources, handles
+from miles_events.rl.checksum import checksums_digest
+from miles_events.rl.prompts import Prompt, load_prompts, rollout_prompts
+from miles_events.rl.rewards import load_function
 from schemas.config import Config
 from schemas.events import (
     DataReleased,

@@ -16,8 +16,8 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from miles_events.actor import Actor, ActorContext, Resources, handles
-from miles_events.topology import engine_names, next_version
+from miles_events.bus.actor import Actor, ActorContext, Resources, handles
+from miles_events.rl.versions import engine_names, next_version
 from schemas.config import Config
 from schemas.events import (
     DataReleased,

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import anyio.to_thread
 
-from miles_events.actor import Actor, Resources, handles
-from miles_events.checkpoint import prune_checkpoints, write_checkpoint
-from miles_events.host import describe_error
+from miles_events.bus.actor import Actor, Resources, handles
+from miles_events.bus.host import describe_error
+from miles_events.rl.checkpoint import prune_checkpoints, write_checkpoint
 from schemas.config import Config
 from schemas.events import CheckpointFailed, CheckpointSaved, DataReleased, TrainStateStaged
 

@@ -24,11 +24,11 @@ import msgspec
 import torch
 
 from actors.trainer_backend import TrainerBackend, TrainMetrics, build_backend
-from miles_events.actor import Actor, ActorContext, Resources, handles
-from miles_events.checksum import checksums_digest, fingerprints
-from miles_events.data import data_cursor, load_prompts
-from miles_events.hf_model import DTYPES
-from miles_events.topology import next_version, version_number
+from miles_events.bus.actor import Actor, ActorContext, Resources, handles
+from miles_events.rl.checksum import checksums_digest, fingerprints
+from miles_events.rl.hf_model import DTYPES
+from miles_events.rl.prompts import data_cursor, load_prompts
+from miles_events.rl.versions import next_version, version_number
 from schemas.checkpoint import TrainerState
 from schemas.config import Config
 from schemas.data import DataRef
@@ -95,7 +95,7 @@ class Trainer(Actor):
 
     def _restore_latest_checkpoint(self) -> None:
         # Imported here: only a resumed run reads checkpoints.
-        from miles_events.checkpoint import latest_checkpoint, read_checkpoint
+        from miles_events.rl.checkpoint import latest_checkpoint, read_checkpoint
 
         path = latest_checkpoint(self.context.run_dir)
         if path is None:

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import time
 
-from miles_events.actor import Actor, ActorContext, Resources, handles
-from miles_events.checksum import checksums_digest, is_skipped
-from miles_events.topology import version_number
+from miles_events.bus.actor import Actor, ActorContext, Resources, handles
+from miles_events.rl.checksum import checksums_digest, is_skipped
+from miles_events.rl.versions import version_number
 from schemas.config import Config
 from schemas.events import (
     PublicationMismatch,

@@ -14,7 +14,7 @@ import asyncio
 import statistics
 import time
 
-from miles_events.bus import EventBus
+from miles_events.bus.event_bus import EventBus
 from schemas.events import Event, RolloutRequested
 
 

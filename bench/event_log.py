@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, RootModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from miles_events.event_log import EventLogWriter, read_events
+from miles_events.bus.event_log import EventLogWriter, read_events
 from schemas.data import DataRef
 from schemas.events import (
     DataReleased,

@@ -29,9 +29,9 @@ from pathlib import Path
 import msgspec
 from prometheus_client import generate_latest
 
-from miles_events.bus import EventBus
-from miles_events.event_log import read_events
-from miles_events.metrics import MetricsExporter, RunMetrics
+from miles_events.bus.event_bus import EventBus
+from miles_events.bus.event_log import read_events
+from miles_events.sinks.metrics import MetricsExporter, RunMetrics
 from schemas.events import Event
 
 FIXTURE_LOG = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "tiny_run" / "events.log"

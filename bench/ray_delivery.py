@@ -21,11 +21,11 @@ from pathlib import Path
 
 import ray
 
-from miles_events.actor import Actor, handles
-from miles_events.bus import EventBus
-from miles_events.codec import decode_event, encode_event
-from miles_events.runtime import RunContext
-from miles_events.runtime_ray import RayRuntime
+from miles_events.bus.actor import Actor, handles
+from miles_events.bus.codec import decode_event, encode_event
+from miles_events.bus.event_bus import EventBus
+from miles_events.runtime.base import RunContext
+from miles_events.runtime.ray import RayRuntime
 from schemas.config import BusConfig, Config, RunConfig
 from schemas.events import RolloutRequested, RunFinished
 

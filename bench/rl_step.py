@@ -25,12 +25,12 @@ from pathlib import Path
 
 import msgspec
 
-from miles_events.checksum import fingerprints
-from miles_events.config import load_config
-from miles_events.event_log import read_events
-from miles_events.hf_model import load_model
-from miles_events.run import actor_classes
-from miles_events.session import Session
+from miles_events.app.config import load_config
+from miles_events.app.run import actor_classes
+from miles_events.app.session import Session
+from miles_events.bus.event_log import read_events
+from miles_events.rl.checksum import fingerprints
+from miles_events.rl.hf_model import load_model
 from schemas.events import (
     CheckpointSaved,
     PublicationVerified,

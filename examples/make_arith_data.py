@@ -3,7 +3,7 @@
 Each problem is ``"a+b="`` with digits ``a`` and ``b`` and ``a + b <= 9``; the label is the
 sum as a string (``{"input": "3+4=", "label": "7"}``). That is 55 problems, every one a
 four-token prompt in the built-in character tokenizer and a one-digit answer, so a reply
-scored by ``miles_events.rewards.exact_match`` is right only when it is the digit followed
+scored by ``miles_events.rl.rewards.exact_match`` is right only when it is the digit followed
 by ``<eos>``.
 
 The sum is capped at 9 so that the answer is one token: from a random init exact match

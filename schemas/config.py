@@ -77,7 +77,7 @@ class DataConfig(Section):
 
 
 class RolloutConfig(Section):
-    reward_fn: str = "miles_events.rewards.exact_match"
+    reward_fn: str = "miles_events.rl.rewards.exact_match"
     """Dotted path to ``fn(prompt, response, label) -> float``."""
     num_engines: PositiveInt = 1
     temperature: NonNegativeFloat = 1.0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from miles_events.actor import Actor, Resources, handles
+from miles_events.bus.actor import Actor, Resources, handles
 from schemas.events import RolloutGenerated, RolloutRequested, StopRequested
 
 

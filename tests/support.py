@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from miles_events.actor import Actor
-from miles_events.redrive import RecordingContext
+from miles_events.app.redrive import RecordingContext
+from miles_events.bus.actor import Actor
 from schemas.events import Event
 
 __all__ = ["RecordingContext", "feed"]

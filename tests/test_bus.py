@@ -8,9 +8,9 @@ import logging
 
 import pytest
 
-from miles_events.actor import Actor, handles
-from miles_events.bus import BusClosed, EventBus
-from miles_events.host import ActorHost
+from miles_events.bus.actor import Actor, handles
+from miles_events.bus.event_bus import BusClosed, EventBus
+from miles_events.bus.host import ActorHost
 from schemas.events import (
     ActorFailed,
     Event,
@@ -131,7 +131,7 @@ async def test_a_stalled_publish_is_reported(caplog):
     bus = EventBus("r", stall_warning_seconds=0.02)
     mailbox = bus.subscribe("stuck", (Event,), max_size=1)
     await bus.publish(RolloutRequested(rollout_id=0))
-    with caplog.at_level(logging.WARNING, logger="miles_events.bus"):
+    with caplog.at_level(logging.WARNING, logger="miles_events.bus.event_bus"):
         blocked = asyncio.create_task(bus.publish(RolloutRequested(rollout_id=1)))
         await asyncio.sleep(0.07)
         assert "stuck" in caplog.text

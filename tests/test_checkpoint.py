@@ -1,4 +1,4 @@
-"""Checkpoints on disk (miles_events.checkpoint) and the Saver actor."""
+"""Checkpoints on disk (miles_events.rl.checkpoint) and the Saver actor."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from actors.saver import Saver
-from miles_events import checkpoint as ckpt
-from miles_events.checkpoint import (
+from miles_events.rl import checkpoint as ckpt
+from miles_events.rl.checkpoint import (
     CheckpointError,
     latest_checkpoint,
     prune_checkpoints,
@@ -25,8 +25,8 @@ from miles_events.checkpoint import (
     verify_checkpoint,
     write_checkpoint,
 )
-from miles_events.hf_model import load_model, load_tokenizer, prepare_base_model
-from miles_events.transport import InProcessTransport, Transport
+from miles_events.rl.hf_model import load_model, load_tokenizer, prepare_base_model
+from miles_events.transport.base import InProcessTransport, Transport
 from schemas.checkpoint import DataCursor, TrainerState
 from schemas.config import Config, ModelConfig, SaverConfig
 from schemas.data import DataRef

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from miles_events import checksum
-from miles_events.checksum import checksums_digest, fingerprints, tensor_fingerprint
+from miles_events.rl import checksum
+from miles_events.rl.checksum import checksums_digest, fingerprints, tensor_fingerprint
 
 
 @pytest.mark.parametrize(

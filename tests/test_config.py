@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from miles_events.config import (
+from miles_events.app.config import (
     ConfigError,
     config_digest,
     dump_config,

@@ -12,8 +12,10 @@ from types import SimpleNamespace
 import pytest
 from rich.console import Console
 
-from miles_events.bus import EventBus
-from miles_events.console import (
+from miles_events.app.session import close_sink
+from miles_events.bus.event_bus import EventBus
+from miles_events.bus.event_log import read_events
+from miles_events.sinks.console import (
     ConsoleSink,
     PlainProgress,
     RichProgress,
@@ -21,8 +23,6 @@ from miles_events.console import (
     attach_console,
     sparkline,
 )
-from miles_events.event_log import read_events
-from miles_events.session import close_sink
 from schemas.config import Config, ConsoleConfig, VerifierConfig
 from schemas.events import (
     ActorFailed,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from miles_events.coordinator import Coordinator, RunPlan, should_run_periodic_action
+from actors.coordinator import Coordinator, RunPlan, should_run_periodic_action
 from schemas.config import Config, RunConfig, VerifierConfig
 from schemas.events import (
     ActorFailed,

@@ -16,10 +16,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from actors.generator import Generator
-from miles_events.checkpoint import latest_checkpoint, read_checkpoint
-from miles_events.config import load_config
-from miles_events.event_log import read_events
-from miles_events.session import Session
+from miles_events.app.config import load_config
+from miles_events.app.session import Session
+from miles_events.bus.event_log import read_events
+from miles_events.rl.checkpoint import latest_checkpoint, read_checkpoint
 from schemas.events import (
     ActorFailed,
     CheckpointSaved,

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from actors.engine import SamplingParams, TorchEngine, sample_tokens
-from miles_events.checksum import checksums_digest, fingerprints
-from miles_events.hf_model import prepare_base_model
+from miles_events.rl.checksum import checksums_digest, fingerprints
+from miles_events.rl.hf_model import prepare_base_model
 from schemas.checksums import EngineChecksumReport
 from schemas.config import BuiltinModelConfig, ModelConfig
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from miles_events import event_log
-from miles_events.codec import encode_event
-from miles_events.event_log import (
+from miles_events.bus import event_log
+from miles_events.bus.codec import encode_event
+from miles_events.bus.event_log import (
     FRAME_SIZE,
     HEADER_SIZE,
     MAGIC,

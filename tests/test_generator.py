@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from actors.generator import Generator, engine_seed, sorted_versions
-from miles_events.actor import Resources
-from miles_events.checksum import checksums_digest, fingerprints
-from miles_events.data import load_prompts, rollout_prompts
-from miles_events.hf_model import load_model, prepare_base_model
-from miles_events.transport import InProcessTransport, Transport
+from miles_events.bus.actor import Resources
+from miles_events.rl.checksum import checksums_digest, fingerprints
+from miles_events.rl.hf_model import load_model, prepare_base_model
+from miles_events.rl.prompts import load_prompts, rollout_prompts
+from miles_events.transport.base import InProcessTransport, Transport
 from schemas.config import Config, DataConfig, ModelConfig, RolloutConfig, RunConfig, VerifierConfig
 from schemas.events import (
     DataReleased,

@@ -9,8 +9,8 @@ from types import ModuleType
 
 import pytest
 
-from miles_events.data import load_prompts
-from miles_events.hf_model import build_arith_tokenizer
+from miles_events.rl.hf_model import build_arith_tokenizer
+from miles_events.rl.prompts import load_prompts
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

@@ -19,9 +19,9 @@ import pytest
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from miles_events.bus import EventBus
-from miles_events.event_log import read_events
-from miles_events.metrics import (
+from miles_events.bus.event_bus import EventBus
+from miles_events.bus.event_log import read_events
+from miles_events.sinks.metrics import (
     METRICS,
     MetricsError,
     MetricsExporter,
@@ -206,7 +206,7 @@ def test_metrics_of_separate_instances_do_not_share_a_registry(observed: RunMetr
 
 
 def test_docs_metrics_md_is_the_generated_reference() -> None:
-    assert (REPO / "docs" / "metrics.md").read_text() == metrics_reference(), "run: python -m miles_events.metrics"
+    assert (REPO / "docs" / "metrics.md").read_text() == metrics_reference(), "run: python -m miles_events.sinks.metrics"
 
 
 def test_registered_metrics_are_exactly_the_documented_ones(events: list[Event]) -> None:
@@ -251,7 +251,7 @@ def test_documented_labels_are_the_exposed_labels(events: list[Event]) -> None:
 def test_docs_check_fails_on_a_stale_reference(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     stale = tmp_path / "metrics.md"
     stale.write_text("old\n")
-    monkeypatch.setattr("miles_events.metrics.DOCS_PATH", stale)
+    monkeypatch.setattr("miles_events.sinks.metrics.DOCS_PATH", stale)
     assert main(["--check"]) == 1
     assert main([]) == 0
     assert main(["--check"]) == 0

@@ -8,7 +8,7 @@ import torch
 
 from actors.publisher import Publisher
 from actors.verifier import Verifier
-from miles_events.checksum import checksums_digest, fingerprints
+from miles_events.rl.checksum import checksums_digest, fingerprints
 from schemas.config import Config, PublisherConfig, RolloutConfig, VerifierConfig
 from schemas.data import DataRef
 from schemas.events import (

@@ -9,10 +9,10 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from miles_events.config import load_config
-from miles_events.event_log import read_events
-from miles_events.redrive import build_actor, redrive, split_runs
-from miles_events.replay import main as replay_main
+from miles_events.app.config import load_config
+from miles_events.app.redrive import build_actor, redrive, split_runs
+from miles_events.app.replay import main as replay_main
+from miles_events.bus.event_log import read_events
 from schemas.events import PublicationMismatch, PublicationVerified, WeightsLoaded
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tiny_run"

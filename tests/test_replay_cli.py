@@ -10,9 +10,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from miles_events.codec import encode_event
-from miles_events.event_log import FRAME_SIZE, HEADER_SIZE, EventLogWriter
-from miles_events.replay import format_event, main
+from miles_events.app.replay import format_event, main
+from miles_events.bus.codec import encode_event
+from miles_events.bus.event_log import FRAME_SIZE, HEADER_SIZE, EventLogWriter
 from schemas.data import DataRef
 from schemas.events import Event, RolloutGenerated, RolloutRequested, TrainStepFinished
 

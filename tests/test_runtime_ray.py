@@ -7,10 +7,10 @@ import os
 
 import pytest
 
-from miles_events.bus import EventBus
-from miles_events.runtime import RunContext
-from miles_events.runtime_ray import RayRuntime
-from miles_events.transport import ShmTransport
+from miles_events.bus.event_bus import EventBus
+from miles_events.runtime.base import RunContext
+from miles_events.runtime.ray import RayRuntime
+from miles_events.transport.base import ShmTransport
 from schemas.config import Config, RunConfig
 from schemas.events import ActorFailed, Event, RolloutRequested, StopRequested
 from tests.ray_actors import Echo

@@ -7,7 +7,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from miles_events.codec import (
+from miles_events.bus.codec import (
     decode_batch,
     decode_event,
     encode_batch,

@@ -6,10 +6,10 @@ import asyncio
 
 import pytest
 
-from miles_events.bus import EventBus
-from miles_events.event_log import EventLogWriter
-from miles_events.hf_model import BaseModelMismatch, prepare_base_model
-from miles_events.session import EventLogSubscriber, RunDirError, open_event_log
+from miles_events.app.session import EventLogSubscriber, RunDirError, open_event_log
+from miles_events.bus.event_bus import EventBus
+from miles_events.bus.event_log import EventLogWriter
+from miles_events.rl.hf_model import BaseModelMismatch, prepare_base_model
 from schemas.config import BuiltinModelConfig, ModelConfig
 from schemas.events import Event, RolloutRequested, RunFinished
 

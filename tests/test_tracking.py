@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
-from miles_events import tracking
-from miles_events.bus import EventBus
-from miles_events.event_log import read_events
-from miles_events.session import close_sink
-from miles_events.tracking import Tracking, TrackingError, WandbSink, attach_tracking
+from miles_events.app.session import close_sink
+from miles_events.bus.event_bus import EventBus
+from miles_events.bus.event_log import read_events
+from miles_events.sinks import tracking
+from miles_events.sinks.tracking import Tracking, TrackingError, WandbSink, attach_tracking
 from schemas.config import Config, RunConfig, TrackingConfig
 from schemas.events import CheckpointSaved, Event, RunFinished
 

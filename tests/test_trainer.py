@@ -16,9 +16,9 @@ import torch
 
 from actors.trainer import Trainer, staleness_max
 from actors.trainer_backend import TorchTrainerBackend
-from miles_events.checksum import checksums_digest, fingerprints
-from miles_events.hf_model import prepare_base_model
-from miles_events.transport import InProcessTransport, Transport
+from miles_events.rl.checksum import checksums_digest, fingerprints
+from miles_events.rl.hf_model import prepare_base_model
+from miles_events.transport.base import InProcessTransport, Transport
 from schemas.checkpoint import TrainerState
 from schemas.config import BuiltinModelConfig, Config, DataConfig, ModelConfig, RunConfig, TrainerConfig
 from schemas.events import (
@@ -363,10 +363,10 @@ class LoadedCheckpoint:
 def install_checkpoint_module(
     monkeypatch: pytest.MonkeyPatch, checkpoint_dir: Path | None, loaded: Any
 ) -> None:
-    module = types.ModuleType("miles_events.checkpoint")
+    module = types.ModuleType("miles_events.rl.checkpoint")
     module.latest_checkpoint = lambda run_dir: checkpoint_dir  # type: ignore[attr-defined]
     module.read_checkpoint = lambda path: loaded  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "miles_events.checkpoint", module)
+    monkeypatch.setitem(sys.modules, "miles_events.rl.checkpoint", module)
 
 
 async def test_resume_continues_training_exactly_where_the_save_left_off(

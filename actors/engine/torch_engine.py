@@ -46,8 +46,8 @@ from actors.engine.base import (
     per_engine_checksum,
     tensors_match,
 )
-from miles_events.checksum import checksums_digest, fingerprints, is_skipped
-from miles_events.hf_model import load_model, load_tokenizer
+from miles_events.rl.checksum import checksums_digest, fingerprints, is_skipped
+from miles_events.rl.hf_model import load_model, load_tokenizer
 from schemas.checksums import EngineChecksumReport, RankChecksums
 
 

@@ -29,7 +29,7 @@ from actors.trainer_backend.grpo import (
     policy_loss,
     token_logprobs,
 )
-from miles_events.hf_model import DTYPES, load_model
+from miles_events.rl.hf_model import DTYPES, load_model
 from schemas.config import Config
 from schemas.rollout import RolloutBatch, Sample
 

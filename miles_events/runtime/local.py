@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import logging
 
-from miles_events.actor import Actor
-from miles_events.bus import EventBus
-from miles_events.host import ActorHost, HostContext, describe_error
-from miles_events.runtime import ActorStartError, RunContext
-from miles_events.transport import Transport
+from miles_events.bus.actor import Actor
+from miles_events.bus.event_bus import EventBus
+from miles_events.bus.host import ActorHost, HostContext, describe_error
+from miles_events.runtime.base import ActorStartError, RunContext
+from miles_events.transport.base import Transport
 
 logger = logging.getLogger(__name__)
 

@@ -15,19 +15,19 @@ from pathlib import Path
 
 import msgspec
 
-from miles_events.actor import Actor
-from miles_events.bus import EventBus, Mailbox
-from miles_events.checkpoint import latest_checkpoint, verify_checkpoint
-from miles_events.config import config_digest, dump_config
-from miles_events.coordinator import Coordinator, RunPlan
-from miles_events.data import load_prompts, num_rollout_per_epoch
-from miles_events.event_log import EventLogWriter
-from miles_events.hf_model import prepare_base_model
-from miles_events.host import ActorHost, describe_error
-from miles_events.runtime import ActorStartError, RunContext, Runtime
-from miles_events.runtime_local import LocalRuntime, host_context, start_local_host
-from miles_events.topology import engine_names
-from miles_events.transport import Transport, open_transport
+from actors.coordinator import Coordinator, RunPlan
+from miles_events.app.config import config_digest, dump_config
+from miles_events.bus.actor import Actor
+from miles_events.bus.event_bus import EventBus, Mailbox
+from miles_events.bus.event_log import EventLogWriter
+from miles_events.bus.host import ActorHost, describe_error
+from miles_events.rl.checkpoint import latest_checkpoint, verify_checkpoint
+from miles_events.rl.hf_model import prepare_base_model
+from miles_events.rl.prompts import load_prompts, num_rollout_per_epoch
+from miles_events.rl.versions import engine_names
+from miles_events.runtime.base import ActorStartError, RunContext, Runtime
+from miles_events.runtime.local import LocalRuntime, host_context, start_local_host
+from miles_events.transport.base import Transport, open_transport
 from schemas.checkpoint import TrainerState
 from schemas.config import Config
 from schemas.events import ActorFailed, Event, RunFinished, StopRequested
@@ -210,7 +210,7 @@ class Session:
         if self.runtime_name == "local":
             runtime = LocalRuntime(context, transport)
         else:
-            from miles_events.runtime_ray import RayRuntime
+            from miles_events.runtime.ray import RayRuntime
 
             runtime = RayRuntime(context)
         sinks: list[object] = []

@@ -34,7 +34,7 @@ from typing import Any, Protocol
 import anyio
 import msgspec
 
-from miles_events.bus import EventBus
+from miles_events.bus.event_bus import EventBus
 from schemas.config import Config
 from schemas.events import (
     CheckpointSaved,
@@ -64,7 +64,7 @@ class TrackingError(ValueError):
 
 
 class SessionLike(Protocol):
-    """What the hook needs of ``miles_events.session.Session``."""
+    """What the hook needs of ``miles_events.app.session.Session``."""
 
     config: Config
     run_id: str

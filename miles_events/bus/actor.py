@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, TypeVar
 
-from miles_events.transport import Transport
+from miles_events.transport.base import Transport
 from schemas.config import Config
 from schemas.events import Event
 

@@ -20,12 +20,12 @@ from typing import Any
 
 import msgspec
 
-from miles_events.actor import Actor
-from miles_events.bus import BusClosed, EventBus, Mailbox
-from miles_events.codec import decode_batch, encode_batch
-from miles_events.host import ActorHost, HostContext, describe_error
-from miles_events.runtime import ActorStartError, RunContext
-from miles_events.transport import open_transport
+from miles_events.bus.actor import Actor
+from miles_events.bus.codec import decode_batch, encode_batch
+from miles_events.bus.event_bus import BusClosed, EventBus, Mailbox
+from miles_events.bus.host import ActorHost, HostContext, describe_error
+from miles_events.runtime.base import ActorStartError, RunContext
+from miles_events.transport.base import open_transport
 from schemas.config import Config
 from schemas.events import ActorFailed, Event
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import msgspec
 
-from miles_events.actor import Actor
-from miles_events.transport import InProcessTransport, Transport
+from miles_events.bus.actor import Actor
+from miles_events.transport.base import InProcessTransport, Transport
 from schemas.config import Config
 from schemas.events import Event, RunStarted
 
@@ -82,7 +82,7 @@ async def redrive(actor: Actor, recorded: Sequence[Event], name: str | None = No
 # Actors that can be re-driven from a log, by name; imported only when asked for, since
 # the CLIs sit above the actors in the dependency order.
 REDRIVABLE = {
-    "coordinator": "miles_events.coordinator.Coordinator",
+    "coordinator": "actors.coordinator.Coordinator",
     "verifier": "actors.verifier.Verifier",
     "publisher": "actors.publisher.Publisher",
 }
@@ -98,14 +98,14 @@ def split_runs(recorded: Iterable[Event]) -> dict[str, list[Event]]:
 
 def build_actor(name: str, config: Config, recorded: Sequence[Event]) -> Actor:
     """The actor ``name`` as it was at the start of the recorded run."""
-    from miles_events.rewards import load_function
+    from miles_events.rl.rewards import load_function
 
     if name not in REDRIVABLE:
         raise ValueError(f"cannot re-drive {name!r}; choose from {sorted(REDRIVABLE)}")
     cls = load_function(REDRIVABLE[name])
     context = RecordingContext(config, name=name)
     if name == "coordinator":
-        from miles_events.coordinator import RunPlan
+        from actors.coordinator import RunPlan
 
         started = next((e for e in recorded if isinstance(e, RunStarted)), None)
         if started is None:

@@ -7,8 +7,8 @@ the same numbers. Every metric carries a ``run`` label (the event's ``run_id``).
 
 ``METRICS`` is the one table of every metric; ``docs/metrics.md`` is generated from it::
 
-    python -m miles_events.metrics          # rewrite docs/metrics.md
-    python -m miles_events.metrics --check  # exit 1 if it is out of date
+    python -m miles_events.sinks.metrics          # rewrite docs/metrics.md
+    python -m miles_events.sinks.metrics --check  # exit 1 if it is out of date
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import anyio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from miles_events.bus import EventBus
-from miles_events.topology import version_number
+from miles_events.bus.event_bus import EventBus
+from miles_events.rl.versions import version_number
 from schemas.events import (
     ActorFailed,
     CheckpointFailed,
@@ -48,11 +48,11 @@ from schemas.events import (
 )
 
 if TYPE_CHECKING:
-    from miles_events.session import Session
+    from miles_events.app.session import Session
 
 logger = logging.getLogger(__name__)
 
-DOCS_PATH = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
+DOCS_PATH = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 
 DURATION_BUCKETS: tuple[float, ...] = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
@@ -417,7 +417,7 @@ def metrics_reference() -> str:
     lines = [
         "# Metrics reference",
         "",
-        "Generated from `miles_events/metrics.py` (`python -m miles_events.metrics`); do not edit.",
+        "Generated from `miles_events/sinks/metrics.py` (`python -m miles_events.sinks.metrics`); do not edit.",
         "",
         "The exporter subscribes to the bus and serves Prometheus metrics at",
         "`http://<metrics.host>:<metrics.port>/metrics` while a run runs (`[metrics]` in the config;",
@@ -446,14 +446,14 @@ def metrics_reference() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Write ``docs/metrics.md``, or with ``--check`` report whether it is current."""
-    parser = argparse.ArgumentParser(prog="python -m miles_events.metrics", description="Generate docs/metrics.md.")
+    parser = argparse.ArgumentParser(prog="python -m miles_events.sinks.metrics", description="Generate docs/metrics.md.")
     parser.add_argument("--check", action="store_true", help="exit 1 if docs/metrics.md is out of date")
     args = parser.parse_args(argv)
     text = metrics_reference()
     if args.check:
         current = DOCS_PATH.exists() and DOCS_PATH.read_text() == text
         if not current:
-            print(f"{DOCS_PATH} is out of date: run python -m miles_events.metrics", file=sys.stderr)
+            print(f"{DOCS_PATH} is out of date: run python -m miles_events.sinks.metrics", file=sys.stderr)
         return 0 if current else 1
     DOCS_PATH.parent.mkdir(parents=True, exist_ok=True)
     DOCS_PATH.write_text(text)

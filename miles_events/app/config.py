@@ -25,7 +25,7 @@ from typing import Any
 
 import msgspec
 
-from miles_events.rewards import load_function
+from miles_events.rl.rewards import load_function
 from schemas.config import Config
 
 PATH_KEYS: tuple[tuple[str, str], ...] = (

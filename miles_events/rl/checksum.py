@@ -69,7 +69,7 @@ def _triton_mix_sum():  # type: ignore[no-untyped-def]
     global _TRITON
     if _TRITON is False:
         try:
-            from miles_events.checksum_triton import mix_sum
+            from miles_events.rl.checksum_triton import mix_sum
 
             _TRITON = mix_sum
         except ImportError:

@@ -6,7 +6,7 @@ File layout::
     then per record:
         length   4 bytes, big-endian, of the payload
         crc32    4 bytes, big-endian, zlib.crc32 of the payload
-        payload  one event as msgpack (``miles_events.codec``)
+        payload  one event as msgpack (``miles_events.bus.codec``)
 
 A crash can leave the last record incomplete ("torn"). Readers yield every complete record
 and then raise ``TornRecordError`` with the byte offset of the first bad one. The log is
@@ -24,7 +24,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from miles_events.codec import DecodeError, decode_event, encode_event
+from miles_events.bus.codec import DecodeError, decode_event, encode_event
 from schemas.events import Event
 
 try:

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from miles_events.actor import Actor
-from miles_events.bus import EventBus
+from miles_events.bus.actor import Actor
+from miles_events.bus.event_bus import EventBus
 from schemas.config import Config
 
 

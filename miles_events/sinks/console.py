@@ -26,7 +26,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from miles_events.bus import EventBus
+from miles_events.bus.event_bus import EventBus
 from schemas.config import Config
 from schemas.events import (
     ActorFailed,
@@ -58,7 +58,7 @@ SPARK = "▁▂▃▄▅▆▇█"
 
 
 class SessionLike(Protocol):
-    """What a sink needs of ``miles_events.session.Session``."""
+    """What a sink needs of ``miles_events.app.session.Session``."""
 
     config: Config
     run_id: str

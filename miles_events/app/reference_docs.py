@@ -1,7 +1,7 @@
 """Generate the config and events references in ``docs/`` from the schemas.
 
-    python -m miles_events.reference_docs          # rewrite docs/config.md, docs/events.md
-    python -m miles_events.reference_docs --check  # exit 1 if they are out of date
+    python -m miles_events.app.reference_docs          # rewrite docs/config.md, docs/events.md
+    python -m miles_events.app.reference_docs --check  # exit 1 if they are out of date
 
 Field descriptions are the attribute docstrings in ``schemas/`` (read with ``ast``), types
 and defaults come from the Structs themselves, so the references cannot drift from the code.
@@ -23,7 +23,7 @@ from schemas import events as events_module
 from schemas.config import Config
 from schemas.events import EVENT_TYPES, Event
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -85,7 +85,7 @@ def config_reference() -> str:
     lines = [
         "# Config reference",
         "",
-        "Generated from `schemas/config.py` by `python -m miles_events.reference_docs`; a test",
+        "Generated from `schemas/config.py` by `python -m miles_events.app.reference_docs`; a test",
         "checks it is current. Every section is strict: an unknown key or a wrong type stops",
         "the run with one line naming the key path. Relative paths are resolved against the",
         "directory of the config file. Override any key with `--set section.key=value`.",
@@ -114,7 +114,7 @@ def events_reference() -> str:
     lines = [
         "# Events reference",
         "",
-        "Generated from `schemas/events.py` by `python -m miles_events.reference_docs`; a test",
+        "Generated from `schemas/events.py` by `python -m miles_events.app.reference_docs`; a test",
         "checks it is current. Every event is a frozen msgspec Struct in one tagged union; on the",
         'wire and in the event log it is msgpack with its class name under `"type"`.',
         "",
@@ -138,13 +138,13 @@ def generated() -> dict[Path, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m miles_events.reference_docs")
+    parser = argparse.ArgumentParser(prog="python -m miles_events.app.reference_docs")
     parser.add_argument("--check", action="store_true")
     args = parser.parse_args(argv)
     stale = [path for path, text in generated().items() if not path.exists() or path.read_text() != text]
     if args.check:
         for path in stale:
-            print(f"out of date: {path} (run python -m miles_events.reference_docs)", file=sys.stderr)
+            print(f"out of date: {path} (run python -m miles_events.app.reference_docs)", file=sys.stderr)
         return 1 if stale else 0
     for path, text in generated().items():
         path.parent.mkdir(parents=True, exist_ok=True)

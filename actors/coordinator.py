@@ -21,7 +21,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from miles_events.actor import Actor, ActorContext, handles
+from miles_events.bus.actor import Actor, ActorContext, handles
 from schemas.config import Config
 from schemas.events import (
     ActorFailed,

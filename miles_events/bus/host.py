@@ -18,9 +18,9 @@ from pathlib import Path
 
 import msgspec
 
-from miles_events.actor import Actor
-from miles_events.bus import BusClosed, Mailbox
-from miles_events.transport import Transport
+from miles_events.bus.actor import Actor
+from miles_events.bus.event_bus import BusClosed, Mailbox
+from miles_events.transport.base import Transport
 from schemas.config import Config
 from schemas.events import ActorFailed, Event
 

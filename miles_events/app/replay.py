@@ -1,0 +1,293 @@
+"""Print a run's event log: ``python -m miles_events.replay LOG [options]``.
+
+One line per event: ``seq  time  source  type  key=value ...`` (``--json``: one JSON object
+per line, its type under ``"type"``). Filters combine with AND; a filter given several
+times (or with commas) matches any of its values. ``LOG`` may also be a run directory
+holding ``events.log``.
+
+Exit status: 0 when the whole log was read; 1 when a record is torn or corrupt (every
+complete record before it is printed first, then one line on stderr names its byte
+offset); 2 for a missing file, a file that is not an event log, or bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+import msgspec
+
+from miles_events.bus.codec import event_to_json_bytes
+from miles_events.bus.event_log import NotAnEventLogError, TornRecordError, read_events
+from schemas.events import EVENT_TYPES_BY_NAME, Event
+
+LOG_NAME = "events.log"
+"""The event log's file name inside a run directory."""
+
+_HEADER_FIELDS = frozenset(("run_id", "seq", "time", "source"))
+_MAX_TEXT = 48
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The replay command line (kept separate so that more options can join it)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m miles_events.replay",
+        description="Print the events of a miles-events event log.",
+    )
+    parser.add_argument("log", metavar="LOG", help=f"an event log, or a run directory with {LOG_NAME}")
+    parser.add_argument("--json", action="store_true", help="one JSON object per line")
+    parser.add_argument(
+        "--type",
+        dest="types",
+        action="append",
+        default=[],
+        metavar="T",
+        help="only events of this type (repeatable, or comma-separated)",
+    )
+    parser.add_argument(
+        "--source",
+        dest="sources",
+        action="append",
+        default=[],
+        metavar="S",
+        help="only events from this actor (repeatable, or comma-separated)",
+    )
+    parser.add_argument(
+        "--rollout-id", type=int, default=None, metavar="N", help="only events about rollout N"
+    )
+    parser.add_argument(
+        "--redrive",
+        action="append",
+        default=[],
+        metavar="ACTOR",
+        help="re-drive this actor (coordinator, verifier, publisher) from the log and check that "
+        "it makes the recorded decisions (repeatable, or comma-separated)",
+    )
+    parser.add_argument(
+        "--config",
+        default=None,
+        metavar="TOML",
+        help="the run's config for --redrive (default: configs/<run_id>.toml beside the log)",
+    )
+    parser.add_argument(
+        "--serve-metrics",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="rebuild the Prometheus metrics of every run in the log and serve them at "
+        "http://HOST:PORT/metrics until interrupted (0 picks a free port; filters are ignored)",
+    )
+    parser.add_argument(
+        "--host", default="127.0.0.1", metavar="H", help="the address --serve-metrics listens on (default 127.0.0.1)"
+    )
+    return parser
+
+
+def _split(values: Iterable[str]) -> set[str]:
+    return {part.strip() for value in values for part in value.split(",") if part.strip()}
+
+
+def filter_events(
+    events: Iterable[Event],
+    *,
+    types: Iterable[str] = (),
+    sources: Iterable[str] = (),
+    rollout_id: int | None = None,
+) -> Iterator[Event]:
+    """The events matching every given filter (an empty filter matches everything)."""
+    type_set, source_set = set(types), set(sources)
+    for event in events:
+        if type_set and type(event).__name__ not in type_set:
+            continue
+        if source_set and event.source not in source_set:
+            continue
+        if rollout_id is not None and getattr(event, "rollout_id", None) != rollout_id:
+            continue
+        yield event
+
+
+def _format_time(seconds: float) -> str:
+    if not seconds:
+        return "-"
+    stamp = dt.datetime.fromtimestamp(seconds, tz=dt.UTC)
+    return stamp.strftime("%Y-%m-%d %H:%M:%S.") + f"{stamp.microsecond // 1000:03d}"
+
+
+def _format_value(value: Any) -> str:
+    """A short rendering: big collections are counted, long text is cut."""
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, str):
+        text = value if len(value) <= _MAX_TEXT else value[: _MAX_TEXT - 3] + "..."
+        return repr(text) if (not text or " " in text or "=" in text) else text
+    if isinstance(value, dict):
+        if len(value) > 4:
+            return f"<{len(value)} entries>"
+        return "{" + ",".join(f"{k}:{_format_value(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list | tuple):
+        if len(value) > 4:
+            return f"<{len(value)} items>"
+        return "[" + ",".join(_format_value(v) for v in value) + "]"
+    if isinstance(value, msgspec.Struct):
+        fields = msgspec.structs.asdict(value)
+        if {"transport", "key"} <= fields.keys():
+            # A DataRef: where the bulk data lives is what a reader wants.
+            return f"{fields['transport']}:{fields['key']}"
+        return "{" + ",".join(f"{k}:{_format_value(v)}" for k, v in fields.items()) + "}"
+    return str(value)
+
+
+def format_event(event: Event) -> str:
+    """One human-readable line: seq, UTC time, source, type, then the event's own fields."""
+    parts = [
+        f"{name}={_format_value(value)}"
+        for name, value in zip(event.__struct_fields__, msgspec.structs.astuple(event), strict=True)
+        if name not in _HEADER_FIELDS and value is not None
+    ]
+    head = f"{event.seq:>6} {_format_time(event.time)} {event.source or '-':<12} {type(event).__name__:<21}"
+    return f"{head} {' '.join(parts)}".rstrip()
+
+
+def _resolve_log(log: str) -> Path:
+    path = Path(log)
+    if path.is_dir():
+        return path / LOG_NAME
+    return path
+
+
+def _print_events(events: Iterable[Event], as_json: bool, out: TextIO) -> None:
+    write = out.write
+    if as_json:
+        for event in events:
+            write(event_to_json_bytes(event).decode() + "\n")
+    else:
+        for event in events:
+            write(format_event(event) + "\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the replay CLI; returns the exit status (0 read fully, 1 torn, 2 unusable)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        types = _split(args.types)
+        unknown = sorted(types - EVENT_TYPES_BY_NAME.keys())
+        if unknown:
+            known = ", ".join(sorted(EVENT_TYPES_BY_NAME))
+            parser.error(f"unknown event type {', '.join(unknown)} (known: {known})")
+    except SystemExit as exit_request:
+        # argparse exits on --help and on bad arguments; callers of main() get a status.
+        return exit_request.code if isinstance(exit_request.code, int) else 2
+
+    path = _resolve_log(args.log)
+    err = sys.stderr
+    try:
+        events = read_events(path)
+    except FileNotFoundError:
+        err.write(f"replay: {args.log}: no such file\n")
+        return 2
+    except (NotAnEventLogError, IsADirectoryError, PermissionError) as error:
+        reason = str(error).removeprefix(f"{path}: ")
+        err.write(f"replay: {args.log}: {reason}\n")
+        return 2
+    except TornRecordError as torn:
+        err.write(f"replay: {args.log}: torn record at byte {torn.offset}: {torn.reason}\n")
+        return 1
+
+    if args.serve_metrics is not None:
+        return _serve_metrics(events, args.log, args.host, args.serve_metrics, sys.stdout, err)
+    if args.redrive:
+        return _redrive(path, events, sorted(_split(args.redrive)), args.config, sys.stdout, err)
+    selected = filter_events(events, types=types, sources=_split(args.sources), rollout_id=args.rollout_id)
+    out = sys.stdout
+    try:
+        _print_events(selected, args.json, out)
+        out.flush()
+    except TornRecordError as torn:
+        out.flush()
+        err.write(f"replay: {args.log}: torn record at byte {torn.offset}: {torn.reason}\n")
+        return 1
+    except BrokenPipeError:
+        # The reader went away (``| head``): stop quietly, as a shell tool should.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, out.fileno())
+        return 141
+    return 0
+
+
+def _redrive(
+    path: Path, events: Iterable[Event], names: list[str], config: str | None, out: TextIO, err: TextIO
+) -> int:
+    """Re-drive each named actor over each run in the log; 0 when every decision matches."""
+    import asyncio
+
+    from miles_events.app.config import ConfigError, load_config
+    from miles_events.app.redrive import REDRIVABLE, build_actor, redrive, split_runs
+
+    unknown = [n for n in names if n not in REDRIVABLE]
+    if unknown:
+        err.write(f"replay: cannot re-drive {', '.join(unknown)} (choose from {', '.join(sorted(REDRIVABLE))})\n")
+        return 2
+    try:
+        runs = split_runs(events)
+    except TornRecordError as torn:
+        err.write(f"replay: {path}: torn record at byte {torn.offset}: {torn.reason}\n")
+        return 1
+    status = 0
+    for run_id, recorded in runs.items():
+        config_path = Path(config) if config else path.parent / "configs" / f"{run_id}.toml"
+        try:
+            run_config = load_config(config_path, check=False)
+        except ConfigError as error:
+            err.write(f"replay: run {run_id}: {error}\n")
+            return 2
+        for name in names:
+            try:
+                actor = build_actor(name, run_config, recorded)
+            except ValueError as error:
+                err.write(f"replay: run {run_id}: {error}\n")
+                return 2
+            result = asyncio.run(redrive(actor, recorded))
+            verdict = "same decisions" if result.matches else "DIFFERENT: " + result.first_difference()
+            out.write(f"{name:12} run {run_id}: {result.inputs} events in, {len(result.produced)} decisions: {verdict}\n")
+            status = status or (0 if result.matches else 1)
+    return status
+
+
+def _serve_metrics(events: Iterable[Event], log: str, host: str, port: int, out: TextIO, err: TextIO) -> int:
+    """Serve the metrics rebuilt from the whole log until interrupted (Ctrl-C: status 0).
+
+    A torn log is served up to its last complete record; the tear is reported on ``err``.
+    """
+    import time
+
+    from miles_events.sinks.metrics import MetricsError, MetricsServer, RunMetrics
+
+    metrics = RunMetrics()
+    count = 0
+    try:
+        for event in events:
+            metrics.observe(event)
+            count += 1
+    except TornRecordError as torn:
+        err.write(f"replay: {log}: torn record at byte {torn.offset}: {torn.reason}\n")
+    try:
+        server = MetricsServer(metrics.registry, host, port, hint="choose another --serve-metrics PORT (0 picks one)")
+    except MetricsError as error:
+        err.write(f"replay: {error}\n")
+        return 2
+    out.write(f"serving metrics of {count} events from {log} at {server.url}\n")
+    out.flush()
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        server.close()
+

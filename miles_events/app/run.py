@@ -1,0 +1,93 @@
+"""``python -m miles_events.run cfg.toml [--set a.b=value ...] [--dry-run]``
+
+Exit codes: 0 the run completed (or was stopped on request), 1 the run failed, 2 the input
+(config, data) is wrong. A user's mistake gets one line naming what is wrong, no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+
+from miles_events.app.config import ConfigError, dump_config, load_config, validate
+from miles_events.rl.checkpoint import CheckpointError
+from miles_events.rl.prompts import DataError
+
+
+def actor_classes() -> list[type]:
+    """The actors of a run, in start order."""
+    from actors.generator import Generator
+    from actors.publisher import Publisher
+    from actors.saver import Saver
+    from actors.trainer import Trainer
+    from actors.verifier import Verifier
+
+    return [Generator, Trainer, Publisher, Verifier, Saver]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m miles_events.run", description=__doc__.split("\n")[0])
+    parser.add_argument("config", help="the run's TOML file")
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a key, e.g. run.num_rollout=3"
+    )
+    parser.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("--log-level", default=os.environ.get("MILES_LOG_LEVEL", "WARNING"))
+    return parser.parse_args(argv)
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    configure_logging(args.log_level)
+    try:
+        config = load_config(args.config, args.overrides)
+        if args.dry_run:
+            sys.stdout.write(dump_config(config))
+            return 0
+        validate(config)
+    except (ConfigError, DataError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+    from miles_events.app.session import RunDirError, Session
+    from miles_events.rl.hf_model import BaseModelMismatch
+    from miles_events.sinks.console import attach_console
+    from miles_events.sinks.metrics import MetricsError, attach_metrics
+    from miles_events.sinks.tracking import TrackingError, attach_tracking, check_tracking
+
+    def metrics_hook(bus, session):  # type: ignore[no-untyped-def]
+        exporter = attach_metrics(bus, session)
+        if exporter is not None and config.console.mode != "quiet":
+            print(f"metrics: {exporter.url}", flush=True)
+        return exporter
+
+    try:
+        check_tracking(config)  # fail fast, before the model is prepared
+        # Tracking first: a tracking error must not leave a live display on the screen.
+        session = Session(config, actor_classes(), on_bus=[attach_tracking, metrics_hook, attach_console])
+        result = asyncio.run(session.run())
+    except (ConfigError, DataError, CheckpointError, MetricsError, TrackingError, RunDirError, BaseModelMismatch) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: aborted", file=sys.stderr)
+        return 130
+    finished = result.finished
+    if config.console.mode != "quiet":
+        print(f"events: {result.run_dir / 'events.log'}  ({result.seconds:.1f}s)")
+    if finished.status == "failed":
+        print(f"error: run failed: {finished.reason}", file=sys.stderr)
+        return 1
+    return 0
+

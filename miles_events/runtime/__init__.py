@@ -1,0 +1,1 @@
+"""Where actors run: ``local`` (this process) or ``ray`` (placement groups, a process each)."""

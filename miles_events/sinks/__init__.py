@@ -1,0 +1,2 @@
+"""Bus subscribers that observe a run: the event log, the metrics exporter, the console and
+the tracking sinks."""

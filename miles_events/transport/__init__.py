@@ -1,0 +1,1 @@
+"""The data plane behind a ``DataRef``: one seam (``base.Transport``), one file per transport."""
