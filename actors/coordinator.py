@@ -19,9 +19,8 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from miles_events.bus.actor import Actor, ActorContext, handles
+from miles_events.bus.actor import Actor, ActorContext, WorkerGroup, handles
 from schemas.config import Config
 from schemas.events import (
     ActorFailed,
@@ -61,40 +60,22 @@ def should_run_periodic_action(
     return step % interval == 0 or (num_rollout_per_epoch is not None and step % num_rollout_per_epoch == 0)
 
 
-@dataclass(frozen=True)
-class RunPlan:
-    """What the driver worked out before the run: the loop's bounds and where it resumes."""
-
-    start_rollout_id: int
-    num_rollout: int
-    num_rollout_per_epoch: int
-    resumed: bool
-    weight_version: str
-    engines: tuple[str, ...]
-    runtime: str
-    config_digest: str
-
-    @classmethod
-    def from_run_started(cls, event: RunStarted) -> RunPlan:
-        """The plan a recorded run announced (for re-driving the Coordinator from its log)."""
-        return cls(
-            start_rollout_id=event.start_rollout_id,
-            num_rollout=event.num_rollout,
-            num_rollout_per_epoch=event.num_rollout_per_epoch,
-            resumed=event.resumed,
-            weight_version=event.weight_version,
-            engines=tuple(event.engines),
-            runtime=event.runtime,
-            config_digest=event.config_digest,
-        )
+# Everything the loop may ask for once a publication (or the eval after it) is through.
+AFTER_PUBLICATION = (EvalRequested, RolloutRequested, RunFinished)
 
 
 class Coordinator(Actor):
     name = "coordinator"
+    emits = (RunStarted,)
 
-    def __init__(self, config: Config, context: ActorContext, plan: RunPlan) -> None:
+    @classmethod
+    def resources(cls, config: Config) -> WorkerGroup:
+        # The loop runs in the driver, beside the bus, and alone touches the sentinel file.
+        return WorkerGroup(role="driver")
+
+    def __init__(self, config: Config, context: ActorContext) -> None:
         super().__init__(config, context)
-        self.plan = plan
+        plan = self.plan = context.plan
         self.run = config.run
         self._after_eval: Callable[[], object] | None = None
         self._pending_saves: set[int] = set()
@@ -106,8 +87,8 @@ class Coordinator(Actor):
 
     # -- the loop ---------------------------------------------------------------------
 
-    async def begin(self) -> None:
-        """Called by the session once every actor is ready."""
+    async def ready(self) -> None:
+        """Every actor has started: the run begins."""
         await self.publish(
             RunStarted(
                 runtime=self.plan.runtime,
@@ -121,22 +102,22 @@ class Coordinator(Actor):
             )
         )
 
-    @handles(RunStarted)
+    @handles(RunStarted, emits=(PublishRequested,))
     async def on_run_started(self, event: RunStarted) -> None:
         # Always update weights first, so the engines serve what the trainer holds.
         await self.publish(PublishRequested(rollout_id=None))
 
-    @handles(WeightsPublished)
+    @handles(WeightsPublished, emits=AFTER_PUBLICATION)
     async def on_weights_published(self, event: WeightsPublished) -> None:
         self.weight_version = event.weight_version
         if not self.config.verifier.enabled:
             await self._after_publication(event.rollout_id)
 
-    @handles(PublicationVerified)
+    @handles(PublicationVerified, emits=AFTER_PUBLICATION)
     async def on_publication_verified(self, event: PublicationVerified) -> None:
         await self._after_publication(event.rollout_id)
 
-    @handles(PublicationMismatch)
+    @handles(PublicationMismatch, emits=AFTER_PUBLICATION)
     async def on_publication_mismatch(self, event: PublicationMismatch) -> None:
         first = event.mismatches[0] if event.mismatches else None
         detail = f"; first: {first.engine} {first.tensor}" if first else ""
@@ -186,13 +167,13 @@ class Coordinator(Actor):
         self._after_eval = then
         await self.publish(EvalRequested(rollout_id=rollout_id))
 
-    @handles(EvalFinished)
+    @handles(EvalFinished, emits=AFTER_PUBLICATION)
     async def on_eval_finished(self, event: EvalFinished) -> None:
         then, self._after_eval = self._after_eval, None
         if then is not None:
             await then()  # type: ignore[misc]
 
-    @handles(TrainStepFinished)
+    @handles(TrainStepFinished, emits=(SaveRequested, PublishRequested))
     async def on_train_step_finished(self, event: TrainStepFinished) -> None:
         rollout_id = event.rollout_id
         self.last_rollout_id = rollout_id
@@ -212,7 +193,7 @@ class Coordinator(Actor):
         self._pending_saves.add(rollout_id)
         await self.publish(SaveRequested(rollout_id=rollout_id, reason=reason))  # type: ignore[arg-type]
 
-    @handles(CheckpointSaved)
+    @handles(CheckpointSaved, emits=(RunFinished,))
     async def on_checkpoint_saved(self, event: CheckpointSaved) -> None:
         self._pending_saves.discard(event.rollout_id)
         if event.rollout_id in self._sentinel_saves:
@@ -228,23 +209,23 @@ class Coordinator(Actor):
 
     # -- failures and stops -------------------------------------------------------------
 
-    @handles(CheckpointFailed)
+    @handles(CheckpointFailed, emits=(RunFinished,))
     async def on_checkpoint_failed(self, event: CheckpointFailed) -> None:
         self._pending_saves.discard(event.rollout_id)
         await self._finish("failed", f"checkpoint of rollout {event.rollout_id} failed: {event.reason}")
 
-    @handles(PublicationFailed)
+    @handles(PublicationFailed, emits=(RunFinished,))
     async def on_publication_failed(self, event: PublicationFailed) -> None:
         await self._finish(
             "failed", f"publication of weight version {event.weight_version} failed in phase {event.phase}: {event.reason}"
         )
 
-    @handles(ActorFailed)
+    @handles(ActorFailed, emits=(RunFinished,))
     async def on_actor_failed(self, event: ActorFailed) -> None:
         on = f" on {event.event_type}" if event.event_type else ""
         await self._finish("failed", f"actor {event.actor} failed{on}: {event.error}")
 
-    @handles(StopRequested)
+    @handles(StopRequested, emits=(RunFinished,))
     async def on_stop_requested(self, event: StopRequested) -> None:
         await self._finish("stopped", event.reason)
 

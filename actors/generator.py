@@ -30,7 +30,7 @@ import msgspec
 import torch
 
 from actors.engine import SamplingParams, TorchEngine
-from miles_events.bus.actor import Actor, ActorContext, Resources, handles
+from miles_events.bus.actor import Actor, ActorContext, WorkerGroup, handles
 from miles_events.rl.checksum import checksums_digest
 from miles_events.rl.prompts import Prompt, load_prompts, rollout_prompts
 from miles_events.rl.rewards import load_function
@@ -64,8 +64,8 @@ class Generator(Actor):
         self.reward_fn: RewardFn | None = None
 
     @classmethod
-    def resources(cls, config: Config) -> Resources:
-        return Resources(num_cpus=1)
+    def resources(cls, config: Config) -> WorkerGroup:
+        return WorkerGroup(role="rollout", cpus_per_rank=1)
 
     async def start(self) -> None:
         rollout, data = self.config.rollout, self.config.data
@@ -107,7 +107,7 @@ class Generator(Actor):
             temperature=temperature, top_p=rollout.top_p, max_new_tokens=rollout.max_new_tokens, stop=tuple(rollout.stop)
         )
 
-    @handles(RolloutRequested)
+    @handles(RolloutRequested, emits=(RolloutGenerated,))
     async def on_rollout_requested(self, event: RolloutRequested) -> None:
         data, rollout = self.config.data, self.config.rollout
         if not self.prompts:
@@ -139,7 +139,7 @@ class Generator(Actor):
             )
         )
 
-    @handles(EvalRequested)
+    @handles(EvalRequested, emits=(EvalFinished,))
     async def on_eval_requested(self, event: EvalRequested) -> None:
         """Evaluate on ``eval_data`` (or the prompt data) at ``eval_temperature``.
 
@@ -235,7 +235,7 @@ class Generator(Actor):
 
     # --- weights ------------------------------------------------------------------------------
 
-    @handles(WeightsStaged)
+    @handles(WeightsStaged, emits=(WeightsLoaded,))
     async def on_weights_staged(self, event: WeightsStaged) -> None:
         # The staged ref belongs to the trainer/publisher: read it, never free it.
         tensors = await anyio.to_thread.run_sync(self.context.transport.get_tensors, event.weights)
@@ -260,7 +260,7 @@ class Generator(Actor):
                 )
             )
 
-    @handles(WeightsCheckRequested)
+    @handles(WeightsCheckRequested, emits=(WeightsCheckFinished,))
     async def on_weights_check_requested(self, event: WeightsCheckRequested) -> None:
         for engine in self.engines:
             result = await anyio.to_thread.run_sync(
@@ -284,7 +284,7 @@ class Generator(Actor):
                 )
             )
 
-    @handles(DataReleased)
+    @handles(DataReleased, emits=())
     async def on_data_released(self, event: DataReleased) -> None:
         if event.ref.owner == self.name:
             self.context.transport.free(event.ref)

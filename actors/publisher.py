@@ -13,10 +13,9 @@ stuck run.
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass, field
 
-from miles_events.bus.actor import Actor, ActorContext, Resources, handles
+from miles_events.bus.actor import Actor, ActorContext, WorkerGroup, handles
 from miles_events.rl.versions import engine_names, next_version
 from schemas.config import Config
 from schemas.events import (
@@ -52,27 +51,27 @@ class Publisher(Actor):
         self.current: Publication | None = None
 
     @classmethod
-    def resources(cls, config: Config) -> Resources:
-        return Resources(num_cpus=0.1)
+    def resources(cls, config: Config) -> WorkerGroup:
+        return WorkerGroup(role="service", cpus_per_rank=0.1)
 
-    @handles(RunStarted)
+    @handles(RunStarted, emits=())
     async def on_run_started(self, event: RunStarted) -> None:
         self.first_version = next_version(event.weight_version)
 
-    @handles(PublishRequested)
+    @handles(PublishRequested, emits=(PublicationFailed,))
     async def on_publish_requested(self, event: PublishRequested) -> None:
         self._cancel_timer()
-        self.current = Publication(rollout_id=event.rollout_id, requested_at=time.monotonic())
+        self.current = Publication(rollout_id=event.rollout_id, requested_at=self.context.clock.monotonic())
         self._arm("stage", self.config.publisher.stage_timeout)
 
-    @handles(WeightsStaged)
+    @handles(WeightsStaged, emits=(PublicationFailed,))
     async def on_weights_staged(self, event: WeightsStaged) -> None:
         publication = self.current
         if publication is None or publication.staged is not None:
             # Staged without a request (another driver asked the trainer): still a saga.
-            publication = self.current = Publication(rollout_id=event.rollout_id, requested_at=time.monotonic())
+            publication = self.current = Publication(rollout_id=event.rollout_id, requested_at=self.context.clock.monotonic())
         publication.staged = event
-        publication.staged_at = time.monotonic()
+        publication.staged_at = self.context.clock.monotonic()
         self._arm("load", self.config.publisher.load_timeout)
         wrong = {e: v for e, v in self.served.items() if self._expected_version(v) != event.weight_version}
         if wrong:
@@ -85,7 +84,7 @@ class Publisher(Actor):
     def _expected_version(self, served: str) -> str:
         return self.first_version if served == "default" else next_version(served)
 
-    @handles(WeightsLoaded)
+    @handles(WeightsLoaded, emits=(DataReleased, WeightsPublished, PublicationFailed))
     async def on_weights_loaded(self, event: WeightsLoaded) -> None:
         publication = self.current
         if publication is None or publication.staged is None:
@@ -110,7 +109,7 @@ class Publisher(Actor):
         previous = [self.served[e] for e in self.engines]
         for engine in self.engines:
             self.served[engine] = staged.weight_version
-        now = time.monotonic()
+        now = self.context.clock.monotonic()
         self.current = None
         await self.publish(DataReleased(ref=staged.weights))
         await self.publish(
@@ -140,7 +139,7 @@ class Publisher(Actor):
             self.current.timer = None
 
     async def _expire(self, publication: Publication, phase: str, timeout: float) -> None:
-        await asyncio.sleep(timeout)
+        await self.context.clock.sleep(timeout)
         if self.current is publication and publication.phase == phase:
             publication.timer = None
             missing = sorted(set(self.engines) - set(publication.loaded))

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import anyio.to_thread
 
-from miles_events.bus.actor import Actor, Resources, handles
+from miles_events.bus.actor import Actor, WorkerGroup, handles
 from miles_events.bus.host import describe_error
 from miles_events.rl.checkpoint import prune_checkpoints, write_checkpoint
 from schemas.config import Config
@@ -35,8 +35,8 @@ class Saver(Actor):
     name = "saver"
 
     @classmethod
-    def resources(cls, config: Config) -> Resources:
-        return Resources(num_cpus=0.5)
+    def resources(cls, config: Config) -> WorkerGroup:
+        return WorkerGroup(role="service", cpus_per_rank=0.5)
 
     def _write(self, event: TrainStateStaged) -> Path:
         """Read the staged state and write the checkpoint (runs in a worker thread)."""
@@ -72,7 +72,7 @@ class Saver(Actor):
         for ref in (event.weights, event.optimizer, event.rng):
             await self.publish(DataReleased(ref=ref))
 
-    @handles(TrainStateStaged)
+    @handles(TrainStateStaged, emits=(DataReleased, CheckpointSaved, CheckpointFailed))
     async def on_train_state_staged(self, event: TrainStateStaged) -> None:
         """Save the staged state of ``event.rollout_id`` and report the outcome."""
         started = time.perf_counter()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import time
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -24,7 +25,8 @@ import msgspec
 import torch
 
 from actors.trainer_backend import TrainerBackend, TrainMetrics, build_backend
-from miles_events.bus.actor import Actor, ActorContext, Resources, handles
+from miles_events.bus.actor import Actor, ActorContext, WorkerGroup, handles
+from miles_events.rl.checkpoint import read_checkpoint
 from miles_events.rl.checksum import checksums_digest, fingerprints
 from miles_events.rl.hf_model import DTYPES
 from miles_events.rl.prompts import data_cursor, load_prompts
@@ -72,8 +74,8 @@ class Trainer(Actor):
         self._num_saves = 0
 
     @classmethod
-    def resources(cls, config: Config) -> Resources:
-        return Resources(num_cpus=1)
+    def resources(cls, config: Config) -> WorkerGroup:
+        return WorkerGroup(role="actor", cpus_per_rank=1)
 
     @property
     def backend(self) -> TrainerBackend:
@@ -90,17 +92,13 @@ class Trainer(Actor):
             self.num_prompts = len(load_prompts(data.prompt_data, data.input_key, data.label_key))
         config = self.config
         self._backend = await anyio.to_thread.run_sync(lambda: build_backend(config))
-        if config.run.resume:
-            await anyio.to_thread.run_sync(self._restore_latest_checkpoint)
+        checkpoint = self.context.plan.resume_checkpoint
+        if checkpoint is not None:
+            await anyio.to_thread.run_sync(self._restore, Path(checkpoint))
 
-    def _restore_latest_checkpoint(self) -> None:
-        # Imported here: only a resumed run reads checkpoints.
-        from miles_events.rl.checkpoint import latest_checkpoint, read_checkpoint
-
-        path = latest_checkpoint(self.context.run_dir)
-        if path is None:
-            return
-        loaded = read_checkpoint(path)
+    def _restore(self, path: Path) -> None:
+        # The plan chose and verified this checkpoint for this run: not hashed again.
+        loaded = read_checkpoint(path, verify=False)
         state = loaded.trainer_state
         self.backend.load_state(loaded.weights, loaded.optimizer, loaded.rng, state.num_optimizer_steps)
         self.weight_version = state.weight_version
@@ -116,7 +114,7 @@ class Trainer(Actor):
 
     # --- training --------------------------------------------------------------------------
 
-    @handles(RolloutGenerated)
+    @handles(RolloutGenerated, emits=(DataReleased, TrainStepFinished))
     async def on_rollout_generated(self, event: RolloutGenerated) -> None:
         started = time.perf_counter()
         # The version being improved upon: the one in force when the batch arrives.
@@ -149,7 +147,7 @@ class Trainer(Actor):
         checksums = fingerprints(tensors)
         return ref, checksums, len(tensors), staged_bytes(tensors)
 
-    @handles(PublishRequested)
+    @handles(PublishRequested, emits=(WeightsStaged,))
     async def on_publish_requested(self, event: PublishRequested) -> None:
         started = time.perf_counter()
         version = next_version(self.weight_version)
@@ -174,7 +172,7 @@ class Trainer(Actor):
             )
         )
 
-    @handles(DataReleased)
+    @handles(DataReleased, emits=())
     async def on_data_released(self, event: DataReleased) -> None:
         if event.ref.owner != self.name:
             return
@@ -196,7 +194,7 @@ class Trainer(Actor):
         )
         return weights, optimizer, rng
 
-    @handles(SaveRequested)
+    @handles(SaveRequested, emits=(TrainStateStaged,))
     async def on_save_requested(self, event: SaveRequested) -> None:
         self._num_saves += 1
         # The counter keeps keys unique when one rollout is saved twice (say, sentinel then last).

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from miles_events.bus.actor import Actor, ActorContext, Resources, handles
+from miles_events.bus.actor import Actor, ActorContext, WorkerGroup, handles
 from miles_events.rl.checksum import checksums_digest, is_skipped
 from miles_events.rl.versions import version_number
 from schemas.config import Config
@@ -49,18 +49,18 @@ class Verifier(Actor):
         self.loaded: dict[str, dict[str, WeightsLoaded]] = {}
 
     @classmethod
-    def resources(cls, config: Config) -> Resources:
-        return Resources(num_cpus=0.1)
+    def resources(cls, config: Config) -> WorkerGroup:
+        return WorkerGroup(role="service", cpus_per_rank=0.1)
 
-    @handles(WeightsStaged)
+    @handles(WeightsStaged, emits=())
     async def on_weights_staged(self, event: WeightsStaged) -> None:
         self.staged[event.weight_version] = event
 
-    @handles(WeightsLoaded)
+    @handles(WeightsLoaded, emits=())
     async def on_weights_loaded(self, event: WeightsLoaded) -> None:
         self.loaded.setdefault(event.weight_version, {})[event.engine] = event
 
-    @handles(WeightsPublished)
+    @handles(WeightsPublished, emits=(PublicationVerified, PublicationMismatch))
     async def on_weights_published(self, event: WeightsPublished) -> None:
         version = event.weight_version
         staged = self.staged.pop(version, None)

@@ -26,8 +26,10 @@ from miles_events.bus.codec import decode_event, encode_event
 from miles_events.bus.event_bus import EventBus
 from miles_events.runtime.base import RunContext
 from miles_events.runtime.ray import RayRuntime
+from miles_events.transport.base import InProcessTransport
 from schemas.config import BusConfig, Config, RunConfig
 from schemas.events import RolloutRequested, RunFinished
+from schemas.plan import RunPlan
 
 
 class Sink(Actor):
@@ -40,7 +42,7 @@ class Sink(Actor):
         super().__init__(config, context)
         self.count = 0
 
-    @handles(RolloutRequested)
+    @handles(RolloutRequested, emits=(RunFinished,))
     async def on_event(self, event: RolloutRequested) -> None:
         self.count += 1
         if event.rollout_id == -1:
@@ -62,7 +64,8 @@ async def batched(n: int, max_batch: int) -> float:
     config = Config(run=RunConfig(runtime="ray"), bus=BusConfig(max_batch=max_batch))
     bus = EventBus("bench", mailbox_size=config.bus.mailbox_size)
     done = bus.subscribe("done", (RunFinished,))
-    runtime = RayRuntime(RunContext("bench", config, Path(tempfile.mkdtemp()), "inprocess"))
+    plan = RunPlan(start_rollout_id=0, num_rollout=1, num_rollout_per_epoch=1, runtime="ray")
+    runtime = RayRuntime(RunContext("bench", config, Path(tempfile.mkdtemp()), "inprocess", plan), InProcessTransport("bench"))
     await runtime.start(bus, [Sink])
     events = [RolloutRequested(rollout_id=i) for i in range(n - 1)] + [RolloutRequested(rollout_id=-1)]
     start = time.perf_counter()

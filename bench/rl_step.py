@@ -26,7 +26,7 @@ from pathlib import Path
 import msgspec
 
 from miles_events.app.config import load_config
-from miles_events.app.run import actor_classes
+from miles_events.app.roster import ACTORS
 from miles_events.app.session import Session
 from miles_events.bus.event_log import read_events
 from miles_events.rl.checksum import fingerprints
@@ -74,7 +74,7 @@ def main() -> None:
         ],
     )
     config = msgspec.structs.replace(config, run=msgspec.structs.replace(config.run, eval_interval=None))
-    session = Session(config, actor_classes())
+    session = Session(config, list(ACTORS))
     result = asyncio.run(session.run())
     assert result.finished.status == "completed", result.finished
     log = list(read_events(run_dir / "events.log"))

@@ -152,6 +152,9 @@ class RayConfig(Section):
     """Logical CPUs of the local cluster; unset: the host's CPU count, or more if the
     actors' bundles need more."""
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK"] = "PACK"
+    colocate: bool = False
+    """Place the rollout and the actor (trainer) roles in one placement group, rank by rank,
+    sharing its bundles (the seed's colocated mode)."""
     actor_start_timeout: PositiveFloat = 120.0
 
 

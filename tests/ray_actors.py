@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from miles_events.bus.actor import Actor, Resources, handles
+from miles_events.bus.actor import Actor, WorkerGroup, handles
 from schemas.events import RolloutGenerated, RolloutRequested, StopRequested
 
 
@@ -15,9 +15,9 @@ class Echo(Actor):
 
     @classmethod
     def resources(cls, config):  # type: ignore[no-untyped-def]
-        return Resources(num_cpus=0.5)
+        return WorkerGroup(cpus_per_rank=0.5)
 
-    @handles(RolloutRequested)
+    @handles(RolloutRequested, emits=(StopRequested,))
     async def on_rollout(self, event: RolloutRequested) -> None:
         if event.rollout_id == 13:
             raise ValueError("unlucky rollout")
@@ -25,6 +25,6 @@ class Echo(Actor):
             os._exit(1)
         await self.publish(StopRequested(reason=f"{os.getpid()}:{event.rollout_id}"))
 
-    @handles(RolloutGenerated)
+    @handles(RolloutGenerated, emits=())
     async def on_generated(self, event: RolloutGenerated) -> None:  # pragma: no cover - routing only
         pass

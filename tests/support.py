@@ -1,12 +1,19 @@
-"""Test support: feed events to an actor the way a host does, recording what it publishes."""
+"""Test support: feed events to an actor the way a host does, recording what it publishes;
+drive a sink the way a session does."""
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
+
 from miles_events.app.redrive import RecordingContext
 from miles_events.bus.actor import Actor
+from miles_events.bus.event_bus import EventBus
+from miles_events.sinks.base import Sink, SinkContext, SinkHost
+from schemas.config import Config
 from schemas.events import Event
 
-__all__ = ["RecordingContext", "feed"]
+__all__ = ["RecordingContext", "drive_sink", "feed"]
 
 
 async def feed(actor: Actor, *events: Event) -> list[Event]:
@@ -17,3 +24,32 @@ async def feed(actor: Actor, *events: Event) -> list[Event]:
     for event in events:
         await actor.handle(event)
     return context.published[start:]
+
+
+async def drive_sink(
+    sink: Sink,
+    events: list[Event],
+    config: Config | None = None,
+    run_dir: Path | None = None,
+    settle: float = 0.0,
+    run_id: str = "test-run",
+) -> SinkHost:
+    """Run ``sink`` as a session does, over a real bus: start, every event (one loop turn
+    each), ``settle`` seconds, drain, close. Returns its host (mailbox and task)."""
+    config = config or Config()
+    bus = EventBus(run_id)
+
+    async def fail(reason: str) -> None:
+        raise AssertionError(f"the sink failed the run: {reason}")
+
+    await sink.start(SinkContext(run_id, run_dir or Path("."), config, bus, fail))
+    host = SinkHost(sink, bus, config.bus.max_batch)
+    for event in events:
+        await bus.publish(event)
+        await asyncio.sleep(0)
+    if settle:
+        await asyncio.sleep(settle)
+    bus.close()
+    await host.join()
+    await sink.close()
+    return host

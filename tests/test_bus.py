@@ -9,6 +9,7 @@ import logging
 import pytest
 
 from miles_events.bus.actor import Actor, handles
+from miles_events.bus.clock import ManualClock
 from miles_events.bus.event_bus import BusClosed, EventBus
 from miles_events.bus.host import ActorHost
 from schemas.events import (
@@ -128,13 +129,18 @@ async def test_close_drains_what_is_queued_then_ends():
 
 
 async def test_a_stalled_publish_is_reported(caplog):
-    bus = EventBus("r", stall_warning_seconds=0.02)
+    clock = ManualClock()
+    bus = EventBus("r", stall_warning_seconds=20, clock=clock)
     mailbox = bus.subscribe("stuck", (Event,), max_size=1)
     await bus.publish(RolloutRequested(rollout_id=0))
     with caplog.at_level(logging.WARNING, logger="miles_events.bus.event_bus"):
         blocked = asyncio.create_task(bus.publish(RolloutRequested(rollout_id=1)))
-        await asyncio.sleep(0.07)
-        assert "stuck" in caplog.text
+        for _ in range(3):
+            await clock.advance(5)
+        assert "stuck" not in caplog.text
+        for _ in range(2):
+            await clock.advance(5)
+        assert "waited 20.0s on the full mailbox 'stuck'" in caplog.text
     await mailbox.get()
     await asyncio.wait_for(blocked, 1)
 
@@ -145,7 +151,7 @@ class Exploding(Actor):
     def __init__(self) -> None:
         self.handled: list[int] = []
 
-    @handles(RolloutRequested)
+    @handles(RolloutRequested, emits=())
     async def on_rollout(self, event: RolloutRequested) -> None:
         if event.rollout_id == 1:
             raise ValueError("reward function returned None")

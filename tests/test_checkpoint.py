@@ -424,4 +424,4 @@ async def test_saver_failure_keeps_older_checkpoint(base_dir: Path, tmp_path: Pa
 
 def test_saver_asks_for_half_a_cpu() -> None:
     assert Saver.name == "saver"
-    assert Saver.resources(Config()).num_cpus == 0.5
+    assert Saver.resources(Config()).cpus_per_rank == 0.5

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import re
 from io import StringIO
 from pathlib import Path
@@ -12,15 +11,13 @@ from types import SimpleNamespace
 import pytest
 from rich.console import Console
 
-from miles_events.app.session import close_sink
-from miles_events.bus.event_bus import EventBus
 from miles_events.bus.event_log import read_events
 from miles_events.sinks.console import (
     ConsoleSink,
     PlainProgress,
     RichProgress,
     RunProgress,
-    attach_console,
+    make_console,
     sparkline,
 )
 from schemas.config import Config, ConsoleConfig, VerifierConfig
@@ -34,29 +31,23 @@ from schemas.events import (
     TensorMismatch,
     TrainStepFinished,
 )
+from tests.support import drive_sink
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tiny_run" / "events.log"
 EVENTS: list[Event] = list(read_events(FIXTURE))
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
-async def drive(make_sink, events: list[Event], settle: float = 0.0) -> ConsoleSink:
-    """Publish ``events`` on a real bus to the sink ``make_sink(bus)``, then end as the session does."""
-    bus = EventBus("test-run")
-    sink = make_sink(bus)
-    for event in events:
-        await bus.publish(event)
-        await asyncio.sleep(0)
-    if settle:
-        await asyncio.sleep(settle)
-    bus.close()
-    await close_sink(sink)
+async def drive(make_sink, events: list[Event], settle: float = 0.0, config: Config | None = None) -> ConsoleSink:
+    """Publish ``events`` on a real bus to the sink ``make_sink()``, then end as the session does."""
+    sink = make_sink()
+    sink.host = await drive_sink(sink, events, config, settle=settle)
     return sink
 
 
 async def plain_lines(events: list[Event], **options: object) -> list[str]:
     stream = StringIO()
-    await drive(lambda bus: PlainProgress(bus, stream, **options), events)
+    await drive(lambda: PlainProgress(stream, **options), events)
     return stream.getvalue().splitlines()
 
 
@@ -166,21 +157,21 @@ class Terminal(StringIO):
         ("rich", StringIO, RichProgress),
     ],
 )
-async def test_attach_console_picks_the_display_by_mode_and_terminal(mode, stream, kind):
-    sink = await drive(lambda bus: attach_console(bus, session_with(mode), stream()), EVENTS)
+async def test_make_console_picks_the_display_by_mode_and_terminal(mode, stream, kind):
+    sink = await drive(lambda: make_console(session_with(mode).config, stream()), EVENTS)
     assert type(sink) is kind
 
 
-async def test_attach_console_quiet_mode_prints_only_the_end():
+async def test_make_console_quiet_mode_prints_only_the_end():
     stream = StringIO()
-    await drive(lambda bus: attach_console(bus, session_with("quiet"), stream), EVENTS)
+    await drive(lambda: make_console(session_with("quiet").config, stream), EVENTS)
     assert stream.getvalue() == "run completed after rollout 3/3 at weight version 4 in 0.3s\n"
 
 
-async def test_attach_console_follows_the_verifier_setting():
+async def test_make_console_follows_the_verifier_setting():
     unverified = [e for e in EVENTS if not isinstance(e, PublicationVerified)]
     stream = StringIO()
-    await drive(lambda bus: attach_console(bus, session_with("plain", verify=False), stream), unverified)
+    await drive(lambda: make_console(session_with("plain", verify=False).config, stream), unverified)
     assert "rollout 3/3: " in stream.getvalue() and "v4 published" in stream.getvalue()
 
 
@@ -190,7 +181,7 @@ def rich_console() -> Console:
 
 async def test_rich_leaves_a_summary_with_reward_versions_and_verification():
     console = rich_console()
-    await drive(lambda bus: RichProgress(bus, console), EVENTS)
+    await drive(lambda: RichProgress(console), EVENTS)
     summary = rich_summary(console.file.getvalue())  # type: ignore[attr-defined]
     assert "rollout 3/3" in summary
     assert "0.062" in summary and "min 0.031 max 0.062" in summary
@@ -203,7 +194,7 @@ async def test_rich_leaves_a_summary_with_reward_versions_and_verification():
 
 async def test_rich_summary_names_the_first_mismatched_tensor():
     console = rich_console()
-    await drive(lambda bus: RichProgress(bus, console), with_mismatch_at_rollout_0(EVENTS)[:22])
+    await drive(lambda: RichProgress(console), with_mismatch_at_rollout_0(EVENTS)[:22])
     summary = rich_summary(console.file.getvalue())  # type: ignore[attr-defined]
     assert "v2 MISMATCH in 1 tensor(s), first engine-1:model.norm.weight" in summary
 
@@ -212,8 +203,8 @@ async def test_rich_redraws_at_most_once_per_interval_and_catches_up_after_it():
     console = rich_console()
     updates: list[int] = []
 
-    def make(bus: EventBus) -> RichProgress:
-        sink = RichProgress(bus, console, min_interval=0.2)
+    def make() -> RichProgress:
+        sink = RichProgress(console, min_interval=0.2)
         update = sink.live.update
         sink.live.update = lambda *a, **k: (updates.append(1), update(*a, **k))  # type: ignore[method-assign]
         return sink
@@ -228,9 +219,10 @@ async def test_a_display_that_cannot_write_keeps_draining_its_mailbox():
         def write(self, text: str) -> int:
             raise OSError("broken pipe")
 
-    sink = await drive(lambda bus: PlainProgress(bus, Broken()), EVENTS)
-    assert sink.task.done() and sink.task.exception() is None
-    assert sink.mailbox.statistics().delivered == sum(isinstance(e, sink.mailbox.types) for e in EVENTS)
+    sink = await drive(lambda: PlainProgress(Broken()), EVENTS)
+    host = sink.host
+    assert host.task.done() and host.task.exception() is None
+    assert host.mailbox.statistics().delivered == sum(isinstance(e, host.mailbox.types) for e in EVENTS)
 
 
 def test_eta_is_the_remaining_rollouts_at_the_pace_so_far():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from actors.coordinator import Coordinator, RunPlan, should_run_periodic_action
+from actors.coordinator import Coordinator, should_run_periodic_action
 from schemas.config import Config, RunConfig, VerifierConfig
 from schemas.events import (
     ActorFailed,
@@ -23,6 +23,7 @@ from schemas.events import (
     TrainStepFinished,
     WeightsPublished,
 )
+from schemas.plan import RunPlan
 from tests.support import RecordingContext, feed
 
 
@@ -38,7 +39,7 @@ def make(num_rollout: int = 3, start: int = 0, per_epoch: int = 100, verifier: b
         runtime="local",
         config_digest="x",
     )
-    return Coordinator(config, RecordingContext(config, name="coordinator"), plan)
+    return Coordinator(config, RecordingContext(config, name="coordinator", plan=plan))
 
 
 def started(c: Coordinator) -> RunStarted:
@@ -163,7 +164,7 @@ async def test_a_mismatch_stops_the_run_with_the_tensor_named():
 
 async def test_a_mismatch_continues_when_configured():
     config = Config(run=RunConfig(num_rollout=2), verifier=VerifierConfig(continue_on_mismatch=True))
-    c = Coordinator(config, RecordingContext(config), make().plan)
+    c = Coordinator(config, RecordingContext(config, plan=make().plan))
     mismatch = PublicationMismatch(weight_version="1", mismatches=[], expected_digest="e", engine_digests={})
     out = await feed(c, started(c), mismatch)
     assert kinds(out)[-1] == ("RolloutRequested", 0)

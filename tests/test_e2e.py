@@ -214,6 +214,7 @@ class CorruptingGenerator(Generator):
 
 @pytest.mark.parametrize("continue_on_mismatch", [False, True])
 def test_an_engine_serving_different_weights_is_caught(tmp_path, continue_on_mismatch):
+    from actors.coordinator import Coordinator
     from actors.publisher import Publisher
     from actors.saver import Saver
     from actors.trainer import Trainer
@@ -223,7 +224,7 @@ def test_an_engine_serving_different_weights_is_caught(tmp_path, continue_on_mis
         *SMALL, f'run.dir="{tmp_path}"', "metrics.port=0", 'run.runtime="local"', "run.num_rollout=4", "rollout.num_engines=2",
         f"verifier.continue_on_mismatch={str(continue_on_mismatch).lower()}",
     ])
-    session = Session(config, [CorruptingGenerator, Trainer, Publisher, Verifier, Saver])
+    session = Session(config, [CorruptingGenerator, Trainer, Publisher, Verifier, Saver, Coordinator])
     result = asyncio.run(session.run())
     log = events(tmp_path)
     mismatches = [e for e in log if isinstance(e, PublicationMismatch)]

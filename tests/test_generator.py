@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from actors.generator import Generator, engine_seed, sorted_versions
-from miles_events.bus.actor import Resources
+from miles_events.bus.actor import WorkerGroup
 from miles_events.rl.checksum import checksums_digest, fingerprints
 from miles_events.rl.hf_model import load_model, prepare_base_model
 from miles_events.rl.prompts import load_prompts, rollout_prompts
@@ -139,7 +139,7 @@ def weights_staged(context: FakeContext, tensors: dict[str, torch.Tensor], versi
 
 
 def test_generator_declares_one_cpu(model_dir: Path, prompt_file: Path, tmp_path: Path) -> None:
-    assert Generator.resources(make_config(model_dir, prompt_file, tmp_path)) == Resources(num_cpus=1)
+    assert Generator.resources(make_config(model_dir, prompt_file, tmp_path)) == WorkerGroup(role="rollout", cpus_per_rank=1)
 
 
 async def test_start_loads_one_engine_per_configured_engine(actor: Started) -> None:

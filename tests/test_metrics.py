@@ -12,7 +12,6 @@ import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
-from types import SimpleNamespace
 
 import msgspec
 import pytest
@@ -21,15 +20,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from miles_events.bus.event_bus import EventBus
 from miles_events.bus.event_log import read_events
+from miles_events.sinks.base import SinkContext, SinkHost
 from miles_events.sinks.metrics import (
     METRICS,
     MetricsError,
     MetricsExporter,
     MetricsServer,
     RunMetrics,
-    attach_metrics,
-    main,
-    metrics_reference,
+    metrics_exporter,
 )
 from schemas.config import Config
 from schemas.events import (
@@ -205,10 +203,6 @@ def test_metrics_of_separate_instances_do_not_share_a_registry(observed: RunMetr
 # --- the reference table ------------------------------------------------------------------
 
 
-def test_docs_metrics_md_is_the_generated_reference() -> None:
-    assert (REPO / "docs" / "metrics.md").read_text() == metrics_reference(), "run: python -m miles_events.sinks.metrics"
-
-
 def test_registered_metrics_are_exactly_the_documented_ones(events: list[Event]) -> None:
     metrics = RunMetrics()
     metrics.attach_bus(EventBus("r"))
@@ -248,15 +242,6 @@ def test_documented_labels_are_the_exposed_labels(events: list[Event]) -> None:
         assert exposed[name] == set(spec.all_labels), spec.name
 
 
-def test_docs_check_fails_on_a_stale_reference(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    stale = tmp_path / "metrics.md"
-    stale.write_text("old\n")
-    monkeypatch.setattr("miles_events.sinks.metrics.DOCS_PATH", stale)
-    assert main(["--check"]) == 1
-    assert main([]) == 0
-    assert main(["--check"]) == 0
-
-
 # --- the live exporter --------------------------------------------------------------------
 
 
@@ -271,15 +256,26 @@ def scrape(url: str) -> dict[str, list[tuple[dict[str, str], float]]]:
     return found
 
 
+async def serve(bus: EventBus, exporter: MetricsExporter | None = None) -> tuple[MetricsExporter, SinkHost]:
+    """``exporter`` started and subscribed as a session does."""
+    exporter = exporter or MetricsExporter("127.0.0.1", 0)
+
+    async def fail(reason: str) -> None:
+        raise AssertionError(reason)
+
+    await exporter.start(SinkContext(bus.run_id, Path("."), Config(), bus, fail))
+    return exporter, SinkHost(exporter, bus, 512)
+
+
 async def test_live_exporter_serves_the_run_and_mailbox_depths(events: list[Event]) -> None:
     bus = EventBus("live-run")
     idle = bus.subscribe("idle-actor", (Event,))
-    exporter = MetricsExporter(bus, "127.0.0.1", 0)
+    exporter, host = await serve(bus)
     try:
         assert exporter.port > 0 and exporter.url == f"http://127.0.0.1:{exporter.port}/metrics"
         for event in events:
             await bus.publish(msgspec.structs.replace(event, run_id="", seq=0))
-        while exporter.mailbox.statistics().depth:
+        while host.mailbox.statistics().depth:
             await asyncio.sleep(0.01)
         found = await asyncio.to_thread(scrape, exporter.url)
         depths = {labels["actor"]: v for labels, v in found["miles_bus_mailbox_depth"]}
@@ -290,24 +286,24 @@ async def test_live_exporter_serves_the_run_and_mailbox_depths(events: list[Even
     finally:
         bus.close()
         idle.close()
-        await exporter.task
-        await exporter.aclose()
+        await host.join()
+        await exporter.close()
 
 
-async def test_exporter_task_ends_when_the_bus_closes() -> None:
+async def test_exporter_drain_ends_when_the_bus_closes() -> None:
     bus = EventBus("r")
-    exporter = MetricsExporter(bus, "127.0.0.1", 0)
+    exporter, host = await serve(bus)
     bus.close()
-    await asyncio.wait_for(exporter.task, 5)
-    exporter.close()
+    await asyncio.wait_for(host.join(), 5)
+    await exporter.close()
 
 
 async def test_closed_exporter_frees_its_port() -> None:
     bus = EventBus("r")
-    exporter = MetricsExporter(bus, "127.0.0.1", 0)
+    exporter, host = await serve(bus)
     bus.close()
-    await exporter.task
-    await exporter.aclose()
+    await host.join()
+    await exporter.close()
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(exporter.url, timeout=5)
     MetricsServer(RunMetrics().registry, "127.0.0.1", exporter.port).close()
@@ -325,35 +321,36 @@ def test_a_busy_port_is_a_metrics_error_naming_host_port_and_setting() -> None:
     assert isinstance(raised.value, ValueError)
 
 
-async def test_a_busy_port_leaves_no_mailbox_on_the_bus() -> None:
+async def test_a_busy_port_fails_the_exporter_start_before_it_subscribes() -> None:
     bus = EventBus("r")
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         with pytest.raises(MetricsError):
-            MetricsExporter(bus, "127.0.0.1", taken.getsockname()[1])
+            await serve(bus, MetricsExporter("127.0.0.1", taken.getsockname()[1]))
     assert bus.mailboxes() == []
 
 
-async def test_attach_metrics_is_none_when_disabled() -> None:
+def test_no_exporter_when_metrics_are_disabled() -> None:
     config = Config()
     config = msgspec.structs.replace(config, metrics=msgspec.structs.replace(config.metrics, enabled=False))
-    assert attach_metrics(EventBus("r"), SimpleNamespace(config=config)) is None  # type: ignore[arg-type]
+    assert metrics_exporter(config) is None
 
 
-async def test_attach_metrics_serves_on_the_configured_port() -> None:
+async def test_the_configured_exporter_serves_on_its_port() -> None:
     config = Config()
     config = msgspec.structs.replace(config, metrics=msgspec.structs.replace(config.metrics, port=0))
     bus = EventBus("r")
-    exporter = attach_metrics(bus, SimpleNamespace(config=config))  # type: ignore[arg-type]
+    exporter = metrics_exporter(config)
     assert exporter is not None
+    exporter, host = await serve(bus, exporter)
     try:
         assert [m.name for m in bus.mailboxes()] == ["metrics"]
         assert "miles_bus_mailbox_depth" in await asyncio.to_thread(scrape, exporter.url)
     finally:
         bus.close()
-        await exporter.task
-        await exporter.aclose()
+        await host.join()
+        await exporter.close()
 
 
 # --- replay --serve-metrics ---------------------------------------------------------------

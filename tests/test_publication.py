@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import torch
 
 from actors.publisher import Publisher
 from actors.verifier import Verifier
+from miles_events.bus.clock import ManualClock
 from miles_events.rl.checksum import checksums_digest, fingerprints
 from schemas.config import Config, PublisherConfig, RolloutConfig, VerifierConfig
 from schemas.data import DataRef
@@ -48,8 +47,8 @@ def started(weight_version: str = "default") -> RunStarted:
                       num_rollout_per_epoch=1, weight_version=weight_version)
 
 
-def publisher(cfg: Config) -> Publisher:
-    return Publisher(cfg, RecordingContext(cfg, name="publisher"))
+def publisher(cfg: Config, clock: ManualClock | None = None) -> Publisher:
+    return Publisher(cfg, RecordingContext(cfg, name="publisher", clock=clock or ManualClock()))
 
 
 async def test_published_only_once_every_engine_loaded():
@@ -87,25 +86,31 @@ async def test_a_resumed_run_continues_from_the_saved_version():
 
 
 async def test_an_engine_that_never_loads_turns_into_publication_failed():
-    p = publisher(config(engines=2, load_timeout=0.05))
+    clock = ManualClock()
+    p = publisher(config(engines=2, load_timeout=5), clock)
     await feed(p, started(), PublishRequested(), staged("1"), loaded("engine-0", "1", "default"))
-    await asyncio.sleep(0.15)
+    await clock.advance(4.9)
+    assert not [e for e in p.context.published if isinstance(e, PublicationFailed)]
+    await clock.advance(0.1)
     failed = [e for e in p.context.published if isinstance(e, PublicationFailed)]
     assert len(failed) == 1 and failed[0].phase == "load" and "engine-1" in failed[0].reason
 
 
 async def test_a_trainer_that_never_stages_turns_into_publication_failed():
-    p = publisher(config(stage_timeout=0.05))
+    clock = ManualClock()
+    p = publisher(config(stage_timeout=5), clock)
     await feed(p, started(), PublishRequested(rollout_id=3))
-    await asyncio.sleep(0.15)
+    await clock.advance(5)
     failed = [e for e in p.context.published if isinstance(e, PublicationFailed)]
     assert len(failed) == 1 and failed[0].phase == "stage" and failed[0].rollout_id == 3
 
 
 async def test_no_timeout_fires_after_a_completed_publication():
-    p = publisher(config(engines=1, stage_timeout=0.05, load_timeout=0.05))
+    clock = ManualClock()
+    p = publisher(config(engines=1, stage_timeout=5, load_timeout=5), clock)
     await feed(p, started(), PublishRequested(), staged("1"), loaded("engine-0", "1", "default"))
-    await asyncio.sleep(0.15)
+    await clock.advance(60)
+    assert clock.sleepers == 0
     assert not [e for e in p.context.published if isinstance(e, PublicationFailed)]
 
 

@@ -13,6 +13,7 @@ from miles_events.runtime.ray import RayRuntime
 from miles_events.transport.base import ShmTransport
 from schemas.config import Config, RunConfig
 from schemas.events import ActorFailed, Event, RolloutRequested, StopRequested
+from schemas.plan import RunPlan
 from tests.ray_actors import Echo
 
 pytestmark = pytest.mark.slow
@@ -21,7 +22,8 @@ pytestmark = pytest.mark.slow
 async def start(tmp_path) -> tuple[EventBus, RayRuntime]:
     config = Config(run=RunConfig(runtime="ray"))
     bus = EventBus("ray-test")
-    runtime = RayRuntime(RunContext("ray-test", config, tmp_path, "shm"))
+    plan = RunPlan(start_rollout_id=0, num_rollout=1, num_rollout_per_epoch=1, runtime="ray")
+    runtime = RayRuntime(RunContext("ray-test", config, tmp_path, "shm", plan), ShmTransport("ray-test"))
     await runtime.start(bus, [Echo])
     return bus, runtime
 

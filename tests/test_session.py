@@ -1,4 +1,5 @@
-"""The session's guards: unusable run directories, a reused base model, a dead event log."""
+"""The session's guards: unusable run directories, a reused base model, a dead event log,
+sinks that cannot start."""
 
 from __future__ import annotations
 
@@ -6,11 +7,16 @@ import asyncio
 
 import pytest
 
-from miles_events.app.session import EventLogSubscriber, RunDirError, open_event_log
+from actors.coordinator import Coordinator
+from miles_events.app.run_dir import RunDirError, open_event_log
+from miles_events.app.session import Session
 from miles_events.bus.event_bus import EventBus
 from miles_events.bus.event_log import EventLogWriter
 from miles_events.rl.hf_model import BaseModelMismatch, prepare_base_model
-from schemas.config import BuiltinModelConfig, ModelConfig
+from miles_events.sinks.base import Sink, SinkContext, SinkHost
+from miles_events.sinks.event_log import EventLogSink
+from miles_events.sinks.tracking import TrackingError
+from schemas.config import BuiltinModelConfig, Config, ModelConfig, RunConfig
 from schemas.events import Event, RolloutRequested, RunFinished
 
 
@@ -58,11 +64,42 @@ class FullDisk(EventLogWriter):
 async def test_an_event_log_that_cannot_be_written_fails_the_run_without_blocking_the_bus(tmp_path):
     bus = EventBus("r", mailbox_size=8)
     finished = bus.subscribe("watch", (RunFinished,))
-    log = EventLogSubscriber(bus, FullDisk(tmp_path / "events.log"), max_batch=4)
+    sink = EventLogSink(FullDisk(tmp_path / "events.log"))
+
+    async def fail(reason: str) -> None:
+        await bus.publish(RunFinished(status="failed", reason=reason))
+
+    await sink.start(SinkContext("r", tmp_path, Config(), bus, fail))
+    host = SinkHost(sink, bus, max_batch=4)
     for i in range(200):  # far more than the log's mailbox holds
         await asyncio.wait_for(bus.publish(RolloutRequested(rollout_id=i)), 1)
     event: Event = await asyncio.wait_for(finished.get(), 1)
     assert isinstance(event, RunFinished) and event.status == "failed"
     assert "No space left on device" in event.reason
     bus.close()
-    await asyncio.wait_for(log.task, 1)
+    await asyncio.wait_for(host.join(), 1)
+    await sink.close()
+
+
+class Opened(Sink):
+    def __init__(self, name: str, refuse: bool = False) -> None:
+        self.name = name  # type: ignore[misc]
+        self.refuse = refuse
+        self.closed = False
+
+    async def start(self, context: SinkContext) -> None:
+        if self.refuse:
+            raise TrackingError(f"{self.name}: cannot start")
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+async def test_a_sink_failing_to_start_stops_the_run_and_closes_the_sinks_started_before_it(tmp_path):
+    config = Config(run=RunConfig(dir=str(tmp_path), runtime="local", num_rollout=1))
+    first, refusing, after = Opened("first"), Opened("second", refuse=True), Opened("third")
+    session = Session(config, [Coordinator], sinks=[first, refusing, after])
+    with pytest.raises(TrackingError, match="second: cannot start"):
+        await session.run()
+    assert first.closed and not refusing.closed and not after.closed
+    assert session.log_writer.closed

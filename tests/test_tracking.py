@@ -3,22 +3,21 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from miles_events.app.session import close_sink
 from miles_events.bus.event_bus import EventBus
 from miles_events.bus.event_log import read_events
 from miles_events.sinks import tracking
-from miles_events.sinks.tracking import Tracking, TrackingError, WandbSink, attach_tracking
+from miles_events.sinks.base import SinkContext
+from miles_events.sinks.tracking import TrackingError, TrackingSink, WandbSink, make_tracking
 from schemas.config import Config, RunConfig, TrackingConfig
 from schemas.events import CheckpointSaved, Event, RunFinished
+from tests.support import drive_sink
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tiny_run" / "events.log"
 EVENTS: list[Event] = list(read_events(FIXTURE))
@@ -30,20 +29,19 @@ SPEC_SCALARS = {
 }  # fmt: skip
 
 
-def session(tmp_path: Path, **settings: Any) -> SimpleNamespace:
-    config = Config(run=RunConfig(dir=str(tmp_path)), tracking=TrackingConfig(**settings))
-    return SimpleNamespace(config=config, run_id="run-1", run_dir=tmp_path)
+def config_with(tmp_path: Path, **settings: Any) -> Config:
+    return Config(run=RunConfig(dir=str(tmp_path)), tracking=TrackingConfig(**settings))
 
 
-async def drive(make_sink, events: list[Event]) -> Any:
-    bus = EventBus("run-1")
-    sink = make_sink(bus)
-    for event in events:
-        await bus.publish(event)
-        await asyncio.sleep(0)
-    bus.close()
-    await close_sink(sink)
+async def drive(sink: TrackingSink, events: list[Event], config: Config | None = None, run_dir: Path | None = None) -> Any:
+    """Run ``sink`` over a real bus as the session does (run id ``run-1``)."""
+    sink.host = await drive_sink(sink, events, config, run_dir, run_id="run-1")
     return sink
+
+
+def only(sinks: list[TrackingSink]) -> TrackingSink:
+    assert len(sinks) == 1
+    return sinks[0]
 
 
 def tensorboard_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
@@ -55,7 +53,7 @@ def tensorboard_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
 
 
 async def test_tensorboard_logs_every_scalar_at_its_rollout_step(tmp_path):
-    await drive(lambda bus: attach_tracking(bus, session(tmp_path, tensorboard=True)), EVENTS)
+    await drive(only(make_tracking(config_with(tmp_path, tensorboard=True))), EVENTS, config_with(tmp_path, tensorboard=True), tmp_path)
     scalars = tensorboard_scalars(tmp_path / "tensorboard" / "run-1")
     assert SPEC_SCALARS <= set(scalars)
     assert scalars["rollout/reward_mean"] == [(0, 0.046875), (1, 0.03125), (2, 0.0625)]
@@ -64,7 +62,7 @@ async def test_tensorboard_logs_every_scalar_at_its_rollout_step(tmp_path):
 
 
 async def test_tensorboard_logs_evals_at_the_eval_rollout_id_including_before_training(tmp_path):
-    await drive(lambda bus: attach_tracking(bus, session(tmp_path, tensorboard=True)), EVENTS)
+    await drive(only(make_tracking(config_with(tmp_path, tensorboard=True))), EVENTS, config_with(tmp_path, tensorboard=True), tmp_path)
     accuracy = tensorboard_scalars(tmp_path / "tensorboard" / "run-1")["eval/accuracy"]
     assert [step for step, _ in accuracy] == [0, 1, 2]
     assert accuracy[2][1] == pytest.approx(0.04)
@@ -72,7 +70,7 @@ async def test_tensorboard_logs_evals_at_the_eval_rollout_id_including_before_tr
 
 async def test_tensorboard_writes_to_the_configured_directory(tmp_path):
     target = tmp_path / "elsewhere"
-    await drive(lambda bus: attach_tracking(bus, session(tmp_path, tensorboard=True, tensorboard_dir=str(target))), EVENTS)
+    await drive(only(make_tracking(config_with(tmp_path, tensorboard=True, tensorboard_dir=str(target)))), EVENTS, config_with(tmp_path, tensorboard=True, tensorboard_dir=str(target)), tmp_path)
     assert list(target.glob("events.out.tfevents.*"))
     assert not (tmp_path / "tensorboard").exists()
 
@@ -103,7 +101,7 @@ async def test_wandb_offline_run_records_the_metrics_against_rollout_id_and_fini
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     wandb_dir = tmp_path / "wb"
-    await drive(lambda bus: attach_tracking(bus, session(tmp_path, wandb=True, wandb_dir=str(wandb_dir))), EVENTS)
+    await drive(only(make_tracking(config_with(tmp_path, wandb=True, wandb_dir=str(wandb_dir)))), EVENTS, config_with(tmp_path, wandb=True, wandb_dir=str(wandb_dir)), tmp_path)
     (run_file,) = wandb_dir.glob("wandb/offline-run-*/run-run-1.wandb")
     records = wandb_records(run_file)
     history = [
@@ -152,13 +150,13 @@ class FakeRun:
 async def test_wandb_finishes_with_exit_code_1_only_when_the_run_failed_or_never_finished(ending, exit_code):
     run = FakeRun()
     events = [*EVENTS[:-1], *([ending] if ending else [])]
-    await drive(lambda bus: WandbSink(bus, run), events)
+    await drive(WandbSink(run), events)
     assert run.exit_code == exit_code
 
 
 async def test_wandb_plots_every_section_against_rollout_id():
     run = FakeRun()
-    await drive(lambda bus: WandbSink(bus, run), EVENTS)
+    await drive(WandbSink(run), EVENTS)
     assert run.metrics["rollout_id"] is None
     assert {run.metrics[f"{s}/*"] for s in ("rollout", "train", "perf", "weights", "checkpoint", "eval")} == {"rollout_id"}
 
@@ -166,48 +164,41 @@ async def test_wandb_plots_every_section_against_rollout_id():
 async def test_wandb_keeps_a_checkpoint_that_finishes_after_later_rollouts():
     run = FakeRun()
     late = CheckpointSaved(rollout_id=0, path="/ckpt/0", weight_version="1", num_bytes=1, save_seconds=7.5)
-    await drive(lambda bus: WandbSink(bus, run), [*EVENTS[:-1], late, EVENTS[-1]])
+    await drive(WandbSink(run), [*EVENTS[:-1], late, EVENTS[-1]])
     assert run.logged[-1] == {"rollout_id": 0, "checkpoint/save_seconds": 7.5}
 
 
 async def test_a_backend_that_fails_to_log_keeps_draining_and_still_finishes():
     run = FakeRun(fail_log=True)
-    sink = await drive(lambda bus: WandbSink(bus, run), EVENTS)
-    assert sink.mailbox.statistics().depth == 0
+    sink = await drive(WandbSink(run), EVENTS)
+    assert sink.host.mailbox.statistics().depth == 0
     assert run.exit_code == 0
 
 
 async def test_enabling_wandb_without_the_package_is_a_one_line_tracking_error(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)
-    bus = EventBus("run-1")
     with pytest.raises(TrackingError) as raised:
-        attach_tracking(bus, session(tmp_path, wandb=True))
+        make_tracking(config_with(tmp_path, wandb=True))
     message = str(raised.value)
     assert isinstance(raised.value, ValueError)
     assert "\n" not in message and "tracking.wandb" in message and "pip install wandb" in message
-    assert bus.mailboxes() == []
 
 
-async def test_a_backend_failing_to_start_subscribes_nothing_and_closes_the_others(tmp_path, monkeypatch):
-    writer = SimpleNamespace(closed=False)
-    writer.close = lambda: setattr(writer, "closed", True)
-
-    def refuse(_session: object) -> None:
+async def test_a_backend_failing_to_start_raises_its_one_line_error(tmp_path, monkeypatch):
+    def refuse(_context: object) -> None:
         raise TrackingError("tracking.wandb: cannot start a online run: api key not configured")
 
-    monkeypatch.setattr(tracking, "open_tensorboard", lambda _dir: writer)
     monkeypatch.setattr(tracking, "start_wandb", refuse)
+    config = config_with(tmp_path, wandb=True)
     bus = EventBus("run-1")
+
+    async def fail(reason: str) -> None:
+        raise AssertionError(reason)
+
     with pytest.raises(TrackingError, match="api key"):
-        attach_tracking(bus, session(tmp_path, tensorboard=True, wandb=True))
+        await only(make_tracking(config)).start(SinkContext("run-1", tmp_path, config, bus, fail))
     assert bus.mailboxes() == []
-    assert writer.closed
 
 
-async def test_no_backend_enabled_subscribes_nothing(tmp_path):
-    bus = EventBus("run-1")
-    sink = attach_tracking(bus, session(tmp_path))
-    assert isinstance(sink, Tracking) and sink.sinks == []
-    assert bus.mailboxes() == []
-    bus.close()
-    await close_sink(sink)
+def test_no_backend_enabled_is_no_sink(tmp_path):
+    assert make_tracking(config_with(tmp_path)) == []

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import io
 import json
-import sys
-import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,6 +14,8 @@ import torch
 
 from actors.trainer import Trainer, staleness_max
 from actors.trainer_backend import TorchTrainerBackend
+from miles_events.bus.actor import WorkerGroup
+from miles_events.bus.clock import SYSTEM_CLOCK, Clock
 from miles_events.rl.checksum import checksums_digest, fingerprints
 from miles_events.rl.hf_model import prepare_base_model
 from miles_events.transport.base import InProcessTransport, Transport
@@ -31,6 +31,7 @@ from schemas.events import (
     TrainStepFinished,
     WeightsStaged,
 )
+from schemas.plan import RunPlan
 from schemas.rollout import RolloutBatch, Sample
 
 SEED = 7
@@ -44,6 +45,8 @@ class FakeContext:
     run_id: str = "test-run"
     name: str = "trainer"
     transport: Transport = field(default_factory=lambda: InProcessTransport("test-run"))
+    plan: RunPlan = field(default_factory=lambda: RunPlan(start_rollout_id=0, num_rollout=1, num_rollout_per_epoch=1))
+    clock: Clock = SYSTEM_CLOCK
     events: list[Event] = field(default_factory=list)
 
     async def publish(self, event: Event) -> None:
@@ -69,9 +72,15 @@ def make_config(model_path: Path, run_dir: Path, **trainer: Any) -> Config:
 
 
 async def started_trainer(
-    config: Config, run_dir: Path, run_id: str = "test-run"
+    config: Config, run_dir: Path, run_id: str = "test-run", resume_checkpoint: Path | None = None
 ) -> tuple[Trainer, FakeContext]:
-    context = FakeContext(config=config, run_dir=run_dir, run_id=run_id, transport=InProcessTransport(run_id))
+    plan = RunPlan(
+        start_rollout_id=0,
+        num_rollout=1,
+        num_rollout_per_epoch=1,
+        resume_checkpoint=str(resume_checkpoint) if resume_checkpoint is not None else None,
+    )
+    context = FakeContext(config=config, run_dir=run_dir, run_id=run_id, transport=InProcessTransport(run_id), plan=plan)
     trainer = Trainer(config, context)
     await trainer.start()
     return trainer, context
@@ -360,13 +369,17 @@ class LoadedCheckpoint:
     trainer_state: TrainerState
 
 
-def install_checkpoint_module(
-    monkeypatch: pytest.MonkeyPatch, checkpoint_dir: Path | None, loaded: Any
-) -> None:
-    module = types.ModuleType("miles_events.rl.checkpoint")
-    module.latest_checkpoint = lambda run_dir: checkpoint_dir  # type: ignore[attr-defined]
-    module.read_checkpoint = lambda path: loaded  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "miles_events.rl.checkpoint", module)
+def install_checkpoint(monkeypatch: pytest.MonkeyPatch, checkpoint_dir: Path, loaded: Any) -> list[tuple[Path, bool]]:
+    """The trainer reads ``loaded`` for ``checkpoint_dir``; returns the reads it made."""
+    reads: list[tuple[Path, bool]] = []
+
+    def read(path: Path, verify: bool = True) -> Any:
+        assert path == checkpoint_dir
+        reads.append((path, verify))
+        return loaded
+
+    monkeypatch.setattr("actors.trainer.read_checkpoint", read)
+    return reads
 
 
 async def test_resume_continues_training_exactly_where_the_save_left_off(
@@ -383,11 +396,16 @@ async def test_resume_continues_training_exactly_where_the_save_left_off(
         rng=torch_load(context.transport.get_bytes(staged.rng)),
         trainer_state=staged.trainer_state,
     )
-    install_checkpoint_module(monkeypatch, tmp_path / "checkpoints" / "rollout-0", loaded)
+    checkpoint = tmp_path / "checkpoints" / "rollout-0"
+    reads = install_checkpoint(monkeypatch, checkpoint, loaded)
     resumed_config = msgspec.structs.replace(
         original.config, run=msgspec.structs.replace(original.config.run, resume=True)
     )
-    resumed, resumed_context = await started_trainer(resumed_config, tmp_path, run_id="resumed-run")
+    resumed, resumed_context = await started_trainer(
+        resumed_config, tmp_path, run_id="resumed-run", resume_checkpoint=checkpoint
+    )
+    # The plan verified the checkpoint it chose: the trainer reads it without hashing again.
+    assert reads == [(checkpoint, False)]
 
     assert resumed.weight_version == "1"
     assert resumed.backend.num_optimizer_steps == 1
@@ -400,10 +418,7 @@ async def test_resume_continues_training_exactly_where_the_save_left_off(
     assert resumed_context.of_type(WeightsStaged)[0].weight_version == "2"
 
 
-async def test_resume_without_a_checkpoint_starts_fresh(
-    base_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    install_checkpoint_module(monkeypatch, None, None)
+async def test_resume_without_a_checkpoint_in_the_plan_starts_fresh(base_model: Path, tmp_path: Path) -> None:
     config = make_config(base_model, tmp_path)
     config = msgspec.structs.replace(config, run=msgspec.structs.replace(config.run, resume=True))
     trainer, _ = await started_trainer(config, tmp_path)
@@ -412,4 +427,4 @@ async def test_resume_without_a_checkpoint_starts_fresh(
 
 
 def test_the_trainer_asks_for_one_cpu() -> None:
-    assert Trainer.resources(Config()).num_cpus == 1
+    assert Trainer.resources(Config()) == WorkerGroup(role="actor", cpus_per_rank=1)

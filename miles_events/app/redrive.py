@@ -15,10 +15,15 @@ from typing import Any
 
 import msgspec
 
+from actors.coordinator import Coordinator
+from actors.publisher import Publisher
+from actors.verifier import Verifier
 from miles_events.bus.actor import Actor
+from miles_events.bus.clock import SYSTEM_CLOCK, Clock
 from miles_events.transport.base import InProcessTransport, Transport
 from schemas.config import Config
 from schemas.events import Event, RunStarted
+from schemas.plan import RunPlan
 
 HEADER = ("run_id", "seq", "time", "source")
 
@@ -39,6 +44,8 @@ class RecordingContext:
     run_id: str = "redrive"
     run_dir: Path = Path(".")
     transport: Transport = field(default_factory=lambda: InProcessTransport("redrive"))
+    plan: RunPlan = field(default_factory=lambda: RunPlan(start_rollout_id=0, num_rollout=0, num_rollout_per_epoch=1))
+    clock: Clock = SYSTEM_CLOCK
     published: list[Event] = field(default_factory=list)
 
     async def publish(self, event: Event) -> None:
@@ -79,13 +86,8 @@ async def redrive(actor: Actor, recorded: Sequence[Event], name: str | None = No
     return RedriveResult(actor=name, inputs=len(inputs), expected=expected, produced=produced)
 
 
-# Actors that can be re-driven from a log, by name; imported only when asked for, since
-# the CLIs sit above the actors in the dependency order.
-REDRIVABLE = {
-    "coordinator": "actors.coordinator.Coordinator",
-    "verifier": "actors.verifier.Verifier",
-    "publisher": "actors.publisher.Publisher",
-}
+# Actors that can be re-driven from a log, by name.
+REDRIVABLE: dict[str, type[Actor]] = {cls.name: cls for cls in (Coordinator, Verifier, Publisher)}
 
 
 def split_runs(recorded: Iterable[Event]) -> dict[str, list[Event]]:
@@ -96,19 +98,25 @@ def split_runs(recorded: Iterable[Event]) -> dict[str, list[Event]]:
     return runs
 
 
+def plan_from_run_started(event: RunStarted) -> RunPlan:
+    """The plan a recorded run announced (to re-drive actors from its log)."""
+    return RunPlan(
+        start_rollout_id=event.start_rollout_id,
+        num_rollout=event.num_rollout,
+        num_rollout_per_epoch=event.num_rollout_per_epoch,
+        resumed=event.resumed,
+        weight_version=event.weight_version,
+        engines=tuple(event.engines),
+        runtime=event.runtime,
+        config_digest=event.config_digest,
+    )
+
+
 def build_actor(name: str, config: Config, recorded: Sequence[Event]) -> Actor:
     """The actor ``name`` as it was at the start of the recorded run."""
-    from miles_events.rl.rewards import load_function
-
     if name not in REDRIVABLE:
         raise ValueError(f"cannot re-drive {name!r}; choose from {sorted(REDRIVABLE)}")
-    cls = load_function(REDRIVABLE[name])
-    context = RecordingContext(config, name=name)
-    if name == "coordinator":
-        from actors.coordinator import RunPlan
-
-        started = next((e for e in recorded if isinstance(e, RunStarted)), None)
-        if started is None:
-            raise ValueError("the log has no RunStarted: cannot rebuild the coordinator's plan")
-        return cls(config, context, RunPlan.from_run_started(started))  # type: ignore[no-any-return]
-    return cls(config, context)  # type: ignore[no-any-return]
+    started = next((e for e in recorded if isinstance(e, RunStarted)), None)
+    if started is None:
+        raise ValueError("the log has no RunStarted: cannot rebuild the run's plan")
+    return REDRIVABLE[name](config, RecordingContext(config, name=name, plan=plan_from_run_started(started)))

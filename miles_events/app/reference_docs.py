@@ -1,6 +1,6 @@
-"""Generate the config and events references in ``docs/`` from the schemas.
+"""Generate the config, events and metrics references in ``docs/`` from the code.
 
-    python -m miles_events.app.reference_docs          # rewrite docs/config.md, docs/events.md
+    python -m miles_events.app.reference_docs          # rewrite docs/config.md, events.md, metrics.md
     python -m miles_events.app.reference_docs --check  # exit 1 if they are out of date
 
 Field descriptions are the attribute docstrings in ``schemas/`` (read with ``ast``), types
@@ -18,10 +18,12 @@ from pathlib import Path
 
 import msgspec
 
+from miles_events.app.roster import ACTORS, SINKS
+from miles_events.sinks.metrics import metrics_reference
 from schemas import config as config_module
 from schemas import events as events_module
 from schemas.config import Config
-from schemas.events import EVENT_TYPES, Event
+from schemas.events import EVENT_TYPES, ActorFailed, Event, RunFinished, StopRequested
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
@@ -123,18 +125,58 @@ def events_reference() -> str:
         + " (`seq` is stamped by the bus and strictly increases).",
         "",
     ]
+    routes = event_routes()
     for cls in EVENT_TYPES:
         lines += [f"## `{cls.__name__}`", ""]
         if cls.__doc__:
             lines += [inspect.cleandoc(cls.__doc__), ""]
+        emitted, handled = routes[cls]
+        lines += [f"- emitted by: {', '.join(emitted) or '-'}", f"- handled by: {', '.join(handled) or '-'}", ""]
         rows = _rows(cls, skip=header)
         if rows:
             lines += ["| field | type | default | meaning |", "|---|---|---|---|", *rows, ""]
     return "\n".join(lines) + "\n"
 
 
+def event_routes() -> dict[type[Event], tuple[list[str], list[str]]]:
+    """Event type -> (who emits it, who handles it), from the actors' ``@handles(emits=)``
+    declarations and the sinks' handler tables. The framework's own events are named too:
+    the host reports ``ActorFailed``, the session ``StopRequested`` (a signal) and
+    ``RunFinished`` (a failed start, a dead event log)."""
+    triggers: dict[type[Event], dict[str, list[str]]] = {cls: {} for cls in EVENT_TYPES}
+    handled: dict[type[Event], list[str]] = {cls: [] for cls in EVENT_TYPES}
+    for actor in ACTORS:
+        for route in actor.routes():
+            for event_type in route.emits or ():
+                triggers[event_type].setdefault(actor.name, []).extend(f"`{t.__name__}`" for t in route.handles)
+            for event_type in route.handles:
+                handled[event_type].append(actor.name)
+        for event_type in actor.emits:
+            triggers[event_type].setdefault(actor.name, []).append("its start")
+    emitted = {
+        cls: [f"{name} (on {', '.join(dict.fromkeys(on))})" for name, on in by_actor.items()]
+        for cls, by_actor in triggers.items()
+    }
+    emitted[ActorFailed].append("every actor's host (a handler raised, a process died)")
+    emitted[StopRequested].append("the session (SIGINT, SIGTERM)")
+    emitted[RunFinished].append("the session (an actor failed to start, the event log cannot be written)")
+    for sink in SINKS:
+        kinds = sink.handlers()
+        for cls in EVENT_TYPES:
+            if any(issubclass(cls, k) for k in kinds):
+                handled[cls].append(f"sink {sink.name}")
+    for table in (emitted, handled):
+        for cls, names in table.items():
+            table[cls] = list(dict.fromkeys(names))
+    return {cls: (emitted[cls], handled[cls]) for cls in EVENT_TYPES}
+
+
 def generated() -> dict[Path, str]:
-    return {DOCS / "config.md": config_reference(), DOCS / "events.md": events_reference()}
+    return {
+        DOCS / "config.md": config_reference(),
+        DOCS / "events.md": events_reference(),
+        DOCS / "metrics.md": metrics_reference(),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

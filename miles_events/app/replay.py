@@ -22,12 +22,10 @@ from typing import Any, TextIO
 
 import msgspec
 
+from miles_events.app.run_dir import EVENT_LOG, event_log_path, run_config_path
 from miles_events.bus.codec import event_to_json_bytes
 from miles_events.bus.event_log import NotAnEventLogError, TornRecordError, read_events
 from schemas.events import EVENT_TYPES_BY_NAME, Event
-
-LOG_NAME = "events.log"
-"""The event log's file name inside a run directory."""
 
 _HEADER_FIELDS = frozenset(("run_id", "seq", "time", "source"))
 _MAX_TEXT = 48
@@ -39,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m miles_events.replay",
         description="Print the events of a miles-events event log.",
     )
-    parser.add_argument("log", metavar="LOG", help=f"an event log, or a run directory with {LOG_NAME}")
+    parser.add_argument("log", metavar="LOG", help=f"an event log, or a run directory with {EVENT_LOG}")
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
     parser.add_argument(
         "--type",
@@ -156,7 +154,7 @@ def format_event(event: Event) -> str:
 def _resolve_log(log: str) -> Path:
     path = Path(log)
     if path.is_dir():
-        return path / LOG_NAME
+        return event_log_path(path)
     return path
 
 
@@ -240,7 +238,7 @@ def _redrive(
         return 1
     status = 0
     for run_id, recorded in runs.items():
-        config_path = Path(config) if config else path.parent / "configs" / f"{run_id}.toml"
+        config_path = Path(config) if config else run_config_path(path.parent, run_id)
         try:
             run_config = load_config(config_path, check=False)
         except ConfigError as error:

@@ -15,17 +15,20 @@ import sys
 from miles_events.app.config import ConfigError, dump_config, load_config, validate
 from miles_events.rl.checkpoint import CheckpointError
 from miles_events.rl.prompts import DataError
+from miles_events.sinks.base import Sink, SinkContext
+from miles_events.sinks.metrics import MetricsError, MetricsExporter, metrics_exporter
 
 
-def actor_classes() -> list[type]:
-    """The actors of a run, in start order."""
-    from actors.generator import Generator
-    from actors.publisher import Publisher
-    from actors.saver import Saver
-    from actors.trainer import Trainer
-    from actors.verifier import Verifier
+class ShowMetricsUrl(Sink):
+    """Prints where the metrics are served, once the exporter serves (it starts first)."""
 
-    return [Generator, Trainer, Publisher, Verifier, Saver]
+    name = "metrics-url"
+
+    def __init__(self, exporter: MetricsExporter) -> None:
+        self.exporter = exporter
+
+    async def start(self, context: SinkContext) -> None:
+        print(f"metrics: {self.exporter.url}", flush=True)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -60,22 +63,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
 
-    from miles_events.app.session import RunDirError, Session
+    from miles_events.app.roster import ACTORS
+    from miles_events.app.run_dir import RunDirError, event_log_path
+    from miles_events.app.session import Session
     from miles_events.rl.hf_model import BaseModelMismatch
-    from miles_events.sinks.console import attach_console
-    from miles_events.sinks.metrics import MetricsError, attach_metrics
-    from miles_events.sinks.tracking import TrackingError, attach_tracking, check_tracking
-
-    def metrics_hook(bus, session):  # type: ignore[no-untyped-def]
-        exporter = attach_metrics(bus, session)
-        if exporter is not None and config.console.mode != "quiet":
-            print(f"metrics: {exporter.url}", flush=True)
-        return exporter
+    from miles_events.sinks.console import make_console
+    from miles_events.sinks.tracking import TrackingError, make_tracking
 
     try:
-        check_tracking(config)  # fail fast, before the model is prepared
         # Tracking first: a tracking error must not leave a live display on the screen.
-        session = Session(config, actor_classes(), on_bus=[attach_tracking, metrics_hook, attach_console])
+        sinks: list[Sink] = [*make_tracking(config)]  # fails fast, before the model is prepared
+        exporter = metrics_exporter(config)
+        if exporter is not None:
+            sinks.append(exporter)
+            if config.console.mode != "quiet":
+                sinks.append(ShowMetricsUrl(exporter))
+        sinks.append(make_console(config))
+        session = Session(config, list(ACTORS), sinks=sinks)
         result = asyncio.run(session.run())
     except (ConfigError, DataError, CheckpointError, MetricsError, TrackingError, RunDirError, BaseModelMismatch) as error:
         print(f"error: {error}", file=sys.stderr)
@@ -85,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finished = result.finished
     if config.console.mode != "quiet":
-        print(f"events: {result.run_dir / 'events.log'}  ({result.seconds:.1f}s)")
+        print(f"events: {event_log_path(result.run_dir)}  ({result.seconds:.1f}s)")
     if finished.status == "failed":
         print(f"error: run failed: {finished.reason}", file=sys.stderr)
         return 1

@@ -1,32 +1,47 @@
 """The small API every actor is written against.
 
-An actor is a plain class: it declares the event types it handles with ``@handles``, keeps
-its own state, and talks to the rest of the system only by publishing events through its
-context. It never calls another actor. The runtime (local or ray) constructs it, calls
-``start``, delivers events one at a time in bus order, and calls ``stop``.
+An actor is a plain class: it declares the event types it handles, and what each handler
+may emit, with ``@handles(..., emits=(...))``; keeps its own state; and talks to the rest
+of the system only by publishing events through its context. It never calls another actor.
+The runtime (local or ray) constructs it, calls ``start``, then ``ready`` once every actor
+of the run has started, delivers events one at a time in bus order, and calls ``stop``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import contextvars
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Protocol, TypeVar
+from typing import Any, ClassVar, Literal, Protocol
 
+from miles_events.bus.clock import Clock
+from miles_events.bus.handlers import HandlerTable, handles
 from miles_events.transport.base import Transport
 from schemas.config import Config
 from schemas.events import Event
+from schemas.plan import RunPlan
 
-E = TypeVar("E", bound=Event)
-Handler = Callable[[Any, Any], Awaitable[None]]
+__all__ = ["Actor", "ActorContext", "UndeclaredEmit", "WorkerGroup", "handles"]
+
+Role = Literal["driver", "rollout", "actor", "critic", "service"]
 
 
 @dataclass(frozen=True)
-class Resources:
-    """What an actor's placement-group bundle asks for."""
+class WorkerGroup:
+    """Where an actor runs and what it needs: ``num_ranks`` workers of ``cpus_per_rank`` CPUs
+    and ``gpus_per_rank`` GPUs, placed in the placement group of its ``role`` (the seed's
+    rollout / actor / critic split; ``service`` for the small actors; ``driver`` runs in the
+    driver process). The actor itself is hosted on rank 0; the other ranks' bundles are
+    reserved for its backend's workers."""
 
-    num_cpus: float = 0.1
-    num_gpus: float = 0.0
+    role: Role = "service"
+    num_ranks: int = 1
+    cpus_per_rank: float = 0.1
+    gpus_per_rank: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.num_ranks < 1:
+            raise ValueError(f"a worker group needs at least one rank, got {self.num_ranks}")
 
 
 class ActorContext(Protocol):
@@ -37,63 +52,73 @@ class ActorContext(Protocol):
     config: Config
     run_dir: Path
     transport: Transport
+    plan: RunPlan
+    clock: Clock
 
     async def publish(self, event: Event) -> None:
         """Put ``event`` on the bus (stamped with ``source=name``); waits under backpressure."""
         ...
 
 
-def handles(*event_types: type[Event]) -> Callable[[Handler], Handler]:
-    """Mark a method as the handler of ``event_types``."""
-
-    def mark(method: Handler) -> Handler:
-        method.__handles__ = event_types  # type: ignore[attr-defined]
-        return method
-
-    return mark
+class UndeclaredEmit(TypeError):
+    """An actor published an event type its handler (or class) does not declare."""
 
 
-class Actor:
+# The emits of the handler running in this task (tasks it starts inherit it).
+_current_emits: contextvars.ContextVar[tuple[str, frozenset[type[Event]]] | None] = contextvars.ContextVar(
+    "current_emits", default=None
+)
+
+
+class Actor(HandlerTable):
     """Base class of every actor."""
 
     name: ClassVar[str] = ""
+    emits: ClassVar[tuple[type[Event], ...]] = ()
+    """What the actor publishes outside its handlers (from ``ready``)."""
+    _handler_emits: ClassVar[dict[str, frozenset[type[Event]]]] = {}
 
     def __init__(self, config: Config, context: ActorContext) -> None:
         self.config = config
         self.context = context
 
-    @classmethod
-    def resources(cls, config: Config) -> Resources:
-        return Resources()
-
-    _handler_table: ClassVar[dict[type[Event], str]] = {}
-
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        table: dict[type[Event], str] = {}
-        for klass in reversed(cls.__mro__):
-            for attr, value in vars(klass).items():
-                for event_type in getattr(value, "__handles__", ()):
-                    table[event_type] = attr
-        cls._handler_table = table
+        undeclared = [route.method for route in cls.routes() if route.emits is None]
+        if undeclared:
+            raise TypeError(f"{cls.__name__}: @handles of {', '.join(undeclared)} must declare emits=(...)")
+        cls._handler_emits = {route.method: frozenset(route.emits or ()) for route in cls.routes()}
 
     @classmethod
-    def handlers(cls) -> dict[type[Event], str]:
-        """Event type -> name of the method that handles it."""
-        return cls._handler_table
+    def resources(cls, config: Config) -> WorkerGroup:
+        return WorkerGroup()
 
     async def start(self) -> None:
         """Acquire resources (load models, open files). Called once before any event."""
+
+    async def ready(self) -> None:
+        """Every actor of the run has started. Called once, before any event."""
 
     async def stop(self) -> None:
         """Release resources. Called once after the mailbox is drained."""
 
     async def publish(self, event: Event) -> None:
+        current = _current_emits.get()
+        method, allowed = current if current is not None else ("", frozenset(self.emits))
+        if type(event) not in allowed:
+            where = f"{type(self).__name__}.{method}" if method else f"{type(self).__name__} (outside a handler)"
+            raise UndeclaredEmit(
+                f"{where} published {type(event).__name__}, which it does not declare in emits="
+            )
         await self.context.publish(event)
 
     async def handle(self, event: Event) -> None:
         """Dispatch ``event`` to its handler (the runtime calls this)."""
-        method = self._handler_table.get(type(event))
+        method = self.dispatch_name(type(event))
         if method is None:
             return
-        await getattr(self, method)(event)
+        token = _current_emits.set((method, self._handler_emits[method]))
+        try:
+            await getattr(self, method)(event)
+        finally:
+            _current_emits.reset(token)

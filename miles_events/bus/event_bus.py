@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import msgspec
 
+from miles_events.bus.clock import SYSTEM_CLOCK, Clock
 from schemas.events import Event
 
 logger = logging.getLogger(__name__)
@@ -144,8 +144,11 @@ class Mailbox:
 class EventBus:
     """Stamps, orders and fans out events to the mailboxes subscribed to their types."""
 
-    def __init__(self, run_id: str, mailbox_size: int = 4096, stall_warning_seconds: float = 30.0) -> None:
+    def __init__(
+        self, run_id: str, mailbox_size: int = 4096, stall_warning_seconds: float = 30.0, clock: Clock = SYSTEM_CLOCK
+    ) -> None:
         self.run_id = run_id
+        self.clock = clock
         self.mailbox_size = mailbox_size
         self.stall_warning_seconds = stall_warning_seconds
         self._mailboxes: list[Mailbox] = []
@@ -187,7 +190,7 @@ class EventBus:
             event,
             run_id=self.run_id,
             seq=self._seq,
-            time=event.time or time.time(),
+            time=event.time or self.clock.time(),
             source=event.source or source or "",
         )
 
@@ -212,7 +215,7 @@ class EventBus:
             await self._wait_for_room(full, event)
 
     async def _wait_for_room(self, mailbox: Mailbox, event: Event) -> None:
-        blocked = (mailbox, type(event).__name__, time.monotonic())
+        blocked = (mailbox, type(event).__name__, self.clock.monotonic())
         self._blocked = blocked
         if self._watchdog is None:
             self._watchdog = asyncio.get_running_loop().create_task(self._watch_stalls(), name="bus-watchdog")
@@ -226,12 +229,12 @@ class EventBus:
         """Warn about a publish held up by a full mailbox (a slow or stuck subscriber)."""
         warned: object = None
         while not self._closed:
-            await asyncio.sleep(self.stall_warning_seconds / 4)
+            await self.clock.sleep(self.stall_warning_seconds / 4)
             blocked = self._blocked
             if blocked is None or blocked is warned:
                 continue
             mailbox, event_type, since = blocked
-            waited = time.monotonic() - since
+            waited = self.clock.monotonic() - since
             if waited >= self.stall_warning_seconds:
                 warned = blocked
                 logger.warning(

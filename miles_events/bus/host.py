@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-import time
 import traceback
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -19,10 +18,12 @@ from pathlib import Path
 import msgspec
 
 from miles_events.bus.actor import Actor
+from miles_events.bus.clock import SYSTEM_CLOCK, Clock, wait_for
 from miles_events.bus.event_bus import BusClosed, Mailbox
 from miles_events.transport.base import Transport
 from schemas.config import Config
 from schemas.events import ActorFailed, Event
+from schemas.plan import RunPlan
 
 logger = logging.getLogger(__name__)
 
@@ -38,12 +39,14 @@ class HostContext:
     config: Config
     run_dir: Path
     transport: Transport
+    plan: RunPlan
     _publish: Publish = field(repr=False)
+    clock: Clock = SYSTEM_CLOCK
 
     async def publish(self, event: Event) -> None:
         if not event.time or not event.source:
             event = msgspec.structs.replace(
-                event, time=event.time or time.time(), source=event.source or self.name
+                event, time=event.time or self.clock.time(), source=event.source or self.name
             )
         await self._publish(event)
 
@@ -72,8 +75,9 @@ class ActorHost:
     """Feeds ``mailbox`` to ``actor`` in order. A handler that raises is reported as
     ``ActorFailed`` and the actor handles nothing more (the Coordinator stops the run)."""
 
-    def __init__(self, actor: Actor, mailbox: Mailbox, publish: Publish) -> None:
+    def __init__(self, actor: Actor, mailbox: Mailbox, publish: Publish, clock: Clock = SYSTEM_CLOCK) -> None:
         self.actor = actor
+        self.clock = clock
         self.mailbox = mailbox
         self._publish = publish
         self.busy = False
@@ -106,7 +110,7 @@ class ActorHost:
                 traceback="".join(traceback.format_exception(innermost(error))),
                 event_type=type(event).__name__,
                 event_seq=event.seq,
-                time=time.time(),
+                time=self.clock.time(),
                 source=self.name,
             )
             try:
@@ -130,7 +134,7 @@ class ActorHost:
         if self._task is None:
             return
         try:
-            await asyncio.wait_for(asyncio.shield(self._task), timeout)
+            await wait_for(asyncio.shield(self._task), timeout, self.clock)
         except TimeoutError:
             logger.warning("actor %s still busy %.0fs after the run ended; cancelled", self.name, timeout)
             self._task.cancel()

@@ -307,10 +307,14 @@ def _torch_load(path: Path) -> Any:
         raise CheckpointError(f"checkpoint {path.parent}: cannot load {path.name}: {exc}") from exc
 
 
-def read_checkpoint(path: Path) -> LoadedCheckpoint:
-    """Verify ``path`` against its manifest, then load weights, optimizer, RNG and state."""
+def read_checkpoint(path: Path, verify: bool = True) -> LoadedCheckpoint:
+    """Verify ``path`` against its manifest, then load weights, optimizer, RNG and state.
+
+    ``verify=False`` is for a checkpoint this run has verified already (the run plan does,
+    once): the manifest is read but the files are not hashed again.
+    """
     path = Path(path)
-    manifest = verify_checkpoint(path)
+    manifest = verify_checkpoint(path) if verify else _read_manifest(path)
     return LoadedCheckpoint(
         path=path,
         weights=load_file(str(path / MODEL_FILE)),

@@ -15,7 +15,6 @@ import msgspec
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
-    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     LlamaConfig,
@@ -104,7 +103,3 @@ def load_model(path: str | Path, dtype: str = "float32") -> torch.nn.Module:
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(str(path))
-
-
-def load_config(path: str | Path) -> object:
-    return AutoConfig.from_pretrained(str(path))

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 from miles_events.bus.actor import Actor
+from miles_events.bus.clock import SYSTEM_CLOCK, Clock
 from miles_events.bus.event_bus import EventBus
+from miles_events.bus.host import ActorHost, HostContext, describe_error
+from miles_events.transport.base import Transport
 from schemas.config import Config
+from schemas.plan import RunPlan
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -19,6 +26,8 @@ class RunContext:
     config: Config
     run_dir: Path
     transport: str
+    plan: RunPlan
+    clock: Clock = field(default=SYSTEM_CLOCK, compare=False)
 
 
 class ActorStartError(RuntimeError):
@@ -31,7 +40,8 @@ class Runtime(Protocol):
     name: str
 
     async def start(self, bus: EventBus, actor_classes: list[type[Actor]]) -> None:
-        """Construct and start every actor, subscribed to the types it handles."""
+        """Construct and start every actor, subscribed to the types it handles, then tell
+        each that all are ready."""
         ...
 
     def idle(self) -> bool:
@@ -41,3 +51,60 @@ class Runtime(Protocol):
     async def stop(self) -> None:
         """After the bus is closed: drain, stop the actors, release what was started."""
         ...
+
+
+def host_context(run: RunContext, transport: Transport, bus: EventBus, name: str) -> HostContext:
+    """The context of an actor hosted in this process: it publishes straight onto ``bus``."""
+
+    async def publish(event):  # type: ignore[no-untyped-def]
+        return await bus.publish(event, source=name)
+
+    return HostContext(
+        run_id=run.run_id,
+        name=name,
+        config=run.config,
+        run_dir=run.run_dir,
+        transport=transport,
+        plan=run.plan,
+        clock=run.clock,
+        _publish=publish,
+    )
+
+
+class InProcessHosts:
+    """Actors hosted in this process, on this event loop: every actor of the local
+    runtime, the driver's actors (the Coordinator) of the ray runtime."""
+
+    def __init__(self, run: RunContext, transport: Transport) -> None:
+        self.run = run
+        self.transport = transport
+        self.hosts: list[ActorHost] = []
+
+    async def start(self, bus: EventBus, cls: type[Actor]) -> ActorHost:
+        actor = cls(self.run.config, host_context(self.run, self.transport, bus, cls.name))
+        try:
+            await actor.start()
+        except Exception as error:
+            raise ActorStartError(f"{cls.name}: {describe_error(error)}") from error
+        mailbox = bus.subscribe(cls.name, tuple(actor.handlers()))
+        host = ActorHost(actor, mailbox, actor.context.publish, self.run.clock)
+        host.start()
+        self.hosts.append(host)
+        return host
+
+    async def ready(self) -> None:
+        for host in self.hosts:
+            await host.actor.ready()
+
+    def idle(self) -> bool:
+        return all(host.idle for host in self.hosts)
+
+    async def stop(self, timeout: float = 60.0) -> None:
+        """After the bus is closed: let every mailbox drain, then stop the actors."""
+        for host in self.hosts:
+            await host.join(timeout)
+        for host in self.hosts:
+            try:
+                await host.actor.stop()
+            except Exception:
+                logger.exception("stopping %s failed", host.name)

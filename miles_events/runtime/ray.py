@@ -1,6 +1,7 @@
 """The ``ray`` runtime: each actor in its own Ray actor process on a local Ray cluster that
-the run starts itself, placed with one placement group whose bundles are the resources each
-actor declares.
+the run starts itself (or one it joins), placed with one placement group per role (rollout,
+actor, critic, service) whose bundles are the worker groups the actors declare; the
+driver's actors (the Coordinator) run beside the bus.
 
 The bus stays in the driver. For each remote actor the driver keeps a proxy: a bus
 mailbox whose events are msgpack-encoded and delivered in batches (one Ray call carries up to
@@ -20,14 +21,15 @@ from typing import Any
 
 import msgspec
 
-from miles_events.bus.actor import Actor
+from miles_events.bus.actor import Actor, WorkerGroup
 from miles_events.bus.codec import decode_batch, encode_batch
 from miles_events.bus.event_bus import BusClosed, EventBus, Mailbox
 from miles_events.bus.host import ActorHost, HostContext, describe_error
-from miles_events.runtime.base import ActorStartError, RunContext
-from miles_events.transport.base import open_transport
+from miles_events.runtime.base import ActorStartError, InProcessHosts, RunContext
+from miles_events.transport.base import Transport, open_transport
 from schemas.config import Config
 from schemas.events import ActorFailed, Event
+from schemas.plan import RunPlan
 
 logger = logging.getLogger(__name__)
 
@@ -37,10 +39,18 @@ class RemoteActorHost:
     what the actor publishes for the driver to collect."""
 
     def __init__(
-        self, actor_cls: type[Actor], config_json: bytes, run_id: str, run_dir: str, transport: str, outbox_size: int
+        self,
+        actor_cls: type[Actor],
+        config_json: bytes,
+        plan_json: bytes,
+        run_id: str,
+        run_dir: str,
+        transport: str,
+        outbox_size: int,
     ) -> None:
         self.actor_cls = actor_cls
         self.config = msgspec.json.decode(config_json, type=Config)
+        self.plan = msgspec.json.decode(plan_json, type=RunPlan)
         self.run_id = run_id
         self.run_dir = Path(run_dir)
         self.transport = open_transport(transport, run_id)
@@ -60,6 +70,7 @@ class RemoteActorHost:
             config=self.config,
             run_dir=self.run_dir,
             transport=self.transport,
+            plan=self.plan,
             _publish=self._publish,
         )
         actor = self.actor_cls(self.config, context)
@@ -67,6 +78,10 @@ class RemoteActorHost:
         inbox = Mailbox(name, 1, tuple(actor.handlers()))
         self.host = ActorHost(actor, inbox, context.publish)
         return os.getpid()
+
+    async def ready(self) -> None:
+        assert self.host is not None
+        await self.host.actor.ready()
 
     async def deliver(self, payload: bytes) -> int:
         """Handle a batch of events in order; returns how many events the actor has emitted."""
@@ -181,13 +196,43 @@ class RemoteActorProxy:
             self._tasks[1].cancel()
 
 
+def placement_bundles(
+    actor_classes: list[type[Actor]], config: Config
+) -> dict[str, tuple[list[dict[str, float]], list[tuple[type[Actor], WorkerGroup, int]]]]:
+    """Placement group per role: its bundles, and each actor with its group and first bundle.
+
+    A worker group of N ranks gets N bundles of its per-rank CPUs and GPUs. With
+    ``ray.colocate`` the rollout and actor roles share one group, rank by rank (the seed's
+    colocated mode: a bundle holds both, so its size is their sum). Driver actors are not
+    placed.
+    """
+    groups: dict[str, tuple[list[dict[str, float]], list[tuple[type[Actor], WorkerGroup, int]]]] = {}
+    for cls in actor_classes:
+        group = cls.resources(config)
+        if group.role == "driver":
+            continue
+        colocated = config.ray.colocate and group.role in ("rollout", "actor")
+        role = "rollout" if colocated else group.role
+        bundles, members = groups.setdefault(role, ([], []))
+        first = 0 if colocated else len(bundles)
+        for index in range(first, first + group.num_ranks):
+            if index == len(bundles):
+                bundles.append({"CPU": 0.0})
+            bundles[index]["CPU"] += group.cpus_per_rank
+            if group.gpus_per_rank:
+                bundles[index]["GPU"] = bundles[index].get("GPU", 0.0) + group.gpus_per_rank
+        members.append((cls, group, first))
+    return groups
+
+
 class RayRuntime:
     name = "ray"
 
-    def __init__(self, run: RunContext) -> None:
+    def __init__(self, run: RunContext, transport: Transport) -> None:
         self.run = run
         self.proxies: list[RemoteActorProxy] = []
-        self._placement_group: Any = None
+        self.driver = InProcessHosts(run, transport)
+        self._placement_groups: list[Any] = []
         self._started_ray = False
 
     def _init_ray(self, bundles: list[dict[str, float]]) -> None:
@@ -210,64 +255,91 @@ class RayRuntime:
         ray.init(**kwargs)
         self._started_ray = True
 
+    async def _place(self, groups: dict[str, Any]) -> dict[str, Any]:
+        from ray.util.placement_group import placement_group
+
+        config = self.run.config
+        placed = {}
+        for role, (bundles, _) in groups.items():
+            group = placement_group(bundles, strategy=config.ray.placement_strategy, name=f"miles-{self.run.run_id}-{role}")
+            self._placement_groups.append(group)
+            placed[role] = group
+        timeout = config.ray.actor_start_timeout
+        try:
+            await asyncio.wait_for(asyncio.gather(*(g.ready() for g in placed.values())), timeout)
+        except TimeoutError:
+            import ray
+
+            wanted = {role: bundles for role, (bundles, _) in groups.items()}
+            raise RuntimeError(
+                f"ray could not place the actors' bundles {wanted} within {timeout:g}s "
+                f"(cluster resources: {ray.cluster_resources()})"
+            ) from None
+        return placed
+
     async def start(self, bus: EventBus, actor_classes: list[type[Actor]]) -> None:
         import ray
-        from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         config = self.run.config
-        resources = [cls.resources(config) for cls in actor_classes]
-        bundles = []
-        for r in resources:
-            bundle = {"CPU": r.num_cpus}
-            if r.num_gpus:
-                bundle["GPU"] = r.num_gpus
-            bundles.append(bundle)
-        self._init_ray(bundles)
-        self._placement_group = placement_group(bundles, strategy=config.ray.placement_strategy)
-        timeout = config.ray.actor_start_timeout
-        try:
-            await asyncio.wait_for(self._placement_group.ready(), timeout)
-        except TimeoutError:
-            raise RuntimeError(
-                f"ray could not place the actors' bundles {bundles} within {timeout:g}s "
-                f"(cluster resources: {ray.cluster_resources()})"
-            ) from None
+        groups = placement_bundles(actor_classes, config)
+        self._init_ray([b for bundles, _ in groups.values() for b in bundles])
+        placed = await self._place(groups)
         remote_cls = ray.remote(RemoteActorHost)
         config_json = msgspec.json.encode(config)
-        handles = []
-        for index, (cls, r) in enumerate(zip(actor_classes, resources, strict=True)):
-            handle = remote_cls.options(
-                name=f"miles-{self.run.run_id}-{cls.name}",
-                num_cpus=r.num_cpus,
-                num_gpus=r.num_gpus,
-                max_concurrency=16,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self._placement_group, placement_group_bundle_index=index
-                ),
-            ).remote(cls, config_json, self.run.run_id, str(self.run.run_dir), self.run.transport, config.bus.mailbox_size)
-            handles.append(handle)
+        plan_json = msgspec.json.encode(self.run.plan)
+        remote: list[tuple[type[Actor], Any]] = []
+        for role, (_, members) in groups.items():
+            for cls, group, first in members:
+                handle = remote_cls.options(
+                    name=f"miles-{self.run.run_id}-{cls.name}",
+                    num_cpus=group.cpus_per_rank,
+                    num_gpus=group.gpus_per_rank,
+                    max_concurrency=16,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=placed[role], placement_group_bundle_index=first
+                    ),
+                ).remote(
+                    cls,
+                    config_json,
+                    plan_json,
+                    self.run.run_id,
+                    str(self.run.run_dir),
+                    self.run.transport,
+                    config.bus.mailbox_size,
+                )
+                remote.append((cls, handle))
+        timeout = config.ray.actor_start_timeout
         # Start them all at once: model loading overlaps across processes.
-        starts = [h.start.remote() for h in handles]
+        starts = [h.start.remote() for _, h in remote]
         try:
             pids = await asyncio.wait_for(asyncio.gather(*starts, return_exceptions=True), timeout)
         except TimeoutError:
             raise RuntimeError(f"actors did not start within {timeout:g}s") from None
-        for cls, result in zip(actor_classes, pids, strict=True):
+        for (cls, _), result in zip(remote, pids, strict=True):
             if isinstance(result, BaseException):
                 # Ray wraps the actor's own exception; the user needs that one, and whose it was.
                 cause = getattr(result, "cause", None)
                 raise ActorStartError(f"{cls.name}: {describe_error(cause or result)}") from None
-        for cls, handle, pid in zip(actor_classes, handles, pids, strict=True):
+        for (cls, handle), pid in zip(remote, pids, strict=True):
             mailbox = bus.subscribe(cls.name, tuple(cls.handlers()))
             self.proxies.append(RemoteActorProxy(bus, cls.name, handle, mailbox, config.bus.max_batch))
             logger.info("started %s (ray actor, pid %d)", cls.name, pid)
+        for cls in actor_classes:
+            if cls.resources(config).role == "driver":
+                await self.driver.start(bus, cls)
+                logger.info("started %s (driver)", cls.name)
+        await asyncio.gather(
+            *(h.ready.remote() for cls, h in remote if cls.ready is not Actor.ready)
+        )
+        await self.driver.ready()
 
     def idle(self) -> bool:
-        return all(proxy.idle for proxy in self.proxies)
+        return self.driver.idle() and all(proxy.idle for proxy in self.proxies)
 
     async def stop(self) -> None:
         try:
+            await self.driver.stop()
             for proxy in self.proxies:
                 await proxy.stop()
         finally:
@@ -283,11 +355,11 @@ class RayRuntime:
                 ray.kill(proxy.handle)
             except Exception:
                 pass
-        if self._placement_group is not None:
-            from ray.util.placement_group import remove_placement_group
+        from ray.util.placement_group import remove_placement_group
 
+        for group in self._placement_groups:
             try:
-                remove_placement_group(self._placement_group)
+                remove_placement_group(group)
             except Exception:
                 pass
         if self._started_ray:

@@ -1,10 +1,9 @@
 """The run on the console, as a bus subscriber: a live ``rich`` display on a terminal,
 one line per rollout otherwise, or only the final status line.
 
-``attach_console(bus, session)`` is a ``Session(on_bus=[...])`` hook choosing by
-``config.console.mode``. Every display folds the same events into a ``RunProgress`` and
-never raises into the bus: a display error is logged once and the mailbox keeps draining
-(a stalled mailbox would hold up every publisher through backpressure).
+``make_console(config)`` chooses the display by ``config.console.mode``. Every display is a
+``Sink`` that folds the same events into a ``RunProgress``; like every sink it never
+raises into the bus (see ``miles_events.sinks.base``).
 """
 
 from __future__ import annotations
@@ -14,10 +13,8 @@ import logging
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
 from datetime import timedelta
-from pathlib import Path
-from typing import Protocol, TextIO
+from typing import TextIO
 
 from rich.console import Console
 from rich.live import Live
@@ -26,7 +23,8 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from miles_events.bus.event_bus import EventBus
+from miles_events.bus.handlers import HandlerTable, handles
+from miles_events.sinks.base import Sink, SinkContext
 from schemas.config import Config
 from schemas.events import (
     ActorFailed,
@@ -57,14 +55,6 @@ STEP_PHASES = (("generate", "gen"), ("train", "train"), ("publish", "pub"), ("ve
 SPARK = "▁▂▃▄▅▆▇█"
 
 
-class SessionLike(Protocol):
-    """What a sink needs of ``miles_events.app.session.Session``."""
-
-    config: Config
-    run_id: str
-    run_dir: Path
-
-
 def sparkline(values: list[float]) -> str:
     """One block character per value, scaled between the values' min and max."""
     if not values:
@@ -87,7 +77,7 @@ def describe_mismatch(event: PublicationMismatch) -> str:
     return f"MISMATCH in {len(event.mismatches)} tensor(s){where}"
 
 
-class RunProgress:
+class RunProgress(HandlerTable):
     """Where the run stands, folded from its events (event times only, so a replay shows
     the same numbers as the live run)."""
 
@@ -132,47 +122,78 @@ class RunProgress:
         """Fold one event in."""
         if event.time:
             self.last_time = event.time
-        if isinstance(event, RunStarted):
-            self.run_id, self.runtime = event.run_id, event.runtime
-            self.start_rollout_id, self.num_rollout = event.start_rollout_id, event.num_rollout
-            self.started_at = event.time or None
-            self.trainer_version = event.weight_version
-            # Engines boot from the Hugging Face directory, even on resume, until the first publication.
-            self.engine_versions = dict.fromkeys(event.engines, "default")
-        elif isinstance(event, RolloutGenerated):
-            self.rewards.append(event.reward_mean)
-            self.step_seconds["generate"] = event.generate_seconds
-        elif isinstance(event, TrainStepFinished):
-            self.train, self.last_trained = event, event.rollout_id
-            self.step_seconds["train"] = event.train_seconds
-        elif isinstance(event, WeightsStaged):
-            self.trainer_version = event.weight_version
-        elif isinstance(event, WeightsLoaded):
-            self.engine_versions[event.engine] = event.weight_version
-        elif isinstance(event, WeightsPublished):
-            self.step_seconds["publish"] = event.publish_seconds
-        elif isinstance(event, PublicationVerified):
-            self.verification_ok = True
-            self.verification = f"v{event.weight_version} verified ({event.num_tensors} tensors)"
-            self.step_seconds["verify"] = event.verify_seconds
-        elif isinstance(event, PublicationMismatch):
-            self.verification_ok = False
-            self.verification = f"v{event.weight_version} {describe_mismatch(event)}"
-            self.step_seconds["verify"] = event.verify_seconds
-        elif isinstance(event, PublicationFailed):
-            self.verification_ok = False
-            self.verification = f"v{event.weight_version} publication failed ({event.phase}): {event.reason}"
-        elif isinstance(event, CheckpointSaved):
-            self.checkpoint, self.checkpoint_problem = event, ""
-            self.step_seconds["save"] = event.save_seconds
-        elif isinstance(event, CheckpointFailed):
-            self.checkpoint_problem = f"rollout {event.rollout_id} FAILED: {event.reason}"
-        elif isinstance(event, EvalFinished):
-            self.eval = event
-        elif isinstance(event, ActorFailed):
-            self.failures.append(f"{event.actor}: {event.error}")
-        elif isinstance(event, RunFinished):
-            self.finished = event
+        method = self.dispatch_name(type(event))
+        if method is not None:
+            getattr(self, method)(event)
+
+    @handles(RunStarted)
+    def _run_started(self, event: RunStarted) -> None:
+        self.run_id, self.runtime = event.run_id, event.runtime
+        self.start_rollout_id, self.num_rollout = event.start_rollout_id, event.num_rollout
+        self.started_at = event.time or None
+        self.trainer_version = event.weight_version
+        # Engines boot from the Hugging Face directory, even on resume, until the first publication.
+        self.engine_versions = dict.fromkeys(event.engines, "default")
+
+    @handles(RolloutGenerated)
+    def _rollout_generated(self, event: RolloutGenerated) -> None:
+        self.rewards.append(event.reward_mean)
+        self.step_seconds["generate"] = event.generate_seconds
+
+    @handles(TrainStepFinished)
+    def _train_step_finished(self, event: TrainStepFinished) -> None:
+        self.train, self.last_trained = event, event.rollout_id
+        self.step_seconds["train"] = event.train_seconds
+
+    @handles(WeightsStaged)
+    def _weights_staged(self, event: WeightsStaged) -> None:
+        self.trainer_version = event.weight_version
+
+    @handles(WeightsLoaded)
+    def _weights_loaded(self, event: WeightsLoaded) -> None:
+        self.engine_versions[event.engine] = event.weight_version
+
+    @handles(WeightsPublished)
+    def _weights_published(self, event: WeightsPublished) -> None:
+        self.step_seconds["publish"] = event.publish_seconds
+
+    @handles(PublicationVerified)
+    def _publication_verified(self, event: PublicationVerified) -> None:
+        self.verification_ok = True
+        self.verification = f"v{event.weight_version} verified ({event.num_tensors} tensors)"
+        self.step_seconds["verify"] = event.verify_seconds
+
+    @handles(PublicationMismatch)
+    def _publication_mismatch(self, event: PublicationMismatch) -> None:
+        self.verification_ok = False
+        self.verification = f"v{event.weight_version} {describe_mismatch(event)}"
+        self.step_seconds["verify"] = event.verify_seconds
+
+    @handles(PublicationFailed)
+    def _publication_failed(self, event: PublicationFailed) -> None:
+        self.verification_ok = False
+        self.verification = f"v{event.weight_version} publication failed ({event.phase}): {event.reason}"
+
+    @handles(CheckpointSaved)
+    def _checkpoint_saved(self, event: CheckpointSaved) -> None:
+        self.checkpoint, self.checkpoint_problem = event, ""
+        self.step_seconds["save"] = event.save_seconds
+
+    @handles(CheckpointFailed)
+    def _checkpoint_failed(self, event: CheckpointFailed) -> None:
+        self.checkpoint_problem = f"rollout {event.rollout_id} FAILED: {event.reason}"
+
+    @handles(EvalFinished)
+    def _eval_finished(self, event: EvalFinished) -> None:
+        self.eval = event
+
+    @handles(ActorFailed)
+    def _actor_failed(self, event: ActorFailed) -> None:
+        self.failures.append(f"{event.actor}: {event.error}")
+
+    @handles(RunFinished)
+    def _run_finished(self, event: RunFinished) -> None:
+        self.finished = event
 
     def final_line(self) -> str:
         """The run's outcome in one line; the only output in quiet mode."""
@@ -190,34 +211,25 @@ class RunProgress:
         return f"run {finished.status} {where} at weight version {finished.weight_version}{took}{reason}"
 
 
-class ConsoleSink:
-    """Drains the ``console`` mailbox into ``show``; ``finish`` runs once it is closed."""
+class ConsoleSink(Sink):
+    """Folds every shown event into ``progress``, then hands it to the display's handler;
+    ``finish`` runs once the bus is closed."""
 
-    def __init__(self, bus: EventBus) -> None:
+    name = "console"
+
+    def __init__(self) -> None:
         self.progress = RunProgress()
-        self._failed_once = False
-        self.mailbox = bus.subscribe("console", SHOWN)
-        self.task = asyncio.create_task(self._drain(), name="console")
 
-    async def _drain(self) -> None:
-        while (event := await self.mailbox.get()) is not None:
-            self._guarded(self._show, event)
-        self._guarded(self.finish)
+    @handles(*SHOWN)
+    def _shown(self, event: Event) -> None:
+        """Events the display does not react to itself are still folded in."""
 
-    def _show(self, event: Event) -> None:
+    def observe(self, event: Event) -> None:
         self.progress.apply(event)
-        self.show(event)
+        super().observe(event)
 
-    def _guarded(self, fn: Callable[..., None], *args: object) -> None:
-        try:
-            fn(*args)
-        except Exception:
-            if not self._failed_once:
-                self._failed_once = True
-                logger.warning("console display failed; the run goes on", exc_info=True)
-
-    def show(self, event: Event) -> None:
-        """React to one event (``self.progress`` already includes it)."""
+    async def close(self) -> None:
+        self.finish()
 
     def finish(self) -> None:
         """The bus is closed and every event shown."""
@@ -228,7 +240,8 @@ class PlainProgress(ConsoleSink):
     the start, evals, checkpoints, mismatches, failures and the end. ``quiet`` keeps only
     the final line. Lines follow event order, so a given log always prints the same."""
 
-    def __init__(self, bus: EventBus, stream: TextIO | None = None, *, verify: bool = True, quiet: bool = False) -> None:
+    def __init__(self, stream: TextIO | None = None, *, verify: bool = True, quiet: bool = False) -> None:
+        super().__init__()
         self.stream = stream or sys.stdout
         self.verify = verify
         self.quiet = quiet
@@ -236,57 +249,78 @@ class PlainProgress(ConsoleSink):
         self.trained: dict[int, TrainStepFinished] = {}
         self.published: dict[int, WeightsPublished] = {}
         self.ended = False
-        super().__init__(bus)
 
     def _line(self, text: str, *, final: bool = False) -> None:
         if final or not self.quiet:
             print(text, file=self.stream, flush=True)
 
-    def show(self, event: Event) -> None:
-        if isinstance(event, RunStarted):
-            resumed = f", resumed at weight version {event.weight_version}" if event.resumed else ""
-            self._line(
-                f"run {event.run_id} ({event.runtime}): rollouts {event.start_rollout_id}..{event.num_rollout - 1}, "
-                f"engines {', '.join(event.engines)}{resumed}"
-            )
-        elif isinstance(event, RolloutGenerated):
-            self.generated[event.rollout_id] = event
-        elif isinstance(event, TrainStepFinished):
-            self.trained[event.rollout_id] = event
-        elif isinstance(event, WeightsPublished):
-            if event.rollout_id is None:
-                self._line(f"initial weights published as version {event.weight_version} in {event.publish_seconds:.2f}s")
-            else:
-                self.published[event.rollout_id] = event
-            if not self.verify:
-                self._publication(event.rollout_id, f"v{event.weight_version} published")
-        elif isinstance(event, PublicationVerified):
-            self._publication(event.rollout_id, f"v{event.weight_version} verified", event.verify_seconds)
-        elif isinstance(event, PublicationMismatch):
-            self._publication(event.rollout_id, f"v{event.weight_version} MISMATCH", event.verify_seconds)
-            first = event.mismatches[0] if event.mismatches else None
-            detail = f" (expected {first.expected or '-'}, got {first.actual or '-'})" if first else ""
-            self._line(f"weight version {event.weight_version}: {describe_mismatch(event)}{detail}")
-        elif isinstance(event, PublicationFailed):
-            self._publication(event.rollout_id, f"v{event.weight_version} publication failed")
-            self._line(f"weight version {event.weight_version}: publication failed ({event.phase}): {event.reason}")
-        elif isinstance(event, EvalFinished):
-            metrics = " ".join(f"{metric_name(k)}={v:.3f}" for k, v in sorted(event.metrics.items()))
-            self._line(f"eval at rollout {event.rollout_id}: {metrics}")
-        elif isinstance(event, CheckpointSaved):
-            self._line(
-                f"checkpoint rollout {event.rollout_id} (version {event.weight_version}) -> {event.path} "
-                f"in {event.save_seconds:.2f}s"
-            )
-        elif isinstance(event, CheckpointFailed):
-            self._line(f"checkpoint rollout {event.rollout_id} FAILED: {event.reason}")
-        elif isinstance(event, ActorFailed):
-            self._line(f"actor {event.actor} failed: {event.error}")
-        elif isinstance(event, RunFinished):
-            # A rollout trained but never published (a stop, a failure) still gets its line.
-            for rollout_id in sorted(self.trained):
-                self._publication(rollout_id, "not published")
-            self._end()
+    @handles(RunStarted)
+    def _run_started(self, event: RunStarted) -> None:
+        resumed = f", resumed at weight version {event.weight_version}" if event.resumed else ""
+        self._line(
+            f"run {event.run_id} ({event.runtime}): rollouts {event.start_rollout_id}..{event.num_rollout - 1}, "
+            f"engines {', '.join(event.engines)}{resumed}"
+        )
+
+    @handles(RolloutGenerated)
+    def _rollout_generated(self, event: RolloutGenerated) -> None:
+        self.generated[event.rollout_id] = event
+
+    @handles(TrainStepFinished)
+    def _train_step_finished(self, event: TrainStepFinished) -> None:
+        self.trained[event.rollout_id] = event
+
+    @handles(WeightsPublished)
+    def _weights_published(self, event: WeightsPublished) -> None:
+        if event.rollout_id is None:
+            self._line(f"initial weights published as version {event.weight_version} in {event.publish_seconds:.2f}s")
+        else:
+            self.published[event.rollout_id] = event
+        if not self.verify:
+            self._publication(event.rollout_id, f"v{event.weight_version} published")
+
+    @handles(PublicationVerified)
+    def _publication_verified(self, event: PublicationVerified) -> None:
+        self._publication(event.rollout_id, f"v{event.weight_version} verified", event.verify_seconds)
+
+    @handles(PublicationMismatch)
+    def _publication_mismatch(self, event: PublicationMismatch) -> None:
+        self._publication(event.rollout_id, f"v{event.weight_version} MISMATCH", event.verify_seconds)
+        first = event.mismatches[0] if event.mismatches else None
+        detail = f" (expected {first.expected or '-'}, got {first.actual or '-'})" if first else ""
+        self._line(f"weight version {event.weight_version}: {describe_mismatch(event)}{detail}")
+
+    @handles(PublicationFailed)
+    def _publication_failed(self, event: PublicationFailed) -> None:
+        self._publication(event.rollout_id, f"v{event.weight_version} publication failed")
+        self._line(f"weight version {event.weight_version}: publication failed ({event.phase}): {event.reason}")
+
+    @handles(EvalFinished)
+    def _eval_finished(self, event: EvalFinished) -> None:
+        metrics = " ".join(f"{metric_name(k)}={v:.3f}" for k, v in sorted(event.metrics.items()))
+        self._line(f"eval at rollout {event.rollout_id}: {metrics}")
+
+    @handles(CheckpointSaved)
+    def _checkpoint_saved(self, event: CheckpointSaved) -> None:
+        self._line(
+            f"checkpoint rollout {event.rollout_id} (version {event.weight_version}) -> {event.path} "
+            f"in {event.save_seconds:.2f}s"
+        )
+
+    @handles(CheckpointFailed)
+    def _checkpoint_failed(self, event: CheckpointFailed) -> None:
+        self._line(f"checkpoint rollout {event.rollout_id} FAILED: {event.reason}")
+
+    @handles(ActorFailed)
+    def _actor_failed(self, event: ActorFailed) -> None:
+        self._line(f"actor {event.actor} failed: {event.error}")
+
+    @handles(RunFinished)
+    def _run_finished(self, event: RunFinished) -> None:
+        # A rollout trained but never published (a stop, a failure) still gets its line.
+        for rollout_id in sorted(self.trained):
+            self._publication(rollout_id, "not published")
+        self._end()
 
     def _publication(self, rollout_id: int | None, outcome: str, verify_seconds: float | None = None) -> None:
         """The rollout's line, once its publication has an outcome."""
@@ -384,19 +418,21 @@ class RichProgress(ConsoleSink):
 
     def __init__(
         self,
-        bus: EventBus,
         console: Console | None = None,
         *,
         stream: TextIO | None = None,
         verify: bool = True,
         min_interval: float = 0.25,
     ) -> None:
-        super().__init__(bus)
+        super().__init__()
         self.console = console or Console(file=stream or sys.stdout)
         self.min_interval = min_interval
         self._last_refresh = float("-inf")
         self._timer: asyncio.TimerHandle | None = None
         self.live = Live(render_progress(self.progress), console=self.console, auto_refresh=False, transient=True)
+        self._moved: list[tuple[logging.StreamHandler, TextIO]] = []  # type: ignore[type-arg]
+
+    async def start(self, context: SinkContext) -> None:
         streams = sys.stdout, sys.stderr
         self.live.start()
         self._moved = self._follow_redirect(streams)
@@ -415,7 +451,8 @@ class RichProgress(ConsoleSink):
                     moved.append((handler, old))
         return moved
 
-    def show(self, event: Event) -> None:
+    @handles(*SHOWN)
+    def _shown(self, event: Event) -> None:
         wait = self._last_refresh + self.min_interval - time.monotonic()
         if wait <= 0:
             self._refresh()
@@ -424,7 +461,10 @@ class RichProgress(ConsoleSink):
 
     def _timed_refresh(self) -> None:
         self._timer = None
-        self._guarded(self._refresh)
+        try:
+            self._refresh()
+        except Exception:
+            logger.warning("console display failed; the run goes on", exc_info=True)
 
     def _refresh(self) -> None:
         self._last_refresh = time.monotonic()
@@ -453,15 +493,14 @@ def _is_tty(stream: TextIO) -> bool:
         return False
 
 
-def attach_console(bus: EventBus, session: SessionLike, stream: TextIO | None = None) -> ConsoleSink:
-    """The ``Session`` hook: the display ``config.console.mode`` asks for, on ``stream``
-    (default ``sys.stdout``). ``auto`` is the live display on a terminal, plain lines
-    otherwise (CI logs, files, pipes)."""
+def make_console(config: Config, stream: TextIO | None = None) -> ConsoleSink:
+    """The display ``config.console.mode`` asks for, on ``stream`` (default ``sys.stdout``).
+    ``auto`` is the live display on a terminal, plain lines otherwise (CI logs, files, pipes)."""
     stream = stream or sys.stdout
-    mode = session.config.console.mode
-    verify = session.config.verifier.enabled
+    mode = config.console.mode
+    verify = config.verifier.enabled
     if mode == "auto":
         mode = "rich" if _is_tty(stream) else "plain"
     if mode == "rich":
-        return RichProgress(bus, stream=stream, verify=verify)
-    return PlainProgress(bus, stream, verify=verify, quiet=mode == "quiet")
+        return RichProgress(stream=stream, verify=verify)
+    return PlainProgress(stream, verify=verify, quiet=mode == "quiet")

@@ -5,30 +5,27 @@ live run (``MetricsExporter``, a bus subscriber with an HTTP ``/metrics`` endpoi
 replay of an event log (``python -m miles_events.replay LOG --serve-metrics PORT``) give
 the same numbers. Every metric carries a ``run`` label (the event's ``run_id``).
 
-``METRICS`` is the one table of every metric; ``docs/metrics.md`` is generated from it::
-
-    python -m miles_events.sinks.metrics          # rewrite docs/metrics.md
-    python -m miles_events.sinks.metrics --check  # exit 1 if it is out of date
+``METRICS`` is the one table of every metric; ``docs/metrics.md`` is generated from it
+(``python -m miles_events.app.reference_docs``).
 """
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import logging
 import math
-import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import anyio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from miles_events.bus.event_bus import EventBus
+from miles_events.bus.handlers import handles
 from miles_events.rl.versions import version_number
+from miles_events.sinks.base import Sink, SinkContext
+from schemas.config import Config
 from schemas.events import (
     ActorFailed,
     CheckpointFailed,
@@ -47,12 +44,8 @@ from schemas.events import (
     WeightsStaged,
 )
 
-if TYPE_CHECKING:
-    from miles_events.app.session import Session
-
 logger = logging.getLogger(__name__)
 
-DOCS_PATH = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 
 DURATION_BUCKETS: tuple[float, ...] = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
@@ -171,8 +164,10 @@ class BusCollector:
         yield high
 
 
-class RunMetrics:
+class RunMetrics(Sink):
     """Every metric of ``METRICS`` in an own registry, updated by ``observe(event)``."""
+
+    name = "metrics"
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -196,22 +191,6 @@ class RunMetrics:
         self.checkpoints, self.checkpoint_seconds = f("miles_checkpoints_total"), f("miles_checkpoint_duration_seconds")
         self.checkpoint_rollout, self.checkpoint_bytes = f("miles_checkpoint_last_rollout_id"), f("miles_checkpoint_bytes")
         self.actor_failures, self.events = f("miles_actor_failures_total"), f("miles_bus_events_total")
-        self._handlers: dict[type[Event], Callable[[Any], None]] = {
-            RunStarted: self._run_started,
-            RunFinished: self._run_finished,
-            RolloutGenerated: self._rollout_generated,
-            TrainStepFinished: self._train_step_finished,
-            EvalFinished: self._eval_finished,
-            WeightsStaged: self._weights_staged,
-            WeightsLoaded: self._weights_loaded,
-            WeightsPublished: self._weights_published,
-            PublicationVerified: self._publication_verified,
-            PublicationMismatch: self._publication_mismatch,
-            PublicationFailed: lambda e: self.publications(e.run_id, "failed").inc(),
-            CheckpointSaved: self._checkpoint_saved,
-            CheckpointFailed: lambda e: self.checkpoints(e.run_id, "failed").inc(),
-            ActorFailed: lambda e: self.actor_failures(e.run_id, e.actor).inc(),
-        }
 
     def _create(self, spec: MetricSpec) -> Any:
         labels = ("run", *spec.labels)
@@ -227,15 +206,18 @@ class RunMetrics:
         """Also expose the live mailbox depths of ``bus`` (read at each scrape)."""
         self.registry.register(BusCollector(bus))
 
+    @handles(Event)
+    def _any_event(self, e: Event) -> None:
+        pass
+
     def observe(self, event: Event) -> None:
         """Update the metrics with one event (events of unknown types are only counted)."""
         self.events(event.run_id, type(event).__name__).inc()
-        handler = self._handlers.get(type(event))
-        if handler is not None:
-            handler(event)
+        super().observe(event)
 
     # Durations default to 0.0 in events that did not measure them: those are not observed.
 
+    @handles(RunStarted)
     def _run_started(self, e: RunStarted) -> None:
         run = e.run_id
         self.runtime_by_run[run] = e.runtime
@@ -253,10 +235,12 @@ class RunMetrics:
         self.tokens_generated(run)
         self.train_tokens(run)
 
+    @handles(RunFinished)
     def _run_finished(self, e: RunFinished) -> None:
         self.run_info(e.run_id).info({"runtime": self.runtime_by_run.get(e.run_id, ""), "status": e.status})
         self.run_finished(e.run_id).set(1)
 
+    @handles(RolloutGenerated)
     def _rollout_generated(self, e: RolloutGenerated) -> None:
         run = e.run_id
         self.rollout_id(run).set(e.rollout_id)
@@ -265,6 +249,7 @@ class RunMetrics:
         if e.generate_seconds > 0:
             self.rollout_seconds(run).observe(e.generate_seconds)
 
+    @handles(TrainStepFinished)
     def _train_step_finished(self, e: TrainStepFinished) -> None:
         run = e.run_id
         self.loss(run).set(e.loss)
@@ -277,37 +262,56 @@ class RunMetrics:
         if e.train_seconds > 0:
             self.train_seconds(run).observe(e.train_seconds)
 
+    @handles(EvalFinished)
     def _eval_finished(self, e: EvalFinished) -> None:
         for metric, value in e.metrics.items():
             self.eval_score(e.run_id, metric).set(value)
         if e.eval_seconds > 0:
             self.eval_seconds(e.run_id).observe(e.eval_seconds)
 
+    @handles(WeightsStaged)
     def _weights_staged(self, e: WeightsStaged) -> None:
         self.weight_version(e.run_id, "trainer", "").set(_version(e.weight_version))
         # Info keeps one value per (run, role, engine): the previous digest's series goes.
         self.checksum(e.run_id, "trainer", "").info({"weight_version": e.weight_version, "digest": e.digest})
 
+    @handles(WeightsLoaded)
     def _weights_loaded(self, e: WeightsLoaded) -> None:
         self.weight_version(e.run_id, "engine", e.engine).set(_version(e.weight_version))
         self.checksum(e.run_id, "engine", e.engine).info({"weight_version": e.weight_version, "digest": e.digest})
 
+    @handles(WeightsPublished)
     def _weights_published(self, e: WeightsPublished) -> None:
         for phase, seconds in (("stage", e.stage_seconds), ("load", e.load_seconds), ("total", e.publish_seconds)):
             if seconds > 0:
                 self.publication_seconds(e.run_id, phase).observe(seconds)
 
+    @handles(PublicationVerified)
     def _publication_verified(self, e: PublicationVerified) -> None:
         self.publications(e.run_id, "verified").inc()
         if e.verify_seconds > 0:
             self.verify_seconds(e.run_id).observe(e.verify_seconds)
 
+    @handles(PublicationMismatch)
     def _publication_mismatch(self, e: PublicationMismatch) -> None:
         self.publications(e.run_id, "mismatch").inc()
         self.mismatched(e.run_id).set(len(e.mismatches))
         if e.verify_seconds > 0:
             self.verify_seconds(e.run_id).observe(e.verify_seconds)
 
+    @handles(PublicationFailed)
+    def _publication_failed(self, e: PublicationFailed) -> None:
+        self.publications(e.run_id, "failed").inc()
+
+    @handles(CheckpointFailed)
+    def _checkpoint_failed(self, e: CheckpointFailed) -> None:
+        self.checkpoints(e.run_id, "failed").inc()
+
+    @handles(ActorFailed)
+    def _actor_failed(self, e: ActorFailed) -> None:
+        self.actor_failures(e.run_id, e.actor).inc()
+
+    @handles(CheckpointSaved)
     def _checkpoint_saved(self, e: CheckpointSaved) -> None:
         run = e.run_id
         self.checkpoints(run, "saved").inc()
@@ -355,60 +359,42 @@ class MetricsServer:
         self._thread.join()
 
 
-class MetricsExporter:
-    """A bus subscriber feeding ``RunMetrics``, served at ``url`` until ``close()``."""
+class MetricsExporter(RunMetrics):
+    """``RunMetrics`` of the live run, with the bus's mailbox depths, served at ``url``
+    from ``start`` until ``close``."""
 
-    def __init__(self, bus: EventBus, host: str = "127.0.0.1", port: int = 0, max_batch: int = 256) -> None:
-        self.metrics = RunMetrics()
-        self.metrics.attach_bus(bus)
-        # Serve first: a failure must not leave a subscribed mailbox that nobody drains.
-        self.server = MetricsServer(self.metrics.registry, host, port)
-        self.max_batch = max_batch
-        self.mailbox = bus.subscribe("metrics", (Event,), max_size=max(bus.mailbox_size, 4 * max_batch))
-        self.task: asyncio.Task[None] = asyncio.create_task(self._drain(), name="metrics")
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        super().__init__()
+        self.host = host
+        self.requested_port = port
+        self.server: MetricsServer | None = None
+
+    async def start(self, context: SinkContext) -> None:
+        self.attach_bus(context.bus)
+        self.server = MetricsServer(self.registry, self.host, self.requested_port)
+        logger.info("metrics at %s", self.url)
 
     @property
     def port(self) -> int:
+        assert self.server is not None, "the exporter serves once started"
         return self.server.port
 
     @property
     def url(self) -> str:
+        assert self.server is not None, "the exporter serves once started"
         return self.server.url
 
-    async def _drain(self) -> None:
-        observe = self.metrics.observe
-        warned = False
-        while batch := await self.mailbox.get_batch(self.max_batch):
-            for event in batch:
-                try:
-                    observe(event)
-                except Exception:
-                    # A bad event must cost its metrics, never the run.
-                    if not warned:
-                        warned = True
-                        logger.warning("metrics: cannot observe %s", type(event).__name__, exc_info=True)
-
-    def close(self) -> None:
-        """Stop serving; the task ends by itself once the bus is closed and drained."""
-        if not self.task.done():
-            self.task.cancel()
-        self.server.close()
-
-    async def aclose(self) -> None:
-        """``close()`` off the event loop (shutting the server down waits for its thread)."""
-        if not self.task.done():
-            self.task.cancel()
-        await anyio.to_thread.run_sync(self.server.close)
+    async def close(self) -> None:
+        """Stop serving (off the event loop: shutting the server down waits for its thread)."""
+        if self.server is not None:
+            await anyio.to_thread.run_sync(self.server.close)
 
 
-def attach_metrics(bus: EventBus, session: Session) -> MetricsExporter | None:
-    """Session hook: the exporter of ``session.config.metrics``, or None when disabled."""
-    config = session.config
+def metrics_exporter(config: Config) -> MetricsExporter | None:
+    """The exporter ``config.metrics`` asks for, or None when disabled."""
     if not config.metrics.enabled:
         return None
-    exporter = MetricsExporter(bus, config.metrics.host, config.metrics.port, config.bus.max_batch)
-    logger.info("metrics at %s", exporter.url)
-    return exporter
+    return MetricsExporter(config.metrics.host, config.metrics.port)
 
 
 def metrics_reference() -> str:
@@ -417,7 +403,7 @@ def metrics_reference() -> str:
     lines = [
         "# Metrics reference",
         "",
-        "Generated from `miles_events/sinks/metrics.py` (`python -m miles_events.sinks.metrics`); do not edit.",
+        "Generated from `miles_events/sinks/metrics.py` by `python -m miles_events.app.reference_docs`; do not edit.",
         "",
         "The exporter subscribes to the bus and serves Prometheus metrics at",
         "`http://<metrics.host>:<metrics.port>/metrics` while a run runs (`[metrics]` in the config;",
@@ -442,24 +428,3 @@ def metrics_reference() -> str:
         kind = f"{spec.kind} (live only)" if spec.live_only else spec.kind
         lines.append(f"| `{spec.name}` | {kind} | {labels} | {spec.meaning} | {spec.source} |")
     return "\n".join(lines) + "\n"
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Write ``docs/metrics.md``, or with ``--check`` report whether it is current."""
-    parser = argparse.ArgumentParser(prog="python -m miles_events.sinks.metrics", description="Generate docs/metrics.md.")
-    parser.add_argument("--check", action="store_true", help="exit 1 if docs/metrics.md is out of date")
-    args = parser.parse_args(argv)
-    text = metrics_reference()
-    if args.check:
-        current = DOCS_PATH.exists() and DOCS_PATH.read_text() == text
-        if not current:
-            print(f"{DOCS_PATH} is out of date: run python -m miles_events.sinks.metrics", file=sys.stderr)
-        return 0 if current else 1
-    DOCS_PATH.parent.mkdir(parents=True, exist_ok=True)
-    DOCS_PATH.write_text(text)
-    print(f"wrote {DOCS_PATH}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,9 +1,9 @@
 """Experiment tracking as bus subscribers: TensorBoard event files and Weights & Biases runs.
 
-``attach_tracking(bus, session)`` is a ``Session(on_bus=[...])`` hook. Like the seed's
-``init_tracking(args)`` it runs before any actor starts, and like its
-``finish_tracking()`` in a ``finally`` the session closes the sinks even when the run fails
-or is interrupted. A backend that cannot start raises ``TrackingError`` from the hook, so
+``make_tracking(config)`` gives the sinks of the enabled backends. Like the seed's
+``init_tracking(args)`` they start before any actor starts, and like its
+``finish_tracking()`` in a ``finally`` the session closes them even when the run fails or
+is interrupted. A backend that cannot start raises ``TrackingError`` from its ``start``, so
 the run stops with one line before any work is done.
 
 Every scalar is logged at step ``rollout_id``:
@@ -23,18 +23,17 @@ not logged.
 
 from __future__ import annotations
 
-import asyncio
 import importlib.util
 import logging
 import os
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import anyio
 import msgspec
 
-from miles_events.bus.event_bus import EventBus
+from miles_events.bus.handlers import handles
+from miles_events.sinks.base import Sink, SinkContext
 from schemas.config import Config
 from schemas.events import (
     CheckpointSaved,
@@ -50,41 +49,43 @@ from schemas.events import (
 
 logger = logging.getLogger(__name__)
 
-TRACKED: tuple[type[Event], ...] = (
-    RolloutGenerated, TrainStepFinished, WeightsPublished, PublicationVerified, PublicationMismatch,
-    CheckpointSaved, EvalFinished, RunFinished,
-)  # fmt: skip
 SECTIONS = ("rollout", "train", "perf", "weights", "checkpoint", "eval")
 """Key prefixes; wandb plots every ``<section>/*`` against ``rollout_id``."""
-MAX_BATCH = 256
 
 
 class TrackingError(ValueError):
     """A tracking backend cannot start; the message is one line naming the setting and the fix."""
 
 
-class SessionLike(Protocol):
-    """What the hook needs of ``miles_events.app.session.Session``."""
-
-    config: Config
-    run_id: str
-    run_dir: Path
-
-
 Row = tuple[int, float, dict[str, float]]
 """(rollout_id, event time, scalars)."""
 
 
-def rollout_scalars(event: Event) -> tuple[int, dict[str, float]] | None:
-    """The scalars ``event`` contributes, with their step; None for events without any."""
-    if isinstance(event, RolloutGenerated):
-        return event.rollout_id, {
+class TrackingSink(Sink):
+    """Collects the scalars of each delivered batch and hands them to ``write`` at its
+    end; remembers how the run ended."""
+
+    name = "tracking"
+
+    def __init__(self) -> None:
+        self.exit_code = 1
+        """1 until ``RunFinished`` says otherwise: an interrupted run did not succeed."""
+        self._rows: list[Row] = []
+
+    def _row(self, event: Event, rollout_id: int, scalars: dict[str, float]) -> None:
+        self._rows.append((rollout_id, event.time, scalars))
+
+    @handles(RolloutGenerated)
+    def _rollout_generated(self, event: RolloutGenerated) -> None:
+        self._row(event, event.rollout_id, {
             "rollout/reward_mean": event.reward_mean,
             "rollout/response_tokens": float(event.response_tokens),
             "perf/generate_seconds": event.generate_seconds,
-        }
-    if isinstance(event, TrainStepFinished):
-        return event.rollout_id, {
+        })  # fmt: skip
+
+    @handles(TrainStepFinished)
+    def _train_step_finished(self, event: TrainStepFinished) -> None:
+        self._row(event, event.rollout_id, {
             "train/loss": event.loss,
             "train/pg_loss": event.pg_loss,
             "train/kl": event.kl,
@@ -92,66 +93,52 @@ def rollout_scalars(event: Event) -> tuple[int, dict[str, float]] | None:
             "train/grad_norm": event.grad_norm,
             "train/clipfrac": event.clipfrac,
             "perf/train_seconds": event.train_seconds,
-        }
-    if isinstance(event, WeightsPublished) and event.rollout_id is not None:
+        })  # fmt: skip
+
+    @handles(WeightsPublished)
+    def _weights_published(self, event: WeightsPublished) -> None:
+        if event.rollout_id is None:
+            return
         scalars = {"perf/publish_seconds": event.publish_seconds}
         if event.weight_version.isdigit():
             scalars["weights/version"] = float(event.weight_version)
-        return event.rollout_id, scalars
-    if isinstance(event, PublicationVerified) and event.rollout_id is not None:
-        return event.rollout_id, {"perf/verify_seconds": event.verify_seconds}
-    if isinstance(event, PublicationMismatch) and event.rollout_id is not None:
-        return event.rollout_id, {
-            "perf/verify_seconds": event.verify_seconds,
-            "weights/mismatched_tensors": float(len(event.mismatches)),
-        }
-    if isinstance(event, CheckpointSaved):
-        return event.rollout_id, {"checkpoint/save_seconds": event.save_seconds}
-    if isinstance(event, EvalFinished):
-        return event.rollout_id, {
+        self._row(event, event.rollout_id, scalars)
+
+    @handles(PublicationVerified)
+    def _publication_verified(self, event: PublicationVerified) -> None:
+        if event.rollout_id is not None:
+            self._row(event, event.rollout_id, {"perf/verify_seconds": event.verify_seconds})
+
+    @handles(PublicationMismatch)
+    def _publication_mismatch(self, event: PublicationMismatch) -> None:
+        if event.rollout_id is not None:
+            self._row(event, event.rollout_id, {
+                "perf/verify_seconds": event.verify_seconds,
+                "weights/mismatched_tensors": float(len(event.mismatches)),
+            })  # fmt: skip
+
+    @handles(CheckpointSaved)
+    def _checkpoint_saved(self, event: CheckpointSaved) -> None:
+        self._row(event, event.rollout_id, {"checkpoint/save_seconds": event.save_seconds})
+
+    @handles(EvalFinished)
+    def _eval_finished(self, event: EvalFinished) -> None:
+        self._row(event, event.rollout_id, {
             key if key.startswith("eval/") else f"eval/{key}": value for key, value in event.metrics.items()
-        }
-    return None
+        })  # fmt: skip
 
+    @handles(RunFinished)
+    def _run_finished(self, event: RunFinished) -> None:
+        self.exit_code = 1 if event.status == "failed" else 0
 
-class TrackingSink:
-    """Drains its own mailbox in batches into ``write``; remembers how the run ended.
-
-    The drain never raises: a backend error is logged once and the mailbox keeps draining,
-    since a mailbox nobody empties would stall every publisher (backpressure)."""
-
-    name = "tracking"
-
-    def __init__(self, bus: EventBus) -> None:
-        self.exit_code = 1
-        """1 until ``RunFinished`` says otherwise: an interrupted run did not succeed."""
-        self._failed_once = False
-        self.mailbox = bus.subscribe(self.name, TRACKED, max_size=max(bus.mailbox_size, 2 * MAX_BATCH))
-        self.task = asyncio.create_task(self._drain(), name=self.name)
-
-    async def _drain(self) -> None:
-        while batch := await self.mailbox.get_batch(MAX_BATCH):
-            rows: list[Row] = []
-            for event in batch:
-                if isinstance(event, RunFinished):
-                    self.exit_code = 1 if event.status == "failed" else 0
-                elif (found := rollout_scalars(event)) is not None:
-                    rows.append((found[0], event.time, found[1]))
-            if not rows:
-                continue
-            try:
-                self.write(rows)
-            except Exception:
-                if not self._failed_once:
-                    self._failed_once = True
-                    logger.warning("%s: logging failed; the run goes on", self.name, exc_info=True)
+    def flush(self) -> None:
+        rows, self._rows = self._rows, []
+        if rows:
+            self.write(rows)
 
     def write(self, rows: list[Row]) -> None:
         """Log the rows of one batch (they are flushed before the next batch is awaited)."""
         raise NotImplementedError
-
-    async def aclose(self) -> None:
-        """Finish the backend; called once the mailbox is drained."""
 
 
 class TensorBoardSink(TrackingSink):
@@ -160,9 +147,13 @@ class TensorBoardSink(TrackingSink):
 
     name = "tensorboard"
 
-    def __init__(self, bus: EventBus, writer: Any) -> None:
+    def __init__(self, writer: Any = None) -> None:
+        super().__init__()
         self.writer = writer
-        super().__init__(bus)
+
+    async def start(self, context: SinkContext) -> None:
+        if self.writer is None:
+            self.writer = open_tensorboard(tensorboard_dir(context))
 
     def write(self, rows: list[Row]) -> None:
         for step, walltime, scalars in rows:
@@ -170,8 +161,9 @@ class TensorBoardSink(TrackingSink):
                 self.writer.add_scalar(tag, value, global_step=step, walltime=walltime or None)
         self.writer.flush()
 
-    async def aclose(self) -> None:
-        self.writer.close()
+    async def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
 
 
 class WandbSink(TrackingSink):
@@ -183,12 +175,16 @@ class WandbSink(TrackingSink):
 
     name = "wandb"
 
-    def __init__(self, bus: EventBus, run: Any) -> None:
+    def __init__(self, run: Any = None) -> None:
+        super().__init__()
         self.run = run
-        run.define_metric("rollout_id")
+
+    async def start(self, context: SinkContext) -> None:
+        if self.run is None:
+            self.run = start_wandb(context)
+        self.run.define_metric("rollout_id")
         for section in SECTIONS:
-            run.define_metric(f"{section}/*", step_metric="rollout_id")
-        super().__init__(bus)
+            self.run.define_metric(f"{section}/*", step_metric="rollout_id")
 
     def write(self, rows: list[Row]) -> None:
         by_step: dict[int, dict[str, float]] = {}
@@ -197,29 +193,10 @@ class WandbSink(TrackingSink):
         for step, scalars in by_step.items():
             self.run.log({"rollout_id": step, **scalars})
 
-    async def aclose(self) -> None:
-        # Finishing syncs the run's files (uploads when online): keep the loop free.
-        await anyio.to_thread.run_sync(lambda: self.run.finish(exit_code=self.exit_code))
-
-
-class Tracking:
-    """Every enabled sink as one: ``task`` ends when all mailboxes are drained, ``aclose``
-    finishes each backend (one failing does not keep the others from finishing)."""
-
-    def __init__(self, sinks: Sequence[TrackingSink]) -> None:
-        self.sinks = list(sinks)
-        self.task = asyncio.create_task(self._drained(), name="tracking")
-
-    async def _drained(self) -> None:
-        for sink in self.sinks:
-            await sink.task
-
-    async def aclose(self) -> None:
-        for sink in self.sinks:
-            try:
-                await sink.aclose()
-            except Exception:
-                logger.warning("%s: closing failed", sink.name, exc_info=True)
+    async def close(self) -> None:
+        if self.run is not None:
+            # Finishing syncs the run's files (uploads when online): keep the loop free.
+            await anyio.to_thread.run_sync(lambda: self.run.finish(exit_code=self.exit_code))
 
 
 def _missing(package: str, setting: str) -> TrackingError:
@@ -236,10 +213,10 @@ def check_tracking(config: Config) -> None:
         raise _missing("wandb", "tracking.wandb")
 
 
-def tensorboard_dir(session: SessionLike) -> Path:
+def tensorboard_dir(run: SinkContext) -> Path:
     """``tracking.tensorboard_dir``, else ``<run.dir>/tensorboard/<run_id>``."""
-    configured = session.config.tracking.tensorboard_dir
-    return Path(configured).resolve() if configured else session.run_dir / "tensorboard" / session.run_id
+    configured = run.config.tracking.tensorboard_dir
+    return Path(configured).resolve() if configured else run.run_dir / "tensorboard" / run.run_id
 
 
 def open_tensorboard(log_dir: Path) -> Any:
@@ -254,7 +231,7 @@ def open_tensorboard(log_dir: Path) -> Any:
         raise TrackingError(f"tracking.tensorboard: cannot write event files to {log_dir}: {error}") from None
 
 
-def start_wandb(session: SessionLike) -> Any:
+def start_wandb(session: SinkContext) -> Any:
     """``wandb.init`` for this run: named and identified by ``run_id`` (so a resumed run
     continues its wandb run), with the resolved config, under ``wandb_dir`` or the run dir."""
     tracking = session.config.tracking
@@ -285,26 +262,13 @@ def start_wandb(session: SessionLike) -> Any:
         raise TrackingError(f"tracking.wandb: cannot start a {tracking.wandb_mode} run: {first_line}") from None
 
 
-def attach_tracking(bus: EventBus, session: SessionLike) -> Tracking:
-    """The ``Session`` hook: start every enabled backend, then subscribe their sinks.
-
-    Raises ``TrackingError`` (a ``ValueError``) before anything is subscribed if a backend
-    cannot start; backends already started are closed first."""
-    tracking = session.config.tracking
-    check_tracking(session.config)
-    writer = run = None
-    try:
-        if tracking.tensorboard:
-            writer = open_tensorboard(tensorboard_dir(session))
-        if tracking.wandb:
-            run = start_wandb(session)
-    except BaseException:
-        if writer is not None:
-            writer.close()
-        raise
+def make_tracking(config: Config) -> list[TrackingSink]:
+    """The sinks of every enabled backend; each starts its backend in ``start``, raising
+    ``TrackingError`` (a ``ValueError``) with one line when it cannot."""
+    check_tracking(config)
     sinks: list[TrackingSink] = []
-    if writer is not None:
-        sinks.append(TensorBoardSink(bus, writer))
-    if run is not None:
-        sinks.append(WandbSink(bus, run))
-    return Tracking(sinks)
+    if config.tracking.tensorboard:
+        sinks.append(TensorBoardSink())
+    if config.tracking.wandb:
+        sinks.append(WandbSink())
+    return sinks

@@ -1,0 +1,54 @@
+"""A run directory: where a run's files live, and taking it for one run.
+
+    <run.dir>/events.log               every event of every run in this directory
+    <run.dir>/configs/<run_id>.toml    the resolved config of each run
+    <run.dir>/base_model/              the built-in model, when used
+    <run.dir>/checkpoints/             see ``miles_events.rl.checkpoint``
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from pathlib import Path
+
+from miles_events.bus.event_log import EventLogWriter
+
+logger = logging.getLogger(__name__)
+
+EVENT_LOG = "events.log"
+CONFIGS_DIR = "configs"
+
+
+class RunDirError(ValueError):
+    """The run directory cannot be used; one line says why."""
+
+
+def event_log_path(run_dir: Path) -> Path:
+    return run_dir / EVENT_LOG
+
+
+def run_config_path(run_dir: Path, run_id: str) -> Path:
+    return run_dir / CONFIGS_DIR / f"{run_id}.toml"
+
+
+def new_run_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]
+
+
+def open_event_log(run_dir: Path) -> EventLogWriter:
+    """Create the run directory and take its event log: first, so that a directory that
+    cannot be used, or is in use by another run, fails before anything is written."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        writer = EventLogWriter(event_log_path(run_dir), repair=True)
+    except OSError as error:
+        raise RunDirError(f"run.dir {run_dir}: {error.strerror or error}") from None
+    except RuntimeError as error:  # the log's lock is held
+        raise RunDirError(f"run.dir {run_dir} is in use by another run ({error})") from None
+    except ValueError as error:  # not an event log
+        raise RunDirError(f"run.dir {run_dir}: {error}") from None
+    if writer.torn_copy is not None:
+        logger.warning("%s ended in a torn record (a crash?); its bytes are kept in %s", writer.path, writer.torn_copy)
+    return writer

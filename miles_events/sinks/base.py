@@ -1,0 +1,100 @@
+"""The ``Sink`` protocol: a bus subscriber that observes a run.
+
+A sink handles events with the same ``@handles`` tables as actors, but synchronously and
+without publishing: it folds what it sees into a display, a metrics registry, a tracking
+run or the event log. Its lifecycle is the session's (as aiohttp's ``on_startup`` /
+``on_cleanup``): ``start`` before any actor starts, events in bus order, ``flush`` after
+each batch the bus delivered, ``close`` once the bus is closed and drained.
+
+A sink must never hold up the run: a handler that raises is logged once and the sink
+keeps draining (a stalled mailbox would hold up every publisher through backpressure).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+from miles_events.bus.event_bus import EventBus
+from miles_events.bus.handlers import HandlerTable
+from schemas.config import Config
+from schemas.events import Event
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SinkContext:
+    """What a sink learns of the run at ``start``."""
+
+    run_id: str
+    run_dir: Path
+    config: Config
+    bus: EventBus
+    fail: Callable[[str], Awaitable[None]]
+    """End the run as failed with this reason (for a sink the run cannot go on without)."""
+
+
+class Sink(HandlerTable):
+    """Base class of every sink; subclasses mark their handlers with ``@handles``."""
+
+    name: ClassVar[str] = ""
+    mailbox_size: ClassVar[int | None] = None
+    """Mailbox capacity; None: the bus's default."""
+
+    async def start(self, context: SinkContext) -> None:
+        """Open what the sink writes to (a server, a file, a tracking run)."""
+
+    def observe(self, event: Event) -> None:
+        """Hand ``event`` to its handler, if the sink has one for its type."""
+        method = self.dispatch_name(type(event))
+        if method is not None:
+            getattr(self, method)(event)
+
+    def flush(self) -> None:
+        """The batch the bus delivered has been observed."""
+
+    async def close(self) -> None:
+        """Every event has been observed; release what ``start`` opened."""
+
+
+class SinkHost:
+    """Feeds one sink from its own mailbox, in batches, until the bus closes."""
+
+    def __init__(self, sink: Sink, bus: EventBus, max_batch: int) -> None:
+        self.sink = sink
+        self.max_batch = max_batch
+        size = sink.mailbox_size or max(bus.mailbox_size, 4 * max_batch)
+        self.mailbox = bus.subscribe(sink.name, tuple(sink.handlers()), max_size=size)
+        self._failed_once = False
+        self.task = asyncio.create_task(self._drain(), name=f"sink-{sink.name}")
+
+    def _guarded(self, fn: Callable[..., None], *args: object) -> None:
+        try:
+            fn(*args)
+        except Exception:
+            if not self._failed_once:
+                self._failed_once = True
+                logger.warning("sink %s failed; the run goes on", self.sink.name, exc_info=True)
+
+    async def _drain(self) -> None:
+        observe = self.sink.observe
+        while batch := await self.mailbox.get_batch(self.max_batch):
+            for event in batch:
+                try:
+                    observe(event)
+                except Exception:
+                    if not self._failed_once:
+                        self._failed_once = True
+                        logger.warning(
+                            "sink %s failed on %s; the run goes on", self.sink.name, type(event).__name__, exc_info=True
+                        )
+            self._guarded(self.sink.flush)
+
+    async def join(self) -> None:
+        """After the bus is closed: the last events observed."""
+        await self.task

@@ -1,0 +1,21 @@
+"""The run plan: what the driver works out before any actor starts, handed to every actor."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class RunPlan(msgspec.Struct, frozen=True, kw_only=True):
+    """The loop's bounds, and where a resumed run picks up."""
+
+    start_rollout_id: int
+    num_rollout: int
+    num_rollout_per_epoch: int
+    resumed: bool = False
+    weight_version: str = "default"
+    """The trainer's version at start: ``"default"`` on a fresh run, the saved one on resume."""
+    engines: tuple[str, ...] = ()
+    runtime: str = "local"
+    config_digest: str = ""
+    resume_checkpoint: str | None = None
+    """The checkpoint directory the trainer restores (verified once, by the plan)."""

@@ -1,0 +1,150 @@
+"""The dependency direction of the house, checked on every module's imports.
+
+    schemas  <-  miles_events (bus, runtime, transport, rl, sinks)  <-  actors  <-  miles_events.app
+
+An import is an ``import`` / ``from ... import`` statement anywhere in a module (inside
+functions too), a call of ``importlib.import_module`` or ``__import__`` with a literal
+name, or a ``"package.module:Attribute"`` string (the form backend registries use for lazy
+imports).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("schemas", "miles_events", "actors")
+_LAZY_REFERENCE = re.compile(r"^((?:schemas|miles_events|actors)(?:\.\w+)+):\w+$")
+
+# Layer of a module -> the layers it may import. A layer is a package prefix.
+FRAMEWORK = ("miles_events.bus", "miles_events.runtime", "miles_events.transport", "miles_events.rl", "miles_events.sinks")
+ALLOWED: dict[str, tuple[str, ...]] = {
+    "schemas": ("schemas",),
+    "miles_events.rl": ("schemas", "miles_events.rl"),
+    "miles_events.transport": ("schemas", "miles_events.transport"),
+    "miles_events.bus": ("schemas", "miles_events.bus", "miles_events.transport"),
+    "miles_events.runtime": ("schemas", "miles_events.bus", "miles_events.transport", "miles_events.runtime"),
+    "miles_events.sinks": ("schemas", "miles_events.bus", "miles_events.rl", "miles_events.sinks"),
+    "actors": ("schemas", "miles_events.bus", "miles_events.rl", "miles_events.transport"),
+    "miles_events.app": ("schemas", *FRAMEWORK, "actors", "miles_events.app"),
+    # The entry points and the package itself.
+    "miles_events": ("miles_events.app",),
+}
+# An actor never imports another actor; it may import its own backends' package.
+OWN_BACKENDS = {
+    "actors.generator": ("actors.engine",),
+    "actors.trainer": ("actors.trainer_backend",),
+    "actors.engine": ("actors.engine",),
+    "actors.trainer_backend": ("actors.trainer_backend",),
+}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def source_modules() -> list[Path]:
+    return sorted(p for package in PACKAGES for p in (REPO / package).rglob("*.py"))
+
+
+def _is_docstring(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
+    parent = parents.get(node)
+    return isinstance(parent, ast.Expr)
+
+
+def imported_modules(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every import of one of our packages in ``path``."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                raise AssertionError(f"{path}:{node.lineno}: relative import; use the absolute module path")
+            base = node.module or ""
+            # ``from pkg import module`` imports the module where one exists.
+            for alias in node.names:
+                candidate = f"{base}.{alias.name}"
+                found.append((node.lineno, candidate if _exists(candidate) else base))
+        elif isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+            if name in ("import_module", "__import__") and node.args and isinstance(node.args[0], ast.Constant):
+                found.append((node.lineno, str(node.args[0].value)))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and not _is_docstring(node, parents):
+            match = _LAZY_REFERENCE.match(node.value)
+            if match:
+                found.append((node.lineno, match.group(1)))
+    return [(line, module) for line, module in found if module.split(".")[0] in PACKAGES]
+
+
+def _exists(module: str) -> bool:
+    relative = Path(*module.split("."))
+    return (REPO / relative.with_suffix(".py")).is_file() or (REPO / relative / "__init__.py").is_file()
+
+
+def layer_of(module: str) -> str:
+    """The most specific layer prefix of ``module``."""
+    for layer in sorted(ALLOWED, key=len, reverse=True):
+        if module == layer or module.startswith(layer + "."):
+            return layer
+    raise AssertionError(f"{module} belongs to no layer")
+
+
+def _within(module: str, prefixes: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def violations(path: Path) -> list[str]:
+    importer = module_name(path)
+    layer = layer_of(importer)
+    allowed = ALLOWED[layer] + (importer,)
+    if layer == "actors":
+        allowed += next((v for k, v in OWN_BACKENDS.items() if _within(importer, (k,))), ())
+    return [
+        f"{path.relative_to(REPO)}:{line}: {importer} ({layer}) imports {module}"
+        for line, module in imported_modules(path)
+        if not _within(module, allowed)
+    ]
+
+
+def test_every_module_imports_only_along_the_dependency_direction():
+    problems = [p for path in source_modules() for p in violations(path)]
+    assert not problems, "imports against the dependency direction:\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize(
+    ("importer", "source", "expected"),
+    [
+        ("schemas/x.py", "from miles_events.bus.event_bus import EventBus\n", 1),
+        ("miles_events/rl/x.py", "def f():\n    from miles_events.bus import event_bus\n", 1),
+        ("miles_events/bus/x.py", "import importlib\nimportlib.import_module('actors.saver')\n", 1),
+        ("miles_events/sinks/x.py", "__import__('miles_events.app.session')\n", 1),
+        ("miles_events/runtime/x.py", "ENGINES = {'torch': 'actors.engine.torch_engine:TorchEngine'}\n", 1),
+        ("actors/verifier_x.py", "from actors.saver import Saver\n", 1),
+        ("actors/generator.py", "from actors.engine.base import Engine\n", 0),
+        ("actors/x.py", "from miles_events.runtime.local import LocalRuntime\n", 1),
+        ("actors/x.py", "from miles_events.sinks.metrics import RunMetrics\n", 1),
+        ("miles_events/app/x.py", "from actors.saver import Saver\n", 0),
+        ("miles_events/rl/x.py", '"""Mentions miles_events.app.session:Session in a docstring."""\n', 0),
+    ],
+)
+def test_the_check_catches_imports_against_the_direction(tmp_path, monkeypatch, importer, source, expected):
+    fake_repo = tmp_path
+    target = fake_repo / importer
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(source)
+    for module in ("actors/saver.py", "actors/engine/base.py", "miles_events/bus/event_bus.py"):
+        (fake_repo / module).parent.mkdir(parents=True, exist_ok=True)
+        (fake_repo / module).touch()
+    monkeypatch.setitem(globals(), "REPO", fake_repo)
+    assert len(violations(target)) == expected
