@@ -22,6 +22,7 @@ from typing import Any
 import msgspec
 
 from miles_events.bus.actor import Actor, WorkerGroup
+from miles_events.bus.clock import SYSTEM_CLOCK, Clock, wait_for
 from miles_events.bus.codec import decode_batch, encode_batch
 from miles_events.bus.event_bus import BusClosed, EventBus, Mailbox
 from miles_events.bus.host import ActorHost, HostContext, describe_error
@@ -105,8 +106,11 @@ class RemoteActorHost:
 class RemoteActorProxy:
     """Driver side of one remote actor."""
 
-    def __init__(self, bus: EventBus, name: str, handle: Any, mailbox: Mailbox, max_batch: int) -> None:
+    def __init__(
+        self, bus: EventBus, name: str, handle: Any, mailbox: Mailbox, max_batch: int, clock: Clock = SYSTEM_CLOCK
+    ) -> None:
         self.bus = bus
+        self.clock = clock
         self.name = name
         self.handle = handle
         self.mailbox = mailbox
@@ -180,7 +184,7 @@ class RemoteActorProxy:
         forward = self._tasks[0]
         try:
             # The mailbox is closed: forwarding ends after the last batch is handled.
-            await asyncio.wait_for(asyncio.shield(forward), timeout)
+            await wait_for(asyncio.shield(forward), timeout, self.clock)
         except TimeoutError:
             logger.warning("actor %s still busy %.0fs after the run ended; killing it", self.name, timeout)
             forward.cancel()
@@ -191,7 +195,7 @@ class RemoteActorProxy:
             except Exception as error:
                 logger.warning("stopping %s failed: %s", self.name, error)
         try:
-            await asyncio.wait_for(self._tasks[1], timeout=30)
+            await wait_for(self._tasks[1], 30, self.clock)
         except TimeoutError:
             self._tasks[1].cancel()
 
@@ -266,7 +270,7 @@ class RayRuntime:
             placed[role] = group
         timeout = config.ray.actor_start_timeout
         try:
-            await asyncio.wait_for(asyncio.gather(*(g.ready() for g in placed.values())), timeout)
+            await wait_for(asyncio.gather(*(g.ready() for g in placed.values())), timeout, self.run.clock)
         except TimeoutError:
             import ray
 
@@ -313,7 +317,7 @@ class RayRuntime:
         # Start them all at once: model loading overlaps across processes.
         starts = [h.start.remote() for _, h in remote]
         try:
-            pids = await asyncio.wait_for(asyncio.gather(*starts, return_exceptions=True), timeout)
+            pids = await wait_for(asyncio.gather(*starts, return_exceptions=True), timeout, self.run.clock)
         except TimeoutError:
             raise RuntimeError(f"actors did not start within {timeout:g}s") from None
         for (cls, _), result in zip(remote, pids, strict=True):
@@ -323,7 +327,7 @@ class RayRuntime:
                 raise ActorStartError(f"{cls.name}: {describe_error(cause or result)}") from None
         for (cls, handle), pid in zip(remote, pids, strict=True):
             mailbox = bus.subscribe(cls.name, tuple(cls.handlers()))
-            self.proxies.append(RemoteActorProxy(bus, cls.name, handle, mailbox, config.bus.max_batch))
+            self.proxies.append(RemoteActorProxy(bus, cls.name, handle, mailbox, config.bus.max_batch, self.run.clock))
             logger.info("started %s (ray actor, pid %d)", cls.name, pid)
         for cls in actor_classes:
             if cls.resources(config).role == "driver":
