@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from miles_events.rl import checksum
-from miles_events.rl.checksum import checksums_digest, fingerprints, tensor_fingerprint
+from miles_events.rl.checksum import fingerprints, per_engine_checksum, per_gpu_checksum, tensor_fingerprint
 
 
 @pytest.mark.parametrize(
@@ -61,8 +61,32 @@ def test_skip_list_and_order_independent_digest():
     tensors = {"a.weight": torch.ones(2), "visual.proj": torch.zeros(2), "b.bias": torch.ones(3)}
     sums = fingerprints(tensors, skip_tensor_list=["visual"])
     assert set(sums) == {"a.weight", "b.bias"}
-    assert checksums_digest(sums) == checksums_digest(dict(reversed(list(sums.items()))))
-    assert checksums_digest(sums) != checksums_digest({**sums, "b.bias": "0" * 16})
+    assert per_gpu_checksum(sums) == per_gpu_checksum(dict(reversed(list(sums.items()))))
+    assert per_gpu_checksum(sums) != per_gpu_checksum({**sums, "b.bias": "0" * 16})
+
+
+# Computed by hand, outside Python:
+#   printf '%s' 'a.weight0000000000000001b.bias00000000000000ff' | sha256sum
+#   printf '%s' <that digest> | sha256sum ;  printf '%s%s' <that digest> <sha256 of ""> | sha256sum
+PER_GPU = "8fb6d1075a96a01035d3a6c91799e8ee9f0857ec4660c5b679418c4671f6972b"
+EMPTY = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
+
+
+def test_per_gpu_checksum_is_sglangs_definition():
+    """sha256 over name + hex of every tensor in sorted name order, no separators."""
+    assert per_gpu_checksum({"b.bias": "00000000000000ff", "a.weight": "0000000000000001"}) == PER_GPU
+    assert per_gpu_checksum({}) == EMPTY
+    # Names sort by code point, as Python's sorted() in SGLang does.
+    assert per_gpu_checksum(
+        {"model.embed_tokens.weight": "0123456789abcdef", "lm_head.weight": "fedcba9876543210"}
+    ) == "57e72479daf2127d2c04676e5a673017e578f65ec92018ec230261af13517c06"
+
+
+def test_per_engine_checksum_is_sglangs_definition():
+    """sha256 over the per-GPU checksums joined in TP-rank order, no separators."""
+    assert per_engine_checksum([PER_GPU]) == "abafd10f3b3a7c3cde530157d00f89b8499750593ee6aba044df204a99673020"
+    assert per_engine_checksum([PER_GPU, EMPTY]) == "13d6f2aa92051c2b2b575240df89302c9270d00bc17155744657e3b3297299c8"
+    assert per_engine_checksum([EMPTY, PER_GPU]) != per_engine_checksum([PER_GPU, EMPTY])
 
 
 @pytest.mark.gpu

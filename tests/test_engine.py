@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from actors.engine import SamplingParams, TorchEngine, sample_tokens
-from miles_events.rl.checksum import checksums_digest, fingerprints
+from miles_events.rl.checksum import fingerprints, per_gpu_checksum
 from miles_events.rl.hf_model import prepare_base_model
 from schemas.checksums import EngineChecksumReport
 from schemas.config import BuiltinModelConfig, ModelConfig
@@ -308,8 +308,8 @@ def test_checksum_action_returns_an_sglang_shaped_report(engine: TorchEngine) ->
     report = msgspec.convert({k: v for k, v in result.items() if k != "weight_version"}, EngineChecksumReport)
     [rank] = report.ranks
     assert report.success and rank.checksums == engine.checksums(skip_tensor_list=["norm"])
-    assert rank.per_gpu_checksum == checksums_digest(rank.checksums)
-    assert report.per_engine_checksum == hashlib.sha256(rank.per_gpu_checksum.encode() + b"\n").hexdigest()
+    assert rank.per_gpu_checksum == per_gpu_checksum(rank.checksums)
+    assert report.per_engine_checksum == hashlib.sha256(rank.per_gpu_checksum.encode()).hexdigest()
     assert result["weight_version"] == "default"
 
 

@@ -13,7 +13,7 @@ import torch
 
 from actors.generator import Generator, engine_seed, sorted_versions
 from miles_events.bus.actor import Resources
-from miles_events.rl.checksum import checksums_digest, fingerprints
+from miles_events.rl.checksum import checksums_digest, fingerprints, per_gpu_checksum
 from miles_events.rl.hf_model import load_model, prepare_base_model
 from miles_events.rl.prompts import load_prompts, rollout_prompts
 from miles_events.transport.base import InProcessTransport, Transport
@@ -293,7 +293,7 @@ async def test_checksum_check_reports_each_engines_served_checksums(
     assert [e.engine for e in finished] == ["engine-0", "engine-1"]
     for event in finished:
         assert event.success and event.action == "checksum" and event.request_id == "r1"
-        assert event.checksums == expected and event.digest == checksums_digest(expected)
+        assert event.checksums == expected and event.digest == per_gpu_checksum(expected)
         assert event.weight_version == "default"
 
 

@@ -1,6 +1,6 @@
 """Inference engines behind the Generator: the ``Engine`` seam and the embedded PyTorch one."""
 
-from actors.engine.base import Completion, Engine, GenerateRequest, SamplingParams, per_engine_checksum
+from actors.engine.base import Completion, Engine, GenerateRequest, SamplingParams
 from actors.engine.torch_engine import TorchEngine, sample_tokens
 
 __all__ = [
@@ -9,6 +9,5 @@ __all__ = [
     "GenerateRequest",
     "SamplingParams",
     "TorchEngine",
-    "per_engine_checksum",
     "sample_tokens",
 ]

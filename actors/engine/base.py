@@ -7,12 +7,11 @@ engine that drives an SGLang server over HTTP would implement the same methods w
 ``/generate``, ``/update_weights_from_*`` and ``/weights_checker``.
 
 The module also holds the engine-independent pieces of those contracts: stop-string
-matching, the snapshot comparison (bitwise, or within one ULP) and the per-engine checksum.
+matching and the snapshot comparison (bitwise, or within one ULP).
 """
 
 from __future__ import annotations
 
-import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -125,15 +124,6 @@ class Engine(ABC):
 
     def close(self) -> None:
         """Release the engine's memory."""
-
-
-def per_engine_checksum(per_gpu_checksums: Iterable[str]) -> str:
-    """sha256 over the per-GPU checksums of one engine, in rank order, one per line."""
-    h = hashlib.sha256()
-    for checksum in per_gpu_checksums:
-        h.update(checksum.encode())
-        h.update(b"\n")
-    return h.hexdigest()
 
 
 def find_stop(text: str, stops: Sequence[str]) -> tuple[int, str | None]:

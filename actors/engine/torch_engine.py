@@ -43,10 +43,9 @@ from actors.engine.base import (
     WeightsCheckAction,
     find_stop,
     name_list,
-    per_engine_checksum,
     tensors_match,
 )
-from miles_events.rl.checksum import checksums_digest, fingerprints, is_skipped
+from miles_events.rl.checksum import fingerprints, is_skipped, per_engine_checksum, per_gpu_checksum
 from miles_events.rl.hf_model import load_model, load_tokenizer
 from schemas.checksums import EngineChecksumReport, RankChecksums
 
@@ -303,7 +302,7 @@ class TorchEngine(Engine):
 
     def _checksum_report(self, selected: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         checksums = fingerprints(selected)
-        per_gpu = checksums_digest(checksums)
+        per_gpu = per_gpu_checksum(checksums)
         report = EngineChecksumReport(
             success=True,
             message=f"checksums of {len(checksums)} tensors",

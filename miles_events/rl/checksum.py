@@ -5,7 +5,8 @@ exactly the bytes it serves; equal fingerprints mean (with overwhelming probabil
 bytes. The per-tensor fingerprint is a 64-bit position-dependent multiply-xorshift hash of
 the tensor's raw words, computed with torch integer ops so that it runs where the tensor
 lives (CPU or GPU) at memory bandwidth, then bound to dtype and shape. The digest over a
-whole set follows SGLang's ``per_gpu_checksum``: sha256 over the sorted name/hash pairs.
+whole set is SGLang's ``per_gpu_checksum`` (sha256 over the sorted name + hash pairs), and
+the digest of an engine's ranks its ``per_engine_checksum``: one definition each, here.
 """
 
 from __future__ import annotations
@@ -115,8 +116,20 @@ def fingerprints(
     return {name: tensor_fingerprint(t) for name, t in tensors.items() if not is_skipped(name, skip)}
 
 
+def per_gpu_checksum(checksums: Mapping[str, str]) -> str:
+    """SGLang's ``per_gpu_checksum``: sha256 over ``name + fingerprint`` of every tensor, in
+    sorted name order, with no separators (``utils/weight_checker.py``)."""
+    return hashlib.sha256(b"".join(name.encode() + checksums[name].encode() for name in sorted(checksums))).hexdigest()
+
+
+def per_engine_checksum(per_gpu_checksums: Iterable[str]) -> str:
+    """SGLang's ``per_engine_checksum``: sha256 over the per-GPU checksums of one engine joined
+    in TP-rank order, with no separators."""
+    return hashlib.sha256("".join(per_gpu_checksums).encode()).hexdigest()
+
+
 def checksums_digest(checksums: Mapping[str, str]) -> str:
-    """sha256 over the sorted ``name`` / ``fingerprint`` pairs (SGLang's per-GPU checksum)."""
+    """sha256 over the sorted ``name`` / ``fingerprint`` pairs, with separators."""
     h = hashlib.sha256()
     for name in sorted(checksums):
         h.update(name.encode())
