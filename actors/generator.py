@@ -34,6 +34,7 @@ from miles_events.bus.actor import Actor, ActorContext, Resources, handles
 from miles_events.rl.checksum import checksums_digest
 from miles_events.rl.prompts import Prompt, load_prompts, rollout_prompts
 from miles_events.rl.rewards import load_function
+from miles_events.rl.versions import engine_names
 from schemas.config import Config
 from schemas.events import (
     DataReleased,
@@ -86,12 +87,12 @@ class Generator(Actor):
         return [
             TorchEngine.from_pretrained(
                 str(self.config.model.path),
-                name=f"engine-{index}",
+                name=name,
                 dtype=self.config.model.dtype,
                 device=f"cuda:{index % gpus}" if gpus else "cpu",
                 max_batch_size=self.config.rollout.max_batch_size,
             )
-            for index in range(self.config.rollout.num_engines)
+            for index, name in enumerate(engine_names(self.config))
         ]
 
     async def stop(self) -> None:

@@ -16,9 +16,9 @@ Sampling follows what an RL trainer needs from an engine:
   and is cut before the stop string (see ``Completion``); ``max_new_tokens`` gives "length".
 
 Served weights are the model's ``state_dict()`` (so non-persistent buffers such as rotary
-``inv_freq`` are not weights), without tied duplicates: with tied embeddings only the first
-name of a shared tensor (``model.embed_tokens.weight``) is served and checksummed, and a
-load may name the tensor by either name.
+``inv_freq`` are not weights), without tied duplicates (``miles_events.rl.weights``): with
+tied embeddings only the first name of a shared tensor (``model.embed_tokens.weight``) is
+served and checksummed, and a load may name the tensor by either name.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from actors.engine.base import (
 )
 from miles_events.rl.checksum import fingerprints, is_skipped, per_engine_checksum, per_gpu_checksum
 from miles_events.rl.hf_model import load_model, load_tokenizer
+from miles_events.rl.weights import split_tied
 from schemas.checksums import EngineChecksumReport, RankChecksums
 
 
@@ -69,7 +70,7 @@ class TorchEngine(Engine):
         self.max_batch_size = max_batch_size
         self.device = next(model.parameters()).device
         self._weight_version = "default"
-        self._served, self._aliases = _served_tensors(model)
+        self._served, self._aliases = split_tied(model.state_dict())
         self._snapshot: dict[str, torch.Tensor] | None = None
         self._eos_ids = _eos_token_ids(model, tokenizer)
         pad = tokenizer.pad_token_id
@@ -388,21 +389,6 @@ def sample_tokens(
         picked = torch.searchsorted(cdf, threshold, right=True).clamp(max=cdf.shape[-1] - 1)
         tokens = (order.gather(-1, picked) if order is not None else picked).squeeze(-1)
     return tokens, logprobs_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-
-
-def _served_tensors(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """(name -> tensor without tied duplicates, duplicate name -> the name it shares with)."""
-    served: dict[str, torch.Tensor] = {}
-    aliases: dict[str, str] = {}
-    owner_of: dict[tuple[Any, ...], str] = {}
-    for name, tensor in model.state_dict().items():
-        key = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
-        if tensor.numel() and key in owner_of:
-            aliases[name] = owner_of[key]
-            continue
-        owner_of.setdefault(key, name)
-        served[name] = tensor
-    return served, aliases
 
 
 def _eos_token_ids(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
