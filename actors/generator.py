@@ -1,7 +1,8 @@
 """The Generator: inference engines that turn prompts into scored rollout samples.
 
-It owns ``rollout.num_engines`` engines ("engine-0", "engine-1", ...), all bootstrapped from
-``model.path`` and serving version ``"default"``, and reacts to:
+It owns ``generator.num_engines`` engines ("engine-0", "engine-1", ...) of the backend
+``generator.engine``, all bootstrapped from ``model.path`` and serving version ``"default"``,
+and reacts to:
 
 - ``RolloutRequested``: samples ``n_samples_per_prompt`` completions for each prompt of the
   rollout (one group per prompt; groups go to engines round-robin), scores them with the
@@ -15,8 +16,9 @@ It owns ``rollout.num_engines`` engines ("engine-0", "engine-1", ...), all boots
   ``WeightsCheckFinished`` per engine.
 - ``DataReleased`` of a batch it owns: frees it.
 
-Engines run on CUDA when this process sees a GPU (engine i on GPU i modulo the count),
-on CPU otherwise. ``rollout.num_threads`` sets torch's thread count for the whole process.
+The embedded ``torch`` engines run on CUDA when this process sees a GPU (engine i on GPU i
+modulo the count), on CPU otherwise. ``rollout.num_threads`` sets torch's thread count for
+the whole process.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ import anyio
 import msgspec
 import torch
 
-from actors.engine import SamplingParams, TorchEngine
+from actors.engine import build_engine
+from actors.engine.base import Engine, SamplingParams
 from miles_events.bus.actor import Actor, ActorContext, Resources, handles
 from miles_events.rl.checksum import checksums_digest
 from miles_events.rl.prompts import Prompt, load_prompts, rollout_prompts
@@ -59,7 +62,7 @@ class Generator(Actor):
 
     def __init__(self, config: Config, context: ActorContext) -> None:
         super().__init__(config, context)
-        self.engines: list[TorchEngine] = []
+        self.engines: list[Engine] = []
         self.prompts: list[Prompt] = []
         self.eval_prompts: list[Prompt] = []
         self.reward_fn: RewardFn | None = None
@@ -82,16 +85,9 @@ class Generator(Actor):
         self.reward_fn = load_function(rollout.reward_fn)
         self.engines = await anyio.to_thread.run_sync(self._load_engines)
 
-    def _load_engines(self) -> list[TorchEngine]:
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    def _load_engines(self) -> list[Engine]:
         return [
-            TorchEngine.from_pretrained(
-                str(self.config.model.path),
-                name=name,
-                dtype=self.config.model.dtype,
-                device=f"cuda:{index % gpus}" if gpus else "cpu",
-                max_batch_size=self.config.rollout.max_batch_size,
-            )
+            build_engine(self.config, index=index, name=name)
             for index, name in enumerate(engine_names(self.config))
         ]
 
@@ -202,7 +198,7 @@ class Generator(Actor):
 
     def _generate_groups(
         self,
-        engine: TorchEngine,
+        engine: Engine,
         prompts: Sequence[Prompt],
         groups: list[int],
         n_samples: int,
@@ -245,7 +241,7 @@ class Generator(Actor):
             previous = engine.weight_version
             started = time.perf_counter()
 
-            def load(engine: TorchEngine = engine) -> dict[str, str]:
+            def load(engine: Engine = engine) -> dict[str, str]:
                 engine.load_weights(tensors, event.weight_version)
                 return engine.checksums(skip)
 

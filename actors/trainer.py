@@ -23,7 +23,8 @@ import anyio
 import msgspec
 import torch
 
-from actors.trainer_backend import TrainerBackend, TrainMetrics, build_backend
+from actors.trainer_backend import build_backend
+from actors.trainer_backend.base import TrainerBackend, TrainMetrics
 from miles_events.bus.actor import Actor, ActorContext, Resources, handles
 from miles_events.rl.checksum import checksums_digest, fingerprints
 from miles_events.rl.hf_model import DTYPES

@@ -175,6 +175,8 @@ def test_a_failing_handler_stops_the_run_with_one_clear_line(tmp_path):
         ('data.prompt_data="missing.jsonl"', "missing.jsonl"),
         ('rollout.reward_fn="no.such.module.fn"', "no.such.module"),
         ('run.dir="/dev/null/run"', "run.dir /dev/null/run"),
+        ('generator.engine="no_such_engine"', "generator.engine: unknown engine 'no_such_engine'; known: torch"),
+        ('trainer.backend="no_such_backend"', "trainer.backend: unknown trainer backend 'no_such_backend'; known: torch"),
     ],
 )
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, override, expected):
@@ -220,7 +222,7 @@ def test_an_engine_serving_different_weights_is_caught(tmp_path, continue_on_mis
     from actors.verifier import Verifier
 
     config = load_config(TINY, [
-        *SMALL, f'run.dir="{tmp_path}"', "metrics.port=0", 'run.runtime="local"', "run.num_rollout=4", "rollout.num_engines=2",
+        *SMALL, f'run.dir="{tmp_path}"', "metrics.port=0", 'run.runtime="local"', "run.num_rollout=4", "generator.num_engines=2",
         f"verifier.continue_on_mismatch={str(continue_on_mismatch).lower()}",
     ])
     session = Session(config, [CorruptingGenerator, Trainer, Publisher, Verifier, Saver])

@@ -9,7 +9,8 @@ import msgspec
 import pytest
 import torch
 
-from actors.engine import SamplingParams, TorchEngine, sample_tokens
+from actors.engine.base import SamplingParams
+from actors.engine.torch_engine import TorchEngine, sample_tokens
 from miles_events.rl.checksum import fingerprints, per_gpu_checksum
 from miles_events.rl.hf_model import prepare_base_model
 from schemas.checksums import EngineChecksumReport

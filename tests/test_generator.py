@@ -17,7 +17,15 @@ from miles_events.rl.checksum import checksums_digest, fingerprints, per_gpu_che
 from miles_events.rl.hf_model import load_model, prepare_base_model
 from miles_events.rl.prompts import load_prompts, rollout_prompts
 from miles_events.transport.base import InProcessTransport, Transport
-from schemas.config import Config, DataConfig, ModelConfig, RolloutConfig, RunConfig, VerifierConfig
+from schemas.config import (
+    Config,
+    DataConfig,
+    GeneratorConfig,
+    ModelConfig,
+    RolloutConfig,
+    RunConfig,
+    VerifierConfig,
+)
 from schemas.events import (
     DataReleased,
     EvalFinished,
@@ -85,7 +93,6 @@ def prompt_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def make_config(model_dir: Path, prompt_file: Path, tmp_path: Path, **rollout: object) -> Config:
     rollout_fields = {
-        "num_engines": 2,
         "max_new_tokens": 4,
         "reward_fn": f"{__name__}.response_length_reward",
         **rollout,
@@ -97,6 +104,7 @@ def make_config(model_dir: Path, prompt_file: Path, tmp_path: Path, **rollout: o
             prompt_data=str(prompt_file), rollout_batch_size=ROLLOUT_BATCH, n_samples_per_prompt=N_SAMPLES
         ),
         rollout=RolloutConfig(**rollout_fields),  # type: ignore[arg-type]
+        generator=GeneratorConfig(num_engines=2),
     )
 
 

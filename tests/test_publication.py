@@ -9,7 +9,7 @@ import torch
 from actors.publisher import Publisher
 from actors.verifier import Verifier
 from miles_events.rl.checksum import checksums_digest, fingerprints
-from schemas.config import Config, PublisherConfig, RolloutConfig, VerifierConfig
+from schemas.config import Config, GeneratorConfig, PublisherConfig, VerifierConfig
 from schemas.data import DataRef
 from schemas.events import (
     DataReleased,
@@ -28,7 +28,7 @@ REF = DataRef("inprocess", "weights-v1", "trainer")
 
 
 def config(engines: int = 2, **publisher) -> Config:
-    return Config(rollout=RolloutConfig(num_engines=engines), publisher=PublisherConfig(**publisher))
+    return Config(generator=GeneratorConfig(num_engines=engines), publisher=PublisherConfig(**publisher))
 
 
 def staged(version: str, checksums: dict[str, str] | None = None) -> WeightsStaged:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from actors.trainer import Trainer, staleness_max
-from actors.trainer_backend import TorchTrainerBackend
+from actors.trainer_backend.torch_backend import TorchTrainerBackend
 from miles_events.rl.checksum import checksums_digest, fingerprints
 from miles_events.rl.hf_model import prepare_base_model
 from miles_events.transport.base import InProcessTransport, Transport

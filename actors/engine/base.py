@@ -19,6 +19,8 @@ from typing import Any, Literal
 
 import torch
 
+from schemas.config import Config
+
 Selector = Literal["all", "target", "draft"]
 WeightsCheckAction = Literal["checksum", "snapshot", "reset_tensors", "compare"]
 WEIGHTS_CHECK_ACTIONS: tuple[str, ...] = ("checksum", "snapshot", "reset_tensors", "compare")
@@ -80,6 +82,11 @@ class Engine(ABC):
     """One inference engine (one served copy of the policy)."""
 
     name: str
+
+    @classmethod
+    @abstractmethod
+    def from_config(cls, config: Config, *, index: int, name: str) -> Engine:
+        """Engine ``index`` of a run, called ``name``, bootstrapped from ``model.path``."""
 
     @property
     @abstractmethod

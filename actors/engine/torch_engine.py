@@ -49,6 +49,7 @@ from miles_events.rl.checksum import fingerprints, is_skipped, per_engine_checks
 from miles_events.rl.hf_model import load_model, load_tokenizer
 from miles_events.rl.weights import split_tied
 from schemas.checksums import EngineChecksumReport, RankChecksums
+from schemas.config import Config
 
 
 class TorchEngine(Engine):
@@ -92,6 +93,21 @@ class TorchEngine(Engine):
         """Load the model and tokenizer of a Hugging Face directory onto ``device``."""
         model = load_model(path, dtype).to(torch.device(device))
         return cls(model, load_tokenizer(path), name=name, max_batch_size=max_batch_size)
+
+    @classmethod
+    def from_config(cls, config: Config, *, index: int, name: str) -> TorchEngine:
+        """On CUDA when this process sees a GPU (engine ``index`` on GPU ``index`` modulo the
+        count), on CPU otherwise."""
+        if config.model.path is None:
+            raise ValueError("model.path is unset: the driver writes the base model before actors start")
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return cls.from_pretrained(
+            config.model.path,
+            name=name,
+            dtype=config.model.dtype,
+            device=f"cuda:{index % gpus}" if gpus else "cpu",
+            max_batch_size=config.rollout.max_batch_size,
+        )
 
     @property
     def weight_version(self) -> str:
