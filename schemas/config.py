@@ -128,8 +128,9 @@ class TrainerConfig(Section):
 
 
 class PublisherConfig(Section):
-    transport: Literal["auto", "inprocess", "shm"] = "auto"
-    """``auto``: in-process on the local runtime, shared memory on ray."""
+    transport: Literal["auto", "inprocess", "shm", "disk"] = "auto"
+    """``auto``: in-process on the local runtime, shared memory on ray; ``disk``: files under
+    ``<run.dir>/transport`` (a handle is a path)."""
     stage_timeout: PositiveFloat = 120.0
     load_timeout: PositiveFloat = 120.0
     """Seconds each phase may take before the publication fails."""

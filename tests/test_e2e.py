@@ -156,6 +156,16 @@ def test_resume_continues_with_the_same_rollouts_versions_and_weights(tmp_path):
         assert torch.equal(tensor, b.weights[name]), name
 
 
+def test_a_run_publishes_through_the_disk_transport(tmp_path):
+    result = run_cli(tmp_path, 'run.runtime="local"', "run.num_rollout=1", 'publisher.transport="disk"', "generator.num_engines=2")
+    assert result.returncode == 0, result.stderr[-2000:]
+    log = events(tmp_path)
+    staged = [e for e in log if isinstance(e, WeightsStaged)]
+    assert [e.weights.transport for e in staged] == ["disk", "disk"]
+    assert [e.weight_version for e in log if isinstance(e, PublicationVerified)] == ["1", "2"]
+    assert not (tmp_path / "transport").exists(), "the run's data-plane files are removed at its end"
+
+
 def test_a_failing_handler_stops_the_run_with_one_clear_line(tmp_path):
     result = run_cli(tmp_path, 'run.runtime="local"', "run.num_rollout=3", 'rollout.reward_fn="tests.e2e_rewards.broken"')
     assert result.returncode == 1

@@ -204,7 +204,7 @@ class Session:
         bus = self.bus = EventBus(self.run_id, config.bus.mailbox_size, config.bus.stall_warning_seconds)
         log = EventLogSubscriber(bus, self.log_writer, config.bus.max_batch)
         watch = bus.subscribe("session", (RunFinished, ActorFailed))
-        transport = open_transport(self.transport_name, self.run_id)
+        transport = open_transport(self.transport_name, self.run_id, self.run_dir)
         context = RunContext(self.run_id, config, self.run_dir, self.transport_name)
         runtime: Runtime
         if self.runtime_name == "local":

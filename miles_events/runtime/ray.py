@@ -43,7 +43,7 @@ class RemoteActorHost:
         self.config = msgspec.json.decode(config_json, type=Config)
         self.run_id = run_id
         self.run_dir = Path(run_dir)
-        self.transport = open_transport(transport, run_id)
+        self.transport = open_transport(transport, run_id, self.run_dir)
         self.outbox = Mailbox(f"{actor_cls.name}-outbox", outbox_size, (Event,))
         self.emitted = 0
         self.host: ActorHost | None = None
