@@ -34,7 +34,7 @@ import torch
 from actors.engine import build_engine
 from actors.engine.base import Engine, SamplingParams
 from miles_events.bus.actor import Actor, ActorContext, Resources, handles
-from miles_events.rl.checksum import checksums_digest
+from miles_events.rl.checksum import checksums_digest, per_gpu_checksum, report_checksums
 from miles_events.rl.prompts import Prompt, load_prompts, rollout_prompts
 from miles_events.rl.rewards import load_function
 from miles_events.rl.versions import engine_names
@@ -87,7 +87,7 @@ class Generator(Actor):
 
     def _load_engines(self) -> list[Engine]:
         return [
-            build_engine(self.config, index=index, name=name)
+            build_engine(self.config, index=index, name=name, transport=self.context.transport)
             for index, name in enumerate(engine_names(self.config))
         ]
 
@@ -234,16 +234,15 @@ class Generator(Actor):
 
     @handles(WeightsStaged)
     async def on_weights_staged(self, event: WeightsStaged) -> None:
-        # The staged ref belongs to the trainer/publisher: read it, never free it.
-        tensors = await anyio.to_thread.run_sync(self.context.transport.get_tensors, event.weights)
+        # Each engine resolves the handle itself; the staged data belongs to the trainer.
         skip = list(self.config.verifier.skip_tensor_list)
         for engine in self.engines:
             previous = engine.weight_version
             started = time.perf_counter()
 
             def load(engine: Engine = engine) -> dict[str, str]:
-                engine.load_weights(tensors, event.weight_version)
-                return engine.checksums(skip)
+                engine.load_weights(event.weights, event.weight_version)
+                return report_checksums(engine.checksums(skip))
 
             checksums = await anyio.to_thread.run_sync(load)
             await self.publish(
@@ -259,23 +258,27 @@ class Generator(Actor):
 
     @handles(WeightsCheckRequested)
     async def on_weights_check_requested(self, event: WeightsCheckRequested) -> None:
+        skip = list(event.skip_tensor_list)
         for engine in self.engines:
-            result = await anyio.to_thread.run_sync(
-                engine.weights_check,
-                event.action,
-                event.selector,
-                list(event.skip_tensor_list),
-                event.allow_quant_error,
-            )
-            ranks = result.get("ranks") or [{}]
+            if event.action == "checksum":
+                report = await anyio.to_thread.run_sync(engine.checksums, skip, event.selector)
+                checksums = report_checksums(report) if report.success and report.ranks else {}
+                success, message = report.success, report.message
+                digest = per_gpu_checksum(checksums) if report.success else ""
+            else:
+                result = await anyio.to_thread.run_sync(
+                    engine.weights_check, event.action, event.selector, skip, event.allow_quant_error
+                )
+                checksums, digest = {}, ""
+                success, message = result.success, result.message
             await self.publish(
                 WeightsCheckFinished(
                     engine=engine.name,
                     action=event.action,
-                    success=bool(result["success"]),
-                    message=str(result.get("message", "")),
-                    checksums=dict(ranks[0].get("checksums", {})),
-                    digest=str(ranks[0].get("per_gpu_checksum", "")),
+                    success=success,
+                    message=message,
+                    checksums=checksums,
+                    digest=digest,
                     weight_version=engine.weight_version,
                     request_id=event.request_id,
                 )

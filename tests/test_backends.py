@@ -26,9 +26,9 @@ class FakeBackend:
 
 class FakeEngine:
     @classmethod
-    def from_config(cls, config: Config, *, index: int, name: str) -> FakeEngine:
+    def from_config(cls, config: Config, *, index: int, name: str, transport: object) -> FakeEngine:
         engine = cls()
-        engine.index, engine.name = index, name  # type: ignore[attr-defined]
+        engine.index, engine.name, engine.transport = index, name, transport  # type: ignore[attr-defined]
         return engine
 
 
@@ -59,8 +59,10 @@ def test_build_backend_honours_trainer_backend(monkeypatch):
 
 def test_build_engine_honours_generator_engine(monkeypatch):
     monkeypatch.setitem(actors.engine.ENGINES, "fake", f"{__name__}:FakeEngine")
-    engine = build_engine(Config(generator=GeneratorConfig(engine="fake")), index=1, name="engine-1")
-    assert isinstance(engine, FakeEngine) and (engine.index, engine.name) == (1, "engine-1")  # type: ignore[attr-defined]
+    plane = object()
+    engine = build_engine(Config(generator=GeneratorConfig(engine="fake")), index=1, name="engine-1", transport=plane)  # type: ignore[arg-type]
+    assert isinstance(engine, FakeEngine)
+    assert (engine.index, engine.name, engine.transport) == (1, "engine-1", plane)  # type: ignore[attr-defined]
 
 
 def test_registries_import_no_backend_until_one_is_asked_for():

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 
 from miles_events.rl import checksum
-from miles_events.rl.checksum import fingerprints, per_engine_checksum, per_gpu_checksum, tensor_fingerprint
+from miles_events.rl.checksum import (
+    fingerprints,
+    per_engine_checksum,
+    per_gpu_checksum,
+    rank_of,
+    report_checksums,
+    tensor_fingerprint,
+)
+from schemas.checksums import EngineChecksumReport, ParallelismInfo, RankChecksums
 
 
 @pytest.mark.parametrize(
@@ -100,3 +109,39 @@ def test_cuda_fingerprints_equal_cpu_fingerprints():
         if fused is not None:
             assert fused(words, checksum._K1, checksum._K2, checksum._K3) == expected
         assert tensor_fingerprint(t.cuda()) == tensor_fingerprint(t)
+
+
+SGLANG_REPLY = {
+    "success": True,
+    "message": "ok",
+    "per_engine_checksum": "e" * 64,
+    "ranks": [
+        {"checksums": {"w": "1" * 16}, "per_gpu_checksum": "a" * 64,
+         "parallelism_info": {"tp_rank": 0, "tp_size": 2, "dp_rank": 0, "dp_size": 1, "pp_rank": 0, "pp_size": 1,
+                              "rank": 0, "size": 2}},
+        {"checksums": {"w": "2" * 16}, "per_gpu_checksum": "b" * 64,
+         "parallelism_info": [{"role": "target", "rank": 1, "size": 2, "tp_rank": 1, "tp_size": 2},
+                              {"role": "draft", "rank": 1, "size": 2, "tp_rank": 1, "tp_size": 2}]},
+    ],
+    "some_newer_field": 1,
+}
+
+
+def test_both_sglang_parallelism_info_shapes_decode_and_flatten_by_gpu_rank():
+    report = msgspec.json.decode(msgspec.json.encode(SGLANG_REPLY), type=EngineChecksumReport)
+    assert [rank_of(rank) for rank in report.ranks] == [0, 1]
+    assert report_checksums(report) == {"rank0/w": "1" * 16, "rank1/w": "2" * 16}
+
+
+def test_one_rank_keeps_plain_names_and_a_failed_reply_is_an_error():
+    one = EngineChecksumReport(success=True, ranks=[RankChecksums(checksums={"w": "1" * 16}, per_gpu_checksum="")])
+    assert report_checksums(one) == {"w": "1" * 16}
+    with pytest.raises(ValueError, match="failed: busy"):
+        report_checksums(EngineChecksumReport(success=False, message="busy"))
+    with pytest.raises(ValueError, match="no ranks"):
+        report_checksums(EngineChecksumReport(success=True))
+    two_ranks = RankChecksums(
+        checksums={}, per_gpu_checksum="", parallelism_info=[ParallelismInfo(rank=0), ParallelismInfo(rank=1)]
+    )
+    with pytest.raises(ValueError, match="2 GPU ranks"):
+        rank_of(two_ranks)

@@ -257,6 +257,38 @@ async def test_weights_staged_loads_every_engine_and_reports_served_checksums(
     assert set(context.transport.get_tensors(staged.weights)) == set(tensors)
 
 
+async def test_engines_are_handed_the_handle_and_read_the_weights_themselves(
+    actor: Started, model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    generator, context = actor
+    staged = weights_staged(context, staged_weights(model_dir, 0.01), "1")
+    handed: list[tuple[str, object]] = []
+    reads: list[str | None] = []  # the engine loading when the transport was read, else None
+    loading: list[str] = []
+    for engine in generator.engines:
+        load = engine.load_weights
+
+        def spy(weights, version, engine=engine, load=load):  # type: ignore[no-untyped-def]
+            handed.append((engine.name, weights))
+            loading.append(engine.name)
+            try:
+                return load(weights, version)
+            finally:
+                loading.pop()
+
+        monkeypatch.setattr(engine, "load_weights", spy)
+    get_tensors = context.transport.get_tensors
+
+    def read(ref):  # type: ignore[no-untyped-def]
+        reads.append(loading[-1] if loading else None)
+        return get_tensors(ref)
+
+    monkeypatch.setattr(context.transport, "get_tensors", read)
+    await generator.handle(staged)
+    assert handed == [("engine-0", staged.weights), ("engine-1", staged.weights)]
+    assert reads == ["engine-0", "engine-1"], "only the engines read the staged tensors"
+
+
 async def test_rollouts_after_a_load_carry_the_new_version(
     actor: Started, model_dir: Path
 ) -> None:

@@ -15,6 +15,7 @@ from miles_events.rl.rewards import load_function
 
 if TYPE_CHECKING:
     from actors.engine.base import Engine
+    from miles_events.transport.base import Transport
     from schemas.config import Config
 
 ENGINES: dict[str, str] = {
@@ -35,6 +36,8 @@ def engine_class(name: str) -> type[Engine]:
     return load_function(ENGINES[name])  # type: ignore[return-value]
 
 
-def build_engine(config: Config, *, index: int, name: str) -> Engine:
+def build_engine(config: Config, *, index: int, name: str, transport: Transport) -> Engine:
     """Engine ``index`` of the run, of the backend ``generator.engine`` names."""
-    return engine_class(config.generator.engine).from_config(config, index=index, name=name)
+    return engine_class(config.generator.engine).from_config(
+        config, index=index, name=name, transport=transport
+    )

@@ -17,6 +17,8 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 import torch
 
+from schemas.checksums import EngineChecksumReport, RankChecksums
+
 _CHUNK_WORDS = 1 << 16
 # Odd 64-bit constants (from splitmix64), as signed int64 so torch arithmetic wraps.
 _K1 = 0x9E3779B97F4A7C15 - (1 << 64)
@@ -137,3 +139,27 @@ def checksums_digest(checksums: Mapping[str, str]) -> str:
         h.update(checksums[name].encode())
         h.update(b"\n")
     return h.hexdigest()
+
+
+def rank_of(rank: RankChecksums) -> int:
+    """A rank's GPU rank: the one distinct ``rank`` across its ``parallelism_info``."""
+    infos = rank.parallelism_info if isinstance(rank.parallelism_info, list) else [rank.parallelism_info]
+    ranks = {info.rank for info in infos}
+    if len(ranks) != 1:
+        raise ValueError(f"parallelism_info names {len(ranks)} GPU ranks ({sorted(ranks)}), expected one")
+    return ranks.pop()
+
+
+def report_checksums(report: EngineChecksumReport) -> dict[str, str]:
+    """One engine's checksums by name, from its ``checksum`` reply: a single rank's as they
+    are; with several ranks ``rank{r}/{name}`` (miles' ``flatten_inference_engine_checksums``).
+
+    Raises ``ValueError`` for an unsuccessful reply or one without ranks.
+    """
+    if not report.success:
+        raise ValueError(f"the checksum action failed: {report.message or 'no message'}")
+    if not report.ranks:
+        raise ValueError("the checksum reply has no ranks")
+    if len(report.ranks) == 1:
+        return dict(report.ranks[0].checksums)
+    return {f"rank{rank_of(rank)}/{name}": value for rank in report.ranks for name, value in rank.checksums.items()}
