@@ -10,8 +10,10 @@ and reacts to:
   ``RolloutGenerated``. Each engine samples with a ``torch.Generator`` seeded from
   (run seed, rollout_id, engine index), so a resumed run regenerates identical samples.
 - ``EvalRequested``: the same on the eval prompts at ``eval_temperature``; ``EvalFinished``.
-- ``WeightsStaged``: every engine loads the staged weights and fingerprints what it now
-  serves; one ``WeightsLoaded`` per engine, emitted as soon as that engine is done.
+- ``WeightsStaged``: every engine loads the staged weights from their handle and
+  fingerprints what it now serves; one ``WeightsLoaded`` per engine (digest, counts and the
+  checksum manifest, written once per digest under ``<run_dir>/checksums/``), emitted as
+  soon as that engine is done.
 - ``WeightsCheckRequested``: SGLang's weight-checker action on every engine; one
   ``WeightsCheckFinished`` per engine.
 - ``DataReleased`` of a batch it owns: frees it.
@@ -32,9 +34,10 @@ import msgspec
 import torch
 
 from actors.engine import build_engine
-from actors.engine.base import Engine, SamplingParams
+from actors.engine.base import Engine, SamplingParams, TensorCheckAction
 from miles_events.bus.actor import Actor, ActorContext, Resources, handles
-from miles_events.rl.checksum import checksums_digest, per_gpu_checksum, report_checksums
+from miles_events.rl.checksum import report_checksums
+from miles_events.rl.checksum_manifest import write_manifest
 from miles_events.rl.prompts import Prompt, load_prompts, rollout_prompts
 from miles_events.rl.rewards import load_function
 from miles_events.rl.versions import engine_names
@@ -235,54 +238,70 @@ class Generator(Actor):
     @handles(WeightsStaged)
     async def on_weights_staged(self, event: WeightsStaged) -> None:
         # Each engine resolves the handle itself; the staged data belongs to the trainer.
+        # The skip list applies here as on the trainer: digests are compared whole.
         skip = list(self.config.verifier.skip_tensor_list)
         for engine in self.engines:
             previous = engine.weight_version
             started = time.perf_counter()
 
-            def load(engine: Engine = engine) -> dict[str, str]:
-                engine.load_weights(event.weights, event.weight_version)
-                return report_checksums(engine.checksums(skip))
+            def load(engine: Engine = engine) -> tuple[int, str, str, int]:
+                num_bytes = engine.load_weights(event.weights, event.weight_version)
+                checksums = report_checksums(engine.checksums(skip))
+                digest, manifest = write_manifest(self.context.run_dir, checksums)
+                return num_bytes, digest, manifest, len(checksums)
 
-            checksums = await anyio.to_thread.run_sync(load)
+            num_bytes, digest, manifest, num_tensors = await anyio.to_thread.run_sync(load)
             await self.publish(
                 WeightsLoaded(
                     engine=engine.name,
                     weight_version=engine.weight_version,
                     previous_version=previous,
-                    checksums=checksums,
-                    digest=checksums_digest(checksums),
+                    digest=digest,
+                    num_tensors=num_tensors,
+                    num_bytes=num_bytes,
+                    checksums_manifest=manifest,
                     load_seconds=time.perf_counter() - started,
                 )
             )
 
+    def _checksum_check(self, engine: Engine, event: WeightsCheckRequested) -> WeightsCheckFinished:
+        report = engine.checksums(list(event.skip_tensor_list), event.selector)
+        digest = manifest = ""
+        num_tensors = 0
+        if report.success and report.ranks:
+            checksums = report_checksums(report)
+            digest, manifest = write_manifest(self.context.run_dir, checksums)
+            num_tensors = len(checksums)
+        return WeightsCheckFinished(
+            engine=engine.name,
+            action=event.action,
+            success=report.success,
+            message=report.message,
+            digest=digest,
+            num_tensors=num_tensors,
+            checksums_manifest=manifest,
+            weight_version=engine.weight_version,
+            request_id=event.request_id,
+        )
+
+    def _tensor_check(self, engine: Engine, event: WeightsCheckRequested) -> WeightsCheckFinished:
+        action: TensorCheckAction = event.action  # type: ignore[assignment]
+        result = engine.weights_check(action, event.selector, list(event.skip_tensor_list), event.allow_quant_error)
+        return WeightsCheckFinished(
+            engine=engine.name,
+            action=event.action,
+            success=result.success,
+            message=result.message,
+            num_tensors=result.num_tensors,
+            weight_version=result.weight_version,
+            request_id=event.request_id,
+        )
+
     @handles(WeightsCheckRequested)
     async def on_weights_check_requested(self, event: WeightsCheckRequested) -> None:
-        skip = list(event.skip_tensor_list)
+        check = self._checksum_check if event.action == "checksum" else self._tensor_check
         for engine in self.engines:
-            if event.action == "checksum":
-                report = await anyio.to_thread.run_sync(engine.checksums, skip, event.selector)
-                checksums = report_checksums(report) if report.success and report.ranks else {}
-                success, message = report.success, report.message
-                digest = per_gpu_checksum(checksums) if report.success else ""
-            else:
-                result = await anyio.to_thread.run_sync(
-                    engine.weights_check, event.action, event.selector, skip, event.allow_quant_error
-                )
-                checksums, digest = {}, ""
-                success, message = result.success, result.message
-            await self.publish(
-                WeightsCheckFinished(
-                    engine=engine.name,
-                    action=event.action,
-                    success=success,
-                    message=message,
-                    checksums=checksums,
-                    digest=digest,
-                    weight_version=engine.weight_version,
-                    request_id=event.request_id,
-                )
-            )
+            await self.publish(await anyio.to_thread.run_sync(check, engine, event))
 
     @handles(DataReleased)
     async def on_data_released(self, event: DataReleased) -> None:

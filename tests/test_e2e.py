@@ -214,11 +214,12 @@ class CorruptingGenerator(Generator):
         faulty = engines[-1]
         real_load = faulty.load_weights
 
-        def load_weights(tensors, weight_version):  # type: ignore[no-untyped-def]
-            real_load(tensors, weight_version)
+        def load_weights(weights, weight_version):  # type: ignore[no-untyped-def]
+            loaded = real_load(weights, weight_version)
             if weight_version == "3":
                 with torch.no_grad():
                     faulty.model.get_parameter("model.norm.weight")[0] += 1e-3
+            return loaded
 
         faulty.load_weights = load_weights  # type: ignore[method-assign]
         return engines

@@ -96,14 +96,16 @@ def split_runs(recorded: Iterable[Event]) -> dict[str, list[Event]]:
     return runs
 
 
-def build_actor(name: str, config: Config, recorded: Sequence[Event]) -> Actor:
-    """The actor ``name`` as it was at the start of the recorded run."""
+def build_actor(name: str, config: Config, recorded: Sequence[Event], run_dir: Path | None = None) -> Actor:
+    """The actor ``name`` as it was at the start of the recorded run; ``run_dir`` is where
+    the run's files (the checksum manifests the Verifier reads) lie, by default the current
+    directory."""
     from miles_events.rl.rewards import load_function
 
     if name not in REDRIVABLE:
         raise ValueError(f"cannot re-drive {name!r}; choose from {sorted(REDRIVABLE)}")
     cls = load_function(REDRIVABLE[name])
-    context = RecordingContext(config, name=name)
+    context = RecordingContext(config, name=name, run_dir=Path(run_dir) if run_dir is not None else Path("."))
     if name == "coordinator":
         from actors.coordinator import RunPlan
 

@@ -130,17 +130,6 @@ def per_engine_checksum(per_gpu_checksums: Iterable[str]) -> str:
     return hashlib.sha256("".join(per_gpu_checksums).encode()).hexdigest()
 
 
-def checksums_digest(checksums: Mapping[str, str]) -> str:
-    """sha256 over the sorted ``name`` / ``fingerprint`` pairs, with separators."""
-    h = hashlib.sha256()
-    for name in sorted(checksums):
-        h.update(name.encode())
-        h.update(b"\0")
-        h.update(checksums[name].encode())
-        h.update(b"\n")
-    return h.hexdigest()
-
-
 def rank_of(rank: RankChecksums) -> int:
     """A rank's GPU rank: the one distinct ``rank`` across its ``parallelism_info``."""
     infos = rank.parallelism_info if isinstance(rank.parallelism_info, list) else [rank.parallelism_info]
