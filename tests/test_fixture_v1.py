@@ -23,6 +23,9 @@ V1 = Path(__file__).parent / "fixtures" / "tiny_run_v1" / "events.log"
 
 
 def test_every_record_of_the_first_recorded_log_decodes_with_todays_schemas():
+    """tiny_run was re-recorded when the weight events dropped their per-tensor checksum maps
+    for a digest, counts and a manifest path (and digests became SGLang's exact
+    ``per_gpu_checksum``); the log written before must still read, record by record."""
     end, torn = scan_log(V1)
     assert torn is None and end == V1.stat().st_size
     events = list(read_events(V1))  # raises at the first record that does not decode
