@@ -121,6 +121,8 @@ class Coordinator(Actor):
     async def on_publication_mismatch(self, event: PublicationMismatch) -> None:
         first = event.mismatches[0] if event.mismatches else None
         detail = f"; first: {first.engine} {first.tensor}" if first else ""
+        if first is not None and first.reason:
+            detail += f" ({first.reason})"
         message = (
             f"weight version {event.weight_version}: {len(event.mismatches)} tensor(s) served by the "
             f"engines differ from what the trainer published{detail}"

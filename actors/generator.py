@@ -1,7 +1,8 @@
 """The Generator: inference engines that turn prompts into scored rollout samples.
 
-It owns ``rollout.num_engines`` engines ("engine-0", "engine-1", ...), all bootstrapped from
-``model.path`` and serving version ``"default"``, and reacts to:
+It owns ``generator.num_engines`` engines ("engine-0", "engine-1", ...) of the backend
+``generator.engine``, all bootstrapped from ``model.path`` and serving version ``"default"``,
+and reacts to:
 
 - ``RolloutRequested``: samples ``n_samples_per_prompt`` completions for each prompt of the
   rollout (one group per prompt; groups go to engines round-robin), scores them with the
@@ -9,14 +10,17 @@ It owns ``rollout.num_engines`` engines ("engine-0", "engine-1", ...), all boots
   ``RolloutGenerated``. Each engine samples with a ``torch.Generator`` seeded from
   (run seed, rollout_id, engine index), so a resumed run regenerates identical samples.
 - ``EvalRequested``: the same on the eval prompts at ``eval_temperature``; ``EvalFinished``.
-- ``WeightsStaged``: every engine loads the staged weights and fingerprints what it now
-  serves; one ``WeightsLoaded`` per engine, emitted as soon as that engine is done.
+- ``WeightsStaged``: every engine loads the staged weights from their handle and
+  fingerprints what it now serves; one ``WeightsLoaded`` per engine (digest, counts and the
+  checksum manifest, written once per digest under ``<run_dir>/checksums/``), emitted as
+  soon as that engine is done.
 - ``WeightsCheckRequested``: SGLang's weight-checker action on every engine; one
   ``WeightsCheckFinished`` per engine.
 - ``DataReleased`` of a batch it owns: frees it.
 
-Engines run on CUDA when this process sees a GPU (engine i on GPU i modulo the count),
-on CPU otherwise. ``rollout.num_threads`` sets torch's thread count for the whole process.
+The embedded ``torch`` engines run on CUDA when this process sees a GPU (engine i on GPU i
+modulo the count), on CPU otherwise. ``rollout.num_threads`` sets torch's thread count for
+the whole process.
 """
 
 from __future__ import annotations
@@ -29,11 +33,14 @@ import anyio
 import msgspec
 import torch
 
-from actors.engine import SamplingParams, TorchEngine
+from actors.engine import build_engine
+from actors.engine.base import Engine, SamplingParams, TensorCheckAction
 from miles_events.bus.actor import Actor, ActorContext, WorkerGroup, handles
-from miles_events.rl.checksum import checksums_digest
+from miles_events.rl.checksum import report_checksums
+from miles_events.rl.checksum_manifest import write_manifest
 from miles_events.rl.prompts import Prompt, load_prompts, rollout_prompts
 from miles_events.rl.rewards import load_function
+from miles_events.rl.versions import engine_names
 from schemas.config import Config
 from schemas.events import (
     DataReleased,
@@ -58,7 +65,7 @@ class Generator(Actor):
 
     def __init__(self, config: Config, context: ActorContext) -> None:
         super().__init__(config, context)
-        self.engines: list[TorchEngine] = []
+        self.engines: list[Engine] = []
         self.prompts: list[Prompt] = []
         self.eval_prompts: list[Prompt] = []
         self.reward_fn: RewardFn | None = None
@@ -81,17 +88,10 @@ class Generator(Actor):
         self.reward_fn = load_function(rollout.reward_fn)
         self.engines = await anyio.to_thread.run_sync(self._load_engines)
 
-    def _load_engines(self) -> list[TorchEngine]:
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    def _load_engines(self) -> list[Engine]:
         return [
-            TorchEngine.from_pretrained(
-                str(self.config.model.path),
-                name=f"engine-{index}",
-                dtype=self.config.model.dtype,
-                device=f"cuda:{index % gpus}" if gpus else "cpu",
-                max_batch_size=self.config.rollout.max_batch_size,
-            )
-            for index in range(self.config.rollout.num_engines)
+            build_engine(self.config, index=index, name=name, transport=self.context.transport)
+            for index, name in enumerate(engine_names(self.config))
         ]
 
     async def stop(self) -> None:
@@ -201,7 +201,7 @@ class Generator(Actor):
 
     def _generate_groups(
         self,
-        engine: TorchEngine,
+        engine: Engine,
         prompts: Sequence[Prompt],
         groups: list[int],
         n_samples: int,
@@ -237,52 +237,71 @@ class Generator(Actor):
 
     @handles(WeightsStaged, emits=(WeightsLoaded,))
     async def on_weights_staged(self, event: WeightsStaged) -> None:
-        # The staged ref belongs to the trainer/publisher: read it, never free it.
-        tensors = await anyio.to_thread.run_sync(self.context.transport.get_tensors, event.weights)
+        # Each engine resolves the handle itself; the staged data belongs to the trainer.
+        # The skip list applies here as on the trainer: digests are compared whole.
         skip = list(self.config.verifier.skip_tensor_list)
         for engine in self.engines:
             previous = engine.weight_version
             started = time.perf_counter()
 
-            def load(engine: TorchEngine = engine) -> dict[str, str]:
-                engine.load_weights(tensors, event.weight_version)
-                return engine.checksums(skip)
+            def load(engine: Engine = engine) -> tuple[int, str, str, int]:
+                num_bytes = engine.load_weights(event.weights, event.weight_version)
+                checksums = report_checksums(engine.checksums(skip))
+                digest, manifest = write_manifest(self.context.run_dir, checksums)
+                return num_bytes, digest, manifest, len(checksums)
 
-            checksums = await anyio.to_thread.run_sync(load)
+            num_bytes, digest, manifest, num_tensors = await anyio.to_thread.run_sync(load)
             await self.publish(
                 WeightsLoaded(
                     engine=engine.name,
                     weight_version=engine.weight_version,
                     previous_version=previous,
-                    checksums=checksums,
-                    digest=checksums_digest(checksums),
+                    digest=digest,
+                    num_tensors=num_tensors,
+                    num_bytes=num_bytes,
+                    checksums_manifest=manifest,
                     load_seconds=time.perf_counter() - started,
                 )
             )
 
+    def _checksum_check(self, engine: Engine, event: WeightsCheckRequested) -> WeightsCheckFinished:
+        report = engine.checksums(list(event.skip_tensor_list), event.selector)
+        digest = manifest = ""
+        num_tensors = 0
+        if report.success and report.ranks:
+            checksums = report_checksums(report)
+            digest, manifest = write_manifest(self.context.run_dir, checksums)
+            num_tensors = len(checksums)
+        return WeightsCheckFinished(
+            engine=engine.name,
+            action=event.action,
+            success=report.success,
+            message=report.message,
+            digest=digest,
+            num_tensors=num_tensors,
+            checksums_manifest=manifest,
+            weight_version=engine.weight_version,
+            request_id=event.request_id,
+        )
+
+    def _tensor_check(self, engine: Engine, event: WeightsCheckRequested) -> WeightsCheckFinished:
+        action: TensorCheckAction = event.action  # type: ignore[assignment]
+        result = engine.weights_check(action, event.selector, list(event.skip_tensor_list), event.allow_quant_error)
+        return WeightsCheckFinished(
+            engine=engine.name,
+            action=event.action,
+            success=result.success,
+            message=result.message,
+            num_tensors=result.num_tensors,
+            weight_version=result.weight_version,
+            request_id=event.request_id,
+        )
+
     @handles(WeightsCheckRequested, emits=(WeightsCheckFinished,))
     async def on_weights_check_requested(self, event: WeightsCheckRequested) -> None:
+        check = self._checksum_check if event.action == "checksum" else self._tensor_check
         for engine in self.engines:
-            result = await anyio.to_thread.run_sync(
-                engine.weights_check,
-                event.action,
-                event.selector,
-                list(event.skip_tensor_list),
-                event.allow_quant_error,
-            )
-            ranks = result.get("ranks") or [{}]
-            await self.publish(
-                WeightsCheckFinished(
-                    engine=engine.name,
-                    action=event.action,
-                    success=bool(result["success"]),
-                    message=str(result.get("message", "")),
-                    checksums=dict(ranks[0].get("checksums", {})),
-                    digest=str(ranks[0].get("per_gpu_checksum", "")),
-                    weight_version=engine.weight_version,
-                    request_id=event.request_id,
-                )
-            )
+            await self.publish(await anyio.to_thread.run_sync(check, engine, event))
 
     @handles(DataReleased, emits=())
     async def on_data_released(self, event: DataReleased) -> None:

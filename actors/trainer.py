@@ -24,10 +24,12 @@ import anyio
 import msgspec
 import torch
 
-from actors.trainer_backend import TrainerBackend, TrainMetrics, build_backend
+from actors.trainer_backend import build_backend
+from actors.trainer_backend.base import TrainerBackend, TrainMetrics
 from miles_events.bus.actor import Actor, ActorContext, WorkerGroup, handles
 from miles_events.rl.checkpoint import read_checkpoint
-from miles_events.rl.checksum import checksums_digest, fingerprints
+from miles_events.rl.checksum import fingerprints
+from miles_events.rl.checksum_manifest import write_manifest
 from miles_events.rl.hf_model import DTYPES
 from miles_events.rl.prompts import data_cursor, load_prompts
 from miles_events.rl.versions import next_version, version_number
@@ -139,20 +141,23 @@ class Trainer(Actor):
 
     # --- publication -----------------------------------------------------------------------
 
-    def _stage_weights(self, key: str, dtype: torch.dtype) -> tuple[DataRef, dict[str, str], int, int]:
+    def _stage_weights(self, key: str, dtype: torch.dtype) -> tuple[DataRef, str, str, int, int]:
+        """(ref, digest, checksum manifest, tensors in the digest, bytes staged)."""
         tensors = self.backend.named_weights(dtype)
         ref = self.context.transport.put_tensors(key, tensors, owner=self.name)
         # Same bytes as the staged copy, fingerprinted before training can touch them (this
-        # runs inside the handler, and the trainer handles one event at a time).
-        checksums = fingerprints(tensors)
-        return ref, checksums, len(tensors), staged_bytes(tensors)
+        # runs inside the handler, and the trainer handles one event at a time). The skip
+        # list applies here as on the engines: digests are compared whole.
+        checksums = fingerprints(tensors, self.config.verifier.skip_tensor_list)
+        digest, manifest = write_manifest(self.context.run_dir, checksums)
+        return ref, digest, manifest, len(checksums), staged_bytes(tensors)
 
     @handles(PublishRequested, emits=(WeightsStaged,))
     async def on_publish_requested(self, event: PublishRequested) -> None:
         started = time.perf_counter()
         version = next_version(self.weight_version)
         engine_dtype = DTYPES[self.config.model.dtype]
-        ref, checksums, num_tensors, num_bytes = await anyio.to_thread.run_sync(
+        ref, digest, manifest, num_tensors, num_bytes = await anyio.to_thread.run_sync(
             self._stage_weights, f"weights-v{version}", engine_dtype
         )
         previous, self._published = self._published, ref
@@ -163,10 +168,10 @@ class Trainer(Actor):
             WeightsStaged(
                 weight_version=version,
                 weights=ref,
-                checksums=checksums,
-                digest=checksums_digest(checksums),
+                digest=digest,
                 num_tensors=num_tensors,
                 num_bytes=num_bytes,
+                checksums_manifest=manifest,
                 rollout_id=event.rollout_id,
                 stage_seconds=time.perf_counter() - started,
             )

@@ -1,11 +1,17 @@
 """The Verifier: on every publication, compares what the trainer published with what each
-engine serves, tensor by tensor, and says so.
+engine serves, and says so.
 
-It keeps the trainer's checksums from ``WeightsStaged`` and each engine's from
-``WeightsLoaded``; when ``WeightsPublished(v)`` arrives it emits ``PublicationVerified`` or
-``PublicationMismatch`` naming every tensor that differs, is missing or is extra. This is the
-seed's ``check_weight_update_equal`` as a subscriber, on by default: the fingerprints are
-computed where the tensors live, at memory bandwidth, and compared here as strings.
+It keeps the trainer's ``WeightsStaged`` and each engine's ``WeightsLoaded``; when
+``WeightsPublished(v)`` arrives it compares the trainer's digest with each engine's and
+emits ``PublicationVerified``, or ``PublicationMismatch`` naming every tensor that differs,
+is missing or is extra on each engine whose digest differs. This is the seed's
+``check_weight_update_equal`` as a subscriber, on by default: the fingerprints are computed
+where the tensors live, at memory bandwidth, and here only digests are compared.
+
+The per-tensor checksums are read from the checksum manifests (``<run_dir>/checksums/``)
+only to name the tensors of a mismatch. A manifest that cannot be read then makes that
+engine's mismatch one entry, ``tensor="*"``, whose ``reason`` says why. Differences in
+tensors of ``verifier.skip_tensor_list`` are not mismatches.
 """
 
 from __future__ import annotations
@@ -13,7 +19,8 @@ from __future__ import annotations
 import time
 
 from miles_events.bus.actor import Actor, ActorContext, WorkerGroup, handles
-from miles_events.rl.checksum import checksums_digest, is_skipped
+from miles_events.rl.checksum import is_skipped
+from miles_events.rl.checksum_manifest import ManifestError, read_manifest
 from miles_events.rl.versions import version_number
 from schemas.config import Config
 from schemas.events import (
@@ -60,6 +67,30 @@ class Verifier(Actor):
     async def on_weights_loaded(self, event: WeightsLoaded) -> None:
         self.loaded.setdefault(event.weight_version, {})[event.engine] = event
 
+    def _checksums(self, event: WeightsStaged | WeightsLoaded | None) -> dict[str, str]:
+        if event is None:
+            return {}
+        return read_manifest(self.context.run_dir, event.checksums_manifest, event.digest)
+
+    def _name_mismatches(
+        self, engine: str, staged: WeightsStaged | None, loaded: WeightsLoaded | None
+    ) -> list[TensorMismatch]:
+        """The tensors behind two digests that differ, from their manifests."""
+        try:
+            expected, actual = self._checksums(staged), self._checksums(loaded)
+        except ManifestError as error:
+            return [
+                TensorMismatch(
+                    engine=engine,
+                    tensor="*",
+                    expected=staged.digest if staged else "",
+                    actual=loaded.digest if loaded else "",
+                    reason=str(error),
+                )
+            ]
+        # Empty when the digests differ only in skipped tensors.
+        return compare_checksums(engine, expected, actual, list(self.config.verifier.skip_tensor_list))
+
     @handles(WeightsPublished, emits=(PublicationVerified, PublicationMismatch))
     async def on_weights_published(self, event: WeightsPublished) -> None:
         version = event.weight_version
@@ -73,15 +104,15 @@ class Verifier(Actor):
         if not self.config.verifier.enabled:
             return
         started = time.perf_counter()
-        skip = self.config.verifier.skip_tensor_list
-        expected = staged.checksums if staged is not None else {}
         mismatches: list[TensorMismatch] = []
         for engine in event.engines:
-            served = loaded[engine].checksums if engine in loaded else {}
-            mismatches.extend(compare_checksums(engine, expected, served, skip))
-        engine_digests = {e: checksums_digest(loaded[e].checksums) for e in event.engines if e in loaded}
-        expected_digest = checksums_digest(expected)
-        if not expected:
+            served = loaded.get(engine)
+            if staged is not None and served is not None and served.digest == staged.digest:
+                continue
+            mismatches.extend(self._name_mismatches(engine, staged, served))
+        engine_digests = {e: loaded[e].digest for e in event.engines if e in loaded}
+        expected_digest = staged.digest if staged is not None else ""
+        if staged is None or staged.num_tensors == 0:
             mismatches.insert(0, TensorMismatch(engine="trainer", tensor="*", expected="", actual=""))
         elapsed = time.perf_counter() - started
         if mismatches:
@@ -96,11 +127,12 @@ class Verifier(Actor):
                 )
             )
         else:
+            assert staged is not None
             await self.publish(
                 PublicationVerified(
                     weight_version=version,
-                    digest=expected_digest,
-                    num_tensors=len(expected),
+                    digest=staged.digest,
+                    num_tensors=staged.num_tensors,
                     engines=list(event.engines),
                     rollout_id=event.rollout_id,
                     verify_seconds=elapsed,

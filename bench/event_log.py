@@ -1,7 +1,7 @@
 """Event-log throughput against a pydantic v2 JSON-lines log, measured in the same run.
 
 Both logs hold the same realistic mix of events (rollouts, train steps, the publication
-saga with ~30 tensor checksums per engine, checkpoints). Ours is ``EventLogWriter.append``
+saga with a digest and a checksum-manifest path per engine, checkpoints). Ours is ``EventLogWriter.append``
 (one event, one write, flushed) or ``append_many`` (what the run's log subscriber does
 with each batch the bus delivers) + ``read_events``. The baselines are equivalent pydantic
 models written with ``model_dump_json()`` plus a newline, (a) the way miles' audit event
@@ -99,10 +99,10 @@ class PWeightsStaged(PEvent):
     type: Literal["WeightsStaged"] = "WeightsStaged"
     weight_version: str
     weights: PDataRef
-    checksums: dict[str, str]
     digest: str
     num_tensors: int
     num_bytes: int
+    checksums_manifest: str = ""
     rollout_id: int | None = None
     stage_seconds: float = 0.0
 
@@ -112,8 +112,10 @@ class PWeightsLoaded(PEvent):
     engine: str
     weight_version: str
     previous_version: str
-    checksums: dict[str, str]
     digest: str
+    num_tensors: int = 0
+    num_bytes: int = 0
+    checksums_manifest: str = ""
     load_seconds: float = 0.0
 
 
@@ -233,10 +235,10 @@ def _rollout_events(rollout_id: int, num_engines: int = 2) -> list[Event]:
         WeightsStaged(
             weight_version=str(version),
             weights=weights,
-            checksums=checksums,
             digest=digest,
             num_tensors=len(checksums),
             num_bytes=3 << 20,
+            checksums_manifest=f"checksums/{digest}.msgpack",
             rollout_id=rollout_id,
             stage_seconds=0.05,
             source="trainer",
@@ -247,8 +249,10 @@ def _rollout_events(rollout_id: int, num_engines: int = 2) -> list[Event]:
             engine=engine,
             weight_version=str(version),
             previous_version=str(version - 1),
-            checksums=checksums,
             digest=digest,
+            num_tensors=len(checksums),
+            num_bytes=3 << 20,
+            checksums_manifest=f"checksums/{digest}.msgpack",
             load_seconds=0.07,
             source="generator",
         )

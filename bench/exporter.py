@@ -4,7 +4,7 @@
 
 The events are the recorded tiny run (tests/fixtures/tiny_run/events.log) repeated, with
 their headers cleared so the bus stamps them again: a realistic mix of small facts and
-publications carrying per-tensor checksums. Two set-ups publish the same events:
+publications carrying checksum digests. Two set-ups publish the same events:
 
 - bus: an EventBus with one consumer draining its mailbox in batches (as the event log);
 - bus + exporter: the same plus ``MetricsExporter`` (its own mailbox, RunMetrics, HTTP).

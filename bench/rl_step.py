@@ -86,7 +86,7 @@ def main() -> None:
     publish = [e.publish_seconds for e in log if isinstance(e, WeightsPublished) and e.rollout_id is not None]
     compare = [e.verify_seconds for e in log if isinstance(e, PublicationVerified) and e.rollout_id is not None]
     save = [e.save_seconds for e in log if isinstance(e, CheckpointSaved)]
-    num_engines = config.rollout.num_engines
+    num_engines = config.generator.num_engines
     fingerprint = fingerprint_seconds(session.config.model.path or "") * (1 + num_engines)
     verify = [fingerprint + c for c in compare]
 

@@ -79,7 +79,6 @@ class DataConfig(Section):
 class RolloutConfig(Section):
     reward_fn: str = "miles_events.rl.rewards.exact_match"
     """Dotted path to ``fn(prompt, response, label) -> float``."""
-    num_engines: PositiveInt = 1
     temperature: NonNegativeFloat = 1.0
     top_p: Probability = 1.0
     max_new_tokens: PositiveInt = 16
@@ -92,7 +91,18 @@ class RolloutConfig(Section):
     """torch threads in the Generator; 0 keeps torch's default."""
 
 
+class GeneratorConfig(Section):
+    """The inference engines behind the Generator."""
+
+    engine: str = "torch"
+    """The engine backend: ``torch`` (the embedded PyTorch engine, CPU or GPU)."""
+    num_engines: PositiveInt = 1
+    """Engines, each serving one copy of the policy (``engine-0``, ``engine-1``, ...)."""
+
+
 class TrainerConfig(Section):
+    backend: str = "torch"
+    """The trainer backend: ``torch`` (PyTorch in the Trainer's process, CPU or one GPU)."""
     lr: PositiveFloat = 1e-3
     weight_decay: NonNegativeFloat = 0.0
     adam_beta1: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.9
@@ -118,8 +128,9 @@ class TrainerConfig(Section):
 
 
 class PublisherConfig(Section):
-    transport: Literal["auto", "inprocess", "shm"] = "auto"
-    """``auto``: in-process on the local runtime, shared memory on ray."""
+    transport: Literal["auto", "inprocess", "shm", "disk"] = "auto"
+    """``auto``: in-process on the local runtime, shared memory on ray; ``disk``: files under
+    ``<run.dir>/transport`` (a handle is a path)."""
     stage_timeout: PositiveFloat = 120.0
     load_timeout: PositiveFloat = 120.0
     """Seconds each phase may take before the publication fails."""
@@ -191,6 +202,7 @@ class Config(Section):
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     data: DataConfig = msgspec.field(default_factory=DataConfig)
     rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
+    generator: GeneratorConfig = msgspec.field(default_factory=GeneratorConfig)
     trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
     publisher: PublisherConfig = msgspec.field(default_factory=PublisherConfig)
     verifier: VerifierConfig = msgspec.field(default_factory=VerifierConfig)

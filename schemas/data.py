@@ -8,7 +8,7 @@ import msgspec
 
 class DataRef(msgspec.Struct, frozen=True):
     transport: str
-    """Which transport holds the data: ``"inprocess"`` or ``"shm"``."""
+    """Which transport holds the data: ``"inprocess"``, ``"shm"`` or ``"disk"``."""
     key: str
     """The transport's name for it; unique within a run."""
     owner: str

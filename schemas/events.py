@@ -7,7 +7,13 @@ increasing), ``time`` (seconds since the epoch, stamped where the event was made
 an event with its own fields only.
 
 Schema evolution: a field added later must have a default, so that recorded logs stay
-decodable. Fields are never renamed or removed.
+decodable. Fields are never renamed. A field is dropped only when what it held moved
+elsewhere (the per-tensor checksum maps moved to manifest files); old records still decode,
+since unknown fields are skipped, and a dropped name is never reused.
+
+Checksums: a publication's events carry SGLang's ``per_gpu_checksum`` of the tensors'
+fingerprints (``digest``), their count and the path of the checksum manifest that lists
+them, never the per-tensor map itself (``miles_events.rl.checksum_manifest``).
 """
 
 from __future__ import annotations
@@ -135,28 +141,39 @@ class PublishRequested(Event, frozen=True, kw_only=True):
 
 
 class WeightsStaged(Event, frozen=True, kw_only=True):
-    """The trainer put version ``weight_version`` in the data plane, with its checksums."""
+    """The trainer put version ``weight_version`` in the data plane, with the digest of it."""
 
     weight_version: str
     weights: DataRef
-    checksums: dict[str, str]
-    """Tensor name -> 16-hex-digit fingerprint of exactly the bytes published."""
     digest: str
-    """sha256 over the sorted name/fingerprint pairs."""
+    """SGLang's ``per_gpu_checksum`` over the fingerprint of every published tensor not in
+    ``verifier.skip_tensor_list``: of exactly the bytes published."""
     num_tensors: int
+    """Tensors the digest covers."""
     num_bytes: int
+    """Bytes staged in the data plane."""
+    checksums_manifest: str = ""
+    """The checksum manifest of those tensors (name -> fingerprint), relative to the run
+    directory: ``checksums/<digest>.msgpack``."""
     rollout_id: int | None = None
     stage_seconds: float = 0.0
 
 
 class WeightsLoaded(Event, frozen=True, kw_only=True):
-    """One engine now serves ``weight_version``; checksums are of what it serves."""
+    """One engine now serves ``weight_version``; the digest is of what it serves."""
 
     engine: str
     weight_version: str
     previous_version: str
-    checksums: dict[str, str]
     digest: str
+    """SGLang's ``per_gpu_checksum`` over the fingerprint of every served tensor not in
+    ``verifier.skip_tensor_list``."""
+    num_tensors: int = 0
+    """Tensors the digest covers."""
+    num_bytes: int = 0
+    """Bytes the engine loaded."""
+    checksums_manifest: str = ""
+    """The checksum manifest of those tensors, relative to the run directory."""
     load_seconds: float = 0.0
 
 
@@ -182,10 +199,15 @@ class PublicationFailed(Event, frozen=True, kw_only=True):
 class TensorMismatch(msgspec.Struct, frozen=True):
     engine: str
     tensor: str
+    """The tensor's name; ``"*"`` when the tensors cannot be named (see ``reason``)."""
     expected: str
-    """Trainer fingerprint, or "" when the engine serves a tensor the trainer did not publish."""
+    """Trainer fingerprint, or "" when the engine serves a tensor the trainer did not publish
+    (with ``tensor="*"``: the trainer's digest)."""
     actual: str
-    """Engine fingerprint, or "" when the engine is missing the tensor."""
+    """Engine fingerprint, or "" when the engine is missing the tensor (with ``tensor="*"``:
+    the engine's digest)."""
+    reason: str = ""
+    """Why the tensors are not named, e.g. a checksum manifest that cannot be read."""
 
 
 class PublicationVerified(Event, frozen=True, kw_only=True):
@@ -222,8 +244,14 @@ class WeightsCheckFinished(Event, frozen=True, kw_only=True):
     action: str
     success: bool
     message: str = ""
-    checksums: dict[str, str] = {}
     digest: str = ""
+    """``checksum``: SGLang's ``per_gpu_checksum`` over the engine's checksums (a single
+    rank's, or ``rank{r}/{name}`` over several ranks); "" for the other actions."""
+    num_tensors: int = 0
+    """Tensors the action covered."""
+    checksums_manifest: str = ""
+    """``checksum``: the checksum manifest of the engine's tensors, relative to the run
+    directory."""
     weight_version: str = "default"
     request_id: str = ""
 

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 
 from miles_events.rl import checksum
-from miles_events.rl.checksum import checksums_digest, fingerprints, tensor_fingerprint
+from miles_events.rl.checksum import (
+    fingerprints,
+    per_engine_checksum,
+    per_gpu_checksum,
+    rank_of,
+    report_checksums,
+    tensor_fingerprint,
+)
+from schemas.checksums import EngineChecksumReport, ParallelismInfo, RankChecksums
 
 
 @pytest.mark.parametrize(
@@ -61,8 +70,32 @@ def test_skip_list_and_order_independent_digest():
     tensors = {"a.weight": torch.ones(2), "visual.proj": torch.zeros(2), "b.bias": torch.ones(3)}
     sums = fingerprints(tensors, skip_tensor_list=["visual"])
     assert set(sums) == {"a.weight", "b.bias"}
-    assert checksums_digest(sums) == checksums_digest(dict(reversed(list(sums.items()))))
-    assert checksums_digest(sums) != checksums_digest({**sums, "b.bias": "0" * 16})
+    assert per_gpu_checksum(sums) == per_gpu_checksum(dict(reversed(list(sums.items()))))
+    assert per_gpu_checksum(sums) != per_gpu_checksum({**sums, "b.bias": "0" * 16})
+
+
+# Computed by hand, outside Python:
+#   printf '%s' 'a.weight0000000000000001b.bias00000000000000ff' | sha256sum
+#   printf '%s' <that digest> | sha256sum ;  printf '%s%s' <that digest> <sha256 of ""> | sha256sum
+PER_GPU = "8fb6d1075a96a01035d3a6c91799e8ee9f0857ec4660c5b679418c4671f6972b"
+EMPTY = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
+
+
+def test_per_gpu_checksum_is_sglangs_definition():
+    """sha256 over name + hex of every tensor in sorted name order, no separators."""
+    assert per_gpu_checksum({"b.bias": "00000000000000ff", "a.weight": "0000000000000001"}) == PER_GPU
+    assert per_gpu_checksum({}) == EMPTY
+    # Names sort by code point, as Python's sorted() in SGLang does.
+    assert per_gpu_checksum(
+        {"model.embed_tokens.weight": "0123456789abcdef", "lm_head.weight": "fedcba9876543210"}
+    ) == "57e72479daf2127d2c04676e5a673017e578f65ec92018ec230261af13517c06"
+
+
+def test_per_engine_checksum_is_sglangs_definition():
+    """sha256 over the per-GPU checksums joined in TP-rank order, no separators."""
+    assert per_engine_checksum([PER_GPU]) == "abafd10f3b3a7c3cde530157d00f89b8499750593ee6aba044df204a99673020"
+    assert per_engine_checksum([PER_GPU, EMPTY]) == "13d6f2aa92051c2b2b575240df89302c9270d00bc17155744657e3b3297299c8"
+    assert per_engine_checksum([EMPTY, PER_GPU]) != per_engine_checksum([PER_GPU, EMPTY])
 
 
 @pytest.mark.gpu
@@ -76,3 +109,39 @@ def test_cuda_fingerprints_equal_cpu_fingerprints():
         if fused is not None:
             assert fused(words, checksum._K1, checksum._K2, checksum._K3) == expected
         assert tensor_fingerprint(t.cuda()) == tensor_fingerprint(t)
+
+
+SGLANG_REPLY = {
+    "success": True,
+    "message": "ok",
+    "per_engine_checksum": "e" * 64,
+    "ranks": [
+        {"checksums": {"w": "1" * 16}, "per_gpu_checksum": "a" * 64,
+         "parallelism_info": {"tp_rank": 0, "tp_size": 2, "dp_rank": 0, "dp_size": 1, "pp_rank": 0, "pp_size": 1,
+                              "rank": 0, "size": 2}},
+        {"checksums": {"w": "2" * 16}, "per_gpu_checksum": "b" * 64,
+         "parallelism_info": [{"role": "target", "rank": 1, "size": 2, "tp_rank": 1, "tp_size": 2},
+                              {"role": "draft", "rank": 1, "size": 2, "tp_rank": 1, "tp_size": 2}]},
+    ],
+    "some_newer_field": 1,
+}
+
+
+def test_both_sglang_parallelism_info_shapes_decode_and_flatten_by_gpu_rank():
+    report = msgspec.json.decode(msgspec.json.encode(SGLANG_REPLY), type=EngineChecksumReport)
+    assert [rank_of(rank) for rank in report.ranks] == [0, 1]
+    assert report_checksums(report) == {"rank0/w": "1" * 16, "rank1/w": "2" * 16}
+
+
+def test_one_rank_keeps_plain_names_and_a_failed_reply_is_an_error():
+    one = EngineChecksumReport(success=True, ranks=[RankChecksums(checksums={"w": "1" * 16}, per_gpu_checksum="")])
+    assert report_checksums(one) == {"w": "1" * 16}
+    with pytest.raises(ValueError, match="failed: busy"):
+        report_checksums(EngineChecksumReport(success=False, message="busy"))
+    with pytest.raises(ValueError, match="no ranks"):
+        report_checksums(EngineChecksumReport(success=True))
+    two_ranks = RankChecksums(
+        checksums={}, per_gpu_checksum="", parallelism_info=[ParallelismInfo(rank=0), ParallelismInfo(rank=1)]
+    )
+    with pytest.raises(ValueError, match="2 GPU ranks"):
+        rank_of(two_ranks)

@@ -168,6 +168,22 @@ def test_reward_fn_must_be_importable(tmp_path: Path) -> None:
     assert "rollout.reward_fn" in message
 
 
+def test_an_unknown_engine_backend_names_the_known_ones(tmp_path: Path) -> None:
+    message = error_of(write_config(tmp_path, BASE + '[generator]\nengine = "sglangg"\n'))
+    assert message == f"{tmp_path / 'run.toml'}:6: generator.engine: unknown engine 'sglangg'; known: torch"
+
+
+def test_an_unknown_trainer_backend_names_the_known_ones(tmp_path: Path) -> None:
+    message = error_of(write_config(tmp_path, BASE), ['trainer.backend="megatron"'])
+    assert message.endswith("--set trainer.backend=\"megatron\": trainer.backend: unknown trainer backend "
+                            "'megatron'; known: torch")
+
+
+def test_num_engines_in_its_old_section_names_its_new_place(tmp_path: Path) -> None:
+    message = error_of(write_config(tmp_path, BASE + "[rollout]\nnum_engines = 2\n"))
+    assert "rollout.num_engines: unknown key (moved to generator.num_engines)" in message
+
+
 def test_validate_accepts_the_defaults_with_existing_prompts(tmp_path: Path) -> None:
     (tmp_path / "p.jsonl").write_text(PROMPTS)
     validate(Config(data=DataConfig(prompt_data=str(tmp_path / "p.jsonl"))))

@@ -72,9 +72,9 @@ def rich_summary(output: str) -> str:
 async def test_plain_prints_one_line_per_rollout_with_reward_loss_times_and_verification():
     lines = [line for line in await plain_lines(EVENTS) if line.startswith("rollout ")]
     assert lines == [
-        "rollout 1/3: reward 0.047 loss -0.0000 kl 0.0000 grad 0.497 | gen 0.02s train 0.04s pub 0.01s verify 0.00s | v2 verified",
-        "rollout 2/3: reward 0.031 loss -0.0089 kl 0.0000 grad 0.319 | gen 0.02s train 0.04s pub 0.02s verify 0.00s | v3 verified",
-        "rollout 3/3: reward 0.062 loss +0.0057 kl 0.0000 grad 0.404 | gen 0.03s train 0.04s pub 0.02s verify 0.00s | v4 verified",
+        "rollout 1/3: reward 0.008 loss -0.0037 kl 0.0000 grad 0.127 | gen 0.06s train 0.13s pub 0.02s verify 0.00s | v2 verified",
+        "rollout 2/3: reward 0.023 loss +0.0015 kl 0.0000 grad 0.239 | gen 0.07s train 0.13s pub 0.04s verify 0.00s | v3 verified",
+        "rollout 3/3: reward 0.023 loss +0.0076 kl 0.0000 grad 0.201 | gen 0.06s train 0.12s pub 0.04s verify 0.00s | v4 verified",
     ]
 
 
@@ -86,8 +86,8 @@ async def test_plain_prints_start_publication_evals_checkpoints_and_end_in_event
         "initial publication v1 verified",
     ]
     assert lines[3].startswith("eval at rollout 0: accuracy=0.000 ")
-    assert lines[6] == "checkpoint rollout 1 (version 2) -> /tmp/fx/checkpoints/rollout_000001 in 0.02s"
-    assert lines[-1] == "run completed after rollout 3/3 at weight version 4 in 0.3s"
+    assert lines[6] == "checkpoint rollout 1 (version 2) -> /tmp/fx/checkpoints/rollout_000001 in 0.05s"
+    assert lines[-1] == "run completed after rollout 3/3 at weight version 4 in 0.9s"
     assert len(lines) == 12
 
 
@@ -100,6 +100,18 @@ async def test_plain_reports_a_mismatch_naming_the_first_tensor():
     assert lines[4].startswith("rollout 1/3: ") and lines[4].endswith("| v2 MISMATCH")
     assert lines[5] == (
         "weight version 2: MISMATCH in 1 tensor(s), first engine-1:model.norm.weight (expected aaaa, got bbbb)"
+    )
+
+
+async def test_plain_says_why_the_tensors_of_a_mismatch_are_not_named():
+    unnamed = TensorMismatch(
+        engine="engine-1", tensor="*", expected="aa", actual="bb", reason="cannot read checksums manifest x"
+    )
+    event = PublicationMismatch(weight_version="2", mismatches=[unnamed], expected_digest="aa", engine_digests={})
+    lines = await plain_lines([EVENTS[0], event])
+    assert lines[-2] == (
+        "weight version 2: MISMATCH in 1 tensor(s), first engine-1:* (expected aa, got bb): "
+        "cannot read checksums manifest x"
     )
 
 
@@ -125,7 +137,7 @@ async def test_a_trained_rollout_that_was_never_published_still_gets_its_line():
     cut = next(i for i, e in enumerate(EVENTS) if isinstance(e, TrainStepFinished) and e.rollout_id == 2)
     stopped = [*EVENTS[: cut + 1], RunFinished(status="stopped", reason="interrupted", last_rollout_id=2, weight_version="3")]
     lines = await plain_lines(stopped)
-    assert lines[-2].startswith("rollout 3/3: reward 0.062 ") and lines[-2].endswith("| not published")
+    assert lines[-2].startswith("rollout 3/3: reward 0.023 ") and lines[-2].endswith("| not published")
     assert lines[-1].startswith("run stopped after rollout 3/3 at weight version 3")
 
 
@@ -135,7 +147,7 @@ async def test_a_run_that_ends_without_run_finished_says_it_was_interrupted():
 
 
 async def test_quiet_prints_only_the_final_line():
-    assert await plain_lines(EVENTS, quiet=True) == ["run completed after rollout 3/3 at weight version 4 in 0.3s"]
+    assert await plain_lines(EVENTS, quiet=True) == ["run completed after rollout 3/3 at weight version 4 in 0.9s"]
 
 
 def session_with(mode: str, verify: bool = True) -> SimpleNamespace:
@@ -165,7 +177,7 @@ async def test_make_console_picks_the_display_by_mode_and_terminal(mode, stream,
 async def test_make_console_quiet_mode_prints_only_the_end():
     stream = StringIO()
     await drive(lambda: make_console(session_with("quiet").config, stream), EVENTS)
-    assert stream.getvalue() == "run completed after rollout 3/3 at weight version 4 in 0.3s\n"
+    assert stream.getvalue() == "run completed after rollout 3/3 at weight version 4 in 0.9s\n"
 
 
 async def test_make_console_follows_the_verifier_setting():
@@ -184,10 +196,10 @@ async def test_rich_leaves_a_summary_with_reward_versions_and_verification():
     await drive(lambda: RichProgress(console), EVENTS)
     summary = rich_summary(console.file.getvalue())  # type: ignore[attr-defined]
     assert "rollout 3/3" in summary
-    assert "0.062" in summary and "min 0.031 max 0.062" in summary
+    assert "0.023" in summary and "min 0.008 max 0.023" in summary
     assert "trainer 4  engine-0 4  engine-1 4" in summary
     assert "v4 verified (27 tensors)" in summary
-    assert "gen 0.03s  train 0.04s  pub 0.02s  verify 0.00s  save 0.02s" in summary
+    assert "gen 0.06s  train 0.12s  pub 0.04s  verify 0.00s  save 0.08s" in summary
     assert "rollout 2 (version 3) -> /tmp/fx/checkpoints/rollout_000002" in summary
     assert "run completed after rollout 3/3 at weight version 4" in summary
 

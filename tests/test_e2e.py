@@ -156,6 +156,16 @@ def test_resume_continues_with_the_same_rollouts_versions_and_weights(tmp_path):
         assert torch.equal(tensor, b.weights[name]), name
 
 
+def test_a_run_publishes_through_the_disk_transport(tmp_path):
+    result = run_cli(tmp_path, 'run.runtime="local"', "run.num_rollout=1", 'publisher.transport="disk"', "generator.num_engines=2")
+    assert result.returncode == 0, result.stderr[-2000:]
+    log = events(tmp_path)
+    staged = [e for e in log if isinstance(e, WeightsStaged)]
+    assert [e.weights.transport for e in staged] == ["disk", "disk"]
+    assert [e.weight_version for e in log if isinstance(e, PublicationVerified)] == ["1", "2"]
+    assert not (tmp_path / "transport").exists(), "the run's data-plane files are removed at its end"
+
+
 def test_a_failing_handler_stops_the_run_with_one_clear_line(tmp_path):
     result = run_cli(tmp_path, 'run.runtime="local"', "run.num_rollout=3", 'rollout.reward_fn="tests.e2e_rewards.broken"')
     assert result.returncode == 1
@@ -175,6 +185,8 @@ def test_a_failing_handler_stops_the_run_with_one_clear_line(tmp_path):
         ('data.prompt_data="missing.jsonl"', "missing.jsonl"),
         ('rollout.reward_fn="no.such.module.fn"', "no.such.module"),
         ('run.dir="/dev/null/run"', "run.dir /dev/null/run"),
+        ('generator.engine="no_such_engine"', "generator.engine: unknown engine 'no_such_engine'; known: torch"),
+        ('trainer.backend="no_such_backend"', "trainer.backend: unknown trainer backend 'no_such_backend'; known: torch"),
     ],
 )
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, override, expected):
@@ -202,11 +214,12 @@ class CorruptingGenerator(Generator):
         faulty = engines[-1]
         real_load = faulty.load_weights
 
-        def load_weights(tensors, weight_version):  # type: ignore[no-untyped-def]
-            real_load(tensors, weight_version)
+        def load_weights(weights, weight_version):  # type: ignore[no-untyped-def]
+            loaded = real_load(weights, weight_version)
             if weight_version == "3":
                 with torch.no_grad():
                     faulty.model.get_parameter("model.norm.weight")[0] += 1e-3
+            return loaded
 
         faulty.load_weights = load_weights  # type: ignore[method-assign]
         return engines
@@ -221,7 +234,7 @@ def test_an_engine_serving_different_weights_is_caught(tmp_path, continue_on_mis
     from actors.verifier import Verifier
 
     config = load_config(TINY, [
-        *SMALL, f'run.dir="{tmp_path}"', "metrics.port=0", 'run.runtime="local"', "run.num_rollout=4", "rollout.num_engines=2",
+        *SMALL, f'run.dir="{tmp_path}"', "metrics.port=0", 'run.runtime="local"', "run.num_rollout=4", "generator.num_engines=2",
         f"verifier.continue_on_mismatch={str(continue_on_mismatch).lower()}",
     ])
     session = Session(config, [CorruptingGenerator, Trainer, Publisher, Verifier, Saver, Coordinator])

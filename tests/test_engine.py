@@ -9,11 +9,14 @@ import msgspec
 import pytest
 import torch
 
-from actors.engine import SamplingParams, TorchEngine, sample_tokens
-from miles_events.rl.checksum import checksums_digest, fingerprints
+from actors.engine.base import SamplingParams
+from actors.engine.torch_engine import TorchEngine, sample_tokens
+from miles_events.rl.checksum import fingerprints, per_gpu_checksum, report_checksums
 from miles_events.rl.hf_model import prepare_base_model
-from schemas.checksums import EngineChecksumReport
+from miles_events.transport.base import open_transport
+from schemas.checksums import EngineChecksumReport, ParallelismInfo
 from schemas.config import BuiltinModelConfig, ModelConfig
+from schemas.data import DataRef
 
 PROMPTS = ["3+4=", "12*3=", "9-", "1", "7*8+1=", "2+2="]
 
@@ -49,6 +52,10 @@ def full_forward_logprobs(
     logprobs = torch.log_softmax(scaled, dim=-1)
     positions = torch.arange(len(prompt_ids) - 1, len(prompt_ids) + len(response_ids) - 1)
     return logprobs[positions, torch.tensor(response_ids)]
+
+
+def served_checksums(engine: TorchEngine, **options: object) -> dict[str, str]:
+    return report_checksums(engine.checksums(**options))  # type: ignore[arg-type]
 
 
 def perturbed_state(engine: TorchEngine, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -189,7 +196,7 @@ def test_token_id_prompts_are_used_as_given(engine: TorchEngine) -> None:
 def test_completions_carry_the_served_weight_version(engine: TorchEngine) -> None:
     sampling = SamplingParams(temperature=0.0, max_new_tokens=2)
     assert engine.generate(["1"], sampling)[0].weight_version == "default"
-    engine.load_weights(perturbed_state(engine), "1")
+    engine.load_tensors(perturbed_state(engine), "1")
     assert engine.generate(["1"], sampling)[0].weight_version == "1"
 
 
@@ -202,16 +209,16 @@ def test_weight_version_starts_as_default(engine: TorchEngine) -> None:
 
 def test_load_weights_serves_the_new_tensors_under_the_new_version(engine: TorchEngine) -> None:
     state = perturbed_state(engine)
-    engine.load_weights(state, "1")
+    engine.load_tensors(state, "1")
     assert engine.weight_version == "1"
-    assert engine.checksums() == fingerprints(state)
+    assert served_checksums(engine) == fingerprints(state)
 
 
 @pytest.mark.parametrize("problem", ["unknown", "missing", "wrong shape"])
 def test_load_weights_rejects_bad_names_and_shapes_and_loads_nothing(
     engine: TorchEngine, problem: str
 ) -> None:
-    before = engine.checksums()
+    before = served_checksums(engine)
     state = perturbed_state(engine)
     if problem == "unknown":
         state["model.not_a_tensor.weight"] = torch.zeros(2)
@@ -223,34 +230,52 @@ def test_load_weights_rejects_bad_names_and_shapes_and_loads_nothing(
         name = "model.layers.0.mlp.up_proj.weight"
         state[name] = torch.zeros(3, 3)
     with pytest.raises(ValueError, match=problem) as error:
-        engine.load_weights(state, "1")
+        engine.load_tensors(state, "1")
     assert name in str(error.value)
     assert engine.weight_version == "default"
-    assert engine.checksums() == before
+    assert served_checksums(engine) == before
 
 
 def test_checksums_cover_the_state_dict_without_non_persistent_buffers(engine: TorchEngine) -> None:
-    checksums = engine.checksums()
+    checksums = served_checksums(engine)
     assert set(checksums) == set(engine.model.state_dict())
     assert not any("inv_freq" in name for name in checksums)
     assert any("inv_freq" in name for name, _ in engine.model.named_buffers())
 
 
 def test_checksums_leave_out_skipped_tensors(engine: TorchEngine) -> None:
-    checksums = engine.checksums(skip_tensor_list=["norm"])
+    checksums = served_checksums(engine, skip_tensor_list=["norm"])
     assert checksums and not any("norm" in name for name in checksums)
 
 
 def test_tied_embeddings_are_served_once_and_load_under_either_name(tied_model_dir: Path) -> None:
     engine = TorchEngine.from_pretrained(tied_model_dir)
-    assert "lm_head.weight" not in engine.checksums()
+    assert "lm_head.weight" not in served_checksums(engine)
     state = perturbed_state(engine)
-    engine.load_weights(state, "1")
+    engine.load_tensors(state, "1")
     assert torch.equal(engine.model.lm_head.weight, state["model.embed_tokens.weight"])
     by_head = dict(state)
     by_head["lm_head.weight"] = by_head.pop("model.embed_tokens.weight") * 2
-    engine.load_weights(by_head, "2")
+    engine.load_tensors(by_head, "2")
     assert torch.equal(engine.model.get_input_embeddings().weight, by_head["lm_head.weight"])
+
+
+@pytest.mark.parametrize("transport", ["inprocess", "disk"])
+def test_load_weights_resolves_a_data_plane_handle(model_dir: Path, tmp_path: Path, transport: str) -> None:
+    plane = open_transport(transport, f"run-{transport}", tmp_path)
+    engine = TorchEngine.from_pretrained(model_dir, transport=plane)
+    state = perturbed_state(engine)
+    ref = plane.put_tensors("weights-v1", state, owner="trainer")
+    assert engine.load_weights(ref, "1") == sum(t.numel() * t.element_size() for t in state.values())
+    assert engine.weight_version == "1" and served_checksums(engine) == fingerprints(state)
+    plane.close()
+
+
+def test_load_weights_refuses_a_handle_of_another_transport(model_dir: Path, tmp_path: Path) -> None:
+    engine = TorchEngine.from_pretrained(model_dir, transport=open_transport("disk", "run-x", tmp_path))
+    with pytest.raises(ValueError, match="reads the disk transport, not shm"):
+        engine.load_weights(DataRef("shm", "weights-v1", "trainer"), "1")
+    assert engine.weight_version == "default"
 
 
 # --- SGLang weight-checker actions -----------------------------------------------------------
@@ -258,18 +283,18 @@ def test_tied_embeddings_are_served_once_and_load_under_either_name(tied_model_d
 
 def test_compare_without_a_snapshot_fails(engine: TorchEngine) -> None:
     result = engine.weights_check("compare")
-    assert result["success"] is False and "snapshot" in result["message"]
+    assert result.success is False and "snapshot" in result.message
 
 
 def test_compare_right_after_a_snapshot_succeeds(engine: TorchEngine) -> None:
-    assert engine.weights_check("snapshot")["success"]
-    assert engine.weights_check("compare")["success"]
+    assert engine.weights_check("snapshot").success
+    assert engine.weights_check("compare").success
 
 
 def test_reset_tensors_changes_every_selected_tensor_and_no_skipped_one(engine: TorchEngine) -> None:
-    before = engine.checksums()
-    assert engine.weights_check("reset_tensors", skip_tensor_list=["norm"])["success"]
-    after = engine.checksums()
+    before = served_checksums(engine)
+    assert engine.weights_check("reset_tensors", skip_tensor_list=["norm"]).success
+    after = served_checksums(engine)
     for name in before:
         assert (before[name] == after[name]) == ("norm" in name), name
 
@@ -279,10 +304,10 @@ def test_compare_fails_after_reset_and_passes_after_reloading_the_snapshot(engin
     engine.weights_check("snapshot")
     engine.weights_check("reset_tensors")
     failed = engine.weights_check("compare")
-    assert failed["success"] is False
-    assert "model.embed_tokens.weight" in failed["mismatched"]
-    engine.load_weights(original, "1")
-    assert engine.weights_check("compare")["success"]
+    assert failed.success is False and failed.action == "compare"
+    assert "model.embed_tokens.weight" in failed.mismatched
+    engine.load_tensors(original, "1")
+    assert engine.weights_check("compare").success
 
 
 def test_compare_allows_one_ulp_only_with_allow_quant_error(engine: TorchEngine) -> None:
@@ -290,33 +315,40 @@ def test_compare_allows_one_ulp_only_with_allow_quant_error(engine: TorchEngine)
     weight = engine.served_tensors()["model.norm.weight"]
     with torch.no_grad():
         weight[0] = torch.nextafter(weight[0], torch.tensor(float("inf")))
-    assert engine.weights_check("compare")["success"] is False
-    assert engine.weights_check("compare", allow_quant_error=True)["success"]
+    assert engine.weights_check("compare").success is False
+    assert engine.weights_check("compare", allow_quant_error=True).success
     with torch.no_grad():
         weight[0] = torch.nextafter(weight[0], torch.tensor(float("inf")))
-    assert engine.weights_check("compare", allow_quant_error=True)["success"] is False
+    assert engine.weights_check("compare", allow_quant_error=True).success is False
 
 
 def test_compare_ignores_skipped_tensors(engine: TorchEngine) -> None:
     engine.weights_check("snapshot", skip_tensor_list=["norm"])
     engine.weights_check("reset_tensors", skip_tensor_list=["mlp", "attn", "embed", "lm_head"])
-    assert engine.weights_check("compare", skip_tensor_list=["norm"])["success"]
+    assert engine.weights_check("compare", skip_tensor_list=["norm"]).success
 
 
 def test_checksum_action_returns_an_sglang_shaped_report(engine: TorchEngine) -> None:
-    result = engine.weights_check("checksum", skip_tensor_list=["norm"])
-    report = msgspec.convert({k: v for k, v in result.items() if k != "weight_version"}, EngineChecksumReport)
+    report = engine.checksums(skip_tensor_list=["norm"])
+    assert msgspec.json.decode(msgspec.json.encode(report), type=EngineChecksumReport) == report
     [rank] = report.ranks
-    assert report.success and rank.checksums == engine.checksums(skip_tensor_list=["norm"])
-    assert rank.per_gpu_checksum == checksums_digest(rank.checksums)
-    assert report.per_engine_checksum == hashlib.sha256(rank.per_gpu_checksum.encode() + b"\n").hexdigest()
-    assert result["weight_version"] == "default"
+    served = {n: t for n, t in engine.served_tensors().items() if "norm" not in n}
+    assert report.success and rank.checksums == fingerprints(served)
+    assert rank.per_gpu_checksum == per_gpu_checksum(rank.checksums)
+    assert report.per_engine_checksum == hashlib.sha256(rank.per_gpu_checksum.encode()).hexdigest()
+    assert rank.parallelism_info == ParallelismInfo(rank=0, size=1, tp_rank=0, tp_size=1)
+    assert engine.weight_version == "default"
+
+
+def test_an_unknown_action_is_an_unsuccessful_result(engine: TorchEngine) -> None:
+    result = engine.weights_check("checksum")  # type: ignore[arg-type]
+    assert not result.success and "unknown action 'checksum'" in result.message
 
 
 def test_draft_selector_selects_nothing(engine: TorchEngine) -> None:
     engine.weights_check("snapshot")
-    assert engine.weights_check("checksum", selector="draft")["ranks"][0]["checksums"] == {}
+    assert engine.checksums(selector="draft").ranks[0].checksums == {}
     for action in ("snapshot", "reset_tensors", "compare"):
-        assert engine.weights_check(action, selector="draft")["success"], action
+        assert engine.weights_check(action, selector="draft").success, action
     # The draft actions touched neither the served weights nor the target snapshot.
-    assert engine.weights_check("compare", selector="target")["success"]
+    assert engine.weights_check("compare", selector="target").success

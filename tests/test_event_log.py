@@ -42,14 +42,15 @@ def make_events(n: int) -> list[Event]:
                 )
             )
         else:
-            checksums = {f"layer.{j}.weight": f"{i * 31 + j:016x}" for j in range(30)}
             events.append(
                 WeightsLoaded(
                     engine="engine-0",
                     weight_version=str(i),
                     previous_version=str(i - 1),
-                    checksums=checksums,
-                    digest="ab" * 32,
+                    digest=f"{i:064x}",
+                    num_tensors=30,
+                    num_bytes=30 << 20,
+                    checksums_manifest=f"checksums/{i:064x}.msgpack",
                     seq=i + 1,
                 )
             )

@@ -13,11 +13,20 @@ import torch
 
 from actors.generator import Generator, engine_seed, sorted_versions
 from miles_events.bus.actor import WorkerGroup
-from miles_events.rl.checksum import checksums_digest, fingerprints
+from miles_events.rl.checksum import fingerprints, per_gpu_checksum
+from miles_events.rl.checksum_manifest import read_manifest, write_manifest
 from miles_events.rl.hf_model import load_model, prepare_base_model
 from miles_events.rl.prompts import load_prompts, rollout_prompts
 from miles_events.transport.base import InProcessTransport, Transport
-from schemas.config import Config, DataConfig, ModelConfig, RolloutConfig, RunConfig, VerifierConfig
+from schemas.config import (
+    Config,
+    DataConfig,
+    GeneratorConfig,
+    ModelConfig,
+    RolloutConfig,
+    RunConfig,
+    VerifierConfig,
+)
 from schemas.events import (
     DataReleased,
     EvalFinished,
@@ -85,7 +94,6 @@ def prompt_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def make_config(model_dir: Path, prompt_file: Path, tmp_path: Path, **rollout: object) -> Config:
     rollout_fields = {
-        "num_engines": 2,
         "max_new_tokens": 4,
         "reward_fn": f"{__name__}.response_length_reward",
         **rollout,
@@ -97,6 +105,7 @@ def make_config(model_dir: Path, prompt_file: Path, tmp_path: Path, **rollout: o
             prompt_data=str(prompt_file), rollout_batch_size=ROLLOUT_BATCH, n_samples_per_prompt=N_SAMPLES
         ),
         rollout=RolloutConfig(**rollout_fields),  # type: ignore[arg-type]
+        generator=GeneratorConfig(num_engines=2),
     )
 
 
@@ -124,15 +133,19 @@ def staged_weights(model_dir: Path, scale: float) -> dict[str, torch.Tensor]:
 
 def weights_staged(context: FakeContext, tensors: dict[str, torch.Tensor], version: str) -> WeightsStaged:
     ref = context.transport.put_tensors(f"weights-{version}", tensors, owner="trainer")
-    checksums = fingerprints(tensors)
+    digest, manifest = write_manifest(context.run_dir, fingerprints(tensors))
     return WeightsStaged(
         weight_version=version,
         weights=ref,
-        checksums=checksums,
-        digest=checksums_digest(checksums),
+        digest=digest,
         num_tensors=len(tensors),
         num_bytes=ref.num_bytes,
+        checksums_manifest=manifest,
     )
+
+
+def manifest_of(context: FakeContext, event: WeightsLoaded | WeightsCheckFinished) -> dict[str, str]:
+    return read_manifest(context.run_dir, event.checksums_manifest, event.digest)
 
 
 # --- rollouts ---------------------------------------------------------------------------------
@@ -243,10 +256,44 @@ async def test_weights_staged_loads_every_engine_and_reports_served_checksums(
     assert [e.engine for e in loaded] == ["engine-0", "engine-1"]
     for event in loaded:
         assert (event.weight_version, event.previous_version) == ("1", "default")
-        assert event.checksums == fingerprints(tensors) == staged.checksums
-        assert event.digest == staged.digest
+        assert manifest_of(context, event) == fingerprints(tensors)
+        assert (event.digest, event.checksums_manifest) == (staged.digest, staged.checksums_manifest)
+        assert event.num_tensors == len(tensors)
+        assert event.num_bytes == sum(t.numel() * t.element_size() for t in tensors.values())
     # The staged weights belong to their stager: still readable.
     assert set(context.transport.get_tensors(staged.weights)) == set(tensors)
+
+
+async def test_engines_are_handed_the_handle_and_read_the_weights_themselves(
+    actor: Started, model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    generator, context = actor
+    staged = weights_staged(context, staged_weights(model_dir, 0.01), "1")
+    handed: list[tuple[str, object]] = []
+    reads: list[str | None] = []  # the engine loading when the transport was read, else None
+    loading: list[str] = []
+    for engine in generator.engines:
+        load = engine.load_weights
+
+        def spy(weights, version, engine=engine, load=load):  # type: ignore[no-untyped-def]
+            handed.append((engine.name, weights))
+            loading.append(engine.name)
+            try:
+                return load(weights, version)
+            finally:
+                loading.pop()
+
+        monkeypatch.setattr(engine, "load_weights", spy)
+    get_tensors = context.transport.get_tensors
+
+    def read(ref):  # type: ignore[no-untyped-def]
+        reads.append(loading[-1] if loading else None)
+        return get_tensors(ref)
+
+    monkeypatch.setattr(context.transport, "get_tensors", read)
+    await generator.handle(staged)
+    assert handed == [("engine-0", staged.weights), ("engine-1", staged.weights)]
+    assert reads == ["engine-0", "engine-1"], "only the engines read the staged tensors"
 
 
 async def test_rollouts_after_a_load_carry_the_new_version(
@@ -268,7 +315,8 @@ async def test_loaded_checksums_leave_out_the_verifier_skip_list(
     tensors = staged_weights(model_dir, 0.01)
     await generator.handle(weights_staged(context, tensors, "1"))
     for event in context.of(WeightsLoaded):
-        assert event.checksums == fingerprints(tensors, ["norm"])
+        assert manifest_of(context, event) == fingerprints(tensors, ["norm"])
+        assert event.digest == per_gpu_checksum(fingerprints(tensors, ["norm"]))
 
 
 async def test_weights_with_a_missing_tensor_fail_the_load(
@@ -293,7 +341,8 @@ async def test_checksum_check_reports_each_engines_served_checksums(
     assert [e.engine for e in finished] == ["engine-0", "engine-1"]
     for event in finished:
         assert event.success and event.action == "checksum" and event.request_id == "r1"
-        assert event.checksums == expected and event.digest == checksums_digest(expected)
+        assert manifest_of(context, event) == expected and event.digest == per_gpu_checksum(expected)
+        assert event.num_tensors == len(expected)
         assert event.weight_version == "default"
 
 
@@ -311,7 +360,8 @@ async def test_compare_check_fails_after_reset_and_passes_after_republication(
         assert not outcome["after-reset", engine].success
         assert outcome["after-load", engine].success
         assert outcome["after-load", engine].weight_version == "1"
-        assert outcome["after-load", engine].checksums == {}
+        assert (outcome["after-load", engine].digest, outcome["after-load", engine].checksums_manifest) == ("", "")
+        assert outcome["after-load", engine].num_tensors == len(load_model(model_dir).state_dict())
 
 
 # --- pure functions ---------------------------------------------------------------------------

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import msgspec
+import pytest
 import torch
 
 from actors.publisher import Publisher
 from actors.verifier import Verifier
 from miles_events.bus.clock import ManualClock
-from miles_events.rl.checksum import checksums_digest, fingerprints
-from schemas.config import Config, PublisherConfig, RolloutConfig, VerifierConfig
+from miles_events.rl.checksum import fingerprints, per_gpu_checksum
+from miles_events.rl.checksum_manifest import write_manifest
+from schemas.config import Config, GeneratorConfig, PublisherConfig, VerifierConfig
 from schemas.data import DataRef
 from schemas.events import (
     DataReleased,
@@ -27,19 +32,28 @@ REF = DataRef("inprocess", "weights-v1", "trainer")
 
 
 def config(engines: int = 2, **publisher) -> Config:
-    return Config(rollout=RolloutConfig(num_engines=engines), publisher=PublisherConfig(**publisher))
+    return Config(generator=GeneratorConfig(num_engines=engines), publisher=PublisherConfig(**publisher))
 
 
-def staged(version: str, checksums: dict[str, str] | None = None) -> WeightsStaged:
+def summary(checksums: dict[str, str] | None, run_dir: Path | None) -> tuple[dict[str, str], str, str]:
+    """(checksums, digest, manifest) as the trainer and the engines record them."""
     checksums = checksums if checksums is not None else {"w": "00aa"}
-    return WeightsStaged(weight_version=version, weights=REF, checksums=checksums,
-                         digest=checksums_digest(checksums), num_tensors=len(checksums), num_bytes=4)
+    if run_dir is None:
+        return checksums, per_gpu_checksum(checksums), ""
+    return checksums, *write_manifest(run_dir, checksums)
 
 
-def loaded(engine: str, version: str, previous: str, checksums: dict[str, str] | None = None) -> WeightsLoaded:
-    checksums = checksums if checksums is not None else {"w": "00aa"}
-    return WeightsLoaded(engine=engine, weight_version=version, previous_version=previous,
-                         checksums=checksums, digest=checksums_digest(checksums))
+def staged(version: str, checksums: dict[str, str] | None = None, run_dir: Path | None = None) -> WeightsStaged:
+    checksums, digest, manifest = summary(checksums, run_dir)
+    return WeightsStaged(weight_version=version, weights=REF, digest=digest, num_tensors=len(checksums),
+                         num_bytes=4, checksums_manifest=manifest)
+
+
+def loaded(engine: str, version: str, previous: str, checksums: dict[str, str] | None = None,
+           run_dir: Path | None = None) -> WeightsLoaded:
+    checksums, digest, manifest = summary(checksums, run_dir)
+    return WeightsLoaded(engine=engine, weight_version=version, previous_version=previous, digest=digest,
+                         num_tensors=len(checksums), checksums_manifest=manifest)
 
 
 def started(weight_version: str = "default") -> RunStarted:
@@ -114,54 +128,107 @@ async def test_no_timeout_fires_after_a_completed_publication():
     assert not [e for e in p.context.published if isinstance(e, PublicationFailed)]
 
 
-def verifier(**cfg) -> Verifier:
+def verifier(run_dir: Path, **cfg) -> Verifier:
     c = Config(verifier=VerifierConfig(**cfg))
-    return Verifier(c, RecordingContext(c, name="verifier"))
+    return Verifier(c, RecordingContext(c, name="verifier", run_dir=run_dir))
 
 
 def published(version: str, engines=("engine-0", "engine-1")) -> WeightsPublished:
     return WeightsPublished(weight_version=version, engines=list(engines), previous_versions=["default"] * len(engines))
 
 
-async def test_equal_checksums_are_verified():
+async def test_equal_checksums_are_verified(tmp_path):
     tensors = {"a": torch.arange(4.0), "b": torch.ones(2, 2)}
     sums = fingerprints(tensors)
-    v = verifier()
-    out = await feed(v, staged("1", sums), loaded("engine-0", "1", "default", sums),
-                     loaded("engine-1", "1", "default", fingerprints({k: t.clone() for k, t in tensors.items()})),
+    v = verifier(tmp_path)
+    out = await feed(v, staged("1", sums, tmp_path), loaded("engine-0", "1", "default", sums, tmp_path),
+                     loaded("engine-1", "1", "default", fingerprints({k: t.clone() for k, t in tensors.items()}), tmp_path),
                      published("1"))
     assert len(out) == 1 and isinstance(out[0], PublicationVerified)
-    assert out[0].num_tensors == 2 and out[0].digest == checksums_digest(sums)
+    assert out[0].num_tensors == 2 and out[0].digest == per_gpu_checksum(sums)
 
 
-async def test_a_mismatch_names_every_differing_tensor_and_engine():
+async def test_equal_digests_are_verified_without_opening_a_manifest(tmp_path):
+    v = verifier(tmp_path)
+    gone = "checksums/never-written.msgpack"
+    out = await feed(v, msgspec.structs.replace(staged("1"), checksums_manifest=gone),
+                     msgspec.structs.replace(loaded("engine-0", "1", "default"), checksums_manifest=gone),
+                     published("1", engines=("engine-0",)))
+    assert isinstance(out[0], PublicationVerified)
+    assert not (tmp_path / "checksums").exists()
+
+
+async def test_a_mismatch_names_every_differing_tensor_and_engine(tmp_path):
     tensors = {"a": torch.arange(4.0), "b": torch.ones(2, 2)}
     served = dict(tensors, b=torch.ones(2, 2) * 1.0000001)
-    v = verifier()
-    out = await feed(v, staged("2", fingerprints(tensors)),
-                     loaded("engine-0", "2", "1", fingerprints(tensors)),
-                     loaded("engine-1", "2", "1", fingerprints(served)), published("2"))
+    v = verifier(tmp_path)
+    out = await feed(v, staged("2", fingerprints(tensors), tmp_path),
+                     loaded("engine-0", "2", "1", fingerprints(tensors), tmp_path),
+                     loaded("engine-1", "2", "1", fingerprints(served), tmp_path), published("2"))
     assert isinstance(out[0], PublicationMismatch)
     assert [(m.engine, m.tensor) for m in out[0].mismatches] == [("engine-1", "b")]
+    assert out[0].engine_digests == {"engine-0": per_gpu_checksum(fingerprints(tensors)),
+                                     "engine-1": per_gpu_checksum(fingerprints(served))}
 
 
-async def test_missing_and_extra_tensors_are_mismatches():
-    v = verifier()
-    out = await feed(v, staged("1", {"a": "1", "b": "2"}), loaded("engine-0", "1", "default", {"a": "1", "c": "3"}),
+async def test_missing_and_extra_tensors_are_mismatches(tmp_path):
+    v = verifier(tmp_path)
+    out = await feed(v, staged("1", {"a": "1", "b": "2"}, tmp_path),
+                     loaded("engine-0", "1", "default", {"a": "1", "c": "3"}, tmp_path),
                      published("1", engines=("engine-0",)))
     names = {(m.tensor, m.expected, m.actual) for m in out[0].mismatches}
     assert names == {("b", "2", ""), ("c", "", "3")}
 
 
-async def test_the_skip_list_leaves_tensors_out_of_the_comparison():
-    v = verifier(skip_tensor_list=["visual"])
-    out = await feed(v, staged("1", {"a": "1", "visual.w": "2"}), loaded("engine-0", "1", "default", {"a": "1", "visual.w": "9"}),
+async def test_the_skip_list_leaves_tensors_out_of_the_comparison(tmp_path):
+    v = verifier(tmp_path, skip_tensor_list=["visual"])
+    out = await feed(v, staged("1", {"a": "1", "visual.w": "2"}, tmp_path),
+                     loaded("engine-0", "1", "default", {"a": "1", "visual.w": "9"}, tmp_path),
                      published("1", engines=("engine-0",)))
     assert isinstance(out[0], PublicationVerified)
 
 
-async def test_an_engine_that_sent_no_checksums_is_a_mismatch():
-    v = verifier()
-    out = await feed(v, staged("1", {"a": "1"}), loaded("engine-0", "1", "default", {"a": "1"}), published("1"))
+async def test_an_engine_that_sent_no_checksums_is_a_mismatch(tmp_path):
+    v = verifier(tmp_path)
+    out = await feed(v, staged("1", {"a": "1"}, tmp_path), loaded("engine-0", "1", "default", {"a": "1"}, tmp_path),
+                     published("1"))
     assert isinstance(out[0], PublicationMismatch)
     assert [(m.engine, m.tensor) for m in out[0].mismatches] == [("engine-1", "a")]
+
+
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [
+        ("delete", "cannot read checksums manifest checksums/"),
+        ("garble", "does not decode"),
+        ("swap", "holds the checksums of digest"),
+    ],
+)
+async def test_an_unreadable_manifest_is_a_mismatch_of_that_engine_naming_the_reason(tmp_path, damage, reason):
+    v = verifier(tmp_path)
+    bad = loaded("engine-1", "1", "default", {"a": "2"}, tmp_path)
+    path = tmp_path / bad.checksums_manifest
+    if damage == "delete":
+        path.unlink()
+    elif damage == "garble":
+        path.write_bytes(b"not msgpack")
+    else:
+        path.write_bytes((tmp_path / write_manifest(tmp_path, {"a": "3"})[1]).read_bytes())
+    out = await feed(v, staged("1", {"a": "1"}, tmp_path), loaded("engine-0", "1", "default", {"a": "1"}, tmp_path),
+                     bad, published("1"))
+    [mismatch] = out[0].mismatches
+    assert (mismatch.engine, mismatch.tensor) == ("engine-1", "*")
+    assert (mismatch.expected, mismatch.actual) == (per_gpu_checksum({"a": "1"}), bad.digest)
+    assert reason in mismatch.reason
+
+
+async def test_the_skip_list_applies_before_the_digest_on_both_sides(tmp_path):
+    """The trainer and the engines leave skipped tensors out of their digests, so a publication
+    that differs only there is verified on digests alone."""
+    skip = ["visual"]
+    trainer = fingerprints({"a": torch.ones(2), "visual.w": torch.zeros(2)}, skip)
+    engine = fingerprints({"a": torch.ones(2), "visual.w": torch.ones(2)}, skip)
+    assert trainer == engine == {"a": fingerprints({"a": torch.ones(2)})["a"]}
+    v = verifier(tmp_path, skip_tensor_list=skip)
+    out = await feed(v, staged("1", trainer), loaded("engine-0", "1", "default", engine), published("1", engines=("engine-0",)))
+    assert isinstance(out[0], PublicationVerified)

@@ -4,6 +4,7 @@ decisions; changed inputs make different ones."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import msgspec
@@ -13,6 +14,7 @@ from miles_events.app.config import load_config
 from miles_events.app.redrive import build_actor, redrive, split_runs
 from miles_events.app.replay import main as replay_main
 from miles_events.bus.event_log import read_events
+from miles_events.rl.checksum_manifest import read_manifest, write_manifest
 from schemas.events import PublicationMismatch, PublicationVerified, WeightsLoaded
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tiny_run"
@@ -29,7 +31,7 @@ def recorded():
 @pytest.mark.parametrize("name", ["coordinator", "verifier", "publisher"])
 async def test_redriven_actor_makes_the_recorded_decisions(recorded, name):
     events, config = recorded
-    result = await redrive(build_actor(name, config, events), events)
+    result = await redrive(build_actor(name, config, events, run_dir=FIXTURE), events)
     assert result.inputs > 0 and result.expected
     assert result.matches, result.first_difference()
 
@@ -42,23 +44,47 @@ async def test_the_coordinator_follows_its_config_not_the_record(recorded):
     assert "EvalRequested" in result.first_difference()
 
 
-async def test_a_tampered_engine_checksum_turns_verified_into_mismatch(recorded):
-    events, config = recorded
-    tampered, done = [], False
+def tamper_engine_1_at_version_3(events, tamper):
+    """The log with engine-1's WeightsLoaded of version 3 replaced by ``tamper(event)``."""
+    out = []
     for event in events:
-        if isinstance(event, WeightsLoaded) and event.engine == "engine-1" and event.weight_version == "3" and not done:
-            name = sorted(event.checksums)[0]
-            event = msgspec.structs.replace(event, checksums={**event.checksums, name: "0" * 16})
-            done = True
-        tampered.append(event)
-    verifier = build_actor("verifier", config, tampered)
+        if isinstance(event, WeightsLoaded) and event.engine == "engine-1" and event.weight_version == "3":
+            event = tamper(event)
+        out.append(event)
+    return out
+
+
+async def test_a_tampered_engine_checksum_turns_verified_into_mismatch(recorded, tmp_path):
+    events, config = recorded
+    shutil.copytree(FIXTURE / "checksums", tmp_path / "checksums")
+    named: list[str] = []
+
+    def one_tensor_changed(event):
+        checksums = read_manifest(FIXTURE, event.checksums_manifest, event.digest)
+        named.append(sorted(checksums)[0])
+        digest, manifest = write_manifest(tmp_path, {**checksums, named[0]: "0" * 16})
+        return msgspec.structs.replace(event, digest=digest, checksums_manifest=manifest)
+
+    tampered = tamper_engine_1_at_version_3(events, one_tensor_changed)
+    verifier = build_actor("verifier", config, tampered, run_dir=tmp_path)
     result = await redrive(verifier, tampered)
     assert not result.matches
     decided = verifier.context.published
     assert [type(e) for e in decided].count(PublicationVerified) == len(decided) - 1
     mismatch = next(e for e in decided if isinstance(e, PublicationMismatch))
     assert mismatch.weight_version == "3"
-    assert [(m.engine, m.tensor) for m in mismatch.mismatches] == [("engine-1", name)]
+    assert [(m.engine, m.tensor) for m in mismatch.mismatches] == [("engine-1", named[0])]
+
+
+async def test_a_tampered_digest_without_its_manifest_is_a_mismatch_naming_why(recorded):
+    events, config = recorded
+    tampered = tamper_engine_1_at_version_3(events, lambda e: msgspec.structs.replace(e, digest="0" * 64))
+    verifier = build_actor("verifier", config, tampered, run_dir=FIXTURE)
+    await redrive(verifier, tampered)
+    mismatch = next(e for e in verifier.context.published if isinstance(e, PublicationMismatch))
+    [only] = mismatch.mismatches
+    assert (only.engine, only.tensor, only.actual) == ("engine-1", "*", "0" * 64)
+    assert "holds the checksums of digest" in only.reason
 
 
 def test_the_replay_cli_redrives_the_fixture(capsys):

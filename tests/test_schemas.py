@@ -22,7 +22,7 @@ from schemas.events import EVENT_TYPES, EVENT_TYPES_BY_NAME, Event, RolloutReque
 
 HEADER = {"run_id": "run-7", "seq": 42, "time": 1_700_000_000.25, "source": "tester"}
 REF = DataRef("shm", "rollout-3", "generator", 4096)
-CHECKSUMS = {"model.embed_tokens.weight": "0123456789abcdef", "lm_head.weight": "fedcba9876543210"}
+MANIFEST = "checksums/" + "cd" * 32 + ".msgpack"
 STATE = TrainerState(
     rollout_id=3,
     weight_version="4",
@@ -80,10 +80,10 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     "WeightsStaged": dict(
         weight_version="4",
         weights=REF,
-        checksums=CHECKSUMS,
         digest="cd" * 32,
         num_tensors=2,
         num_bytes=1 << 20,
+        checksums_manifest=MANIFEST,
         rollout_id=3,
         stage_seconds=0.5,
     ),
@@ -91,8 +91,10 @@ EXAMPLES: dict[str, dict[str, Any]] = {
         engine="engine-0",
         weight_version="4",
         previous_version="3",
-        checksums=CHECKSUMS,
         digest="cd" * 32,
+        num_tensors=2,
+        num_bytes=1 << 20,
+        checksums_manifest=MANIFEST,
         load_seconds=0.25,
     ),
     "WeightsPublished": dict(
@@ -110,7 +112,10 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     ),
     "PublicationMismatch": dict(
         weight_version="4",
-        mismatches=[TensorMismatch("engine-0", "lm_head.weight", "fedcba9876543210", "0000000000000000")],
+        mismatches=[
+            TensorMismatch("engine-0", "lm_head.weight", "fedcba9876543210", "0000000000000000"),
+            TensorMismatch("engine-1", "*", "cd" * 32, "ef" * 32, reason="cannot read checksums manifest"),
+        ],
         expected_digest="cd" * 32,
         engine_digests={"engine-0": "ef" * 32},
         rollout_id=3,
@@ -128,8 +133,9 @@ EXAMPLES: dict[str, dict[str, Any]] = {
         action="checksum",
         success=False,
         message="mismatch",
-        checksums=CHECKSUMS,
         digest="cd" * 32,
+        num_tensors=2,
+        checksums_manifest=MANIFEST,
         weight_version="4",
         request_id="check-1",
     ),

@@ -56,7 +56,7 @@ async def test_tensorboard_logs_every_scalar_at_its_rollout_step(tmp_path):
     await drive(only(make_tracking(config_with(tmp_path, tensorboard=True))), EVENTS, config_with(tmp_path, tensorboard=True), tmp_path)
     scalars = tensorboard_scalars(tmp_path / "tensorboard" / "run-1")
     assert SPEC_SCALARS <= set(scalars)
-    assert scalars["rollout/reward_mean"] == [(0, 0.046875), (1, 0.03125), (2, 0.0625)]
+    assert scalars["rollout/reward_mean"] == [(0, 0.0078125), (1, 0.0234375), (2, 0.0234375)]
     assert scalars["weights/version"] == [(0, 2.0), (1, 3.0), (2, 4.0)]
     assert [step for step, _ in scalars["checkpoint/save_seconds"]] == [1, 2]
 
@@ -65,7 +65,7 @@ async def test_tensorboard_logs_evals_at_the_eval_rollout_id_including_before_tr
     await drive(only(make_tracking(config_with(tmp_path, tensorboard=True))), EVENTS, config_with(tmp_path, tensorboard=True), tmp_path)
     accuracy = tensorboard_scalars(tmp_path / "tensorboard" / "run-1")["eval/accuracy"]
     assert [step for step, _ in accuracy] == [0, 1, 2]
-    assert accuracy[2][1] == pytest.approx(0.04)
+    assert accuracy[2][1] == pytest.approx(1 / 55)
 
 
 async def test_tensorboard_writes_to_the_configured_directory(tmp_path):
@@ -110,7 +110,7 @@ async def test_wandb_offline_run_records_the_metrics_against_rollout_id_and_fini
         if r.WhichOneof("record_type") == "history"
     ]
     rewards = [(row["rollout_id"], row["rollout/reward_mean"]) for row in history if "rollout/reward_mean" in row]
-    assert rewards == [(0, 0.046875), (1, 0.03125), (2, 0.0625)]
+    assert rewards == [(0, 0.0078125), (1, 0.0234375), (2, 0.0234375)]
     (run_record,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     assert run_record.run_id == "run-1" and run_record.project == "miles-events"
     (exit_record,) = [r.exit for r in records if r.WhichOneof("record_type") == "exit"]

@@ -13,14 +13,23 @@ import pytest
 import torch
 
 from actors.trainer import Trainer, staleness_max
-from actors.trainer_backend import TorchTrainerBackend
+from actors.trainer_backend.torch_backend import TorchTrainerBackend
 from miles_events.bus.actor import WorkerGroup
 from miles_events.bus.clock import SYSTEM_CLOCK, Clock
-from miles_events.rl.checksum import checksums_digest, fingerprints
+from miles_events.rl.checksum import fingerprints, per_gpu_checksum
+from miles_events.rl.checksum_manifest import read_manifest
 from miles_events.rl.hf_model import prepare_base_model
 from miles_events.transport.base import InProcessTransport, Transport
 from schemas.checkpoint import TrainerState
-from schemas.config import BuiltinModelConfig, Config, DataConfig, ModelConfig, RunConfig, TrainerConfig
+from schemas.config import (
+    BuiltinModelConfig,
+    Config,
+    DataConfig,
+    ModelConfig,
+    RunConfig,
+    TrainerConfig,
+    VerifierConfig,
+)
 from schemas.events import (
     DataReleased,
     Event,
@@ -259,11 +268,24 @@ async def test_staged_checksums_fingerprint_the_staged_tensors(base_model: Path,
     await trainer.handle(PublishRequested(rollout_id=None))
     event = context.of_type(WeightsStaged)[0]
     tensors = context.transport.get_tensors(event.weights)
-    assert event.checksums == fingerprints(tensors)
-    assert event.digest == checksums_digest(event.checksums)
+    assert read_manifest(tmp_path, event.checksums_manifest, event.digest) == fingerprints(tensors)
+    assert event.digest == per_gpu_checksum(fingerprints(tensors))
+    assert event.checksums_manifest == f"checksums/{event.digest}.msgpack"
     assert event.num_tensors == len(tensors)
     assert event.num_bytes == sum(t.numel() * t.element_size() for t in tensors.values())
     assert event.weights.owner == "trainer"
+
+
+async def test_the_staged_digest_leaves_out_the_verifier_skip_list(base_model: Path, tmp_path: Path) -> None:
+    config = msgspec.structs.replace(make_config(base_model, tmp_path), verifier=VerifierConfig(skip_tensor_list=["norm"]))
+    trainer, context = await started_trainer(config, tmp_path)
+    await trainer.handle(PublishRequested(rollout_id=None))
+    event = context.of_type(WeightsStaged)[0]
+    tensors = context.transport.get_tensors(event.weights)
+    assert any("norm" in name for name in tensors), "skipped tensors are still published"
+    covered = fingerprints(tensors, ["norm"])
+    assert read_manifest(tmp_path, event.checksums_manifest, event.digest) == covered
+    assert event.num_tensors == len(covered) < len(tensors)
 
 
 async def test_staged_weights_do_not_change_when_training_continues(base_model: Path, tmp_path: Path) -> None:
@@ -271,8 +293,8 @@ async def test_staged_weights_do_not_change_when_training_continues(base_model: 
     await trainer.handle(PublishRequested(rollout_id=None))
     event = context.of_type(WeightsStaged)[0]
     await trainer.handle(rollout_event(context, 0, two_group_samples()))
-    assert fingerprints(context.transport.get_tensors(event.weights)) == event.checksums
-    assert fingerprints(trainer.backend.named_weights()) != event.checksums
+    assert per_gpu_checksum(fingerprints(context.transport.get_tensors(event.weights))) == event.digest
+    assert per_gpu_checksum(fingerprints(trainer.backend.named_weights())) != event.digest
 
 
 async def test_staging_the_next_version_frees_the_previous_one(base_model: Path, tmp_path: Path) -> None:
@@ -294,7 +316,8 @@ async def test_tied_embeddings_are_published_once(tmp_path: Path) -> None:
     )
     trainer, context = await started_trainer(make_config(tied, tmp_path), tmp_path)
     await trainer.handle(PublishRequested(rollout_id=None))
-    names = set(context.of_type(WeightsStaged)[0].checksums)
+    event = context.of_type(WeightsStaged)[0]
+    names = set(read_manifest(tmp_path, event.checksums_manifest, event.digest))
     assert "model.embed_tokens.weight" in names
     assert "lm_head.weight" not in names
     assert not any("rotary" in name for name in names)

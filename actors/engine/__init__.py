@@ -1,14 +1,43 @@
-"""Inference engines behind the Generator: the ``Engine`` seam and the embedded PyTorch one."""
+"""Inference engines behind the Generator: the ``Engine`` seam (``base.py``) and one file per
+backend, chosen by ``generator.engine``.
 
-from actors.engine.base import Completion, Engine, GenerateRequest, SamplingParams, per_engine_checksum
-from actors.engine.torch_engine import TorchEngine, sample_tokens
+``ENGINES`` names every backend as ``"module:Class"``; a backend's module is imported only
+when a run asks for it, so one backend's dependencies (an HTTP client, a CUDA build) never
+load for another. Adding a backend is one file here, its line in ``ENGINES`` and its config
+section in ``schemas/config.py``.
+"""
 
-__all__ = [
-    "Completion",
-    "Engine",
-    "GenerateRequest",
-    "SamplingParams",
-    "TorchEngine",
-    "per_engine_checksum",
-    "sample_tokens",
-]
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from miles_events.rl.rewards import load_function
+
+if TYPE_CHECKING:
+    from actors.engine.base import Engine
+    from miles_events.transport.base import Transport
+    from schemas.config import Config
+
+ENGINES: dict[str, str] = {
+    "torch": "actors.engine.torch_engine:TorchEngine",
+}
+"""Engine backend name -> ``"module:Class"`` of its ``Engine`` subclass."""
+
+
+def check_engine(name: str) -> None:
+    """Raise ``ValueError`` (one line, naming the known backends) for an unknown name."""
+    if name not in ENGINES:
+        raise ValueError(f"unknown engine {name!r}; known: {', '.join(sorted(ENGINES))}")
+
+
+def engine_class(name: str) -> type[Engine]:
+    """The ``Engine`` subclass registered as ``name``, imported now."""
+    check_engine(name)
+    return load_function(ENGINES[name])  # type: ignore[return-value]
+
+
+def build_engine(config: Config, *, index: int, name: str, transport: Transport) -> Engine:
+    """Engine ``index`` of the run, of the backend ``generator.engine`` names."""
+    return engine_class(config.generator.engine).from_config(
+        config, index=index, name=name, transport=transport
+    )

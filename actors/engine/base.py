@@ -1,28 +1,33 @@
 """The inference-engine seam the Generator is written against.
 
 An engine serves one copy of the policy: it samples completions, loads published weights
-under a version, fingerprints what it serves, and answers SGLang's four
-``/weights_checker`` actions. The embedded ``TorchEngine`` implements it in process; an
+from a data-plane handle under a version, fingerprints what it serves, and answers SGLang's
+four ``/weights_checker`` actions with typed replies (``schemas.checksums``). The embedded ``TorchEngine`` implements it in process; an
 engine that drives an SGLang server over HTTP would implement the same methods with
 ``/generate``, ``/update_weights_from_*`` and ``/weights_checker``.
 
 The module also holds the engine-independent pieces of those contracts: stop-string
-matching, the snapshot comparison (bitwise, or within one ULP) and the per-engine checksum.
+matching and the snapshot comparison (bitwise, or within one ULP).
 """
 
 from __future__ import annotations
 
-import hashlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
+from miles_events.transport.base import Transport
+from schemas.checksums import EngineChecksumReport, WeightsCheckResult
+from schemas.config import Config
+from schemas.data import DataRef
+
 Selector = Literal["all", "target", "draft"]
-WeightsCheckAction = Literal["checksum", "snapshot", "reset_tensors", "compare"]
-WEIGHTS_CHECK_ACTIONS: tuple[str, ...] = ("checksum", "snapshot", "reset_tensors", "compare")
+TensorCheckAction = Literal["snapshot", "reset_tensors", "compare"]
+TENSOR_CHECK_ACTIONS: tuple[str, ...] = ("snapshot", "reset_tensors", "compare")
+"""The weight-checker actions besides ``checksum``."""
 
 _SIGNED_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 MAX_NAMES_IN_MESSAGE = 10
@@ -82,6 +87,12 @@ class Engine(ABC):
 
     name: str
 
+    @classmethod
+    @abstractmethod
+    def from_config(cls, config: Config, *, index: int, name: str, transport: Transport) -> Engine:
+        """Engine ``index`` of a run, called ``name``, bootstrapped from ``model.path``;
+        publications reach it through ``transport`` (the run's data plane)."""
+
     @property
     @abstractmethod
     def weight_version(self) -> str:
@@ -102,38 +113,34 @@ class Engine(ABC):
         """
 
     @abstractmethod
-    def load_weights(self, tensors: Mapping[str, torch.Tensor], weight_version: str) -> None:
-        """Serve ``tensors`` (Hugging Face names) from now on, as ``weight_version``.
+    def load_weights(self, weights: DataRef, weight_version: str) -> int:
+        """Serve the published tensors (Hugging Face names) behind ``weights`` from now on,
+        as ``weight_version``; returns the bytes loaded.
 
-        Raises ``ValueError`` naming the unknown or missing tensors, or those of the wrong
-        shape; nothing is loaded then.
+        The engine resolves the handle itself (an in-process engine reads the transport, a
+        server is sent the path of a ``disk`` handle), so no tensor passes through the
+        Generator. Raises ``ValueError`` naming the unknown or missing tensors, or those of
+        the wrong shape; nothing is loaded then.
         """
 
     @abstractmethod
-    def checksums(self, skip_tensor_list: Iterable[str] = (), selector: Selector = "all") -> dict[str, str]:
-        """Tensor name -> fingerprint of every served tensor not skipped."""
+    def checksums(self, skip_tensor_list: Iterable[str] = (), selector: Selector = "all") -> EngineChecksumReport:
+        """SGLang's ``checksum`` action: the fingerprint of every served tensor not skipped,
+        per rank, with the per-GPU and per-engine digests."""
 
     @abstractmethod
     def weights_check(
         self,
-        action: WeightsCheckAction,
+        action: TensorCheckAction,
         selector: Selector = "all",
         skip_tensor_list: Iterable[str] = (),
         allow_quant_error: bool = False,
-    ) -> dict[str, Any]:
-        """One SGLang ``/weights_checker`` action; ``{"success": bool, "message": str, ...}``."""
+    ) -> WeightsCheckResult:
+        """SGLang's ``snapshot``, ``reset_tensors`` or ``compare`` action (``checksum`` is
+        ``checksums``); an unknown action is an unsuccessful result, not an exception."""
 
     def close(self) -> None:
         """Release the engine's memory."""
-
-
-def per_engine_checksum(per_gpu_checksums: Iterable[str]) -> str:
-    """sha256 over the per-GPU checksums of one engine, in rank order, one per line."""
-    h = hashlib.sha256()
-    for checksum in per_gpu_checksums:
-        h.update(checksum.encode())
-        h.update(b"\n")
-    return h.hexdigest()
 
 
 def find_stop(text: str, stops: Sequence[str]) -> tuple[int, str | None]:

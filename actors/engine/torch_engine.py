@@ -16,9 +16,9 @@ Sampling follows what an RL trainer needs from an engine:
   and is cut before the stop string (see ``Completion``); ``max_new_tokens`` gives "length".
 
 Served weights are the model's ``state_dict()`` (so non-persistent buffers such as rotary
-``inv_freq`` are not weights), without tied duplicates: with tied embeddings only the first
-name of a shared tensor (``model.embed_tokens.weight``) is served and checksummed, and a
-load may name the tensor by either name.
+``inv_freq`` are not weights), without tied duplicates (``miles_events.rl.weights``): with
+tied embeddings only the first name of a shared tensor (``model.embed_tokens.weight``) is
+served and checksummed, and a load may name the tensor by either name.
 """
 
 from __future__ import annotations
@@ -29,26 +29,28 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import torch
 from transformers import DynamicCache, PreTrainedTokenizerBase
 
 from actors.engine.base import (
-    WEIGHTS_CHECK_ACTIONS,
+    TENSOR_CHECK_ACTIONS,
     Completion,
     Engine,
     GenerateRequest,
     SamplingParams,
     Selector,
-    WeightsCheckAction,
+    TensorCheckAction,
     find_stop,
     name_list,
-    per_engine_checksum,
     tensors_match,
 )
-from miles_events.rl.checksum import checksums_digest, fingerprints, is_skipped
+from miles_events.rl.checksum import fingerprints, is_skipped, per_engine_checksum, per_gpu_checksum
 from miles_events.rl.hf_model import load_model, load_tokenizer
-from schemas.checksums import EngineChecksumReport, RankChecksums
+from miles_events.rl.weights import split_tied
+from miles_events.transport.base import Transport
+from schemas.checksums import EngineChecksumReport, ParallelismInfo, RankChecksums, WeightsCheckResult
+from schemas.config import Config
+from schemas.data import DataRef
 
 
 class TorchEngine(Engine):
@@ -61,6 +63,7 @@ class TorchEngine(Engine):
         *,
         name: str = "engine-0",
         max_batch_size: int = 256,
+        transport: Transport | None = None,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -68,9 +71,11 @@ class TorchEngine(Engine):
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
+        self.transport = transport
+        """Where ``load_weights`` reads published weights from."""
         self.device = next(model.parameters()).device
         self._weight_version = "default"
-        self._served, self._aliases = _served_tensors(model)
+        self._served, self._aliases = split_tied(model.state_dict())
         self._snapshot: dict[str, torch.Tensor] | None = None
         self._eos_ids = _eos_token_ids(model, tokenizer)
         pad = tokenizer.pad_token_id
@@ -88,10 +93,27 @@ class TorchEngine(Engine):
         dtype: str = "float32",
         device: str | torch.device = "cpu",
         max_batch_size: int = 256,
+        transport: Transport | None = None,
     ) -> TorchEngine:
         """Load the model and tokenizer of a Hugging Face directory onto ``device``."""
         model = load_model(path, dtype).to(torch.device(device))
-        return cls(model, load_tokenizer(path), name=name, max_batch_size=max_batch_size)
+        return cls(model, load_tokenizer(path), name=name, max_batch_size=max_batch_size, transport=transport)
+
+    @classmethod
+    def from_config(cls, config: Config, *, index: int, name: str, transport: Transport) -> TorchEngine:
+        """On CUDA when this process sees a GPU (engine ``index`` on GPU ``index`` modulo the
+        count), on CPU otherwise."""
+        if config.model.path is None:
+            raise ValueError("model.path is unset: the driver writes the base model before actors start")
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return cls.from_pretrained(
+            config.model.path,
+            name=name,
+            dtype=config.model.dtype,
+            device=f"cuda:{index % gpus}" if gpus else "cpu",
+            max_batch_size=config.rollout.max_batch_size,
+            transport=transport,
+        )
 
     @property
     def weight_version(self) -> str:
@@ -218,7 +240,21 @@ class TorchEngine(Engine):
 
     # --- weights -------------------------------------------------------------------------
 
-    def load_weights(self, tensors: Mapping[str, torch.Tensor], weight_version: str) -> None:
+    def load_weights(self, weights: DataRef, weight_version: str) -> int:
+        """Read the tensors behind ``weights`` from this engine's transport and load them
+        (``load_tensors``); returns the bytes read."""
+        if self.transport is None:
+            raise ValueError(f"engine {self.name} has no transport to read {weights.transport}:{weights.key} from")
+        if weights.transport != self.transport.name:
+            raise ValueError(
+                f"engine {self.name} reads the {self.transport.name} transport, "
+                f"not {weights.transport} ({weights.key})"
+            )
+        tensors = self.transport.get_tensors(weights)
+        self.load_tensors(tensors, weight_version)
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
+    def load_tensors(self, tensors: Mapping[str, torch.Tensor], weight_version: str) -> None:
         """Copy ``tensors`` into the served parameters, then serve them as ``weight_version``.
 
         Every served tensor must be given (a tied tensor under either of its names), no
@@ -264,59 +300,54 @@ class TorchEngine(Engine):
             return {}  # no speculative draft model in this engine
         raise ValueError(f"unknown selector {selector!r}; known: all, target, draft")
 
-    def checksums(self, skip_tensor_list: Iterable[str] = (), selector: Selector = "all") -> dict[str, str]:
-        return fingerprints(self._select(selector), skip_tensor_list)
+    def _selected(self, selector: Selector, skip_tensor_list: Iterable[str]) -> dict[str, torch.Tensor]:
+        skip = list(skip_tensor_list)
+        return {n: t for n, t in self._select(selector).items() if not is_skipped(n, skip)}
+
+    def checksums(self, skip_tensor_list: Iterable[str] = (), selector: Selector = "all") -> EngineChecksumReport:
+        """The fingerprints of the selected tensors, as one rank (this engine has no tensor
+        parallelism); ``"draft"`` selects nothing."""
+        checksums = fingerprints(self._selected(selector, skip_tensor_list))
+        per_gpu = per_gpu_checksum(checksums)
+        return EngineChecksumReport(
+            success=True,
+            message=f"checksums of {len(checksums)} tensors",
+            ranks=[RankChecksums(checksums=checksums, per_gpu_checksum=per_gpu, parallelism_info=ParallelismInfo())],
+            per_engine_checksum=per_engine_checksum([per_gpu]),
+        )
 
     def weights_check(
         self,
-        action: WeightsCheckAction,
+        action: TensorCheckAction,
         selector: Selector = "all",
         skip_tensor_list: Iterable[str] = (),
         allow_quant_error: bool = False,
-    ) -> dict[str, Any]:
+    ) -> WeightsCheckResult:
         """SGLang's ``/weights_checker`` actions on what this engine serves.
 
         ``snapshot`` copies the selected tensors to CPU; ``reset_tensors`` overwrites them with
         random data; ``compare`` checks them against the snapshot bitwise (with
-        ``allow_quant_error``: within one ULP of their dtype); ``checksum`` reports the
-        fingerprints in the shape of ``EngineChecksumReport``. ``"draft"`` selects nothing.
+        ``allow_quant_error``: within one ULP of their dtype). ``"draft"`` selects nothing.
         """
-        if action not in WEIGHTS_CHECK_ACTIONS:
-            return self._result(False, f"unknown action {action!r}; known: {list(WEIGHTS_CHECK_ACTIONS)}")
-        skip = list(skip_tensor_list)
-        selected = {n: t for n, t in self._select(selector).items() if not is_skipped(n, skip)}
-        if action == "checksum":
-            return self._checksum_report(selected)
+        if action not in TENSOR_CHECK_ACTIONS:
+            known = ", ".join(TENSOR_CHECK_ACTIONS)
+            return self._result(action, False, f"unknown action {action!r}; known: {known} (and checksum)")
+        selected = self._selected(selector, skip_tensor_list)
         if selector == "draft":
-            return self._result(True, f"{action}: no draft model, nothing selected", num_tensors=0)
+            return self._result(action, True, f"{action}: no draft model, nothing selected")
         if action == "snapshot":
             self._snapshot = {n: t.detach().to("cpu", copy=True) for n, t in selected.items()}
-            return self._result(True, f"snapshot of {len(selected)} tensors", num_tensors=len(selected))
+            return self._result(action, True, f"snapshot of {len(selected)} tensors", num_tensors=len(selected))
         if action == "reset_tensors":
             self._reset(selected)
             message = f"reset {len(selected)} tensors to random data"
-            return self._result(True, message, num_tensors=len(selected))
+            return self._result(action, True, message, num_tensors=len(selected))
         return self._compare(selected, allow_quant_error)
 
-    def _result(self, success: bool, message: str, **extra: Any) -> dict[str, Any]:
-        return {"success": success, "message": message, "weight_version": self._weight_version, **extra}
-
-    def _checksum_report(self, selected: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-        checksums = fingerprints(selected)
-        per_gpu = checksums_digest(checksums)
-        report = EngineChecksumReport(
-            success=True,
-            message=f"checksums of {len(checksums)} tensors",
-            ranks=[
-                RankChecksums(
-                    checksums=checksums,
-                    per_gpu_checksum=per_gpu,
-                    parallelism_info=[{"tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1}],
-                )
-            ],
-            per_engine_checksum=per_engine_checksum([per_gpu]),
+    def _result(self, action: str, success: bool, message: str, **counts: object) -> WeightsCheckResult:
+        return WeightsCheckResult(
+            success=success, message=message, action=action, weight_version=self._weight_version, **counts  # type: ignore[arg-type]
         )
-        return {**msgspec.to_builtins(report), "weight_version": self._weight_version}
 
     def _reset(self, selected: Mapping[str, torch.Tensor]) -> None:
         # A private generator: resetting must not move the process-wide RNG, which a
@@ -335,9 +366,9 @@ class TorchEngine(Engine):
                 else:
                     tensor.random_(generator=gen)
 
-    def _compare(self, selected: Mapping[str, torch.Tensor], allow_quant_error: bool) -> dict[str, Any]:
+    def _compare(self, selected: Mapping[str, torch.Tensor], allow_quant_error: bool) -> WeightsCheckResult:
         if self._snapshot is None:
-            return self._result(False, "compare: no snapshot; run the snapshot action first")
+            return self._result("compare", False, "compare: no snapshot; run the snapshot action first")
         absent = sorted(n for n in selected if n not in self._snapshot)
         differ = sorted(
             n
@@ -350,10 +381,12 @@ class TorchEngine(Engine):
             ]
             if absent:
                 parts.append(f"not in the snapshot: {name_list(absent)}")
-            return self._result(False, "; ".join(parts), mismatched=differ, missing=absent)
+            return self._result(
+                "compare", False, "; ".join(parts), num_tensors=len(selected), mismatched=differ, missing=absent
+            )
         mode = "within one ULP" if allow_quant_error else "bitwise"
         message = f"{len(selected)} tensors equal the snapshot ({mode})"
-        return self._result(True, message, num_tensors=len(selected))
+        return self._result("compare", True, message, num_tensors=len(selected))
 
     def close(self) -> None:
         self._snapshot = None
@@ -389,21 +422,6 @@ def sample_tokens(
         picked = torch.searchsorted(cdf, threshold, right=True).clamp(max=cdf.shape[-1] - 1)
         tokens = (order.gather(-1, picked) if order is not None else picked).squeeze(-1)
     return tokens, logprobs_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-
-
-def _served_tensors(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """(name -> tensor without tied duplicates, duplicate name -> the name it shares with)."""
-    served: dict[str, torch.Tensor] = {}
-    aliases: dict[str, str] = {}
-    owner_of: dict[tuple[Any, ...], str] = {}
-    for name, tensor in model.state_dict().items():
-        key = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
-        if tensor.numel() and key in owner_of:
-            aliases[name] = owner_of[key]
-            continue
-        owner_of.setdefault(key, name)
-        served[name] = tensor
-    return served, aliases
 
 
 def _eos_token_ids(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:

@@ -1,14 +1,38 @@
-"""Trainer backends: the seam (``TrainerBackend``) and its PyTorch implementation."""
+"""Trainer backends: the seam (``base.py``) and one file per backend, chosen by ``trainer.backend``.
+
+``BACKENDS`` names every backend as ``"module:Class"``; a backend's module is imported only
+when a run asks for it. Adding a backend is one file here, its line in ``BACKENDS`` and its
+config section in ``schemas/config.py``.
+"""
 
 from __future__ import annotations
 
-from actors.trainer_backend.base import TrainerBackend, TrainMetrics
-from actors.trainer_backend.torch_backend import TorchTrainerBackend
-from schemas.config import Config
+from typing import TYPE_CHECKING
 
-__all__ = ["TorchTrainerBackend", "TrainMetrics", "TrainerBackend", "build_backend"]
+from miles_events.rl.rewards import load_function
+
+if TYPE_CHECKING:
+    from actors.trainer_backend.base import TrainerBackend
+    from schemas.config import Config
+
+BACKENDS: dict[str, str] = {
+    "torch": "actors.trainer_backend.torch_backend:TorchTrainerBackend",
+}
+"""Trainer backend name -> ``"module:Class"`` of its ``TrainerBackend`` subclass."""
+
+
+def check_backend(name: str) -> None:
+    """Raise ``ValueError`` (one line, naming the known backends) for an unknown name."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown trainer backend {name!r}; known: {', '.join(sorted(BACKENDS))}")
+
+
+def backend_class(name: str) -> type[TrainerBackend]:
+    """The ``TrainerBackend`` subclass registered as ``name``, imported now."""
+    check_backend(name)
+    return load_function(BACKENDS[name])  # type: ignore[return-value]
 
 
 def build_backend(config: Config) -> TrainerBackend:
-    """The backend the config asks for; PyTorch is the only one built in."""
-    return TorchTrainerBackend(config)
+    """The backend ``trainer.backend`` names, built from the run's config."""
+    return backend_class(config.trainer.backend)(config)

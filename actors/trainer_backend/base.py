@@ -1,7 +1,8 @@
 """The trainer backend seam: what the Trainer actor needs from a training engine.
 
 The actor owns the protocol (events, weight versions, data-plane references); a backend
-owns the model and the optimizer. The PyTorch backend implements this on one process; a
+owns the model and the optimizer, and is built as ``Backend(config)`` from the run's config
+(see ``actors.trainer_backend.BACKENDS``). The PyTorch backend implements this on one process; a
 Megatron-core backend would implement the same methods over its parallel groups, gathering
 full Hugging Face-named tensors on the rank that publishes.
 """

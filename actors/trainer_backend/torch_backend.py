@@ -30,6 +30,7 @@ from actors.trainer_backend.grpo import (
     token_logprobs,
 )
 from miles_events.rl.hf_model import DTYPES, load_model
+from miles_events.rl.weights import split_tied
 from schemas.config import Config
 from schemas.rollout import RolloutBatch, Sample
 
@@ -246,17 +247,10 @@ class TorchTrainerBackend(TrainerBackend):
     # --- state ---------------------------------------------------------------------------
 
     def named_weights(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-        # state_dict() already omits non-persistent buffers (rotary inv_freq and the like).
-        seen: set[tuple[int, int, tuple[int, ...]]] = set()
-        weights: dict[str, torch.Tensor] = {}
-        for name, tensor in self.model.state_dict().items():
-            if tensor.numel() > 0:
-                storage = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
-                if storage in seen:
-                    continue  # a tied duplicate (lm_head sharing the embedding)
-                seen.add(storage)
-            weights[name] = tensor.detach() if dtype is None else tensor.detach().to(dtype)
-        return weights
+        # state_dict() already omits non-persistent buffers (rotary inv_freq and the like);
+        # tied duplicates (lm_head sharing the embedding) follow the one rule of rl.weights.
+        unique, _tied = split_tied(self.model.state_dict())
+        return {name: t.detach() if dtype is None else t.detach().to(dtype) for name, t in unique.items()}
 
     @property
     def num_optimizer_steps(self) -> int:

@@ -25,6 +25,8 @@ from typing import Any
 
 import msgspec
 
+from actors.engine import check_engine
+from actors.trainer_backend import check_backend
 from miles_events.rl.rewards import load_function
 from schemas.config import Config
 
@@ -38,6 +40,11 @@ PATH_KEYS: tuple[tuple[str, str], ...] = (
     ("tracking", "wandb_dir"),
 )
 """(section, key) of every setting that is a filesystem path."""
+
+MOVED_KEYS: dict[tuple[str, ...], str] = {
+    ("rollout", "num_engines"): "generator.num_engines",
+}
+"""Keys that moved to another section: the error for the old place names the new one."""
 
 
 class ConfigError(ValueError):
@@ -140,7 +147,10 @@ def _describe(error: msgspec.ValidationError) -> tuple[list[str], str]:
         field = unknown.group("field")
         struct = _struct_at(parts)
         hint = ""
-        if struct is not None:
+        moved = MOVED_KEYS.get((*parts, field))
+        if moved is not None:
+            hint = f" (moved to {moved})"
+        elif struct is not None:
             close = difflib.get_close_matches(field, struct.__struct_fields__, n=1)
             hint = f" (did you mean {close[0]}?)" if close else f" (known: {', '.join(struct.__struct_fields__)})"
         return [*parts, field], f"unknown key{hint}"
@@ -331,6 +341,14 @@ def validate(config: Config) -> None:
         load_function(config.rollout.reward_fn)
     except ValueError as error:
         raise ConfigError(f"rollout.reward_fn: {error}", key="rollout.reward_fn") from None
+    for key, check, value in (
+        ("generator.engine", check_engine, config.generator.engine),
+        ("trainer.backend", check_backend, config.trainer.backend),
+    ):
+        try:
+            check(value)
+        except ValueError as error:
+            raise ConfigError(f"{key}: {error}", key=key) from None
 
 
 # --- output ---------------------------------------------------------------------------

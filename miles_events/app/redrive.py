@@ -112,11 +112,16 @@ def plan_from_run_started(event: RunStarted) -> RunPlan:
     )
 
 
-def build_actor(name: str, config: Config, recorded: Sequence[Event]) -> Actor:
-    """The actor ``name`` as it was at the start of the recorded run."""
+def build_actor(name: str, config: Config, recorded: Sequence[Event], run_dir: Path | None = None) -> Actor:
+    """The actor ``name`` as it was at the start of the recorded run; ``run_dir`` is where
+    the run's files (the checksum manifests the Verifier reads) lie, by default the current
+    directory."""
     if name not in REDRIVABLE:
         raise ValueError(f"cannot re-drive {name!r}; choose from {sorted(REDRIVABLE)}")
     started = next((e for e in recorded if isinstance(e, RunStarted)), None)
     if started is None:
         raise ValueError("the log has no RunStarted: cannot rebuild the run's plan")
-    return REDRIVABLE[name](config, RecordingContext(config, name=name, plan=plan_from_run_started(started)))
+    context = RecordingContext(
+        config, name=name, run_dir=Path(run_dir) if run_dir is not None else Path("."), plan=plan_from_run_started(started)
+    )
+    return REDRIVABLE[name](config, context)

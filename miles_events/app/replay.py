@@ -246,7 +246,7 @@ def _redrive(
             return 2
         for name in names:
             try:
-                actor = build_actor(name, run_config, recorded)
+                actor = build_actor(name, run_config, recorded, run_dir=path.parent)
             except ValueError as error:
                 err.write(f"replay: run {run_id}: {error}\n")
                 return 2

@@ -92,7 +92,7 @@ class Session:
         bus = self.bus = EventBus(self.run_id, config.bus.mailbox_size, config.bus.stall_warning_seconds, self.clock)
         watch = bus.subscribe("session", (RunFinished, ActorFailed))
         transport_name = transport_for(config)
-        transport = open_transport(transport_name, self.run_id)
+        transport = open_transport(transport_name, self.run_id, self.run_dir)
         context = RunContext(self.run_id, config, self.run_dir, transport_name, plan, self.clock)
         runtime = make_runtime(context, transport)
         hosts: list[SinkHost] = []

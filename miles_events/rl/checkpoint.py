@@ -36,6 +36,7 @@ import msgspec
 import torch
 from safetensors.torch import load_file, save_file
 
+from miles_events.rl.weights import split_tied
 from schemas.checkpoint import Manifest, ManifestEntry, TrainerState
 
 log = logging.getLogger(__name__)
@@ -118,7 +119,13 @@ def _sha256(path: Path) -> str:
 
 
 def _safetensors_ready(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """CPU, contiguous tensors of which no two share storage (safetensors refuses aliases)."""
+    """CPU, contiguous tensors of which no two share storage (safetensors refuses aliases).
+
+    A tied duplicate (``miles_events.rl.weights.split_tied``) keeps its name with its own
+    bytes, so the checkpoint loads under either name; so does any other view of a buffer
+    already written (fused projections sliced from one tensor).
+    """
+    _unique, tied = split_tied(weights)
     seen: set[int] = set()
     ready: dict[str, torch.Tensor] = {}
     for name, tensor in weights.items():
@@ -126,8 +133,7 @@ def _safetensors_ready(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tens
         if t.device.type != "cpu":
             t = t.cpu()
         ptr = t.untyped_storage().data_ptr()
-        if ptr != 0 and ptr in seen:
-            # Tied or fused views of one buffer: give each name its own bytes.
+        if name in tied or (ptr != 0 and ptr in seen):
             t = t.clone(memory_format=torch.contiguous_format)
         elif not t.is_contiguous():
             t = t.contiguous()

@@ -5,7 +5,8 @@ exactly the bytes it serves; equal fingerprints mean (with overwhelming probabil
 bytes. The per-tensor fingerprint is a 64-bit position-dependent multiply-xorshift hash of
 the tensor's raw words, computed with torch integer ops so that it runs where the tensor
 lives (CPU or GPU) at memory bandwidth, then bound to dtype and shape. The digest over a
-whole set follows SGLang's ``per_gpu_checksum``: sha256 over the sorted name/hash pairs.
+whole set is SGLang's ``per_gpu_checksum`` (sha256 over the sorted name + hash pairs), and
+the digest of an engine's ranks its ``per_engine_checksum``: one definition each, here.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 import torch
+
+from schemas.checksums import EngineChecksumReport, RankChecksums
 
 _CHUNK_WORDS = 1 << 16
 # Odd 64-bit constants (from splitmix64), as signed int64 so torch arithmetic wraps.
@@ -115,12 +118,37 @@ def fingerprints(
     return {name: tensor_fingerprint(t) for name, t in tensors.items() if not is_skipped(name, skip)}
 
 
-def checksums_digest(checksums: Mapping[str, str]) -> str:
-    """sha256 over the sorted ``name`` / ``fingerprint`` pairs (SGLang's per-GPU checksum)."""
-    h = hashlib.sha256()
-    for name in sorted(checksums):
-        h.update(name.encode())
-        h.update(b"\0")
-        h.update(checksums[name].encode())
-        h.update(b"\n")
-    return h.hexdigest()
+def per_gpu_checksum(checksums: Mapping[str, str]) -> str:
+    """SGLang's ``per_gpu_checksum``: sha256 over ``name + fingerprint`` of every tensor, in
+    sorted name order, with no separators (``utils/weight_checker.py``)."""
+    return hashlib.sha256(b"".join(name.encode() + checksums[name].encode() for name in sorted(checksums))).hexdigest()
+
+
+def per_engine_checksum(per_gpu_checksums: Iterable[str]) -> str:
+    """SGLang's ``per_engine_checksum``: sha256 over the per-GPU checksums of one engine joined
+    in TP-rank order, with no separators."""
+    return hashlib.sha256("".join(per_gpu_checksums).encode()).hexdigest()
+
+
+def rank_of(rank: RankChecksums) -> int:
+    """A rank's GPU rank: the one distinct ``rank`` across its ``parallelism_info``."""
+    infos = rank.parallelism_info if isinstance(rank.parallelism_info, list) else [rank.parallelism_info]
+    ranks = {info.rank for info in infos}
+    if len(ranks) != 1:
+        raise ValueError(f"parallelism_info names {len(ranks)} GPU ranks ({sorted(ranks)}), expected one")
+    return ranks.pop()
+
+
+def report_checksums(report: EngineChecksumReport) -> dict[str, str]:
+    """One engine's checksums by name, from its ``checksum`` reply: a single rank's as they
+    are; with several ranks ``rank{r}/{name}`` (miles' ``flatten_inference_engine_checksums``).
+
+    Raises ``ValueError`` for an unsuccessful reply or one without ranks.
+    """
+    if not report.success:
+        raise ValueError(f"the checksum action failed: {report.message or 'no message'}")
+    if not report.ranks:
+        raise ValueError("the checksum reply has no ranks")
+    if len(report.ranks) == 1:
+        return dict(report.ranks[0].checksums)
+    return {f"rank{rank_of(rank)}/{name}": value for rank in report.ranks for name, value in rank.checksums.items()}

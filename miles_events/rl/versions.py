@@ -7,7 +7,7 @@ from schemas.config import Config
 
 def engine_names(config: Config) -> list[str]:
     """The inference engines of a run, as they appear in events and metrics."""
-    return [f"engine-{i}" for i in range(config.rollout.num_engines)]
+    return [f"engine-{i}" for i in range(config.generator.num_engines)]
 
 
 def version_number(weight_version: str) -> int:

@@ -288,6 +288,8 @@ class PlainProgress(ConsoleSink):
         self._publication(event.rollout_id, f"v{event.weight_version} MISMATCH", event.verify_seconds)
         first = event.mismatches[0] if event.mismatches else None
         detail = f" (expected {first.expected or '-'}, got {first.actual or '-'})" if first else ""
+        if first is not None and first.reason:
+            detail += f": {first.reason}"
         self._line(f"weight version {event.weight_version}: {describe_mismatch(event)}{detail}")
 
     @handles(PublicationFailed)

@@ -3,12 +3,14 @@ events carry a ``DataRef`` to it.
 
 One seam, small implementations: ``InProcessTransport`` keeps objects in this process (the
 local runtime), ``ShmTransport`` writes them under ``/dev/shm`` so any process on the host
-maps them (the ray runtime). Whoever consumes a reference publishes ``DataReleased``; the
-owner then calls ``free``.
+maps them (the ray runtime), ``DiskTransport`` (``disk.py``) writes them under the run
+directory, where a handle is a path any reader can open itself. Whoever consumes a
+reference publishes ``DataReleased``; the owner then calls ``free``.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
 import tempfile
@@ -26,6 +28,11 @@ class Transport(ABC):
 
     def __init__(self, run_id: str) -> None:
         self.run_id = run_id
+
+    @classmethod
+    def open(cls, run_id: str, run_dir: Path | None = None) -> Transport:
+        """The transport of run ``run_id``, whose directory is ``run_dir``."""
+        return cls(run_id)
 
     @abstractmethod
     def put_tensors(self, key: str, tensors: dict[str, torch.Tensor], owner: str) -> DataRef:
@@ -144,11 +151,17 @@ class ShmTransport(Transport):
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-TRANSPORTS: dict[str, type[Transport]] = {"inprocess": InProcessTransport, "shm": ShmTransport}
+TRANSPORTS: dict[str, str] = {
+    "inprocess": "miles_events.transport.base:InProcessTransport",
+    "shm": "miles_events.transport.base:ShmTransport",
+    "disk": "miles_events.transport.disk:DiskTransport",
+}
+"""Transport name -> ``"module:Class"``, imported when a run opens it."""
 
 
-def open_transport(name: str, run_id: str) -> Transport:
-    try:
-        return TRANSPORTS[name](run_id)
-    except KeyError:
-        raise ValueError(f"unknown transport {name!r}; known: {sorted(TRANSPORTS)}") from None
+def open_transport(name: str, run_id: str, run_dir: Path | None = None) -> Transport:
+    if name not in TRANSPORTS:
+        raise ValueError(f"unknown transport {name!r}; known: {sorted(TRANSPORTS)}")
+    module, _, attr = TRANSPORTS[name].partition(":")
+    cls: type[Transport] = getattr(importlib.import_module(module), attr)
+    return cls.open(run_id, run_dir)

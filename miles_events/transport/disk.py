@@ -1,0 +1,102 @@
+"""The ``disk`` transport: bulk data as files under the run directory.
+
+A tensor set is a directory of safetensors files, ``<run_dir>/transport/<run_id>/<key>/``;
+raw bytes are one file beside it. ``DiskTransport.path(ref)`` is where a reference's data
+lies, so the handle is a path: a reader in any process that sees the run directory (an
+inference server's ``update_weights_from_disk``) opens it itself. Writes go to a hidden
+name and are renamed into place, so a reader never sees a half-written set.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from miles_events.transport.base import Transport
+from schemas.data import DataRef
+
+TRANSPORT_DIR = "transport"
+TENSORS_FILE = "model.safetensors"
+
+
+class DiskTransport(Transport):
+    name = "disk"
+
+    def __init__(self, run_id: str, run_dir: Path) -> None:
+        super().__init__(run_id)
+        self.run_dir = Path(run_dir)
+        self.root = self.run_dir / TRANSPORT_DIR / run_id
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    @classmethod
+    def open(cls, run_id: str, run_dir: Path | None = None) -> DiskTransport:
+        if run_dir is None:
+            raise ValueError("the disk transport needs the run directory")
+        return cls(run_id, run_dir)
+
+    def _path(self, key: str) -> Path:
+        if "/" in key or key.startswith(".") or not key:
+            raise ValueError(f"bad data key {key!r}")
+        return self.root / key
+
+    def path(self, ref: DataRef) -> Path:
+        """Where ``ref``'s data lies: a directory of safetensors files, or a file of bytes."""
+        return self._path(ref.key)
+
+    def _install(self, key: str, partial: Path) -> Path:
+        final = self._path(key)
+        self._remove(final)
+        os.replace(partial, final)
+        return final
+
+    @staticmethod
+    def _remove(path: Path) -> None:
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+    def put_tensors(self, key: str, tensors: dict[str, torch.Tensor], owner: str) -> DataRef:
+        partial = self._path(key).with_name(f".{key}.partial")
+        self._remove(partial)
+        partial.mkdir()
+        contiguous = {name: t.detach().contiguous().cpu() for name, t in tensors.items()}
+        save_file(contiguous, str(partial / TENSORS_FILE))
+        size = (partial / TENSORS_FILE).stat().st_size
+        self._install(key, partial)
+        return DataRef(self.name, key, owner, size)
+
+    def get_tensors(self, ref: DataRef) -> dict[str, torch.Tensor]:
+        directory = self.path(ref)
+        if not directory.is_dir():
+            raise KeyError(f"disk data {ref.key!r} is gone (freed, or never written under {self.root})")
+        tensors: dict[str, torch.Tensor] = {}
+        for file in sorted(directory.glob("*.safetensors")):
+            tensors.update(load_file(str(file)))
+        return tensors
+
+    def put_bytes(self, key: str, data: bytes, owner: str) -> DataRef:
+        partial = self._path(key).with_name(f".{key}.partial")
+        partial.write_bytes(data)
+        self._install(key, partial)
+        return DataRef(self.name, key, owner, len(data))
+
+    def get_bytes(self, ref: DataRef) -> bytes:
+        try:
+            return self.path(ref).read_bytes()
+        except FileNotFoundError:
+            raise KeyError(f"disk data {ref.key!r} is gone (freed, or never written under {self.root})") from None
+
+    def free(self, ref: DataRef) -> None:
+        self._remove(self.path(ref))
+
+    def close(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+        try:
+            self.root.parent.rmdir()  # the transport dir, once no run uses it
+        except OSError:
+            pass
