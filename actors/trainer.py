@@ -14,7 +14,6 @@ the end of the run drops whatever is left).
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ import msgspec
 import torch
 
 from actors.trainer_backend import build_backend
-from actors.trainer_backend.base import TrainerBackend, TrainMetrics
+from actors.trainer_backend.base import TrainerBackend
 from miles_events.bus.actor import Actor, ActorContext, WorkerGroup, handles
 from miles_events.rl.checkpoint import read_checkpoint
 from miles_events.rl.checksum import fingerprints
@@ -41,6 +40,7 @@ from schemas.events import (
     PublishRequested,
     RolloutGenerated,
     SaveRequested,
+    TrainMetrics,
     TrainStateStaged,
     TrainStepFinished,
     WeightsStaged,
@@ -133,7 +133,7 @@ class Trainer(Actor):
             TrainStepFinished(
                 rollout_id=event.rollout_id,
                 weight_version=version,
-                **dataclasses.asdict(metrics),
+                metrics=metrics,
                 staleness_max=staleness_max(version, [s.weight_version for s in batch.samples]),
                 train_seconds=time.perf_counter() - started,
             )

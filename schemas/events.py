@@ -102,18 +102,31 @@ class RolloutGenerated(Event, frozen=True, kw_only=True):
     generate_seconds: float = 0.0
 
 
+class TrainMetrics(msgspec.Struct, frozen=True, kw_only=True):
+    """What training on one rollout did, as the trainer backend reports it.
+
+    ``loss``, ``pg_loss``, ``kl``, ``entropy`` and ``clipfrac`` are token-level means over
+    every response token of the rollout (each step's values weighted by its tokens);
+    ``grad_norm`` is the pre-clip gradient norm of the rollout's last optimizer step;
+    ``num_optimizer_steps`` counts this rollout's steps only.
+    """
+
+    loss: float = 0.0
+    pg_loss: float = 0.0
+    kl: float = 0.0
+    entropy: float = 0.0
+    grad_norm: float = 0.0
+    clipfrac: float = 0.0
+    train_tokens: int = 0
+    num_optimizer_steps: int = 0
+
+
 class TrainStepFinished(Event, frozen=True, kw_only=True):
     rollout_id: int
     weight_version: str
     """The trainer's version when the batch was consumed (the one being improved upon)."""
-    loss: float
-    pg_loss: float
-    kl: float
-    entropy: float
-    grad_norm: float
-    clipfrac: float
-    train_tokens: int
-    num_optimizer_steps: int
+    metrics: TrainMetrics = TrainMetrics()
+    """The backend's report, as it gave it."""
     staleness_max: int = 0
     """Trainer version minus the oldest version a sample was generated with."""
     train_seconds: float = 0.0

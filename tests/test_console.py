@@ -29,6 +29,7 @@ from schemas.events import (
     RunFinished,
     RunStarted,
     TensorMismatch,
+    TrainMetrics,
     TrainStepFinished,
 )
 from tests.support import drive_sink
@@ -241,8 +242,7 @@ def test_eta_is_the_remaining_rollouts_at_the_pace_so_far():
     progress = RunProgress()
     progress.apply(RunStarted(runtime="local", config_digest="", start_rollout_id=2, num_rollout=6, num_rollout_per_epoch=6, time=100.0))
     train = TrainStepFinished(
-        rollout_id=3, weight_version="4", loss=0, pg_loss=0, kl=0, entropy=0, grad_norm=0, clipfrac=0,
-        train_tokens=0, num_optimizer_steps=1, time=110.0,
+        rollout_id=3, weight_version="4", metrics=TrainMetrics(num_optimizer_steps=1), time=110.0,
     )  # fmt: skip
     progress.apply(train)
     assert (progress.done, progress.total) == (2, 4)

@@ -20,6 +20,7 @@ from schemas.events import (
     RunStarted,
     SaveRequested,
     TensorMismatch,
+    TrainMetrics,
     TrainStepFinished,
     WeightsPublished,
 )
@@ -52,8 +53,8 @@ def verified(version: int, rollout_id: int | None) -> PublicationVerified:
 
 
 def trained(rollout_id: int) -> TrainStepFinished:
-    return TrainStepFinished(rollout_id=rollout_id, weight_version="1", loss=0, pg_loss=0, kl=0, entropy=0,
-                             grad_norm=0, clipfrac=0, train_tokens=1, num_optimizer_steps=1)
+    return TrainStepFinished(rollout_id=rollout_id, weight_version="1",
+                             metrics=TrainMetrics(train_tokens=1, num_optimizer_steps=1))
 
 
 def kinds(events) -> list[tuple]:

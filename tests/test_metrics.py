@@ -38,6 +38,7 @@ from schemas.events import (
     PublicationVerified,
     RunFinished,
     TensorMismatch,
+    TrainStepFinished,
     WeightsPublished,
     WeightsStaged,
 )
@@ -120,7 +121,7 @@ def test_eval_score_has_each_metric_of_the_last_eval(observed: RunMetrics, event
 
 def test_token_counters_sum_the_rollouts_and_train_steps(observed: RunMetrics, events, run_id) -> None:
     generated = sum(getattr(e, "response_tokens", 0) for e in events)
-    trained = sum(getattr(e, "train_tokens", 0) for e in events)
+    trained = sum(e.metrics.train_tokens for e in events if isinstance(e, TrainStepFinished))
     assert value(observed, "miles_tokens_generated_total", run=run_id) == generated
     assert value(observed, "miles_train_tokens_total", run=run_id) == trained
 

@@ -14,7 +14,7 @@ from miles_events.app.replay import format_event, main
 from miles_events.bus.codec import encode_event
 from miles_events.bus.event_log import FRAME_SIZE, HEADER_SIZE, EventLogWriter
 from schemas.data import DataRef
-from schemas.events import Event, RolloutGenerated, RolloutRequested, TrainStepFinished
+from schemas.events import Event, RolloutGenerated, RolloutRequested, TrainMetrics, TrainStepFinished
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -37,14 +37,9 @@ def sample_events() -> list[Event]:
             TrainStepFinished(
                 rollout_id=rollout_id,
                 weight_version=str(rollout_id),
-                loss=0.5,
-                pg_loss=0.5,
-                kl=0.0,
-                entropy=1.0,
-                grad_norm=1.0,
-                clipfrac=0.0,
-                train_tokens=10,
-                num_optimizer_steps=rollout_id + 1,
+                metrics=TrainMetrics(
+                    loss=0.5, pg_loss=0.5, entropy=1.0, grad_norm=1.0, train_tokens=10, num_optimizer_steps=rollout_id + 1
+                ),
                 source="trainer",
             )
         )

@@ -18,7 +18,14 @@ from miles_events.bus.codec import (
 )
 from schemas.checkpoint import DataCursor, TrainerState
 from schemas.data import DataRef
-from schemas.events import EVENT_TYPES, EVENT_TYPES_BY_NAME, Event, RolloutRequested, TensorMismatch
+from schemas.events import (
+    EVENT_TYPES,
+    EVENT_TYPES_BY_NAME,
+    Event,
+    RolloutRequested,
+    TensorMismatch,
+    TrainMetrics,
+)
 
 HEADER = {"run_id": "run-7", "seq": 42, "time": 1_700_000_000.25, "source": "tester"}
 REF = DataRef("shm", "rollout-3", "generator", 4096)
@@ -61,14 +68,10 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     "TrainStepFinished": dict(
         rollout_id=3,
         weight_version="3",
-        loss=0.5,
-        pg_loss=0.25,
-        kl=0.01,
-        entropy=2.0,
-        grad_norm=0.75,
-        clipfrac=0.125,
-        train_tokens=2048,
-        num_optimizer_steps=4,
+        metrics=TrainMetrics(
+            loss=0.5, pg_loss=0.25, kl=0.01, entropy=2.0, grad_norm=0.75, clipfrac=0.125,
+            train_tokens=2048, num_optimizer_steps=4,
+        ),
         staleness_max=1,
         train_seconds=3.0,
     ),

@@ -171,9 +171,9 @@ async def test_a_rollout_is_released_then_reported_as_a_train_step(base_model: P
     assert isinstance(finished, TrainStepFinished)
     assert finished.rollout_id == 3
     assert finished.weight_version == "default"
-    assert finished.train_tokens == 2 + 3 + 2 + 4
-    assert finished.num_optimizer_steps == 1
-    assert finished.grad_norm > 0
+    assert finished.metrics.train_tokens == 2 + 3 + 2 + 4
+    assert finished.metrics.num_optimizer_steps == 1
+    assert finished.metrics.grad_norm > 0
 
 
 async def test_global_batch_size_sets_the_optimizer_steps_per_rollout(
@@ -182,7 +182,7 @@ async def test_global_batch_size_sets_the_optimizer_steps_per_rollout(
     trainer, context = await started_trainer(make_config(base_model, tmp_path, global_batch_size=2), tmp_path)
     await trainer.handle(rollout_event(context, 0, two_group_samples()))
     await trainer.handle(rollout_event(context, 1, two_group_samples()))
-    assert [e.num_optimizer_steps for e in context.of_type(TrainStepFinished)] == [2, 2]
+    assert [e.metrics.num_optimizer_steps for e in context.of_type(TrainStepFinished)] == [2, 2]
     assert trainer.backend.num_optimizer_steps == 4
 
 
@@ -209,7 +209,7 @@ async def test_recomputed_old_logprobs_make_the_first_step_unclipped(
 ) -> None:
     trainer, context = await started_trainer(make_config(base_model, tmp_path), tmp_path)
     await trainer.handle(rollout_event(context, 0, two_group_samples()))
-    assert context.of_type(TrainStepFinished)[0].clipfrac == 0.0
+    assert context.of_type(TrainStepFinished)[0].metrics.clipfrac == 0.0
 
 
 async def test_rollout_logprobs_serve_as_old_logprobs_when_configured(
@@ -220,7 +220,7 @@ async def test_rollout_logprobs_serve_as_old_logprobs_when_configured(
         make_config(base_model, tmp_path, use_rollout_logprobs=True), tmp_path
     )
     await trainer.handle(rollout_event(context, 0, two_group_samples()))
-    assert context.of_type(TrainStepFinished)[0].clipfrac > 0.0
+    assert context.of_type(TrainStepFinished)[0].metrics.clipfrac > 0.0
 
 
 async def test_kl_to_the_reference_is_zero_until_the_policy_moves(base_model: Path, tmp_path: Path) -> None:
@@ -229,8 +229,8 @@ async def test_kl_to_the_reference_is_zero_until_the_policy_moves(base_model: Pa
     await trainer.handle(rollout_event(context, 0, two_group_samples()))
     await trainer.handle(rollout_event(context, 1, two_group_samples()))
     first, second = context.of_type(TrainStepFinished)
-    assert first.kl == 0.0
-    assert second.kl > 0.0
+    assert first.metrics.kl == 0.0
+    assert second.metrics.kl > 0.0
 
 
 def test_staleness_counts_publications_since_the_oldest_sample_version() -> None:

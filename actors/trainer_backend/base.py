@@ -11,32 +11,12 @@ from __future__ import annotations
 
 import random
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from schemas.events import TrainMetrics
 from schemas.rollout import RolloutBatch
-
-
-@dataclass(frozen=True)
-class TrainMetrics:
-    """What training on one rollout did.
-
-    ``loss``, ``pg_loss``, ``kl``, ``entropy`` and ``clipfrac`` are token-level means over
-    every response token of the rollout (each step's values weighted by its tokens);
-    ``grad_norm`` is the pre-clip gradient norm of the rollout's last optimizer step;
-    ``num_optimizer_steps`` counts this rollout's steps only.
-    """
-
-    loss: float
-    pg_loss: float
-    kl: float
-    entropy: float
-    grad_norm: float
-    clipfrac: float
-    train_tokens: int
-    num_optimizer_steps: int
 
 
 class TrainerBackend(ABC):

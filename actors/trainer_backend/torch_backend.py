@@ -152,7 +152,7 @@ class TorchTrainerBackend(TrainerBackend):
         trainer = self.config.trainer
         samples = batch.samples
         if not samples:
-            return TrainMetrics(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0)
+            return TrainMetrics()
         advantages = group_advantages(
             torch.tensor([s.reward for s in samples], dtype=torch.float32),
             torch.tensor([s.group for s in samples]),

@@ -336,13 +336,14 @@ class PlainProgress(ConsoleSink):
         reward = f"reward {generated.reward_mean:.3f} " if generated else ""
         times = f"gen {generated.generate_seconds:.2f}s " if generated else ""
         times += f"train {train.train_seconds:.2f}s"
+        m = train.metrics
         if published is not None:
             times += f" pub {published.publish_seconds:.2f}s"
         if verify_seconds is not None:
             times += f" verify {verify_seconds:.2f}s"
         self._line(
             f"rollout {rollout_id + 1}/{self.progress.num_rollout}: {reward}"
-            f"loss {train.loss:+.4f} kl {train.kl:.4f} grad {train.grad_norm:.3f} | {times} | {outcome}"
+            f"loss {m.loss:+.4f} kl {m.kl:.4f} grad {m.grad_norm:.3f} | {times} | {outcome}"
         )
 
     def _end(self) -> None:
@@ -382,10 +383,10 @@ def render_progress(progress: RunProgress, *, final: bool = False) -> Panel:
             Text(f"{recent[-1]:.3f}  {sparkline(recent)}  min {min(recent):.3f} max {max(recent):.3f} (last {len(recent)})"),
         )
     if p.train is not None:
-        t = p.train
+        m = p.train.metrics
         rows.add_row(
             "train",
-            Text(f"loss {t.loss:+.4f}  kl {t.kl:.4f}  grad {t.grad_norm:.3f}  entropy {t.entropy:.3f}  clip {t.clipfrac:.3f}"),
+            Text(f"loss {m.loss:+.4f}  kl {m.kl:.4f}  grad {m.grad_norm:.3f}  entropy {m.entropy:.3f}  clip {m.clipfrac:.3f}"),
         )
     if p.step_seconds:
         split = "  ".join(f"{label} {p.step_seconds[phase]:.2f}s" for phase, label in STEP_PHASES if phase in p.step_seconds)

@@ -88,12 +88,12 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("miles_rollout_duration_seconds", "histogram", "", "Time to generate a rollout.", "RolloutGenerated.generate_seconds"),
     _m("miles_tokens_generated_total", "counter", "", "Response tokens generated for training rollouts.", "RolloutGenerated.response_tokens"),
     _m("miles_rollout_staleness", "gauge", "", "Trainer version minus the oldest version a sample of the last trained batch was generated with.", "TrainStepFinished.staleness_max"),
-    _m("miles_train_loss", "gauge", "", "Loss of the last train step.", "TrainStepFinished"),
+    _m("miles_train_loss", "gauge", "", "Loss of the last train step.", "TrainStepFinished.metrics"),
     _m("miles_train_kl", "gauge", "", "KL to the reference of the last train step.", "TrainStepFinished"),
     _m("miles_train_grad_norm", "gauge", "", "Gradient norm of the last train step.", "TrainStepFinished"),
     _m("miles_train_entropy", "gauge", "", "Policy entropy of the last train step.", "TrainStepFinished"),
     _m("miles_train_clipfrac", "gauge", "", "Fraction of clipped ratios in the last train step.", "TrainStepFinished"),
-    _m("miles_train_tokens_total", "counter", "", "Tokens trained on.", "TrainStepFinished.train_tokens"),
+    _m("miles_train_tokens_total", "counter", "", "Tokens trained on.", "TrainStepFinished.metrics.train_tokens"),
     _m("miles_train_duration_seconds", "histogram", "", "Time of a train step.", "TrainStepFinished.train_seconds"),
     _m("miles_eval_score", "gauge", "metric", "The last evaluation, one series per metric it reports.", "EvalFinished.metrics"),
     _m("miles_eval_duration_seconds", "histogram", "", "Time of an evaluation.", "EvalFinished.eval_seconds"),
@@ -251,14 +251,14 @@ class RunMetrics(Sink):
 
     @handles(TrainStepFinished)
     def _train_step_finished(self, e: TrainStepFinished) -> None:
-        run = e.run_id
-        self.loss(run).set(e.loss)
-        self.kl(run).set(e.kl)
-        self.grad_norm(run).set(e.grad_norm)
-        self.entropy(run).set(e.entropy)
-        self.clipfrac(run).set(e.clipfrac)
+        run, m = e.run_id, e.metrics
+        self.loss(run).set(m.loss)
+        self.kl(run).set(m.kl)
+        self.grad_norm(run).set(m.grad_norm)
+        self.entropy(run).set(m.entropy)
+        self.clipfrac(run).set(m.clipfrac)
         self.staleness(run).set(e.staleness_max)
-        self.train_tokens(run).inc(e.train_tokens)
+        self.train_tokens(run).inc(m.train_tokens)
         if e.train_seconds > 0:
             self.train_seconds(run).observe(e.train_seconds)
 

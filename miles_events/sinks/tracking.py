@@ -86,12 +86,12 @@ class TrackingSink(Sink):
     @handles(TrainStepFinished)
     def _train_step_finished(self, event: TrainStepFinished) -> None:
         self._row(event, event.rollout_id, {
-            "train/loss": event.loss,
-            "train/pg_loss": event.pg_loss,
-            "train/kl": event.kl,
-            "train/entropy": event.entropy,
-            "train/grad_norm": event.grad_norm,
-            "train/clipfrac": event.clipfrac,
+            "train/loss": event.metrics.loss,
+            "train/pg_loss": event.metrics.pg_loss,
+            "train/kl": event.metrics.kl,
+            "train/entropy": event.metrics.entropy,
+            "train/grad_norm": event.metrics.grad_norm,
+            "train/clipfrac": event.metrics.clipfrac,
             "perf/train_seconds": event.train_seconds,
         })  # fmt: skip
 
