@@ -20,11 +20,11 @@ from __future__ import annotations
 import os
 import struct
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, TypeVar
 
-from miles_events.bus.codec import DecodeError, decode_event, encode_event
+from miles_events.bus.codec import EVENT_DECODER, EVENT_ENCODER, DecodeError
 from schemas.events import Event
 
 try:
@@ -39,6 +39,10 @@ FRAME_SIZE = FRAME.size
 MAX_RECORD_BYTES = 1 << 30
 """A length field above this is corruption, not an event (events are small)."""
 _READ_CHUNK = 1 << 22
+
+_T = TypeVar("_T")
+_decode = EVENT_DECODER.decode
+_encode = EVENT_ENCODER.encode
 
 
 class TornRecordError(ValueError):
@@ -94,70 +98,20 @@ class LogReader:
 
     def records(self) -> Iterator[tuple[int, Event]]:
         """Every complete record in order; raises ``TornRecordError`` at the first bad one."""
-        self.end_offset = HEADER_SIZE
-        for offset, end, event in _decoded(_open_log(self.path)):
+        offset = self.end_offset = HEADER_SIZE
+        for length, event in _records(_open_log(self.path), _sized_event):
+            end = offset + FRAME_SIZE + length
             self.end_offset = end
             yield offset, event
+            offset = end
 
     def __iter__(self) -> Iterator[Event]:
         for _, event in self.records():
             yield event
 
 
-def _frames(file: BinaryIO, start: int) -> Iterator[tuple[int, memoryview]]:
-    """(offset, payload) for each record with a valid length and CRC from ``start`` on.
-
-    Reads in large chunks so the per-record cost is a few C calls; raises
-    ``TornRecordError`` at the first short or corrupt record.
-    """
-    unpack_from = FRAME.unpack_from
-    crc32 = zlib.crc32
-    data = b""
-    view = memoryview(data)
-    pos = 0
-    base = start  # file offset of data[0]
-    while True:
-        size = len(data)
-        # The hot loop: every record completely inside the current chunk.
-        while pos + FRAME_SIZE <= size:
-            length, stored_crc = unpack_from(data, pos)
-            end = pos + FRAME_SIZE + length
-            if end > size:
-                break
-            payload = view[pos + FRAME_SIZE : end]
-            if crc32(payload) != stored_crc:
-                raise TornRecordError(
-                    base + pos,
-                    f"CRC mismatch (stored {stored_crc:#010x}, computed {crc32(payload):#010x})",
-                )
-            yield base + pos, payload
-            pos = end
-        # Need more bytes: keep the partial record and read at least the rest of it.
-        remaining = size - pos
-        needed = FRAME_SIZE
-        if remaining >= FRAME_SIZE:
-            length, _ = unpack_from(data, pos)
-            if length > MAX_RECORD_BYTES:
-                raise TornRecordError(base + pos, f"implausible record length {length}")
-            needed = FRAME_SIZE + length
-        file_left = max(os.fstat(file.fileno()).st_size - file.tell(), 0)
-        chunk = b""
-        if remaining + file_left >= needed:
-            chunk = file.read(max(_READ_CHUNK, needed - remaining))
-        if remaining + len(chunk) < needed:
-            # Too few bytes left for the next record (or the file shrank under us).
-            have = remaining + max(file_left, len(chunk))
-            if have == 0:
-                return
-            if have < FRAME_SIZE:
-                reason = f"short header ({have} of {FRAME_SIZE} bytes)"
-            else:
-                reason = f"short payload ({have - FRAME_SIZE} of {needed - FRAME_SIZE} bytes)"
-            raise TornRecordError(base + pos, reason)
-        data = data[pos:] + chunk if remaining else chunk
-        view = memoryview(data)
-        base += pos
-        pos = 0
+def _sized_event(payload: bytes) -> tuple[int, Event]:
+    return len(payload), _decode(payload)
 
 
 def read_events(path: str | os.PathLike[str]) -> Iterator[Event]:
@@ -168,18 +122,7 @@ def read_events(path: str | os.PathLike[str]) -> Iterator[Event]:
     iterating, raises ``TornRecordError`` (after yielding every complete record before
     it) at the first record that is short, fails its CRC or does not decode.
     """
-    return (event for _, _, event in _decoded(_open_log(Path(path))))
-
-
-def _decoded(file: BinaryIO) -> Iterator[tuple[int, int, Event]]:
-    """(offset, end offset, event) of every complete record; closes ``file`` when done."""
-    with file:
-        for offset, payload in _frames(file, HEADER_SIZE):
-            try:
-                event = decode_event(payload)
-            except DecodeError as error:
-                raise TornRecordError(offset, f"undecodable payload: {error}") from None
-            yield offset, offset + FRAME_SIZE + len(payload), event
+    return _records(_open_log(Path(path)), _decode)
 
 
 def scan_log(path: str | os.PathLike[str]) -> tuple[int, TornRecordError | None]:
@@ -188,14 +131,76 @@ def scan_log(path: str | os.PathLike[str]) -> tuple[int, TornRecordError | None]
     Only framing and CRCs are checked (payloads are not decoded): a record from a newer
     writer with an event type this reader does not know is still a complete record.
     """
-    with _open_log(Path(path)) as file:
-        end = HEADER_SIZE
-        try:
-            for offset, payload in _frames(file, HEADER_SIZE):
-                end = offset + FRAME_SIZE + len(payload)
-        except TornRecordError as torn:
-            return end, torn
+    end = HEADER_SIZE
+    try:
+        for length in _records(_open_log(Path(path)), len):
+            end += FRAME_SIZE + length
+    except TornRecordError as torn:
+        return end, torn
     return end, None
+
+
+def _records(file: BinaryIO, decode: Callable[[bytes], _T]) -> Iterator[_T]:
+    """``decode(payload)`` of every complete record of ``file`` (positioned after the
+    header; closed when done). Raises ``TornRecordError`` at the first record that is
+    short, fails its CRC or does not decode (``DecodeError``).
+
+    The file is read in large chunks, and everything per record is a few C calls in this
+    one loop: the payload is sliced out of the chunk as ``bytes`` (for records of events'
+    size that is cheaper than a ``memoryview`` slice, and faster to CRC and decode).
+    """
+    unpack_from = FRAME.unpack_from
+    crc32 = zlib.crc32
+    data = b""
+    pos = 0
+    base = HEADER_SIZE  # file offset of data[0]
+    with file:
+        while True:
+            size = len(data)
+            # The hot loop: every record completely inside the current chunk.
+            while pos + FRAME_SIZE <= size:
+                length, stored_crc = unpack_from(data, pos)
+                start = pos + FRAME_SIZE
+                end = start + length
+                if end > size:
+                    break
+                payload = data[start:end]
+                if crc32(payload) != stored_crc:
+                    raise TornRecordError(
+                        base + pos,
+                        f"CRC mismatch (stored {stored_crc:#010x}, computed {crc32(payload):#010x})",
+                    )
+                try:
+                    item = decode(payload)
+                except DecodeError as error:
+                    raise TornRecordError(base + pos, f"undecodable payload: {error}") from None
+                yield item
+                pos = end
+            # Need more bytes: keep the partial record and read at least the rest of it.
+            remaining = size - pos
+            needed = FRAME_SIZE
+            if remaining >= FRAME_SIZE:
+                length, _ = unpack_from(data, pos)
+                if length > MAX_RECORD_BYTES:
+                    raise TornRecordError(base + pos, f"implausible record length {length}")
+                needed = FRAME_SIZE + length
+            file_left = max(os.fstat(file.fileno()).st_size - file.tell(), 0)
+            chunk = b""
+            if remaining + file_left >= needed:
+                chunk = file.read(max(_READ_CHUNK, needed - remaining))
+            if remaining + len(chunk) < needed:
+                # Too few bytes left for the next record (or the file shrank under us).
+                have = remaining + max(file_left, len(chunk))
+                if have == 0:
+                    return
+                if have < FRAME_SIZE:
+                    reason = f"short header ({have} of {FRAME_SIZE} bytes)"
+                else:
+                    reason = f"short payload ({have - FRAME_SIZE} of {needed - FRAME_SIZE} bytes)"
+                raise TornRecordError(base + pos, reason)
+            data = data[pos:] + chunk if remaining else chunk
+            base += pos
+            pos = 0
 
 
 class EventLogWriter:
@@ -284,13 +289,13 @@ class EventLogWriter:
         os.fsync(self._file.fileno())
 
     def _frame_into(self, buffer: bytearray, event: Event) -> None:
-        payload = encode_event(event)
+        payload = _encode(event)
         buffer += FRAME.pack(len(payload), zlib.crc32(payload))
         buffer += payload
 
     def append(self, event: Event) -> int:
         """Append one event, flush; returns the record's offset."""
-        payload = encode_event(event)
+        payload = _encode(event)
         return self._write(FRAME.pack(len(payload), zlib.crc32(payload)) + payload)
 
     def append_many(self, events: Iterable[Event]) -> int:
