@@ -17,6 +17,7 @@ is opened with ``repair=True``, in which case the torn bytes are first copied to
 
 from __future__ import annotations
 
+import errno
 import os
 import struct
 import zlib
@@ -43,6 +44,8 @@ _READ_CHUNK = 1 << 22
 _T = TypeVar("_T")
 _decode = EVENT_DECODER.decode
 _encode = EVENT_ENCODER.encode
+_pack_frame = FRAME.pack
+_crc32 = zlib.crc32
 
 
 class TornRecordError(ValueError):
@@ -204,7 +207,9 @@ def _records(file: BinaryIO, decode: Callable[[bytes], _T]) -> Iterator[_T]:
 
 
 class EventLogWriter:
-    """Appends events to a log, flushing to the OS after every ``append``/``append_many``.
+    """Appends events to a log; every ``append``/``append_many`` is one ``write`` system
+    call, so what it appended is in the OS before it returns (a crash of the process
+    loses nothing it appended).
 
     A new or empty file gets the header. An existing log is validated and appended to
     (resume). If its tail is torn, opening fails with ``TornRecordError`` unless
@@ -212,6 +217,10 @@ class EventLogWriter:
     ``<log>.torn-<offset>`` (never overwriting an existing file) and the log is truncated
     to its last complete record. ``fsync=True`` also forces every append to stable
     storage. Only one writer may hold a log at a time (an advisory ``flock``).
+
+    An append that fails part-way (a full disk) cuts its partial record off again before
+    it raises, so the log still ends at a record boundary; if even that fails, the writer
+    refuses further appends rather than write after a torn record.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, fsync: bool = False, repair: bool = False) -> None:
@@ -222,14 +231,20 @@ class EventLogWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # Open read-write without truncating; create if missing.
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        self._file: BinaryIO = os.fdopen(fd, "r+b")
+        file: BinaryIO = os.fdopen(fd, "r+b")
+        self._file = file
         try:
             self._lock()
             self._offset = self._prepare(repair)
+            file.flush()
         except BaseException:
-            self._file.close()
+            file.close()
             raise
-        self._buffer = bytearray()
+        # From here on every byte goes straight to the file descriptor, unbuffered.
+        self._file = file.detach()  # type: ignore[assignment]
+        os.lseek(fd, self._offset, os.SEEK_SET)
+        self._fd = fd
+        self._broken: str | None = None
 
     @property
     def offset(self) -> int:
@@ -288,48 +303,62 @@ class EventLogWriter:
         self._file.seek(end)
         os.fsync(self._file.fileno())
 
-    def _frame_into(self, buffer: bytearray, event: Event) -> None:
-        payload = _encode(event)
-        buffer += FRAME.pack(len(payload), zlib.crc32(payload))
-        buffer += payload
-
     def append(self, event: Event) -> int:
-        """Append one event, flush; returns the record's offset."""
+        """Append one event with one ``write``; returns the record's offset."""
         payload = _encode(event)
-        return self._write(FRAME.pack(len(payload), zlib.crc32(payload)) + payload)
+        return self._write(_pack_frame(len(payload), _crc32(payload)) + payload)
 
     def append_many(self, events: Iterable[Event]) -> int:
-        """Append events with one write and one flush; returns the first record's offset.
+        """Append events with one ``write``; returns the first record's offset.
 
-        Every event is encoded before anything is written, so an unencodable event leaves
-        the log unchanged.
+        The records are exactly those ``append`` writes one by one. Every event is encoded
+        before anything is written, so an unencodable event leaves the log unchanged.
         """
-        buffer = self._buffer
-        buffer.clear()
-        for event in events:
-            self._frame_into(buffer, event)
-        if not buffer:
+        parts: list[bytes] = []
+        add = parts.append
+        for payload in list(map(_encode, events)):
+            add(_pack_frame(len(payload), _crc32(payload)))
+            add(payload)
+        if not parts:
             return self._offset
-        return self._write(buffer)
+        return self._write(b"".join(parts))
 
-    def _write(self, data: bytes | bytearray) -> int:
-        file = self._file
-        if file.closed:
-            raise ValueError(f"{self.path}: event log writer is closed")
+    def _write(self, data: bytes) -> int:
+        if self._broken is not None or self._file.closed:
+            raise ValueError(f"{self.path}: event log writer is {self._broken or 'closed'}")
         offset = self._offset
-        file.write(data)
-        file.flush()
-        if self.fsync:
-            os.fsync(file.fileno())
+        written = os.write(self._fd, data)  # nothing is written when this raises
+        if written != len(data):
+            self._write_rest(data, written)
         self._offset = offset + len(data)
+        if self.fsync:
+            os.fsync(self._fd)
         return offset
 
+    def _write_rest(self, data: bytes, written: int) -> None:
+        """Finish a short write; if that fails, cut the partial record off and raise."""
+        view = memoryview(data)
+        try:
+            while written < len(data):
+                count = os.write(self._fd, view[written:])
+                if count == 0:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                written += count
+        except BaseException:
+            try:
+                os.ftruncate(self._fd, self._offset)
+                os.lseek(self._fd, self._offset, os.SEEK_SET)
+            except OSError as error:
+                self._broken = (
+                    f"broken: a failed append left a partial record at byte {self._offset} "
+                    f"that could not be cut off ({error})"
+                )
+            raise
+
     def flush(self) -> None:
-        """Flush to the OS (and to disk when ``fsync``); appends already do this."""
-        if not self._file.closed:
-            self._file.flush()
-            if self.fsync:
-                os.fsync(self._file.fileno())
+        """Force appends to disk when ``fsync`` (they are already in the OS)."""
+        if not self._file.closed and self.fsync:
+            os.fsync(self._fd)
 
     def close(self) -> None:
         """Flush and close; closing twice is harmless."""
