@@ -37,6 +37,7 @@ last line is ``RESULT event_log_write_ratio=... event_log_read_ratio=... ...``.
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import statistics
 import sys
@@ -524,6 +525,81 @@ def timed(fn: Callable[[], object]) -> float:
         gc.enable()
 
 
+def profile(mix: str, events: Sequence[Event], models: Sequence[BaseModel], repeat: int, batch: int) -> None:
+    """Where the time of each path goes: its steps timed alone, ns per event (medians of
+    ``repeat`` interleaved rounds). The steps of one path do not add up exactly to its
+    total (the loop that joins them costs too)."""
+    import os
+    import struct
+    import zlib
+
+    from miles_events.bus.codec import EVENT_DECODER, EVENT_ENCODER
+
+    encode, decode, crc32, pack = (
+        EVENT_ENCODER.encode,
+        EVENT_DECODER.decode,
+        zlib.crc32,
+        struct.Struct(">II").pack,
+    )
+    payloads = [encode(e) for e in events]
+    records = [pack(len(p), crc32(p)) + p for p in payloads]
+    lines = [m.model_dump_json() + "\n" for m in models]
+    validate = RECORD_MODELS[mix].model_validate_json
+    batches = [events[i : i + batch] for i in range(0, len(events), batch)]
+    blobs = [b"".join(records[i : i + batch]) for i in range(0, len(records), batch)]
+    n = len(events)
+    with tempfile.TemporaryDirectory() as tmp:
+        ours_path, base_path = Path(tmp) / "events.log", Path(tmp) / "events.jsonl"
+        fd = os.open(Path(tmp) / "scratch", os.O_WRONLY | os.O_CREAT, 0o644)
+        text = open(Path(tmp) / "scratch.jsonl", "w", encoding="utf-8")
+        ours_write_batched(ours_path, events, batch)
+        baseline_write_batched(base_path, models, batch)
+
+        def each(fn: Callable[[object], object], items: Sequence[object]) -> Callable[[], None]:
+            return lambda: collections.deque(map(fn, items), maxlen=0)
+
+        def fresh(path: Path, write: Callable[[], None]) -> Callable[[], None]:
+            return lambda: (path.unlink(), write())
+
+        def write_flush(line: str) -> None:
+            text.write(line)
+            text.flush()
+
+        steps: dict[str, Callable[[], object]] = {
+            "ours  encode (msgspec)": each(encode, events),
+            "ours  encode, in lists of the batch": lambda: [list(map(encode, b)) for b in batches],
+            "ours  crc32 of the payload": each(crc32, payloads),
+            "ours  frame header (pack + len + crc32)": lambda: list(
+                map(pack, map(len, payloads), map(crc32, payloads))
+            ),
+            "ours  write(2) of one record": each(lambda r: os.write(fd, r), records),
+            f"ours  write(2) of {batch} records, per event": each(lambda b: os.write(fd, b), blobs),
+            "ours  append (total)": fresh(ours_path, lambda: ours_write(ours_path, events)),
+            f"ours  append_many of {batch} (total)": fresh(
+                ours_path, lambda: ours_write_batched(ours_path, events, batch)
+            ),
+            "ours  decode (msgspec, typed)": each(decode, payloads),
+            "ours  read_events (total)": lambda: ours_read(ours_path),
+            "base  model_dump_json": each(lambda m: m.model_dump_json(), models),
+            "base  text write + flush of one line": each(write_flush, lines),
+            "base  write + flush per event (total)": lambda: baseline_write(base_path, models),
+            f"base  write + flush per {batch} (total)": lambda: baseline_write_batched(
+                base_path, models, batch
+            ),
+            "base  model_validate_json": each(validate, lines),
+            "base  read (total)": lambda: baseline_read(base_path, RECORD_MODELS[mix]),
+        }
+        times: dict[str, list[float]] = {name: [] for name in steps}
+        for _ in range(repeat):
+            for name, step in steps.items():
+                times[name].append(timed(step))
+        text.close()
+        os.close(fd)
+    print(f"\nprofile, {mix} mix: ns per event")
+    for name, seconds in times.items():
+        print(f"  {name:45}{statistics.median(seconds) / n * 1e9:>8,.0f}")
+
+
 def _cases(
     mix: str,
     events: Sequence[Event],
@@ -569,9 +645,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--batch", type=int, default=256, help="events per append_many call and per baseline flush"
     )
+    parser.add_argument("--profile", action="store_true", help="time each step of each path instead")
     args = parser.parse_args(argv)
 
     workloads = {mix: make_workload(args.events, mix) for mix in MIXES}
+    if args.profile:
+        for mix in MIXES:
+            profile(mix, *workloads[mix], args.repeat, args.batch)
+        return 0
     n = args.events
     # (mix, case) -> [ours seconds], [baseline seconds]
     times: dict[tuple[str, str], tuple[list[float], list[float]]] = {}
