@@ -31,7 +31,8 @@ Every measurement runs ``--repeat`` rounds, ours and the baseline interleaved in
 figures are medians (ratios: the median of the per-round ratios).
 
 Run: ``.venv/bin/python bench/event_log.py [--events N] [--repeat R] [--batch B]``. The
-last line is ``RESULT event_log_write_ratio=... event_log_read_ratio=... ...``.
+last line is ``RESULT event_log_write_ratio=... event_log_read_ratio=... ...`` (keys with
+``_digest`` for the digest mix). ``--profile`` instead times each step of each path alone.
 """
 
 from __future__ import annotations
