@@ -263,3 +263,80 @@ def test_append_after_close_raises(tmp_path: Path) -> None:
     writer.close()
     with pytest.raises(ValueError, match="closed"):
         writer.append(make_events(1)[0])
+
+
+def _fail_writes_to(monkeypatch: pytest.MonkeyPatch, fd: int, plan: list[int | OSError]) -> None:
+    """Make ``os.write`` on ``fd`` follow ``plan``: write at most N bytes, or raise."""
+    real_write = event_log.os.write
+
+    def write(target: int, data: bytes) -> int:
+        if target != fd or not plan:
+            return real_write(target, data)
+        step = plan.pop(0)
+        if isinstance(step, OSError):
+            raise step
+        return real_write(target, bytes(data)[:step])
+
+    monkeypatch.setattr(event_log.os, "write", write)
+
+
+def test_a_short_write_is_completed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "events.log"
+    events = make_events(6)
+    with EventLogWriter(path) as writer:
+        _fail_writes_to(monkeypatch, writer._fd, [5, 3])
+        writer.append_many(events[:3])
+        writer.append_many(events[3:])
+    assert list(read_events(path)) == events
+
+
+def test_an_append_failing_part_way_leaves_the_log_at_a_record_boundary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "events.log"
+    events = make_events(6)
+    with EventLogWriter(path) as writer:
+        writer.append_many(events[:2])
+        before = path.read_bytes()
+        _fail_writes_to(monkeypatch, writer._fd, [FRAME_SIZE + 3, OSError(28, "No space left on device")])
+        with pytest.raises(OSError, match="No space"):
+            writer.append_many(events[2:4])
+        assert path.read_bytes() == before
+        assert writer.offset == len(before)
+        writer.append_many(events[4:])  # the disk has room again
+    assert list(read_events(path)) == events[:2] + events[4:]
+    assert scan_log(path) == (path.stat().st_size, None)
+
+
+def test_an_append_failing_at_once_changes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "events.log"
+    events = make_events(3)
+    with EventLogWriter(path) as writer:
+        writer.append(events[0])
+        _fail_writes_to(monkeypatch, writer._fd, [OSError(28, "No space left on device")])
+        with pytest.raises(OSError):
+            writer.append(events[1])
+        writer.append(events[2])
+    assert list(read_events(path)) == [events[0], events[2]]
+
+
+def test_a_partial_record_that_cannot_be_cut_off_stops_the_writer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "events.log"
+    events = make_events(3)
+    with EventLogWriter(path) as writer:
+        writer.append(events[0])
+        _fail_writes_to(monkeypatch, writer._fd, [4, OSError(5, "Input/output error")])
+
+        def no_truncate(fd: int, length: int) -> None:
+            raise OSError(5, "Input/output error")
+
+        monkeypatch.setattr(event_log.os, "ftruncate", no_truncate)
+        with pytest.raises(OSError):
+            writer.append(events[1])
+        with pytest.raises(ValueError, match="partial record"):
+            writer.append(events[2])
+    got, torn = read_until_torn(path)
+    assert got == events[:1]
+    assert torn.offset == record_offsets(events)[1]

@@ -9,7 +9,7 @@ writer fills fields added later with their defaults.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import msgspec
@@ -19,8 +19,11 @@ from schemas.events import AnyEvent, Event
 DecodeError = msgspec.DecodeError
 """Raised by every decode function for bytes that are not a valid event (or batch)."""
 
-_encoder = msgspec.msgpack.Encoder()
-_decoder: msgspec.msgpack.Decoder[Event] = msgspec.msgpack.Decoder(AnyEvent)
+EVENT_ENCODER = msgspec.msgpack.Encoder()
+"""The process's msgpack encoder (``encode_event`` is its ``encode``)."""
+EVENT_DECODER: msgspec.msgpack.Decoder[Event] = msgspec.msgpack.Decoder(AnyEvent)
+"""The process's decoder typed with ``AnyEvent`` (``decode_event`` is its ``decode``); hot
+loops call its bound method directly."""
 _batch_decoder: msgspec.msgpack.Decoder[list[Event]] = msgspec.msgpack.Decoder(list[AnyEvent])
 _json_encoder = msgspec.json.Encoder()
 _json_decoder: msgspec.json.Decoder[Event] = msgspec.json.Decoder(AnyEvent)
@@ -28,24 +31,19 @@ _json_decoder: msgspec.json.Decoder[Event] = msgspec.json.Decoder(AnyEvent)
 
 def encode_event(event: Event) -> bytes:
     """The event as one msgpack map (the tag under ``"type"``)."""
-    return _encoder.encode(event)
-
-
-def encode_event_into(event: Event, buffer: bytearray, offset: int = 0) -> None:
-    """Write the event's msgpack bytes into ``buffer`` from ``offset`` (reusing its memory)."""
-    _encoder.encode_into(event, buffer, offset)
+    return EVENT_ENCODER.encode(event)
 
 
 def decode_event(data: bytes | bytearray | memoryview) -> Event:
     """One event from its msgpack bytes; raises ``DecodeError`` (or its ``ValidationError``)."""
-    return _decoder.decode(data)
+    return EVENT_DECODER.decode(data)
 
 
 def encode_batch(events: Iterable[Event]) -> bytes:
     """Several events as one msgpack array: one message for a cross-process delivery."""
     if not isinstance(events, list | tuple):
         events = list(events)
-    return _encoder.encode(events)
+    return EVENT_ENCODER.encode(events)
 
 
 def decode_batch(data: bytes | bytearray | memoryview) -> list[Event]:
@@ -71,8 +69,3 @@ def event_from_json(data: bytes | str | dict[str, Any]) -> Event:
     if isinstance(data, dict):
         return msgspec.convert(data, AnyEvent)
     return _json_decoder.decode(data)
-
-
-def events_from_json_lines(lines: Sequence[bytes | str]) -> list[Event]:
-    """Events from JSON lines (``replay --json`` output); blank lines are skipped."""
-    return [_json_decoder.decode(line) for line in lines if line.strip()]

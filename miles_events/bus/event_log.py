@@ -17,14 +17,15 @@ is opened with ``repair=True``, in which case the torn bytes are first copied to
 
 from __future__ import annotations
 
+import errno
 import os
 import struct
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, TypeVar
 
-from miles_events.bus.codec import DecodeError, decode_event, encode_event
+from miles_events.bus.codec import EVENT_DECODER, EVENT_ENCODER, DecodeError
 from schemas.events import Event
 
 try:
@@ -39,6 +40,12 @@ FRAME_SIZE = FRAME.size
 MAX_RECORD_BYTES = 1 << 30
 """A length field above this is corruption, not an event (events are small)."""
 _READ_CHUNK = 1 << 22
+
+_T = TypeVar("_T")
+_decode = EVENT_DECODER.decode
+_encode = EVENT_ENCODER.encode
+_pack_frame = FRAME.pack
+_crc32 = zlib.crc32
 
 
 class TornRecordError(ValueError):
@@ -94,70 +101,20 @@ class LogReader:
 
     def records(self) -> Iterator[tuple[int, Event]]:
         """Every complete record in order; raises ``TornRecordError`` at the first bad one."""
-        self.end_offset = HEADER_SIZE
-        for offset, end, event in _decoded(_open_log(self.path)):
+        offset = self.end_offset = HEADER_SIZE
+        for length, event in _records(_open_log(self.path), _sized_event):
+            end = offset + FRAME_SIZE + length
             self.end_offset = end
             yield offset, event
+            offset = end
 
     def __iter__(self) -> Iterator[Event]:
         for _, event in self.records():
             yield event
 
 
-def _frames(file: BinaryIO, start: int) -> Iterator[tuple[int, memoryview]]:
-    """(offset, payload) for each record with a valid length and CRC from ``start`` on.
-
-    Reads in large chunks so the per-record cost is a few C calls; raises
-    ``TornRecordError`` at the first short or corrupt record.
-    """
-    unpack_from = FRAME.unpack_from
-    crc32 = zlib.crc32
-    data = b""
-    view = memoryview(data)
-    pos = 0
-    base = start  # file offset of data[0]
-    while True:
-        size = len(data)
-        # The hot loop: every record completely inside the current chunk.
-        while pos + FRAME_SIZE <= size:
-            length, stored_crc = unpack_from(data, pos)
-            end = pos + FRAME_SIZE + length
-            if end > size:
-                break
-            payload = view[pos + FRAME_SIZE : end]
-            if crc32(payload) != stored_crc:
-                raise TornRecordError(
-                    base + pos,
-                    f"CRC mismatch (stored {stored_crc:#010x}, computed {crc32(payload):#010x})",
-                )
-            yield base + pos, payload
-            pos = end
-        # Need more bytes: keep the partial record and read at least the rest of it.
-        remaining = size - pos
-        needed = FRAME_SIZE
-        if remaining >= FRAME_SIZE:
-            length, _ = unpack_from(data, pos)
-            if length > MAX_RECORD_BYTES:
-                raise TornRecordError(base + pos, f"implausible record length {length}")
-            needed = FRAME_SIZE + length
-        file_left = max(os.fstat(file.fileno()).st_size - file.tell(), 0)
-        chunk = b""
-        if remaining + file_left >= needed:
-            chunk = file.read(max(_READ_CHUNK, needed - remaining))
-        if remaining + len(chunk) < needed:
-            # Too few bytes left for the next record (or the file shrank under us).
-            have = remaining + max(file_left, len(chunk))
-            if have == 0:
-                return
-            if have < FRAME_SIZE:
-                reason = f"short header ({have} of {FRAME_SIZE} bytes)"
-            else:
-                reason = f"short payload ({have - FRAME_SIZE} of {needed - FRAME_SIZE} bytes)"
-            raise TornRecordError(base + pos, reason)
-        data = data[pos:] + chunk if remaining else chunk
-        view = memoryview(data)
-        base += pos
-        pos = 0
+def _sized_event(payload: bytes) -> tuple[int, Event]:
+    return len(payload), _decode(payload)
 
 
 def read_events(path: str | os.PathLike[str]) -> Iterator[Event]:
@@ -168,18 +125,7 @@ def read_events(path: str | os.PathLike[str]) -> Iterator[Event]:
     iterating, raises ``TornRecordError`` (after yielding every complete record before
     it) at the first record that is short, fails its CRC or does not decode.
     """
-    return (event for _, _, event in _decoded(_open_log(Path(path))))
-
-
-def _decoded(file: BinaryIO) -> Iterator[tuple[int, int, Event]]:
-    """(offset, end offset, event) of every complete record; closes ``file`` when done."""
-    with file:
-        for offset, payload in _frames(file, HEADER_SIZE):
-            try:
-                event = decode_event(payload)
-            except DecodeError as error:
-                raise TornRecordError(offset, f"undecodable payload: {error}") from None
-            yield offset, offset + FRAME_SIZE + len(payload), event
+    return _records(_open_log(Path(path)), _decode)
 
 
 def scan_log(path: str | os.PathLike[str]) -> tuple[int, TornRecordError | None]:
@@ -188,18 +134,82 @@ def scan_log(path: str | os.PathLike[str]) -> tuple[int, TornRecordError | None]
     Only framing and CRCs are checked (payloads are not decoded): a record from a newer
     writer with an event type this reader does not know is still a complete record.
     """
-    with _open_log(Path(path)) as file:
-        end = HEADER_SIZE
-        try:
-            for offset, payload in _frames(file, HEADER_SIZE):
-                end = offset + FRAME_SIZE + len(payload)
-        except TornRecordError as torn:
-            return end, torn
+    end = HEADER_SIZE
+    try:
+        for length in _records(_open_log(Path(path)), len):
+            end += FRAME_SIZE + length
+    except TornRecordError as torn:
+        return end, torn
     return end, None
 
 
+def _records(file: BinaryIO, decode: Callable[[bytes], _T]) -> Iterator[_T]:
+    """``decode(payload)`` of every complete record of ``file`` (positioned after the
+    header; closed when done). Raises ``TornRecordError`` at the first record that is
+    short, fails its CRC or does not decode (``DecodeError``).
+
+    The file is read in large chunks, and everything per record is a few C calls in this
+    one loop: the payload is sliced out of the chunk as ``bytes`` (for records of events'
+    size that is cheaper than a ``memoryview`` slice, and faster to CRC and decode).
+    """
+    unpack_from = FRAME.unpack_from
+    crc32 = zlib.crc32
+    data = b""
+    pos = 0
+    base = HEADER_SIZE  # file offset of data[0]
+    with file:
+        while True:
+            size = len(data)
+            # The hot loop: every record completely inside the current chunk.
+            while pos + FRAME_SIZE <= size:
+                length, stored_crc = unpack_from(data, pos)
+                start = pos + FRAME_SIZE
+                end = start + length
+                if end > size:
+                    break
+                payload = data[start:end]
+                if crc32(payload) != stored_crc:
+                    raise TornRecordError(
+                        base + pos,
+                        f"CRC mismatch (stored {stored_crc:#010x}, computed {crc32(payload):#010x})",
+                    )
+                try:
+                    item = decode(payload)
+                except DecodeError as error:
+                    raise TornRecordError(base + pos, f"undecodable payload: {error}") from None
+                yield item
+                pos = end
+            # Need more bytes: keep the partial record and read at least the rest of it.
+            remaining = size - pos
+            needed = FRAME_SIZE
+            if remaining >= FRAME_SIZE:
+                length, _ = unpack_from(data, pos)
+                if length > MAX_RECORD_BYTES:
+                    raise TornRecordError(base + pos, f"implausible record length {length}")
+                needed = FRAME_SIZE + length
+            file_left = max(os.fstat(file.fileno()).st_size - file.tell(), 0)
+            chunk = b""
+            if remaining + file_left >= needed:
+                chunk = file.read(max(_READ_CHUNK, needed - remaining))
+            if remaining + len(chunk) < needed:
+                # Too few bytes left for the next record (or the file shrank under us).
+                have = remaining + max(file_left, len(chunk))
+                if have == 0:
+                    return
+                if have < FRAME_SIZE:
+                    reason = f"short header ({have} of {FRAME_SIZE} bytes)"
+                else:
+                    reason = f"short payload ({have - FRAME_SIZE} of {needed - FRAME_SIZE} bytes)"
+                raise TornRecordError(base + pos, reason)
+            data = data[pos:] + chunk if remaining else chunk
+            base += pos
+            pos = 0
+
+
 class EventLogWriter:
-    """Appends events to a log, flushing to the OS after every ``append``/``append_many``.
+    """Appends events to a log; every ``append``/``append_many`` is one ``write`` system
+    call, so what it appended is in the OS before it returns (a crash of the process
+    loses nothing it appended).
 
     A new or empty file gets the header. An existing log is validated and appended to
     (resume). If its tail is torn, opening fails with ``TornRecordError`` unless
@@ -207,6 +217,10 @@ class EventLogWriter:
     ``<log>.torn-<offset>`` (never overwriting an existing file) and the log is truncated
     to its last complete record. ``fsync=True`` also forces every append to stable
     storage. Only one writer may hold a log at a time (an advisory ``flock``).
+
+    An append that fails part-way (a full disk) cuts its partial record off again before
+    it raises, so the log still ends at a record boundary; if even that fails, the writer
+    refuses further appends rather than write after a torn record.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, fsync: bool = False, repair: bool = False) -> None:
@@ -217,14 +231,20 @@ class EventLogWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # Open read-write without truncating; create if missing.
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        self._file: BinaryIO = os.fdopen(fd, "r+b")
+        file: BinaryIO = os.fdopen(fd, "r+b")
+        self._file = file
         try:
             self._lock()
             self._offset = self._prepare(repair)
+            file.flush()
         except BaseException:
-            self._file.close()
+            file.close()
             raise
-        self._buffer = bytearray()
+        # From here on every byte goes straight to the file descriptor, unbuffered.
+        self._file = file.detach()  # type: ignore[assignment]
+        os.lseek(fd, self._offset, os.SEEK_SET)
+        self._fd = fd
+        self._broken: str | None = None
 
     @property
     def offset(self) -> int:
@@ -283,48 +303,62 @@ class EventLogWriter:
         self._file.seek(end)
         os.fsync(self._file.fileno())
 
-    def _frame_into(self, buffer: bytearray, event: Event) -> None:
-        payload = encode_event(event)
-        buffer += FRAME.pack(len(payload), zlib.crc32(payload))
-        buffer += payload
-
     def append(self, event: Event) -> int:
-        """Append one event, flush; returns the record's offset."""
-        payload = encode_event(event)
-        return self._write(FRAME.pack(len(payload), zlib.crc32(payload)) + payload)
+        """Append one event with one ``write``; returns the record's offset."""
+        payload = _encode(event)
+        return self._write(_pack_frame(len(payload), _crc32(payload)) + payload)
 
     def append_many(self, events: Iterable[Event]) -> int:
-        """Append events with one write and one flush; returns the first record's offset.
+        """Append events with one ``write``; returns the first record's offset.
 
-        Every event is encoded before anything is written, so an unencodable event leaves
-        the log unchanged.
+        The records are exactly those ``append`` writes one by one. Every event is encoded
+        before anything is written, so an unencodable event leaves the log unchanged.
         """
-        buffer = self._buffer
-        buffer.clear()
-        for event in events:
-            self._frame_into(buffer, event)
-        if not buffer:
+        parts: list[bytes] = []
+        add = parts.append
+        for payload in list(map(_encode, events)):
+            add(_pack_frame(len(payload), _crc32(payload)))
+            add(payload)
+        if not parts:
             return self._offset
-        return self._write(buffer)
+        return self._write(b"".join(parts))
 
-    def _write(self, data: bytes | bytearray) -> int:
-        file = self._file
-        if file.closed:
-            raise ValueError(f"{self.path}: event log writer is closed")
+    def _write(self, data: bytes) -> int:
+        if self._broken is not None or self._file.closed:
+            raise ValueError(f"{self.path}: event log writer is {self._broken or 'closed'}")
         offset = self._offset
-        file.write(data)
-        file.flush()
-        if self.fsync:
-            os.fsync(file.fileno())
+        written = os.write(self._fd, data)  # nothing is written when this raises
+        if written != len(data):
+            self._write_rest(data, written)
         self._offset = offset + len(data)
+        if self.fsync:
+            os.fsync(self._fd)
         return offset
 
+    def _write_rest(self, data: bytes, written: int) -> None:
+        """Finish a short write; if that fails, cut the partial record off and raise."""
+        view = memoryview(data)
+        try:
+            while written < len(data):
+                count = os.write(self._fd, view[written:])
+                if count == 0:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                written += count
+        except BaseException:
+            try:
+                os.ftruncate(self._fd, self._offset)
+                os.lseek(self._fd, self._offset, os.SEEK_SET)
+            except OSError as error:
+                self._broken = (
+                    f"broken: a failed append left a partial record at byte {self._offset} "
+                    f"that could not be cut off ({error})"
+                )
+            raise
+
     def flush(self) -> None:
-        """Flush to the OS (and to disk when ``fsync``); appends already do this."""
-        if not self._file.closed:
-            self._file.flush()
-            if self.fsync:
-                os.fsync(self._file.fileno())
+        """Force appends to disk when ``fsync`` (they are already in the OS)."""
+        if not self._file.closed and self.fsync:
+            os.fsync(self._fd)
 
     def close(self) -> None:
         """Flush and close; closing twice is harmless."""
