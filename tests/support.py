@@ -8,6 +8,7 @@ from pathlib import Path
 
 from miles_events.app.redrive import RecordingContext
 from miles_events.bus.actor import Actor
+from miles_events.bus.clock import SYSTEM_CLOCK, ManualClock
 from miles_events.bus.event_bus import EventBus
 from miles_events.sinks.base import Sink, SinkContext, SinkHost
 from schemas.config import Config
@@ -33,22 +34,24 @@ async def drive_sink(
     run_dir: Path | None = None,
     settle: float = 0.0,
     run_id: str = "test-run",
+    clock: ManualClock | None = None,
 ) -> SinkHost:
     """Run ``sink`` as a session does, over a real bus: start, every event (one loop turn
-    each), ``settle`` seconds, drain, close. Returns its host (mailbox and task)."""
+    each), ``settle`` seconds (on ``clock`` when given), drain, close. Returns its host
+    (mailbox and task)."""
     config = config or Config()
     bus = EventBus(run_id)
 
     async def fail(reason: str) -> None:
         raise AssertionError(f"the sink failed the run: {reason}")
 
-    await sink.start(SinkContext(run_id, run_dir or Path("."), config, bus, fail))
+    await sink.start(SinkContext(run_id, run_dir or Path("."), config, bus, fail, clock or SYSTEM_CLOCK))
     host = SinkHost(sink, bus, config.bus.max_batch)
     for event in events:
         await bus.publish(event)
         await asyncio.sleep(0)
     if settle:
-        await asyncio.sleep(settle)
+        await (clock.advance(settle) if clock is not None else asyncio.sleep(settle))
     bus.close()
     await host.join()
     await sink.close()

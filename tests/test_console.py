@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 from rich.console import Console
 
+from miles_events.bus.clock import ManualClock
 from miles_events.bus.event_log import read_events
 from miles_events.sinks.console import (
     ConsoleSink,
@@ -39,10 +40,11 @@ EVENTS: list[Event] = list(read_events(FIXTURE))
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
-async def drive(make_sink, events: list[Event], settle: float = 0.0, config: Config | None = None) -> ConsoleSink:
+async def drive(make_sink, events: list[Event], settle: float = 0.0, config: Config | None = None,
+                clock: ManualClock | None = None) -> ConsoleSink:
     """Publish ``events`` on a real bus to the sink ``make_sink()``, then end as the session does."""
     sink = make_sink()
-    sink.host = await drive_sink(sink, events, config, settle=settle)
+    sink.host = await drive_sink(sink, events, config, settle=settle, clock=clock)
     return sink
 
 
@@ -222,7 +224,7 @@ async def test_rich_redraws_at_most_once_per_interval_and_catches_up_after_it():
         sink.live.update = lambda *a, **k: (updates.append(1), update(*a, **k))  # type: ignore[method-assign]
         return sink
 
-    await drive(make, EVENTS, settle=0.3)
+    await drive(make, EVENTS, settle=0.2, clock=ManualClock())
     # The first event draws at once; the burst after it is drawn once, when the interval ends.
     assert len(updates) == 2
 

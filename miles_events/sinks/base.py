@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
+from miles_events.bus.clock import SYSTEM_CLOCK, Clock
 from miles_events.bus.event_bus import EventBus
 from miles_events.bus.handlers import HandlerTable
 from schemas.config import Config
@@ -37,6 +38,7 @@ class SinkContext:
     bus: EventBus
     fail: Callable[[str], Awaitable[None]]
     """End the run as failed with this reason (for a sink the run cannot go on without)."""
+    clock: Clock = SYSTEM_CLOCK
 
 
 class Sink(HandlerTable):

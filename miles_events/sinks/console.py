@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
-import time
 from collections import deque
 from datetime import timedelta
 from typing import TextIO
@@ -23,6 +22,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from miles_events.bus.clock import SYSTEM_CLOCK, Clock
 from miles_events.bus.handlers import HandlerTable, handles
 from miles_events.sinks.base import Sink, SinkContext
 from schemas.config import Config
@@ -431,11 +431,13 @@ class RichProgress(ConsoleSink):
         self.console = console or Console(file=stream or sys.stdout)
         self.min_interval = min_interval
         self._last_refresh = float("-inf")
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer: asyncio.Task[None] | None = None
+        self._clock: Clock = SYSTEM_CLOCK
         self.live = Live(render_progress(self.progress), console=self.console, auto_refresh=False, transient=True)
         self._moved: list[tuple[logging.StreamHandler, TextIO]] = []  # type: ignore[type-arg]
 
     async def start(self, context: SinkContext) -> None:
+        self._clock = context.clock
         streams = sys.stdout, sys.stderr
         self.live.start()
         self._moved = self._follow_redirect(streams)
@@ -456,13 +458,14 @@ class RichProgress(ConsoleSink):
 
     @handles(*SHOWN)
     def _shown(self, event: Event) -> None:
-        wait = self._last_refresh + self.min_interval - time.monotonic()
+        wait = self._last_refresh + self.min_interval - self._clock.monotonic()
         if wait <= 0:
             self._refresh()
         elif self._timer is None:
-            self._timer = asyncio.get_running_loop().call_later(wait, self._timed_refresh)
+            self._timer = asyncio.get_running_loop().create_task(self._refresh_after(wait))
 
-    def _timed_refresh(self) -> None:
+    async def _refresh_after(self, wait: float) -> None:
+        await self._clock.sleep(wait)
         self._timer = None
         try:
             self._refresh()
@@ -470,7 +473,7 @@ class RichProgress(ConsoleSink):
             logger.warning("console display failed; the run goes on", exc_info=True)
 
     def _refresh(self) -> None:
-        self._last_refresh = time.monotonic()
+        self._last_refresh = self._clock.monotonic()
         self.live.update(render_progress(self.progress), refresh=True)
 
     def finish(self) -> None:
