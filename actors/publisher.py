@@ -58,7 +58,7 @@ class Publisher(Actor):
     async def on_run_started(self, event: RunStarted) -> None:
         self.first_version = next_version(event.weight_version)
 
-    @handles(PublishRequested, emits=(PublicationFailed,))
+    @handles(PublishRequested, emits=())
     async def on_publish_requested(self, event: PublishRequested) -> None:
         self._cancel_timer()
         self.current = Publication(rollout_id=event.rollout_id, requested_at=self.context.clock.monotonic())
@@ -131,7 +131,7 @@ class Publisher(Actor):
         publication = self.current
         assert publication is not None
         publication.phase = phase
-        publication.timer = asyncio.get_running_loop().create_task(self._expire(publication, phase, timeout))
+        publication.timer = self.spawn(self._expire(publication, phase, timeout), emits=(PublicationFailed,))
 
     def _cancel_timer(self) -> None:
         if self.current is not None and self.current.timer is not None:

@@ -40,12 +40,12 @@ async def drive_sink(
     each), ``settle`` seconds (on ``clock`` when given), drain, close. Returns its host
     (mailbox and task)."""
     config = config or Config()
-    bus = EventBus(run_id)
+    bus = EventBus(run_id, clock=clock or SYSTEM_CLOCK)
 
     async def fail(reason: str) -> None:
         raise AssertionError(f"the sink failed the run: {reason}")
 
-    await sink.start(SinkContext(run_id, run_dir or Path("."), config, bus, fail, clock or SYSTEM_CLOCK))
+    await sink.start(SinkContext(run_id, run_dir or Path("."), config, bus, fail))
     host = SinkHost(sink, bus, config.bus.max_batch)
     for event in events:
         await bus.publish(event)

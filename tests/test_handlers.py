@@ -16,7 +16,7 @@ from miles_events.bus.handlers import handles
 from miles_events.sinks.base import Sink
 from schemas import events as events_module
 from schemas.config import Config
-from schemas.events import EVENT_TYPES, Event, RolloutGenerated, RolloutRequested, StopRequested
+from schemas.events import EVENT_TYPES, ActorFailed, Event, RolloutGenerated, RolloutRequested, StopRequested
 from tests.support import RecordingContext, feed
 
 
@@ -148,3 +148,88 @@ async def test_wait_for_times_out_on_the_clock_it_is_given():
     with pytest.raises(TimeoutError):
         await waiting
     assert never.cancelled()
+
+
+class Timed(Actor):
+    name = "timed"
+
+    @handles(RolloutRequested, emits=())
+    async def on_rollout(self, event: RolloutRequested) -> None:
+        if event.rollout_id == 0:
+            self.spawn(self._later(StopRequested(reason="timer")), emits=(StopRequested,))
+        else:
+            self.spawn(self._later(RolloutGenerated(rollout_id=1, batch=None, num_samples=0, reward_mean=0, weight_versions=[])), emits=(StopRequested,))  # type: ignore[arg-type]
+
+    async def _later(self, event: Event) -> None:
+        await asyncio.sleep(0)
+        await self.publish(event)
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def test_a_spawned_task_publishes_what_it_was_spawned_to_emit():
+    actor = Timed(Config(), RecordingContext(Config(), name="timed"))
+    await feed(actor, RolloutRequested(rollout_id=0))
+    await settle()
+    assert actor.context.published == [StopRequested(reason="timer")]
+
+
+async def test_a_spawned_task_that_raises_is_the_actors_failure():
+    actor = Timed(Config(), RecordingContext(Config(), name="timed"))
+    await feed(actor, RolloutRequested(rollout_id=1))
+    await settle()
+    [failed] = actor.context.published
+    assert isinstance(failed, ActorFailed) and failed.actor == "timed"
+    assert "UndeclaredEmit" in failed.error and "_later published RolloutGenerated" in failed.error
+
+
+def test_a_method_redefined_for_other_types_no_longer_takes_the_base_types():
+    class Base(Sink):
+        @handles(RolloutRequested)
+        def on(self, event: Event) -> None: ...
+
+    class Derived(Base):
+        @handles(StopRequested)
+        def on(self, event: Event) -> None: ...
+
+    assert Derived.handlers() == {StopRequested: "on"}
+
+
+async def test_no_actor_sees_an_event_before_its_ready(tmp_path):
+    from miles_events.bus.event_bus import EventBus
+    from miles_events.runtime.base import RunContext
+    from miles_events.runtime.local import LocalRuntime
+    from miles_events.transport.base import InProcessTransport
+    from schemas.plan import RunPlan
+
+    seen: list[str] = []
+
+    class Starter(Actor):
+        name = "starter"
+        emits = (RolloutRequested,)
+
+        async def ready(self) -> None:
+            seen.append("starter ready")
+            await self.publish(RolloutRequested(rollout_id=0))
+
+    class Late(Actor):
+        name = "late"
+
+        async def ready(self) -> None:
+            seen.append("late ready")
+
+        @handles(RolloutRequested, emits=())
+        async def on(self, event: RolloutRequested) -> None:
+            seen.append("late handled")
+
+    plan = RunPlan(start_rollout_id=0, num_rollout=1, num_rollout_per_epoch=1)
+    runtime = LocalRuntime(RunContext("r", Config(), tmp_path, "inprocess", plan), InProcessTransport("r"))
+    bus = EventBus("r")
+    await runtime.start(bus, [Starter, Late])
+    await settle()
+    bus.close()
+    await runtime.stop()
+    assert seen == ["starter ready", "late ready", "late handled"]

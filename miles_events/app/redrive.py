@@ -20,6 +20,7 @@ from actors.publisher import Publisher
 from actors.verifier import Verifier
 from miles_events.bus.actor import Actor
 from miles_events.bus.clock import SYSTEM_CLOCK, Clock
+from miles_events.bus.host import actor_failed
 from miles_events.transport.base import InProcessTransport, Transport
 from schemas.config import Config
 from schemas.events import Event, RunStarted
@@ -50,6 +51,9 @@ class RecordingContext:
 
     async def publish(self, event: Event) -> None:
         self.published.append(event)
+
+    async def report_failure(self, error: BaseException) -> None:
+        self.published.append(actor_failed(self.name, error, self.clock))
 
 
 @dataclass(frozen=True)

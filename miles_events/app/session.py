@@ -99,7 +99,7 @@ class Session:
         started_sinks: list[Sink] = []
         signals: StopOnSignal | None = None
         try:
-            sink_context = SinkContext(self.run_id, self.run_dir, config, bus, self._fail, self.clock)
+            sink_context = SinkContext(self.run_id, self.run_dir, config, bus, self._fail)
             for sink in self.sinks:
                 await sink.start(sink_context)
                 started_sinks.append(sink)

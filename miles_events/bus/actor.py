@@ -9,7 +9,9 @@ of the run has started, delivers events one at a time in bus order, and calls ``
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Protocol
@@ -59,14 +61,18 @@ class ActorContext(Protocol):
         """Put ``event`` on the bus (stamped with ``source=name``); waits under backpressure."""
         ...
 
+    async def report_failure(self, error: BaseException) -> None:
+        """A task the actor spawned raised: report it as the actor's failure."""
+        ...
+
 
 class UndeclaredEmit(TypeError):
     """An actor published an event type its handler (or class) does not declare."""
 
 
-# The emits of the handler running in this task (tasks it starts inherit it).
-_current_emits: contextvars.ContextVar[tuple[str, frozenset[type[Event]]] | None] = contextvars.ContextVar(
-    "current_emits", default=None
+# The emits of a task an actor spawned (``Actor.spawn``), inside that task only.
+_spawned_emits: contextvars.ContextVar[tuple[str, frozenset[type[Event]]] | None] = contextvars.ContextVar(
+    "spawned_emits", default=None
 )
 
 
@@ -77,10 +83,15 @@ class Actor(HandlerTable):
     emits: ClassVar[tuple[type[Event], ...]] = ()
     """What the actor publishes outside its handlers (from ``ready``)."""
     _handler_emits: ClassVar[dict[str, frozenset[type[Event]]]] = {}
+    _emit_routes: ClassVar[dict[type[Event], tuple[str, frozenset[type[Event]]]]] = {}
+    """Event type -> (handler, what it may emit), filled on first dispatch."""
 
     def __init__(self, config: Config, context: ActorContext) -> None:
         self.config = config
         self.context = context
+
+    # The handler running now, with what it may emit (an actor handles one event at a time).
+    _emitting: tuple[str, frozenset[type[Event]]] | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -88,6 +99,7 @@ class Actor(HandlerTable):
         if undeclared:
             raise TypeError(f"{cls.__name__}: @handles of {', '.join(undeclared)} must declare emits=(...)")
         cls._handler_emits = {route.method: frozenset(route.emits or ()) for route in cls.routes()}
+        cls._emit_routes = {}
 
     @classmethod
     def resources(cls, config: Config) -> WorkerGroup:
@@ -103,7 +115,7 @@ class Actor(HandlerTable):
         """Release resources. Called once after the mailbox is drained."""
 
     async def publish(self, event: Event) -> None:
-        current = _current_emits.get()
+        current = _spawned_emits.get() or self._emitting
         method, allowed = current if current is not None else ("", frozenset(self.emits))
         if type(event) not in allowed:
             where = f"{type(self).__name__}.{method}" if method else f"{type(self).__name__} (outside a handler)"
@@ -114,11 +126,30 @@ class Actor(HandlerTable):
 
     async def handle(self, event: Event) -> None:
         """Dispatch ``event`` to its handler (the runtime calls this)."""
-        method = self.dispatch_name(type(event))
-        if method is None:
-            return
-        token = _current_emits.set((method, self._handler_emits[method]))
+        route = self._emit_routes.get(type(event))
+        if route is None:
+            method = self.dispatch_name(type(event))
+            if method is None:
+                return
+            route = self._emit_routes[type(event)] = (method, self._handler_emits[method])
+        self._emitting = route
         try:
-            await getattr(self, method)(event)
+            await getattr(self, route[0])(event)
         finally:
-            _current_emits.reset(token)
+            self._emitting = None
+
+    def spawn(self, coro: Coroutine[Any, Any, None], *, emits: tuple[type[Event], ...]) -> asyncio.Task[None]:
+        """Run ``coro`` beside the handlers (a timer, say), allowed to publish ``emits``.
+        If it raises, the run hears it as this actor's ``ActorFailed``."""
+        context = contextvars.copy_context()
+        context.run(_spawned_emits.set, (getattr(coro, "__name__", "task"), frozenset(emits)))
+        task = asyncio.get_running_loop().create_task(coro, context=context)
+        task.add_done_callback(self._spawned_done)
+        return task
+
+    def _spawned_done(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        error = task.exception()
+        assert error is not None
+        asyncio.get_running_loop().create_task(self.context.report_failure(error))

@@ -68,7 +68,8 @@ class HandlerTable:
                         )
                     own[event_type] = attr
             table.update(own)
-        table = {event_type: method for event_type, method in table.items() if method in routes}
+        # A method a subclass redefined for other types no longer takes the base's types.
+        table = {e: m for e, m in table.items() if m in routes and e in routes[m].handles}
         cls._handler_table = table
         cls._routes = tuple(r for r in routes.values() if any(table.get(e) == r.method for e in r.handles))
         cls._dispatch_cache = {}
@@ -82,6 +83,11 @@ class HandlerTable:
     def routes(cls) -> tuple[Route, ...]:
         """Every handler with what it takes and what it may emit."""
         return cls._routes
+
+    def handler_for(self, event: Event) -> Callable[[Any], Any] | None:
+        """The bound handler of ``event``, if this class handles its type."""
+        method = self.dispatch_name(type(event))
+        return getattr(self, method) if method is not None else None
 
     @classmethod
     def dispatch_name(cls, event_type: type[Event]) -> str | None:

@@ -50,6 +50,14 @@ class HostContext:
             )
         await self._publish(event)
 
+    async def report_failure(self, error: BaseException) -> None:
+        """A task the actor spawned raised: the run hears it as this actor's failure."""
+        logger.debug("actor %s: a spawned task failed", self.name, exc_info=error)
+        try:
+            await self._publish(actor_failed(self.name, error, self.clock))
+        except BusClosed:
+            logger.error("actor %s failed after the run ended: %s", self.name, describe_error(error))
+
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -69,6 +77,20 @@ def describe_error(error: BaseException) -> str:
     text = _ANSI.sub("", str(error)).strip()
     message = text.splitlines()[0] if text else ""
     return f"{type(error).__name__}: {message}{where}" if message else f"{type(error).__name__}{where}"
+
+
+def actor_failed(name: str, error: BaseException, clock: Clock, event: Event | None = None) -> ActorFailed:
+    """The ``ActorFailed`` of actor ``name`` for ``error`` (raised handling ``event``, or in
+    a task the actor spawned): one line, and the whole traceback for the event log."""
+    return ActorFailed(
+        actor=name,
+        error=describe_error(error),
+        traceback="".join(traceback.format_exception(innermost(error))),
+        event_type=type(event).__name__ if event is not None else "",
+        event_seq=event.seq if event is not None else -1,
+        time=clock.time(),
+        source=name,
+    )
 
 
 class ActorHost:
@@ -104,15 +126,7 @@ class ActorHost:
         except Exception as error:
             # One line for the console; the whole traceback goes into the event log.
             logger.debug("actor %s failed on %s #%d", self.name, type(event).__name__, event.seq, exc_info=True)
-            self.failed = ActorFailed(
-                actor=self.name,
-                error=describe_error(error),
-                traceback="".join(traceback.format_exception(innermost(error))),
-                event_type=type(event).__name__,
-                event_seq=event.seq,
-                time=self.clock.time(),
-                source=self.name,
-            )
+            self.failed = actor_failed(self.name, error, self.clock, event)
             try:
                 await self._publish(self.failed)
             except BusClosed:

@@ -88,13 +88,16 @@ class InProcessHosts:
             raise ActorStartError(f"{cls.name}: {describe_error(error)}") from error
         mailbox = bus.subscribe(cls.name, tuple(actor.handlers()))
         host = ActorHost(actor, mailbox, actor.context.publish, self.run.clock)
-        host.start()
         self.hosts.append(host)
         return host
 
     async def ready(self) -> None:
+        """Tell every actor that all have started, then start feeding them: no actor sees an
+        event before its ``ready`` (the Coordinator's ``ready`` publishes the first)."""
         for host in self.hosts:
             await host.actor.ready()
+        for host in self.hosts:
+            host.start()
 
     def idle(self) -> bool:
         return all(host.idle for host in self.hosts)

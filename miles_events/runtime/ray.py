@@ -320,11 +320,14 @@ class RayRuntime:
             pids = await wait_for(asyncio.gather(*starts, return_exceptions=True), timeout, self.run.clock)
         except TimeoutError:
             raise RuntimeError(f"actors did not start within {timeout:g}s") from None
-        for (cls, _), result in zip(remote, pids, strict=True):
-            if isinstance(result, BaseException):
-                # Ray wraps the actor's own exception; the user needs that one, and whose it was.
-                cause = getattr(result, "cause", None)
-                raise ActorStartError(f"{cls.name}: {describe_error(cause or result)}") from None
+        self._raise_start_errors([cls for cls, _ in remote], pids)
+        # Every remote actor is told all have started before any event reaches it.
+        readies = [h.ready.remote() for _, h in remote]
+        try:
+            done = await wait_for(asyncio.gather(*readies, return_exceptions=True), timeout, self.run.clock)
+        except TimeoutError:
+            raise RuntimeError(f"actors were not ready within {timeout:g}s") from None
+        self._raise_start_errors([cls for cls, _ in remote], done)
         for (cls, handle), pid in zip(remote, pids, strict=True):
             mailbox = bus.subscribe(cls.name, tuple(cls.handlers()))
             self.proxies.append(RemoteActorProxy(bus, cls.name, handle, mailbox, config.bus.max_batch, self.run.clock))
@@ -333,10 +336,15 @@ class RayRuntime:
             if cls.resources(config).role == "driver":
                 await self.driver.start(bus, cls)
                 logger.info("started %s (driver)", cls.name)
-        await asyncio.gather(
-            *(h.ready.remote() for cls, h in remote if cls.ready is not Actor.ready)
-        )
         await self.driver.ready()
+
+    @staticmethod
+    def _raise_start_errors(classes: list[type[Actor]], results: list[Any]) -> None:
+        for cls, result in zip(classes, results, strict=True):
+            if isinstance(result, BaseException):
+                # Ray wraps the actor's own exception; the user needs that one, and whose it was.
+                cause = getattr(result, "cause", None)
+                raise ActorStartError(f"{cls.name}: {describe_error(cause or result)}") from None
 
     def idle(self) -> bool:
         return self.driver.idle() and all(proxy.idle for proxy in self.proxies)

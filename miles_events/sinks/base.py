@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from miles_events.bus.clock import SYSTEM_CLOCK, Clock
 from miles_events.bus.event_bus import EventBus
 from miles_events.bus.handlers import HandlerTable
 from schemas.config import Config
@@ -38,7 +37,6 @@ class SinkContext:
     bus: EventBus
     fail: Callable[[str], Awaitable[None]]
     """End the run as failed with this reason (for a sink the run cannot go on without)."""
-    clock: Clock = SYSTEM_CLOCK
 
 
 class Sink(HandlerTable):
@@ -53,9 +51,9 @@ class Sink(HandlerTable):
 
     def observe(self, event: Event) -> None:
         """Hand ``event`` to its handler, if the sink has one for its type."""
-        method = self.dispatch_name(type(event))
-        if method is not None:
-            getattr(self, method)(event)
+        handler = self.handler_for(event)
+        if handler is not None:
+            handler(event)
 
     def flush(self) -> None:
         """The batch the bus delivered has been observed."""
@@ -81,21 +79,15 @@ class SinkHost:
         except Exception:
             if not self._failed_once:
                 self._failed_once = True
-                logger.warning("sink %s failed; the run goes on", self.sink.name, exc_info=True)
+                on = f" on {type(args[0]).__name__}" if args else ""
+                logger.warning("sink %s failed%s; the run goes on", self.sink.name, on, exc_info=True)
 
     async def _drain(self) -> None:
-        observe = self.sink.observe
+        observe, guarded = self.sink.observe, self._guarded
         while batch := await self.mailbox.get_batch(self.max_batch):
             for event in batch:
-                try:
-                    observe(event)
-                except Exception:
-                    if not self._failed_once:
-                        self._failed_once = True
-                        logger.warning(
-                            "sink %s failed on %s; the run goes on", self.sink.name, type(event).__name__, exc_info=True
-                        )
-            self._guarded(self.sink.flush)
+                guarded(observe, event)
+            guarded(self.sink.flush)
 
     async def join(self) -> None:
         """After the bus is closed: the last events observed."""

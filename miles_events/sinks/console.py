@@ -122,9 +122,9 @@ class RunProgress(HandlerTable):
         """Fold one event in."""
         if event.time:
             self.last_time = event.time
-        method = self.dispatch_name(type(event))
-        if method is not None:
-            getattr(self, method)(event)
+        handler = self.handler_for(event)
+        if handler is not None:
+            handler(event)
 
     @handles(RunStarted)
     def _run_started(self, event: RunStarted) -> None:
@@ -437,7 +437,7 @@ class RichProgress(ConsoleSink):
         self._moved: list[tuple[logging.StreamHandler, TextIO]] = []  # type: ignore[type-arg]
 
     async def start(self, context: SinkContext) -> None:
-        self._clock = context.clock
+        self._clock = context.bus.clock
         streams = sys.stdout, sys.stderr
         self.live.start()
         self._moved = self._follow_redirect(streams)
