@@ -28,7 +28,7 @@ from actors.trainer_backend.base import TrainerBackend
 from miles_events.bus.actor import Actor, ActorContext, WorkerGroup, handles
 from miles_events.rl.checkpoint import read_checkpoint
 from miles_events.rl.checksum import fingerprints
-from miles_events.rl.checksum_manifest import write_manifest
+from miles_events.rl.checksum_manifest import remove_manifest, write_manifest
 from miles_events.rl.hf_model import DTYPES
 from miles_events.rl.prompts import data_cursor, load_prompts
 from miles_events.rl.versions import next_version, version_number
@@ -37,12 +37,14 @@ from schemas.config import Config
 from schemas.data import DataRef
 from schemas.events import (
     DataReleased,
+    PublicationVerified,
     PublishRequested,
     RolloutGenerated,
     SaveRequested,
     TrainMetrics,
     TrainStateStaged,
     TrainStepFinished,
+    WeightsPublished,
     WeightsStaged,
 )
 from schemas.rollout import RolloutBatch
@@ -73,6 +75,8 @@ class Trainer(Actor):
         self.resumed_from: str | None = None
         """The checkpoint directory restored at start, if any."""
         self._published: DataRef | None = None
+        self._manifests: dict[str, str] = {}
+        """Weight version -> the checksum manifest written for it, until it is verified."""
         self._num_saves = 0
 
     @classmethod
@@ -164,6 +168,7 @@ class Trainer(Actor):
         if previous is not None:
             self._free(previous)
         self.weight_version = version
+        self._manifests[version] = manifest
         await self.publish(
             WeightsStaged(
                 weight_version=version,
@@ -176,6 +181,21 @@ class Trainer(Actor):
                 stage_seconds=time.perf_counter() - started,
             )
         )
+
+    @handles(PublicationVerified, emits=())
+    async def on_publication_verified(self, event: PublicationVerified) -> None:
+        # Every engine serves these digests: nobody will need the tensor names behind them.
+        self._drop_manifest(event.weight_version)
+
+    @handles(WeightsPublished, emits=())
+    async def on_weights_published(self, event: WeightsPublished) -> None:
+        if not self.config.verifier.enabled:
+            self._drop_manifest(event.weight_version)
+
+    def _drop_manifest(self, weight_version: str) -> None:
+        manifest = self._manifests.pop(weight_version, None)
+        if manifest is not None:
+            remove_manifest(self.context.run_dir, manifest)
 
     @handles(DataReleased, emits=())
     async def on_data_released(self, event: DataReleased) -> None:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import time
 
+import anyio
+
 from miles_events.bus.actor import Actor, ActorContext, WorkerGroup, handles
 from miles_events.rl.checksum import is_skipped
 from miles_events.rl.checksum_manifest import ManifestError, read_manifest
@@ -67,29 +69,36 @@ class Verifier(Actor):
     async def on_weights_loaded(self, event: WeightsLoaded) -> None:
         self.loaded.setdefault(event.weight_version, {})[event.engine] = event
 
-    def _checksums(self, event: WeightsStaged | WeightsLoaded | None) -> dict[str, str]:
-        if event is None:
-            return {}
-        return read_manifest(self.context.run_dir, event.checksums_manifest, event.digest)
-
     def _name_mismatches(
-        self, engine: str, staged: WeightsStaged | None, loaded: WeightsLoaded | None
+        self, staged: WeightsStaged | None, differing: dict[str, WeightsLoaded | None]
     ) -> list[TensorMismatch]:
-        """The tensors behind two digests that differ, from their manifests."""
+        """The tensors behind the digests that differ, from their manifests (read off the
+        event loop; the trainer's once)."""
+        run_dir, skip = self.context.run_dir, list(self.config.verifier.skip_tensor_list)
+
+        def unreadable(engine: str, loaded: WeightsLoaded | None, error: ManifestError) -> TensorMismatch:
+            return TensorMismatch(
+                engine=engine,
+                tensor="*",
+                expected=staged.digest if staged else "",
+                actual=loaded.digest if loaded else "",
+                reason=str(error),
+            )
+
         try:
-            expected, actual = self._checksums(staged), self._checksums(loaded)
+            expected = read_manifest(run_dir, staged.checksums_manifest, staged.digest) if staged else {}
         except ManifestError as error:
-            return [
-                TensorMismatch(
-                    engine=engine,
-                    tensor="*",
-                    expected=staged.digest if staged else "",
-                    actual=loaded.digest if loaded else "",
-                    reason=str(error),
-                )
-            ]
-        # Empty when the digests differ only in skipped tensors.
-        return compare_checksums(engine, expected, actual, list(self.config.verifier.skip_tensor_list))
+            return [unreadable(engine, loaded, error) for engine, loaded in differing.items()]
+        mismatches: list[TensorMismatch] = []
+        for engine, loaded in differing.items():
+            try:
+                actual = read_manifest(run_dir, loaded.checksums_manifest, loaded.digest) if loaded else {}
+            except ManifestError as error:
+                mismatches.append(unreadable(engine, loaded, error))
+                continue
+            # Empty when the digests differ only in skipped tensors.
+            mismatches.extend(compare_checksums(engine, expected, actual, skip))
+        return mismatches
 
     @handles(WeightsPublished, emits=(PublicationVerified, PublicationMismatch))
     async def on_weights_published(self, event: WeightsPublished) -> None:
@@ -101,15 +110,17 @@ class Verifier(Actor):
         for table in (self.staged, self.loaded):
             for stale in [v for v in table if version_number(v) < current]:
                 del table[stale]
+        started = time.perf_counter()
+        differing: dict[str, WeightsLoaded | None] = {
+            engine: loaded.get(engine)
+            for engine in event.engines
+            if staged is None or engine not in loaded or loaded[engine].digest != staged.digest
+        }
         if not self.config.verifier.enabled:
             return
-        started = time.perf_counter()
-        mismatches: list[TensorMismatch] = []
-        for engine in event.engines:
-            served = loaded.get(engine)
-            if staged is not None and served is not None and served.digest == staged.digest:
-                continue
-            mismatches.extend(self._name_mismatches(engine, staged, served))
+        mismatches: list[TensorMismatch] = (
+            await anyio.to_thread.run_sync(self._name_mismatches, staged, differing) if differing else []
+        )
         engine_digests = {e: loaded[e].digest for e in event.engines if e in loaded}
         expected_digest = staged.digest if staged is not None else ""
         if staged is None or staged.num_tensors == 0:

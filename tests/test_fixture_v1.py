@@ -17,7 +17,7 @@ from collections import Counter
 from pathlib import Path
 
 from miles_events.bus.event_log import read_events, scan_log
-from schemas.events import WeightsLoaded, WeightsStaged
+from schemas.events import TrainStepFinished, WeightsLoaded, WeightsStaged
 
 V1 = Path(__file__).parent / "fixtures" / "tiny_run_v1" / "events.log"
 
@@ -42,3 +42,21 @@ def test_old_publication_events_keep_their_digests_and_get_defaults_for_new_fiel
     assert all(e.checksums_manifest == "" and e.num_tensors == 0 and e.num_bytes == 0 for e in loaded)
     by_version = {e.weight_version: e.digest for e in staged}
     assert all(e.digest == by_version[e.weight_version] for e in loaded)
+
+
+def test_old_train_steps_keep_their_metrics():
+    """The log predates ``TrainStepFinished.metrics``: its loss, kl, ... were fields of the
+    event itself, and read back under ``metrics``, not as zeros."""
+    steps = [e for e in read_events(V1) if isinstance(e, TrainStepFinished)]
+    assert len(steps) == 3
+    assert all(s.metrics.train_tokens > 0 and s.metrics.num_optimizer_steps > 0 for s in steps)
+    assert all(s.metrics.loss != 0.0 and s.metrics.grad_norm > 0 for s in steps)
+
+
+def test_the_first_recorded_run_still_redrives(capsys):
+    """Its recorded config predates ``[generator]`` and the ``rl`` package (``rollout.num_engines``,
+    ``miles_events.rewards.*``): replay migrates it, and the Coordinator, which needs no
+    checksum manifests, makes the recorded decisions again."""
+    from miles_events.app.replay import main
+
+    assert main([str(V1), "--redrive", "coordinator"]) == 0, capsys.readouterr()

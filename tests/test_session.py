@@ -11,7 +11,8 @@ from actors.coordinator import Coordinator
 from miles_events.app.run_dir import RunDirError, open_event_log
 from miles_events.app.session import Session
 from miles_events.bus.event_bus import EventBus
-from miles_events.bus.event_log import EventLogWriter
+from miles_events.bus.event_log import EventLogWriter, read_events
+from miles_events.rl.checkpoint import CheckpointError
 from miles_events.rl.hf_model import BaseModelMismatch, prepare_base_model
 from miles_events.sinks.base import Sink, SinkContext, SinkHost
 from miles_events.sinks.event_log import EventLogSink
@@ -101,5 +102,21 @@ async def test_a_sink_failing_to_start_stops_the_run_and_closes_the_sinks_starte
     session = Session(config, [Coordinator], sinks=[first, refusing, after])
     with pytest.raises(TrackingError, match="second: cannot start"):
         await session.run()
-    assert first.closed and not refusing.closed and not after.closed
+    assert first.closed and refusing.closed and not after.closed
     assert session.log_writer.closed
+    [finished] = [e for e in read_events(tmp_path / "events.log") if isinstance(e, RunFinished)]
+    assert finished.status == "failed" and "sink second failed to start" in finished.reason
+
+
+async def test_a_resume_that_cannot_be_planned_gives_the_run_directory_back(tmp_path, monkeypatch):
+    config = Config(run=RunConfig(dir=str(tmp_path), runtime="local", num_rollout=1))
+    session = Session(config, [Coordinator])
+
+    def refuse(*args: object) -> None:
+        raise CheckpointError("checkpoint rollout_000003: model.safetensors does not match its sha256")
+
+    monkeypatch.setattr("miles_events.app.session.make_plan", refuse)
+    with pytest.raises(CheckpointError):
+        await session.run()
+    assert session.log_writer.closed
+    open_event_log(tmp_path).close()  # not held by the failed session

@@ -33,6 +33,7 @@ from schemas.config import (
 from schemas.events import (
     DataReleased,
     Event,
+    PublicationVerified,
     PublishRequested,
     RolloutGenerated,
     SaveRequested,
@@ -451,3 +452,21 @@ async def test_resume_without_a_checkpoint_in_the_plan_starts_fresh(base_model: 
 
 def test_the_trainer_asks_for_one_cpu() -> None:
     assert Trainer.resources(Config()) == WorkerGroup(role="actor", cpus_per_rank=1)
+
+
+async def test_a_verified_publications_manifest_is_removed_and_an_unverified_one_kept(
+    base_model: Path, tmp_path: Path
+) -> None:
+    trainer, context = await started_trainer(make_config(base_model, tmp_path), tmp_path)
+    await trainer.handle(PublishRequested())
+    first = context.of_type(WeightsStaged)[0]
+    assert (tmp_path / first.checksums_manifest).is_file()
+    verified = PublicationVerified(weight_version="1", digest=first.digest, num_tensors=first.num_tensors, engines=["engine-0"])
+    await trainer.handle(verified)
+    assert not (tmp_path / first.checksums_manifest).exists()
+    await trainer.handle(rollout_event(context, 0, two_group_samples()))
+    await trainer.handle(PublishRequested(rollout_id=0))
+    second = context.of_type(WeightsStaged)[1]
+    # Version 2 was not verified (a mismatch, or the run stopped): its manifest names the tensors.
+    await trainer.handle(msgspec.structs.replace(verified, weight_version="1"))
+    assert (tmp_path / second.checksums_manifest).is_file()

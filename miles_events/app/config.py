@@ -46,6 +46,25 @@ MOVED_KEYS: dict[tuple[str, ...], str] = {
 }
 """Keys that moved to another section: the error for the old place names the new one."""
 
+MOVED_MODULES: dict[str, str] = {"miles_events.rewards.": "miles_events.rl.rewards."}
+"""Dotted-path prefixes of our own functions that moved (a recorded config may name them)."""
+
+
+def migrate_recorded(data: dict[str, Any]) -> None:
+    """A config a run recorded before keys or modules moved, in today's places: re-driving
+    an old log must not fail on where a setting used to live."""
+    for (section, key), target in MOVED_KEYS.items():
+        old = data.get(section, {})
+        if isinstance(old, dict) and key in old:
+            new_section, new_key = target.split(".")
+            data.setdefault(new_section, {}).setdefault(new_key, old.pop(key))
+    rollout = data.get("rollout", {})
+    reward_fn = rollout.get("reward_fn") if isinstance(rollout, dict) else None
+    if isinstance(reward_fn, str):
+        for old_prefix, new_prefix in MOVED_MODULES.items():
+            if reward_fn.startswith(old_prefix):
+                rollout["reward_fn"] = new_prefix + reward_fn.removeprefix(old_prefix)
+
 
 class ConfigError(ValueError):
     """A configuration problem, described in one line."""
@@ -213,9 +232,10 @@ def _override_for(key_path: Sequence[str], overrides: dict[tuple[str, ...], str]
 
 
 def load_config(
-    path: str | os.PathLike[str], overrides: Sequence[str] = (), *, check: bool = True
+    path: str | os.PathLike[str], overrides: Sequence[str] = (), *, check: bool = True, recorded: bool = False
 ) -> Config:
-    """Read, override, decode, resolve and (unless ``check=False``) validate a config file."""
+    """Read, override, decode, resolve and (unless ``check=False``) validate a config file;
+    ``recorded``: one a run wrote beside its log, migrated from older layouts."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -225,7 +245,9 @@ def load_config(
         raise ConfigError(f"{path}: is a directory, not a config file") from None
     except (OSError, UnicodeDecodeError) as error:
         raise ConfigError(f"{path}: cannot read config file: {error}") from None
-    return load_config_text(text, name=str(path), base_dir=path.parent, overrides=overrides, check=check)
+    return load_config_text(
+        text, name=str(path), base_dir=path.parent, overrides=overrides, check=check, recorded=recorded
+    )
 
 
 def load_config_text(
@@ -235,12 +257,15 @@ def load_config_text(
     base_dir: str | os.PathLike[str] = ".",
     overrides: Sequence[str] = (),
     check: bool = True,
+    recorded: bool = False,
 ) -> Config:
     """``load_config`` for TOML text (an embedded default); ``name`` appears in errors."""
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:
         raise ConfigError(f"{name}: TOML syntax error: {error}") from None
+    if recorded:
+        migrate_recorded(data)
     overridden: dict[tuple[str, ...], str] = {}
     for argument in overrides:
         try:

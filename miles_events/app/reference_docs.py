@@ -135,7 +135,23 @@ def events_reference() -> str:
         rows = _rows(cls, skip=header)
         if rows:
             lines += ["| field | type | default | meaning |", "|---|---|---|---|", *rows, ""]
+        for nested in _nested_records(cls):
+            lines += [f"`{nested.__name__}` (in `{cls.__name__}`):", ""]
+            if nested.__doc__:
+                lines += [inspect.cleandoc(nested.__doc__), ""]
+            lines += ["| field | type | default | meaning |", "|---|---|---|---|", *_rows(nested), ""]
     return "\n".join(lines) + "\n"
+
+
+def _nested_records(cls: type) -> list[type]:
+    """Struct-typed fields of an event that are records of their own (not a DataRef)."""
+    hints = typing.get_type_hints(cls)
+    found = []
+    for field in msgspec.structs.fields(cls):
+        hint = hints[field.name]
+        if isinstance(hint, type) and issubclass(hint, msgspec.Struct) and hint.__module__ == "schemas.events":
+            found.append(hint)
+    return found
 
 
 def event_routes() -> dict[type[Event], tuple[list[str], list[str]]]:
@@ -152,14 +168,16 @@ def event_routes() -> dict[type[Event], tuple[list[str], list[str]]]:
             for event_type in route.handles:
                 handled[event_type].append(actor.name)
         for event_type in actor.emits:
-            triggers[event_type].setdefault(actor.name, []).append("its start")
+            triggers[event_type].setdefault(actor.name, []).append("`ready`, once every actor has started")
     emitted = {
         cls: [f"{name} (on {', '.join(dict.fromkeys(on))})" for name, on in by_actor.items()]
         for cls, by_actor in triggers.items()
     }
     emitted[ActorFailed].append("every actor's host (a handler raised, a process died)")
     emitted[StopRequested].append("the session (SIGINT, SIGTERM)")
-    emitted[RunFinished].append("the session (an actor failed to start, the event log cannot be written)")
+    emitted[RunFinished].append(
+        "the session (an actor or sink failed to start, the event log cannot be written, the coordinator failed)"
+    )
     for sink in SINKS:
         kinds = sink.handlers()
         for cls in EVENT_TYPES:

@@ -240,7 +240,7 @@ def _redrive(
     for run_id, recorded in runs.items():
         config_path = Path(config) if config else run_config_path(path.parent, run_id)
         try:
-            run_config = load_config(config_path, check=False)
+            run_config = load_config(config_path, check=False, recorded=True)
         except ConfigError as error:
             err.write(f"replay: run {run_id}: {error}\n")
             return 2

@@ -84,26 +84,27 @@ class Session:
     async def run(self) -> RunResult:
         started = time.monotonic()
         config = self.config
-        plan = make_plan(config, config.run.runtime)
-        # The resolved config of every run beside the log, so the log can be re-driven.
-        config_path = run_config_path(self.run_dir, self.run_id)
-        config_path.parent.mkdir(parents=True, exist_ok=True)
-        config_path.write_text(dump_config(config))
+        try:
+            plan = make_plan(config, config.run.runtime)
+            # The resolved config of every run beside the log, so the log can be re-driven.
+            config_path = run_config_path(self.run_dir, self.run_id)
+            config_path.parent.mkdir(parents=True, exist_ok=True)
+            config_path.write_text(dump_config(config))
+            transport_name = transport_for(config)
+            transport = open_transport(transport_name, self.run_id, self.run_dir)
+        except BaseException:
+            # Nothing has started: give the run directory back.
+            self.log_writer.close()
+            raise
         bus = self.bus = EventBus(self.run_id, config.bus.mailbox_size, config.bus.stall_warning_seconds, self.clock)
         watch = bus.subscribe("session", (RunFinished, ActorFailed))
-        transport_name = transport_for(config)
-        transport = open_transport(transport_name, self.run_id, self.run_dir)
         context = RunContext(self.run_id, config, self.run_dir, transport_name, plan, self.clock)
         runtime = make_runtime(context, transport)
         hosts: list[SinkHost] = []
-        started_sinks: list[Sink] = []
+        opened: list[Sink] = []
         signals: StopOnSignal | None = None
         try:
-            sink_context = SinkContext(self.run_id, self.run_dir, config, bus, self._fail)
-            for sink in self.sinks:
-                await sink.start(sink_context)
-                started_sinks.append(sink)
-                hosts.append(SinkHost(sink, bus, config.bus.max_batch))
+            await self._start_sinks(bus, opened, hosts)
             try:
                 await runtime.start(bus, self.actor_classes)
             except Exception as error:
@@ -119,8 +120,23 @@ class Session:
             if signals is not None:
                 signals.remove()
             bus.close()
-            await self._shutdown(runtime, hosts, started_sinks, transport)
+            await self._shutdown(runtime, hosts, opened, transport)
         return RunResult(self.run_id, finished, self.run_dir, time.monotonic() - started)
+
+    async def _start_sinks(self, bus: EventBus, opened: list[Sink], hosts: list[SinkHost]) -> None:
+        """Start each sink in order (the event log first). One that cannot start ends the
+        run before any actor starts: the log records why, every sink opened so far (the
+        failing one too) is closed, and its error goes to the caller."""
+        context = SinkContext(self.run_id, self.run_dir, self.config, bus, self._fail)
+        for sink in self.sinks:
+            opened.append(sink)
+            try:
+                await sink.start(context)
+            except Exception as error:
+                reason = f"sink {sink.name} failed to start: {describe_error(error)}"
+                await bus.publish(RunFinished(status="failed", reason=reason), source="session")
+                raise
+            hosts.append(SinkHost(sink, bus, self.config.bus.max_batch))
 
     async def _fail(self, reason: str) -> None:
         if self.bus is not None and not self.bus.closed:

@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from schemas.events import AnyEvent, Event
+from schemas.events import AnyEvent, Event, TrainMetrics, TrainStepFinished
 
 DecodeError = msgspec.DecodeError
 """Raised by every decode function for bytes that are not a valid event (or batch)."""
@@ -37,6 +37,23 @@ def encode_event(event: Event) -> bytes:
 def decode_event(data: bytes | bytearray | memoryview) -> Event:
     """One event from its msgpack bytes; raises ``DecodeError`` (or its ``ValidationError``)."""
     return EVENT_DECODER.decode(data)
+
+
+_NO_METRICS = TrainMetrics()
+_METRIC_FIELDS = TrainMetrics.__struct_fields__
+
+
+def decode_logged_event(data: bytes | bytearray | memoryview) -> Event:
+    """``decode_event`` for records of a log, which may predate a change of shape: a
+    ``TrainStepFinished`` recorded with the backend's metrics as fields of its own (before
+    they became one ``metrics`` record) gets them back under ``metrics``."""
+    event = EVENT_DECODER.decode(data)
+    if type(event) is TrainStepFinished and event.metrics == _NO_METRICS:
+        recorded = msgspec.msgpack.decode(data)
+        legacy = {name: recorded[name] for name in _METRIC_FIELDS if name in recorded}
+        if legacy:
+            event = msgspec.structs.replace(event, metrics=msgspec.convert(legacy, TrainMetrics))
+    return event
 
 
 def encode_batch(events: Iterable[Event]) -> bytes:

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO, TypeVar
 
-from miles_events.bus.codec import EVENT_DECODER, EVENT_ENCODER, DecodeError
+from miles_events.bus.codec import EVENT_ENCODER, DecodeError, decode_logged_event
 from schemas.events import Event
 
 try:
@@ -42,7 +42,7 @@ MAX_RECORD_BYTES = 1 << 30
 _READ_CHUNK = 1 << 22
 
 _T = TypeVar("_T")
-_decode = EVENT_DECODER.decode
+_decode = decode_logged_event
 _encode = EVENT_ENCODER.encode
 _pack_frame = FRAME.pack
 _crc32 = zlib.crc32

@@ -5,7 +5,8 @@ tensor name -> fingerprint behind a digest is written once, to
 ``<run_dir>/checksums/<digest>.msgpack`` (a ``schemas.checksums.ChecksumManifest`` in
 msgpack), and the events name that path relative to the run directory. The trainer and
 every engine that serve the same weights have the same digest, so one publication writes
-one file. A manifest is read only to name the tensors of a mismatch.
+one file. A manifest is read only to name the tensors of a mismatch, so the trainer, which
+wrote it, removes it once the publication it names is verified: only mismatches keep theirs.
 
 Writes are atomic and never replace a manifest: the bytes go to a private temporary file
 that is hard-linked to the final name only if that name does not exist yet.
@@ -59,6 +60,12 @@ def write_manifest(run_dir: str | os.PathLike[str], checksums: Mapping[str, str]
     finally:
         partial.unlink(missing_ok=True)
     return digest, relative
+
+
+def remove_manifest(run_dir: str | os.PathLike[str], relative: str) -> None:
+    """Drop a manifest nobody will read: the publication it names was verified."""
+    if relative and not PurePosixPath(relative).is_absolute() and ".." not in PurePosixPath(relative).parts:
+        (Path(run_dir) / relative).unlink(missing_ok=True)
 
 
 def read_manifest(run_dir: str | os.PathLike[str], relative: str, digest: str) -> dict[str, str]:
