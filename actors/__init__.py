@@ -1,1 +1,2 @@
-"""The actors: Generator, Trainer, Publisher, Verifier, Saver, and their backends."""
+"""The actors, one a file: Coordinator, Generator, Trainer, Publisher, Verifier, Saver; and the
+Generator's engines and the Trainer's backends."""

@@ -18,7 +18,7 @@ from pathlib import Path
 import anyio.to_thread
 
 from miles_events.bus.actor import Actor, WorkerGroup, handles
-from miles_events.bus.host import describe_error
+from miles_events.bus.errors import describe_error
 from miles_events.rl.checkpoint import prune_checkpoints, write_checkpoint
 from schemas.config import Config
 from schemas.events import CheckpointFailed, CheckpointSaved, DataReleased, TrainStateStaged

@@ -9,7 +9,9 @@ an event with its own fields only.
 Schema evolution: a field added later must have a default, so that recorded logs stay
 decodable. Fields are never renamed. A field is dropped only when what it held moved
 elsewhere (the per-tensor checksum maps moved to manifest files); old records still decode,
-since unknown fields are skipped, and a dropped name is never reused.
+since unknown fields are skipped, and a dropped name is never reused. Fields that moved into
+a record of their own (``TrainStepFinished.metrics``) are moved back into it when an old
+log is read (``miles_events.bus.codec.decode_logged_event``).
 
 Checksums: a publication's events carry SGLang's ``per_gpu_checksum`` of the tensors'
 fingerprints (``digest``), their count and the path of the checksum manifest that lists

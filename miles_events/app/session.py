@@ -18,8 +18,8 @@ from miles_events.app.run_dir import new_run_id, open_event_log, run_config_path
 from miles_events.app.signals import StopOnSignal
 from miles_events.bus.actor import Actor
 from miles_events.bus.clock import SYSTEM_CLOCK, Clock
+from miles_events.bus.errors import describe_error
 from miles_events.bus.event_bus import EventBus, Mailbox
-from miles_events.bus.host import describe_error
 from miles_events.runtime.base import ActorStartError, RunContext, Runtime
 from miles_events.runtime.local import LocalRuntime
 from miles_events.sinks.base import Sink, SinkContext, SinkHost
@@ -136,7 +136,8 @@ class Session:
                 reason = f"sink {sink.name} failed to start: {describe_error(error)}"
                 await bus.publish(RunFinished(status="failed", reason=reason), source="session")
                 raise
-            hosts.append(SinkHost(sink, bus, self.config.bus.max_batch))
+            if sink.handlers():  # a sink that only starts and closes needs no mailbox
+                hosts.append(SinkHost(sink, bus, self.config.bus.max_batch))
 
     async def _fail(self, reason: str) -> None:
         if self.bus is not None and not self.bus.closed:

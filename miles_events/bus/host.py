@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import traceback
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ import msgspec
 
 from miles_events.bus.actor import Actor
 from miles_events.bus.clock import SYSTEM_CLOCK, Clock, wait_for
+from miles_events.bus.errors import describe_error, innermost
 from miles_events.bus.event_bus import BusClosed, Mailbox
 from miles_events.transport.base import Transport
 from schemas.config import Config
@@ -57,26 +57,6 @@ class HostContext:
             await self._publish(actor_failed(self.name, error, self.clock))
         except BusClosed:
             logger.error("actor %s failed after the run ended: %s", self.name, describe_error(error))
-
-
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
-
-
-def innermost(error: BaseException) -> BaseException:
-    """The exception itself, out of the groups that task groups wrap single errors in."""
-    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
-        error = error.exceptions[0]
-    return error
-
-
-def describe_error(error: BaseException) -> str:
-    """One line: the exception type and message, and where it was raised."""
-    error = innermost(error)
-    frames = traceback.extract_tb(error.__traceback__)
-    where = f" ({Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
-    text = _ANSI.sub("", str(error)).strip()
-    message = text.splitlines()[0] if text else ""
-    return f"{type(error).__name__}: {message}{where}" if message else f"{type(error).__name__}{where}"
 
 
 def actor_failed(name: str, error: BaseException, clock: Clock, event: Event | None = None) -> ActorFailed:

@@ -9,8 +9,9 @@ from typing import Protocol
 
 from miles_events.bus.actor import Actor
 from miles_events.bus.clock import SYSTEM_CLOCK, Clock
+from miles_events.bus.errors import describe_error
 from miles_events.bus.event_bus import EventBus
-from miles_events.bus.host import ActorHost, HostContext, describe_error
+from miles_events.bus.host import ActorHost, HostContext
 from miles_events.transport.base import Transport
 from schemas.config import Config
 from schemas.plan import RunPlan

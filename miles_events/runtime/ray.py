@@ -24,8 +24,9 @@ import msgspec
 from miles_events.bus.actor import Actor, WorkerGroup
 from miles_events.bus.clock import SYSTEM_CLOCK, Clock, wait_for
 from miles_events.bus.codec import decode_batch, encode_batch
+from miles_events.bus.errors import describe_error
 from miles_events.bus.event_bus import BusClosed, EventBus, Mailbox
-from miles_events.bus.host import ActorHost, HostContext, describe_error
+from miles_events.bus.host import ActorHost, HostContext
 from miles_events.runtime.base import ActorStartError, InProcessHosts, RunContext
 from miles_events.transport.base import Transport, open_transport
 from schemas.config import Config

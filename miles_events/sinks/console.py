@@ -488,10 +488,6 @@ class RichProgress(ConsoleSink):
         self.console.print(render_progress(self.progress, final=True))
 
 
-ProgressPrinter = PlainProgress
-"""The name the driver used before the console had modes."""
-
-
 def _is_tty(stream: TextIO) -> bool:
     try:
         return stream.isatty()

@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from miles_events.bus.errors import describe_error
 from miles_events.bus.event_log import EventLogWriter
 from miles_events.bus.handlers import handles
-from miles_events.bus.host import describe_error
 from miles_events.sinks.base import Sink, SinkContext
 from schemas.events import Event
 

@@ -231,10 +231,10 @@ def open_tensorboard(log_dir: Path) -> Any:
         raise TrackingError(f"tracking.tensorboard: cannot write event files to {log_dir}: {error}") from None
 
 
-def start_wandb(session: SinkContext) -> Any:
+def start_wandb(run: SinkContext) -> Any:
     """``wandb.init`` for this run: named and identified by ``run_id`` (so a resumed run
     continues its wandb run), with the resolved config, under ``wandb_dir`` or the run dir."""
-    tracking = session.config.tracking
+    tracking = run.config.tracking
     os.environ.setdefault("WANDB_SILENT", "true")
     os.environ["WANDB_MODE"] = tracking.wandb_mode
     try:
@@ -242,7 +242,7 @@ def start_wandb(session: SinkContext) -> Any:
     except ImportError:
         raise _missing("wandb", "tracking.wandb") from None
     # wandb puts its files in a "wandb" folder under ``dir``: <run.dir>/wandb/offline-run-*.
-    root = Path(tracking.wandb_dir).resolve() if tracking.wandb_dir else session.run_dir
+    root = Path(tracking.wandb_dir).resolve() if tracking.wandb_dir else run.run_dir
     root.mkdir(parents=True, exist_ok=True)
     try:
         return wandb.init(
@@ -250,9 +250,9 @@ def start_wandb(session: SinkContext) -> Any:
             project=tracking.wandb_project,
             group=tracking.wandb_group,
             dir=str(root),
-            name=session.run_id,
-            id=session.run_id,
-            config=msgspec.to_builtins(session.config),
+            name=run.run_id,
+            id=run.run_id,
+            config=msgspec.to_builtins(run.config),
             resume="allow",
             # Leave stdout alone: the console display owns it.
             settings=wandb.Settings(console="off"),
