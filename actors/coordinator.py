@@ -6,8 +6,9 @@ Read top to bottom, the handlers are the loop:
     publication verified     -> eval-only / eval before train / first rollout;
                                 after rollout k: periodic eval, then rollout k+1 or finish
     EvalFinished             -> whatever was waiting on the eval
-    TrainStepFinished(k)     -> save if periodic / last / sentinel, then publish
-    CheckpointSaved          -> remove the sentinel; finish once nothing is pending
+    TrainStepFinished(k)     -> save if periodic / last / sentinel (removing it), then publish
+    CheckpointSaved          -> finish once nothing is pending
+    StopRequested            -> finish at the next decision, after the current step
     failure facts            -> RunFinished(failed) with one clear line
 
 The Coordinator holds no model and calls no actor: it reads facts and publishes commands.
@@ -79,8 +80,9 @@ class Coordinator(Actor):
         self.run = config.run
         self._after_eval: Callable[[], object] | None = None
         self._pending_saves: set[int] = set()
-        self._sentinel_saves: set[int] = set()
         self._finishing: RunFinished | None = None
+        self._stop: str | None = None
+        """Why a stop was asked for: the run finishes after the current step."""
         self.finished: RunFinished | None = None
         self.last_rollout_id = plan.start_rollout_id - 1
         self.weight_version = plan.weight_version
@@ -136,6 +138,11 @@ class Coordinator(Actor):
     async def _after_publication(self, rollout_id: int | None) -> None:
         if self._finishing is not None:
             return
+        if self._stop is not None:
+            # The step's save was asked for and its publication is through: as the seed's
+            # ``should_stop`` break, the run ends here.
+            await self._finish("stopped", self._stop)
+            return
         start, num_rollout = self.plan.start_rollout_id, self.plan.num_rollout
         if rollout_id is None:
             if num_rollout == 0 and self.run.eval_interval is not None:
@@ -172,18 +179,29 @@ class Coordinator(Actor):
     @handles(EvalFinished, emits=AFTER_PUBLICATION)
     async def on_eval_finished(self, event: EvalFinished) -> None:
         then, self._after_eval = self._after_eval, None
-        if then is not None:
+        if self._finishing is not None:
+            return  # once finishing, nothing new is asked for
+        if self._stop is not None:
+            await self._finish("stopped", self._stop)
+        elif then is not None:
             await then()  # type: ignore[misc]
 
     @handles(TrainStepFinished, emits=(SaveRequested, PublishRequested))
     async def on_train_step_finished(self, event: TrainStepFinished) -> None:
         rollout_id = event.rollout_id
         self.last_rollout_id = rollout_id
+        if self._finishing is not None:
+            return  # once finishing, nothing new is asked for
         sentinel = self.run.save_trigger_sentinel
         external_save = sentinel is not None and os.path.exists(sentinel)
         if external_save:
-            self._sentinel_saves.add(rollout_id)
             await self._save(rollout_id, "sentinel")
+            # One touch, one save: the file goes once its save is asked for, before the
+            # next rollout (the seed removes it right after its synchronous save).
+            try:
+                os.remove(sentinel)  # type: ignore[arg-type]
+            except FileNotFoundError:
+                pass
         elif should_run_periodic_action(
             rollout_id, self.run.save_interval, self.plan.num_rollout_per_epoch, self.plan.num_rollout
         ):
@@ -198,14 +216,6 @@ class Coordinator(Actor):
     @handles(CheckpointSaved, emits=(RunFinished,))
     async def on_checkpoint_saved(self, event: CheckpointSaved) -> None:
         self._pending_saves.discard(event.rollout_id)
-        if event.rollout_id in self._sentinel_saves:
-            self._sentinel_saves.discard(event.rollout_id)
-            sentinel = self.run.save_trigger_sentinel
-            if sentinel is not None:
-                try:
-                    os.remove(sentinel)
-                except FileNotFoundError:
-                    pass
         if self._finishing is not None and not self._pending_saves:
             await self._publish_finished(self._finishing)
 
@@ -227,9 +237,13 @@ class Coordinator(Actor):
         on = f" on {event.event_type}" if event.event_type else ""
         await self._finish("failed", f"actor {event.actor} failed{on}: {event.error}")
 
-    @handles(StopRequested, emits=(RunFinished,))
+    @handles(StopRequested, emits=())
     async def on_stop_requested(self, event: StopRequested) -> None:
-        await self._finish("stopped", event.reason)
+        """Stop after the current step, its save and its publication, as the seed's
+        ``should_stop`` break: the loop's next decision (after a publication or an eval)
+        finishes the run instead. A second signal aborts the driver (the session's job)."""
+        if self._stop is None:
+            self._stop = event.reason
 
     async def _finish(self, status: str, reason: str = "") -> None:
         if self._finishing is not None or self.finished is not None:
@@ -241,8 +255,8 @@ class Coordinator(Actor):
             weight_version=self.weight_version,
         )
         self._finishing = finished
-        # A completed run waits for its checkpoints; a failed one does not.
-        if status != "completed" or not self._pending_saves:
+        # A completed or stopped run waits for its checkpoints; a failed one does not.
+        if status == "failed" or not self._pending_saves:
             await self._publish_finished(finished)
 
     async def _publish_finished(self, finished: RunFinished) -> None:

@@ -131,8 +131,11 @@ class Trainer(Actor):
             batch = msgspec.msgpack.decode(data, type=RolloutBatch)
             return batch, self.backend.train(batch)
 
-        batch, metrics = await anyio.to_thread.run_sync(read_and_train)
-        await self.publish(DataReleased(ref=event.batch))
+        try:
+            batch, metrics = await anyio.to_thread.run_sync(read_and_train)
+        finally:
+            # Released even when training raises (the seed's ``finally``): its owner frees it.
+            await self.publish(DataReleased(ref=event.batch))
         await self.publish(
             TrainStepFinished(
                 rollout_id=event.rollout_id,

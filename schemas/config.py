@@ -38,7 +38,9 @@ class RunConfig(Section):
     skip_eval_before_train: bool = False
     save_interval: PositiveInt | None = None
     save_trigger_sentinel: str | None = None
-    """A file whose existence triggers a save after the current rollout; it is removed."""
+    """A file whose existence triggers one save after the current rollout; it is removed when
+    that save is asked for. A relative path is resolved against the config file's directory,
+    like every path here (the seed resolves it against the working directory)."""
     debug_exit_after_rollout: PositiveInt | None = None
 
 

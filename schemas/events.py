@@ -47,7 +47,8 @@ class RunStarted(Event, frozen=True, kw_only=True):
     config_digest: str
     start_rollout_id: int
     num_rollout: int
-    num_rollout_per_epoch: int
+    num_rollout_per_epoch: int | None
+    """None: ``num_rollout`` was given, so no epoch-end triggers (as in miles)."""
     resumed: bool = False
     weight_version: str = "default"
     """The trainer's version at start: ``"default"`` on a fresh run, the saved one on resume."""

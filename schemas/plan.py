@@ -10,7 +10,9 @@ class RunPlan(msgspec.Struct, frozen=True, kw_only=True):
 
     start_rollout_id: int
     num_rollout: int
-    num_rollout_per_epoch: int
+    num_rollout_per_epoch: int | None
+    """Rollouts per epoch when ``num_rollout`` was derived from the data; None (no epoch
+    boundary, no epoch-end triggers) when it was given."""
     resumed: bool = False
     weight_version: str = "default"
     """The trainer's version at start: ``"default"`` on a fresh run, the saved one on resume."""

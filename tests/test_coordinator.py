@@ -19,6 +19,7 @@ from schemas.events import (
     RunFinished,
     RunStarted,
     SaveRequested,
+    StopRequested,
     TensorMismatch,
     TrainMetrics,
     TrainStepFinished,
@@ -28,7 +29,7 @@ from schemas.plan import RunPlan
 from tests.support import RecordingContext, feed
 
 
-def make(num_rollout: int = 3, start: int = 0, per_epoch: int = 100, verifier: bool = True, **run) -> Coordinator:
+def make(num_rollout: int = 3, start: int = 0, per_epoch: int | None = 100, verifier: bool = True, **run) -> Coordinator:
     config = Config(run=RunConfig(num_rollout=num_rollout, **run), verifier=VerifierConfig(enabled=verifier))
     plan = RunPlan(
         start_rollout_id=start,
@@ -126,17 +127,16 @@ async def test_a_completed_run_waits_for_its_pending_checkpoint():
     assert kinds(done) == [("RunFinished", "completed")]
 
 
-async def test_the_sentinel_file_triggers_a_save_and_is_removed(tmp_path):
+async def test_one_touch_of_the_sentinel_file_is_one_save(tmp_path):
     sentinel = tmp_path / "save-now"
     sentinel.touch()
     c = make(num_rollout=5, save_trigger_sentinel=str(sentinel))
     await feed(c, started(c), verified(1, None))
     out = await feed(c, trained(0))
     assert isinstance(out[0], SaveRequested) and out[0].reason == "sentinel"
-    assert sentinel.exists(), "removed only once the checkpoint is saved"
-    await feed(c, CheckpointSaved(rollout_id=0, path="p", weight_version="1", num_bytes=1))
-    assert not sentinel.exists()
-    assert kinds(await feed(c, verified(2, 0), trained(1)))[-1] == ("PublishRequested", 1)
+    assert not sentinel.exists(), "removed when its save is asked for, before the next rollout"
+    # The save is still being written when the next step ends: that step does not save again.
+    assert kinds(await feed(c, verified(2, 0), trained(1))) == [("RolloutRequested", 1), ("PublishRequested", 1)]
 
 
 async def test_debug_exit_after_rollout_counts_from_the_start_rollout():
@@ -203,3 +203,48 @@ def test_the_coordinator_handles_only_facts_and_commands_it_reacts_to():
     handled = set(Coordinator.handlers())
     assert RolloutRequested not in handled and EvalRequested not in handled
     assert PublishRequested not in handled
+
+
+async def test_a_stop_finishes_after_the_current_steps_save_and_publication():
+    c = make(num_rollout=5, save_interval=1)
+    await feed(c, started(c), verified(1, None))
+    assert kinds(await feed(c, StopRequested(reason="interrupted by signal"))) == []
+    # The step in flight goes on: it is saved and published.
+    assert kinds(await feed(c, trained(0))) == [("SaveRequested", 0), ("PublishRequested", 0)]
+    assert kinds(await feed(c, verified(2, 0))) == [], "no next rollout; waits for its checkpoint"
+    done = await feed(c, CheckpointSaved(rollout_id=0, path="p", weight_version="1", num_bytes=1))
+    assert kinds(done) == [("RunFinished", "stopped")]
+    assert done[0].reason == "interrupted by signal" and done[0].last_rollout_id == 0
+
+
+async def test_a_stop_during_an_eval_finishes_when_it_ends():
+    c = make(num_rollout=5, eval_interval=5)
+    await feed(c, started(c), verified(1, None), StopRequested(reason="x"))
+    assert kinds(await feed(c, EvalFinished(rollout_id=0, metrics={}))) == [("RunFinished", "stopped")]
+
+
+async def test_after_a_failure_nothing_new_is_asked_for():
+    c = make(num_rollout=5, save_interval=1, eval_interval=1)
+    await feed(c, started(c), verified(1, None), EvalFinished(rollout_id=0, metrics={}))
+    out = await feed(c, ActorFailed(actor="generator", error="x"), trained(0), verified(2, 0),
+                     EvalFinished(rollout_id=0, metrics={}))
+    assert kinds(out) == [("RunFinished", "failed")]
+
+
+async def test_num_rollout_zero_without_eval_publishes_then_finishes():
+    c = make(num_rollout=0)
+    out = await feed(c, started(c), verified(1, None))
+    assert kinds(out) == [("PublishRequested", None), ("RunFinished", "completed")]
+
+
+async def test_a_given_num_rollout_has_no_epoch_end_triggers():
+    """The embedded default's case: 55 prompts, batches of 64, num_rollout = 50, intervals 10."""
+    c = make(num_rollout=50, per_epoch=None, eval_interval=10, save_interval=10, skip_eval_before_train=True)
+    events = [started(c), verified(1, None)]
+    for k in range(50):
+        events += [trained(k), verified(k + 2, k)]
+        if (k + 1) % 10 == 0:
+            events.append(EvalFinished(rollout_id=k, metrics={}))
+    out = await feed(c, *events)
+    assert [e.rollout_id for e in out if isinstance(e, SaveRequested)] == [9, 19, 29, 39, 49]
+    assert [e.rollout_id for e in out if isinstance(e, EvalRequested)] == [9, 19, 29, 39, 49]

@@ -470,3 +470,17 @@ async def test_a_verified_publications_manifest_is_removed_and_an_unverified_one
     # Version 2 was not verified (a mismatch, or the run stopped): its manifest names the tensors.
     await trainer.handle(msgspec.structs.replace(verified, weight_version="1"))
     assert (tmp_path / second.checksums_manifest).is_file()
+
+
+async def test_a_rollout_batch_is_released_even_when_training_raises(base_model: Path, tmp_path: Path) -> None:
+    trainer, context = await started_trainer(make_config(base_model, tmp_path), tmp_path)
+
+    def broken(batch: Any) -> Any:
+        raise FloatingPointError("loss is nan")
+
+    trainer.backend.train = broken  # type: ignore[method-assign]
+    event = rollout_event(context, 0, two_group_samples())
+    with pytest.raises(FloatingPointError):
+        await trainer.handle(event)
+    assert [e.ref for e in context.of_type(DataReleased)] == [event.batch]
+    assert not context.of_type(TrainStepFinished)

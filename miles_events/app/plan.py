@@ -14,7 +14,7 @@ import msgspec
 from miles_events.app.config import config_digest
 from miles_events.rl.checkpoint import latest_checkpoint
 from miles_events.rl.hf_model import prepare_base_model
-from miles_events.rl.prompts import load_prompts, num_rollout_per_epoch
+from miles_events.rl.prompts import DataError, load_prompts
 from miles_events.rl.versions import engine_names
 from schemas.checkpoint import TrainerState
 from schemas.config import Config
@@ -36,9 +36,20 @@ def resolve(config: Config) -> Config:
 def make_plan(config: Config, runtime: str) -> RunPlan:
     """The loop's bounds, and where a resumed run picks up."""
     data = config.data
-    num_prompts = len(load_prompts(data.prompt_data, data.input_key, data.label_key)) if data.prompt_data else 0
-    per_epoch = num_rollout_per_epoch(num_prompts, data.rollout_batch_size) if num_prompts else 1
-    num_rollout = config.run.num_rollout if config.run.num_rollout is not None else per_epoch * config.run.num_epoch
+    per_epoch: int | None = None
+    if config.run.num_rollout is not None:
+        # As in miles: a given num_rollout has no epoch boundary, so no epoch-end triggers.
+        num_rollout = config.run.num_rollout
+    else:
+        num_prompts = len(load_prompts(data.prompt_data, data.input_key, data.label_key)) if data.prompt_data else 0
+        per_epoch = num_prompts // data.rollout_batch_size
+        if per_epoch <= 0:
+            raise DataError(
+                f"run.num_rollout is unset and data.prompt_data has {num_prompts} prompts, fewer than one "
+                f"rollout batch (data.rollout_batch_size = {data.rollout_batch_size}): set run.num_rollout "
+                "or a smaller batch"
+            )
+        num_rollout = per_epoch * config.run.num_epoch
     start, weight_version, resumed, checkpoint = 0, "default", False, None
     if config.run.resume:
         checkpoint = latest_checkpoint(Path(config.run.dir))
