@@ -39,6 +39,8 @@ from schemas.events import (
     SaveRequested,
     StopRequested,
     TrainStepFinished,
+    WeightsCheckFinished,
+    WeightsCheckRequested,
     WeightsPublished,
 )
 
@@ -62,7 +64,7 @@ def should_run_periodic_action(
 
 
 # Everything the loop may ask for once a publication (or the eval after it) is through.
-AFTER_PUBLICATION = (EvalRequested, RolloutRequested, RunFinished)
+AFTER_PUBLICATION = (EvalRequested, RolloutRequested, RunFinished, WeightsCheckRequested)
 
 
 class Coordinator(Actor):
@@ -81,6 +83,9 @@ class Coordinator(Actor):
         self._after_eval: Callable[[], object] | None = None
         self._pending_saves: set[int] = set()
         self._finishing: RunFinished | None = None
+        self._check: tuple[str, dict[str, WeightsCheckFinished]] | None = None
+        """The weight check in flight (action, replies by engine)."""
+        self._compared = False
         self._stop: str | None = None
         """Why a stop was asked for: the run finishes after the current step."""
         self.finished: RunFinished | None = None
@@ -104,10 +109,52 @@ class Coordinator(Actor):
             )
         )
 
-    @handles(RunStarted, emits=(PublishRequested,))
+    @handles(RunStarted, emits=(PublishRequested, WeightsCheckRequested))
     async def on_run_started(self, event: RunStarted) -> None:
-        # Always update weights first, so the engines serve what the trainer holds.
-        await self.publish(PublishRequested(rollout_id=None))
+        if self.config.verifier.check_weight_update_equal:
+            # The seed's check: snapshot, reset, publish, compare (miles snapshots and
+            # resets in its placement step, before the first publication).
+            await self._weights_check("reset_tensors" if self.plan.resumed else "snapshot")
+        else:
+            # Always update weights first, so the engines serve what the trainer holds.
+            await self.publish(PublishRequested(rollout_id=None))
+
+    async def _weights_check(self, action: str) -> None:
+        verifier = self.config.verifier
+        self._check = (action, {})
+        await self.publish(
+            WeightsCheckRequested(
+                action=action,  # type: ignore[arg-type]
+                selector=verifier.check_weight_update_selector,
+                skip_tensor_list=list(verifier.check_weight_update_skip_list),
+                allow_quant_error=verifier.check_weight_update_allow_quant_error,
+                request_id=f"check_weight_update_equal:{action}",
+            )
+        )
+
+    @handles(WeightsCheckFinished, emits=(WeightsCheckRequested, PublishRequested, RunFinished, *AFTER_PUBLICATION))
+    async def on_weights_check_finished(self, event: WeightsCheckFinished) -> None:
+        if self._check is None or event.request_id != f"check_weight_update_equal:{self._check[0]}":
+            return
+        action, replies = self._check
+        replies[event.engine] = event
+        if set(replies) < set(self.plan.engines) or self._finishing is not None:
+            return
+        self._check = None
+        failed = [reply for reply in replies.values() if not reply.success]
+        if failed:
+            first = failed[0]
+            await self._finish(
+                "failed",
+                f"inference weight check {action!r} did not succeed on every engine: {first.engine}: {first.message}",
+            )
+        elif action == "snapshot":
+            await self._weights_check("reset_tensors")
+        elif action == "reset_tensors":
+            await self.publish(PublishRequested(rollout_id=None))
+        else:  # compare: the first publication wrote every checked tensor
+            self._compared = True
+            await self._after_publication(None)
 
     @handles(WeightsPublished, emits=AFTER_PUBLICATION)
     async def on_weights_published(self, event: WeightsPublished) -> None:
@@ -144,6 +191,9 @@ class Coordinator(Actor):
             await self._finish("stopped", self._stop)
             return
         start, num_rollout = self.plan.start_rollout_id, self.plan.num_rollout
+        if rollout_id is None and self._needs_compare():
+            await self._weights_check("compare")
+            return
         if rollout_id is None:
             if num_rollout == 0 and self.run.eval_interval is not None:
                 await self._eval(0, then=lambda: self._finish("completed"))
@@ -158,6 +208,9 @@ class Coordinator(Actor):
             await self._eval(rollout_id, then=lambda: self._continue_after(rollout_id))
         else:
             await self._continue_after(rollout_id)
+
+    def _needs_compare(self) -> bool:
+        return self.config.verifier.check_weight_update_equal and not self.plan.resumed and not self._compared
 
     async def _continue_after(self, rollout_id: int) -> None:
         debug_exit = self.run.debug_exit_after_rollout

@@ -143,6 +143,16 @@ class VerifierConfig(Section):
     continue_on_mismatch: bool = False
     skip_tensor_list: list[str] = []
     """Substrings of tensor names left out of the comparison."""
+    check_weight_update_equal: bool = False
+    """The seed's check around the first publication: every engine snapshots what it serves
+    and resets it to random data, the trainer publishes, and every engine must then serve
+    its snapshot again (skipped on a resumed run, whose weights are not the bootstrap's:
+    there the reset alone makes the digest comparison prove the write)."""
+    check_weight_update_selector: Literal["all", "target", "draft"] = "all"
+    check_weight_update_skip_list: list[str] = []
+    """Substrings of tensor names the check leaves alone."""
+    check_weight_update_allow_quant_error: bool = False
+    """``compare`` accepts a difference of one ULP (quantised weights)."""
 
 
 class SaverConfig(Section):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from actors.coordinator import Coordinator, should_run_periodic_action
@@ -23,6 +24,7 @@ from schemas.events import (
     TensorMismatch,
     TrainMetrics,
     TrainStepFinished,
+    WeightsCheckFinished,
     WeightsPublished,
 )
 from schemas.plan import RunPlan
@@ -248,3 +250,32 @@ async def test_a_given_num_rollout_has_no_epoch_end_triggers():
     out = await feed(c, *events)
     assert [e.rollout_id for e in out if isinstance(e, SaveRequested)] == [9, 19, 29, 39, 49]
     assert [e.rollout_id for e in out if isinstance(e, EvalRequested)] == [9, 19, 29, 39, 49]
+
+
+def check_done(action: str, success: bool = True, engine: str = "engine-0", message: str = "") -> WeightsCheckFinished:
+    return WeightsCheckFinished(engine=engine, action=action, success=success, message=message,
+                                request_id=f"check_weight_update_equal:{action}")
+
+
+async def test_check_weight_update_equal_is_snapshot_reset_publish_compare():
+    c = make(num_rollout=2)
+    c.config = msgspec.structs.replace(c.config, verifier=VerifierConfig(check_weight_update_equal=True))
+    out = await feed(c, started(c))
+    assert [(type(e).__name__, getattr(e, "action", None)) for e in out] == [("WeightsCheckRequested", "snapshot")]
+    assert [e.action for e in await feed(c, check_done("snapshot"))] == ["reset_tensors"]
+    assert kinds(await feed(c, check_done("reset_tensors"))) == [("PublishRequested", None)]
+    out = await feed(c, verified(1, None))
+    assert [e.action for e in out] == ["compare"]
+    assert kinds(await feed(c, check_done("compare"))) == [("RolloutRequested", 0)]
+
+
+async def test_a_failed_compare_stops_the_run_with_the_seeds_message():
+    c = make(num_rollout=2)
+    c.config = msgspec.structs.replace(c.config, verifier=VerifierConfig(check_weight_update_equal=True))
+    await feed(c, started(c), check_done("snapshot"), check_done("reset_tensors"), verified(1, None))
+    out = await feed(c, check_done("compare", success=False, message="3 of 27 tensors differ from the snapshot"))
+    assert kinds(out) == [("RunFinished", "failed")]
+    assert out[0].reason == (
+        "inference weight check 'compare' did not succeed on every engine: "
+        "engine-0: 3 of 27 tensors differ from the snapshot"
+    )

@@ -28,6 +28,7 @@ from schemas.events import (
     RolloutGenerated,
     RunFinished,
     RunStarted,
+    WeightsCheckFinished,
     WeightsPublished,
     WeightsStaged,
 )
@@ -249,3 +250,65 @@ def test_an_engine_serving_different_weights_is_caught(tmp_path, continue_on_mis
         assert result.finished.status == "failed"
         assert "engine-1 model.norm.weight" in result.finished.reason
         assert not [e for e in log if isinstance(e, RolloutGenerated) and e.rollout_id >= 2]
+
+
+class NoOpLoadGenerator(Generator):
+    """A Generator whose engine's load bumps the version and writes nothing (the bug class
+    of a version bump without a transfer)."""
+
+    def _load_engines(self):  # type: ignore[no-untyped-def]
+        engines = super()._load_engines()
+        for engine in engines:
+
+            def load_weights(weights, weight_version, engine=engine):  # type: ignore[no-untyped-def]
+                engine._weight_version = str(weight_version)
+                return weights.num_bytes
+
+            engine.load_weights = load_weights  # type: ignore[method-assign]
+        return engines
+
+
+def no_op_run(tmp_path: Path, *overrides: str):  # type: ignore[no-untyped-def]
+    from actors.coordinator import Coordinator
+    from actors.publisher import Publisher
+    from actors.saver import Saver
+    from actors.trainer import Trainer
+    from actors.verifier import Verifier
+
+    config = load_config(TINY, [
+        *SMALL, f'run.dir="{tmp_path}"', "metrics.port=0", 'run.runtime="local"', "run.num_rollout=3", *overrides,
+    ])
+    session = Session(config, [NoOpLoadGenerator, Trainer, Publisher, Verifier, Saver, Coordinator])
+    return asyncio.run(session.run()), events(tmp_path)
+
+
+def test_a_load_that_writes_nothing_passes_the_first_publication_unchecked_and_fails_the_second(tmp_path):
+    """Trainer and engine start from the same base model: the first publication's digests
+    agree whether or not the engine wrote anything; once training moved the weights, a
+    load that writes nothing is a mismatch."""
+    result, log = no_op_run(tmp_path)
+    assert [e.weight_version for e in log if isinstance(e, PublicationVerified)] == ["1"]
+    assert [e.weight_version for e in log if isinstance(e, PublicationMismatch)] == ["2"]
+    assert result.finished.status == "failed"
+
+
+def test_with_check_weight_update_equal_a_load_that_writes_nothing_fails_the_first_publication(tmp_path):
+    result, log = no_op_run(tmp_path, "verifier.check_weight_update_equal=true")
+    checks = [(e.action, e.success) for e in log if isinstance(e, WeightsCheckFinished)]
+    assert checks[:2] == [("snapshot", True), ("reset_tensors", True)]
+    assert [e.weight_version for e in log if isinstance(e, PublicationMismatch)] == ["1"]
+    assert result.finished.status == "failed" and not [e for e in log if isinstance(e, RolloutGenerated)]
+
+
+def test_check_weight_update_equal_passes_a_real_run(tmp_path):
+    config = load_config(TINY, [
+        *SMALL, f'run.dir="{tmp_path}"', "metrics.port=0", 'run.runtime="local"', "run.num_rollout=1",
+        "verifier.check_weight_update_equal=true",
+    ])
+    from miles_events.app.roster import ACTORS
+
+    result = asyncio.run(Session(config, list(ACTORS)).run())
+    log = events(tmp_path)
+    checks = [(e.action, e.success) for e in log if isinstance(e, WeightsCheckFinished)]
+    assert checks == [("snapshot", True), ("reset_tensors", True), ("compare", True)]
+    assert result.finished.status == "completed"
