@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +29,7 @@ from schemas.events import (
     RolloutGenerated,
     RunFinished,
     RunStarted,
+    TrainStepFinished,
     WeightsCheckFinished,
     WeightsPublished,
     WeightsStaged,
@@ -312,3 +314,36 @@ def test_check_weight_update_equal_passes_a_real_run(tmp_path):
     checks = [(e.action, e.success) for e in log if isinstance(e, WeightsCheckFinished)]
     assert checks == [("snapshot", True), ("reset_tensors", True), ("compare", True)]
     assert result.finished.status == "completed"
+
+
+def test_sigint_stops_after_the_current_steps_save_and_publication(tmp_path):
+    """As the seed's ``should_stop`` break: the step in flight is trained, saved (here every
+    rollout saves) and published; no rollout after it starts; the run ends stopped, exit 0."""
+    args = [sys.executable, "-m", "miles_events.run", str(TINY), "--set", f'run.dir="{tmp_path}"']
+    for override in (*SMALL, "metrics.port=0", 'run.runtime="local"', "run.num_rollout=50", "run.save_interval=1",
+                     "run.eval_interval=100", 'console.mode="plain"', "tracking.tensorboard=true"):
+        args += ["--set", override]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    try:
+        assert process.stdout is not None
+        for line in process.stdout:
+            if line.startswith("rollout 1/50"):
+                process.send_signal(signal.SIGINT)
+                break
+        out, err = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 0, err
+    log = events(tmp_path)
+    [finished] = [e for e in log if isinstance(e, RunFinished)]
+    assert finished.status == "stopped" and finished.reason == "interrupted by signal"
+    trained = [e.rollout_id for e in log if isinstance(e, TrainStepFinished)]
+    last = trained[-1]
+    assert [e.rollout_id for e in log if isinstance(e, RolloutGenerated)] == trained, "no rollout after the stop"
+    assert last in [e.rollout_id for e in log if isinstance(e, WeightsPublished)]
+    assert last in [e.rollout_id for e in log if isinstance(e, CheckpointSaved)]
+    assert finished.last_rollout_id == last and finished.weight_version == str(last + 2)
+    assert f"run stopped after rollout {last + 1}/50" in out
+    # Tracking is finished on this exit path too: the event files hold the last rollout.
+    assert list((tmp_path / "tensorboard").rglob("events.out.tfevents.*"))

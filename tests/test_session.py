@@ -10,15 +10,17 @@ import pytest
 from actors.coordinator import Coordinator
 from miles_events.app.run_dir import RunDirError, open_event_log
 from miles_events.app.session import Session
+from miles_events.bus.actor import Actor
 from miles_events.bus.event_bus import EventBus
 from miles_events.bus.event_log import EventLogWriter, read_events
+from miles_events.bus.handlers import handles
 from miles_events.rl.checkpoint import CheckpointError
 from miles_events.rl.hf_model import BaseModelMismatch, prepare_base_model
 from miles_events.sinks.base import Sink, SinkContext, SinkHost
 from miles_events.sinks.event_log import EventLogSink
 from miles_events.sinks.tracking import TrackingError
 from schemas.config import BuiltinModelConfig, Config, ModelConfig, RunConfig
-from schemas.events import Event, RolloutRequested, RunFinished
+from schemas.events import Event, PublishRequested, RolloutRequested, RunFinished
 
 
 def test_a_run_dir_under_a_file_is_one_clear_error(tmp_path):
@@ -120,3 +122,21 @@ async def test_a_resume_that_cannot_be_planned_gives_the_run_directory_back(tmp_
         await session.run()
     assert session.log_writer.closed
     open_event_log(tmp_path).close()  # not held by the failed session
+
+
+class Boom(Actor):
+    name = "trainer"
+
+    @handles(PublishRequested, emits=())
+    async def on_publish(self, event: PublishRequested) -> None:
+        raise RuntimeError("CUDA out of memory")
+
+
+async def test_a_failing_run_still_closes_every_sink(tmp_path):
+    """Tracking and the other sinks are finished on every exit path (the seed's ``finally:
+    finish_tracking()``), a failure included."""
+    config = Config(run=RunConfig(dir=str(tmp_path), runtime="local", num_rollout=1))
+    tracking = Opened("tracking")
+    result = await Session(config, [Boom, Coordinator], sinks=[tracking]).run()
+    assert result.finished.status == "failed" and "CUDA out of memory" in result.finished.reason
+    assert tracking.closed
