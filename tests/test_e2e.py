@@ -347,3 +347,26 @@ def test_sigint_stops_after_the_current_steps_save_and_publication(tmp_path):
     assert f"run stopped after rollout {last + 1}/50" in out
     # Tracking is finished on this exit path too: the event files hold the last rollout.
     assert list((tmp_path / "tensorboard").rglob("events.out.tfevents.*"))
+
+
+def test_py_spy_dumps_the_driver_and_every_actor_process_periodically(tmp_path):
+    args = [sys.executable, "-m", "miles_events.run", str(TINY), "--set", f'run.dir="{tmp_path}"']
+    # The loop must outlast one interval plus a round of dumps (about 0.3 s a rollout here).
+    for override in (*SMALL, "metrics.port=0", 'run.runtime="ray"', "run.num_rollout=30", 'console.mode="quiet"'):
+        args += ["--set", override]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), MILES_DEBUG_PYSPY_DUMP_INTERVAL="0.5")
+    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
+    result = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert result.returncode == 0, result.stderr
+    dumped = {path.name.split("-")[1] for path in (tmp_path / "pyspy").glob("*.txt")}
+    assert {"driver", "generator", "trainer", "publisher", "verifier", "saver"} <= dumped, dumped
+
+
+def test_a_bad_py_spy_interval_is_one_line(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), MILES_DEBUG_PYSPY_DUMP_INTERVAL="soon")
+    args = [sys.executable, "-m", "miles_events.run", str(TINY), "--set", f'run.dir="{tmp_path / "run"}"']
+    result = subprocess.run(args, capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: MILES_DEBUG_PYSPY_DUMP_INTERVAL='soon' is not a number of seconds"
+    ]

@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
 
+    from miles_events.app.pyspy import PySpyError
     from miles_events.app.roster import ACTORS
     from miles_events.app.run_dir import RunDirError, event_log_path
     from miles_events.app.session import Session
@@ -81,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
         sinks.append(make_console(config))
         session = Session(config, list(ACTORS), sinks=sinks)
         result = asyncio.run(session.run())
-    except (ConfigError, DataError, CheckpointError, MetricsError, TrackingError, RunDirError, BaseModelMismatch) as error:
+    except (
+        ConfigError, DataError, CheckpointError, MetricsError, TrackingError, RunDirError, BaseModelMismatch, PySpyError
+    ) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

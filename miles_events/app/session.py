@@ -5,7 +5,9 @@ run, start the bus, the sinks and the actors on the chosen runtime, wait for
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -14,6 +16,7 @@ from pathlib import Path
 from actors.coordinator import Coordinator
 from miles_events.app.config import dump_config
 from miles_events.app.plan import make_plan, resolve
+from miles_events.app.pyspy import PeriodicPySpyDump, interval_from_env
 from miles_events.app.run_dir import new_run_id, open_event_log, run_config_path
 from miles_events.app.signals import StopOnSignal
 from miles_events.bus.actor import Actor
@@ -66,6 +69,7 @@ class Session:
         """``actor_classes`` must include the Coordinator (the loop); ``sinks`` observe the
         run beside the event log: each is started before any actor, in order, and closed at
         the end."""
+        self.pyspy_interval = interval_from_env()  # a bad value fails before anything is built
         if Coordinator not in actor_classes:
             raise ValueError("a run needs the Coordinator among its actors: nothing else runs the loop")
         self.log_writer = open_event_log(Path(config.run.dir).resolve())
@@ -103,6 +107,7 @@ class Session:
         hosts: list[SinkHost] = []
         opened: list[Sink] = []
         signals: StopOnSignal | None = None
+        dumps: asyncio.Task[None] | None = None
         try:
             await self._start_sinks(bus, opened, hosts)
             try:
@@ -114,9 +119,12 @@ class Session:
                 finished = await bus.publish(failed, source="session")  # type: ignore[assignment]
             else:
                 signals = StopOnSignal(bus)
+                dumps = self._start_pyspy(runtime)
                 finished = await self._wait_finished(watch)
                 await self._wait_quiet(runtime)
         finally:
+            if dumps is not None:
+                dumps.cancel()
             if signals is not None:
                 signals.remove()
             bus.close()
@@ -138,6 +146,18 @@ class Session:
                 raise
             if sink.handlers():  # a sink that only starts and closes needs no mailbox
                 hosts.append(SinkHost(sink, bus, self.config.bus.max_batch))
+
+    def _start_pyspy(self, runtime: Runtime) -> asyncio.Task[None] | None:
+        """``MILES_DEBUG_PYSPY_DUMP_INTERVAL``: periodic stack dumps of every process."""
+        if self.pyspy_interval is None:
+            return None
+        dumper = PeriodicPySpyDump(
+            self.pyspy_interval,
+            lambda: [("driver", os.getpid()), *runtime.processes()],
+            self.run_dir / "pyspy",
+            self.clock,
+        )
+        return asyncio.get_running_loop().create_task(dumper.run(), name="pyspy")
 
     async def _fail(self, reason: str) -> None:
         if self.bus is not None and not self.bus.closed:

@@ -49,6 +49,10 @@ class Runtime(Protocol):
         """No event queued for or being handled by any actor, nothing left to collect."""
         ...
 
+    def processes(self) -> list[tuple[str, int]]:
+        """(actor, pid) of every actor process besides the driver's."""
+        ...
+
     async def stop(self) -> None:
         """After the bus is closed: drain, stop the actors, release what was started."""
         ...

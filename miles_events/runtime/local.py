@@ -32,5 +32,8 @@ class LocalRuntime:
     def idle(self) -> bool:
         return self.hosts.idle()
 
+    def processes(self) -> list[tuple[str, int]]:
+        return []  # every actor runs in the driver
+
     async def stop(self, timeout: float = 60.0) -> None:
         await self.hosts.stop(timeout)

@@ -238,6 +238,7 @@ class RayRuntime:
         self.proxies: list[RemoteActorProxy] = []
         self.driver = InProcessHosts(run, transport)
         self._placement_groups: list[Any] = []
+        self._pids: dict[str, int] = {}
         self._started_ray = False
 
     def _init_ray(self, bundles: list[dict[str, float]]) -> None:
@@ -332,6 +333,7 @@ class RayRuntime:
         for (cls, handle), pid in zip(remote, pids, strict=True):
             mailbox = bus.subscribe(cls.name, tuple(cls.handlers()))
             self.proxies.append(RemoteActorProxy(bus, cls.name, handle, mailbox, config.bus.max_batch, self.run.clock))
+            self._pids[cls.name] = pid
             logger.info("started %s (ray actor, pid %d)", cls.name, pid)
         for cls in actor_classes:
             if cls.resources(config).role == "driver":
@@ -349,6 +351,9 @@ class RayRuntime:
 
     def idle(self) -> bool:
         return self.driver.idle() and all(proxy.idle for proxy in self.proxies)
+
+    def processes(self) -> list[tuple[str, int]]:
+        return [(proxy.name, self._pids[proxy.name]) for proxy in self.proxies if not proxy.dead]
 
     async def stop(self) -> None:
         try:
