@@ -39,7 +39,7 @@ from miles_events.bus.actor import Actor, ActorContext, WorkerGroup, handles
 from miles_events.rl.checksum import report_checksums
 from miles_events.rl.checksum_manifest import write_manifest
 from miles_events.rl.prompts import Prompt, load_prompts, rollout_prompts
-from miles_events.rl.rewards import load_function
+from miles_events.rl.registry import load_function
 from miles_events.rl.versions import engine_names
 from schemas.config import Config
 from schemas.events import (

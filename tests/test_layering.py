@@ -25,7 +25,7 @@ FRAMEWORK = ("miles_events.bus", "miles_events.runtime", "miles_events.transport
 ALLOWED: dict[str, tuple[str, ...]] = {
     "schemas": ("schemas",),
     "miles_events.rl": ("schemas", "miles_events.rl"),
-    "miles_events.transport": ("schemas", "miles_events.transport"),
+    "miles_events.transport": ("schemas", "miles_events.rl", "miles_events.transport"),
     "miles_events.bus": ("schemas", "miles_events.bus", "miles_events.transport"),
     "miles_events.runtime": ("schemas", "miles_events.bus", "miles_events.transport", "miles_events.runtime"),
     "miles_events.sinks": ("schemas", "miles_events.bus", "miles_events.rl", "miles_events.sinks"),

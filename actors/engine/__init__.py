@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from miles_events.rl.rewards import load_function
+from miles_events.rl.registry import check_registered, registered
 
 if TYPE_CHECKING:
     from actors.engine.base import Engine
@@ -26,14 +26,12 @@ ENGINES: dict[str, str] = {
 
 def check_engine(name: str) -> None:
     """Raise ``ValueError`` (one line, naming the known backends) for an unknown name."""
-    if name not in ENGINES:
-        raise ValueError(f"unknown engine {name!r}; known: {', '.join(sorted(ENGINES))}")
+    check_registered(ENGINES, name, "engine")
 
 
 def engine_class(name: str) -> type[Engine]:
     """The ``Engine`` subclass registered as ``name``, imported now."""
-    check_engine(name)
-    return load_function(ENGINES[name])  # type: ignore[return-value]
+    return registered(ENGINES, name, "engine")  # type: ignore[no-any-return]
 
 
 def build_engine(config: Config, *, index: int, name: str, transport: Transport) -> Engine:

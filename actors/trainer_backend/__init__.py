@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from miles_events.rl.rewards import load_function
+from miles_events.rl.registry import check_registered, registered
 
 if TYPE_CHECKING:
     from actors.trainer_backend.base import TrainerBackend
@@ -23,14 +23,12 @@ BACKENDS: dict[str, str] = {
 
 def check_backend(name: str) -> None:
     """Raise ``ValueError`` (one line, naming the known backends) for an unknown name."""
-    if name not in BACKENDS:
-        raise ValueError(f"unknown trainer backend {name!r}; known: {', '.join(sorted(BACKENDS))}")
+    check_registered(BACKENDS, name, "trainer backend")
 
 
 def backend_class(name: str) -> type[TrainerBackend]:
     """The ``TrainerBackend`` subclass registered as ``name``, imported now."""
-    check_backend(name)
-    return load_function(BACKENDS[name])  # type: ignore[return-value]
+    return registered(BACKENDS, name, "trainer backend")  # type: ignore[no-any-return]
 
 
 def build_backend(config: Config) -> TrainerBackend:

@@ -27,7 +27,7 @@ import msgspec
 
 from actors.engine import check_engine
 from actors.trainer_backend import check_backend
-from miles_events.rl.rewards import load_function
+from miles_events.rl.registry import load_function
 from schemas.config import Config
 
 PATH_KEYS: tuple[tuple[str, str], ...] = (

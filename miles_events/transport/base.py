@@ -10,7 +10,6 @@ reference publishes ``DataReleased``; the owner then calls ``free``.
 
 from __future__ import annotations
 
-import importlib
 import os
 import shutil
 import tempfile
@@ -20,6 +19,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from miles_events.rl.registry import registered
 from schemas.data import DataRef
 
 
@@ -160,8 +160,5 @@ TRANSPORTS: dict[str, str] = {
 
 
 def open_transport(name: str, run_id: str, run_dir: Path | None = None) -> Transport:
-    if name not in TRANSPORTS:
-        raise ValueError(f"unknown transport {name!r}; known: {sorted(TRANSPORTS)}")
-    module, _, attr = TRANSPORTS[name].partition(":")
-    cls: type[Transport] = getattr(importlib.import_module(module), attr)
+    cls: type[Transport] = registered(TRANSPORTS, name, "transport")
     return cls.open(run_id, run_dir)
