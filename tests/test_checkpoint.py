@@ -127,6 +127,8 @@ def test_latest_file_names_the_last_written_checkpoint(base_dir: Path, tmp_path:
     _write(tmp_path, base_dir, 1)
 
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "rollout_000001"
+    # Megatron's marker, which miles reads as the checkpoint iteration.
+    assert (tmp_path / "checkpoints" / "latest_checkpointed_iteration.txt").read_text() == "1\n"
 
 
 def test_transformers_loads_checkpoint_with_same_logits(base_dir: Path, tmp_path: Path) -> None:
@@ -232,7 +234,7 @@ def test_rewriting_a_rollout_replaces_it_with_a_complete_checkpoint(base_dir: Pa
 
     verify_checkpoint(path)
     assert torch.equal(read_checkpoint(path).weights["model.embed_tokens.weight"], torch.full((4, 2), 2.0))
-    assert sorted(p.name for p in path.parent.iterdir()) == ["latest", "rollout_000004"]
+    assert sorted(p.name for p in path.parent.iterdir()) == ["latest", "latest_checkpointed_iteration.txt", "rollout_000004"]
 
 
 def test_rewriting_without_atomic_exchange_still_replaces(
@@ -244,7 +246,7 @@ def test_rewriting_without_atomic_exchange_still_replaces(
     path = _write(tmp_path, base_dir, 4, value=2.0)
 
     assert torch.equal(read_checkpoint(path).weights["model.embed_tokens.weight"], torch.full((4, 2), 2.0))
-    assert sorted(p.name for p in path.parent.iterdir()) == ["latest", "rollout_000004"]
+    assert sorted(p.name for p in path.parent.iterdir()) == ["latest", "latest_checkpointed_iteration.txt", "rollout_000004"]
 
 
 def test_failed_rewrite_leaves_previous_checkpoint_intact(base_dir: Path, tmp_path: Path) -> None:
@@ -257,7 +259,7 @@ def test_failed_rewrite_leaves_previous_checkpoint_intact(base_dir: Path, tmp_pa
 
     embedding = read_checkpoint(previous).weights["model.embed_tokens.weight"]
     assert torch.equal(embedding, torch.full((4, 2), 1.0))
-    assert sorted(p.name for p in previous.parent.iterdir()) == ["latest", "rollout_000004"]
+    assert sorted(p.name for p in previous.parent.iterdir()) == ["latest", "latest_checkpointed_iteration.txt", "rollout_000004"]
 
 
 # --- pruning -------------------------------------------------------------------------

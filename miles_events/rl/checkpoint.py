@@ -4,6 +4,7 @@ Layout under a run directory::
 
     checkpoints/
       latest                      text file: the name of the checkpoint saved last
+      latest_checkpointed_iteration.txt   its rollout id (Megatron's marker, read by miles)
       rollout_000012/
         model.safetensors         HF tensor names, {"format": "pt"} metadata
         config.json, generation_config.json, tokenizer files   (copied from the base model)
@@ -43,6 +44,8 @@ log = logging.getLogger(__name__)
 
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_FILE = "latest"
+ITERATION_FILE = "latest_checkpointed_iteration.txt"
+"""Megatron's convention, which miles reads: the rollout id of the checkpoint saved last."""
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 RNG_FILE = "rng.pt"
@@ -52,7 +55,9 @@ REQUIRED_FILES = (MODEL_FILE, "config.json", OPTIMIZER_FILE, RNG_FILE, TRAINER_S
 
 _FINAL_NAME = re.compile(r"^rollout_(\d+)$")
 # Hidden work dirs: being written (partial), swapped out (old), being removed (deleting).
-_WORK_NAME = re.compile(r"^\.(?:rollout_\d+\.(?:partial|old|deleting)|latest\.tmp)-(\d+)$")
+_WORK_NAME = re.compile(
+    r"^\.(?:rollout_\d+\.(?:partial|old|deleting)|latest\.tmp|latest_checkpointed_iteration\.txt\.tmp)-(\d+)$"
+)
 # The base model's own weights are replaced by ours; everything else at its top level
 # (config, generation config, tokenizer files, remote code) is copied so that the
 # checkpoint loads exactly like the base did.
@@ -207,11 +212,16 @@ def _install(partial: Path, final: Path, fsync: bool) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
-def _point_latest(root: Path, name: str, fsync: bool) -> None:
-    tmp = root / f".{LATEST_FILE}.tmp-{os.getpid()}"
+def _replace_file(root: Path, file_name: str, text: str, fsync: bool) -> None:
+    tmp = root / f".{file_name}.tmp-{os.getpid()}"
     tmp.unlink(missing_ok=True)
-    _write_file(tmp, (name + "\n").encode(), fsync)
-    os.replace(tmp, root / LATEST_FILE)
+    _write_file(tmp, text.encode(), fsync)
+    os.replace(tmp, root / file_name)
+
+
+def _point_latest(root: Path, name: str, rollout_id: int, fsync: bool) -> None:
+    _replace_file(root, LATEST_FILE, name + "\n", fsync)
+    _replace_file(root, ITERATION_FILE, f"{rollout_id}\n", fsync)
     if fsync:
         _fsync_path(root)
 
@@ -257,7 +267,7 @@ def write_checkpoint(
         raise
     if fsync:
         _fsync_path(root)
-    _point_latest(root, name, fsync)
+    _point_latest(root, name, rollout_id, fsync)
     return final
 
 
