@@ -11,9 +11,10 @@ from miles_events.bus.actor import Actor
 from miles_events.bus.clock import SYSTEM_CLOCK, Clock
 from miles_events.bus.errors import describe_error
 from miles_events.bus.event_bus import EventBus
-from miles_events.bus.host import ActorHost, HostContext
+from miles_events.bus.host import ActorHost, HostContext, Publish
 from miles_events.transport.base import Transport
 from schemas.config import Config
+from schemas.events import Event
 from schemas.plan import RunPlan
 
 logger = logging.getLogger(__name__)
@@ -58,12 +59,8 @@ class Runtime(Protocol):
         ...
 
 
-def host_context(run: RunContext, transport: Transport, bus: EventBus, name: str) -> HostContext:
-    """The context of an actor hosted in this process: it publishes straight onto ``bus``."""
-
-    async def publish(event):  # type: ignore[no-untyped-def]
-        return await bus.publish(event, source=name)
-
+def host_context(run: RunContext, transport: Transport, name: str, publish: Publish) -> HostContext:
+    """The context of actor ``name`` of ``run``, publishing through ``publish``."""
     return HostContext(
         run_id=run.run_id,
         name=name,
@@ -86,7 +83,11 @@ class InProcessHosts:
         self.hosts: list[ActorHost] = []
 
     async def start(self, bus: EventBus, cls: type[Actor]) -> ActorHost:
-        actor = cls(self.run.config, host_context(self.run, self.transport, bus, cls.name))
+        async def publish(event: Event, name: str = cls.name) -> object:
+            # Hosted beside the bus: straight onto it.
+            return await bus.publish(event, source=name)
+
+        actor = cls(self.run.config, host_context(self.run, self.transport, cls.name, publish))
         try:
             await actor.start()
         except Exception as error:

@@ -26,8 +26,8 @@ from miles_events.bus.clock import SYSTEM_CLOCK, Clock, wait_for
 from miles_events.bus.codec import decode_batch, encode_batch
 from miles_events.bus.errors import describe_error
 from miles_events.bus.event_bus import BusClosed, EventBus, Mailbox
-from miles_events.bus.host import ActorHost, HostContext
-from miles_events.runtime.base import ActorStartError, InProcessHosts, RunContext
+from miles_events.bus.host import ActorHost
+from miles_events.runtime.base import ActorStartError, InProcessHosts, RunContext, host_context
 from miles_events.transport.base import Transport, open_transport
 from schemas.config import Config
 from schemas.events import ActorFailed, Event
@@ -66,15 +66,8 @@ class RemoteActorHost:
 
     async def start(self) -> int:
         name = self.actor_cls.name
-        context = HostContext(
-            run_id=self.run_id,
-            name=name,
-            config=self.config,
-            run_dir=self.run_dir,
-            transport=self.transport,
-            plan=self.plan,
-            _publish=self._publish,
-        )
+        run = RunContext(self.run_id, self.config, self.run_dir, self.transport.name, self.plan)
+        context = host_context(run, self.transport, name, self._publish)
         actor = self.actor_cls(self.config, context)
         await actor.start()
         inbox = Mailbox(name, 1, tuple(actor.handlers()))
