@@ -115,8 +115,7 @@ class Session:
             except Exception as error:
                 logger.debug("startup failed", exc_info=True)
                 detail = str(error) if isinstance(error, ActorStartError) else describe_error(error)
-                failed = RunFinished(status="failed", reason=f"an actor failed to start: {detail}")
-                finished = await bus.publish(failed, source="session")  # type: ignore[assignment]
+                finished = await self._fail(f"an actor failed to start: {detail}")
             else:
                 signals = StopOnSignal(bus)
                 dumps = self._start_pyspy(runtime)
@@ -135,14 +134,13 @@ class Session:
         """Start each sink in order (the event log first). One that cannot start ends the
         run before any actor starts: the log records why, every sink opened so far (the
         failing one too) is closed, and its error goes to the caller."""
-        context = SinkContext(self.run_id, self.run_dir, self.config, bus, self._fail)
+        context = SinkContext(self.run_id, self.run_dir, self.config, bus, self._sink_failed)
         for sink in self.sinks:
             opened.append(sink)
             try:
                 await sink.start(context)
             except Exception as error:
-                reason = f"sink {sink.name} failed to start: {describe_error(error)}"
-                await bus.publish(RunFinished(status="failed", reason=reason), source="session")
+                await self._fail(f"sink {sink.name} failed to start: {describe_error(error)}")
                 raise
             if sink.handlers():  # a sink that only starts and closes needs no mailbox
                 hosts.append(SinkHost(sink, bus, self.config.bus.max_batch))
@@ -159,9 +157,18 @@ class Session:
         )
         return asyncio.get_running_loop().create_task(dumper.run(), name="pyspy")
 
-    async def _fail(self, reason: str) -> None:
+    async def _sink_failed(self, reason: str) -> None:
+        # A sink can fail while its last batch is flushed at shutdown: nobody hears it then.
         if self.bus is not None and not self.bus.closed:
-            await self.bus.publish(RunFinished(status="failed", reason=reason), source="session")
+            await self._fail(reason)
+        else:
+            logger.error("after the run ended: %s", reason)
+
+    async def _fail(self, reason: str) -> RunFinished:
+        """The session ends the run as failed (a start-up failure, a dead event log, a broken
+        loop): the stamped ``RunFinished``."""
+        assert self.bus is not None and not self.bus.closed
+        return await self.bus.publish(RunFinished(status="failed", reason=reason), source="session")  # type: ignore[return-value]
 
     @staticmethod
     async def _shutdown(runtime: Runtime, hosts: list[SinkHost], sinks: list[Sink], transport: Transport) -> None:
@@ -187,9 +194,7 @@ class Session:
                 return event
             if isinstance(event, ActorFailed) and event.actor == Coordinator.name:
                 # The loop itself broke: nobody else will say the run is over.
-                finished = RunFinished(status="failed", reason=f"coordinator failed: {event.error}")
-                assert self.bus is not None
-                return await self.bus.publish(finished, source="session")  # type: ignore[return-value]
+                return await self._fail(f"coordinator failed: {event.error}")
         raise RuntimeError("bus closed before the run finished")
 
     async def _wait_quiet(self, runtime: Runtime, timeout: float = 60.0) -> None:
