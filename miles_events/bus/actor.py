@@ -116,7 +116,7 @@ class Actor(HandlerTable):
 
     async def publish(self, event: Event) -> None:
         current = _spawned_emits.get() or self._emitting
-        method, allowed = current if current is not None else ("", frozenset(self.emits))
+        method, allowed = current if current is not None else ("", self.emits)
         if type(event) not in allowed:
             where = f"{type(self).__name__}.{method}" if method else f"{type(self).__name__} (outside a handler)"
             raise UndeclaredEmit(
