@@ -8,6 +8,10 @@ Read top to bottom, the handlers are the loop:
     EvalFinished             -> whatever was waiting on the eval
     TrainStepFinished(k)     -> save if periodic / last / sentinel (removing it), then publish
     CheckpointSaved          -> finish once nothing is pending
+    rollout-only             -> the seed's checkpoint-backed proof (checksums, publish,
+                                checksums, snapshot, reset, checksums, republish, compare,
+                                checksums, evidence), then rollouts only: RolloutGenerated(k)
+                                -> rollout k+1 or finish
     StopRequested            -> finish at the next decision, after the current step
     failure facts            -> RunFinished(failed) with one clear line
 
@@ -19,9 +23,19 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import anyio.to_thread
 
 from miles_events.bus.actor import Actor, ActorContext, WorkerGroup, handles
+from miles_events.rl.checkpoint_rollout import CheckpointRolloutProof
+from miles_events.rl.checksum_manifest import ManifestError, read_manifest
+from miles_events.rl.publication_checks import (
+    CanonicalChecksums,
+    canonical_checksums,
+    canonical_weight_versions,
+)
 from schemas.config import Config
 from schemas.events import (
     ActorFailed,
@@ -29,10 +43,14 @@ from schemas.events import (
     CheckpointSaved,
     EvalFinished,
     EvalRequested,
+    PublicationEvidenceFailed,
+    PublicationEvidenceRequested,
+    PublicationEvidenceWritten,
     PublicationFailed,
     PublicationMismatch,
     PublicationVerified,
     PublishRequested,
+    RolloutGenerated,
     RolloutRequested,
     RunFinished,
     RunStarted,
@@ -42,7 +60,9 @@ from schemas.events import (
     WeightsCheckFinished,
     WeightsCheckRequested,
     WeightsPublished,
+    run_started,
 )
+from schemas.evidence import CHECKPOINT_ROLLOUT_SELECTOR, CHECKPOINT_ROLLOUT_SKIP_LIST
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +81,15 @@ def should_run_periodic_action(
         return True
     step = rollout_id + 1
     return step % interval == 0 or (num_rollout_per_epoch is not None and step % num_rollout_per_epoch == 0)
+
+
+@dataclass
+class PendingCheck:
+    """A weight-checker action in flight: who asked, and what follows once all answered."""
+
+    request_id: str
+    then: Callable[[list[WeightsCheckFinished]], Awaitable[None]]
+    replies: dict[str, WeightsCheckFinished] = field(default_factory=dict)
 
 
 # Everything the loop may ask for once a publication (or the eval after it) is through.
@@ -83,8 +112,11 @@ class Coordinator(Actor):
         self._after_eval: Callable[[], object] | None = None
         self._pending_saves: set[int] = set()
         self._finishing: RunFinished | None = None
-        self._check: tuple[str, dict[str, WeightsCheckFinished]] | None = None
-        """The weight check in flight (action, replies by engine)."""
+        self._check: PendingCheck | None = None
+        """The weight check in flight."""
+        self._proof = CheckpointRolloutProof()
+        self._proof_step = ""
+        """Rollout-only: the step of the checkpoint-backed proof in progress ("done" after it)."""
         self._compared = False
         self._stop: str | None = None
         """Why a stop was asked for: the run finishes after the current step."""
@@ -96,52 +128,77 @@ class Coordinator(Actor):
 
     async def ready(self) -> None:
         """Every actor has started: the run begins."""
-        await self.publish(
-            RunStarted(
-                runtime=self.plan.runtime,
-                config_digest=self.plan.config_digest,
-                start_rollout_id=self.plan.start_rollout_id,
-                num_rollout=self.plan.num_rollout,
-                num_rollout_per_epoch=self.plan.num_rollout_per_epoch,
-                resumed=self.plan.resumed,
-                weight_version=self.plan.weight_version,
-                engines=list(self.plan.engines),
-            )
-        )
+        await self.publish(run_started(self.plan))
 
     @handles(RunStarted, emits=(PublishRequested, WeightsCheckRequested))
     async def on_run_started(self, event: RunStarted) -> None:
-        if self.config.verifier.check_weight_update_equal:
+        if self.plan.rollout_only:
+            # The seed's checkpoint-backed protocol starts from the bootstrap's checksums.
+            await self._proof_check("checksum", "base")
+        elif self.config.verifier.check_weight_update_equal:
             # The seed's check: snapshot, reset, publish, compare (miles snapshots and
             # resets in its placement step, before the first publication).
-            await self._weights_check("reset_tensors" if self.plan.resumed else "snapshot")
+            await self._update_check("reset_tensors" if self.plan.resumed else "snapshot")
         else:
             # Always update weights first, so the engines serve what the trainer holds.
             await self.publish(PublishRequested(rollout_id=None))
 
-    async def _weights_check(self, action: str) -> None:
-        verifier = self.config.verifier
-        self._check = (action, {})
+    async def _weights_check(
+        self,
+        action: str,
+        request_id: str,
+        then: Callable[[list[WeightsCheckFinished]], Awaitable[None]],
+        *,
+        selector: str,
+        skip_tensor_list: list[str],
+        allow_quant_error: bool,
+    ) -> None:
+        """Ask every engine for a weight-checker action; ``then`` gets their replies, in
+        engine order, once all have answered."""
+        self._check = PendingCheck(request_id=request_id, then=then)
         await self.publish(
             WeightsCheckRequested(
                 action=action,  # type: ignore[arg-type]
-                selector=verifier.check_weight_update_selector,
-                skip_tensor_list=list(verifier.check_weight_update_skip_list),
-                allow_quant_error=verifier.check_weight_update_allow_quant_error,
-                request_id=f"check_weight_update_equal:{action}",
+                selector=selector,  # type: ignore[arg-type]
+                skip_tensor_list=skip_tensor_list,
+                allow_quant_error=allow_quant_error,
+                request_id=request_id,
             )
         )
 
-    @handles(WeightsCheckFinished, emits=(WeightsCheckRequested, PublishRequested, RunFinished, *AFTER_PUBLICATION))
+    @handles(
+        WeightsCheckFinished,
+        emits=(WeightsCheckRequested, PublishRequested, PublicationEvidenceRequested, RunFinished, *AFTER_PUBLICATION),
+    )
     async def on_weights_check_finished(self, event: WeightsCheckFinished) -> None:
-        if self._check is None or event.request_id != f"check_weight_update_equal:{self._check[0]}":
+        pending = self._check
+        if pending is None or event.request_id != pending.request_id:
             return
-        action, replies = self._check
-        replies[event.engine] = event
-        if set(replies) < set(self.plan.engines) or self._finishing is not None:
+        pending.replies[event.engine] = event
+        if set(pending.replies) < set(self.plan.engines) or self._finishing is not None:
             return
         self._check = None
-        failed = [reply for reply in replies.values() if not reply.success]
+        await pending.then([pending.replies[engine] for engine in self.plan.engines])
+
+    # -- check_weight_update_equal ----------------------------------------------------
+
+    async def _update_check(self, action: str) -> None:
+        verifier = self.config.verifier
+
+        async def then(replies: list[WeightsCheckFinished]) -> None:
+            await self._on_update_check(action, replies)
+
+        await self._weights_check(
+            action,
+            f"check_weight_update_equal:{action}",
+            then,
+            selector=verifier.check_weight_update_selector,
+            skip_tensor_list=list(verifier.check_weight_update_skip_list),
+            allow_quant_error=verifier.check_weight_update_allow_quant_error,
+        )
+
+    async def _on_update_check(self, action: str, replies: list[WeightsCheckFinished]) -> None:
+        failed = [reply for reply in replies if not reply.success]
         if failed:
             first = failed[0]
             await self._finish(
@@ -149,12 +206,123 @@ class Coordinator(Actor):
                 f"inference weight check {action!r} did not succeed on every engine: {first.engine}: {first.message}",
             )
         elif action == "snapshot":
-            await self._weights_check("reset_tensors")
+            await self._update_check("reset_tensors")
         elif action == "reset_tensors":
             await self.publish(PublishRequested(rollout_id=None))
         else:  # compare: the first publication wrote every checked tensor
             self._compared = True
             await self._after_publication(None)
+
+    # -- rollout-only from a checkpoint: the seed's proof, one event per step ---------
+
+    async def _proof_check(self, action: str, step: str) -> None:
+        self._proof_step = step
+
+        async def then(replies: list[WeightsCheckFinished]) -> None:
+            try:
+                await self._on_proof_check(action, step, replies)
+            except RuntimeError as error:  # the seed's checks, with the seed's messages
+                await self._finish("failed", str(error))
+
+        await self._weights_check(
+            action,
+            f"rollout_only:{step}",
+            then,
+            selector=CHECKPOINT_ROLLOUT_SELECTOR,
+            skip_tensor_list=list(CHECKPOINT_ROLLOUT_SKIP_LIST),
+            allow_quant_error=False,
+        )
+
+    async def _on_proof_check(self, action: str, step: str, replies: list[WeightsCheckFinished]) -> None:
+        proof = self._proof
+        if action == "checksum":
+            checksums = await anyio.to_thread.run_sync(self._canonical_checksums, replies)
+            versions = canonical_weight_versions([reply.weight_version for reply in replies])
+            if step == "base":
+                proof.record_base(checksums, versions)
+                await self._proof_publish("publish")
+            elif step == "served":
+                proof.record_served(checksums, versions)
+                await self._proof_check("snapshot", "snapshot")
+            elif step == "reset":
+                proof.record_reset(checksums)
+                await self._proof_publish("republish")
+            else:  # republished
+                proof.record_republished(checksums)
+                await self._write_evidence()
+            return
+        if action == "compare":
+            # The seed reads the versions right after the republication, before comparing.
+            proof.record_republished_versions(canonical_weight_versions([reply.weight_version for reply in replies]))
+        if not all(reply.success for reply in replies):
+            raise RuntimeError(f"inference weight check {action!r} did not succeed on every engine")
+        if action == "snapshot":
+            await self._proof_check("reset_tensors", "reset_tensors")
+        elif action == "reset_tensors":
+            await self._proof_check("checksum", "reset")
+        else:  # compare
+            await self._proof_check("checksum", "republished")
+
+    def _canonical_checksums(self, replies: list[WeightsCheckFinished]) -> CanonicalChecksums:
+        engines = []
+        for reply in replies:
+            if not reply.success:
+                raise RuntimeError(f"inference weight checksum did not succeed: {reply.message or 'no ranks'}")
+            try:
+                engines.append(read_manifest(self.context.run_dir, reply.checksums_manifest, reply.digest))
+            except ManifestError as error:
+                raise RuntimeError(f"inference weight checksum of {reply.engine}: {error}") from None
+        return canonical_checksums(engines)
+
+    async def _proof_publish(self, step: str) -> None:
+        self._proof_step = step
+        await self.publish(PublishRequested(rollout_id=None))
+
+    async def _write_evidence(self) -> None:
+        run = self.run
+        effective_load = run.load or run.ref_load
+        reference = run.ref_load or self.config.model.path
+        if effective_load is None or reference is None or self.plan.checkpoint_iteration is None:
+            raise RuntimeError("rollout-only from a checkpoint without a loaded checkpoint root")
+        if run.rollout_only_publication_evidence is None:
+            raise RuntimeError("run.rollout_only_publication_evidence is unset")
+        self._proof_step = "evidence"
+        evidence = self._proof.evidence(
+            effective_load=effective_load, ref_load=reference, checkpoint_iteration=self.plan.checkpoint_iteration
+        )
+        await self.publish(PublicationEvidenceRequested(path=run.rollout_only_publication_evidence, evidence=evidence))
+
+    @handles(PublicationEvidenceWritten, emits=AFTER_PUBLICATION)
+    async def on_publication_evidence_written(self, event: PublicationEvidenceWritten) -> None:
+        if self._proof_step != "evidence":
+            return
+        self._proof_step = "done"
+        logger.info("checkpoint-backed publication proven; evidence in %s", event.path)
+        await self._after_publication(None)
+
+    @handles(PublicationEvidenceFailed, emits=(RunFinished,))
+    async def on_publication_evidence_failed(self, event: PublicationEvidenceFailed) -> None:
+        await self._finish("failed", f"cannot write the publication evidence: {event.reason}")
+
+    @handles(RolloutGenerated, emits=(RolloutRequested, RunFinished))
+    async def on_rollout_generated(self, event: RolloutGenerated) -> None:
+        """Rollout-only: the rollout is the step (the trainer releases the batch untrained)."""
+        if not self.plan.rollout_only:
+            return
+        self.last_rollout_id = event.rollout_id
+        logger.info(
+            "rollout-only-from-checkpoint completed rollout_id=%d; "
+            "skipping actor/critic training, saving, and republishing",
+            event.rollout_id,
+        )
+        if self._finishing is not None:
+            return
+        if self._stop is not None:
+            await self._finish("stopped", self._stop)
+        elif event.rollout_id + 1 < self.plan.num_rollout:
+            await self._request_rollout(event.rollout_id + 1)
+        else:
+            await self._finish("completed")
 
     @handles(WeightsPublished, emits=AFTER_PUBLICATION)
     async def on_weights_published(self, event: WeightsPublished) -> None:
@@ -192,7 +360,13 @@ class Coordinator(Actor):
             return
         start, num_rollout = self.plan.start_rollout_id, self.plan.num_rollout
         if rollout_id is None and self._needs_compare():
-            await self._weights_check("compare")
+            await self._update_check("compare")
+            return
+        if rollout_id is None and self._proof_step == "publish":
+            await self._proof_check("checksum", "served")
+            return
+        if rollout_id is None and self._proof_step == "republish":
+            await self._proof_check("compare", "compare")
             return
         if rollout_id is None:
             if num_rollout == 0 and self.run.eval_interval is not None:

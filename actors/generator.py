@@ -36,7 +36,7 @@ import torch
 from actors.engine import build_engine
 from actors.engine.base import Engine, SamplingParams, TensorCheckAction
 from miles_events.bus.actor import Actor, ActorContext, WorkerGroup, handles
-from miles_events.rl.checksum import report_checksums
+from miles_events.rl.checksum import ranked_checksums, report_checksums
 from miles_events.rl.checksum_manifest import write_manifest
 from miles_events.rl.prompts import Prompt, load_prompts, rollout_prompts
 from miles_events.rl.registry import load_function
@@ -269,7 +269,8 @@ class Generator(Actor):
         digest = manifest = ""
         num_tensors = 0
         if report.success and report.ranks:
-            checksums = report_checksums(report)
+            # Flattened as miles does (``rank{r}/{name}``), so checks compare as the seed's.
+            checksums = ranked_checksums(report)
             digest, manifest = write_manifest(self.context.run_dir, checksums)
             num_tensors = len(checksums)
         return WeightsCheckFinished(

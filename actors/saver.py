@@ -7,6 +7,10 @@ checkpoints, hands the references back to their owner with ``DataReleased`` and 
 ``CheckpointSaved``. Any failure becomes ``CheckpointFailed`` (the Coordinator then ends
 the run with that reason), never an exception in the actor, and older checkpoints stay
 as they were.
+
+It also writes a rollout-only run's publication evidence (``PublicationEvidenceRequested``):
+created exclusively with mode 0600 and fsynced; an existing file is never replaced but
+reported as ``PublicationEvidenceFailed``.
 """
 
 from __future__ import annotations
@@ -20,8 +24,17 @@ import anyio.to_thread
 from miles_events.bus.actor import Actor, WorkerGroup, handles
 from miles_events.bus.errors import describe_error
 from miles_events.rl.checkpoint import prune_checkpoints, write_checkpoint
+from miles_events.rl.checkpoint_rollout import write_evidence
 from schemas.config import Config
-from schemas.events import CheckpointFailed, CheckpointSaved, DataReleased, TrainStateStaged
+from schemas.events import (
+    CheckpointFailed,
+    CheckpointSaved,
+    DataReleased,
+    PublicationEvidenceFailed,
+    PublicationEvidenceRequested,
+    PublicationEvidenceWritten,
+    TrainStateStaged,
+)
 
 log = logging.getLogger(__name__)
 
@@ -104,4 +117,21 @@ class Saver(Actor):
                 num_bytes=num_bytes,
                 save_seconds=save_seconds,
             )
+        )
+
+    @handles(PublicationEvidenceRequested, emits=(PublicationEvidenceWritten, PublicationEvidenceFailed))
+    async def on_publication_evidence_requested(self, event: PublicationEvidenceRequested) -> None:
+        try:
+            await anyio.to_thread.run_sync(write_evidence, event.path, event.evidence)
+        except FileExistsError:
+            await self.publish(
+                PublicationEvidenceFailed(path=event.path, reason=f"{event.path} exists already; evidence is never overwritten")
+            )
+            return
+        except OSError as exc:
+            await self.publish(PublicationEvidenceFailed(path=event.path, reason=describe_error(exc)))
+            return
+        log.info("wrote the checkpoint-backed publication evidence to %s", event.path)
+        await self.publish(
+            PublicationEvidenceWritten(path=event.path, served_digest=event.evidence.served_language_checksum_sha256)
         )

@@ -98,17 +98,23 @@ class Trainer(Actor):
             self.num_prompts = len(load_prompts(data.prompt_data, data.input_key, data.label_key))
         config = self.config
         self._backend = await anyio.to_thread.run_sync(lambda: build_backend(config))
-        checkpoint = self.context.plan.resume_checkpoint
-        if checkpoint is not None:
-            await anyio.to_thread.run_sync(self._restore, Path(checkpoint))
+        plan = self.context.plan
+        if plan.load_checkpoint is not None:
+            await anyio.to_thread.run_sync(self._restore, Path(plan.load_checkpoint))
+        if plan.reference_checkpoint is not None:
+            await anyio.to_thread.run_sync(self._load_reference, Path(plan.reference_checkpoint))
 
     def _restore(self, path: Path) -> None:
         # The plan chose and verified this checkpoint for this run: not hashed again.
         loaded = read_checkpoint(path, verify=False)
         state = loaded.trainer_state
         self.backend.load_state(loaded.weights, loaded.optimizer, loaded.rng, state.num_optimizer_steps)
-        self.weight_version = state.weight_version
+        # The saved version on resume; "default" for rollout-only (its first publication is "1").
+        self.weight_version = self.context.plan.weight_version
         self.resumed_from = str(path)
+
+    def _load_reference(self, path: Path) -> None:
+        self.backend.load_reference(read_checkpoint(path, verify=False).weights)
 
     async def stop(self) -> None:
         if self._published is not None:
@@ -122,6 +128,10 @@ class Trainer(Actor):
 
     @handles(RolloutGenerated, emits=(DataReleased, TrainStepFinished))
     async def on_rollout_generated(self, event: RolloutGenerated) -> None:
+        if self.context.plan.rollout_only:
+            # Rollout-only from a checkpoint: nothing is trained; the batch goes back.
+            await self.publish(DataReleased(ref=event.batch))
+            return
         started = time.perf_counter()
         # The version being improved upon: the one in force when the batch arrives.
         version = self.weight_version

@@ -42,6 +42,24 @@ class RunConfig(Section):
     that save is asked for. A relative path is resolved against the config file's directory,
     like every path here (the seed resolves it against the working directory)."""
     debug_exit_after_rollout: PositiveInt | None = None
+    load: str | None = None
+    """A checkpoint root the trainer starts from (miles' ``--load``): a directory as the Saver
+    writes it (an earlier run's ``<dir>/checkpoints``), whose ``latest_checkpointed_iteration.txt``
+    names the checkpoint. Its weights, optimizer and RNG state are restored and the run goes
+    on at the rollout after it, with its weight version. A checkpoint of this run, found by
+    ``run.resume``, takes precedence. Unset: ``run.ref_load``."""
+    ref_load: str | None = None
+    """The reference model's checkpoint root (miles' ``--ref-load``), laid out as ``load``:
+    with ``trainer.use_kl_loss`` the KL reference is its weights, and it is what the trainer
+    loads when ``run.load`` is unset. Unset: the base model is the reference."""
+    rollout_only_from_checkpoint: bool = False
+    """Serve the checkpoint of ``run.load`` (else ``run.ref_load``) and prove that the engines
+    serve exactly it (the seed's checkpoint-backed publication protocol, recorded in
+    ``run.rollout_only_publication_evidence``), then run rollouts without training, saving or
+    republishing. The first publication is weight version ``"1"``."""
+    rollout_only_publication_evidence: str | None = None
+    """Where that proof is written (JSON, created with mode 0600 and fsynced); an existing
+    file is an error, never overwritten. Required by ``rollout_only_from_checkpoint``."""
 
 
 class BuiltinModelConfig(Section):

@@ -26,6 +26,8 @@ import msgspec
 
 from schemas.checkpoint import TrainerState
 from schemas.data import DataRef
+from schemas.evidence import CheckpointRolloutEvidence
+from schemas.plan import RunPlan
 
 
 class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag=True):
@@ -53,6 +55,11 @@ class RunStarted(Event, frozen=True, kw_only=True):
     weight_version: str = "default"
     """The trainer's version at start: ``"default"`` on a fresh run, the saved one on resume."""
     engines: list[str] = []
+    rollout_only: bool = False
+    """``run.rollout_only_from_checkpoint``: prove the checkpoint's publication, then only
+    generate."""
+    checkpoint_iteration: int | None = None
+    """The iteration of the checkpoint root the trainer loaded, when it loaded one."""
 
 
 class StopRequested(Event, frozen=True, kw_only=True):
@@ -261,8 +268,8 @@ class WeightsCheckFinished(Event, frozen=True, kw_only=True):
     success: bool
     message: str = ""
     digest: str = ""
-    """``checksum``: SGLang's ``per_gpu_checksum`` over the engine's checksums (a single
-    rank's, or ``rank{r}/{name}`` over several ranks); "" for the other actions."""
+    """``checksum``: SGLang's ``per_gpu_checksum`` over the engine's checksums flattened as
+    miles does (``rank{r}/{name}`` for every rank); "" for the other actions."""
     num_tensors: int = 0
     """Tensors the action covered."""
     checksums_manifest: str = ""
@@ -270,6 +277,27 @@ class WeightsCheckFinished(Event, frozen=True, kw_only=True):
     directory."""
     weight_version: str = "default"
     request_id: str = ""
+
+
+# --- rollout-only evidence ------------------------------------------------------------
+
+
+class PublicationEvidenceRequested(Event, frozen=True, kw_only=True):
+    """The checkpoint-backed publication is proven: write its evidence file at ``path``."""
+
+    path: str
+    evidence: CheckpointRolloutEvidence
+
+
+class PublicationEvidenceWritten(Event, frozen=True, kw_only=True):
+    path: str
+    served_digest: str
+    """The evidence's ``served_language_checksum_sha256``."""
+
+
+class PublicationEvidenceFailed(Event, frozen=True, kw_only=True):
+    path: str
+    reason: str
 
 
 # --- checkpoints ---------------------------------------------------------------------
@@ -329,6 +357,9 @@ AnyEvent = (
     | PublicationMismatch
     | WeightsCheckRequested
     | WeightsCheckFinished
+    | PublicationEvidenceRequested
+    | PublicationEvidenceWritten
+    | PublicationEvidenceFailed
     | SaveRequested
     | TrainStateStaged
     | CheckpointSaved
@@ -338,3 +369,19 @@ AnyEvent = (
 
 EVENT_TYPES: tuple[type[Event], ...] = AnyEvent.__args__  # type: ignore[attr-defined]
 EVENT_TYPES_BY_NAME: dict[str, type[Event]] = {t.__name__: t for t in EVENT_TYPES}
+
+
+# --- the plan a run announces ------------------------------------------------------------
+
+PLAN_FIELDS: tuple[str, ...] = tuple(name for name in RunStarted.__struct_fields__ if name in RunPlan.__struct_fields__)
+"""The fields of the run plan that ``RunStarted`` records, under the same names."""
+
+
+def run_started(plan: RunPlan) -> RunStarted:
+    """The ``RunStarted`` that announces ``plan``."""
+    return msgspec.convert({name: getattr(plan, name) for name in PLAN_FIELDS}, RunStarted)
+
+
+def plan_of(event: RunStarted) -> RunPlan:
+    """The plan a recorded ``RunStarted`` announced (what re-driving an actor needs)."""
+    return msgspec.convert({name: getattr(event, name) for name in PLAN_FIELDS}, RunPlan)

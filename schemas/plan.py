@@ -19,5 +19,14 @@ class RunPlan(msgspec.Struct, frozen=True, kw_only=True):
     engines: tuple[str, ...] = ()
     runtime: str = "local"
     config_digest: str = ""
-    resume_checkpoint: str | None = None
-    """The checkpoint directory the trainer restores (verified once, by the plan)."""
+    load_checkpoint: str | None = None
+    """The checkpoint directory the trainer restores (verified once, by the plan): this run's
+    latest on resume, else the one ``run.load`` (or ``run.ref_load``) names."""
+    reference_checkpoint: str | None = None
+    """The checkpoint whose weights are the KL reference (``run.ref_load``'s); None: the base
+    model."""
+    rollout_only: bool = False
+    """``run.rollout_only_from_checkpoint``: prove the checkpoint's publication, then only
+    generate."""
+    checkpoint_iteration: int | None = None
+    """The iteration ``latest_checkpointed_iteration.txt`` of the loaded root named."""

@@ -337,7 +337,8 @@ async def test_checksum_check_reports_each_engines_served_checksums(
     request = WeightsCheckRequested(action="checksum", skip_tensor_list=["norm"], request_id="r1")
     await generator.handle(request)
     finished = context.of(WeightsCheckFinished)
-    expected = fingerprints(load_model(model_dir).state_dict(), ["norm"])
+    # Flattened as miles flattens a checksum reply: every name under its rank.
+    expected = {f"rank0/{name}": value for name, value in fingerprints(load_model(model_dir).state_dict(), ["norm"]).items()}
     assert [e.engine for e in finished] == ["engine-0", "engine-1"]
     for event in finished:
         assert event.success and event.action == "checksum" and event.request_id == "r1"

@@ -44,7 +44,7 @@ def test_an_unset_num_rollout_with_fewer_prompts_than_a_batch_is_one_clear_error
 
 def test_a_fresh_plan_starts_at_rollout_zero_with_default_weights(tmp_path):
     plan = make_plan(config(tmp_path, num_rollout=3, resume=True), "ray")
-    assert (plan.start_rollout_id, plan.weight_version, plan.resumed, plan.resume_checkpoint) == (0, "default", False, None)
+    assert (plan.start_rollout_id, plan.weight_version, plan.resumed, plan.load_checkpoint) == (0, "default", False, None)
     assert plan.engines == ("engine-0",) and plan.runtime == "ray"
 
 

@@ -26,6 +26,7 @@ from schemas.events import (
     TensorMismatch,
     TrainMetrics,
 )
+from schemas.evidence import CheckpointRolloutEvidence
 
 HEADER = {"run_id": "run-7", "seq": 42, "time": 1_700_000_000.25, "source": "tester"}
 REF = DataRef("shm", "rollout-3", "generator", 4096)
@@ -39,6 +40,22 @@ STATE = TrainerState(
     run_id="run-7",
 )
 
+EVIDENCE = CheckpointRolloutEvidence(
+    effective_load="/runs/a/checkpoints",
+    ref_load="/runs/a/base_model",
+    checkpoint_iteration=1,
+    engine_count=2,
+    language_tensor_count=30,
+    changed_language_tensor_count=30,
+    reset_changed_language_tensor_count=30,
+    base_language_checksum_sha256="01" * 32,
+    served_language_checksum_sha256="ef" * 32,
+    reset_language_checksum_sha256="23" * 32,
+    bootstrap_weight_versions=["default", "default"],
+    served_weight_versions=["1", "1"],
+    republished_weight_versions=["2", "2"],
+)
+
 # One instance per event type with every field given a non-default value.
 EXAMPLES: dict[str, dict[str, Any]] = {
     "RunStarted": dict(
@@ -50,6 +67,8 @@ EXAMPLES: dict[str, dict[str, Any]] = {
         resumed=True,
         weight_version="3",
         engines=["engine-0", "engine-1"],
+        rollout_only=True,
+        checkpoint_iteration=1,
     ),
     "StopRequested": dict(reason="sentinel file"),
     "RunFinished": dict(status="stopped", reason="user", last_rollout_id=7, weight_version="8"),
@@ -142,6 +161,9 @@ EXAMPLES: dict[str, dict[str, Any]] = {
         weight_version="4",
         request_id="check-1",
     ),
+    "PublicationEvidenceRequested": dict(path="/tmp/evidence.json", evidence=EVIDENCE),
+    "PublicationEvidenceWritten": dict(path="/tmp/evidence.json", served_digest="ef" * 32),
+    "PublicationEvidenceFailed": dict(path="/tmp/evidence.json", reason="exists already"),
     "SaveRequested": dict(rollout_id=3, reason="sentinel"),
     "TrainStateStaged": dict(
         rollout_id=3,

@@ -82,13 +82,19 @@ def make_config(model_path: Path, run_dir: Path, **trainer: Any) -> Config:
 
 
 async def started_trainer(
-    config: Config, run_dir: Path, run_id: str = "test-run", resume_checkpoint: Path | None = None
+    config: Config,
+    run_dir: Path,
+    run_id: str = "test-run",
+    load_checkpoint: Path | None = None,
+    weight_version: str = "default",
 ) -> tuple[Trainer, FakeContext]:
     plan = RunPlan(
         start_rollout_id=0,
         num_rollout=1,
         num_rollout_per_epoch=1,
-        resume_checkpoint=str(resume_checkpoint) if resume_checkpoint is not None else None,
+        load_checkpoint=str(load_checkpoint) if load_checkpoint is not None else None,
+        resumed=load_checkpoint is not None,
+        weight_version=weight_version,
     )
     context = FakeContext(config=config, run_dir=run_dir, run_id=run_id, transport=InProcessTransport(run_id), plan=plan)
     trainer = Trainer(config, context)
@@ -426,7 +432,7 @@ async def test_resume_continues_training_exactly_where_the_save_left_off(
         original.config, run=msgspec.structs.replace(original.config.run, resume=True)
     )
     resumed, resumed_context = await started_trainer(
-        resumed_config, tmp_path, run_id="resumed-run", resume_checkpoint=checkpoint
+        resumed_config, tmp_path, run_id="resumed-run", load_checkpoint=checkpoint, weight_version="1"
     )
     # The plan verified the checkpoint it chose: the trainer reads it without hashing again.
     assert reads == [(checkpoint, False)]

@@ -55,6 +55,11 @@ class TrainerBackend(ABC):
         """Restore a checkpoint staged from ``named_weights``, ``optimizer_state_dict`` and
         ``rng_state``."""
 
+    @abstractmethod
+    def load_reference(self, weights: dict[str, torch.Tensor]) -> None:
+        """Make ``weights`` (as ``named_weights`` gives them) the KL reference; without a KL
+        loss there is no reference and this does nothing."""
+
     def rng_state(self) -> dict[str, Any]:
         """Every random number generator state training may draw from."""
         return capture_rng_state()

@@ -259,6 +259,10 @@ class TorchTrainerBackend(TrainerBackend):
     def optimizer_state_dict(self) -> dict[str, Any]:
         return self.optimizer.state_dict()
 
+    def load_reference(self, weights: dict[str, torch.Tensor]) -> None:
+        if self.reference is not None:
+            copy_weights(self.reference, weights)
+
     def load_state(
         self,
         weights: dict[str, torch.Tensor],
@@ -266,23 +270,26 @@ class TorchTrainerBackend(TrainerBackend):
         rng: dict[str, Any],
         num_optimizer_steps: int,
     ) -> None:
-        live = self.named_weights()
-        # A tied duplicate saved by another writer is harmless: its storage is restored
-        # through the name it is tied to.
-        known = set(self.model.state_dict())
-        missing, unexpected = sorted(set(live) - set(weights)), sorted(set(weights) - known)
-        if missing or unexpected:
-            raise ValueError(
-                f"checkpoint weights do not fit the model: missing {missing}, unexpected {unexpected}"
-            )
-        with torch.no_grad():
-            for name, tensor in live.items():
-                saved = weights[name]
-                if saved.shape != tensor.shape:
-                    raise ValueError(
-                        f"checkpoint tensor {name}: shape {tuple(saved.shape)}, model {tuple(tensor.shape)}"
-                    )
-                tensor.copy_(saved)
+        copy_weights(self.model, weights)
         self.optimizer.load_state_dict(optimizer)
         restore_rng_state(rng)
         self._num_optimizer_steps = num_optimizer_steps
+
+
+def copy_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """Copy checkpoint ``weights`` (Hugging Face names, no tied duplicates needed) into
+    ``model``; ``ValueError`` naming what does not fit, before anything is copied."""
+    live, _tied = split_tied(model.state_dict())
+    # A tied duplicate saved by another writer is harmless: its storage is restored
+    # through the name it is tied to.
+    known = set(model.state_dict())
+    missing, unexpected = sorted(set(live) - set(weights)), sorted(set(weights) - known)
+    if missing or unexpected:
+        raise ValueError(f"checkpoint weights do not fit the model: missing {missing}, unexpected {unexpected}")
+    for name, tensor in live.items():
+        saved = weights[name]
+        if saved.shape != tensor.shape:
+            raise ValueError(f"checkpoint tensor {name}: shape {tuple(saved.shape)}, model {tuple(tensor.shape)}")
+    with torch.no_grad():
+        for name, tensor in live.items():
+            tensor.copy_(weights[name])

@@ -33,6 +33,9 @@ from schemas.config import Config
 PATH_KEYS: tuple[tuple[str, str], ...] = (
     ("run", "dir"),
     ("run", "save_trigger_sentinel"),
+    ("run", "load"),
+    ("run", "ref_load"),
+    ("run", "rollout_only_publication_evidence"),
     ("data", "prompt_data"),
     ("data", "eval_data"),
     ("model", "path"),
@@ -346,6 +349,7 @@ def validate(config: Config) -> None:
                 f"data.prompt_data: no such file {data.prompt_data} (needed because {needed})",
                 key="data.prompt_data",
             )
+    _validate_loading(config)
     if data.eval_data and not os.path.isfile(data.eval_data):
         raise ConfigError(f"data.eval_data: no such file {data.eval_data}", key="data.eval_data")
     rollout_samples = data.rollout_batch_size * data.n_samples_per_prompt
@@ -374,6 +378,50 @@ def validate(config: Config) -> None:
             check(value)
         except ValueError as error:
             raise ConfigError(f"{key}: {error}", key=key) from None
+
+
+def _validate_loading(config: Config) -> None:
+    """``run.load`` / ``run.ref_load`` and the rollout-only mode (the checkpoints themselves
+    are verified by the run plan)."""
+    run = config.run
+    for key, value in (("run.load", run.load), ("run.ref_load", run.ref_load)):
+        if value is not None and not os.path.isdir(value):
+            raise ConfigError(f"{key}: no such directory {value}", key=key)
+    evidence = run.rollout_only_publication_evidence
+    if not run.rollout_only_from_checkpoint:
+        if evidence is not None:
+            raise ConfigError(
+                "run.rollout_only_publication_evidence: set only with run.rollout_only_from_checkpoint = true",
+                key="run.rollout_only_publication_evidence",
+            )
+        return
+    mode = "run.rollout_only_from_checkpoint"
+    if run.load is None and run.ref_load is None:
+        raise ConfigError(f"run.load: {mode} needs the checkpoint root to serve (run.load or run.ref_load)", key="run.load")
+    if evidence is None:
+        raise ConfigError(
+            f"run.rollout_only_publication_evidence: required by {mode} (where its proof is written)",
+            key="run.rollout_only_publication_evidence",
+        )
+    if os.path.lexists(evidence):
+        raise ConfigError(
+            f"run.rollout_only_publication_evidence: {evidence} exists already; evidence is never overwritten "
+            "(move it, or choose another path)",
+            key="run.rollout_only_publication_evidence",
+        )
+    if not os.path.isdir(os.path.dirname(evidence)):
+        raise ConfigError(
+            f"run.rollout_only_publication_evidence: no such directory {os.path.dirname(evidence)}",
+            key="run.rollout_only_publication_evidence",
+        )
+    if run.resume:
+        raise ConfigError(f"run.resume: {mode} serves run.load and saves nothing to resume from", key="run.resume")
+    if config.verifier.check_weight_update_equal:
+        raise ConfigError(
+            f"verifier.check_weight_update_equal: {mode} runs its own snapshot, reset and compare around a "
+            "republication; unset one of them",
+            key="verifier.check_weight_update_equal",
+        )
 
 
 # --- output ---------------------------------------------------------------------------

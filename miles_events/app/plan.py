@@ -1,7 +1,8 @@
 """Before any actor starts: the resolved config and the run plan.
 
-The plan fixes the loop's bounds and, on resume, the one checkpoint the run continues
-from: chosen and verified here, once, and handed to the trainer through the plan.
+The plan fixes the loop's bounds and the one checkpoint the trainer starts from (this
+run's latest on resume, else the one ``run.load`` or ``run.ref_load`` names): chosen and
+verified here, once, and handed to the trainer through the plan.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pathlib import Path
 import msgspec
 
 from miles_events.app.config import config_digest
-from miles_events.rl.checkpoint import latest_checkpoint
+from miles_events.rl.checkpoint import latest_checkpoint, marked_checkpoint
 from miles_events.rl.hf_model import prepare_base_model
 from miles_events.rl.prompts import DataError, load_prompts
 from miles_events.rl.versions import engine_names
@@ -50,17 +51,34 @@ def make_plan(config: Config, runtime: str) -> RunPlan:
                 "or a smaller batch"
             )
         num_rollout = per_epoch * config.run.num_epoch
-    start, weight_version, resumed, checkpoint = 0, "default", False, None
-    if config.run.resume:
-        checkpoint = latest_checkpoint(Path(config.run.dir))
+    run = config.run
+    start, weight_version, resumed = 0, "default", False
+    checkpoint: Path | None = None
+    iteration: int | None = None
+    if run.resume and not run.rollout_only_from_checkpoint:
+        checkpoint = latest_checkpoint(Path(run.dir))
         if checkpoint is None:
-            logger.info("run.resume: no complete checkpoint under %s; starting fresh", config.run.dir)
-        else:
-            state = msgspec.json.decode((checkpoint / "trainer_state.json").read_bytes(), type=TrainerState)
-            start, weight_version, resumed = state.rollout_id + 1, state.weight_version, True
-            logger.info("resuming from %s: rollout %d, weight version %s", checkpoint, start, weight_version)
-    if config.run.start_rollout_id is not None:
-        start = config.run.start_rollout_id
+            logger.info("run.resume: no complete checkpoint under %s", run.dir)
+    load = run.load or run.ref_load
+    loaded_ref = False
+    if checkpoint is None and load is not None:
+        loaded_ref = run.load is None
+        # As miles' --load: the checkpoint its latest_checkpointed_iteration.txt names.
+        checkpoint, iteration = marked_checkpoint(Path(load))
+    elif checkpoint is None and run.resume:
+        logger.info("run.resume: starting fresh")
+    if checkpoint is not None:
+        state = msgspec.json.decode((checkpoint / "trainer_state.json").read_bytes(), type=TrainerState)
+        start = state.rollout_id + 1
+        if not run.rollout_only_from_checkpoint:
+            # Publications continue the saved version; rollout-only publishes "1" first.
+            weight_version, resumed = state.weight_version, True
+        logger.info("starting from %s: rollout %d, weight version %s", checkpoint, start, state.weight_version)
+    reference: Path | None = None
+    if run.ref_load is not None and config.trainer.use_kl_loss:
+        reference = checkpoint if loaded_ref else marked_checkpoint(Path(run.ref_load))[0]
+    if run.start_rollout_id is not None:
+        start = run.start_rollout_id
     return RunPlan(
         start_rollout_id=start,
         num_rollout=num_rollout,
@@ -70,5 +88,8 @@ def make_plan(config: Config, runtime: str) -> RunPlan:
         engines=tuple(engine_names(config)),
         runtime=runtime,
         config_digest=config_digest(config),
-        resume_checkpoint=str(checkpoint) if checkpoint is not None else None,
+        load_checkpoint=str(checkpoint) if checkpoint is not None else None,
+        reference_checkpoint=str(reference) if reference is not None else None,
+        rollout_only=run.rollout_only_from_checkpoint,
+        checkpoint_iteration=iteration,
     )

@@ -23,7 +23,7 @@ from miles_events.bus.clock import SYSTEM_CLOCK, Clock
 from miles_events.bus.host import actor_failed
 from miles_events.transport.base import InProcessTransport, Transport
 from schemas.config import Config
-from schemas.events import Event, RunStarted
+from schemas.events import Event, RunStarted, plan_of
 from schemas.plan import RunPlan
 
 HEADER = ("run_id", "seq", "time", "source")
@@ -102,20 +102,6 @@ def split_runs(recorded: Iterable[Event]) -> dict[str, list[Event]]:
     return runs
 
 
-def plan_from_run_started(event: RunStarted) -> RunPlan:
-    """The plan a recorded run announced (to re-drive actors from its log)."""
-    return RunPlan(
-        start_rollout_id=event.start_rollout_id,
-        num_rollout=event.num_rollout,
-        num_rollout_per_epoch=event.num_rollout_per_epoch,
-        resumed=event.resumed,
-        weight_version=event.weight_version,
-        engines=tuple(event.engines),
-        runtime=event.runtime,
-        config_digest=event.config_digest,
-    )
-
-
 def build_actor(name: str, config: Config, recorded: Sequence[Event], run_dir: Path | None = None) -> Actor:
     """The actor ``name`` as it was at the start of the recorded run; ``run_dir`` is where
     the run's files (the checksum manifests the Verifier reads) lie, by default the current
@@ -126,6 +112,6 @@ def build_actor(name: str, config: Config, recorded: Sequence[Event], run_dir: P
     if started is None:
         raise ValueError("the log has no RunStarted: cannot rebuild the run's plan")
     context = RecordingContext(
-        config, name=name, run_dir=Path(run_dir) if run_dir is not None else Path("."), plan=plan_from_run_started(started)
+        config, name=name, run_dir=Path(run_dir) if run_dir is not None else Path("."), plan=plan_of(started)
     )
     return REDRIVABLE[name](config, context)

@@ -382,6 +382,31 @@ def latest_checkpoint(run_dir: Path, verify: bool = True) -> Path | None:
     return None
 
 
+def marked_checkpoint(root: Path) -> tuple[Path, int]:
+    """The checkpoint a checkpoint root's ``latest_checkpointed_iteration.txt`` names (as
+    Megatron and miles load ``--load``), verified; returns it with the iteration.
+
+    Raises ``CheckpointError`` (one line) when the marker is missing or not an integer, or
+    the checkpoint it names is missing or does not verify.
+    """
+    root = Path(root)
+    marker = root / ITERATION_FILE
+    try:
+        text = marker.read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        raise CheckpointError(f"{root}: no {ITERATION_FILE} (not a checkpoint root the Saver wrote)") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{marker}: cannot read: {exc}") from None
+    if not text.isdigit():
+        raise CheckpointError(f"{marker}: {text[:40]!r} is not an iteration number")
+    iteration = int(text)
+    path = root / checkpoint_name(iteration)
+    if not path.is_dir():
+        raise CheckpointError(f"{marker} names iteration {iteration}, but {path} does not exist")
+    verify_checkpoint(path)
+    return path, iteration
+
+
 # --- pruning ---------------------------------------------------------------------------
 
 

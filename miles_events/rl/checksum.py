@@ -152,3 +152,13 @@ def report_checksums(report: EngineChecksumReport) -> dict[str, str]:
     if len(report.ranks) == 1:
         return dict(report.ranks[0].checksums)
     return {f"rank{rank_of(rank)}/{name}": value for rank in report.ranks for name, value in rank.checksums.items()}
+
+
+def ranked_checksums(report: EngineChecksumReport) -> dict[str, str]:
+    """One engine's checksums as miles flattens them, whatever its rank count:
+    ``rank{r}/{name}`` for every rank (the names the seed's canonical checksums use).
+
+    Raises ``ValueError`` as ``report_checksums`` does.
+    """
+    report_checksums(report)  # the same refusals
+    return {f"rank{rank_of(rank)}/{name}": value for rank in report.ranks for name, value in rank.checksums.items()}

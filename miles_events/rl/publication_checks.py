@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -55,7 +55,12 @@ def flatten_inference_engine_checksums(raw: Any) -> list[dict[str, str]]:
 
 
 def canonical_inference_checksums(raw: Any) -> CanonicalChecksums:
-    canonical = tuple(sorted(tuple(sorted(body.items())) for body in flatten_inference_engine_checksums(raw)))
+    return canonical_checksums(flatten_inference_engine_checksums(raw))
+
+
+def canonical_checksums(engines: Sequence[Mapping[str, str]]) -> CanonicalChecksums:
+    """The canonical form of every engine's flattened checksums (``rank{r}/{name}`` keys)."""
+    canonical = tuple(sorted(tuple(sorted(body.items())) for body in engines))
     if not canonical or any(not body for body in canonical):
         raise RuntimeError("inference weight checksum response was empty")
     return canonical

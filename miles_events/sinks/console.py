@@ -32,6 +32,8 @@ from schemas.events import (
     CheckpointSaved,
     EvalFinished,
     Event,
+    PublicationEvidenceFailed,
+    PublicationEvidenceWritten,
     PublicationFailed,
     PublicationMismatch,
     PublicationVerified,
@@ -49,7 +51,7 @@ logger = logging.getLogger(__name__)
 SHOWN: tuple[type[Event], ...] = (
     RunStarted, RolloutGenerated, TrainStepFinished, WeightsStaged, WeightsLoaded, WeightsPublished,
     PublicationVerified, PublicationMismatch, PublicationFailed, EvalFinished, CheckpointSaved,
-    CheckpointFailed, ActorFailed, RunFinished,
+    CheckpointFailed, ActorFailed, RunFinished, PublicationEvidenceWritten, PublicationEvidenceFailed,
 )  # fmt: skip
 STEP_PHASES = (("generate", "gen"), ("train", "train"), ("publish", "pub"), ("verify", "verify"), ("save", "save"))
 SPARK = "▁▂▃▄▅▆▇█"
@@ -89,6 +91,8 @@ class RunProgress(HandlerTable):
         self.started_at: float | None = None
         self.last_time: float | None = None
         self.last_trained: int | None = None
+        """The last rollout done: trained, or (rollout-only) generated."""
+        self.rollout_only = False
         self.rewards: deque[float] = deque(maxlen=recent)
         self.train: TrainStepFinished | None = None
         self.step_seconds: dict[str, float] = {}
@@ -109,7 +113,7 @@ class RunProgress(HandlerTable):
 
     @property
     def done(self) -> int:
-        """Rollouts trained so far in this run."""
+        """Rollouts done so far in this run."""
         return 0 if self.last_trained is None else self.last_trained - self.start_rollout_id + 1
 
     def eta_seconds(self) -> float | None:
@@ -130,6 +134,7 @@ class RunProgress(HandlerTable):
     def _run_started(self, event: RunStarted) -> None:
         self.run_id, self.runtime = event.run_id, event.runtime
         self.start_rollout_id, self.num_rollout = event.start_rollout_id, event.num_rollout
+        self.rollout_only = event.rollout_only
         self.started_at = event.time or None
         self.trainer_version = event.weight_version
         # Engines boot from the Hugging Face directory, even on resume, until the first publication.
@@ -139,6 +144,8 @@ class RunProgress(HandlerTable):
     def _rollout_generated(self, event: RolloutGenerated) -> None:
         self.rewards.append(event.reward_mean)
         self.step_seconds["generate"] = event.generate_seconds
+        if self.rollout_only:
+            self.last_trained = event.rollout_id
 
     @handles(TrainStepFinished)
     def _train_step_finished(self, event: TrainStepFinished) -> None:
@@ -248,6 +255,8 @@ class PlainProgress(ConsoleSink):
         self.generated: dict[int, RolloutGenerated] = {}
         self.trained: dict[int, TrainStepFinished] = {}
         self.published: dict[int, WeightsPublished] = {}
+        self.initial_publications = 0
+        """Publications before the first rollout (rollout-only republishes once)."""
         self.ended = False
 
     def _line(self, text: str, *, final: bool = False) -> None:
@@ -257,6 +266,8 @@ class PlainProgress(ConsoleSink):
     @handles(RunStarted)
     def _run_started(self, event: RunStarted) -> None:
         resumed = f", resumed at weight version {event.weight_version}" if event.resumed else ""
+        if event.rollout_only:
+            resumed += f", rollout-only from checkpoint iteration {event.checkpoint_iteration}"
         self._line(
             f"run {event.run_id} ({event.runtime}): rollouts {event.start_rollout_id}..{event.num_rollout - 1}, "
             f"engines {', '.join(event.engines)}{resumed}"
@@ -264,7 +275,21 @@ class PlainProgress(ConsoleSink):
 
     @handles(RolloutGenerated)
     def _rollout_generated(self, event: RolloutGenerated) -> None:
-        self.generated[event.rollout_id] = event
+        if self.progress.rollout_only:
+            self._line(
+                f"rollout {event.rollout_id + 1}/{self.progress.num_rollout}: reward {event.reward_mean:.3f} | "
+                f"gen {event.generate_seconds:.2f}s | not trained (rollout-only)"
+            )
+        else:
+            self.generated[event.rollout_id] = event
+
+    @handles(PublicationEvidenceWritten)
+    def _evidence_written(self, event: PublicationEvidenceWritten) -> None:
+        self._line(f"the engines serve the checkpoint exactly: evidence in {event.path}")
+
+    @handles(PublicationEvidenceFailed)
+    def _evidence_failed(self, event: PublicationEvidenceFailed) -> None:
+        self._line(f"publication evidence FAILED: {event.reason}")
 
     @handles(TrainStepFinished)
     def _train_step_finished(self, event: TrainStepFinished) -> None:
@@ -273,7 +298,9 @@ class PlainProgress(ConsoleSink):
     @handles(WeightsPublished)
     def _weights_published(self, event: WeightsPublished) -> None:
         if event.rollout_id is None:
-            self._line(f"initial weights published as version {event.weight_version} in {event.publish_seconds:.2f}s")
+            self.initial_publications += 1
+            which = "initial weights published" if self.initial_publications == 1 else "weights republished"
+            self._line(f"{which} as version {event.weight_version} in {event.publish_seconds:.2f}s")
         else:
             self.published[event.rollout_id] = event
         if not self.verify:
@@ -327,7 +354,7 @@ class PlainProgress(ConsoleSink):
     def _publication(self, rollout_id: int | None, outcome: str, verify_seconds: float | None = None) -> None:
         """The rollout's line, once its publication has an outcome."""
         if rollout_id is None:
-            self._line(f"initial publication {outcome}")
+            self._line(f"{'initial publication' if self.initial_publications <= 1 else 'republication'} {outcome}")
             return
         generated, train = self.generated.pop(rollout_id, None), self.trained.pop(rollout_id, None)
         published = self.published.pop(rollout_id, None)
