@@ -41,6 +41,7 @@ from schemas.events import (
     ActorFailed,
     CheckpointFailed,
     CheckpointSaved,
+    DataReleased,
     EvalFinished,
     EvalRequested,
     PublicationEvidenceFailed,
@@ -304,12 +305,14 @@ class Coordinator(Actor):
     async def on_publication_evidence_failed(self, event: PublicationEvidenceFailed) -> None:
         await self._finish("failed", f"cannot write the publication evidence: {event.reason}")
 
-    @handles(RolloutGenerated, emits=(RolloutRequested, RunFinished))
+    @handles(RolloutGenerated, emits=(DataReleased, RolloutRequested, RunFinished))
     async def on_rollout_generated(self, event: RolloutGenerated) -> None:
-        """Rollout-only: the rollout is the step (the trainer releases the batch untrained)."""
+        """Rollout-only: the rollout is the whole step. Its batch goes back untrained, as the
+        seed's loop removes the rollout's data refs before it continues."""
         if not self.plan.rollout_only:
             return
         self.last_rollout_id = event.rollout_id
+        await self.publish(DataReleased(ref=event.batch))
         logger.info(
             "rollout-only-from-checkpoint completed rollout_id=%d; "
             "skipping actor/critic training, saving, and republishing",

@@ -129,9 +129,7 @@ class Trainer(Actor):
     @handles(RolloutGenerated, emits=(DataReleased, TrainStepFinished))
     async def on_rollout_generated(self, event: RolloutGenerated) -> None:
         if self.context.plan.rollout_only:
-            # Rollout-only from a checkpoint: nothing is trained; the batch goes back.
-            await self.publish(DataReleased(ref=event.batch))
-            return
+            return  # rollout-only from a checkpoint: nothing is trained (the loop releases the batch)
         started = time.perf_counter()
         # The version being improved upon: the one in force when the batch arrives.
         version = self.weight_version

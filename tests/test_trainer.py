@@ -240,6 +240,22 @@ async def test_kl_to_the_reference_is_zero_until_the_policy_moves(base_model: Pa
     assert second.metrics.kl > 0.0
 
 
+async def test_a_loaded_reference_is_what_the_kl_is_measured_against(base_model: Path, tmp_path: Path) -> None:
+    """``run.ref_load``: the KL reference is the reference checkpoint's weights, not the
+    policy's starting point, so the first step already has a KL; the policy is untouched."""
+    config = make_config(base_model, tmp_path, use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="k3")
+    trainer, context = await started_trainer(config, tmp_path)
+    policy = weights_of(trainer)
+    reference = {name: tensor + 0.05 for name, tensor in policy.items()}
+    trainer.backend.load_reference(reference)
+    assert all(torch.equal(t, policy[n]) for n, t in weights_of(trainer).items())
+    await trainer.handle(rollout_event(context, 0, two_group_samples()))
+    (first,) = context.of_type(TrainStepFinished)
+    assert first.metrics.kl > 0.0
+    with pytest.raises(ValueError, match="missing"):
+        trainer.backend.load_reference({n: t for n, t in reference.items() if "norm" not in n})
+
+
 def test_staleness_counts_publications_since_the_oldest_sample_version() -> None:
     assert staleness_max("3", ["2", "1", "3"]) == 2
     assert staleness_max("2", ["default"]) == 2
