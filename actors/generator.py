@@ -244,13 +244,14 @@ class Generator(Actor):
             previous = engine.weight_version
             started = time.perf_counter()
 
-            def load(engine: Engine = engine) -> tuple[int, str, str, int]:
+            def load(engine: Engine = engine) -> tuple[int, str, str, int, str | None]:
                 num_bytes = engine.load_weights(event.weights, event.weight_version)
                 checksums = report_checksums(engine.checksums(skip))
                 digest, manifest = write_manifest(self.context.run_dir, checksums)
-                return num_bytes, digest, manifest, len(checksums)
+                canary = engine.served_canary() if engine.holds_canary else None
+                return num_bytes, digest, manifest, len(checksums), canary
 
-            num_bytes, digest, manifest, num_tensors = await anyio.to_thread.run_sync(load)
+            num_bytes, digest, manifest, num_tensors, canary = await anyio.to_thread.run_sync(load)
             await self.publish(
                 WeightsLoaded(
                     engine=engine.name,
@@ -261,6 +262,7 @@ class Generator(Actor):
                     num_bytes=num_bytes,
                     checksums_manifest=manifest,
                     load_seconds=time.perf_counter() - started,
+                    canary=canary,
                 )
             )
 

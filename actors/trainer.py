@@ -26,6 +26,7 @@ import torch
 from actors.trainer_backend import build_backend
 from actors.trainer_backend.base import TrainerBackend
 from miles_events.bus.actor import Actor, ActorContext, WorkerGroup, handles
+from miles_events.rl.canary import CANARY_TENSOR, canary_fingerprint, publication_canary
 from miles_events.rl.checkpoint import read_checkpoint
 from miles_events.rl.checksum import fingerprints
 from miles_events.rl.checksum_manifest import remove_manifest, write_manifest
@@ -156,24 +157,28 @@ class Trainer(Actor):
 
     # --- publication -----------------------------------------------------------------------
 
-    def _stage_weights(self, key: str, dtype: torch.dtype) -> tuple[DataRef, str, str, int, int]:
-        """(ref, digest, checksum manifest, tensors in the digest, bytes staged)."""
+    def _stage_weights(self, version: str, dtype: torch.dtype) -> tuple[DataRef, str, str, int, int, str]:
+        """(ref, digest, checksum manifest, tensors in the digest, bytes staged, canary)."""
         tensors = self.backend.named_weights(dtype)
-        ref = self.context.transport.put_tensors(key, tensors, owner=self.name)
+        # The payload also carries this publication's canary, which only a load that
+        # applies it can show (miles_events.rl.canary); it is in no digest.
+        canary = publication_canary(self.context.run_id, version)
+        payload = {**tensors, CANARY_TENSOR: canary}
+        ref = self.context.transport.put_tensors(f"weights-v{version}", payload, owner=self.name)
         # Same bytes as the staged copy, fingerprinted before training can touch them (this
         # runs inside the handler, and the trainer handles one event at a time). The skip
         # list applies here as on the engines: digests are compared whole.
         checksums = fingerprints(tensors, self.config.verifier.skip_tensor_list)
         digest, manifest = write_manifest(self.context.run_dir, checksums)
-        return ref, digest, manifest, len(checksums), staged_bytes(tensors)
+        return ref, digest, manifest, len(checksums), staged_bytes(payload), canary_fingerprint(canary)
 
     @handles(PublishRequested, emits=(WeightsStaged,))
     async def on_publish_requested(self, event: PublishRequested) -> None:
         started = time.perf_counter()
         version = next_version(self.weight_version)
         engine_dtype = DTYPES[self.config.model.dtype]
-        ref, digest, manifest, num_tensors, num_bytes = await anyio.to_thread.run_sync(
-            self._stage_weights, f"weights-v{version}", engine_dtype
+        ref, digest, manifest, num_tensors, num_bytes, canary = await anyio.to_thread.run_sync(
+            self._stage_weights, version, engine_dtype
         )
         previous, self._published = self._published, ref
         if previous is not None:
@@ -190,6 +195,7 @@ class Trainer(Actor):
                 checksums_manifest=manifest,
                 rollout_id=event.rollout_id,
                 stage_seconds=time.perf_counter() - started,
+                canary=canary,
             )
         )
 

@@ -12,6 +12,13 @@ The per-tensor checksums are read from the checksum manifests (``<run_dir>/check
 only to name the tensors of a mismatch. A manifest that cannot be read then makes that
 engine's mismatch one entry, ``tensor="*"``, whose ``reason`` says why. Differences in
 tensors of ``verifier.skip_tensor_list`` are not mismatches.
+
+Digests agree whether or not a load wrote anything when the published weights equal what
+the engine served already. So each engine must also show the publication's canary
+(``miles_events.rl.canary``): one that shows another publication's canary, or none, is a
+mismatch on ``CANARY_TENSOR`` (its load did not apply the payload), on every publication,
+the first included. An engine that cannot hold a canary is verified by digests alone, and
+``PublicationVerified.write_proof`` says which.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import time
 import anyio
 
 from miles_events.bus.actor import Actor, ActorContext, WorkerGroup, handles
+from miles_events.rl.canary import CANARY_TENSOR
 from miles_events.rl.checksum import is_skipped
 from miles_events.rl.checksum_manifest import ManifestError, read_manifest
 from miles_events.rl.versions import version_number
@@ -125,6 +133,21 @@ class Verifier(Actor):
         expected_digest = staged.digest if staged is not None else ""
         if staged is None or staged.num_tensors == 0:
             mismatches.insert(0, TensorMismatch(engine="trainer", tensor="*", expected="", actual=""))
+        proven = staged is not None and bool(staged.canary)
+        for engine in event.engines:
+            reply = loaded.get(engine)
+            if staged is None or not staged.canary or reply is None or reply.canary is None:
+                proven = False  # an engine that cannot hold a canary: the digests alone
+            elif reply.canary != staged.canary:
+                mismatches.append(
+                    TensorMismatch(
+                        engine=engine,
+                        tensor=CANARY_TENSOR,
+                        expected=staged.canary,
+                        actual=reply.canary,
+                        reason="the engine does not hold this publication's canary: its load did not apply the payload",
+                    )
+                )
         elapsed = time.perf_counter() - started
         if mismatches:
             await self.publish(
@@ -147,5 +170,6 @@ class Verifier(Actor):
                     engines=list(event.engines),
                     rollout_id=event.rollout_id,
                     verify_seconds=elapsed,
+                    write_proof="canary" if proven else "none",
                 )
             )

@@ -180,6 +180,9 @@ class WeightsStaged(Event, frozen=True, kw_only=True):
     directory: ``checksums/<digest>.msgpack``."""
     rollout_id: int | None = None
     stage_seconds: float = 0.0
+    canary: str = ""
+    """The fingerprint of the publication canary the payload carries
+    (``miles_events.rl.canary``); "" in logs recorded before canaries."""
 
 
 class WeightsLoaded(Event, frozen=True, kw_only=True):
@@ -198,6 +201,9 @@ class WeightsLoaded(Event, frozen=True, kw_only=True):
     checksums_manifest: str = ""
     """The checksum manifest of those tensors, relative to the run directory."""
     load_seconds: float = 0.0
+    canary: str | None = None
+    """The fingerprint of the publication canary the engine holds after this load ("" for
+    none); None when the engine cannot hold one."""
 
 
 class WeightsPublished(Event, frozen=True, kw_only=True):
@@ -240,6 +246,9 @@ class PublicationVerified(Event, frozen=True, kw_only=True):
     engines: list[str]
     rollout_id: int | None = None
     verify_seconds: float = 0.0
+    write_proof: Literal["canary", "none"] = "none"
+    """``canary``: every engine also showed this publication's canary, so each load applied
+    the payload; ``none``: the digests alone (an engine that cannot hold a canary)."""
 
 
 class PublicationMismatch(Event, frozen=True, kw_only=True):

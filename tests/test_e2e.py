@@ -284,14 +284,23 @@ def no_op_run(tmp_path: Path, *overrides: str):  # type: ignore[no-untyped-def]
     return asyncio.run(session.run()), events(tmp_path)
 
 
-def test_a_load_that_writes_nothing_passes_the_first_publication_unchecked_and_fails_the_second(tmp_path):
-    """Trainer and engine start from the same base model: the first publication's digests
-    agree whether or not the engine wrote anything; once training moved the weights, a
-    load that writes nothing is a mismatch."""
+def test_a_load_that_writes_nothing_fails_the_first_publication_without_any_check(tmp_path):
+    """Trainer and engine start from the same base model, so the first publication's digests
+    agree whether or not the engine wrote anything: the publication's canary, which only a
+    load that applies the payload holds, fails it (no snapshot or reset needed)."""
     result, log = no_op_run(tmp_path)
-    assert [e.weight_version for e in log if isinstance(e, PublicationVerified)] == ["1"]
-    assert [e.weight_version for e in log if isinstance(e, PublicationMismatch)] == ["2"]
-    assert result.finished.status == "failed"
+    assert not [e for e in log if isinstance(e, PublicationVerified)]
+    (mismatch,) = [e for e in log if isinstance(e, PublicationMismatch)]
+    assert mismatch.weight_version == "1"
+    assert mismatch.engine_digests["engine-0"] == mismatch.expected_digest  # the digests agree
+    assert [m.tensor for m in mismatch.mismatches] == ["miles_events.publication_canary"]
+    assert result.finished.status == "failed" and not [e for e in log if isinstance(e, RolloutGenerated)]
+
+
+def test_every_publication_of_a_real_run_proves_its_write(local_run):
+    run_dir, _ = local_run
+    verified = [e for e in events(run_dir) if isinstance(e, PublicationVerified)]
+    assert verified and {e.write_proof for e in verified} == {"canary"}
 
 
 def test_with_check_weight_update_equal_a_load_that_writes_nothing_fails_the_first_publication(tmp_path):

@@ -11,6 +11,7 @@ import torch
 from actors.publisher import Publisher
 from actors.verifier import Verifier
 from miles_events.bus.clock import ManualClock
+from miles_events.rl.canary import CANARY_TENSOR
 from miles_events.rl.checksum import fingerprints, per_gpu_checksum
 from miles_events.rl.checksum_manifest import write_manifest
 from schemas.config import Config, GeneratorConfig, PublisherConfig, VerifierConfig
@@ -232,3 +233,39 @@ async def test_the_skip_list_applies_before_the_digest_on_both_sides(tmp_path):
     v = verifier(tmp_path, skip_tensor_list=skip)
     out = await feed(v, staged("1", trainer), loaded("engine-0", "1", "default", engine), published("1", engines=("engine-0",)))
     assert isinstance(out[0], PublicationVerified)
+
+
+# --- the publication canary: proof that each load applied the payload ----------------------
+
+
+@pytest.mark.parametrize(
+    ("engine_canaries", "outcome"),
+    [
+        ({"engine-0": "c1", "engine-1": "c1"}, "canary"),
+        # An engine that cannot hold a canary is verified by the digests alone.
+        ({"engine-0": "c1", "engine-1": None}, "none"),
+        # Another publication's canary, or none at all: the load did not apply this payload.
+        ({"engine-0": "c1", "engine-1": "c0"}, "mismatch"),
+        ({"engine-0": "", "engine-1": "c1"}, "mismatch"),
+    ],
+)
+async def test_equal_digests_are_not_enough_the_canary_must_be_the_publications(tmp_path, engine_canaries, outcome):
+    v = verifier(tmp_path)
+    inputs = [msgspec.structs.replace(staged("1"), canary="c1")]
+    for engine, canary in engine_canaries.items():
+        inputs.append(msgspec.structs.replace(loaded(engine, "1", "default"), canary=canary))
+    (out,) = await feed(v, *inputs, published("1"))
+    if outcome == "mismatch":
+        assert isinstance(out, PublicationMismatch)
+        (bad,) = out.mismatches
+        assert (bad.tensor, bad.expected) == (CANARY_TENSOR, "c1")
+        assert bad.engine in [e for e, c in engine_canaries.items() if c != "c1"]
+        assert "did not apply the payload" in bad.reason
+    else:
+        assert isinstance(out, PublicationVerified) and out.write_proof == outcome
+
+
+async def test_a_log_without_canaries_verifies_by_digests():
+    v = verifier(Path("."))
+    (out,) = await feed(v, staged("1"), loaded("engine-0", "1", "default"), published("1", engines=("engine-0",)))
+    assert isinstance(out, PublicationVerified) and out.write_proof == "none"

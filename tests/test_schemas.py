@@ -108,6 +108,7 @@ EXAMPLES: dict[str, dict[str, Any]] = {
         checksums_manifest=MANIFEST,
         rollout_id=3,
         stage_seconds=0.5,
+        canary="0f" * 8,
     ),
     "WeightsLoaded": dict(
         engine="engine-0",
@@ -118,6 +119,7 @@ EXAMPLES: dict[str, dict[str, Any]] = {
         num_bytes=1 << 20,
         checksums_manifest=MANIFEST,
         load_seconds=0.25,
+        canary="0f" * 8,
     ),
     "WeightsPublished": dict(
         weight_version="4",
@@ -130,7 +132,8 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     ),
     "PublicationFailed": dict(weight_version="4", phase="load", reason="timeout", rollout_id=3),
     "PublicationVerified": dict(
-        weight_version="4", digest="cd" * 32, num_tensors=2, engines=["engine-0"], rollout_id=3, verify_seconds=0.01
+        weight_version="4", digest="cd" * 32, num_tensors=2, engines=["engine-0"], rollout_id=3, verify_seconds=0.01,
+        write_proof="canary",
     ),
     "PublicationMismatch": dict(
         weight_version="4",

@@ -16,6 +16,7 @@ from actors.trainer import Trainer, staleness_max
 from actors.trainer_backend.torch_backend import TorchTrainerBackend
 from miles_events.bus.actor import WorkerGroup
 from miles_events.bus.clock import SYSTEM_CLOCK, Clock
+from miles_events.rl.canary import canary_fingerprint, publication_canary, split_canary
 from miles_events.rl.checksum import fingerprints, per_gpu_checksum
 from miles_events.rl.checksum_manifest import read_manifest
 from miles_events.rl.hf_model import prepare_base_model
@@ -290,12 +291,16 @@ async def test_staged_checksums_fingerprint_the_staged_tensors(base_model: Path,
     trainer, context = await started_trainer(make_config(base_model, tmp_path), tmp_path)
     await trainer.handle(PublishRequested(rollout_id=None))
     event = context.of_type(WeightsStaged)[0]
-    tensors = context.transport.get_tensors(event.weights)
+    payload = context.transport.get_tensors(event.weights)
+    tensors, canary = split_canary(payload)
+    # The payload carries this publication's canary, in no digest.
+    assert canary is not None and torch.equal(canary, publication_canary(context.run_id, "1"))
+    assert event.canary == canary_fingerprint(canary)
     assert read_manifest(tmp_path, event.checksums_manifest, event.digest) == fingerprints(tensors)
     assert event.digest == per_gpu_checksum(fingerprints(tensors))
     assert event.checksums_manifest == f"checksums/{event.digest}.msgpack"
     assert event.num_tensors == len(tensors)
-    assert event.num_bytes == sum(t.numel() * t.element_size() for t in tensors.values())
+    assert event.num_bytes == sum(t.numel() * t.element_size() for t in payload.values())
     assert event.weights.owner == "trainer"
 
 
@@ -304,7 +309,7 @@ async def test_the_staged_digest_leaves_out_the_verifier_skip_list(base_model: P
     trainer, context = await started_trainer(config, tmp_path)
     await trainer.handle(PublishRequested(rollout_id=None))
     event = context.of_type(WeightsStaged)[0]
-    tensors = context.transport.get_tensors(event.weights)
+    tensors, _canary = split_canary(context.transport.get_tensors(event.weights))
     assert any("norm" in name for name in tensors), "skipped tensors are still published"
     covered = fingerprints(tensors, ["norm"])
     assert read_manifest(tmp_path, event.checksums_manifest, event.digest) == covered
@@ -316,7 +321,7 @@ async def test_staged_weights_do_not_change_when_training_continues(base_model: 
     await trainer.handle(PublishRequested(rollout_id=None))
     event = context.of_type(WeightsStaged)[0]
     await trainer.handle(rollout_event(context, 0, two_group_samples()))
-    assert per_gpu_checksum(fingerprints(context.transport.get_tensors(event.weights))) == event.digest
+    assert per_gpu_checksum(fingerprints(split_canary(context.transport.get_tensors(event.weights))[0])) == event.digest
     assert per_gpu_checksum(fingerprints(trainer.backend.named_weights())) != event.digest
 
 
@@ -352,7 +357,7 @@ async def test_weights_are_published_in_the_engine_dtype(base_model: Path, tmp_p
     )
     trainer, context = await started_trainer(config, tmp_path)
     await trainer.handle(PublishRequested(rollout_id=None))
-    tensors = context.transport.get_tensors(context.of_type(WeightsStaged)[0].weights)
+    tensors, _canary = split_canary(context.transport.get_tensors(context.of_type(WeightsStaged)[0].weights))
     assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
 
 

@@ -119,7 +119,8 @@ class Engine(ABC):
 
         The engine resolves the handle itself (an in-process engine reads the transport, a
         server is sent the path of a ``disk`` handle), so no tensor passes through the
-        Generator. Raises ``ValueError`` naming the unknown or missing tensors, or those of
+        Generator. The payload carries the publication canary (``CANARY_TENSOR``), which is
+        not a model tensor: an engine that ``holds_canary`` keeps it, others drop it. Raises ``ValueError`` naming the unknown or missing tensors, or those of
         the wrong shape; nothing is loaded then.
         """
 
@@ -138,6 +139,14 @@ class Engine(ABC):
     ) -> WeightsCheckResult:
         """SGLang's ``snapshot``, ``reset_tensors`` or ``compare`` action (``checksum`` is
         ``checksums``); an unknown action is an unsuccessful result, not an exception."""
+
+    holds_canary: bool = False
+    """Whether the engine keeps the publication canary of the payload it loaded
+    (``miles_events.rl.canary``) and reports it in ``served_canary``."""
+
+    def served_canary(self) -> str:
+        """The fingerprint of the canary of the payload loaded last; "" before any."""
+        return ""
 
     def close(self) -> None:
         """Release the engine's memory."""

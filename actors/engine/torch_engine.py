@@ -44,6 +44,7 @@ from actors.engine.base import (
     name_list,
     tensors_match,
 )
+from miles_events.rl.canary import canary_fingerprint, split_canary
 from miles_events.rl.checksum import fingerprints, is_skipped, per_engine_checksum, per_gpu_checksum
 from miles_events.rl.hf_model import load_model, load_tokenizer
 from miles_events.rl.weights import split_tied
@@ -75,6 +76,7 @@ class TorchEngine(Engine):
         """Where ``load_weights`` reads published weights from."""
         self.device = next(model.parameters()).device
         self._weight_version = "default"
+        self._canary = ""
         self._served, self._aliases = split_tied(model.state_dict())
         self._snapshot: dict[str, torch.Tensor] | None = None
         self._eos_ids = _eos_token_ids(model, tokenizer)
@@ -250,9 +252,16 @@ class TorchEngine(Engine):
                 f"engine {self.name} reads the {self.transport.name} transport, "
                 f"not {weights.transport} ({weights.key})"
             )
-        tensors = self.transport.get_tensors(weights)
+        payload = self.transport.get_tensors(weights)
+        tensors, canary = split_canary(payload)
         self.load_tensors(tensors, weight_version)
-        return sum(t.numel() * t.element_size() for t in tensors.values())
+        self._canary = canary_fingerprint(canary) if canary is not None else ""
+        return sum(t.numel() * t.element_size() for t in payload.values())
+
+    holds_canary = True
+
+    def served_canary(self) -> str:
+        return self._canary
 
     def load_tensors(self, tensors: Mapping[str, torch.Tensor], weight_version: str) -> None:
         """Copy ``tensors`` into the served parameters, then serve them as ``weight_version``.
