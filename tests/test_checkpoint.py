@@ -186,6 +186,43 @@ def test_missing_listed_file_is_named(base_dir: Path, tmp_path: Path) -> None:
 # --- finding the checkpoint to resume from ---------------------------------------------
 
 
+class _RunsCode:
+    """Unpickling this calls ``os.system``: what a crafted checkpoint file would hold."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("file_name", ["rng.pt", "optimizer.pt"])
+def test_a_crafted_pickle_with_a_matching_manifest_is_refused_and_never_run(
+    base_dir: Path, tmp_path: Path, file_name: str
+) -> None:
+    """Whoever can write a checkpoint can rewrite its manifest too: the hashes match, and
+    the load must still run nothing."""
+    marker = tmp_path / "code-ran"
+    crafted = _torch_bytes({"torch": torch.get_rng_state(), "python": _RunsCode(marker)})
+    rng = crafted if file_name == "rng.pt" else _torch_bytes({"torch": torch.get_rng_state()})
+    optimizer = crafted if file_name == "optimizer.pt" else _torch_bytes({"state": {}})
+    path = write_checkpoint(tmp_path / "run", base_dir, 0, _small_weights(1.0), optimizer, rng, _state(0), fsync=False)
+    verify_checkpoint(path)  # the manifest agrees with the crafted file
+    with pytest.raises(CheckpointError, match=f"{file_name} holds objects other than tensors and plain data"):
+        read_checkpoint(path)
+    assert not marker.exists()
+
+
+def test_what_the_trainer_saves_loads_with_weights_only(base_dir: Path, tmp_path: Path) -> None:
+    from actors.trainer_backend.base import capture_rng_state
+
+    _model, optimizer, _rng = _trained(base_dir)
+    rng = _torch_bytes(capture_rng_state())
+    path = write_checkpoint(tmp_path / "run", base_dir, 0, _small_weights(1.0), optimizer, rng, _state(0), fsync=False)
+    loaded = read_checkpoint(path)
+    assert loaded.optimizer["state"] and torch.equal(loaded.rng["torch"], torch.load(io.BytesIO(rng))["torch"])
+
+
 def test_latest_is_none_without_checkpoints(tmp_path: Path) -> None:
     assert latest_checkpoint(tmp_path) is None
 

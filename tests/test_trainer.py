@@ -141,7 +141,7 @@ def weights_of(trainer: Trainer) -> dict[str, torch.Tensor]:
 
 
 def torch_load(data: bytes) -> Any:
-    return torch.load(io.BytesIO(data), weights_only=False)
+    return torch.load(io.BytesIO(data), weights_only=True)
 
 
 # --- training ----------------------------------------------------------------------------------

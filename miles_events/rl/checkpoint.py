@@ -313,12 +313,20 @@ def verify_checkpoint(path: Path) -> Manifest:
 
 
 def _torch_load(path: Path) -> Any:
+    """A checkpoint's optimizer or RNG state: tensors, numbers, strings and containers only.
+
+    ``weights_only=True`` always: whoever can write a checkpoint can also rewrite its
+    manifest, so the hashes prove integrity, not trust, and nothing loaded may run code. A
+    file that needs more than that is refused, naming it.
+    """
     try:
-        try:
-            return torch.load(path, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError:
-            # Our own file, verified against the manifest: numpy RNG states need full pickle.
-            return torch.load(path, map_location="cpu", weights_only=False)
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(
+            f"checkpoint {path.parent}: {path.name} holds objects other than tensors and plain data "
+            f"(refused: loading it could run code): {first}"
+        ) from None
     except Exception as exc:
         raise CheckpointError(f"checkpoint {path.parent}: cannot load {path.name}: {exc}") from exc
 

@@ -97,7 +97,8 @@ def prepare_base_model(config: ModelConfig, run_dir: Path, seed: int) -> Path:
 
 
 def load_model(path: str | Path, dtype: str = "float32") -> torch.nn.Module:
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype])
+    # safetensors only: a pickled weights file (pytorch_model.bin) is never loaded.
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype], use_safetensors=True)
     return model
 
 
