@@ -15,6 +15,7 @@ the end of the run drops whatever is left).
 from __future__ import annotations
 
 import io
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,12 @@ from miles_events.rl.canary import CANARY_TENSOR, canary_fingerprint, publicatio
 from miles_events.rl.checkpoint import read_checkpoint
 from miles_events.rl.checksum import fingerprints
 from miles_events.rl.checksum_manifest import remove_manifest, write_manifest
+from miles_events.rl.finite import (
+    NonFiniteError,
+    describe_samples,
+    non_finite_rewards,
+    require_finite_weights,
+)
 from miles_events.rl.hf_model import DTYPES
 from miles_events.rl.prompts import data_cursor, load_prompts
 from miles_events.rl.versions import next_version, version_number
@@ -49,6 +56,8 @@ from schemas.events import (
     WeightsStaged,
 )
 from schemas.rollout import RolloutBatch
+
+logger = logging.getLogger(__name__)
 
 
 def staleness_max(trainer_version: str, sample_versions: list[str]) -> int:
@@ -138,7 +147,8 @@ class Trainer(Actor):
         def read_and_train() -> tuple[RolloutBatch, TrainMetrics]:
             data = self.context.transport.get_bytes(event.batch)
             batch = msgspec.msgpack.decode(data, type=RolloutBatch)
-            return batch, self.backend.train(batch)
+            trainable = self._finite_part(batch)
+            return batch, self.backend.train(trainable) if trainable.samples else TrainMetrics()
 
         try:
             batch, metrics = await anyio.to_thread.run_sync(read_and_train)
@@ -155,11 +165,29 @@ class Trainer(Actor):
             )
         )
 
+    def _finite_part(self, batch: RolloutBatch) -> RolloutBatch:
+        """The batch to train on, as ``trainer.on_non_finite`` says for non-finite rewards."""
+        rewards = [s.reward for s in batch.samples]
+        bad = non_finite_rewards(rewards)
+        if not bad:
+            return batch
+        policy = self.config.trainer.on_non_finite
+        what = describe_samples(batch.rollout_id, bad, rewards)
+        if policy == "fail":
+            raise NonFiniteError(f"{what} (trainer.on_non_finite = 'fail')")
+        if policy == "skip_step":
+            logger.warning("%s: the rollout is not trained on (trainer.on_non_finite = 'skip_step')", what)
+            return msgspec.structs.replace(batch, samples=[])
+        logger.warning("%s: those samples are left out (trainer.on_non_finite = 'skip_sample')", what)
+        drop = set(bad)
+        return msgspec.structs.replace(batch, samples=[s for i, s in enumerate(batch.samples) if i not in drop])
+
     # --- publication -----------------------------------------------------------------------
 
     def _stage_weights(self, version: str, dtype: torch.dtype) -> tuple[DataRef, str, str, int, int, str]:
         """(ref, digest, checksum manifest, tensors in the digest, bytes staged, canary)."""
         tensors = self.backend.named_weights(dtype)
+        require_finite_weights(tensors, f"weight version {version}")
         # The payload also carries this publication's canary, which only a load that
         # applies it can show (miles_events.rl.canary); it is in no digest.
         canary = publication_canary(self.context.run_id, version)
@@ -227,7 +255,9 @@ class Trainer(Actor):
     def _stage_train_state(self, prefix: str) -> tuple[DataRef, DataRef, DataRef]:
         transport = self.context.transport
         # The training dtype, unconverted: a resumed run continues from exactly these bytes.
-        weights = transport.put_tensors(f"{prefix}-weights", self.backend.named_weights(), owner=self.name)
+        tensors = self.backend.named_weights()
+        require_finite_weights(tensors, f"checkpoint {prefix}")
+        weights = transport.put_tensors(f"{prefix}-weights", tensors, owner=self.name)
         optimizer = transport.put_bytes(
             f"{prefix}-optimizer", torch_save_bytes(self.backend.optimizer_state_dict()), owner=self.name
         )
@@ -249,6 +279,7 @@ class Trainer(Actor):
             data=data_cursor(event.rollout_id + 1, self.config.data.rollout_batch_size, self.num_prompts),
             seed=self.config.run.seed,
             run_id=self.context.run_id,
+            lineage=self.context.plan.lineage or self.context.run_id,
         )
         await self.publish(
             TrainStateStaged(

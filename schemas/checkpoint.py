@@ -23,6 +23,11 @@ class TrainerState(msgspec.Struct, frozen=True, kw_only=True):
     data: DataCursor
     seed: int
     run_id: str
+    """The run that saved it."""
+    lineage: str = ""
+    """The run id of the fresh run this one continues (itself on a fresh run; inherited on
+    resume): a resume never crosses into another lineage. "" in checkpoints written before
+    lineages were recorded (compatible with any)."""
 
 
 class ManifestEntry(msgspec.Struct, frozen=True):

@@ -33,7 +33,12 @@ class RunConfig(Section):
     start_rollout_id: NonNegativeInt | None = None
     """First rollout id; 0 on a fresh run, the checkpoint's next one on resume."""
     resume: bool = False
-    """Continue from the latest complete checkpoint under ``<dir>/checkpoints``."""
+    """Continue from the latest complete checkpoint under ``<dir>/checkpoints``: the newest
+    that verifies, of this directory's lineage (older ones are the fallback). With none
+    there, the run starts fresh; with some, none of which verifies, it refuses to start."""
+    overwrite: bool = False
+    """Start a fresh run in a directory that holds another run's checkpoints: they are moved
+    aside to ``<dir>/checkpoints.replaced-<time>`` first. Without it such a run is refused."""
     eval_interval: PositiveInt | None = None
     skip_eval_before_train: bool = False
     save_interval: PositiveInt | None = None
@@ -142,6 +147,12 @@ class TrainerConfig(Section):
     entropy_coef: float = 0.0
     normalize_advantage_std: bool = True
     """GRPO divides by the group's reward std; Dr.GRPO does not."""
+    on_non_finite: Literal["fail", "skip_sample", "skip_step"] = "fail"
+    """A NaN or infinite reward, loss or gradient norm: ``fail`` stops the run with one line
+    naming the rollout and the samples (or the optimizer step); ``skip_sample`` leaves the
+    samples with such a reward out (and skips an optimizer step whose loss or gradient is
+    not finite); ``skip_step`` trains nothing on such a rollout (or skips that optimizer
+    step). Weights holding a non-finite value are never published or saved."""
     use_rollout_logprobs: bool = False
     """Use the engine's logprobs as old logprobs instead of recomputing them."""
     num_threads: NonNegativeInt = 0

@@ -30,3 +30,6 @@ class RunPlan(msgspec.Struct, frozen=True, kw_only=True):
     generate."""
     checkpoint_iteration: int | None = None
     """The iteration ``latest_checkpointed_iteration.txt`` of the loaded root named."""
+    lineage: str = ""
+    """The run id of the fresh run this run continues (its own on a fresh run); every
+    checkpoint it saves records it."""

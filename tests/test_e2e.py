@@ -154,7 +154,10 @@ def test_resume_continues_with_the_same_rollouts_versions_and_weights(tmp_path):
     assert published_versions(whole_log) == ["1", "2", "3", "4", "5"]
     a = read_checkpoint(latest_checkpoint(tmp_path / "whole"))
     b = read_checkpoint(latest_checkpoint(tmp_path / "split"))
-    assert msgspec.structs.replace(b.trainer_state, run_id=a.trainer_state.run_id) == a.trainer_state
+    # The resumed run saved under its own run id, in the lineage of the run it continued.
+    (first, _second) = [e.run_id for e in split_log if isinstance(e, RunStarted)]
+    assert b.trainer_state.lineage == first and a.trainer_state.lineage == a.trainer_state.run_id
+    assert msgspec.structs.replace(b.trainer_state, run_id=a.trainer_state.run_id, lineage=a.trainer_state.lineage) == a.trainer_state
     for name, tensor in a.weights.items():
         assert torch.equal(tensor, b.weights[name]), name
 
@@ -178,6 +181,16 @@ def test_a_failing_handler_stops_the_run_with_one_clear_line(tmp_path):
     log = events(tmp_path)
     assert any(isinstance(e, ActorFailed) and e.actor == "generator" for e in log)
     assert isinstance(log[-1], RunFinished) and log[-1].status == "failed"
+
+
+def test_a_nan_reward_stops_the_run_with_one_line_naming_the_rollout(tmp_path):
+    result = run_cli(tmp_path, 'run.runtime="local"', "run.num_rollout=3", 'rollout.reward_fn="tests.e2e_rewards.nan_when_wrong"')
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    (line,) = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert "rollout 0: non-finite reward in" in line and "(nan)" in line
+    log = events(tmp_path)
+    assert not [e for e in log if isinstance(e, TrainStepFinished)]
+    assert [e.weight_version for e in log if isinstance(e, WeightsPublished)] == ["1"]
 
 
 @pytest.mark.parametrize(

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from miles_events.app.plan import make_plan
+from miles_events.rl.checkpoint import CheckpointError, write_checkpoint
 from miles_events.rl.prompts import DataError
+from schemas.checkpoint import DataCursor, TrainerState
 from schemas.config import Config, DataConfig, RunConfig
 
 TINY_PROMPTS = Path(__file__).resolve().parents[1] / "examples" / "data" / "arith_train.jsonl"
@@ -50,3 +54,84 @@ def test_a_fresh_plan_starts_at_rollout_zero_with_default_weights(tmp_path):
 
 def test_start_rollout_id_overrides_the_start(tmp_path):
     assert make_plan(config(tmp_path, num_rollout=9, start_rollout_id=4), "local").start_rollout_id == 4
+
+
+# --- resume: a verified checkpoint of this lineage, or a one-line refusal ----------------------
+
+
+def save(run_dir: Path, base: Path, rollout_id: int, lineage: str = "run-a") -> Path:
+    state = TrainerState(
+        rollout_id=rollout_id, weight_version=str(rollout_id + 1), num_optimizer_steps=rollout_id + 1,
+        data=DataCursor(next_rollout_id=rollout_id + 1, epoch=0, offset=0), seed=1, run_id=lineage, lineage=lineage,
+    )  # fmt: skip
+    return write_checkpoint(
+        run_dir, base, rollout_id, {"w": torch.full((2,), float(rollout_id))}, torch_bytes({"state": {}}),
+        torch_bytes({"torch": torch.get_rng_state()}), state, fsync=False,
+    )  # fmt: skip
+
+
+def torch_bytes(obj: object) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def corrupt(checkpoint: Path) -> None:
+    weights = checkpoint / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+
+
+@pytest.fixture
+def base(tmp_path: Path) -> Path:
+    path = tmp_path / "base"
+    path.mkdir()
+    (path / "config.json").write_text("{}")
+    return path
+
+
+def test_resume_with_every_checkpoint_corrupt_refuses_naming_each_and_changes_nothing(tmp_path, base):
+    run_dir = tmp_path / "run"
+    for rollout_id in (0, 1):
+        corrupt(save(run_dir, base, rollout_id))
+    before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    with pytest.raises(CheckpointError) as caught:
+        make_plan(config(run_dir, num_rollout=3, resume=True), "local")
+    message = str(caught.value)
+    assert "\n" not in message and "no checkpoint under" in message
+    assert "rollout_000001: model.safetensors does not match its sha256" in message
+    assert "rollout_000000: model.safetensors does not match its sha256" in message
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before
+
+
+def test_resume_falls_back_and_sets_the_unreadable_newer_checkpoint_aside(tmp_path, base):
+    run_dir = tmp_path / "run"
+    save(run_dir, base, 0)
+    corrupt(save(run_dir, base, 1))
+    plan = make_plan(config(run_dir, num_rollout=3, resume=True), "local", run_id="run-b")
+    assert plan.load_checkpoint == str(run_dir / "checkpoints" / "rollout_000000")
+    assert (plan.start_rollout_id, plan.lineage) == (1, "run-a")
+    # A later save of rollout 1 cannot replace what could not be read: it is kept aside.
+    assert not (run_dir / "checkpoints" / "rollout_000001").exists()
+    assert (run_dir / "checkpoints" / "rollout_000001.unreadable" / "model.safetensors").is_file()
+
+
+def test_resume_never_crosses_into_another_runs_lineage(tmp_path, base):
+    run_dir = tmp_path / "run"
+    save(run_dir, base, 0, lineage="run-old")
+    corrupt(save(run_dir, base, 1, lineage="run-new"))
+    with pytest.raises(CheckpointError, match=r"rollout_000000: another run's \(lineage run-old, resuming run-new\)"):
+        make_plan(config(run_dir, num_rollout=3, resume=True), "local")
+
+
+def test_a_fresh_run_is_refused_where_another_run_saved_unless_it_overwrites(tmp_path, base):
+    run_dir = tmp_path / "run"
+    save(run_dir, base, 0)
+    with pytest.raises(CheckpointError, match="holds another run's checkpoints .*rollout_000000.*run.overwrite = true"):
+        make_plan(config(run_dir, num_rollout=3), "local", run_id="run-b")
+    plan = make_plan(config(run_dir, num_rollout=3, overwrite=True), "local", run_id="run-b")
+    assert (plan.start_rollout_id, plan.resumed, plan.lineage) == (0, False, "run-b")
+    (moved,) = [p for p in run_dir.iterdir() if p.name.startswith("checkpoints.replaced-")]
+    assert (moved / "rollout_000000" / "model.safetensors").is_file()
+    assert not (run_dir / "checkpoints").exists()

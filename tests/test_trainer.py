@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from miles_events.bus.clock import SYSTEM_CLOCK, Clock
 from miles_events.rl.canary import canary_fingerprint, publication_canary, split_canary
 from miles_events.rl.checksum import fingerprints, per_gpu_checksum
 from miles_events.rl.checksum_manifest import read_manifest
+from miles_events.rl.finite import NonFiniteError
 from miles_events.rl.hf_model import prepare_base_model
 from miles_events.transport.base import InProcessTransport, Transport
 from schemas.checkpoint import TrainerState
@@ -511,3 +513,53 @@ async def test_a_rollout_batch_is_released_even_when_training_raises(base_model:
         await trainer.handle(event)
     assert [e.ref for e in context.of_type(DataReleased)] == [event.batch]
     assert not context.of_type(TrainStepFinished)
+
+
+# --- non-finite values ---------------------------------------------------------------------------
+
+
+def with_nan_reward() -> list[Sample]:
+    samples = two_group_samples()
+    samples[2] = msgspec.structs.replace(samples[2], reward=float("nan"))
+    return samples
+
+
+async def test_a_non_finite_reward_fails_the_step_naming_the_rollout_and_the_sample(base_model: Path, tmp_path: Path) -> None:
+    trainer, context = await started_trainer(make_config(base_model, tmp_path), tmp_path)
+    before = weights_of(trainer)
+    with pytest.raises(NonFiniteError, match=r"^rollout 4: non-finite reward in 1 sample\(s\): 2 \(nan\)"):
+        await trainer.handle(rollout_event(context, 4, with_nan_reward()))
+    assert all(torch.equal(t, before[n]) for n, t in weights_of(trainer).items())
+    assert context.of_type(DataReleased) and not context.of_type(TrainStepFinished)
+
+
+async def test_skip_sample_trains_on_the_finite_rest_and_skip_step_on_nothing(base_model: Path, tmp_path: Path) -> None:
+    for policy, moves in (("skip_sample", True), ("skip_step", False)):
+        trainer, context = await started_trainer(make_config(base_model, tmp_path, on_non_finite=policy), tmp_path)
+        before = weights_of(trainer)
+        await trainer.handle(rollout_event(context, 0, with_nan_reward()))
+        (step,) = context.of_type(TrainStepFinished)
+        assert step.metrics.num_optimizer_steps == (1 if moves else 0), policy
+        assert any(not torch.equal(t, before[n]) for n, t in weights_of(trainer).items()) == moves, policy
+        assert all(math.isfinite(t.abs().sum().item()) for t in weights_of(trainer).values())
+
+
+async def test_a_non_finite_loss_skips_or_fails_its_step_and_nan_weights_are_never_published(
+    base_model: Path, tmp_path: Path
+) -> None:
+    for policy in ("fail", "skip_step"):
+        trainer, context = await started_trainer(make_config(base_model, tmp_path, on_non_finite=policy), tmp_path)
+        with torch.no_grad():
+            trainer.backend.model.model.norm.weight[0] = float("nan")  # every logit is NaN now
+        if policy == "fail":
+            with pytest.raises(NonFiniteError, match=r"^rollout 0, optimizer step 1 of 1: non-finite loss"):
+                await trainer.handle(rollout_event(context, 0, two_group_samples()))
+        else:
+            await trainer.handle(rollout_event(context, 0, two_group_samples()))
+            (step,) = context.of_type(TrainStepFinished)
+            assert step.metrics.num_optimizer_steps == 0
+        with pytest.raises(NonFiniteError, match=r"weight version 1: non-finite values in 1 tensor\(s\) \(model.norm.weight\)"):
+            await trainer.handle(PublishRequested(rollout_id=None))
+        with pytest.raises(NonFiniteError, match="non-finite values"):
+            await trainer.handle(SaveRequested(rollout_id=0))
+        assert not context.of_type(WeightsStaged) and not context.of_type(TrainStateStaged)

@@ -16,6 +16,8 @@ disagree with the ones of the training pass, and RL fine-tuning does not use it.
 from __future__ import annotations
 
 import copy
+import logging
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,10 +31,13 @@ from actors.trainer_backend.grpo import (
     policy_loss,
     token_logprobs,
 )
+from miles_events.rl.finite import NonFiniteError
 from miles_events.rl.hf_model import DTYPES, load_model
 from miles_events.rl.weights import split_tied
 from schemas.config import Config
 from schemas.rollout import RolloutBatch, Sample
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -178,12 +183,14 @@ class TorchTrainerBackend(TrainerBackend):
                     None if self.reference is None else self._forward(self.reference, micro, False)[0]
                 )
 
-        totals = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "entropy": 0.0, "clipfrac": 0.0}
+        totals = dict.fromkeys(("loss", "pg_loss", "kl", "entropy", "clipfrac"), 0.0)
         total_tokens = 0
         grad_norm = 0.0
         position = 0
-        for step in steps:
+        trained_steps = 0
+        for number, step in enumerate(steps, start=1):
             step_tokens = int(sum(int(micro.mask.sum().item()) for micro in step))
+            step_totals = dict.fromkeys(totals, 0.0)
             self.optimizer.zero_grad(set_to_none=True)
             for micro in step:
                 old_logp, ref_logp = old_logps[position], ref_logps[position]
@@ -209,15 +216,29 @@ class TorchTrainerBackend(TrainerBackend):
                 terms.loss.backward()
                 # Terms are sums / step_tokens: scale back to sums for the rollout-wide mean.
                 weight = max(step_tokens, 1)
-                totals["loss"] += float(terms.loss.detach().item()) * weight
-                totals["pg_loss"] += float(terms.pg_loss.item()) * weight
-                totals["kl"] += float(terms.kl.item()) * weight
-                totals["entropy"] += float(terms.entropy.item()) * weight
-                totals["clipfrac"] += float(terms.clipfrac.item()) * weight
-            grad_norm = self._clip_gradients()
+                step_totals["loss"] += float(terms.loss.detach().item()) * weight
+                step_totals["pg_loss"] += float(terms.pg_loss.item()) * weight
+                step_totals["kl"] += float(terms.kl.item()) * weight
+                step_totals["entropy"] += float(terms.entropy.item()) * weight
+                step_totals["clipfrac"] += float(terms.clipfrac.item()) * weight
+            step_grad_norm = self._clip_gradients()
+            if not (math.isfinite(step_grad_norm) and all(math.isfinite(v) for v in step_totals.values())):
+                what = (
+                    f"rollout {batch.rollout_id}, optimizer step {number} of {len(steps)}: non-finite loss or "
+                    f"gradient norm (loss {step_totals['loss'] / max(step_tokens, 1)}, grad norm {step_grad_norm})"
+                )
+                self.optimizer.zero_grad(set_to_none=True)
+                if trainer.on_non_finite == "fail":
+                    raise NonFiniteError(f"{what} (trainer.on_non_finite = 'fail')")
+                logger.warning("%s: the step is skipped (trainer.on_non_finite = %r)", what, trainer.on_non_finite)
+                continue
             self.optimizer.step()
             self._num_optimizer_steps += 1
+            trained_steps += 1
+            grad_norm = step_grad_norm
             total_tokens += step_tokens
+            for key, value in step_totals.items():
+                totals[key] += value
         self.optimizer.zero_grad(set_to_none=True)
 
         denominator = max(total_tokens, 1)
@@ -229,7 +250,7 @@ class TorchTrainerBackend(TrainerBackend):
             grad_norm=grad_norm,
             clipfrac=totals["clipfrac"] / denominator,
             train_tokens=total_tokens,
-            num_optimizer_steps=len(steps),
+            num_optimizer_steps=trained_steps,
         )
 
     def _clip_gradients(self) -> float:

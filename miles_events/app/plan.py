@@ -8,12 +8,20 @@ verified here, once, and handed to the trainer through the plan.
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import msgspec
 
 from miles_events.app.config import config_digest
-from miles_events.rl.checkpoint import latest_checkpoint, marked_checkpoint
+from miles_events.rl.checkpoint import (
+    CheckpointError,
+    checkpoint_dirs,
+    checkpoint_rollout_id,
+    choose_resume_checkpoint,
+    marked_checkpoint,
+    set_aside,
+)
 from miles_events.rl.hf_model import prepare_base_model
 from miles_events.rl.prompts import DataError, load_prompts
 from miles_events.rl.versions import engine_names
@@ -34,8 +42,9 @@ def resolve(config: Config) -> Config:
     return msgspec.structs.replace(config, model=model, run=run)
 
 
-def make_plan(config: Config, runtime: str) -> RunPlan:
-    """The loop's bounds, and where a resumed run picks up."""
+def make_plan(config: Config, runtime: str, run_id: str = "") -> RunPlan:
+    """The loop's bounds, and where a resumed run picks up; ``run_id`` is the new run's (the
+    lineage of a fresh run)."""
     data = config.data
     per_epoch: int | None = None
     if config.run.num_rollout is not None:
@@ -55,10 +64,14 @@ def make_plan(config: Config, runtime: str) -> RunPlan:
     start, weight_version, resumed = 0, "default", False
     checkpoint: Path | None = None
     iteration: int | None = None
+    lineage = run_id
     if run.resume and not run.rollout_only_from_checkpoint:
-        checkpoint = latest_checkpoint(Path(run.dir))
+        checkpoint, resumed_lineage = _resume_checkpoint(Path(run.dir))
+        lineage = resumed_lineage or lineage
         if checkpoint is None:
-            logger.info("run.resume: no complete checkpoint under %s", run.dir)
+            logger.info("run.resume: no checkpoint under %s", run.dir)
+    elif not run.rollout_only_from_checkpoint:
+        _refuse_another_runs_checkpoints(config)
     load = run.load or run.ref_load
     loaded_ref = False
     if checkpoint is None and load is not None:
@@ -92,4 +105,47 @@ def make_plan(config: Config, runtime: str) -> RunPlan:
         reference_checkpoint=str(reference) if reference is not None else None,
         rollout_only=run.rollout_only_from_checkpoint,
         checkpoint_iteration=iteration,
+        lineage=lineage,
     )
+
+
+def _resume_checkpoint(run_dir: Path) -> tuple[Path | None, str]:
+    """The checkpoint ``run.resume`` continues from, and its lineage. Checkpoints passed
+    over that a later save would replace are set aside first (renamed, never deleted);
+    with checkpoints there but none to resume from, ``CheckpointError`` names each."""
+    choice = choose_resume_checkpoint(run_dir)
+    if choice.checkpoint is None:
+        if choice.found:
+            reasons = dict(choice.skipped)
+            listed = "; ".join(f"{p.name}: {reasons.get(p, 'not checked')}" for p in choice.found)
+            raise CheckpointError(
+                f"run.resume: no checkpoint under {run_dir / 'checkpoints'} can be resumed from ({listed}); "
+                "nothing was changed: repair or move them, or start in another run.dir"
+            )
+        return None, ""
+    chosen = checkpoint_rollout_id(choice.checkpoint) or 0
+    for path, reason in choice.skipped:
+        if (checkpoint_rollout_id(path) or 0) > chosen:
+            why = "other-lineage" if reason.startswith("another run's") else "unreadable"
+            moved = set_aside(path, why)
+            logger.warning("run.resume: %s: %s; set aside as %s", path.name, reason, moved.name)
+    return choice.checkpoint, choice.lineage
+
+
+def _refuse_another_runs_checkpoints(config: Config) -> None:
+    """A fresh run does not write into another run's checkpoints (it would replace some,
+    prune its own and leave a resume to pick the other's): refused, or, with
+    ``run.overwrite``, the old ones are moved aside whole."""
+    run_dir = Path(config.run.dir)
+    existing = checkpoint_dirs(run_dir)
+    if not existing:
+        return
+    root = run_dir / "checkpoints"
+    if not config.run.overwrite:
+        names = ", ".join(p.name for p in existing[:3]) + (f" and {len(existing) - 3} more" if len(existing) > 3 else "")
+        raise CheckpointError(
+            f"run.dir {run_dir} holds another run's checkpoints ({names}): set run.resume = true to continue "
+            "it, choose another run.dir, or set run.overwrite = true to move them aside and start over"
+        )
+    moved = set_aside(root, "replaced-" + time.strftime("%Y%m%d-%H%M%S"))
+    logger.warning("run.overwrite: moved the previous run's checkpoints to %s", moved)

@@ -89,7 +89,7 @@ class Session:
         started = time.monotonic()
         config = self.config
         try:
-            plan = make_plan(config, config.run.runtime)
+            plan = make_plan(config, config.run.runtime, self.run_id)
             # The resolved config of every run beside the log, so the log can be re-driven.
             config_path = run_config_path(self.run_dir, self.run_id)
             config_path.parent.mkdir(parents=True, exist_ok=True)

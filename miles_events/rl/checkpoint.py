@@ -363,14 +363,77 @@ def _candidates(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: checkpoint_rollout_id(p) or 0, reverse=True)
 
 
+def checkpoint_dirs(run_dir: Path) -> list[Path]:
+    """Every checkpoint directory under ``<run_dir>/checkpoints``, complete or not: the one
+    ``latest`` names first, then by rollout id, newest first."""
+    root = Path(run_dir) / CHECKPOINTS_DIR
+    if not root.is_dir():
+        return []
+    found = sorted(
+        (p for p in root.iterdir() if _FINAL_NAME.match(p.name) and p.is_dir()),
+        key=lambda p: checkpoint_rollout_id(p) or 0,
+        reverse=True,
+    )
+    pointed = _latest_pointer(root)
+    return sorted(found, key=lambda p: p.name != pointed) if pointed is not None else found
+
+
+def _saved_state(path: Path) -> TrainerState | None:
+    try:
+        return msgspec.json.decode((path / TRAINER_STATE_FILE).read_bytes(), type=TrainerState)
+    except (OSError, msgspec.DecodeError):
+        return None
+
+
+@dataclass
+class ResumeChoice:
+    """What ``choose_resume_checkpoint`` found."""
+
+    checkpoint: Path | None
+    """The checkpoint to resume from; None when none qualifies."""
+    lineage: str
+    """The lineage resumed ("" when unknown)."""
+    skipped: list[tuple[Path, str]]
+    """Checkpoints passed over before it, and why (does not verify, another lineage)."""
+    found: list[Path]
+    """Every checkpoint directory there."""
+
+
+def choose_resume_checkpoint(run_dir: Path) -> ResumeChoice:
+    """The checkpoint a resumed run continues from: the one ``latest`` names, else the
+    newest; the first of those that verifies and belongs to the lineage of the newest
+    checkpoint whose state reads (a checkpoint of another run is never resumed from)."""
+    found = checkpoint_dirs(run_dir)
+    lineage = ""
+    skipped: list[tuple[Path, str]] = []
+    for candidate in found:
+        state = _saved_state(candidate)
+        if state is not None and state.lineage:
+            if not lineage:
+                lineage = state.lineage
+            elif state.lineage != lineage:
+                skipped.append((candidate, f"another run's (lineage {state.lineage}, resuming {lineage})"))
+                continue
+        try:
+            verify_checkpoint(candidate)
+        except CheckpointError as exc:
+            log.warning("skipping checkpoint that does not verify: %s", exc)
+            skipped.append((candidate, str(exc).removeprefix(f"checkpoint {candidate}").lstrip(": ")))
+            continue
+        return ResumeChoice(candidate, lineage, skipped, found)
+    return ResumeChoice(None, lineage, skipped, found)
+
+
 def latest_checkpoint(run_dir: Path, verify: bool = True) -> Path | None:
     """The checkpoint to resume from, or None when the run has no complete one.
 
     ``latest`` names the checkpoint saved last; when it is gone or fails verification the
     complete checkpoint with the highest rollout id is used instead, so a torn or corrupted
-    last save falls back to the previous one. ``verify=False`` trusts the manifests'
-    presence and skips hashing.
+    last save falls back to the previous one (``choose_resume_checkpoint``). ``verify=False``
+    trusts the manifests' presence and skips hashing.
     """
+    if verify:
+        return choose_resume_checkpoint(run_dir).checkpoint
     root = Path(run_dir) / CHECKPOINTS_DIR
     if not root.is_dir():
         return None
@@ -378,16 +441,19 @@ def latest_checkpoint(run_dir: Path, verify: bool = True) -> Path | None:
     ordered = _candidates(root)
     if pointed is not None:
         ordered = sorted(ordered, key=lambda p: p.name != pointed)
-    for candidate in ordered:
-        if not verify:
-            return candidate
-        try:
-            verify_checkpoint(candidate)
-        except CheckpointError as exc:
-            log.warning("skipping checkpoint that does not verify: %s", exc)
-            continue
-        return candidate
-    return None
+    return ordered[0] if ordered else None
+
+
+def set_aside(path: Path, why: str) -> Path:
+    """Rename ``path`` to ``<name>.<why>`` (``-2``, ``-3``, ... if taken) so that nothing
+    later writes over it; returns the new path."""
+    target = path.with_name(f"{path.name}.{why}")
+    n = 2
+    while target.exists():
+        target = path.with_name(f"{path.name}.{why}-{n}")
+        n += 1
+    path.rename(target)
+    return target
 
 
 def marked_checkpoint(root: Path) -> tuple[Path, int]:
