@@ -8,6 +8,8 @@ Read top to bottom, the handlers are the loop:
     EvalFinished             -> whatever was waiting on the eval
     TrainStepFinished(k)     -> save if periodic / last / sentinel (removing it), then publish
     CheckpointSaved          -> finish once nothing is pending
+    StopRequested            -> after the current step's publication (or eval): save that
+                                step unless it was saved, then finish
     rollout-only             -> the seed's checkpoint-backed proof (checksums, publish,
                                 checksums, snapshot, reset, checksums, republish, compare,
                                 checksums, evidence), then rollouts only: RolloutGenerated(k)
@@ -94,7 +96,7 @@ class PendingCheck:
 
 
 # Everything the loop may ask for once a publication (or the eval after it) is through.
-AFTER_PUBLICATION = (EvalRequested, RolloutRequested, RunFinished, WeightsCheckRequested)
+AFTER_PUBLICATION = (EvalRequested, RolloutRequested, RunFinished, SaveRequested, WeightsCheckRequested)
 
 
 class Coordinator(Actor):
@@ -112,6 +114,8 @@ class Coordinator(Actor):
         self.run = config.run
         self._after_eval: Callable[[], object] | None = None
         self._pending_saves: set[int] = set()
+        self._saved: set[int] = set()
+        """Rollouts a save was asked for."""
         self._finishing: RunFinished | None = None
         self._check: PendingCheck | None = None
         """The weight check in flight."""
@@ -357,9 +361,9 @@ class Coordinator(Actor):
         if self._finishing is not None:
             return
         if self._stop is not None:
-            # The step's save was asked for and its publication is through: as the seed's
-            # ``should_stop`` break, the run ends here.
-            await self._finish("stopped", self._stop)
+            # The step's publication is through: as the seed's ``should_stop`` break, the
+            # run ends here (once the step is saved).
+            await self._stop_now()
             return
         start, num_rollout = self.plan.start_rollout_id, self.plan.num_rollout
         if rollout_id is None and self._needs_compare():
@@ -412,7 +416,7 @@ class Coordinator(Actor):
         if self._finishing is not None:
             return  # once finishing, nothing new is asked for
         if self._stop is not None:
-            await self._finish("stopped", self._stop)
+            await self._stop_now()
         elif then is not None:
             await then()  # type: ignore[misc]
 
@@ -439,7 +443,16 @@ class Coordinator(Actor):
             await self._save(rollout_id, reason)
         await self.publish(PublishRequested(rollout_id=rollout_id))
 
+    async def _stop_now(self) -> None:
+        """Finish stopped, after saving the last trained step unless a save of it was asked
+        for already: a stopped run resumes with nothing redone."""
+        last = self.last_rollout_id
+        if not self.plan.rollout_only and last >= self.plan.start_rollout_id and last not in self._saved:
+            await self._save(last, "stop")
+        await self._finish("stopped", self._stop or "stopped")
+
     async def _save(self, rollout_id: int, reason: str) -> None:
+        self._saved.add(rollout_id)
         self._pending_saves.add(rollout_id)
         await self.publish(SaveRequested(rollout_id=rollout_id, reason=reason))  # type: ignore[arg-type]
 

@@ -88,6 +88,8 @@ class Trainer(Actor):
         self._manifests: dict[str, str] = {}
         """Weight version -> the checksum manifest written for it, until it is verified."""
         self._num_saves = 0
+        self._last_trained: tuple[int, str] | None = None
+        """(rollout id, the version it improved upon) of the last rollout trained."""
 
     @classmethod
     def resources(cls, config: Config) -> WorkerGroup:
@@ -155,6 +157,7 @@ class Trainer(Actor):
         finally:
             # Released even when training raises (the seed's ``finally``): its owner frees it.
             await self.publish(DataReleased(ref=event.batch))
+        self._last_trained = (event.rollout_id, version)
         await self.publish(
             TrainStepFinished(
                 rollout_id=event.rollout_id,
@@ -272,9 +275,15 @@ class Trainer(Actor):
         # The counter keeps keys unique when one rollout is saved twice (say, sentinel then last).
         prefix = f"train-state-r{event.rollout_id}-{self._num_saves}"
         weights, optimizer, rng = await anyio.to_thread.run_sync(self._stage_train_state, prefix)
+        # The version the saved weights had when trained: a save asked for after the step's
+        # publication (a stop) records what one asked for before it would, so a resumed run
+        # republishes these weights under the same number as the uninterrupted run did.
+        version = self.weight_version
+        if self._last_trained is not None and self._last_trained[0] == event.rollout_id:
+            version = self._last_trained[1]
         trainer_state = TrainerState(
             rollout_id=event.rollout_id,
-            weight_version=self.weight_version,
+            weight_version=version,
             num_optimizer_steps=self.backend.num_optimizer_steps,
             data=data_cursor(event.rollout_id + 1, self.config.data.rollout_batch_size, self.num_prompts),
             seed=self.config.run.seed,

@@ -314,7 +314,7 @@ class PublicationEvidenceFailed(Event, frozen=True, kw_only=True):
 
 class SaveRequested(Event, frozen=True, kw_only=True):
     rollout_id: int
-    reason: Literal["interval", "last", "sentinel", "request"] = "interval"
+    reason: Literal["interval", "last", "sentinel", "request", "stop"] = "interval"
 
 
 class TrainStateStaged(Event, frozen=True, kw_only=True):

@@ -219,6 +219,16 @@ async def test_a_stop_finishes_after_the_current_steps_save_and_publication():
     assert done[0].reason == "interrupted by signal" and done[0].last_rollout_id == 0
 
 
+async def test_a_stop_saves_the_step_it_ends_after_unless_it_was_saved():
+    c = make(num_rollout=5)  # no save_interval: only the stop saves
+    await feed(c, started(c), verified(1, None), trained(0), verified(2, 0))
+    await feed(c, trained(1), StopRequested(reason="interrupted by signal"))
+    out = await feed(c, verified(3, 1))
+    assert kinds(out) == [("SaveRequested", 1)] and out[0].reason == "stop"
+    done = await feed(c, CheckpointSaved(rollout_id=1, path="p", weight_version="2", num_bytes=1))
+    assert kinds(done) == [("RunFinished", "stopped")] and done[0].last_rollout_id == 1
+
+
 async def test_a_stop_during_an_eval_finishes_when_it_ends():
     c = make(num_rollout=5, eval_interval=5)
     await feed(c, started(c), verified(1, None), StopRequested(reason="x"))

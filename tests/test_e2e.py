@@ -29,6 +29,7 @@ from schemas.events import (
     RolloutGenerated,
     RunFinished,
     RunStarted,
+    SaveRequested,
     TrainStepFinished,
     WeightsCheckFinished,
     WeightsPublished,
@@ -339,10 +340,11 @@ def test_check_weight_update_equal_passes_a_real_run(tmp_path):
 
 
 def test_sigint_stops_after_the_current_steps_save_and_publication(tmp_path):
-    """As the seed's ``should_stop`` break: the step in flight is trained, saved (here every
-    rollout saves) and published; no rollout after it starts; the run ends stopped, exit 0."""
+    """As the seed's ``should_stop`` break: the step in flight is trained and published; no
+    rollout after it starts; the run ends stopped, exit 0. The stop saves that step (no
+    interval save is due), so the resumed run redoes nothing."""
     args = [sys.executable, "-m", "miles_events.run", str(TINY), "--set", f'run.dir="{tmp_path}"']
-    for override in (*SMALL, "metrics.port=0", 'run.runtime="local"', "run.num_rollout=50", "run.save_interval=1",
+    for override in (*SMALL, "metrics.port=0", 'run.runtime="local"', "run.num_rollout=50", "run.save_interval=100",
                      "run.eval_interval=100", 'console.mode="plain"', "tracking.tensorboard=true"):
         args += ["--set", override]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -364,9 +366,17 @@ def test_sigint_stops_after_the_current_steps_save_and_publication(tmp_path):
     last = trained[-1]
     assert [e.rollout_id for e in log if isinstance(e, RolloutGenerated)] == trained, "no rollout after the stop"
     assert last in [e.rollout_id for e in log if isinstance(e, WeightsPublished)]
+    assert [(e.rollout_id, e.reason) for e in log if isinstance(e, SaveRequested)] == [(last, "stop")]
     assert last in [e.rollout_id for e in log if isinstance(e, CheckpointSaved)]
     assert finished.last_rollout_id == last and finished.weight_version == str(last + 2)
     assert f"run stopped after rollout {last + 1}/50" in out
+    resumed = run_cli(tmp_path, 'run.runtime="local"', "run.num_rollout=" + str(last + 3), "run.save_interval=100",
+                      "run.eval_interval=100", "run.resume=true")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    second = [e for e in events(tmp_path) if e.run_id != finished.run_id]
+    assert [e.rollout_id for e in second if isinstance(e, TrainStepFinished)] == [last + 1, last + 2]
+    (started,) = [e for e in second if isinstance(e, RunStarted)]
+    assert started.weight_version == str(last + 1)  # republishes the stopped run's last weights as "last + 2"
     # Tracking is finished on this exit path too: the event files hold the last rollout.
     assert list((tmp_path / "tensorboard").rglob("events.out.tfevents.*"))
 
