@@ -24,10 +24,11 @@ from miles_events.bus.clock import SYSTEM_CLOCK, Clock
 from miles_events.bus.errors import describe_error
 from miles_events.bus.event_bus import EventBus, Mailbox
 from miles_events.runtime.base import ActorStartError, RunContext, Runtime
+from miles_events.runtime.leftovers import claim, clean_dead_run, remove_dead_owners
 from miles_events.runtime.local import LocalRuntime
 from miles_events.sinks.base import Sink, SinkContext, SinkHost
 from miles_events.sinks.event_log import EventLogSink
-from miles_events.transport.base import Transport, open_transport
+from miles_events.transport.base import SHM_PREFIX, ShmTransport, Transport, open_transport, shm_root
 from schemas.config import Config
 from schemas.events import ActorFailed, RunFinished
 
@@ -73,6 +74,8 @@ class Session:
         if Coordinator not in actor_classes:
             raise ValueError("a run needs the Coordinator among its actors: nothing else runs the loop")
         self.log_writer = open_event_log(Path(config.run.dir).resolve())
+        # The directory is this run's now: kill what a run whose driver died left running.
+        clean_dead_run(Path(config.run.dir).resolve())
         try:
             self.config = resolve(config)
         except BaseException:
@@ -95,7 +98,11 @@ class Session:
             config_path.parent.mkdir(parents=True, exist_ok=True)
             config_path.write_text(dump_config(config))
             transport_name = transport_for(config)
+            if transport_name == "shm":
+                remove_dead_owners(shm_root(), SHM_PREFIX)
             transport = open_transport(transport_name, self.run_id, self.run_dir)
+            if isinstance(transport, ShmTransport):
+                claim(transport.root)
         except BaseException:
             # Nothing has started: give the run directory back.
             self.log_writer.close()

@@ -28,6 +28,7 @@ from miles_events.bus.errors import describe_error
 from miles_events.bus.event_bus import BusClosed, EventBus, Mailbox
 from miles_events.bus.host import ActorHost
 from miles_events.runtime.base import ActorStartError, InProcessHosts, RunContext, host_context
+from miles_events.runtime.leftovers import forget_processes, record_processes
 from miles_events.transport.base import Transport, open_transport
 from schemas.config import Config
 from schemas.events import ActorFailed, Event
@@ -283,6 +284,7 @@ class RayRuntime:
         config = self.run.config
         groups = placement_bundles(actor_classes, config)
         self._init_ray([b for bundles, _ in groups.values() for b in bundles])
+        self._record_processes()
         placed = await self._place(groups)
         remote_cls = ray.remote(RemoteActorHost)
         config_json = msgspec.json.encode(config)
@@ -316,6 +318,7 @@ class RayRuntime:
         except TimeoutError:
             raise RuntimeError(f"actors did not start within {timeout:g}s") from None
         self._raise_start_errors([cls for cls, _ in remote], pids)
+        self._record_processes()  # now with the actors' worker processes
         # Every remote actor is told all have started before any event reaches it.
         readies = [h.ready.remote() for _, h in remote]
         try:
@@ -333,6 +336,12 @@ class RayRuntime:
                 await self.driver.start(bus, cls)
                 logger.info("started %s (driver)", cls.name)
         await self.driver.ready()
+
+    def _record_processes(self) -> None:
+        """So that a run after a ``kill -9`` of this driver can kill what is left of the
+        cluster this run started (``miles_events.runtime.leftovers``)."""
+        if self._started_ray:
+            record_processes(self.run.run_dir)
 
     @staticmethod
     def _raise_start_errors(classes: list[type[Actor]], results: list[Any]) -> None:
@@ -375,3 +384,4 @@ class RayRuntime:
                 pass
         if self._started_ray:
             ray.shutdown()
+            forget_processes(self.run.run_dir)

@@ -98,6 +98,10 @@ class InProcessTransport(Transport):
         _IN_PROCESS.pop(self.run_id, None)
 
 
+SHM_PREFIX = "miles-events-"
+"""The shared-memory directory of run ``r`` is ``<shm_root>/miles-events-<r>``."""
+
+
 def shm_root() -> Path:
     base = Path("/dev/shm")
     return base if base.is_dir() and os.access(base, os.W_OK) else Path(tempfile.gettempdir())
@@ -114,8 +118,10 @@ class ShmTransport(Transport):
 
     def __init__(self, run_id: str, root: Path | None = None) -> None:
         super().__init__(run_id)
-        self.root = (root or shm_root()) / f"miles-events-{run_id}"
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root = (root or shm_root()) / f"{SHM_PREFIX}{run_id}"
+        # Only this user may read the run's data (optimizer and RNG state pass through here).
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.root, 0o700)
 
     def _path(self, key: str) -> Path:
         if "/" in key or key.startswith("."):
@@ -126,6 +132,7 @@ class ShmTransport(Transport):
         final = self._path(key)
         partial = final.with_name(f".{key}.partial")
         write(partial)  # type: ignore[operator]
+        os.chmod(partial, 0o600)
         os.replace(partial, final)
         return final
 

@@ -1,0 +1,136 @@
+"""What a run killed with ``kill -9`` leaves behind, and the next run's cleanup of it.
+
+A driver killed without a chance to shut down leaves the local Ray cluster's helper
+processes (its dashboard and runtime-env agents, workers) orphaned, and its shared-memory
+data plane in ``/dev/shm``. So a run on the ray runtime records, in its run directory, the
+processes of the cluster it started (``ray-processes.json``: each pid with its start time,
+so a reused pid is never mistaken for one of them) and removes the record when it shuts
+down. The next run in that directory, having taken the directory's lock, finds a record
+whose driver is gone and kills what is left of it; and any run opening the shared-memory
+transport removes the data of runs whose driver is gone (each keeps an ``owner`` file).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+PROCESSES_FILE = "ray-processes.json"
+OWNER_FILE = "owner"
+
+Process = tuple[int, int]
+"""(pid, start time in clock ticks since boot): one process, even across pid reuse."""
+
+
+def start_time(pid: int) -> int | None:
+    """The process's start time (``/proc/<pid>/stat`` field 22), None when it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # The command name (field 2) is in parentheses and may hold spaces: split after it.
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return int(fields[19])
+
+
+def alive(process: Process) -> bool:
+    return start_time(process[0]) == process[1]
+
+
+def this_process() -> Process:
+    pid = os.getpid()
+    started = start_time(pid)
+    return (pid, started if started is not None else 0)
+
+
+def descendants(pid: int) -> list[Process]:
+    """Every live process below ``pid`` (children, their children, ...)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        parent = int(stat[stat.rindex(")") + 2 :].split()[1])
+        children.setdefault(parent, []).append(int(entry.name))
+    found: list[Process] = []
+    stack = list(children.get(pid, []))
+    while stack:
+        child = stack.pop()
+        started = start_time(child)
+        if started is not None:
+            found.append((child, started))
+        stack.extend(children.get(child, []))
+    return found
+
+
+def record_processes(run_dir: Path) -> None:
+    """Record this driver and every process below it (the Ray cluster it started)."""
+    record = {"driver": this_process(), "processes": descendants(os.getpid())}
+    path = Path(run_dir) / PROCESSES_FILE
+    partial = path.with_name(f".{PROCESSES_FILE}.partial")
+    partial.write_text(json.dumps(record))
+    os.replace(partial, path)
+
+
+def forget_processes(run_dir: Path) -> None:
+    (Path(run_dir) / PROCESSES_FILE).unlink(missing_ok=True)
+
+
+def clean_dead_run(run_dir: Path) -> int:
+    """Kill what a dead driver's run left (its recorded processes still alive); returns how
+    many. A record of a live driver is left alone."""
+    path = Path(run_dir) / PROCESSES_FILE
+    try:
+        record = json.loads(path.read_text())
+        driver = tuple(record["driver"])
+        processes = [tuple(p) for p in record["processes"]]
+    except FileNotFoundError:
+        return 0
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        logger.warning("%s cannot be read (%s); removed", path, error)
+        path.unlink(missing_ok=True)
+        return 0
+    if alive(driver):  # type: ignore[arg-type]
+        return 0
+    killed = 0
+    for process in processes:
+        if alive(process):  # type: ignore[arg-type]
+            try:
+                os.kill(process[0], signal.SIGKILL)
+                killed += 1
+            except ProcessLookupError:
+                pass
+    path.unlink(missing_ok=True)
+    if killed:
+        logger.warning("killed %d process(es) left by a run whose driver died (pid %d)", killed, driver[0])
+    return killed
+
+
+def claim(directory: Path) -> None:
+    """Mark ``directory`` as this driver's (the shared-memory data of this run)."""
+    (directory / OWNER_FILE).write_text(json.dumps(this_process()))
+
+
+def remove_dead_owners(root: Path, prefix: str) -> list[Path]:
+    """Remove the ``prefix*`` directories under ``root`` whose owner is gone."""
+    removed = []
+    for directory in root.glob(f"{prefix}*"):
+        try:
+            owner = tuple(json.loads((directory / OWNER_FILE).read_text()))
+        except (OSError, ValueError):
+            continue  # not claimed (or not ours to judge)
+        if len(owner) == 2 and not alive(owner):  # type: ignore[arg-type]
+            shutil.rmtree(directory, ignore_errors=True)
+            removed.append(directory)
+    if removed:
+        logger.warning("removed the data of %d run(s) whose driver died: %s", len(removed), ", ".join(map(str, removed)))
+    return removed

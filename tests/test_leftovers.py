@@ -1,0 +1,128 @@
+"""What a ``kill -9`` of the driver leaves behind is cleaned by the next run
+(``miles_events.runtime.leftovers``), and the shared-memory data plane is private."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from miles_events.bus.event_log import read_events
+from miles_events.runtime.leftovers import (
+    OWNER_FILE,
+    PROCESSES_FILE,
+    alive,
+    claim,
+    clean_dead_run,
+    remove_dead_owners,
+    start_time,
+)
+from miles_events.transport.base import SHM_PREFIX, ShmTransport, shm_root
+from schemas.events import RunStarted
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "examples" / "tiny.toml"
+
+# A driver that starts a child, records its process tree, says so, and waits to be killed.
+DRIVER = """
+import subprocess, sys, time
+from pathlib import Path
+from miles_events.runtime.leftovers import record_processes
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+record_processes(Path(sys.argv[1]))
+print(child.pid, flush=True)
+time.sleep(300)
+"""
+
+
+def start_driver(run_dir: Path) -> tuple[subprocess.Popen, int]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(run_dir)], stdout=subprocess.PIPE, text=True, env=env)
+    assert driver.stdout is not None
+    return driver, int(driver.stdout.readline())
+
+
+def gone(pid: int, within: float = 10.0) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        started = start_time(pid)
+        if started is None or Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("Z"):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_the_next_run_kills_what_a_killed_driver_left_running(tmp_path):
+    driver, child = start_driver(tmp_path)
+    try:
+        assert clean_dead_run(tmp_path) == 0, "a live driver's processes are left alone"
+        assert start_time(child) is not None
+        driver.send_signal(signal.SIGKILL)
+        driver.wait()
+        assert start_time(child) is not None, "the orphan outlives its driver"
+        assert clean_dead_run(tmp_path) == 1
+        assert gone(child)
+        assert not (tmp_path / PROCESSES_FILE).exists()
+    finally:
+        driver.kill()
+        if start_time(child) is not None:
+            os.kill(child, signal.SIGKILL)
+
+
+def test_a_reused_pid_is_never_killed(tmp_path):
+    me = (os.getpid(), start_time(os.getpid()))
+    (tmp_path / PROCESSES_FILE).write_text(json.dumps({"driver": [999_999_999, 1], "processes": [[me[0], me[1] + 1]]}))
+    assert clean_dead_run(tmp_path) == 0 and alive(me)  # type: ignore[arg-type]
+
+
+def test_shared_memory_of_a_dead_driver_is_removed_and_its_files_are_private(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    gone_dir = tmp_path / f"{SHM_PREFIX}dead"
+    gone_dir.mkdir()
+    (gone_dir / OWNER_FILE).write_text(json.dumps([int(dead.stdout), 12345]))
+    unclaimed = tmp_path / f"{SHM_PREFIX}unclaimed"
+    unclaimed.mkdir()
+    transport = ShmTransport("live", root=tmp_path)
+    claim(transport.root)
+    assert remove_dead_owners(tmp_path, SHM_PREFIX) == [gone_dir]
+    assert not gone_dir.exists() and unclaimed.exists() and transport.root.exists()
+    ref = transport.put_tensors("w", {"x": torch.ones(2)}, owner="trainer")
+    assert stat.S_IMODE(transport.root.stat().st_mode) == 0o700
+    assert stat.S_IMODE((transport.root / ref.key).stat().st_mode) == 0o600
+    transport.close()
+
+
+@pytest.mark.slow
+def test_kill_9_of_a_ray_driver_leaves_nothing_after_the_next_run(tmp_path):
+    args = [sys.executable, "-m", "miles_events.run", str(TINY), "--set", f'run.dir="{tmp_path}"', "--set", "metrics.port=0",
+            "--set", 'console.mode="plain"', "--set", "data.rollout_batch_size=16", "--set", "data.n_samples_per_prompt=8",
+            "--set", "trainer.global_batch_size=64", "--set", "trainer.micro_batch_size=64"]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    first = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT, env=env)
+    try:
+        assert first.stdout is not None
+        for line in first.stdout:
+            if line.startswith("rollout 1/"):
+                break
+        record = json.loads((tmp_path / PROCESSES_FILE).read_text())
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    finally:
+        first.kill()
+    run_id = next(e.run_id for e in read_events(tmp_path / "events.log") if isinstance(e, RunStarted))
+    assert (shm_root() / f"{SHM_PREFIX}{run_id}").exists(), "the dead run's data plane is still there"
+    second = subprocess.run([*args, "--set", "run.num_rollout=1", "--set", "run.overwrite=true"],
+                            capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)  # fmt: skip
+    assert second.returncode == 0, second.stderr[-2000:]
+    left = [tuple(p) for p in record["processes"] if alive(tuple(p))]  # type: ignore[arg-type]
+    assert not left, f"still running after the next run: {left}"
+    assert not (shm_root() / f"{SHM_PREFIX}{run_id}").exists()
+    assert not (tmp_path / PROCESSES_FILE).exists(), "a clean shutdown removes its record"
