@@ -13,7 +13,7 @@ import pytest
 from miles_events.app.config import load_config
 from miles_events.app.redrive import build_actor, redrive, split_runs
 from miles_events.app.replay import main as replay_main
-from miles_events.bus.event_log import read_events
+from miles_events.bus.event_log import FRAME_SIZE, LogReader, read_events
 from miles_events.rl.checksum_manifest import read_manifest, write_manifest
 from schemas.events import PublicationMismatch, PublicationVerified, WeightsLoaded
 
@@ -101,3 +101,41 @@ def test_the_replay_cli_reports_different_decisions_with_exit_1(tmp_path, capsys
     changed.write_text(text)
     assert replay_main([str(FIXTURE / "events.log"), "--redrive", "coordinator", "--config", str(changed)]) == 1
     assert "DIFFERENT" in capsys.readouterr().out
+
+
+def damaged_copy_of_the_fixture(tmp_path: Path, damage) -> Path:
+    """The fixture run directory copied to ``tmp_path``, its log replaced by what
+    ``damage(data, offsets)`` makes of the log's bytes and its records' offsets."""
+    shutil.copytree(FIXTURE, tmp_path, dirs_exist_ok=True)
+    log = tmp_path / "events.log"
+    data = bytearray(log.read_bytes())
+    log.write_bytes(bytes(damage(data, [offset for offset, _ in LogReader(log).records()])))
+    return log
+
+
+def test_the_replay_cli_redrives_the_readable_part_of_a_log_damaged_in_the_middle(tmp_path, capsys):
+    def flip_a_saver_record(data, offsets):
+        # A DataReleased of the saver: neither actor's input nor decision.
+        data[offsets[36] + FRAME_SIZE + 4] ^= 0x40
+        return data
+
+    log = damaged_copy_of_the_fixture(tmp_path, flip_a_saver_record)
+    offsets = [offset for offset, _ in LogReader(FIXTURE / "events.log").records()]
+    assert replay_main([str(log), "--redrive", "coordinator,verifier"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.count("same decisions") == 2
+    [warning] = captured.err.splitlines()
+    assert warning.startswith(f"replay: warning: {log}: bytes {offsets[36]}..{offsets[37]} damaged, skipped")
+
+
+def test_the_replay_cli_redrives_the_complete_part_of_a_torn_log_with_a_warning(tmp_path, capsys):
+    log = damaged_copy_of_the_fixture(tmp_path, lambda data, offsets: data[: offsets[-1] + FRAME_SIZE + 12])
+    last = [offset for offset, _ in LogReader(FIXTURE / "events.log").records()][-1]
+    length = (FIXTURE / "events.log").stat().st_size - last - FRAME_SIZE
+    assert replay_main([str(log), "--redrive", "verifier"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.count("same decisions") == 1
+    assert captured.err.splitlines() == [
+        f"replay: warning: {log}: torn record at byte {last}: short payload (12 of {length} bytes); "
+        "re-driving the 59 records before it"
+    ]

@@ -12,16 +12,16 @@ import pytest
 
 from miles_events.app.replay import format_event, main
 from miles_events.bus.codec import encode_event
-from miles_events.bus.event_log import FRAME_SIZE, HEADER_SIZE, EventLogWriter
+from miles_events.bus.event_log import FRAME_SIZE, HEADER_SIZE, EventLogWriter, TornRecordError
 from schemas.data import DataRef
 from schemas.events import Event, RolloutGenerated, RolloutRequested, TrainMetrics, TrainStepFinished
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def sample_events() -> list[Event]:
+def sample_events(rollouts: int = 3) -> list[Event]:
     events: list[Event] = []
-    for rollout_id in range(3):
+    for rollout_id in range(rollouts):
         events.append(RolloutRequested(rollout_id=rollout_id, source="coordinator"))
         events.append(
             RolloutGenerated(
@@ -132,3 +132,95 @@ def test_missing_file_exits_2_without_traceback(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert result.stderr.strip() == f"replay: {missing}: no such file"
+
+
+LONG = 100  # rollouts: 300 events
+
+
+@pytest.fixture
+def long_log(tmp_path: Path) -> tuple[Path, list[int]]:
+    """A log of a few hundred events, and where each of its records starts."""
+    path = tmp_path / "events.log"
+    with EventLogWriter(path) as writer:
+        offsets = [writer.append(event) for event in sample_events(LONG)]
+    return path, offsets
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def test_damage_in_the_middle_is_skipped_with_one_warning_per_range_and_exit_0(
+    long_log: tuple[Path, list[int]],
+) -> None:
+    log, offsets = long_log
+    flip_byte(log, offsets[100] + FRAME_SIZE + 3)
+    flip_byte(log, offsets[200] + 1)  # the length: beyond the end of the file
+    result = subprocess.run(
+        [sys.executable, "-m", "miles_events.replay", str(log), "--json"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    seqs = [json.loads(line)["seq"] for line in result.stdout.splitlines()]
+    assert seqs == [seq for seq in range(1, 3 * LONG + 1) if seq not in (101, 201)]
+    first, second = result.stderr.splitlines()
+    assert first.startswith(
+        f"replay: warning: {log}: bytes {offsets[100]}..{offsets[101]} damaged, skipped (CRC mismatch"
+    )
+    assert second.startswith(
+        f"replay: warning: {log}: bytes {offsets[200]}..{offsets[201]} damaged, skipped (short payload"
+    )
+
+
+def test_damage_in_the_middle_and_a_torn_tail_warn_then_exit_1_naming_the_tear(
+    long_log: tuple[Path, list[int]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    log, offsets = long_log
+    flip_byte(log, offsets[100] + FRAME_SIZE + 3)
+    log.write_bytes(log.read_bytes()[: offsets[-1] + 5])
+    assert main([str(log), "--json"]) == 1
+    captured = capsys.readouterr()
+    assert len(captured.out.splitlines()) == 3 * LONG - 2
+    warning, tear = captured.err.splitlines()
+    assert warning.startswith(
+        f"replay: warning: {log}: bytes {offsets[100]}..{offsets[101]} damaged, skipped (CRC mismatch"
+    )
+    assert tear == f"replay: {log}: torn record at byte {offsets[-1]}: short header (5 of 8 bytes)"
+
+
+def test_the_side_file_of_a_repaired_tail_replays_as_a_torn_record(
+    log: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    events = sample_events()
+    log.write_bytes(log.read_bytes()[:-4])
+    with pytest.raises(TornRecordError):
+        EventLogWriter(log)
+    with EventLogWriter(log, repair=True) as writer:
+        side = writer.torn_copy
+    assert side is not None
+    assert main([str(side)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    size = len(encode_event(events[-1]))
+    assert captured.err.splitlines() == [
+        f"replay: {side}: torn record at byte {HEADER_SIZE}: short payload ({size - 4} of {size} bytes)"
+    ]
+    assert main([str(log), "--json"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == len(events) - 1
+
+
+def test_redrive_of_a_log_torn_before_its_first_record_exits_1_naming_the_tear(
+    log: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log.write_bytes(log.read_bytes()[: HEADER_SIZE + 5])
+    assert main([str(log), "--redrive", "coordinator"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.splitlines() == [
+        f"replay: {log}: torn record at byte {HEADER_SIZE}: short header (5 of 8 bytes)"
+    ]

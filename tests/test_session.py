@@ -12,7 +12,7 @@ from miles_events.app.run_dir import RunDirError, open_event_log
 from miles_events.app.session import Session
 from miles_events.bus.actor import Actor
 from miles_events.bus.event_bus import EventBus
-from miles_events.bus.event_log import EventLogWriter, read_events
+from miles_events.bus.event_log import FRAME_SIZE, MAGIC, EventLogWriter, read_events
 from miles_events.bus.handlers import handles
 from miles_events.rl.checkpoint import CheckpointError
 from miles_events.rl.hf_model import BaseModelMismatch, prepare_base_model
@@ -46,8 +46,31 @@ def test_a_torn_log_is_repaired_and_its_tail_kept(tmp_path):
     with open(tmp_path / "events.log", "ab") as log:
         log.write(b"\x00\x00\x01")  # a crash mid-record
     repaired = open_event_log(tmp_path)
-    assert repaired.torn_copy is not None and repaired.torn_copy.read_bytes() == b"\x00\x00\x01"
+    assert repaired.torn_copy is not None and repaired.torn_copy.read_bytes() == MAGIC + b"\x00\x00\x01"
     repaired.close()
+
+
+def test_damage_in_the_middle_of_the_log_is_logged_and_the_records_after_it_kept(tmp_path, caplog):
+    writer = open_event_log(tmp_path)
+    offsets = [writer.append(RolloutRequested(rollout_id=i, seq=i + 1)) for i in range(3)]
+    writer.close()
+    data = bytearray((tmp_path / "events.log").read_bytes())
+    data[offsets[1] + FRAME_SIZE + 2] ^= 0x40
+    (tmp_path / "events.log").write_bytes(bytes(data))
+    with caplog.at_level("WARNING", logger="miles_events.app.run_dir"):
+        resumed = open_event_log(tmp_path)
+    try:
+        assert resumed.torn_copy is None and resumed.offset == len(data)
+        resumed.append(RolloutRequested(rollout_id=3, seq=4))
+    finally:
+        resumed.close()
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{tmp_path / 'events.log'}: bytes {offsets[1]}..{offsets[2]} are damaged "
+        f"({resumed.damaged[0].reason}); the records after them are kept"
+    ]
+    damaged = []
+    assert [e.rollout_id for e in read_events(tmp_path / "events.log", on_damage=damaged.append)] == [0, 2, 3]
+    assert len(damaged) == 1
 
 
 def test_the_built_in_model_of_a_run_dir_is_not_silently_replaced(tmp_path):

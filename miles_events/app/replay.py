@@ -5,9 +5,15 @@ per line, its type under ``"type"``). Filters combine with AND; a filter given s
 times (or with commas) matches any of its values. ``LOG`` may also be a run directory
 holding ``events.log``.
 
-Exit status: 0 when the whole log was read; 1 when a record is torn or corrupt (every
-complete record before it is printed first, then one line on stderr names its byte
-offset); 2 for a missing file, a file that is not an event log, or bad arguments.
+Damage in the middle of the log (valid records after it) is skipped: every readable record
+is printed, and one warning line per damaged byte range goes to stderr (``replay: warning:
+LOG: bytes START..END damaged, skipped (REASON)``, END exclusive).
+
+Exit status: 0 when the log was read to its end (damaged ranges skipped included); 1 when
+it ends in a torn record (every readable record before it is printed first, then one line
+on stderr names its byte offset); 2 for a missing file, a file that is not an event log, or
+bad arguments. ``--redrive`` re-drives what is readable: a torn tail is a warning there, and
+its status is 0 when every decision matches, 1 when one differs or nothing was readable.
 """
 
 from __future__ import annotations
@@ -24,7 +30,13 @@ import msgspec
 
 from miles_events.app.run_dir import EVENT_LOG, event_log_path, run_config_path
 from miles_events.bus.codec import event_to_json_bytes
-from miles_events.bus.event_log import NotAnEventLogError, TornRecordError, read_events
+from miles_events.bus.event_log import (
+    DamagedRange,
+    NotAnEventLogError,
+    OnDamage,
+    TornRecordError,
+    read_events,
+)
 from schemas.events import EVENT_TYPES_BY_NAME, Event
 
 _HEADER_FIELDS = frozenset(("run_id", "seq", "time", "source"))
@@ -168,8 +180,21 @@ def _print_events(events: Iterable[Event], as_json: bool, out: TextIO) -> None:
             write(format_event(event) + "\n")
 
 
+def _damage_warning(log: str, out: TextIO, err: TextIO) -> OnDamage:
+    """Reports each damaged range that reading skips as one warning line on ``err``, after
+    what has been written to ``out`` so far."""
+
+    def warn(damage: DamagedRange) -> None:
+        out.flush()
+        err.write(
+            f"replay: warning: {log}: bytes {damage.start}..{damage.end} damaged, skipped ({damage.reason})\n"
+        )
+
+    return warn
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the replay CLI; returns the exit status (0 read fully, 1 torn, 2 unusable)."""
+    """Run the replay CLI; returns the exit status (0 read to the end, 1 torn, 2 unusable)."""
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -183,9 +208,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exit_request.code if isinstance(exit_request.code, int) else 2
 
     path = _resolve_log(args.log)
-    err = sys.stderr
+    out, err = sys.stdout, sys.stderr
     try:
-        events = read_events(path)
+        events = read_events(path, on_damage=_damage_warning(args.log, out, err))
     except FileNotFoundError:
         err.write(f"replay: {args.log}: no such file\n")
         return 2
@@ -198,11 +223,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
     if args.serve_metrics is not None:
-        return _serve_metrics(events, args.log, args.host, args.serve_metrics, sys.stdout, err)
+        return _serve_metrics(events, args.log, args.host, args.serve_metrics, out, err)
     if args.redrive:
-        return _redrive(path, events, sorted(_split(args.redrive)), args.config, sys.stdout, err)
+        return _redrive(path, events, sorted(_split(args.redrive)), args.config, out, err)
     selected = filter_events(events, types=types, sources=_split(args.sources), rollout_id=args.rollout_id)
-    out = sys.stdout
     try:
         _print_events(selected, args.json, out)
         out.flush()
@@ -221,7 +245,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _redrive(
     path: Path, events: Iterable[Event], names: list[str], config: str | None, out: TextIO, err: TextIO
 ) -> int:
-    """Re-drive each named actor over each run in the log; 0 when every decision matches."""
+    """Re-drive each named actor over each run in the readable part of the log (a torn tail
+    is a warning); 0 when every decision matches."""
     import asyncio
 
     from miles_events.app.config import ConfigError, load_config
@@ -231,11 +256,19 @@ def _redrive(
     if unknown:
         err.write(f"replay: cannot re-drive {', '.join(unknown)} (choose from {', '.join(sorted(REDRIVABLE))})\n")
         return 2
+    readable: list[Event] = []
     try:
-        runs = split_runs(events)
+        for event in events:
+            readable.append(event)
     except TornRecordError as torn:
-        err.write(f"replay: {path}: torn record at byte {torn.offset}: {torn.reason}\n")
-        return 1
+        if not readable:
+            err.write(f"replay: {path}: torn record at byte {torn.offset}: {torn.reason}\n")
+            return 1
+        err.write(
+            f"replay: warning: {path}: torn record at byte {torn.offset}: {torn.reason}; "
+            f"re-driving the {len(readable)} records before it\n"
+        )
+    runs = split_runs(readable)
     status = 0
     for run_id, recorded in runs.items():
         config_path = Path(config) if config else run_config_path(path.parent, run_id)
@@ -260,7 +293,8 @@ def _redrive(
 def _serve_metrics(events: Iterable[Event], log: str, host: str, port: int, out: TextIO, err: TextIO) -> int:
     """Serve the metrics rebuilt from the whole log until interrupted (Ctrl-C: status 0).
 
-    A torn log is served up to its last complete record; the tear is reported on ``err``.
+    A torn log is served up to its last complete record; the tear is reported on ``err``
+    (as is each damaged range that reading skipped).
     """
     import time
 

@@ -39,7 +39,9 @@ def new_run_id() -> str:
 
 def open_event_log(run_dir: Path) -> EventLogWriter:
     """Create the run directory and take its event log: first, so that a directory that
-    cannot be used, or is in use by another run, fails before anything is written."""
+    cannot be used, or is in use by another run, fails before anything is written. A torn
+    tail is repaired (kept beside the log); damage in the middle is left in place. Each is
+    logged as a warning."""
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         writer = EventLogWriter(event_log_path(run_dir), repair=True)
@@ -49,6 +51,14 @@ def open_event_log(run_dir: Path) -> EventLogWriter:
         raise RunDirError(f"run.dir {run_dir} is in use by another run ({error})") from None
     except ValueError as error:  # not an event log
         raise RunDirError(f"run.dir {run_dir}: {error}") from None
+    for damage in writer.damaged:
+        logger.warning(
+            "%s: bytes %d..%d are damaged (%s); the records after them are kept",
+            writer.path,
+            damage.start,
+            damage.end,
+            damage.reason,
+        )
     if writer.torn_copy is not None:
         logger.warning("%s ended in a torn record (a crash?); its bytes are kept in %s", writer.path, writer.torn_copy)
     return writer
