@@ -38,6 +38,7 @@ from miles_events.rl.publication_checks import (
     canonical_checksums,
     canonical_weight_versions,
 )
+from miles_events.rl.versions import version_number
 from schemas.config import Config
 from schemas.events import (
     ActorFailed,
@@ -62,6 +63,7 @@ from schemas.events import (
     TrainStepFinished,
     WeightsCheckFinished,
     WeightsCheckRequested,
+    WeightsLoaded,
     WeightsPublished,
     run_started,
 )
@@ -128,6 +130,8 @@ class Coordinator(Actor):
         self.finished: RunFinished | None = None
         self.last_rollout_id = plan.start_rollout_id - 1
         self.weight_version = plan.weight_version
+        self.served = dict.fromkeys(plan.engines, "default")
+        """The version each engine serves, from its ``WeightsLoaded``."""
 
     # -- the loop ---------------------------------------------------------------------
 
@@ -337,6 +341,10 @@ class Coordinator(Actor):
         if not self.config.verifier.enabled:
             await self._after_publication(event.rollout_id)
 
+    @handles(WeightsLoaded, emits=())
+    async def on_weights_loaded(self, event: WeightsLoaded) -> None:
+        self.served[event.engine] = event.weight_version
+
     @handles(PublicationVerified, emits=AFTER_PUBLICATION)
     async def on_publication_verified(self, event: PublicationVerified) -> None:
         await self._after_publication(event.rollout_id)
@@ -491,11 +499,13 @@ class Coordinator(Actor):
     async def _finish(self, status: str, reason: str = "") -> None:
         if self._finishing is not None or self.finished is not None:
             return
+        served = min(self.served.values(), key=version_number, default=self.weight_version)
         finished = RunFinished(
             status=status,  # type: ignore[arg-type]
             reason=reason,
             last_rollout_id=self.last_rollout_id,
-            weight_version=self.weight_version,
+            weight_version=served,
+            engine_versions=dict(self.served),
         )
         self._finishing = finished
         # A completed or stopped run waits for its checkpoints; a failed one does not.

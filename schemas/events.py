@@ -73,6 +73,10 @@ class RunFinished(Event, frozen=True, kw_only=True):
     reason: str = ""
     last_rollout_id: int = -1
     weight_version: str = "default"
+    """The version the engines serve at the end (the oldest of them when a publication that
+    failed part-way left them apart)."""
+    engine_versions: dict[str, str] = {}
+    """The version each engine serves at the end."""
 
 
 class ActorFailed(Event, frozen=True, kw_only=True):

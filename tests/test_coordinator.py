@@ -13,6 +13,7 @@ from schemas.events import (
     CheckpointSaved,
     EvalFinished,
     EvalRequested,
+    PublicationFailed,
     PublicationMismatch,
     PublicationVerified,
     PublishRequested,
@@ -25,6 +26,7 @@ from schemas.events import (
     TrainMetrics,
     TrainStepFinished,
     WeightsCheckFinished,
+    WeightsLoaded,
     WeightsPublished,
 )
 from schemas.plan import RunPlan
@@ -227,6 +229,19 @@ async def test_a_stop_saves_the_step_it_ends_after_unless_it_was_saved():
     assert kinds(out) == [("SaveRequested", 1)] and out[0].reason == "stop"
     done = await feed(c, CheckpointSaved(rollout_id=1, path="p", weight_version="2", num_bytes=1))
     assert kinds(done) == [("RunFinished", "stopped")] and done[0].last_rollout_id == 1
+
+
+async def test_run_finished_says_what_the_engines_serve_after_a_publication_failed_part_way():
+    c = make(num_rollout=5)
+    c.plan = msgspec.structs.replace(c.plan, engines=("engine-0", "engine-1"))
+    c.served = dict.fromkeys(c.plan.engines, "default")
+    loaded = [WeightsLoaded(engine=e, weight_version="1", previous_version="default", digest="d") for e in c.plan.engines]
+    await feed(c, started(c), *loaded, verified(1, None), trained(0))
+    out = await feed(c, WeightsLoaded(engine="engine-0", weight_version="2", previous_version="1", digest="d"),
+                     PublicationFailed(weight_version="2", phase="load", reason="engine-1 timed out", rollout_id=0))
+    (finished,) = out
+    assert finished.status == "failed" and finished.weight_version == "1"
+    assert finished.engine_versions == {"engine-0": "2", "engine-1": "1"}
 
 
 async def test_a_stop_during_an_eval_finishes_when_it_ends():

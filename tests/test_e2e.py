@@ -7,8 +7,10 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import msgspec
@@ -182,6 +184,25 @@ def test_a_failing_handler_stops_the_run_with_one_clear_line(tmp_path):
     log = events(tmp_path)
     assert any(isinstance(e, ActorFailed) and e.actor == "generator" for e in log)
     assert isinstance(log[-1], RunFinished) and log[-1].status == "failed"
+
+
+def test_every_file_a_run_keeps_has_the_one_mode_of_the_rule(local_run):
+    from miles_events.rl.file_modes import KEPT_FILE_MODE
+
+    run_dir, _ = local_run
+    modes = {path.relative_to(run_dir): stat.S_IMODE(path.stat().st_mode) for path in run_dir.rglob("*") if path.is_file()}
+    assert modes and {mode for mode in modes.values()} == {KEPT_FILE_MODE}, modes
+
+
+def test_sigterm_while_ray_starts_aborts_with_exit_130(tmp_path):
+    args = [sys.executable, "-m", "miles_events.run", str(TINY), "--set", f'run.dir="{tmp_path}"', "--set", "metrics.port=0"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    time.sleep(4)  # the built-in model is made and Ray starts: the loop has not begun
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 130, err[-2000:]
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == "error: aborted"
 
 
 def test_a_nan_reward_stops_the_run_with_one_line_naming_the_rollout(tmp_path):

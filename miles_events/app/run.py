@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import sys
 
 from miles_events.app.config import ConfigError, dump_config, load_config, validate
@@ -50,9 +51,24 @@ def configure_logging(level: str) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def _abort(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     configure_logging(args.log_level)
+    # Until the run's loop takes signals over (the first then stops after the current step),
+    # SIGTERM aborts as Ctrl-C does: whatever has started is shut down, exit 130.
+    signal.signal(signal.SIGTERM, _abort)
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        print("error: aborted", file=sys.stderr)
+        return 130
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config, args.overrides)
         if args.dry_run:
@@ -87,9 +103,6 @@ def main(argv: list[str] | None = None) -> int:
     ) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("error: aborted", file=sys.stderr)
-        return 130
     finished = result.finished
     if config.console.mode != "quiet":
         print(f"events: {event_log_path(result.run_dir)}  ({result.seconds:.1f}s)")

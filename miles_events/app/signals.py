@@ -22,13 +22,14 @@ class StopOnSignal:
         self.interrupted = False
         self.task: asyncio.Task[object] | None = None
         self._loop = asyncio.get_running_loop()
-        self._installed: list[signal.Signals] = []
+        self._installed: list[tuple[signal.Signals, object]] = []
         for sig in self.SIGNALS:
+            previous = signal.getsignal(sig)
             try:
                 self._loop.add_signal_handler(sig, self._on_signal)
             except (NotImplementedError, RuntimeError):
                 continue
-            self._installed.append(sig)
+            self._installed.append((sig, previous))
 
     def _on_signal(self) -> None:
         if self.interrupted:
@@ -40,6 +41,8 @@ class StopOnSignal:
         )
 
     def remove(self) -> None:
-        for sig in self._installed:
+        for sig, previous in self._installed:
             self._loop.remove_signal_handler(sig)
+            if previous is not None:
+                signal.signal(sig, previous)  # type: ignore[arg-type]  # what was there before the run
         self._installed.clear()

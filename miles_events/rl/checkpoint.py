@@ -37,6 +37,7 @@ import msgspec
 import torch
 from safetensors.torch import load_file, save_file
 
+from miles_events.rl.file_modes import keep
 from miles_events.rl.weights import split_tied
 from schemas.checkpoint import Manifest, ManifestEntry, TrainerState
 
@@ -251,6 +252,7 @@ def write_checkpoint(
     partial.mkdir()
     try:
         save_file(_safetensors_ready(weights), str(partial / MODEL_FILE), metadata={"format": "pt"})
+        keep(partial / MODEL_FILE)  # safetensors creates 0600; kept files follow one rule
         if fsync:
             _fsync_path(partial / MODEL_FILE)
         _write_file(partial / OPTIMIZER_FILE, optimizer, fsync)

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import msgspec
 
+from miles_events.rl.file_modes import PRIVATE_FILE_MODE
 from miles_events.rl.publication_checks import (
     CanonicalChecksums,
     changed_checksum_count,
@@ -101,7 +102,7 @@ def write_evidence(path: str | os.PathLike[str], evidence: CheckpointRolloutEvid
     """Create ``path`` (never replacing a file: ``FileExistsError``), mode 0600, write the
     evidence, flush and fsync it, then fsync its directory so the name lasts too."""
     path = Path(path)
-    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE)
     with os.fdopen(descriptor, "wb") as stream:
         stream.write(evidence_bytes(evidence))
         stream.flush()

@@ -23,6 +23,7 @@ from transformers import (
     Qwen2Config,
 )
 
+from miles_events.rl.file_modes import keep
 from schemas.config import BuiltinModelConfig, ModelConfig
 
 ARITH_SPECIAL = ["<pad>", "<eos>", "<unk>"]
@@ -91,6 +92,9 @@ def prepare_base_model(config: ModelConfig, run_dir: Path, seed: int) -> Path:
     shutil.rmtree(partial, ignore_errors=True)
     model.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
+    for written in partial.iterdir():
+        if written.is_file():
+            keep(written)
     (partial / BUILTIN_RECIPE).write_bytes(recipe)
     partial.rename(target)
     return target

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from miles_events.rl.file_modes import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE
 from miles_events.rl.registry import registered
 from schemas.data import DataRef
 
@@ -120,8 +121,8 @@ class ShmTransport(Transport):
         super().__init__(run_id)
         self.root = (root or shm_root()) / f"{SHM_PREFIX}{run_id}"
         # Only this user may read the run's data (optimizer and RNG state pass through here).
-        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(self.root, 0o700)
+        self.root.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
+        os.chmod(self.root, PRIVATE_DIR_MODE)
 
     def _path(self, key: str) -> Path:
         if "/" in key or key.startswith("."):
@@ -132,7 +133,7 @@ class ShmTransport(Transport):
         final = self._path(key)
         partial = final.with_name(f".{key}.partial")
         write(partial)  # type: ignore[operator]
-        os.chmod(partial, 0o600)
+        os.chmod(partial, PRIVATE_FILE_MODE)
         os.replace(partial, final)
         return final
 
