@@ -59,6 +59,7 @@ from schemas.events import (
     RunFinished,
     RunStarted,
     SaveRequested,
+    StepCancelled,
     StopRequested,
     TrainStepFinished,
     WeightsCheckFinished,
@@ -492,9 +493,32 @@ class Coordinator(Actor):
     async def on_stop_requested(self, event: StopRequested) -> None:
         """Stop after the current step, its save and its publication, as the seed's
         ``should_stop`` break: the loop's next decision (after a publication or an eval)
-        finishes the run instead. A second signal aborts the driver (the session's job)."""
-        if self._stop is None:
+        finishes the run instead. A step that outlives ``run.stop_grace_seconds`` is cut: a
+        stop ``now`` makes the generator or the trainer end it at its next cancellation
+        point (``StepCancelled``), and the run stops after the last complete step."""
+        first = self._stop is None
+        if first:
             self._stop = event.reason
+        grace = self.run.stop_grace_seconds
+        if first and not event.now and grace is not None and self._finishing is None:
+            self.spawn(self._cut_after(grace, event.reason), emits=(StopRequested,))
+
+    async def _cut_after(self, grace: float, reason: str) -> None:
+        await self.context.clock.sleep(grace)
+        if self._finishing is None and self.finished is None:
+            logger.warning("the step did not finish within run.stop_grace_seconds = %g: cutting it", grace)
+            await self.publish(
+                StopRequested(reason=f"{reason} (the step was cut after {grace:g}s)", now=True)
+            )
+
+    @handles(StepCancelled, emits=(SaveRequested, RunFinished))
+    async def on_step_cancelled(self, event: StepCancelled) -> None:
+        """The step in progress was cut (a stop ``now``): nothing of it is kept; the run
+        stops after the last complete step, saving it unless it was saved."""
+        if self._finishing is not None:
+            return
+        self._after_eval = None
+        await self._stop_now()
 
     async def _finish(self, status: str, reason: str = "") -> None:
         if self._finishing is not None or self.finished is not None:

@@ -36,6 +36,7 @@ import torch
 from actors.engine import build_engine
 from actors.engine.base import Engine, SamplingParams, TensorCheckAction
 from miles_events.bus.actor import Actor, ActorContext, WorkerGroup, handles
+from miles_events.rl.cancel import Cancellation, Cancelled
 from miles_events.rl.checksum import ranked_checksums, report_checksums
 from miles_events.rl.checksum_manifest import write_manifest
 from miles_events.rl.prompts import Prompt, load_prompts, rollout_prompts
@@ -48,6 +49,8 @@ from schemas.events import (
     EvalRequested,
     RolloutGenerated,
     RolloutRequested,
+    StepCancelled,
+    StopRequested,
     WeightsCheckFinished,
     WeightsCheckRequested,
     WeightsLoaded,
@@ -65,6 +68,7 @@ class Generator(Actor):
 
     def __init__(self, config: Config, context: ActorContext) -> None:
         super().__init__(config, context)
+        self.cancel = Cancellation()
         self.engines: list[Engine] = []
         self.prompts: list[Prompt] = []
         self.eval_prompts: list[Prompt] = []
@@ -107,7 +111,11 @@ class Generator(Actor):
             temperature=temperature, top_p=rollout.top_p, max_new_tokens=rollout.max_new_tokens, stop=tuple(rollout.stop)
         )
 
-    @handles(RolloutRequested, emits=(RolloutGenerated,))
+    def interrupt(self, event: StopRequested) -> None:
+        if event.now:
+            self.cancel.cancel(event.reason)
+
+    @handles(RolloutRequested, emits=(RolloutGenerated, StepCancelled))
     async def on_rollout_requested(self, event: RolloutRequested) -> None:
         data, rollout = self.config.data, self.config.rollout
         if not self.prompts:
@@ -121,9 +129,11 @@ class Generator(Actor):
         )
         sampling = self._sampling(rollout.temperature)
         started = time.perf_counter()
-        samples = await self._sample_groups(
-            prompts, data.n_samples_per_prompt, sampling, "rollout", event.rollout_id
-        )
+        try:
+            samples = await self._sample_groups(prompts, data.n_samples_per_prompt, sampling, "rollout", event.rollout_id)
+        except Cancelled as cancelled:
+            await self.publish(StepCancelled(rollout_id=event.rollout_id, phase="generate", reason=str(cancelled)))
+            return
         batch = RolloutBatch(rollout_id=event.rollout_id, samples=samples)
         payload = msgspec.msgpack.encode(batch)
         ref = self.context.transport.put_bytes(f"rollout-{event.rollout_id}", payload, owner=self.name)
@@ -139,7 +149,7 @@ class Generator(Actor):
             )
         )
 
-    @handles(EvalRequested, emits=(EvalFinished,))
+    @handles(EvalRequested, emits=(EvalFinished, StepCancelled))
     async def on_eval_requested(self, event: EvalRequested) -> None:
         """Evaluate on ``eval_data`` (or the prompt data) at ``eval_temperature``.
 
@@ -151,9 +161,13 @@ class Generator(Actor):
             raise ValueError("no eval data: set data.eval_data or data.prompt_data to evaluate")
         sampling = self._sampling(rollout.eval_temperature)
         started = time.perf_counter()
-        samples = await self._sample_groups(
-            self.eval_prompts, self.config.data.eval_n_samples_per_prompt, sampling, "eval", event.rollout_id
-        )
+        try:
+            samples = await self._sample_groups(
+                self.eval_prompts, self.config.data.eval_n_samples_per_prompt, sampling, "eval", event.rollout_id
+            )
+        except Cancelled as cancelled:
+            await self.publish(StepCancelled(rollout_id=event.rollout_id, phase="eval", reason=str(cancelled)))
+            return
         rewards = [s.reward for s in samples]
         metrics = {
             "eval/reward_mean": _mean(rewards),
@@ -193,10 +207,18 @@ class Generator(Actor):
                 generator,
             )
 
-        async with anyio.create_task_group() as group:
-            for index, groups in enumerate(per_engine):
-                if groups:
-                    group.start_soon(run, index)
+        try:
+            async with anyio.create_task_group() as group:
+                for index, groups in enumerate(per_engine):
+                    if groups:
+                        group.start_soon(run, index)
+        except BaseExceptionGroup as failed:
+            # One engine's failure is the rollout's; a cancellation is one, not one per engine.
+            cancelled, other = failed.split(Cancelled)
+            if other is not None:
+                raise other.exceptions[0] if len(other.exceptions) == 1 else other from None
+            assert cancelled is not None
+            raise Cancelled(self.cancel.reason) from None
         return sorted((s for samples in results for s in samples), key=lambda s: s.group)
 
     def _generate_groups(
@@ -210,7 +232,7 @@ class Generator(Actor):
     ) -> list[Sample]:
         assert self.reward_fn is not None, "start() loads the reward function"
         requests = [prompts[g].prompt for g in groups for _ in range(n_samples)]
-        completions = engine.generate(requests, sampling, generator)
+        completions = engine.generate(requests, sampling, generator, self.cancel)
         samples: list[Sample] = []
         for position, completion in enumerate(completions):
             group = groups[position // n_samples]

@@ -28,6 +28,7 @@ from actors.trainer_backend import build_backend
 from actors.trainer_backend.base import TrainerBackend
 from miles_events.bus.actor import Actor, ActorContext, WorkerGroup, handles
 from miles_events.rl.canary import CANARY_TENSOR, canary_fingerprint, publication_canary
+from miles_events.rl.cancel import Cancellation, Cancelled
 from miles_events.rl.checkpoint import read_checkpoint
 from miles_events.rl.checksum import fingerprints
 from miles_events.rl.checksum_manifest import remove_manifest, write_manifest
@@ -49,6 +50,8 @@ from schemas.events import (
     PublishRequested,
     RolloutGenerated,
     SaveRequested,
+    StepCancelled,
+    StopRequested,
     TrainMetrics,
     TrainStateStaged,
     TrainStepFinished,
@@ -80,6 +83,7 @@ class Trainer(Actor):
     def __init__(self, config: Config, context: ActorContext) -> None:
         super().__init__(config, context)
         self._backend: TrainerBackend | None = None
+        self.cancel = Cancellation()
         self.weight_version = "default"
         self.num_prompts = 0
         self.resumed_from: str | None = None
@@ -138,7 +142,11 @@ class Trainer(Actor):
 
     # --- training --------------------------------------------------------------------------
 
-    @handles(RolloutGenerated, emits=(DataReleased, TrainStepFinished))
+    def interrupt(self, event: StopRequested) -> None:
+        if event.now:
+            self.cancel.cancel(event.reason)
+
+    @handles(RolloutGenerated, emits=(DataReleased, TrainStepFinished, StepCancelled))
     async def on_rollout_generated(self, event: RolloutGenerated) -> None:
         if self.context.plan.rollout_only:
             return  # rollout-only from a checkpoint: nothing is trained (the loop releases the batch)
@@ -150,13 +158,19 @@ class Trainer(Actor):
             data = self.context.transport.get_bytes(event.batch)
             batch = msgspec.msgpack.decode(data, type=RolloutBatch)
             trainable = self._finite_part(batch)
-            return batch, self.backend.train(trainable) if trainable.samples else TrainMetrics()
+            return batch, self.backend.train(trainable, self.cancel) if trainable.samples else TrainMetrics()
 
         try:
             batch, metrics = await anyio.to_thread.run_sync(read_and_train)
-        finally:
+        except Cancelled as cancelled:
+            await self.publish(DataReleased(ref=event.batch))
+            await self.publish(StepCancelled(rollout_id=event.rollout_id, phase="train", reason=str(cancelled)))
+            return
+        except BaseException:
             # Released even when training raises (the seed's ``finally``): its owner frees it.
             await self.publish(DataReleased(ref=event.batch))
+            raise
+        await self.publish(DataReleased(ref=event.batch))
         self._last_trained = (event.rollout_id, version)
         await self.publish(
             TrainStepFinished(

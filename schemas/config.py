@@ -47,6 +47,10 @@ class RunConfig(Section):
     that save is asked for. A relative path is resolved against the config file's directory,
     like every path here (the seed resolves it against the working directory)."""
     debug_exit_after_rollout: PositiveInt | None = None
+    stop_grace_seconds: PositiveFloat | None = 60.0
+    """After a stop is asked for (a first SIGINT / SIGTERM), how long the step in progress
+    may take to finish before it is cut at its next cancellation point (a second signal
+    cuts it at once). Unset: wait for the step however long it takes."""
     load: str | None = None
     """A checkpoint root the trainer starts from (miles' ``--load``): a directory as the Saver
     writes it (an earlier run's ``<dir>/checkpoints``), whose ``latest_checkpointed_iteration.txt``

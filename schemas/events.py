@@ -66,6 +66,20 @@ class StopRequested(Event, frozen=True, kw_only=True):
     """Someone (a user, a sentinel, a failure) asks the run to stop."""
 
     reason: str
+    now: bool = False
+    """False: after the current step (its save and publication), as the seed's
+    ``should_stop``. True: the step in progress ends at its next cancellation point (it is
+    not trained on, nothing half-trained is kept) and the run stops after the last complete
+    step."""
+
+
+class StepCancelled(Event, frozen=True, kw_only=True):
+    """A step in progress ended at a cancellation point (a stop with ``now``); nothing it
+    did is kept."""
+
+    rollout_id: int
+    phase: Literal["generate", "eval", "train"]
+    reason: str = ""
 
 
 class RunFinished(Event, frozen=True, kw_only=True):
@@ -353,6 +367,7 @@ class CheckpointFailed(Event, frozen=True, kw_only=True):
 AnyEvent = (
     RunStarted
     | StopRequested
+    | StepCancelled
     | RunFinished
     | ActorFailed
     | DataReleased

@@ -6,6 +6,7 @@ import msgspec
 import pytest
 
 from actors.coordinator import Coordinator, should_run_periodic_action
+from miles_events.bus.clock import ManualClock
 from schemas.config import Config, RunConfig, VerifierConfig
 from schemas.events import (
     ActorFailed,
@@ -21,6 +22,7 @@ from schemas.events import (
     RunFinished,
     RunStarted,
     SaveRequested,
+    StepCancelled,
     StopRequested,
     TensorMismatch,
     TrainMetrics,
@@ -242,6 +244,24 @@ async def test_run_finished_says_what_the_engines_serve_after_a_publication_fail
     (finished,) = out
     assert finished.status == "failed" and finished.weight_version == "1"
     assert finished.engine_versions == {"engine-0": "2", "engine-1": "1"}
+
+
+async def test_a_step_that_outlives_the_stop_grace_is_cut_and_the_last_complete_step_saved():
+    config = Config(run=RunConfig(num_rollout=5, stop_grace_seconds=30.0), verifier=VerifierConfig())
+    clock = ManualClock()
+    plan = RunPlan(start_rollout_id=0, num_rollout=5, num_rollout_per_epoch=None, engines=("engine-0",))
+    c = Coordinator(config, RecordingContext(config, name="coordinator", plan=plan, clock=clock))
+    await feed(c, started(c), verified(1, None), trained(0), verified(2, 0))  # rollout 1 is generating
+    assert kinds(await feed(c, StopRequested(reason="SIGTERM"))) == []
+    await clock.advance(29.0)
+    assert not [e for e in c.context.published if isinstance(e, StopRequested)]
+    await clock.advance(1.0)
+    (cut,) = [e for e in c.context.published if isinstance(e, StopRequested)]
+    assert cut.now and "cut after 30s" in cut.reason
+    out = await feed(c, cut, StepCancelled(rollout_id=1, phase="generate", reason=cut.reason))
+    assert kinds(out) == [("SaveRequested", 0)] and out[0].reason == "stop"
+    done = await feed(c, CheckpointSaved(rollout_id=0, path="p", weight_version="1", num_bytes=1))
+    assert kinds(done) == [("RunFinished", "stopped")] and done[0].last_rollout_id == 0
 
 
 async def test_a_stop_during_an_eval_finishes_when_it_ends():

@@ -32,6 +32,7 @@ from schemas.events import (
     RunFinished,
     RunStarted,
     SaveRequested,
+    StepCancelled,
     TrainStepFinished,
     WeightsCheckFinished,
     WeightsPublished,
@@ -400,6 +401,39 @@ def test_sigint_stops_after_the_current_steps_save_and_publication(tmp_path):
     assert started.weight_version == str(last + 1)  # republishes the stopped run's last weights as "last + 2"
     # Tracking is finished on this exit path too: the event files hold the last rollout.
     assert list((tmp_path / "tensorboard").rglob("events.out.tfevents.*"))
+
+
+@pytest.mark.parametrize("runtime", ["local", "ray"])
+def test_a_second_signal_cuts_a_long_step_at_its_next_cancellation_point(tmp_path, runtime):
+    """A rollout generated one sequence at a time takes minutes; the first SIGINT waits for
+    it, the second cuts it at the next decode step: nothing of it is kept, exit 0."""
+    args = [sys.executable, "-m", "miles_events.run", str(TINY), "--set", f'run.dir="{tmp_path}"']
+    for override in ("metrics.port=0", f'run.runtime="{runtime}"', "rollout.max_batch_size=1", 'console.mode="plain"'):
+        args += ["--set", override]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    try:
+        assert process.stdout is not None
+        for line in process.stdout:
+            if line.startswith("eval at rollout 0"):
+                break
+        time.sleep(1.0)  # rollout 0 (4096 sequences, one at a time) is being generated
+        process.send_signal(signal.SIGINT)
+        time.sleep(1.0)
+        cut_at = time.monotonic()
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=120)
+        took = time.monotonic() - cut_at
+    finally:
+        process.kill()
+    assert process.returncode == 0, err[-2000:]
+    log = events(tmp_path)
+    (cancelled,) = [e for e in log if isinstance(e, StepCancelled)]
+    assert (cancelled.rollout_id, cancelled.phase) == (0, "generate")
+    assert not [e for e in log if isinstance(e, RolloutGenerated | TrainStepFinished)]
+    (finished,) = [e for e in log if isinstance(e, RunFinished)]
+    assert finished.status == "stopped" and finished.last_rollout_id == -1
+    assert took < 30, f"the cut took {took:.1f}s"
 
 
 def test_py_spy_dumps_the_driver_and_every_actor_process_periodically(tmp_path):

@@ -11,6 +11,7 @@ import torch
 
 from actors.engine.base import SamplingParams
 from actors.engine.torch_engine import TorchEngine, sample_tokens
+from miles_events.rl.cancel import Cancellation, Cancelled
 from miles_events.rl.checksum import fingerprints, per_gpu_checksum, report_checksums
 from miles_events.rl.hf_model import prepare_base_model
 from miles_events.transport.base import open_transport
@@ -352,3 +353,11 @@ def test_draft_selector_selects_nothing(engine: TorchEngine) -> None:
         assert engine.weights_check(action, selector="draft").success, action
     # The draft actions touched neither the served weights nor the target snapshot.
     assert engine.weights_check("compare", selector="target").success
+
+
+def test_a_cancelled_generation_ends_at_its_next_decode_step(engine: TorchEngine) -> None:
+    cancel = Cancellation()
+    engine.generate(["1+2="], SamplingParams(max_new_tokens=2), seeded(0), cancel)  # not cancelled: runs
+    cancel.cancel("stop now")
+    with pytest.raises(Cancelled, match="stop now"):
+        engine.generate(["1+2="] * 3, SamplingParams(max_new_tokens=2), seeded(0), cancel)

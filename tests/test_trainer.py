@@ -40,6 +40,8 @@ from schemas.events import (
     PublishRequested,
     RolloutGenerated,
     SaveRequested,
+    StepCancelled,
+    StopRequested,
     TrainStateStaged,
     TrainStepFinished,
     WeightsStaged,
@@ -563,3 +565,17 @@ async def test_a_non_finite_loss_skips_or_fails_its_step_and_nan_weights_are_nev
         with pytest.raises(NonFiniteError, match="non-finite values"):
             await trainer.handle(SaveRequested(rollout_id=0))
         assert not context.of_type(WeightsStaged) and not context.of_type(TrainStateStaged)
+
+
+async def test_a_cancelled_step_keeps_nothing_and_says_so(base_model: Path, tmp_path: Path) -> None:
+    trainer, context = await started_trainer(make_config(base_model, tmp_path), tmp_path)
+    before = weights_of(trainer)
+    trainer.interrupt(StopRequested(reason="after the current step"))  # not now: trains as usual
+    assert not trainer.cancel.cancelled
+    trainer.interrupt(StopRequested(reason="cut", now=True))
+    await trainer.handle(rollout_event(context, 5, two_group_samples()))
+    (cancelled,) = context.of_type(StepCancelled)
+    assert (cancelled.rollout_id, cancelled.phase, cancelled.reason) == (5, "train", "cut")
+    assert context.of_type(DataReleased) and not context.of_type(TrainStepFinished)
+    assert all(torch.equal(t, before[n]) for n, t in weights_of(trainer).items())
+    assert trainer.backend.num_optimizer_steps == 0

@@ -19,6 +19,7 @@ from typing import Literal
 
 import torch
 
+from miles_events.rl.cancel import Cancellation
 from miles_events.transport.base import Transport
 from schemas.checksums import EngineChecksumReport, WeightsCheckResult
 from schemas.config import Config
@@ -104,8 +105,12 @@ class Engine(ABC):
         requests: Sequence[GenerateRequest],
         sampling: SamplingParams,
         generator: torch.Generator | None = None,
+        cancel: Cancellation | None = None,
     ) -> list[Completion]:
         """Sample one completion per request, in request order.
+
+        ``cancel`` is checked at every decode step: once cancelled, ``Cancelled`` is raised
+        there and nothing is returned.
 
         Given the same weights, requests, sampling parameters and generator state, the
         result is identical: the Generator seeds ``generator`` per rollout and engine so

@@ -45,6 +45,7 @@ from actors.engine.base import (
     tensors_match,
 )
 from miles_events.rl.canary import canary_fingerprint, split_canary
+from miles_events.rl.cancel import Cancellation
 from miles_events.rl.checksum import fingerprints, is_skipped, per_engine_checksum, per_gpu_checksum
 from miles_events.rl.hf_model import load_model, load_tokenizer
 from miles_events.rl.weights import split_tied
@@ -143,6 +144,7 @@ class TorchEngine(Engine):
         requests: Sequence[GenerateRequest],
         sampling: SamplingParams,
         generator: torch.Generator | None = None,
+        cancel: Cancellation | None = None,
     ) -> list[Completion]:
         """Sample one completion per request (see the module docstring for the semantics)."""
         prompt_ids = [self.encode(request) for request in requests]
@@ -150,7 +152,7 @@ class TorchEngine(Engine):
         with torch.inference_mode():
             for start in range(0, len(prompt_ids), self.max_batch_size):
                 chunk = prompt_ids[start : start + self.max_batch_size]
-                completions.extend(self._generate_chunk(chunk, sampling, generator))
+                completions.extend(self._generate_chunk(chunk, sampling, generator, cancel))
         return completions
 
     def _forward(
@@ -168,7 +170,11 @@ class TorchEngine(Engine):
         return out.logits[:, -1, :].float()
 
     def _generate_chunk(
-        self, prompt_ids: list[list[int]], sampling: SamplingParams, generator: torch.Generator | None
+        self,
+        prompt_ids: list[list[int]],
+        sampling: SamplingParams,
+        generator: torch.Generator | None,
+        cancel: Cancellation | None = None,
     ) -> list[Completion]:
         rows, width = len(prompt_ids), max(len(p) for p in prompt_ids)
         input_ids = torch.full((rows, width), self._pad_id, dtype=torch.long)
@@ -192,6 +198,8 @@ class TorchEngine(Engine):
         matched: list[str | None] = [None] * rows
 
         for step in range(sampling.max_new_tokens):
+            if cancel is not None:
+                cancel.check()  # a cancellation point: every decode step
             uniform = None
             if sampling.temperature > 0:
                 draws = torch.rand(rows, generator=generator, dtype=torch.float32)

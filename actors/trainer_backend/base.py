@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from miles_events.rl.cancel import Cancellation
 from schemas.events import TrainMetrics
 from schemas.rollout import RolloutBatch
 
@@ -23,8 +24,12 @@ class TrainerBackend(ABC):
     """A policy model with its optimizer, trained on rollout batches."""
 
     @abstractmethod
-    def train(self, batch: RolloutBatch) -> TrainMetrics:
-        """Train on every sample of ``batch`` (one or more optimizer steps); blocking."""
+    def train(self, batch: RolloutBatch, cancel: Cancellation | None = None) -> TrainMetrics:
+        """Train on every sample of ``batch`` (one or more optimizer steps); blocking.
+
+        ``cancel`` is checked at every micro-batch until the first optimizer step: a cancelled
+        step raises ``Cancelled`` with the weights and optimizer untouched. After the first
+        optimizer step the rollout is trained to its end (half a rollout is never kept)."""
 
     @abstractmethod
     def named_weights(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:

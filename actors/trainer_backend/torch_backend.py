@@ -31,6 +31,7 @@ from actors.trainer_backend.grpo import (
     policy_loss,
     token_logprobs,
 )
+from miles_events.rl.cancel import Cancellation
 from miles_events.rl.finite import NonFiniteError
 from miles_events.rl.hf_model import DTYPES, load_model
 from miles_events.rl.weights import split_tied
@@ -153,7 +154,7 @@ class TorchTrainerBackend(TrainerBackend):
 
     # --- training ------------------------------------------------------------------------
 
-    def train(self, batch: RolloutBatch) -> TrainMetrics:
+    def train(self, batch: RolloutBatch, cancel: Cancellation | None = None) -> TrainMetrics:
         trainer = self.config.trainer
         samples = batch.samples
         if not samples:
@@ -175,6 +176,8 @@ class TorchTrainerBackend(TrainerBackend):
         ref_logps: list[torch.Tensor | None] = []
         with torch.no_grad():
             for micro in micro_batches:
+                if cancel is not None:
+                    cancel.check()  # a cancellation point: nothing has changed yet
                 if trainer.use_rollout_logprobs:
                     old_logps.append(self._rollout_logprobs(samples, micro))
                 else:
@@ -193,6 +196,8 @@ class TorchTrainerBackend(TrainerBackend):
             step_totals = dict.fromkeys(totals, 0.0)
             self.optimizer.zero_grad(set_to_none=True)
             for micro in step:
+                if cancel is not None and trained_steps == 0:
+                    cancel.check()  # before the first optimizer step only
                 old_logp, ref_logp = old_logps[position], ref_logps[position]
                 position += 1
                 mask = micro.mask.to(self.device)

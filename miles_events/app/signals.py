@@ -1,4 +1,5 @@
-"""SIGINT / SIGTERM during a run: the first asks the run to stop, the second aborts."""
+"""SIGINT / SIGTERM during a run: the first stops the run after the current step, the second
+cuts the step in progress at its next cancellation point, the third aborts."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ class StopOnSignal:
 
     def __init__(self, bus: EventBus) -> None:
         self.bus = bus
-        self.interrupted = False
+        self.signals = 0
         self.task: asyncio.Task[object] | None = None
         self._loop = asyncio.get_running_loop()
         self._installed: list[tuple[signal.Signals, object]] = []
@@ -32,13 +33,20 @@ class StopOnSignal:
             self._installed.append((sig, previous))
 
     def _on_signal(self) -> None:
-        if self.interrupted:
+        self.signals += 1
+        if self.signals > 2:
             raise KeyboardInterrupt
-        self.interrupted = True
-        logger.warning("interrupted: stopping after the current step (again to abort)")
-        self.task = self._loop.create_task(
-            self.bus.publish(StopRequested(reason="interrupted by signal"), source="session")
-        )
+        if self.signals == 1:
+            logger.warning("interrupted: stopping after the current step (again: cut it now; a third time: abort)")
+            stop = StopRequested(reason="interrupted by signal")
+        else:
+            logger.warning("interrupted again: cutting the step in progress (again to abort)")
+            stop = StopRequested(reason="interrupted by signal", now=True)
+        self.task = self._loop.create_task(self.bus.publish(stop, source="session"))
+
+    @property
+    def interrupted(self) -> bool:
+        return self.signals > 0
 
     def remove(self) -> None:
         for sig, previous in self._installed:

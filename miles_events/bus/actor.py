@@ -20,7 +20,7 @@ from miles_events.bus.clock import Clock
 from miles_events.bus.handlers import HandlerTable, handles
 from miles_events.transport.base import Transport
 from schemas.config import Config
-from schemas.events import Event
+from schemas.events import Event, StopRequested
 from schemas.plan import RunPlan
 
 __all__ = ["Actor", "ActorContext", "UndeclaredEmit", "WorkerGroup", "handles"]
@@ -137,6 +137,17 @@ class Actor(HandlerTable):
             await getattr(self, route[0])(event)
         finally:
             self._emitting = None
+
+    def interrupt(self, event: StopRequested) -> None:
+        """A stop was asked for: called at once, even while a handler runs (out of band, on
+        the actor's event loop), so that long work can end at its next cancellation point.
+        Must not block. Actors whose handlers can run long override it; the default does
+        nothing."""
+
+    @classmethod
+    def interruptible(cls) -> bool:
+        """Whether this actor overrides ``interrupt`` (its hosts then deliver stops at once)."""
+        return cls.interrupt is not Actor.interrupt
 
     def spawn(self, coro: Coroutine[Any, Any, None], *, emits: tuple[type[Event], ...]) -> asyncio.Task[None]:
         """Run ``coro`` beside the handlers (a timer, say), allowed to publish ``emits``.

@@ -22,7 +22,7 @@ from miles_events.bus.errors import describe_error, innermost
 from miles_events.bus.event_bus import BusClosed, Mailbox
 from miles_events.transport.base import Transport
 from schemas.config import Config
-from schemas.events import ActorFailed, Event
+from schemas.events import ActorFailed, Event, StopRequested
 from schemas.plan import RunPlan
 
 logger = logging.getLogger(__name__)
@@ -77,14 +77,25 @@ class ActorHost:
     """Feeds ``mailbox`` to ``actor`` in order. A handler that raises is reported as
     ``ActorFailed`` and the actor handles nothing more (the Coordinator stops the run)."""
 
-    def __init__(self, actor: Actor, mailbox: Mailbox, publish: Publish, clock: Clock = SYSTEM_CLOCK) -> None:
+    def __init__(
+        self,
+        actor: Actor,
+        mailbox: Mailbox,
+        publish: Publish,
+        clock: Clock = SYSTEM_CLOCK,
+        interrupts: Mailbox | None = None,
+    ) -> None:
+        """``interrupts``: a mailbox of ``StopRequested`` handed to ``actor.interrupt`` as
+        they arrive, beside (not behind) the handler in progress."""
         self.actor = actor
         self.clock = clock
         self.mailbox = mailbox
+        self.interrupts = interrupts
         self._publish = publish
         self.busy = False
         self.failed: ActorFailed | None = None
         self._task: asyncio.Task[None] | None = None
+        self._interrupt_task: asyncio.Task[None] | None = None
 
     @property
     def name(self) -> str:
@@ -92,6 +103,20 @@ class ActorHost:
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._consume(), name=f"actor-{self.name}")
+        if self.interrupts is not None:
+            self._interrupt_task = asyncio.create_task(self._interrupt(), name=f"interrupt-{self.name}")
+
+    async def _interrupt(self) -> None:
+        assert self.interrupts is not None
+        while (event := await self.interrupts.get()) is not None:
+            self.deliver_interrupt(event)
+
+    def deliver_interrupt(self, event: Event) -> None:
+        if isinstance(event, StopRequested) and self.failed is None:
+            try:
+                self.actor.interrupt(event)
+            except Exception:
+                logger.exception("actor %s failed to take an interrupt", self.name)
 
     async def handle(self, event: Event) -> None:
         """Handle one event now (the ray host delivers batches through this)."""

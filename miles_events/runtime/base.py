@@ -14,7 +14,7 @@ from miles_events.bus.event_bus import EventBus
 from miles_events.bus.host import ActorHost, HostContext, Publish
 from miles_events.transport.base import Transport
 from schemas.config import Config
-from schemas.events import Event
+from schemas.events import Event, StopRequested
 from schemas.plan import RunPlan
 
 logger = logging.getLogger(__name__)
@@ -93,7 +93,8 @@ class InProcessHosts:
         except Exception as error:
             raise ActorStartError(f"{cls.name}: {describe_error(error)}") from error
         mailbox = bus.subscribe(cls.name, tuple(actor.handlers()))
-        host = ActorHost(actor, mailbox, actor.context.publish, self.run.clock)
+        interrupts = bus.subscribe(f"{cls.name}/interrupt", (StopRequested,)) if cls.interruptible() else None
+        host = ActorHost(actor, mailbox, actor.context.publish, self.run.clock, interrupts)
         self.hosts.append(host)
         return host
 

@@ -31,7 +31,7 @@ from miles_events.runtime.base import ActorStartError, InProcessHosts, RunContex
 from miles_events.runtime.leftovers import forget_processes, record_processes
 from miles_events.transport.base import Transport, open_transport
 from schemas.config import Config
-from schemas.events import ActorFailed, Event
+from schemas.events import ActorFailed, Event, StopRequested
 from schemas.plan import RunPlan
 
 logger = logging.getLogger(__name__)
@@ -86,6 +86,12 @@ class RemoteActorHost:
             await self.host.handle(event)
         return self.emitted
 
+    async def interrupt(self, payload: bytes) -> None:
+        """A stop, delivered beside the batch being handled (the actor runs many calls at once)."""
+        assert self.host is not None
+        for event in decode_batch(payload):
+            self.host.deliver_interrupt(event)
+
     async def poll(self, max_items: int) -> bytes:
         """Wait for published events; b"" once stopped and drained."""
         batch = await self.outbox.get_batch(max_items)
@@ -102,9 +108,17 @@ class RemoteActorProxy:
     """Driver side of one remote actor."""
 
     def __init__(
-        self, bus: EventBus, name: str, handle: Any, mailbox: Mailbox, max_batch: int, clock: Clock = SYSTEM_CLOCK
+        self,
+        bus: EventBus,
+        name: str,
+        handle: Any,
+        mailbox: Mailbox,
+        max_batch: int,
+        clock: Clock = SYSTEM_CLOCK,
+        interrupts: Mailbox | None = None,
     ) -> None:
         self.bus = bus
+        self.interrupts = interrupts
         self.clock = clock
         self.name = name
         self.handle = handle
@@ -118,6 +132,18 @@ class RemoteActorProxy:
             asyncio.create_task(self._forward(), name=f"forward-{name}"),
             asyncio.create_task(self._collect(), name=f"collect-{name}"),
         ]
+        if interrupts is not None:
+            self._interrupter = asyncio.create_task(self._interrupt(), name=f"interrupt-{name}")
+
+    async def _interrupt(self) -> None:
+        assert self.interrupts is not None
+        while (event := await self.interrupts.get()) is not None:
+            if self.dead:
+                continue
+            try:
+                await self.handle.interrupt.remote(encode_batch([event]))
+            except Exception as error:
+                logger.warning("interrupting %s failed: %s", self.name, error)
 
     async def _forward(self) -> None:
         while batch := await self.mailbox.get_batch(self.max_batch):
@@ -328,7 +354,10 @@ class RayRuntime:
         self._raise_start_errors([cls for cls, _ in remote], done)
         for (cls, handle), pid in zip(remote, pids, strict=True):
             mailbox = bus.subscribe(cls.name, tuple(cls.handlers()))
-            self.proxies.append(RemoteActorProxy(bus, cls.name, handle, mailbox, config.bus.max_batch, self.run.clock))
+            interrupts = bus.subscribe(f"{cls.name}/interrupt", (StopRequested,)) if cls.interruptible() else None
+            self.proxies.append(
+                RemoteActorProxy(bus, cls.name, handle, mailbox, config.bus.max_batch, self.run.clock, interrupts)
+            )
             self._pids[cls.name] = pid
             logger.info("started %s (ray actor, pid %d)", cls.name, pid)
         for cls in actor_classes:
