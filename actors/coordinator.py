@@ -529,7 +529,6 @@ class Coordinator(Actor):
             reason=reason,
             last_rollout_id=self.last_rollout_id,
             weight_version=served,
-            engine_versions=dict(self.served),
         )
         self._finishing = finished
         # A completed or stopped run waits for its checkpoints; a failed one does not.

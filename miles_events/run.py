@@ -1,13 +1,24 @@
 """``python -m miles_events.run CONFIG.toml``: see ``miles_events.app.run``."""
 
 import os
+import signal
 import sys
 
-from miles_events.app.run import main
+
+def _abort(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
 
 if __name__ == "__main__":
+    # SIGTERM aborts as Ctrl-C does from the first instant, imports included (exit 130).
+    signal.signal(signal.SIGTERM, _abort)
     try:
+        from miles_events.app.run import main
+
         sys.exit(main())
+    except KeyboardInterrupt:
+        print("error: aborted", file=sys.stderr)
+        sys.exit(130)
     except BrokenPipeError:
         # stdout went away (``| head``); the run itself has finished and its log is written.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -88,9 +88,7 @@ class RunFinished(Event, frozen=True, kw_only=True):
     last_rollout_id: int = -1
     weight_version: str = "default"
     """The version the engines serve at the end (the oldest of them when a publication that
-    failed part-way left them apart)."""
-    engine_versions: dict[str, str] = {}
-    """The version each engine serves at the end."""
+    failed part-way left them apart; each engine's is in its last ``WeightsLoaded``)."""
 
 
 class ActorFailed(Event, frozen=True, kw_only=True):
