@@ -506,7 +506,7 @@ async def test_a_verified_publications_manifest_is_removed_and_an_unverified_one
 async def test_a_rollout_batch_is_released_even_when_training_raises(base_model: Path, tmp_path: Path) -> None:
     trainer, context = await started_trainer(make_config(base_model, tmp_path), tmp_path)
 
-    def broken(batch: Any) -> Any:
+    def broken(batch: Any, cancel: Any = None) -> Any:
         raise FloatingPointError("loss is nan")
 
     trainer.backend.train = broken  # type: ignore[method-assign]
