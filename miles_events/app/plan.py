@@ -15,7 +15,7 @@ import msgspec
 from miles_events.app.config import config_digest
 from miles_events.rl.checkpoint import latest_checkpoint, marked_checkpoint
 from miles_events.rl.hf_model import prepare_base_model
-from miles_events.rl.prompts import DataError, load_prompts
+from miles_events.rl.prompts import load_prompts, whole_batches_per_epoch
 from miles_events.rl.versions import engine_names
 from schemas.checkpoint import TrainerState
 from schemas.config import Config
@@ -43,13 +43,7 @@ def make_plan(config: Config, runtime: str) -> RunPlan:
         num_rollout = config.run.num_rollout
     else:
         num_prompts = len(load_prompts(data.prompt_data, data.input_key, data.label_key)) if data.prompt_data else 0
-        per_epoch = num_prompts // data.rollout_batch_size
-        if per_epoch <= 0:
-            raise DataError(
-                f"run.num_rollout is unset and data.prompt_data has {num_prompts} prompts, fewer than one "
-                f"rollout batch (data.rollout_batch_size = {data.rollout_batch_size}): set run.num_rollout "
-                "or a smaller batch"
-            )
+        per_epoch = whole_batches_per_epoch(num_prompts, data.rollout_batch_size)
         num_rollout = per_epoch * config.run.num_epoch
     run = config.run
     start, weight_version, resumed = 0, "default", False
