@@ -27,6 +27,7 @@ class RunConfig(Section):
     """Where the event log, checkpoints and the built model go."""
     runtime: Literal["ray", "local"] = "ray"
     seed: int = 1234
+    """Seeds the built-in model's init, the trainer, the data order and the sampling: 0 to 2**63 - 1."""
     num_rollout: NonNegativeInt | None = None
     """Rollouts to run; derived from dataset size, batch size and num_epoch when unset."""
     num_epoch: PositiveInt = 1
@@ -72,14 +73,18 @@ class RunConfig(Section):
 
 
 class BuiltinModelConfig(Section):
-    """A small causal LM built in code (random init) with a tokenizer built in code."""
+    """A small causal LM built in code (random init) with a tokenizer built in code. A shape
+    whose float32 parameters alone exceed the memory available to the driver is refused
+    before anything starts."""
 
     architecture: Literal["qwen2", "llama"] = "qwen2"
     hidden_size: PositiveInt = 64
     intermediate_size: PositiveInt = 128
     num_hidden_layers: PositiveInt = 2
     num_attention_heads: PositiveInt = 4
+    """Must divide ``hidden_size`` into an even head dimension (rotary embeddings)."""
     num_key_value_heads: PositiveInt = 2
+    """Must divide ``num_attention_heads``."""
     max_position_embeddings: PositiveInt = 64
     tie_word_embeddings: bool = False
     tokenizer: Literal["arith"] = "arith"

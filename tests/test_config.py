@@ -220,3 +220,103 @@ def test_key_line_finds_dotted_keys_under_tables() -> None:
     assert find_key_line(text, ["run", "seed"]) == 4
     assert find_key_line(text, ["run"]) == 3
     assert find_key_line(text, ["data"]) is None
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "shown"),
+    [
+        ("trainer.lr", "inf", "inf"),
+        ("trainer.lr", "+inf", "inf"),
+        ("trainer.lr", "1e400", "inf"),  # too large for a float: TOML reads it as inf
+        ("trainer.entropy_coef", "nan", "nan"),
+        ("trainer.entropy_coef", "-inf", "-inf"),
+        ("rollout.temperature", "inf", "inf"),
+        ("bus.stall_warning_seconds", "inf", "inf"),
+    ],
+)
+def test_a_float_that_is_not_finite_is_refused_naming_the_key(tmp_path: Path, key: str, value: str, shown: str) -> None:
+    message = error_of(write_config(tmp_path, BASE), [f"{key}={value}"])
+    assert message == f"{tmp_path / 'run.toml'}: --set {key}={value}: {key}: must be a finite number, got {shown}"
+
+
+@pytest.mark.parametrize("value", ["nan", "-inf"])
+def test_a_bounded_float_refuses_nan_and_minus_inf_by_its_bound(tmp_path: Path, value: str) -> None:
+    assert error_of(write_config(tmp_path, BASE), [f"trainer.lr={value}"]).endswith("trainer.lr: must be > 0.0")
+
+
+def test_a_float_that_is_not_finite_in_the_file_is_located(tmp_path: Path) -> None:
+    path = write_config(tmp_path, BASE + "[publisher]\nstage_timeout = inf\n")
+    assert error_of(path) == f"{path}:6: publisher.stage_timeout: must be a finite number, got inf"
+
+
+@pytest.mark.parametrize(
+    ("settings", "expected"),
+    [
+        ("hidden_size = 64\nnum_attention_heads = 3", "model.builtin.num_attention_heads: 3 must divide model.builtin.hidden_size (64)"),
+        ("hidden_size = 12\nnum_attention_heads = 4\nnum_key_value_heads = 1",
+         "model.builtin.num_attention_heads: 4 heads of model.builtin.hidden_size 12 are 3 wide; "
+         "the head dimension must be even (rotary embeddings)"),
+        ("num_attention_heads = 4\nnum_key_value_heads = 3",
+         "model.builtin.num_key_value_heads: 3 must divide model.builtin.num_attention_heads (4)"),
+    ],
+)
+def test_a_builtin_model_shape_that_cannot_run_is_refused(tmp_path: Path, settings: str, expected: str) -> None:
+    message = error_of(write_config(tmp_path, BASE + "[model.builtin]\n" + settings + "\n"))
+    assert message.split(": ", 1)[1] == expected
+
+
+def test_the_builtin_shape_is_not_checked_when_model_path_is_used(tmp_path: Path) -> None:
+    (tmp_path / "model").mkdir()
+    body = BASE + '[model]\npath = "model"\n[model.builtin]\nnum_attention_heads = 3\n'
+    assert load_config(write_config(tmp_path, body)).model.builtin.num_attention_heads == 3
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [("-1", "-1"), (str(2**63), str(2**63)), ("-" + "9" * 60, "-9999999999999999999... (61 digits)")],
+)
+def test_a_seed_out_of_range_is_refused(tmp_path: Path, value: str, shown: str) -> None:
+    message = error_of(write_config(tmp_path, BASE), [f"run.seed={value}"])
+    assert message.endswith(f"--set run.seed={value}: run.seed: must be 0 to 2**63 - 1, got {shown}")
+
+
+def test_a_recorded_config_keeps_the_seed_it_ran_with(tmp_path: Path) -> None:
+    assert load_config(write_config(tmp_path, BASE + "[run]\nseed = -1\n"), check=False, recorded=True).run.seed == -1
+
+
+@pytest.mark.parametrize("value", ["0", str(2**63 - 1)])
+def test_the_seed_range_ends_are_taken(tmp_path: Path, value: str) -> None:
+    assert load_config(write_config(tmp_path, BASE), [f"run.seed={value}"]).run.seed == int(value)
+
+
+def test_toml_python_cannot_read_is_one_line(tmp_path: Path) -> None:
+    path = write_config(tmp_path, BASE + "[run]\nseed = " + "1" * 5000 + "\n")
+    assert error_of(path).startswith(f"{path}: not readable as TOML (Exceeds the limit (4300 digits)")
+    deep = write_config(tmp_path, "a = " + "[" * 100_000 + "\n")
+    assert error_of(deep) == f"{deep}: not readable as TOML (nested too deeply)"
+
+
+def test_a_set_value_python_cannot_read_is_one_line(tmp_path: Path) -> None:
+    path = write_config(tmp_path, BASE)
+    assert error_of(path, ["run.seed=" + "9" * 5000]).startswith(
+        f"{path}: --set run.seed={'9' * 5000}: value not readable as TOML (Exceeds the limit"
+    )
+    assert error_of(path, ["run.dir=" + "[" * 100_000]).endswith(": value not readable as TOML (nested too deeply)")
+
+
+def test_a_set_argument_that_is_not_utf8_is_one_line(tmp_path: Path) -> None:
+    # What Python makes of a command-line byte that is not UTF-8 (surrogateescape).
+    path = write_config(tmp_path, BASE)
+    assert error_of(path, ["run.dir=runs/\udcff"]) == f"{path}: --set run.dir=runs/\\udcff: not UTF-8 text"
+
+
+def test_a_relative_reward_fn_is_a_config_error(tmp_path: Path) -> None:
+    message = error_of(write_config(tmp_path, BASE), ['rollout.reward_fn=".rewards.fn"'])
+    assert "rollout.reward_fn: '.rewards.fn' is not a dotted path" in message
+
+
+def test_an_unknown_key_with_a_line_break_is_an_unknown_key(tmp_path: Path) -> None:
+    # TOML allows any string as a quoted key; the CLI escapes the break when it prints the line.
+    path = write_config(tmp_path, BASE + '[run]\n"a\\nb" = 1\n')
+    with pytest.raises(ConfigError, match=r"run\.a\nb: unknown key \(known: dir, "):
+        load_config(path)

@@ -226,15 +226,64 @@ def test_a_nan_reward_stops_the_run_with_one_line_naming_the_rollout(tmp_path):
         ('run.dir="/dev/null/run"', "run.dir /dev/null/run"),
         ('generator.engine="no_such_engine"', "generator.engine: unknown engine 'no_such_engine'; known: torch"),
         ('trainer.backend="no_such_backend"', "trainer.backend: unknown trainer backend 'no_such_backend'; known: torch"),
+        ("model.builtin.hidden_size=100000000", "model.builtin: 30,000,080,900,000,000 parameters (hidden_size 100000000"),
+        ("model.builtin.num_attention_heads=3", "model.builtin.num_attention_heads: 3 must divide model.builtin.hidden_size (128)"),
+        ("model.builtin.num_key_value_heads=3", "model.builtin.num_key_value_heads: 3 must divide"),
+        ("run.seed=-1", "run.seed: must be 0 to 2**63 - 1, got -1"),
+        ("run.seed=9223372036854775808", "run.seed: must be 0 to 2**63 - 1, got 9223372036854775808"),
+        ("trainer.lr=inf", "trainer.lr: must be a finite number, got inf"),
+        ("trainer.entropy_coef=nan", "trainer.entropy_coef: must be a finite number, got nan"),
+        ('rollout.reward_fn=".relative.fn"', "rollout.reward_fn: '.relative.fn' is not a dotted path"),
     ],
 )
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, override, expected):
     result = run_cli(tmp_path / "run", override)  # a later --set wins
+    assert_one_line_exit_2(result, expected)
+    assert not (tmp_path / "run").exists()
+
+
+def assert_one_line_exit_2(result: subprocess.CompletedProcess, expected: str) -> None:
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error:") and expected in lines[0]
+    assert len(lines) == 1 and lines[0].startswith("error:") and expected in lines[0], result.stderr
+
+
+GOOD_LINE = b'{"input": "1+1=", "label": "2"}\n'
+
+
+@pytest.mark.parametrize(
+    ("key", "content", "expected"),
+    [
+        ("data.eval_data", GOOD_LINE + b'{"input": "\xff"}\n', "data.eval_data: {path}:2: not UTF-8 text (byte 0xff"),
+        ("data.eval_data", b"", "data.eval_data: {path}: no prompts"),
+        ("data.eval_data", b"{oops\n", "data.eval_data: {path}:1: not valid JSON"),
+        ("data.eval_data", b'{"question": "1+1="}\n', "data.eval_data: {path}:1: needs the keys 'input' and 'label'"),
+        ("data.prompt_data", GOOD_LINE + b"\xc3\x28\n", "data.prompt_data: {path}:2: not UTF-8 text (byte 0xc3"),
+        ("data.prompt_data", b"[" * 100_000 + b"\n", "data.prompt_data: {path}:1: not usable JSON (nested too deeply)"),
+    ],
+)
+@pytest.mark.parametrize("flags", [(), ("--dry-run",)])
+def test_bad_input_data_files_are_one_line_exit_2_and_write_nothing(tmp_path, key, content, expected, flags):
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(content)
+    result = run_cli(tmp_path / "run", f'{key}="{path}"', flags=flags)
+    assert_one_line_exit_2(result, expected.format(path=path))
+    assert result.stdout == ""
     assert not (tmp_path / "run").exists()
+
+
+def test_bad_input_leaves_an_existing_run_dir_as_it_was(tmp_path):
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "checkpoints" / "kept.txt").write_text("a previous run's file\n")
+    eval_file = tmp_path / "eval.jsonl"
+    eval_file.write_bytes(b"\xff\xfe")
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    result = run_cli(run_dir, f'data.eval_data="{eval_file}"', "run.resume=true")
+    assert_one_line_exit_2(result, "data.eval_data")
+    assert sorted(run_dir.rglob("*")) == [run_dir / "checkpoints", run_dir / "checkpoints" / "kept.txt"]
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
 
 
 def test_dry_run_prints_the_resolved_config_and_runs_nothing(tmp_path):

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import math
 import os
 import re
 import tomllib
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -81,8 +82,21 @@ class ConfigError(ValueError):
 # --- overrides ------------------------------------------------------------------------
 
 
+def _toml_limit(error: ValueError | RecursionError) -> str:
+    """What stopped ``tomllib`` short of a syntax error (a limit of Python's), in one line."""
+    if isinstance(error, RecursionError):
+        return "nested too deeply"
+    # e.g. an integer of more digits than Python converts (less its advice on raising the limit)
+    return " ".join(str(error).split(";")[0].split())
+
+
 def parse_override(argument: str) -> tuple[list[str], Any]:
     """``"a.b=value"`` -> (``["a", "b"]``, the value read as TOML, else the raw string)."""
+    try:
+        argument.encode("utf-8")
+    except UnicodeEncodeError:  # bytes the command line could not decode
+        shown = argument.encode("utf-8", "backslashreplace").decode("utf-8")
+        raise ConfigError(f"--set {shown}: not UTF-8 text") from None
     key, sep, raw = argument.partition("=")
     if not sep:
         raise ConfigError(f"--set {argument}: expected KEY=VALUE, e.g. run.num_rollout=3")
@@ -93,6 +107,8 @@ def parse_override(argument: str) -> tuple[list[str], Any]:
         parsed = tomllib.loads("v = " + raw)
     except tomllib.TOMLDecodeError:
         parsed = {}
+    except (ValueError, RecursionError) as error:
+        raise ConfigError(f"--set {argument}: value not readable as TOML ({_toml_limit(error)})") from None
     # Anything but exactly one value (e.g. text with a newline and another key) is a string.
     value = parsed["v"] if parsed.keys() == {"v"} else raw
     return parts, value
@@ -114,9 +130,10 @@ def apply_override(data: dict[str, Any], argument: str) -> list[str]:
 
 # --- error messages -------------------------------------------------------------------
 
-_AT = re.compile(r"^(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?$")
-_UNKNOWN = re.compile(r"^Object contains unknown field `(?P<field>[^`]*)`$")
-_EXPECTED = re.compile(r"^Expected `(?P<expected>[^`]*)`(?:, got `(?P<got>[^`]*)`)?(?P<rest>.*)$")
+# DOTALL: a key from the file may hold a line break ("a\nb" = 1 is a TOML key).
+_AT = re.compile(r"^(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.DOTALL)
+_UNKNOWN = re.compile(r"^Object contains unknown field `(?P<field>[^`]*)`$", re.DOTALL)
+_EXPECTED = re.compile(r"^Expected `(?P<expected>[^`]*)`(?:, got `(?P<got>[^`]*)`)?(?P<rest>.*)$", re.DOTALL)
 
 
 def _path_parts(path: str) -> list[str]:
@@ -267,6 +284,8 @@ def load_config_text(
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:
         raise ConfigError(f"{name}: TOML syntax error: {error}") from None
+    except (ValueError, RecursionError) as error:
+        raise ConfigError(f"{name}: not readable as TOML ({_toml_limit(error)})") from None
     if recorded:
         migrate_recorded(data)
     overridden: dict[tuple[str, ...], str] = {}
@@ -339,6 +358,9 @@ def resolve_paths(
 
 def validate(config: Config) -> None:
     """Check the rules that span fields; raises ``ConfigError`` (with ``.key``) on the first."""
+    _validate_finite(config)
+    _validate_seed(config)
+    _validate_builtin_model(config)
     run, data, trainer = config.run, config.data, config.trainer
     if run.num_rollout != 0:
         needed = "run.num_rollout is unset" if run.num_rollout is None else f"run.num_rollout = {run.num_rollout}"
@@ -378,6 +400,61 @@ def validate(config: Config) -> None:
             check(value)
         except ValueError as error:
             raise ConfigError(f"{key}: {error}", key=key) from None
+
+
+def _floats(value: object, key: str) -> Iterator[tuple[str, float]]:
+    """(dotted key, value) of every float in a config, its sections and lists."""
+    if isinstance(value, msgspec.Struct):
+        for field in value.__struct_fields__:
+            yield from _floats(getattr(value, field), f"{key}.{field}" if key else field)
+    elif isinstance(value, float):
+        yield key, value
+    elif isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            yield from _floats(item, f"{key}[{index}]")
+
+
+def _validate_finite(config: Config) -> None:
+    """Every float setting is a number: TOML's ``nan``, ``inf`` and ``-inf`` (and a literal
+    too large for a float, which reads as ``inf``) are refused, whatever the field's bounds."""
+    for key, value in _floats(config, ""):
+        if not math.isfinite(value):
+            raise ConfigError(f"{key}: must be a finite number, got {_toml_value(value)}", key=key)
+
+
+SEED_MAX = 2**63 - 1
+"""``run.seed`` is 0 to this: torch takes [-2**63, 2**64) and reads a negative seed modulo
+2**64 (so it is another name for a large one); a non-negative int64 every consumer takes."""
+
+
+def _validate_seed(config: Config) -> None:
+    """Here, not in the schema: a recorded config is re-driven as it was (``check=False``)."""
+    seed = config.run.seed
+    if not 0 <= seed <= SEED_MAX:
+        shown = str(seed) if len(str(seed)) <= 40 else f"{str(seed)[:20]}... ({len(str(seed))} digits)"
+        raise ConfigError(f"run.seed: must be 0 to 2**63 - 1, got {shown}", key="run.seed")
+
+
+def _validate_builtin_model(config: Config) -> None:
+    """``[model.builtin]``, when it is the model (``model.path`` unset), has a shape the
+    architectures build and run: heads that split ``hidden_size`` into an even head
+    dimension (rotary embeddings turn pairs of it), key/value heads that split the heads."""
+    if config.model.path is not None:
+        return
+    builtin = config.model.builtin
+    hidden, heads, kv_heads = builtin.hidden_size, builtin.num_attention_heads, builtin.num_key_value_heads
+    key = "model.builtin.num_attention_heads"
+    if hidden % heads:
+        raise ConfigError(f"{key}: {heads} must divide model.builtin.hidden_size ({hidden})", key=key)
+    if (hidden // heads) % 2:
+        raise ConfigError(
+            f"{key}: {heads} heads of model.builtin.hidden_size {hidden} are {hidden // heads} wide; "
+            "the head dimension must be even (rotary embeddings)",
+            key=key,
+        )
+    if heads % kv_heads:
+        key = "model.builtin.num_key_value_heads"
+        raise ConfigError(f"{key}: {kv_heads} must divide model.builtin.num_attention_heads ({heads})", key=key)
 
 
 def _validate_loading(config: Config) -> None:

@@ -12,9 +12,8 @@ import time
 from pathlib import Path
 
 import msgspec
-import torch
 
-from miles_events.app.config import ConfigError, config_digest
+from miles_events.app.config import config_digest
 from miles_events.rl.checkpoint import (
     CheckpointError,
     checkpoint_dirs,
@@ -23,9 +22,8 @@ from miles_events.rl.checkpoint import (
     marked_checkpoint,
     set_aside,
 )
-from miles_events.rl.hf_model import DTYPES, prepare_base_model
-from miles_events.rl.memory import ModelShape, available_memory, gib, rollout_memory
-from miles_events.rl.prompts import DataError, load_prompts
+from miles_events.rl.hf_model import prepare_base_model
+from miles_events.rl.prompts import load_prompts, whole_batches_per_epoch
 from miles_events.rl.versions import engine_names
 from schemas.checkpoint import TrainerState
 from schemas.config import Config
@@ -54,13 +52,7 @@ def make_plan(config: Config, runtime: str, run_id: str = "") -> RunPlan:
         num_rollout = config.run.num_rollout
     else:
         num_prompts = len(load_prompts(data.prompt_data, data.input_key, data.label_key)) if data.prompt_data else 0
-        per_epoch = num_prompts // data.rollout_batch_size
-        if per_epoch <= 0:
-            raise DataError(
-                f"run.num_rollout is unset and data.prompt_data has {num_prompts} prompts, fewer than one "
-                f"rollout batch (data.rollout_batch_size = {data.rollout_batch_size}): set run.num_rollout "
-                "or a smaller batch"
-            )
+        per_epoch = whole_batches_per_epoch(num_prompts, data.rollout_batch_size)
         num_rollout = per_epoch * config.run.num_epoch
     run = config.run
     start, weight_version, resumed = 0, "default", False
@@ -94,7 +86,6 @@ def make_plan(config: Config, runtime: str, run_id: str = "") -> RunPlan:
         reference = checkpoint if loaded_ref else marked_checkpoint(Path(run.ref_load))[0]
     if run.start_rollout_id is not None:
         start = run.start_rollout_id
-    check_rollout_memory(config)
     return RunPlan(
         start_rollout_id=start,
         num_rollout=num_rollout,
@@ -153,31 +144,3 @@ def _refuse_another_runs_checkpoints(config: Config) -> None:
     moved = set_aside(root, "replaced-" + time.strftime("%Y%m%d-%H%M%S"))
     logger.warning("run.overwrite: moved the previous run's checkpoints to %s", moved)
 
-
-def check_rollout_memory(config: Config) -> None:
-    """Refuse, with one line, a rollout that cannot fit in this machine's memory (a coarse
-    estimate that errs high: ``miles_events.rl.memory``)."""
-    data, rollout = config.data, config.rollout
-    available = available_memory()
-    if available is None or config.model.path is None or data.n_samples_per_prompt * data.rollout_batch_size < 1024:
-        return
-    prompts = load_prompts(data.prompt_data, data.input_key, data.label_key) if data.prompt_data else []
-    longest = max((len(p.prompt.encode()) for p in prompts), default=1)
-    shape = ModelShape.from_model_dir(config.model.path, DTYPES[config.model.dtype].itemsize)
-    samples = data.rollout_batch_size * data.n_samples_per_prompt
-    needed = rollout_memory(
-        shape,
-        samples=samples,
-        prompt_tokens=longest,
-        max_new_tokens=rollout.max_new_tokens,
-        engine_batch=rollout.max_batch_size,
-        micro_batch=config.trainer.micro_batch_size,
-    ).host_bytes(on_gpu=torch.cuda.is_available())
-    if needed > available:
-        raise ConfigError(
-            f"data.n_samples_per_prompt: a rollout of {samples} samples (data.rollout_batch_size = "
-            f"{data.rollout_batch_size} x data.n_samples_per_prompt = {data.n_samples_per_prompt}) needs about "
-            f"{gib(needed)} of memory, and this machine has {gib(available)} available: lower one of them "
-            "(or rollout.max_batch_size, trainer.micro_batch_size)",
-            key="data.n_samples_per_prompt",
-        )

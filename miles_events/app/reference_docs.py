@@ -91,6 +91,7 @@ def config_reference() -> str:
         "checks it is current. Every section is strict: an unknown key or a wrong type stops",
         "the run with one line naming the key path. Relative paths are resolved against the",
         "directory of the config file. Override any key with `--set section.key=value`.",
+        "A float must be finite: TOML's `nan`, `inf` and `-inf` are refused.",
         "",
     ]
     for field in msgspec.structs.fields(Config):

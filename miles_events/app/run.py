@@ -1,7 +1,9 @@
 """``python -m miles_events.run cfg.toml [--set a.b=value ...] [--dry-run]``
 
 Exit codes: 0 the run completed (or was stopped on request), 1 the run failed, 2 the input
-(config, data) is wrong. A user's mistake gets one line naming what is wrong, no traceback.
+(config, data) is wrong. A user's mistake gets one line naming what is wrong, no traceback;
+the input is checked (``miles_events.app.preflight``) before anything is written, and
+``--dry-run`` checks it as well.
 """
 
 from __future__ import annotations
@@ -10,10 +12,12 @@ import argparse
 import asyncio
 import logging
 import os
+import re
 import signal
 import sys
 
-from miles_events.app.config import ConfigError, dump_config, load_config, validate
+from miles_events.app.config import ConfigError, dump_config
+from miles_events.app.preflight import INPUT_ERRORS, load_and_check
 from miles_events.rl.checkpoint import CheckpointError
 from miles_events.rl.prompts import DataError
 from miles_events.sinks.base import Sink, SinkContext
@@ -38,9 +42,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a key, e.g. run.num_rollout=3"
     )
-    parser.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("--dry-run", action="store_true", help="check the input, print the resolved config and exit")
     parser.add_argument("--log-level", default=os.environ.get("MILES_LOG_LEVEL", "WARNING"))
     return parser.parse_args(argv)
+
+
+_LINE_BREAKS = re.compile("[\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029]")
+"""What ``str.splitlines`` breaks a line at."""
+
+
+def error_line(error: BaseException) -> str:
+    """``error: <message>`` as one line, whatever the input it quotes holds (a key or a path
+    with a line break in it comes out escaped)."""
+    message = _LINE_BREAKS.sub(lambda match: match.group().encode("unicode_escape").decode(), str(error))
+    return f"error: {message}"
 
 
 def configure_logging(level: str) -> None:
@@ -70,14 +85,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     try:
-        config = load_config(args.config, args.overrides)
-        if args.dry_run:
-            sys.stdout.write(dump_config(config))
-            return 0
-        validate(config)
-    except (ConfigError, DataError) as error:
-        print(f"error: {error}", file=sys.stderr)
+        config = load_and_check(args.config, args.overrides)
+    except INPUT_ERRORS as error:
+        print(error_line(error), file=sys.stderr)
         return 2
+    if args.dry_run:
+        sys.stdout.write(dump_config(config))
+        return 0
 
     from miles_events.app.pyspy import PySpyError
     from miles_events.app.roster import ACTORS
@@ -101,7 +115,7 @@ def _run(args: argparse.Namespace) -> int:
     except (
         ConfigError, DataError, CheckpointError, MetricsError, TrackingError, RunDirError, BaseModelMismatch, PySpyError
     ) as error:
-        print(f"error: {error}", file=sys.stderr)
+        print(error_line(error), file=sys.stderr)
         return 2
     finished = result.finished
     if config.console.mode != "quiet":

@@ -23,6 +23,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from miles_events.rl.model_size import BUILTIN_VOCAB_SIZE
+from schemas.config import BuiltinModelConfig
+
+MEMINFO = Path("/proc/meminfo")
 SAMPLE_OVERHEAD = 1024
 """Bytes of one sample's Python and msgpack overhead besides its token arrays."""
 
@@ -36,6 +40,18 @@ class ModelShape:
     vocab_size: int
     max_positions: int
     dtype_bytes: int
+
+    @classmethod
+    def from_builtin(cls, config: BuiltinModelConfig, dtype_bytes: int) -> ModelShape:
+        return cls(
+            num_layers=config.num_hidden_layers,
+            hidden_size=config.hidden_size,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=config.hidden_size // config.num_attention_heads,
+            vocab_size=BUILTIN_VOCAB_SIZE,
+            max_positions=config.max_position_embeddings,
+            dtype_bytes=dtype_bytes,
+        )
 
     @classmethod
     def from_model_dir(cls, path: str | os.PathLike[str], dtype_bytes: int) -> ModelShape:
@@ -90,14 +106,20 @@ def rollout_memory(
 
 
 def available_memory() -> int | None:
-    """Bytes of memory available now (``MemAvailable``), None where it cannot be read."""
+    """Bytes the host can give a new allocation without swapping: Linux's ``MemAvailable``
+    (``/proc/meminfo``), else the free physical pages (``os.sysconf``); None when neither is
+    known. A container's own memory limit is not read."""
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
+        for line in MEMINFO.read_text().splitlines():
+            name, _, value = line.partition(":")
+            if name == "MemAvailable":
+                return int(value.split()[0]) * 1024  # the kernel writes kB
     except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
         return None
-    return None
 
 
 def gib(num_bytes: int) -> str:

@@ -27,23 +27,45 @@ class DataError(ValueError):
     """A prompt file that cannot be used; the message names the file and line."""
 
 
+def _read_text(path: Path) -> str:
+    try:
+        raw = path.read_bytes()
+    except OSError as error:
+        raise DataError(f"{path}: cannot read: {error.strerror or error}") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = raw.count(b"\n", 0, error.start) + 1
+        raise DataError(
+            f"{path}:{line}: not UTF-8 text (byte {raw[error.start]:#04x} at offset {error.start})"
+        ) from None
+
+
+def _parse_record(path: Path, number: int, line: str, input_key: str, label_key: str) -> tuple[str, str]:
+    """(input, label) of one JSONL line."""
+    try:
+        record = json.loads(line)
+        if not isinstance(record, dict) or input_key not in record or label_key not in record:
+            raise DataError(f"{path}:{number}: needs the keys {input_key!r} and {label_key!r}")
+        return str(record[input_key]), str(record[label_key])
+    except json.JSONDecodeError as error:
+        raise DataError(f"{path}:{number}: not valid JSON ({error.msg})") from None
+    except RecursionError:
+        raise DataError(f"{path}:{number}: not usable JSON (nested too deeply)") from None
+    except DataError:
+        raise
+    except ValueError as error:  # e.g. an integer of more digits than Python converts
+        reason = " ".join(str(error).split(";")[0].split())  # less its advice on raising the limit
+        raise DataError(f"{path}:{number}: not usable JSON ({reason})") from None
+
+
 def load_prompts(path: str | Path, input_key: str, label_key: str) -> list[Prompt]:
     prompts: list[Prompt] = []
     path = Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as error:
-        raise DataError(f"cannot read prompt data {path}: {error.strerror}") from None
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise DataError(f"{path}:{number}: not valid JSON ({error.msg})") from None
-        if not isinstance(record, dict) or input_key not in record or label_key not in record:
-            raise DataError(f"{path}:{number}: needs the keys {input_key!r} and {label_key!r}")
-        prompts.append(Prompt(len(prompts), str(record[input_key]), str(record[label_key])))
+    for number, line in enumerate(_read_text(path).splitlines(), start=1):
+        if line.strip():
+            prompt, label = _parse_record(path, number, line, input_key, label_key)
+            prompts.append(Prompt(len(prompts), prompt, label))
     if not prompts:
         raise DataError(f"{path}: no prompts")
     return prompts
@@ -53,10 +75,25 @@ def num_rollout_per_epoch(num_prompts: int, rollout_batch_size: int) -> int:
     return max(1, num_prompts // rollout_batch_size)
 
 
+def whole_batches_per_epoch(num_prompts: int, rollout_batch_size: int) -> int:
+    """The rollouts of an epoch when ``run.num_rollout`` is unset: the whole batches of the
+    prompts (as miles derives them); a ``DataError`` when there is not even one."""
+    per_epoch = num_prompts // rollout_batch_size
+    if per_epoch <= 0:
+        raise DataError(
+            f"run.num_rollout is unset and data.prompt_data has {num_prompts} prompts, fewer than one "
+            f"rollout batch (data.rollout_batch_size = {rollout_batch_size}): set run.num_rollout "
+            "or a smaller batch"
+        )
+    return per_epoch
+
+
 def epoch_order(num_prompts: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
     if not shuffle:
         return list(range(num_prompts))
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    # torch takes seeds in [-2**63, 2**64) and reads a negative one modulo 2**64: the same
+    # reduction here keeps every order as it was and lets any run.seed be combined.
+    generator = torch.Generator().manual_seed((seed * 1_000_003 + epoch) % 2**64)
     return torch.randperm(num_prompts, generator=generator).tolist()
 
 

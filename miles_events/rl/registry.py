@@ -13,7 +13,7 @@ from typing import Any
 def load_function(dotted_path: str) -> Callable[..., Any]:
     """Import ``package.module.name`` (or ``package.module:name``) and return the attribute."""
     module_name, sep, attr = dotted_path.replace(":", ".").rpartition(".")
-    if not sep or not module_name:
+    if not sep or not module_name or module_name.startswith("."):  # "." would import relative to nothing
         raise ValueError(f"{dotted_path!r} is not a dotted path like 'package.module.function'")
     try:
         module = importlib.import_module(module_name)

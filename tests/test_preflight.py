@@ -1,0 +1,149 @@
+"""The input checks before anything is written: the data files as the actors read them,
+the loop bounds they set, and whether the built-in model fits in memory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from miles_events.app import preflight
+from miles_events.app.config import ConfigError
+from miles_events.app.preflight import (
+    INPUT_ERRORS,
+    available_memory,
+    check_builtin_fits,
+    check_data,
+    load_and_check,
+)
+from miles_events.rl import memory
+from miles_events.rl.model_size import BUILTIN_VOCAB_SIZE, builtin_build_bytes, builtin_parameter_count
+from miles_events.rl.prompts import DataError
+from schemas.config import BuiltinModelConfig, Config, DataConfig, ModelConfig, RunConfig
+
+GOOD = b'{"input": "1+1=", "label": "2"}\n'
+BAD = {
+    "missing keys": (b'{"input": "1+1="}\n', ":1: needs the keys 'input' and 'label'"),
+    "bad JSON": (GOOD + b"{\n", ":2: not valid JSON"),
+    "empty": (b"", ": no prompts"),
+    "not UTF-8": (GOOD + b"\xc3\x28\n", ":2: not UTF-8 text (byte 0xc3 at offset 32)"),
+}
+
+
+def data_config(tmp_path: Path, prompts: bytes = GOOD * 4, eval_data: bytes | None = None, **run: object) -> Config:
+    (tmp_path / "prompts.jsonl").write_bytes(prompts)
+    eval_path = None
+    if eval_data is not None:
+        eval_path = tmp_path / "eval.jsonl"
+        eval_path.write_bytes(eval_data)
+    data = DataConfig(
+        prompt_data=str(tmp_path / "prompts.jsonl"), eval_data=str(eval_path) if eval_path else None, rollout_batch_size=2
+    )
+    return Config(run=RunConfig(dir=str(tmp_path / "run"), **run), data=data)  # type: ignore[arg-type]
+
+
+def test_good_data_passes(tmp_path: Path) -> None:
+    check_data(data_config(tmp_path, eval_data=GOOD))
+
+
+@pytest.mark.parametrize("problem", sorted(BAD))
+def test_bad_eval_data_is_a_data_error_naming_the_key(tmp_path: Path, problem: str) -> None:
+    content, expected = BAD[problem]
+    with pytest.raises(DataError) as caught:
+        check_data(data_config(tmp_path, eval_data=content))
+    assert str(caught.value).startswith(f"data.eval_data: {tmp_path / 'eval.jsonl'}{expected}")
+
+
+@pytest.mark.parametrize("problem", sorted(BAD))
+def test_bad_prompt_data_is_a_data_error_even_with_num_rollout_given(tmp_path: Path, problem: str) -> None:
+    content, expected = BAD[problem]
+    with pytest.raises(DataError) as caught:
+        check_data(data_config(tmp_path, prompts=content, num_rollout=3))
+    assert str(caught.value).startswith(f"data.prompt_data: {tmp_path / 'prompts.jsonl'}{expected}")
+
+
+def test_an_unset_num_rollout_needs_one_whole_batch(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match="fewer than one rollout batch"):
+        check_data(data_config(tmp_path, prompts=GOOD))
+    check_data(data_config(tmp_path, prompts=GOOD, num_rollout=1))  # a given num_rollout cycles
+
+
+@pytest.mark.parametrize("architecture", ["qwen2", "llama"])
+@pytest.mark.parametrize("tie", [False, True])
+def test_the_parameter_count_is_the_built_models(architecture: str, tie: bool) -> None:
+    from miles_events.rl.hf_model import build_arith_tokenizer, build_builtin
+
+    assert len(build_arith_tokenizer()) == BUILTIN_VOCAB_SIZE
+    builtin = BuiltinModelConfig(
+        architecture=architecture,  # type: ignore[arg-type]
+        hidden_size=48, intermediate_size=40, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
+        tie_word_embeddings=tie,
+    )
+    model, _ = build_builtin(builtin, seed=0)
+    assert builtin_parameter_count(builtin) == sum(p.numel() for p in model.parameters())
+    assert builtin_build_bytes(builtin) == sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def test_a_builtin_model_larger_than_the_memory_is_refused() -> None:
+    config = Config(model=ModelConfig(builtin=BuiltinModelConfig(hidden_size=100_000_000)))
+    with pytest.raises(ConfigError) as caught:
+        check_builtin_fits(config, available=8 * 2**30)
+    assert caught.value.key == "model.builtin"
+    assert str(caught.value) == (
+        "model.builtin: 60,000,081,300,000,000 parameters (hidden_size 100000000, intermediate_size 128, "
+        "num_hidden_layers 2) take 223,517,720.8 GiB in float32, more than the 8.0 GiB of memory available; "
+        "choose smaller sizes or set model.path"
+    )
+
+
+def test_the_memory_check_passes_what_fits_and_skips_what_it_cannot_know() -> None:
+    config = Config()
+    needed = builtin_build_bytes(config.model.builtin)
+    check_builtin_fits(config, available=needed)
+    with pytest.raises(ConfigError):
+        check_builtin_fits(config, available=needed - 1)
+    check_builtin_fits(config, available=None)
+    check_builtin_fits(Config(model=ModelConfig(path="/some/model")), available=0)  # not the built-in model
+
+
+def test_available_memory_reads_mem_available(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       32000000 kB\nMemFree:  100 kB\nMemAvailable:   2048 kB\n")
+    monkeypatch.setattr(memory, "MEMINFO", meminfo)
+    assert available_memory() == 2048 * 1024
+
+
+def test_available_memory_without_meminfo_asks_sysconf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(memory, "MEMINFO", tmp_path / "absent")
+    available = available_memory()
+    assert available is None or available > 0
+
+
+def test_load_and_check_writes_nothing(tmp_path: Path) -> None:
+    (tmp_path / "prompts.jsonl").write_bytes(GOOD)
+    (tmp_path / "eval.jsonl").write_bytes(b"\xff")
+    path = tmp_path / "run.toml"
+    path.write_text('[run]\nnum_rollout = 1\ndir = "run"\n[data]\nprompt_data = "prompts.jsonl"\neval_data = "eval.jsonl"\n')
+    before = sorted(tmp_path.rglob("*"))
+    with pytest.raises(INPUT_ERRORS, match=r"^data.eval_data: .*eval.jsonl:1: not UTF-8 text"):
+        load_and_check(path)
+    assert load_and_check(path, [f'data.eval_data="{tmp_path / "prompts.jsonl"}"']).run.num_rollout == 1
+    assert sorted(tmp_path.rglob("*")) == before
+
+
+def test_a_rollout_that_cannot_fit_is_refused_naming_its_sizes() -> None:
+    """``data.n_samples_per_prompt = 1e9`` grew to 24 GB and was OOM-killed: refused first."""
+    config = Config(data=DataConfig(rollout_batch_size=64, n_samples_per_prompt=10**9))
+    with pytest.raises(ConfigError, match=r"a rollout of 64,000,000,000 samples .* needs about .* GiB of memory, more than"):
+        preflight.check_rollout_fits(config, available=24 * 2**30, longest_prompt=8)
+    # The embedded default's rollout (4096 samples) needs a few MiB.
+    preflight.check_rollout_fits(Config(data=DataConfig(rollout_batch_size=64, n_samples_per_prompt=64)), 2**30, 8)
+
+
+def test_the_rollout_estimate_grows_with_what_it_holds() -> None:
+    shape = memory.ModelShape.from_builtin(BuiltinModelConfig(), 4)
+    small = memory.rollout_memory(shape, samples=4096, prompt_tokens=8, max_new_tokens=3, engine_batch=4096, micro_batch=1024)
+    more = memory.rollout_memory(shape, samples=8192, prompt_tokens=8, max_new_tokens=3, engine_batch=4096, micro_batch=1024)
+    longer = memory.rollout_memory(shape, samples=4096, prompt_tokens=40, max_new_tokens=3, engine_batch=4096, micro_batch=1024)
+    assert more.batch_bytes == 2 * small.batch_bytes and more.engine_bytes == small.engine_bytes
+    assert longer.host_bytes(on_gpu=False) > small.host_bytes(on_gpu=False) > small.host_bytes(on_gpu=True)
