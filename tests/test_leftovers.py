@@ -100,8 +100,35 @@ def test_shared_memory_of_a_dead_driver_is_removed_and_its_files_are_private(tmp
     transport.close()
 
 
+LOOPBACK = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}
+"""127.0.0.1 and ::1 (and 127.0.0.1 mapped into IPv6) as /proc/net/tcp{,6} write them."""
+
+
+def listening_addresses(pids: list[int]) -> list[str]:
+    """The local addresses (hex, as /proc/net writes them) of the listening TCP sockets the
+    processes ``pids`` hold open."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except OSError:
+            continue
+    addresses = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                addresses.append(fields[1].split(":")[0])
+    return addresses
+
+
 @pytest.mark.slow
 def test_kill_9_of_a_ray_driver_leaves_nothing_after_the_next_run(tmp_path):
+    """Ray's servers listen on the loopback address only; what a killed driver leaves is
+    gone once the next run in the directory has started."""
     args = [sys.executable, "-m", "miles_events.run", str(TINY), "--set", f'run.dir="{tmp_path}"', "--set", "metrics.port=0",
             "--set", 'console.mode="plain"', "--set", "data.rollout_batch_size=16", "--set", "data.n_samples_per_prompt=8",
             "--set", "trainer.global_batch_size=64", "--set", "trainer.micro_batch_size=64"]  # fmt: skip
@@ -113,6 +140,8 @@ def test_kill_9_of_a_ray_driver_leaves_nothing_after_the_next_run(tmp_path):
             if line.startswith("rollout 1/"):
                 break
         record = json.loads((tmp_path / PROCESSES_FILE).read_text())
+        listening = listening_addresses([pid for pid, _ in record["processes"]])
+        assert listening and all(address in LOOPBACK for address in listening), listening
         first.send_signal(signal.SIGKILL)
         first.wait()
     finally:

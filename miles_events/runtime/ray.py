@@ -276,6 +276,14 @@ class RayRuntime:
             if num_gpus:
                 kwargs["num_gpus"] = num_gpus
             kwargs["_node_ip_address"] = "127.0.0.1"
+            # A cluster of this host only: every Ray server (GCS, raylet, agents, workers)
+            # binds the loopback address, not every interface. Ray takes the node address
+            # from the loopback only when it believes clusters are disabled; the variable
+            # reaches the processes it starts, the constant this one.
+            os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+            from ray._private import ray_constants
+
+            ray_constants.ENABLE_RAY_CLUSTER = False
         else:
             kwargs["address"] = ray_config.address
         ray.init(**kwargs)
