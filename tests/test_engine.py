@@ -11,6 +11,7 @@ import torch
 
 from actors.engine.base import SamplingParams
 from actors.engine.torch_engine import TorchEngine, sample_tokens
+from miles_events.rl.canary import CANARY_TENSOR, canary_fingerprint, publication_canary
 from miles_events.rl.cancel import Cancellation, Cancelled
 from miles_events.rl.checksum import fingerprints, per_gpu_checksum, report_checksums
 from miles_events.rl.hf_model import prepare_base_model
@@ -361,3 +362,13 @@ def test_a_cancelled_generation_ends_at_its_next_decode_step(engine: TorchEngine
     cancel.cancel("stop now")
     with pytest.raises(Cancelled, match="stop now"):
         engine.generate(["1+2="] * 3, SamplingParams(max_new_tokens=2), seeded(0), cancel)
+
+
+
+def test_the_canary_is_served_from_the_buffer_the_load_wrote(engine: TorchEngine) -> None:
+    assert engine.served_canary() == ""  # nothing loaded yet
+    state = engine.served_tensors()
+    engine.load_tensors({**state, CANARY_TENSOR: publication_canary("run", "1")}, "1")
+    assert engine.served_canary() == canary_fingerprint(publication_canary("run", "1"))
+    engine._canary.zero_()  # what the engine holds is what it reports, not what it was sent
+    assert engine.served_canary() == canary_fingerprint(torch.zeros(16, dtype=torch.uint8))

@@ -36,18 +36,21 @@ DRIVER = """
 import subprocess, sys, time
 from pathlib import Path
 from miles_events.runtime.leftovers import record_processes
-child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+ray_like = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)", "ray::stand-in"])
+other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
 record_processes(Path(sys.argv[1]))
-print(child.pid, flush=True)
+print(ray_like.pid, other.pid, flush=True)
 time.sleep(300)
 """
 
 
-def start_driver(run_dir: Path) -> tuple[subprocess.Popen, int]:
+def start_driver(run_dir: Path) -> tuple[subprocess.Popen, int, int]:
+    """A driver with a child that names Ray in its command line and one that does not."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(run_dir)], stdout=subprocess.PIPE, text=True, env=env)
     assert driver.stdout is not None
-    return driver, int(driver.stdout.readline())
+    ray_like, other = map(int, driver.stdout.readline().split())
+    return driver, ray_like, other
 
 
 def gone(pid: int, within: float = 10.0) -> bool:
@@ -61,7 +64,7 @@ def gone(pid: int, within: float = 10.0) -> bool:
 
 
 def test_the_next_run_kills_what_a_killed_driver_left_running(tmp_path):
-    driver, child = start_driver(tmp_path)
+    driver, child, other = start_driver(tmp_path)
     try:
         assert clean_dead_run(tmp_path) == 0, "a live driver's processes are left alone"
         assert start_time(child) is not None
@@ -70,11 +73,13 @@ def test_the_next_run_kills_what_a_killed_driver_left_running(tmp_path):
         assert start_time(child) is not None, "the orphan outlives its driver"
         assert clean_dead_run(tmp_path) == 1
         assert gone(child)
+        assert start_time(other) is not None, "only Ray's processes are recorded and killed"
         assert not (tmp_path / PROCESSES_FILE).exists()
     finally:
         driver.kill()
-        if start_time(child) is not None:
-            os.kill(child, signal.SIGKILL)
+        for pid in (child, other):
+            if start_time(pid) is not None:
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_a_reused_pid_is_never_killed(tmp_path):

@@ -135,3 +135,13 @@ def test_a_fresh_run_is_refused_where_another_run_saved_unless_it_overwrites(tmp
     (moved,) = [p for p in run_dir.iterdir() if p.name.startswith("checkpoints.replaced-")]
     assert (moved / "rollout_000000" / "model.safetensors").is_file()
     assert not (run_dir / "checkpoints").exists()
+
+
+def test_resume_sets_aside_every_checkpoint_of_another_lineage_so_nothing_prunes_or_replaces_it(tmp_path, base):
+    run_dir = tmp_path / "run"
+    save(run_dir, base, 0, lineage="run-old")
+    save(run_dir, base, 1, lineage="run-new")
+    plan = make_plan(config(run_dir, num_rollout=3, resume=True), "local")
+    assert plan.load_checkpoint == str(run_dir / "checkpoints" / "rollout_000001") and plan.lineage == "run-new"
+    assert not (run_dir / "checkpoints" / "rollout_000000").exists()
+    assert (run_dir / "checkpoints" / "rollout_000000.other-lineage" / "model.safetensors").is_file()

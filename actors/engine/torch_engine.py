@@ -44,7 +44,7 @@ from actors.engine.base import (
     name_list,
     tensors_match,
 )
-from miles_events.rl.canary import canary_fingerprint, split_canary
+from miles_events.rl.canary import CANARY_BYTES, canary_fingerprint, split_canary
 from miles_events.rl.cancel import Cancellation
 from miles_events.rl.checksum import fingerprints, is_skipped, per_engine_checksum, per_gpu_checksum
 from miles_events.rl.hf_model import load_model, load_tokenizer
@@ -77,7 +77,9 @@ class TorchEngine(Engine):
         """Where ``load_weights`` reads published weights from."""
         self.device = next(model.parameters()).device
         self._weight_version = "default"
-        self._canary = ""
+        self._canary = torch.zeros(CANARY_BYTES, dtype=torch.uint8)
+        """The publication canary of the payload loaded last (``miles_events.rl.canary``)."""
+        self._canary_loaded = False
         self._served, self._aliases = split_tied(model.state_dict())
         self._snapshot: dict[str, torch.Tensor] | None = None
         self._eos_ids = _eos_token_ids(model, tokenizer)
@@ -261,27 +263,34 @@ class TorchEngine(Engine):
                 f"not {weights.transport} ({weights.key})"
             )
         payload = self.transport.get_tensors(weights)
-        tensors, canary = split_canary(payload)
-        self.load_tensors(tensors, weight_version)
-        self._canary = canary_fingerprint(canary) if canary is not None else ""
+        self.load_tensors(payload, weight_version)
         return sum(t.numel() * t.element_size() for t in payload.values())
 
     holds_canary = True
 
     def served_canary(self) -> str:
-        return self._canary
+        # Fingerprinted from the buffer the load wrote, as the weights are: a load that
+        # copies nothing leaves the previous publication's canary here.
+        return canary_fingerprint(self._canary) if self._canary_loaded else ""
 
     def load_tensors(self, tensors: Mapping[str, torch.Tensor], weight_version: str) -> None:
         """Copy ``tensors`` into the served parameters, then serve them as ``weight_version``.
 
         Every served tensor must be given (a tied tensor under either of its names), no
         unknown name may be given, and shapes must match; otherwise ``ValueError`` names the
-        offenders and nothing is copied. Dtypes are converted to the served dtype.
+        offenders and nothing is copied. Dtypes are converted to the served dtype. The
+        publication canary (``CANARY_TENSOR``), when given, is copied with them into the
+        engine's canary buffer, which ``served_canary`` fingerprints.
         """
-        plan = self._load_plan(tensors)
+        model_tensors, canary = split_canary(tensors)
+        plan = self._load_plan(model_tensors)
+        if canary is not None:
+            # The canary goes through the same copy as every weight, into its own buffer.
+            plan.append((self._canary, canary))
         with torch.no_grad():
             for target, source in plan:
                 target.copy_(source.to(device=target.device))
+        self._canary_loaded = self._canary_loaded or canary is not None
         self._weight_version = str(weight_version)
 
     def _load_plan(self, tensors: Mapping[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:

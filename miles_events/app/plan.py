@@ -20,6 +20,7 @@ from miles_events.rl.checkpoint import (
     checkpoint_rollout_id,
     choose_resume_checkpoint,
     marked_checkpoint,
+    saved_lineage,
     set_aside,
 )
 from miles_events.rl.hf_model import prepare_base_model
@@ -123,6 +124,13 @@ def _resume_checkpoint(run_dir: Path) -> tuple[Path | None, str]:
             why = "other-lineage" if reason.startswith("another run's") else "unreadable"
             moved = set_aside(path, why)
             logger.warning("run.resume: %s: %s; set aside as %s", path.name, reason, moved.name)
+    # Another run's checkpoints are never this run's to replace or to prune, wherever they lie.
+    examined = {path for path, _ in choice.skipped} | {choice.checkpoint}
+    for path in choice.found:
+        lineage = saved_lineage(path)
+        if path not in examined and lineage and choice.lineage and lineage != choice.lineage:
+            moved = set_aside(path, "other-lineage")
+            logger.warning("run.resume: %s is another run's (lineage %s); set aside as %s", path.name, lineage, moved.name)
     return choice.checkpoint, choice.lineage
 
 

@@ -11,7 +11,7 @@ of one line that names the key (the CLI's exit 2). What is checked here and not 
   parse them (UTF-8 JSONL, one object with the input and label keys a line, at least one);
   with ``run.num_rollout`` unset, at least one whole rollout batch of prompts.
 - A rollout's estimated memory (``miles_events.rl.memory``: the batch, the engine's decode
-  batch and the trainer's micro-batch, counted against host memory as on a CPU) must fit
+  batch and the trainer's micro-batch, counted against host memory; on CUDA only the batch is) must fit
   in the memory available now.
 - The built-in model (``model.path`` unset): its parameters, in the float32 it is built in,
   must fit in the memory available now (``available_memory``). Only the weights are
@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+
+import torch
 
 from miles_events.app.config import ConfigError, load_config
 from miles_events.rl.memory import ModelShape, available_memory, rollout_memory
@@ -95,7 +97,7 @@ def check_rollout_fits(config: Config, available: int | None, longest_prompt: in
         max_new_tokens=rollout.max_new_tokens,
         engine_batch=rollout.max_batch_size,
         micro_batch=config.trainer.micro_batch_size,
-    ).host_bytes(on_gpu=False)
+    ).host_bytes(on_gpu=torch.cuda.is_available())  # the engines and the trainer run on the GPU then
     if needed > available:
         raise ConfigError(
             f"data.n_samples_per_prompt: a rollout of {samples:,} samples (data.rollout_batch_size "

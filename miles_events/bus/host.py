@@ -150,6 +150,8 @@ class ActorHost:
     async def join(self, timeout: float | None = None) -> None:
         """Wait until the mailbox is closed and drained; after ``timeout`` seconds, cancel
         the handler still running (a stuck actor must not hold the run's shutdown)."""
+        if self._interrupt_task is not None:
+            self._interrupt_task.cancel()  # the run is over: no stop is left to deliver
         if self._task is None:
             return
         try:

@@ -387,6 +387,12 @@ def _saved_state(path: Path) -> TrainerState | None:
         return None
 
 
+def saved_lineage(path: Path) -> str:
+    """The lineage a checkpoint records ("" when unknown or unreadable)."""
+    state = _saved_state(path)
+    return state.lineage if state is not None else ""
+
+
 @dataclass
 class ResumeChoice:
     """What ``choose_resume_checkpoint`` found."""

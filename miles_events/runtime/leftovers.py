@@ -72,9 +72,19 @@ def descendants(pid: int) -> list[Process]:
     return found
 
 
+def is_ray_process(pid: int) -> bool:
+    """Whether ``pid`` is one of Ray's (its servers, agents and workers name Ray in their
+    command line or title); other children of the driver are never recorded."""
+    try:
+        return b"ray" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
 def record_processes(run_dir: Path) -> None:
-    """Record this driver and every process below it (the Ray cluster it started)."""
-    record = {"driver": this_process(), "processes": descendants(os.getpid())}
+    """Record this driver and the Ray processes below it (the cluster it started)."""
+    processes = [p for p in descendants(os.getpid()) if is_ray_process(p[0])]
+    record = {"driver": this_process(), "processes": processes}
     path = Path(run_dir) / PROCESSES_FILE
     partial = path.with_name(f".{PROCESSES_FILE}.partial")
     partial.write_text(json.dumps(record))

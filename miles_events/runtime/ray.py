@@ -132,6 +132,7 @@ class RemoteActorProxy:
             asyncio.create_task(self._forward(), name=f"forward-{name}"),
             asyncio.create_task(self._collect(), name=f"collect-{name}"),
         ]
+        self._interrupter: asyncio.Task[None] | None = None
         if interrupts is not None:
             self._interrupter = asyncio.create_task(self._interrupt(), name=f"interrupt-{name}")
 
@@ -202,6 +203,8 @@ class RemoteActorProxy:
         return not self.in_flight and self.mailbox.statistics().depth == 0 and self.collected >= self.emitted
 
     async def stop(self, timeout: float = 60.0) -> None:
+        if self._interrupter is not None:
+            self._interrupter.cancel()  # the run is over: no stop is left to deliver
         forward = self._tasks[0]
         try:
             # The mailbox is closed: forwarding ends after the last batch is handled.
