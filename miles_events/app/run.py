@@ -67,6 +67,8 @@ def configure_logging(level: str) -> None:
 
 
 def _abort(signum: int, frame: object) -> None:
+    # Once: the shutdown that follows (Ray's included) must not be interrupted again.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise KeyboardInterrupt
 
 
