@@ -217,6 +217,11 @@ class RayConfig(Section):
     """Place the rollout and the actor (trainer) roles in one placement group, rank by rank,
     sharing its bundles (the seed's colocated mode)."""
     actor_start_timeout: PositiveFloat = 120.0
+    own_process: list[str] = []
+    """The light actors (``publisher``, ``verifier``, ``saver``: no model) that get a Ray
+    actor process of their own, placed in the ``service`` group; the others run on the
+    driver's event loop beside the bus, as the Coordinator always does. The Generator and
+    the Trainer always have processes of their own."""
 
 
 class MetricsConfig(Section):

@@ -184,6 +184,15 @@ def test_num_engines_in_its_old_section_names_its_new_place(tmp_path: Path) -> N
     assert "rollout.num_engines: unknown key (moved to generator.num_engines)" in message
 
 
+def test_own_process_takes_the_light_actors_only(tmp_path: Path) -> None:
+    config = load_config(write_config(tmp_path, BASE), ['ray.own_process=["saver", "verifier"]'])
+    assert config.ray.own_process == ["saver", "verifier"]
+    for name in ("trainer", "coordinator", "savr"):
+        message = error_of(write_config(tmp_path, BASE), [f'ray.own_process=["{name}"]'])
+        assert f"ray.own_process: '{name}' is not a light actor" in message
+        assert "publisher, verifier, saver" in message
+
+
 def test_validate_accepts_the_defaults_with_existing_prompts(tmp_path: Path) -> None:
     (tmp_path / "p.jsonl").write_text(PROMPTS)
     validate(Config(data=DataConfig(prompt_data=str(tmp_path / "p.jsonl"))))

@@ -19,6 +19,7 @@ import torch
 
 from miles_events.bus.event_log import read_events
 from miles_events.rl.checkpoint import latest_checkpoint, read_checkpoint
+from miles_events.runtime.leftovers import descendants
 from schemas.events import RunFinished, RunStarted, TrainStepFinished
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,17 +75,23 @@ def kill_after(run_dir: Path, runtime: str, rollout_line: int, victim: str, extr
         if victim == "driver":
             process.send_signal(signal.SIGKILL)
         else:
-            os.kill(actor_pid(victim), signal.SIGKILL)
+            os.kill(actor_pid(process.pid, victim), signal.SIGKILL)
         process.communicate(timeout=300)
     finally:
         process.kill()
     return process.returncode
 
 
-def actor_pid(name: str) -> int:
-    """The pid of a Ray actor process of this host whose title names the actor's method."""
-    listing = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()
-    hosts = [int(line.split()[0]) for line in listing if "ray::RemoteActorHost" in line]
+def actor_pid(driver: int, name: str) -> int:
+    """The pid of one of the Ray actor processes of the run of ``driver`` (a model actor's:
+    the light ones are hosted by the driver), their titles naming the actor's method."""
+    def title(pid: int) -> bytes:
+        try:
+            return Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            return b""
+
+    hosts = [pid for pid, _ in descendants(driver) if title(pid).startswith(b"ray::RemoteActorHost")]
     assert hosts, "no Ray actor process found"
     return random.Random(name).choice(sorted(hosts))
 

@@ -1,31 +1,56 @@
-"""The ray runtime: actors in their own processes, events batched across, failures reported."""
+"""The ray runtime: model actors in their own processes, light ones on the driver unless
+``ray.own_process`` names them; events batched across, failures reported; a lean cluster
+with no idle workers, torn down at once."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import time
+from pathlib import Path
 
 import pytest
 
+from miles_events.bus.actor import Actor
 from miles_events.bus.event_bus import EventBus
 from miles_events.runtime.base import RunContext
+from miles_events.runtime.leftovers import PROCESSES_FILE, Process, alive, ray_processes
 from miles_events.runtime.ray import RayRuntime
 from miles_events.transport.base import ShmTransport
-from schemas.config import Config, RunConfig
-from schemas.events import ActorFailed, Event, RolloutRequested, StopRequested
+from schemas.config import Config, RayConfig, RunConfig
+from schemas.events import ActorFailed, EvalRequested, Event, RolloutRequested, StopRequested
 from schemas.plan import RunPlan
-from tests.ray_actors import Echo
+from tests.ray_actors import Echo, Model
 
 pytestmark = pytest.mark.slow
 
 
-async def start(tmp_path) -> tuple[EventBus, RayRuntime]:
-    config = Config(run=RunConfig(runtime="ray"))
+async def start(
+    tmp_path, actors: list[type[Actor]] | None = None, ray: RayConfig | None = None
+) -> tuple[EventBus, RayRuntime]:
+    # Echo is a light actor (role service): by default the option gives it a process of its own.
+    config = Config(run=RunConfig(runtime="ray"), ray=ray or RayConfig(own_process=["echo"]))
     bus = EventBus("ray-test")
     plan = RunPlan(start_rollout_id=0, num_rollout=1, num_rollout_per_epoch=1, runtime="ray")
     runtime = RayRuntime(RunContext("ray-test", config, tmp_path, "shm", plan), ShmTransport("ray-test"))
-    await runtime.start(bus, [Echo])
+    await runtime.start(bus, actors or [Echo])
     return bus, runtime
+
+
+def cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def running(process: Process) -> bool:
+    """Alive and not a zombie waiting for its parent."""
+    try:
+        stat = Path(f"/proc/{process[0]}/stat").read_text()
+    except OSError:
+        return False
+    return alive(process) and stat[stat.rindex(")") + 2] != "Z"
 
 
 async def collect(mailbox, count: int) -> list[Event]:
@@ -63,6 +88,63 @@ async def test_a_dead_actor_process_is_reported_not_hung(tmp_path):
         failed = await asyncio.wait_for(failures.get(), 60)
         assert isinstance(failed, ActorFailed) and failed.actor == "echo"
         assert "actor process died" in failed.error
+    finally:
+        bus.close()
+        await runtime.stop()
+        ShmTransport("ray-test").close()
+
+
+async def test_light_actors_run_on_the_driver_unless_named_and_model_actors_in_their_own(tmp_path):
+    bus, runtime = await start(tmp_path, [Echo, Model], RayConfig())
+    try:
+        replies = bus.subscribe("replies", (StopRequested,))
+        await bus.publish(RolloutRequested(rollout_id=1))
+        await bus.publish(EvalRequested(rollout_id=2))
+        pids = {e.source: int(e.reason.split(":")[0]) for e in await collect(replies, 2)}
+        assert pids["echo"] == os.getpid(), "a light actor is hosted on the driver's loop"
+        assert pids["model"] != os.getpid(), "a model actor has a process of its own"
+        assert runtime.processes() == [("model", pids["model"])]
+    finally:
+        bus.close()
+        await runtime.stop()
+        ShmTransport("ray-test").close()
+
+
+async def test_the_cluster_is_lean_and_its_stop_runs_every_stop_then_ends_it_at_once(tmp_path):
+    # Two CPUs, two actor processes: Ray prestarts a worker per CPU, and each hosts an actor.
+    bus, runtime = await start(tmp_path, [Echo, Model], RayConfig(own_process=["echo"], num_cpus=2))
+    try:
+        replies = bus.subscribe("replies", (StopRequested,))
+        await bus.publish(EvalRequested(rollout_id=3))
+        pid, _, arenas = (await collect(replies, 1))[0].reason.split(":")
+        # The cluster's processes start with few malloc arenas; the driver keeps its own
+        # environment, and what an actor starts gets glibc's default again.
+        assert b"MALLOC_ARENA_MAX=2" in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        assert arenas == "" and "MALLOC_ARENA_MAX" not in os.environ
+        cluster = ray_processes()
+        commands = [cmdline(pid) for pid, _ in cluster]
+        assert sorted(name for name, _ in runtime.processes()) == ["echo", "model"]
+        assert not [c for c in commands if c.startswith(b"ray::IDLE")], "no idle worker is left running"
+        assert not [c for c in commands if b"dashboard/dashboard.py" in c or b"autoscaler/_private/monitor.py" in c]
+        assert (tmp_path / PROCESSES_FILE).exists()
+    finally:
+        bus.close()
+        began = time.monotonic()
+        await runtime.stop()
+        took = time.monotonic() - began
+        ShmTransport("ray-test").close()
+    assert (tmp_path / "echo.stopped").exists() and (tmp_path / "model.stopped").exists(), "every stop() ran"
+    assert not [p for p in cluster if running(p)], "nothing of the cluster outlives the stop"
+    assert not (tmp_path / PROCESSES_FILE).exists()
+    assert took < 10, f"stopping took {took:.1f}s"
+
+
+async def test_without_an_actor_for_each_cpu_no_worker_is_prestarted(tmp_path):
+    bus, runtime = await start(tmp_path, [Model], RayConfig(num_cpus=4))
+    try:
+        await asyncio.sleep(1)  # what Ray prestarts comes up beside the actor's own worker
+        idle = [pid for pid, _ in ray_processes() if cmdline(pid).startswith(b"ray::IDLE")]
+        assert not idle, idle
     finally:
         bus.close()
         await runtime.stop()

@@ -361,6 +361,7 @@ def validate(config: Config) -> None:
     _validate_finite(config)
     _validate_seed(config)
     _validate_builtin_model(config)
+    _validate_own_process(config)
     run, data, trainer = config.run, config.data, config.trainer
     if run.num_rollout != 0:
         needed = "run.num_rollout is unset" if run.num_rollout is None else f"run.num_rollout = {run.num_rollout}"
@@ -455,6 +456,23 @@ def _validate_builtin_model(config: Config) -> None:
     if heads % kv_heads:
         key = "model.builtin.num_key_value_heads"
         raise ConfigError(f"{key}: {kv_heads} must divide model.builtin.num_attention_heads ({heads})", key=key)
+
+
+def _validate_own_process(config: Config) -> None:
+    """``ray.own_process`` names light actors of the run (the roster, the heaviest import of
+    a run, is read only then)."""
+    if not config.ray.own_process:
+        return
+    from miles_events.app.roster import ACTORS
+
+    light = [cls.name for cls in ACTORS if cls.resources(config).role == "service"]
+    for name in config.ray.own_process:
+        if name not in light:
+            raise ConfigError(
+                f"ray.own_process: {name!r} is not a light actor; those that can have a process of their own: "
+                f"{', '.join(light)} (the generator and the trainer always have one, the coordinator never)",
+                key="ray.own_process",
+            )
 
 
 def _validate_loading(config: Config) -> None:

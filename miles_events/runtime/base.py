@@ -37,7 +37,8 @@ class ActorStartError(RuntimeError):
 
 
 class Runtime(Protocol):
-    """Hosts the run's actors: ``local`` (this process) or ``ray`` (a process each)."""
+    """Hosts the run's actors: ``local`` (this process) or ``ray`` (a process for each
+    model actor, the others in this process)."""
 
     name: str
 
@@ -75,7 +76,8 @@ def host_context(run: RunContext, transport: Transport, name: str, publish: Publ
 
 class InProcessHosts:
     """Actors hosted in this process, on this event loop: every actor of the local
-    runtime, the driver's actors (the Coordinator) of the ray runtime."""
+    runtime; of the ray runtime, the Coordinator and the light actors that
+    ``ray.own_process`` does not name."""
 
     def __init__(self, run: RunContext, transport: Transport) -> None:
         self.run = run

@@ -12,6 +12,8 @@ transport removes the data of runs whose driver is gone (each keeps an ``owner``
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import json
 import logging
 import os
@@ -73,18 +75,52 @@ def descendants(pid: int) -> list[Process]:
 
 
 def is_ray_process(pid: int) -> bool:
-    """Whether ``pid`` is one of Ray's (its servers, agents and workers name Ray in their
-    command line or title); other children of the driver are never recorded."""
+    """Whether ``pid`` is one of Ray's: its workers and agents title themselves ``ray::...``,
+    its servers run from Ray's package directory. Other children of the driver (whatever the
+    path they run from, a tracking service, a py-spy dump) are never recorded or killed."""
     try:
-        return b"ray" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return False
+    return any(arg.startswith((b"ray::", *_ray_package())) for arg in args)
+
+
+@functools.cache
+def _ray_package() -> tuple[bytes, ...]:
+    """Ray's package directory (as found, and resolved; with a trailing separator), found
+    without importing Ray; none without Ray."""
+    try:
+        spec = importlib.util.find_spec("ray")
+    except (ImportError, ValueError):
+        return ()
+    if spec is None or not spec.submodule_search_locations:
+        return ()
+    found = next(iter(spec.submodule_search_locations))
+    return tuple({os.fsencode(os.path.join(where, "")) for where in (os.path.abspath(found), os.path.realpath(found))})
+
+
+def ray_processes() -> list[Process]:
+    """The Ray processes below this driver (the cluster it started)."""
+    return [p for p in descendants(os.getpid()) if is_ray_process(p[0])]
+
+
+def kill_alive(processes: list[Process]) -> int:
+    """``SIGKILL`` each of ``processes`` still alive (the very process, not a reused pid);
+    returns how many."""
+    killed = 0
+    for process in processes:
+        if alive(process):
+            try:
+                os.kill(process[0], signal.SIGKILL)
+                killed += 1
+            except ProcessLookupError:
+                pass
+    return killed
 
 
 def record_processes(run_dir: Path) -> None:
     """Record this driver and the Ray processes below it (the cluster it started)."""
-    processes = [p for p in descendants(os.getpid()) if is_ray_process(p[0])]
-    record = {"driver": this_process(), "processes": processes}
+    record = {"driver": this_process(), "processes": ray_processes()}
     path = Path(run_dir) / PROCESSES_FILE
     partial = path.with_name(f".{PROCESSES_FILE}.partial")
     partial.write_text(json.dumps(record))
@@ -111,14 +147,7 @@ def clean_dead_run(run_dir: Path) -> int:
         return 0
     if alive(driver):  # type: ignore[arg-type]
         return 0
-    killed = 0
-    for process in processes:
-        if alive(process):  # type: ignore[arg-type]
-            try:
-                os.kill(process[0], signal.SIGKILL)
-                killed += 1
-            except ProcessLookupError:
-                pass
+    killed = kill_alive(processes)  # type: ignore[arg-type]
     path.unlink(missing_ok=True)
     if killed:
         logger.warning("killed %d process(es) left by a run whose driver died (pid %d)", killed, driver[0])
