@@ -27,7 +27,7 @@ from miles_events.bus.event_bus import EventBus
 from miles_events.runtime.base import RunContext
 from miles_events.runtime.ray import RayRuntime
 from miles_events.transport.base import InProcessTransport
-from schemas.config import BusConfig, Config, RunConfig
+from schemas.config import BusConfig, Config, RayConfig, RunConfig
 from schemas.events import RolloutRequested, RunFinished
 from schemas.plan import RunPlan
 
@@ -61,7 +61,8 @@ class Unbatched:
 
 
 async def batched(n: int, max_batch: int) -> float:
-    config = Config(run=RunConfig(runtime="ray"), bus=BusConfig(max_batch=max_batch))
+    # The sink is a light actor: the option gives it the process of its own this bench crosses to.
+    config = Config(run=RunConfig(runtime="ray"), bus=BusConfig(max_batch=max_batch), ray=RayConfig(own_process=["sink"]))
     bus = EventBus("bench", mailbox_size=config.bus.mailbox_size)
     done = bus.subscribe("done", (RunFinished,))
     plan = RunPlan(start_rollout_id=0, num_rollout=1, num_rollout_per_epoch=1, runtime="ray")
