@@ -122,7 +122,8 @@ class RolloutConfig(Section):
     """Sequences decoded together by one engine."""
     eval_temperature: NonNegativeFloat = 0.0
     num_threads: NonNegativeInt = 0
-    """torch threads in the Generator; 0 keeps torch's default."""
+    """torch threads of each engine while it generates; 0: the cores of the Generator's
+    process, shared by its engines (the Trainer is idle meanwhile in the synchronous loop)."""
 
 
 class GeneratorConfig(Section):
@@ -165,6 +166,8 @@ class TrainerConfig(Section):
     use_rollout_logprobs: bool = False
     """Use the engine's logprobs as old logprobs instead of recomputing them."""
     num_threads: NonNegativeInt = 0
+    """torch threads while a rollout is trained; 0: the cores of the Trainer's process (the
+    Generator is idle meanwhile in the synchronous loop)."""
 
 
 class PublisherConfig(Section):

@@ -4,7 +4,9 @@ Sampling follows what an RL trainer needs from an engine:
 
 - prompts are left-padded into chunks of at most ``max_batch_size`` sequences; one prefill
   fills the KV cache, then each step decodes one token for the sequences still running
-  (finished rows are dropped from the cache, so their cost stops);
+  (finished rows are dropped from the cache, so their cost stops). Identical prompts of a
+  chunk (a GRPO group's samples) are prefilled once and their cache rows copied, as a
+  prefix cache would serve them; each text is tokenized once per call;
 - randomness comes only from the ``torch.Generator`` passed in: one uniform draw per row of
   the chunk per step (inverse-CDF sampling), so identical inputs and generator state give
   identical samples, and a row's sample does not depend on when other rows finish;
@@ -149,7 +151,16 @@ class TorchEngine(Engine):
         cancel: Cancellation | None = None,
     ) -> list[Completion]:
         """Sample one completion per request (see the module docstring for the semantics)."""
-        prompt_ids = [self.encode(request) for request in requests]
+        encoded: dict[str, list[int]] = {}  # a group's samples share one prompt text
+
+        def encode(request: GenerateRequest) -> list[int]:
+            if not isinstance(request, str):
+                return self.encode(request)
+            if request not in encoded:
+                encoded[request] = self.encode(request)
+            return encoded[request]
+
+        prompt_ids = [encode(request) for request in requests]
         completions: list[Completion] = []
         with torch.inference_mode():
             for start in range(0, len(prompt_ids), self.max_batch_size):
@@ -179,19 +190,25 @@ class TorchEngine(Engine):
         cancel: Cancellation | None = None,
     ) -> list[Completion]:
         rows, width = len(prompt_ids), max(len(p) for p in prompt_ids)
-        input_ids = torch.full((rows, width), self._pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((rows, width), dtype=torch.long)
-        for row, ids in enumerate(prompt_ids):
-            input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
-            attention_mask[row, width - len(ids) :] = 1
-        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
+        # One prefill row per distinct prompt; ``source[row]`` is the row's prefill row.
+        distinct: dict[tuple[int, ...], int] = {}
+        source = [distinct.setdefault(tuple(ids), len(distinct)) for ids in prompt_ids]
+        unique = [list(ids) for ids in distinct]
+        input_rows = [[self._pad_id] * (width - len(ids)) + ids for ids in unique]
+        mask_rows = [[0] * (width - len(ids)) + [1] * len(ids) for ids in unique]
+        input_ids = torch.tensor(input_rows, dtype=torch.long, device=self.device)
+        attention_mask = torch.tensor(mask_rows, dtype=torch.long, device=self.device)
         # Left padding: each prompt's first real token sits at position 0.
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        next_position = position_ids[:, -1] + 1
 
         version = self._weight_version
         cache = DynamicCache(config=self.model.config)
         logits = self._forward(input_ids, attention_mask, position_ids, cache)
+        if len(unique) < rows:
+            expand = torch.tensor(source, dtype=torch.long, device=self.device)
+            cache.batch_select_indices(expand)
+            logits, attention_mask, position_ids = logits[expand], attention_mask[expand], position_ids[expand]
+        next_position = position_ids[:, -1] + 1
         active = list(range(rows))  # chunk rows still running, in cache order
         response_ids: list[list[int]] = [[] for _ in range(rows)]
         response_logprobs: list[list[float]] = [[] for _ in range(rows)]
@@ -234,12 +251,20 @@ class TorchEngine(Engine):
             logits = self._forward(tokens.unsqueeze(1), attention_mask, next_position.unsqueeze(1), cache)
             next_position = next_position + 1
 
+        decoded: dict[tuple[int, ...], str] = {}  # short answers repeat within a group
+
+        def decode(ids: list[int]) -> str:
+            key = tuple(ids)
+            if key not in decoded:
+                decoded[key] = self._decode(ids)
+            return decoded[key]
+
         return [
             Completion(
                 prompt_ids=list(prompt_ids[row]),
                 response_ids=response_ids[row],
                 response_logprobs=response_logprobs[row],
-                response=texts[row] if texts[row] is not None else self._decode(response_ids[row]),
+                response=texts[row] if texts[row] is not None else decode(response_ids[row]),
                 finish_reason="stop" if finish[row] == "stop" else "length",
                 weight_version=version,
                 matched_stop=matched[row],
