@@ -239,7 +239,7 @@ async def test_rollout_logprobs_serve_as_old_logprobs_when_configured(
 def test_a_packed_sequence_leaves_out_the_last_token_which_predicts_nothing() -> None:
     micro = pack_samples([sample(0, GOOD, 1.0), sample(0, BAD, 0.0)], [0, 1])
     # "1+2=" + "56<eos>" less "<eos>": 6 positions; the shorter row is padded.
-    assert micro.input_ids.tolist() == [PROMPT + [7, 0], PROMPT + [9, 10]]
+    assert micro.input_ids.tolist() == [[*PROMPT, 7, 0], [*PROMPT, 9, 10]]
     assert micro.attention_mask.tolist() == [[1] * 5 + [0], [1] * 6]
     assert micro.logit_index.tolist() == [[3, 4, 0], [3, 4, 5]]
     assert micro.targets.tolist() == [[7, 1, 0], [9, 10, 1]]
