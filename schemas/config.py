@@ -165,6 +165,10 @@ class TrainerConfig(Section):
     step). Weights holding a non-finite value are never published or saved."""
     use_rollout_logprobs: bool = False
     """Use the engine's logprobs as old logprobs instead of recomputing them."""
+    shared_prompts: bool = True
+    """Run each distinct prompt of a micro-batch once (a GRPO group's samples share it) and
+    the responses on its copied KV cache, instead of every sample's whole sequence (Qwen2/3,
+    Llama and Mistral; other architectures always run whole sequences)."""
     num_threads: NonNegativeInt = 0
     """torch threads while a rollout is trained; 0: the cores of the Trainer's process (the
     Generator is idle meanwhile in the synchronous loop)."""

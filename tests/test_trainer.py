@@ -14,7 +14,12 @@ import pytest
 import torch
 
 from actors.trainer import Trainer, staleness_max
-from actors.trainer_backend.torch_backend import TorchTrainerBackend, pack_samples
+from actors.trainer_backend.torch_backend import (
+    TorchTrainerBackend,
+    pack_samples,
+    pack_shared_prompts,
+    shares_prompts,
+)
 from miles_events.bus.actor import WorkerGroup
 from miles_events.bus.clock import SYSTEM_CLOCK, Clock
 from miles_events.rl.canary import canary_fingerprint, publication_canary, split_canary
@@ -259,6 +264,43 @@ def test_response_logprobs_equal_a_full_forward_pass_of_each_sample(base_model: 
         assert torch.allclose(got, expected, atol=1e-5), (got, expected)
 
 
+def varied_samples() -> list[Sample]:
+    """Groups of prompts of several lengths (one of a single token), responses of 0-4 tokens."""
+    prompts = [PROMPT, [5, 14, 6, 7, 16], [8, 16], [3]]
+    lengths = [[2, 0, 4, 1], [3, 3, 1, 2], [1, 4, 0, 2], [2, 2, 3, 1]]
+    return [
+        msgspec.structs.replace(
+            sample(group, [3 + (group + k + j) % 14 for j in range(n)], 0.0, index=group), prompt_ids=prompt
+        )
+        for group, (prompt, ns) in enumerate(zip(prompts, lengths, strict=True))
+        for k, n in enumerate(ns)
+    ]
+
+
+def test_each_distinct_prompt_runs_once_with_the_same_logprobs_and_gradients(base_model: Path, tmp_path: Path) -> None:
+    backend = TorchTrainerBackend(make_config(base_model, tmp_path))
+    samples = varied_samples()
+    assert shares_prompts(samples) and not shares_prompts(samples[::4])
+    indices = list(range(len(samples)))
+    rows = count_forwards(backend)
+    results = []
+    for micro in (pack_samples(samples, indices), pack_shared_prompts(samples, indices)):
+        backend.model.zero_grad()
+        logp, entropy = backend._forward(backend.model, micro, with_entropy=True)
+        assert entropy is not None
+        weights = torch.randn(logp.shape, generator=torch.Generator().manual_seed(1))
+        ((logp + entropy) * weights * micro.mask).sum().backward()
+        grads = {name: p.grad.clone() for name, p in backend.model.named_parameters() if p.grad is not None}
+        results.append((logp * micro.mask, entropy * micro.mask, grads))
+    # Whole sequences: one pass of 16 rows; shared: the 4 prompts, then the 16 responses.
+    assert rows == [16, 4, 16]
+    (logp, entropy, grads), (shared_logp, shared_entropy, shared_grads) = results
+    assert torch.allclose(logp, shared_logp, atol=1e-5) and torch.allclose(entropy, shared_entropy, atol=1e-5)
+    assert grads.keys() == shared_grads.keys()
+    for name, grad in grads.items():
+        assert torch.allclose(grad, shared_grads[name], atol=1e-5, rtol=1e-4), name
+
+
 def count_forwards(backend: TorchTrainerBackend) -> list[int]:
     """Rows of every forward pass through the policy's decoder, in order."""
     rows: list[int] = []
@@ -273,7 +315,12 @@ async def test_old_logprobs_cost_one_pass_over_the_later_steps_only(
 ) -> None:
     # Two steps of two samples: the first step's old logprobs are its own training forward.
     config = make_config(
-        base_model, tmp_path, global_batch_size=2, micro_batch_size=2, use_rollout_logprobs=use_rollout_logprobs
+        base_model,
+        tmp_path,
+        global_batch_size=2,
+        micro_batch_size=2,
+        use_rollout_logprobs=use_rollout_logprobs,
+        shared_prompts=False,  # one decoder call per pass
     )
     trainer, context = await started_trainer(config, tmp_path)
     assert isinstance(trainer.backend, TorchTrainerBackend)

@@ -25,7 +25,6 @@ served and checksummed, and a load may name the tensor by either name.
 
 from __future__ import annotations
 
-import inspect
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -49,7 +48,7 @@ from actors.engine.base import (
 from miles_events.rl.canary import CANARY_BYTES, canary_fingerprint, split_canary
 from miles_events.rl.cancel import Cancellation
 from miles_events.rl.checksum import fingerprints, is_skipped, per_engine_checksum, per_gpu_checksum
-from miles_events.rl.hf_model import load_model, load_tokenizer
+from miles_events.rl.hf_model import cache_kwarg, load_model, load_tokenizer
 from miles_events.rl.weights import split_tied
 from miles_events.transport.base import Transport
 from schemas.checksums import EngineChecksumReport, ParallelismInfo, RankChecksums, WeightsCheckResult
@@ -87,9 +86,7 @@ class TorchEngine(Engine):
         self._eos_ids = _eos_token_ids(model, tokenizer)
         pad = tokenizer.pad_token_id
         self._pad_id = pad if pad is not None else min(self._eos_ids, default=0)
-        # transformers 5 renamed the cache argument; accept either spelling.
-        params = inspect.signature(model.forward).parameters
-        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self._cache_kwarg = cache_kwarg(model)
 
     @classmethod
     def from_pretrained(

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers import DynamicCache
 
 from actors.trainer_backend.base import TrainerBackend, TrainMetrics, restore_rng_state
 from actors.trainer_backend.grpo import (
@@ -40,7 +41,7 @@ from actors.trainer_backend.grpo import (
 )
 from miles_events.rl.cancel import Cancellation
 from miles_events.rl.finite import NonFiniteError
-from miles_events.rl.hf_model import DTYPES, load_model
+from miles_events.rl.hf_model import DTYPES, cache_kwarg, load_model
 from miles_events.rl.weights import split_tied
 from schemas.config import Config
 from schemas.rollout import RolloutBatch, Sample
@@ -101,6 +102,67 @@ def pack_samples(samples: list[Sample], indices: list[int]) -> MicroBatch:
     )
 
 
+@dataclass(frozen=True)
+class SharedPromptBatch:
+    """Samples packed so that each distinct prompt is run once (a GRPO group shares one).
+
+    The prompts go through the model once each, left-padded, filling a KV cache whose rows
+    are then copied to every sample of the prompt; the responses (less their last token)
+    run on top of it, right-padded. Gradients reach the prompt positions through the copy
+    and add up over the group, as if each sample had run its own prompt.
+    """
+
+    indices: list[int]
+    prompt_ids: torch.Tensor
+    """``[prompts, max_prompt_len]`` distinct prompts, left-padded with 0."""
+    prompt_mask: torch.Tensor
+    prompt_of_row: torch.Tensor
+    """``[batch]``: each sample's row in ``prompt_ids``."""
+    response_input: torch.Tensor
+    """``[batch, max_response_len - 1]`` response ids less the last, right-padded with 0."""
+    response_positions: torch.Tensor
+    """``[batch, max_response_len - 1]`` their positions (prompt length + k)."""
+    response_input_mask: torch.Tensor
+    targets: torch.Tensor
+    mask: torch.Tensor
+
+
+def pack_shared_prompts(samples: list[Sample], indices: list[int]) -> SharedPromptBatch:
+    for sample in samples:
+        if not sample.prompt_ids:
+            raise ValueError(f"sample {sample.index} has an empty prompt: nothing predicts its first token")
+    distinct: dict[tuple[int, ...], int] = {}
+    prompt_of_row = [distinct.setdefault(tuple(s.prompt_ids), len(distinct)) for s in samples]
+    width = max(len(prompt) for prompt in distinct)
+    max_response = max(len(s.response_ids) for s in samples)
+    fed = max(max_response - 1, 0)
+    response_rows, position_rows, input_mask_rows, target_rows = [], [], [], []
+    for sample in samples:
+        response, prompt_len = list(sample.response_ids), len(sample.prompt_ids)
+        feed = response[:-1]
+        response_rows.append(feed + [0] * (fed - len(feed)))
+        position_rows.append([prompt_len + k for k in range(fed)])
+        input_mask_rows.append([1] * len(feed) + [0] * (fed - len(feed)))
+        target_rows.append(response + [0] * (max_response - len(response)))
+    lengths = torch.tensor([len(s.response_ids) for s in samples])
+    return SharedPromptBatch(
+        indices=indices,
+        prompt_ids=torch.tensor([[0] * (width - len(p)) + list(p) for p in distinct], dtype=torch.long),
+        prompt_mask=torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in distinct], dtype=torch.long),
+        prompt_of_row=torch.tensor(prompt_of_row, dtype=torch.long),
+        response_input=torch.tensor(response_rows, dtype=torch.long).reshape(len(samples), fed),
+        response_positions=torch.tensor(position_rows, dtype=torch.long).reshape(len(samples), fed),
+        response_input_mask=torch.tensor(input_mask_rows, dtype=torch.long).reshape(len(samples), fed),
+        targets=torch.tensor(target_rows, dtype=torch.long),
+        mask=(torch.arange(max_response).unsqueeze(0) < lengths.unsqueeze(1)).to(torch.float32),
+    )
+
+
+def shares_prompts(samples: list[Sample]) -> bool:
+    """Whether running each distinct prompt once saves work: at most half as many prompts as samples."""
+    return 2 * len({tuple(s.prompt_ids) for s in samples}) <= len(samples)
+
+
 def split(indices: list[int], size: int) -> list[list[int]]:
     return [indices[start : start + size] for start in range(0, len(indices), size)]
 
@@ -133,8 +195,50 @@ class TorchTrainerBackend(TrainerBackend):
 
     # --- forward passes ------------------------------------------------------------------
 
-    def _response_logits(self, model: torch.nn.Module, micro: MicroBatch) -> torch.Tensor:
+    def _pack(self, samples: list[Sample], indices: list[int]) -> MicroBatch | SharedPromptBatch:
+        if (
+            self.config.trainer.shared_prompts
+            and self.model.config.model_type in PLAIN_HEAD_MODELS
+            and shares_prompts(samples)
+        ):
+            return pack_shared_prompts(samples, indices)
+        return pack_samples(samples, indices)
+
+    def _shared_prompt_logits(
+        self, body: torch.nn.Module, head: torch.nn.Module, micro: SharedPromptBatch
+    ) -> torch.Tensor:
+        device = self.device
+        prompt_mask = micro.prompt_mask.to(device)
+        cache = DynamicCache(config=body.config)
+        cache_arg = cache_kwarg(body)
+        prompt_hidden = body(
+            input_ids=micro.prompt_ids.to(device),
+            attention_mask=prompt_mask,
+            position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0),
+            use_cache=True,
+            **{cache_arg: cache},
+        ).last_hidden_state
+        rows = micro.prompt_of_row.to(device)
+        # The last prompt position predicts the first response token.
+        hidden = prompt_hidden[:, -1:][rows]
+        if micro.response_input.shape[1]:
+            cache.batch_select_indices(rows)
+            response_hidden = body(
+                input_ids=micro.response_input.to(device),
+                attention_mask=torch.cat([prompt_mask[rows], micro.response_input_mask.to(device)], dim=1),
+                position_ids=micro.response_positions.to(device),
+                use_cache=True,
+                **{cache_arg: cache},
+            ).last_hidden_state
+            hidden = torch.cat([hidden, response_hidden], dim=1)
+        return head(hidden)
+
+    def _response_logits(self, model: torch.nn.Module, micro: MicroBatch | SharedPromptBatch) -> torch.Tensor:
         """``[batch, max_response_len, vocab]``: the logits that predict each response token."""
+        if isinstance(micro, SharedPromptBatch):
+            return self._shared_prompt_logits(
+                getattr(model, model.base_model_prefix), model.get_output_embeddings(), micro
+            )
         input_ids = micro.input_ids.to(self.device)
         attention_mask = micro.attention_mask.to(self.device)
         index = micro.logit_index.to(self.device)
@@ -148,7 +252,7 @@ class TorchTrainerBackend(TrainerBackend):
         return logits.gather(1, index.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
 
     def _forward(
-        self, model: torch.nn.Module, micro: MicroBatch, with_entropy: bool
+        self, model: torch.nn.Module, micro: MicroBatch | SharedPromptBatch, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Response-aligned log-probabilities (and entropies) of ``micro`` under ``model``."""
         logits = self._response_logits(model, micro)
@@ -157,7 +261,7 @@ class TorchTrainerBackend(TrainerBackend):
     @torch.no_grad()
     def response_logprobs(self, samples: list[Sample]) -> list[torch.Tensor]:
         """Per-token log-probabilities of each sample's response under the current weights."""
-        micro = pack_samples(samples, list(range(len(samples))))
+        micro = self._pack(samples, list(range(len(samples))))
         logp, _ = self._forward(self.model, micro, with_entropy=False)
         return [logp[row, : len(s.response_ids)].cpu() for row, s in enumerate(samples)]
 
@@ -187,7 +291,7 @@ class TorchTrainerBackend(TrainerBackend):
         ).to(self.device)
         step_size = trainer.global_batch_size or len(samples)
         steps = [
-            [pack_samples([samples[i] for i in part], part) for part in split(step, trainer.micro_batch_size)]
+            [self._pack([samples[i] for i in part], part) for part in split(step, trainer.micro_batch_size)]
             for step in split(list(range(len(samples))), step_size)
         ]
         micro_batches = [micro for step in steps for micro in step]
