@@ -248,20 +248,17 @@ class TorchEngine(Engine):
             logits = self._forward(tokens.unsqueeze(1), attention_mask, next_position.unsqueeze(1), cache)
             next_position = next_position + 1
 
-        decoded: dict[tuple[int, ...], str] = {}  # short answers repeat within a group
-
-        def decode(ids: list[int]) -> str:
-            key = tuple(ids)
-            if key not in decoded:
-                decoded[key] = self._decode(ids)
-            return decoded[key]
-
+        # Each distinct response is decoded once (short answers repeat within a group), all
+        # in one batch call.
+        pending = {tuple(response_ids[row]) for row in range(rows) if texts[row] is None}
+        keys = list(pending)
+        decoded = dict(zip(keys, self.tokenizer.batch_decode([list(k) for k in keys], skip_special_tokens=True), strict=True))
         return [
             Completion(
                 prompt_ids=list(prompt_ids[row]),
                 response_ids=response_ids[row],
                 response_logprobs=response_logprobs[row],
-                response=texts[row] if texts[row] is not None else decode(response_ids[row]),
+                response=texts[row] if texts[row] is not None else decoded[tuple(response_ids[row])],
                 finish_reason="stop" if finish[row] == "stop" else "length",
                 weight_version=version,
                 matched_stop=matched[row],
