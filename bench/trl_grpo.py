@@ -1,7 +1,7 @@
 """The TRL arm of ``bench/trl_side_by_side.py``: TRL's ``GRPOTrainer`` on a run config's task.
 
     .venv-trl/bin/python bench/trl_grpo.py --config examples/tiny.toml --out trl.json \
-        [--set run.seed=2 --set run.num_rollout=50 ...] [--work-dir DIR]
+        [--set run.seed=2 --set run.num_rollout=50 ...] [--work-dir DIR] [--threads N]
 
 Runs under ``.venv-trl`` (``bash .ci/setup-trl``: TRL layered over the project's ``.venv``,
 so torch, transformers and ``miles_events`` are the project's own). Everything the task is
@@ -271,8 +271,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--out", required=True, help="where the JSON results go")
     parser.add_argument("--work-dir", help="where the base model and TRL's output_dir go (default: a temporary one)")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's default)")
     args = parser.parse_args(argv)
     started = time.time()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     config = load_config(args.config, args.overrides)
     if not config.run.num_rollout:

@@ -1,7 +1,7 @@
 """The embedded default side by side with TRL's ``GRPOTrainer``: same model, task and GRPO settings.
 
     .venv/bin/python bench/trl_side_by_side.py [--seeds 1,2,3] [--rollouts 50] [--arms ray,local,trl]
-        [--config examples/tiny.toml] [--set KEY=VALUE ...] [--json PATH] [--work-dir DIR]
+        [--config examples/tiny.toml] [--set KEY=VALUE ...] [--json PATH] [--work-dir DIR] [--trl-threads N]
 
 Three arms learn the same task (``examples/tiny.toml``: a 1-layer Qwen2 built in code with a
 character tokenizer learns single-digit addition with GRPO on the CPU):
@@ -11,9 +11,10 @@ character tokenizer learns single-digit addition with GRPO on the CPU):
   ``--set`` given here), with the config's own thread settings;
 - ``trl``: ``bench/trl_grpo.py`` under ``.venv-trl`` (TRL 1.13 layered over the project's
   ``.venv`` by ``bash .ci/setup-trl``, which this script runs when ``.venv-trl`` is
-  missing), with torch's default thread count. It reads the same config and ``--set``
-  options and builds the same model (same init), the same prompts in the same order and
-  the same reward; its module docstring lists the TRL settings that make it the same GRPO.
+  missing), with torch's default thread count (``--trl-threads`` sets one). It reads the
+  same config and ``--set`` options and builds the same model (same init), the same
+  prompts in the same order and the same reward; its module docstring lists the TRL
+  settings that make it the same GRPO.
 
 Round ``r`` runs every arm for the ``r``-th seed, the arms' order rotated by one each round
 (the machine is shared and noisy: compare within a round). Measured per arm:
@@ -65,6 +66,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from miles_events.app.config import load_config
 from miles_events.bus.event_log import read_events
 from schemas.events import EvalRequested, RolloutGenerated, RolloutRequested, TrainStepFinished
 
@@ -353,11 +355,14 @@ def our_command(python: str, config: str, arm: str, seed: int, rollouts: int, ru
     return [python, "-m", "miles_events.run", config, *(arg for s in sets for arg in ("--set", s))]
 
 
-def trl_command(python: str, config: str, seed: int, rollouts: int, out: Path, work: Path, overrides: Sequence[str]) -> list[str]:
+def trl_command(
+    python: str, config: str, seed: int, rollouts: int, out: Path, work: Path, overrides: Sequence[str],
+    threads: int | None = None,
+) -> list[str]:  # fmt: skip
     sets = [f"run.seed={seed}", f"run.num_rollout={rollouts}", *overrides]
     return [
         python, str(ROOT / "bench" / "trl_grpo.py"), "--config", config, "--out", str(out), "--work-dir", str(work),
-        *(arg for s in sets for arg in ("--set", s)),
+        *(["--threads", str(threads)] if threads else []), *(arg for s in sets for arg in ("--set", s)),
     ]  # fmt: skip
 
 
@@ -394,7 +399,9 @@ def run_arm(arm: str, seed: int, args: argparse.Namespace, work: Path) -> tuple[
     arm_dir.mkdir(parents=True, exist_ok=True)
     if arm == "trl":
         out = arm_dir / "trl.json"
-        command = trl_command(str(args.trl_python), args.config, seed, args.rollouts, out, arm_dir, args.overrides)
+        command = trl_command(
+            str(args.trl_python), args.config, seed, args.rollouts, out, arm_dir, args.overrides, args.trl_threads
+        )
     else:
         command = our_command(sys.executable, args.config, arm, seed, args.rollouts, arm_dir / "run", args.overrides)
     print(f"  {arm}: {' '.join(command)}", flush=True)
@@ -590,6 +597,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--sample-interval", type=float, default=0.2, help="seconds between PSS samples")
     parser.add_argument("--timeout", type=float, help="seconds an arm may run before it is stopped")
     parser.add_argument("--trl-python", type=Path, default=TRL_VENV / "bin" / "python")
+    parser.add_argument("--trl-threads", type=int, help="torch threads of the TRL arm (default: torch's default)")
     parser.add_argument(
         "--no-setup", action="store_true", help="do not run .ci/setup-trl when .venv-trl is missing: exit instead"
     )
@@ -614,6 +622,13 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{len(args.seeds)} round(s), seeds {','.join(map(str, args.seeds))}, {args.rollouts} rollouts, arms"
         f" {','.join(args.arms)}; config {args.config}; runs under {work}",
+        flush=True,
+    )
+    config = load_config(args.config, args.overrides)
+    trl_threads = str(args.trl_threads) if args.trl_threads else "torch's default"
+    print(
+        f"threads: ours as the config says (rollout.num_threads={config.rollout.num_threads},"
+        f" trainer.num_threads={config.trainer.num_threads}; 0: torch's default), TRL {trl_threads}",
         flush=True,
     )
     rounds: list[dict[str, ArmResult]] = []
@@ -658,6 +673,10 @@ def main(argv: list[str] | None = None) -> int:
                 {
                     "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                     "work_dir": str(work),
+                    "our_threads": {
+                        "rollout.num_threads": config.rollout.num_threads,
+                        "trainer.num_threads": config.trainer.num_threads,
+                    },
                     "rounds": [
                         {
                             arm: {**asdict(r), "fixed_seconds": r.fixed_seconds, "ratios": round_ratios(rs)}
