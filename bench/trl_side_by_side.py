@@ -628,7 +628,7 @@ def main(argv: list[str] | None = None) -> int:
     trl_threads = str(args.trl_threads) if args.trl_threads else "torch's default"
     print(
         f"threads: ours as the config says (rollout.num_threads={config.rollout.num_threads},"
-        f" trainer.num_threads={config.trainer.num_threads}; 0: torch's default), TRL {trl_threads}",
+        f" trainer.num_threads={config.trainer.num_threads}; 0: every core while its phase runs), TRL {trl_threads}",
         flush=True,
     )
     rounds: list[dict[str, ArmResult]] = []
