@@ -21,6 +21,7 @@ overlap in one process (none do in the synchronous loop) may see each other's se
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -35,14 +36,27 @@ def available_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def other_runnable_tasks() -> int:
-    """Tasks runnable on the machine now besides the caller (0 where that is unknown)."""
+def _runnable() -> int | None:
     try:
         with open("/proc/loadavg") as loadavg:
-            running = int(loadavg.read().split()[3].split("/")[0])
+            return int(loadavg.read().split()[3].split("/")[0])
     except (OSError, ValueError, IndexError):
-        return 0
-    return max(0, running - 1)
+        return None
+
+
+def other_runnable_tasks(samples: int = 3, interval: float = 0.001) -> int:
+    """Tasks runnable on the machine besides the caller (0 where that is unknown): the least
+    of a few readings a millisecond apart, so that a task that runs only for an instant
+    (the bus handing over the event that starts this phase) is not counted."""
+    readings = []
+    for sample in range(samples):
+        if sample:
+            time.sleep(interval)
+        running = _runnable()
+        if running is None:
+            return 0
+        readings.append(running)
+    return max(0, min(readings) - 1)
 
 
 def free_cpus() -> int:
