@@ -302,6 +302,14 @@ def test_each_distinct_prompt_runs_once_with_the_same_logprobs_and_gradients(bas
         assert torch.allclose(grad, shared_grads[name], atol=1e-5, rtol=1e-4), name
 
 
+def test_a_micro_batch_of_empty_responses_has_no_positions_on_either_path(base_model: Path, tmp_path: Path) -> None:
+    backend = TorchTrainerBackend(make_config(base_model, tmp_path))
+    samples = [sample(0, [], 0.0), sample(0, [], 0.0)]
+    for micro in (pack_samples(samples, [0, 1]), pack_shared_prompts(samples, [0, 1])):
+        logp, entropy = backend._forward(backend.model, micro, with_entropy=True)
+        assert logp.shape == (2, 0) and entropy is not None and entropy.shape == (2, 0)
+
+
 def count_forwards(backend: TorchTrainerBackend) -> list[int]:
     """Rows of every forward pass through the policy's decoder, in order."""
     rows: list[int] = []

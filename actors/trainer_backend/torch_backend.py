@@ -219,8 +219,8 @@ class TorchTrainerBackend(TrainerBackend):
             **{cache_arg: cache},
         ).last_hidden_state
         rows = micro.prompt_of_row.to(device)
-        # The last prompt position predicts the first response token.
-        hidden = prompt_hidden[:, -1:][rows]
+        # The last prompt position predicts the first response token (none: no position).
+        hidden = prompt_hidden[:, -1:][rows][:, : micro.targets.shape[1]]
         if micro.response_input.shape[1]:
             cache.batch_select_indices(rows)
             response_hidden = body(
