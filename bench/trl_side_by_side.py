@@ -53,6 +53,7 @@ import itertools
 import json
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -380,11 +381,29 @@ def run_measured(command: list[str], log_dir: Path, interval: float, timeout: fl
         try:
             returncode = child.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            child.terminate()
+            child.terminate()  # ours: the step in progress finishes, then the run stops
             returncode = child.wait()
-        seconds = time.perf_counter() - started
-        sampler.stop()
+        except BaseException:  # interrupted: the arm does not outlive this script
+            stop_session(child)
+            raise
+        finally:
+            seconds = time.perf_counter() - started
+            sampler.stop()
     return returncode, seconds, sampler
+
+
+def stop_session(child: subprocess.Popen, grace: float = 60.0) -> None:
+    """SIGTERM to the arm's driver, then, after ``grace`` seconds, SIGKILL to its session."""
+    child.terminate()
+    try:
+        child.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def tail(path: Path, lines: int = 5) -> str:
@@ -615,6 +634,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _terminated)  # as Ctrl-C: the running arm is stopped too
     if "trl" in args.arms:
         ensure_trl_venv(args.trl_python, setup=not args.no_setup)
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="trl-side-by-side-"))
@@ -696,4 +716,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print("interrupted: the running arm was stopped", file=sys.stderr)
+        sys.exit(130)
