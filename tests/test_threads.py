@@ -13,7 +13,6 @@ def test_a_phase_takes_every_core_unless_configured_and_restores_the_previous_co
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(threads, "available_cpus", lambda: 2)
-    monkeypatch.setattr(threads, "other_runnable_tasks", lambda: 0)
     previous = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -28,7 +27,6 @@ def test_a_phase_takes_every_core_unless_configured_and_restores_the_previous_co
 
 def test_engines_of_one_process_share_its_cores(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(threads, "available_cpus", lambda: 8)
-    monkeypatch.setattr(threads, "other_runnable_tasks", lambda: 0)
     assert [phase_thread_count(0, sharers) for sharers in (1, 2, 3, 16)] == [8, 4, 2, 1]
     assert phase_thread_count(3, sharers=2) == 3  # a configured count is taken as it is
 
@@ -38,17 +36,3 @@ def test_a_phase_that_raises_still_restores_the_count() -> None:
     with pytest.raises(RuntimeError), phase_threads(previous + 1):
         raise RuntimeError("failed mid-phase")
     assert torch.get_num_threads() == previous
-
-
-@pytest.mark.parametrize(("others", "expected"), [(0, 4), (1, 3), (3, 1), (9, 1)])
-def test_cores_other_tasks_keep_busy_are_not_taken(monkeypatch: pytest.MonkeyPatch, others: int, expected: int) -> None:
-    monkeypatch.setattr(threads, "available_cpus", lambda: 4)
-    monkeypatch.setattr(threads, "other_runnable_tasks", lambda: others)
-    assert phase_thread_count(0) == expected
-    assert phase_thread_count(2) == 2  # a configured count is taken as it is
-
-
-def test_the_runnable_tasks_are_read_from_the_kernel() -> None:
-    # This test's own thread is runnable and is not counted.
-    assert threads.other_runnable_tasks() >= 0
-    assert 1 <= threads.free_cpus() <= threads.available_cpus()

@@ -22,7 +22,6 @@ from actors.trainer_backend.torch_backend import (
 )
 from miles_events.bus.actor import WorkerGroup
 from miles_events.bus.clock import SYSTEM_CLOCK, Clock
-from miles_events.rl import threads
 from miles_events.rl.canary import canary_fingerprint, publication_canary, split_canary
 from miles_events.rl.checksum import fingerprints, per_gpu_checksum
 from miles_events.rl.checksum_manifest import read_manifest
@@ -343,7 +342,6 @@ async def test_old_logprobs_cost_one_pass_over_the_later_steps_only(
 async def test_a_rollout_trains_on_every_core_unless_configured(
     base_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(threads, "other_runnable_tasks", lambda: 0)  # as on an idle machine
     trainer, context = await started_trainer(make_config(base_model, tmp_path), tmp_path)
     seen: list[int] = []
     train = trainer.backend.train

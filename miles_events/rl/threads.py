@@ -6,12 +6,12 @@ every phase (one thread each) or has two pools contend on the same cores (all th
 each). Instead each phase (a rollout, an eval, a training step) runs with its configured
 count (0: every core this process may run on) and gives it back when it ends.
 
-A core that another process keeps busy is no core to take: OpenMP's barriers then wait for
-preempted threads, and two threads on a loaded two-core machine measured 5-10x slower than
-one. So the default count is the available cores less those other runnable tasks occupy at
-the phase's start (``/proc/loadavg``), at least one; and ``python -m miles_events.run`` lets
-waiting OpenMP threads spin only briefly (``GOMP_SPINCOUNT``, unless set), so a pool that
-outlives its phase neither burns a core nor keeps it from the next phase.
+The count is fixed for a machine (its cores), never taken from the load: results depend on
+the thread count in the last bits, and a resumed run must reproduce an uninterrupted one
+bitwise. On a machine that other busy processes share, OpenMP's barriers wait for preempted
+threads (two threads with OpenMP's default spin measured 5-10x slower than one there), so
+``python -m miles_events.run`` lets waiting threads spin only briefly (``GOMP_SPINCOUNT``,
+unless set), and ``num_threads = 1`` is the setting for such a machine.
 
 The count is set in the thread that computes (torch keeps OpenMP's setting per calling
 thread once that thread has computed) and restored when the phase ends. Phases that
@@ -21,7 +21,6 @@ overlap in one process (none do in the synchronous loop) may see each other's se
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -36,38 +35,10 @@ def available_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def _runnable() -> int | None:
-    try:
-        with open("/proc/loadavg") as loadavg:
-            return int(loadavg.read().split()[3].split("/")[0])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def other_runnable_tasks(samples: int = 3, interval: float = 0.001) -> int:
-    """Tasks runnable on the machine besides the caller (0 where that is unknown): the least
-    of a few readings a millisecond apart, so that a task that runs only for an instant
-    (the bus handing over the event that starts this phase) is not counted."""
-    readings = []
-    for sample in range(samples):
-        if sample:
-            time.sleep(interval)
-        running = _runnable()
-        if running is None:
-            return 0
-        readings.append(running)
-    return max(0, min(readings) - 1)
-
-
-def free_cpus() -> int:
-    """The available cores that no other runnable task occupies now, at least one."""
-    return max(1, available_cpus() - other_runnable_tasks())
-
-
 def phase_thread_count(configured: int, sharers: int = 1) -> int:
-    """Threads for a phase: ``configured``, or (when it is 0) the free cores shared evenly
-    by ``sharers`` phases that run together (engines of one process), at least one."""
-    return configured if configured > 0 else max(1, free_cpus() // max(1, sharers))
+    """Threads for a phase: ``configured``, or (when it is 0) the available cores shared
+    evenly by ``sharers`` phases that run together (engines of one process), at least one."""
+    return configured if configured > 0 else max(1, available_cpus() // max(1, sharers))
 
 
 @contextmanager
