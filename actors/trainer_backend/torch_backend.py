@@ -14,8 +14,10 @@ with ``trainer.use_rollout_logprobs``, from the engine that sampled them (every 
 is verified to serve the trainer's weights, so they are the same policy's). The reference's
 (with a KL loss) are computed in that pass too. A forward feeds each sequence less its last
 token (which predicts nothing) and applies the output head only at the positions that
-predict response tokens; log-probabilities and entropies come from one fused pass over the
-logits (``grpo.logprobs_and_entropy``).
+predict response tokens; with ``trainer.shared_prompts`` each distinct prompt of a
+micro-batch runs once and the responses on its copied KV cache (``SharedPromptBatch``).
+Log-probabilities and entropies come from one fused pass over the logits
+(``grpo.logprobs_and_entropy``).
 
 The model stays in eval mode: dropout would make the recomputed old log-probabilities
 disagree with the ones of the training pass, and RL fine-tuning does not use it.
