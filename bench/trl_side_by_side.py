@@ -53,6 +53,7 @@ import itertools
 import json
 import math
 import os
+import resource
 import signal
 import statistics
 import subprocess
@@ -155,10 +156,8 @@ def command_name(pid: int) -> str:
         return "?"
 
 
-def tree_pss(root: int, session: int | None = None) -> tuple[int, list[int]]:
-    """The summed PSS of ``root``'s process tree (and of the members of ``session``), and
-    the processes counted."""
-    pids = process_tree(root) | (session_members(session) if session is not None else set())
+def summed_pss(pids: Iterable[int]) -> tuple[int, list[int]]:
+    """The summed PSS of ``pids`` and those of them counted (alive and readable)."""
     counted = []
     total = 0
     for pid in sorted(pids):
@@ -169,21 +168,43 @@ def tree_pss(root: int, session: int | None = None) -> tuple[int, list[int]]:
     return total, counted
 
 
+def tree_pss(root: int, session: int | None = None) -> tuple[int, list[int]]:
+    """The summed PSS of ``root``'s process tree (and of the members of ``session``), and
+    the processes counted."""
+    return summed_pss(process_tree(root) | (session_members(session) if session is not None else set()))
+
+
 class PeakSampler(threading.Thread):
     """Samples a process tree's summed PSS until ``stop``; keeps the peak and the most
-    processes counted in one sample."""
+    processes counted in one sample.
 
-    def __init__(self, root: int, interval: float = 0.2, session: int | None = None) -> None:
+    Reading ``smaps_rollup`` costs milliseconds for a process that imported torch (the
+    kernel walks its mappings), and this machine has 2 cores: a sample starts every
+    ``interval`` seconds, or later, so that sampling takes at most ``duty`` of one core.
+    Every ``session_every``-th sample scans ``/proc`` for the members of ``session``
+    (processes that left the tree); between scans the ones found are followed.
+    """
+
+    def __init__(
+        self, root: int, interval: float = 0.2, session: int | None = None, duty: float = 0.1, session_every: int = 10
+    ) -> None:
         super().__init__(daemon=True)
         self.root, self.interval, self.session = root, interval, session
+        self.duty, self.session_every = duty, session_every
         self.peak_pss = 0
         self.peak_processes = 0
         self.samples = 0
         self.names: set[str] = set()
+        self.cpu_seconds = 0.0
+        """CPU time the sampling took (set by ``run_measured``)."""
+        self._members: set[int] = set()
         self._stop_event = threading.Event()
 
     def sample(self) -> None:
-        total, counted = tree_pss(self.root, self.session)
+        if self.session is not None and self.samples % self.session_every == 0:
+            self._members = session_members(self.session)
+        total, counted = summed_pss(process_tree(self.root) | self._members)
+        self._members &= set(counted)
         self.samples += 1
         if total > self.peak_pss:
             self.peak_pss = total
@@ -193,8 +214,10 @@ class PeakSampler(threading.Thread):
 
     def run(self) -> None:
         while not self._stop_event.is_set():
+            started = time.perf_counter()
             self.sample()
-            self._stop_event.wait(self.interval)
+            took = time.perf_counter() - started
+            self._stop_event.wait(max(self.interval - took, took * (1 / self.duty - 1)))
 
     def stop(self) -> None:
         self._stop_event.set()
@@ -302,6 +325,7 @@ class ArmResult:
     peak_processes: int
     process_names: list[str]
     pss_samples: int
+    sampler_cpu_seconds: float = 0.0
     loop_seconds: float = math.nan
     rollouts: list[Rollout] = field(default_factory=list)
     eval_intervals: list[int] = field(default_factory=list)
@@ -375,6 +399,7 @@ def run_measured(command: list[str], log_dir: Path, interval: float, timeout: fl
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     with open(log_dir / "stdout.log", "wb") as out, open(log_dir / "stderr.log", "wb") as err:
         started = time.perf_counter()
+        cpu_before = resource.getrusage(resource.RUSAGE_SELF)
         child = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True)
         sampler = PeakSampler(child.pid, interval, session=child.pid)
         sampler.start()
@@ -389,6 +414,9 @@ def run_measured(command: list[str], log_dir: Path, interval: float, timeout: fl
         finally:
             seconds = time.perf_counter() - started
             sampler.stop()
+            cpu_after = resource.getrusage(resource.RUSAGE_SELF)
+            # This script only waits meanwhile: its CPU time is the sampler's.
+            sampler.cpu_seconds = (cpu_after.ru_utime - cpu_before.ru_utime) + (cpu_after.ru_stime - cpu_before.ru_stime)
     return returncode, seconds, sampler
 
 
@@ -435,6 +463,7 @@ def run_arm(arm: str, seed: int, args: argparse.Namespace, work: Path) -> tuple[
         peak_processes=sampler.peak_processes,
         process_names=sorted(sampler.names),
         pss_samples=sampler.samples,
+        sampler_cpu_seconds=sampler.cpu_seconds,
         log_dir=str(arm_dir),
     )
     log = None
@@ -508,7 +537,8 @@ def format_round(seed: int, order: Sequence[str], arms: dict[str, ArmResult], ta
             f" + train {fmt(r.train_seconds, 3)}), process {fmt(r.process_seconds, 1)} s, loop"
             f" {fmt(r.loop_seconds, 1)} s, fixed {fmt(r.fixed_seconds, 1)} s, peak PSS"
             f" {fmt(r.peak_pss_bytes / 1e9, 2)} GB over {processes(r.peak_processes)}, reward >= {target}"
-            f" at rollout {reached(r.rollouts_to_target)}" + (f"  ERROR: {r.error}" if r.error else "")
+            f" at rollout {reached(r.rollouts_to_target)}; the PSS sampler took {fmt(r.sampler_cpu_seconds, 1)} s"
+            f" of CPU for {r.pss_samples} samples" + (f"  ERROR: {r.error}" if r.error else "")
         )
     ratios = round_ratios(arms)
     lines.append(
