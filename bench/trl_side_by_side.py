@@ -31,9 +31,11 @@ Round ``r`` runs every arm for the ``r``-th seed, the arms' order rotated by one
 - fixed cost: the process's wall time (spawn to exit) minus its loop time (ours: first
   to last event of the log; TRL: ``on_train_begin`` to ``on_train_end``);
 - peak memory: the largest sum of ``Pss`` (``/proc/PID/smaps_rollup``) over the whole
-  process tree, sampled every ``--sample-interval`` seconds (the tree from the child's
+  process tree, sampled every ``--sample-interval`` seconds, or less often where a sample
+  takes longer, so that sampling takes at most 10% of one core (the tree from the child's
   ``/proc/PID/task/*/children``, plus every process of its session, so a process that
-  Ray reparents is still counted), and the largest number of processes summed;
+  Ray reparents is still counted), and the largest number of processes summed; each
+  round line says how much CPU the sampling took;
 - rollouts to reward ``--target``: the id of the first rollout whose mean reward reaches
   it (``none``: never).
 
@@ -70,6 +72,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from miles_events.app.config import load_config
 from miles_events.bus.event_log import read_events
+from schemas.config import Config
 from schemas.events import EvalRequested, RolloutGenerated, RolloutRequested, TrainStepFinished
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -662,6 +665,34 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def write_json(
+    args: argparse.Namespace,
+    work: Path,
+    config: Config,
+    rounds: Sequence[dict[str, ArmResult]],
+    table: Sequence[str] = (),
+    values: dict[str, str] | None = None,
+) -> None:
+    if not args.json:
+        return
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    report = {
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "work_dir": str(work),
+        "our_threads": {
+            "rollout.num_threads": config.rollout.num_threads,
+            "trainer.num_threads": config.trainer.num_threads,
+        },
+        "rounds": [
+            {arm: {**asdict(r), "fixed_seconds": r.fixed_seconds, "ratios": round_ratios(rs)} for arm, r in rs.items()}
+            for rs in rounds
+        ],
+        "table": list(table),
+        "result": values,
+    }
+    args.json.write_text(json.dumps(report, indent=1, default=str))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, _terminated)  # as Ctrl-C: the running arm is stopped too
@@ -695,12 +726,20 @@ def main(argv: list[str] | None = None) -> int:
             if log is not None:
                 logs[arm] = log
             failed = failed or not results[arm].ok
+            done = results[arm]
+            print(
+                f"  {arm} done: {'ok' if done.ok else 'FAILED: ' + done.error}; process {fmt(done.process_seconds, 1)} s,"
+                f" peak PSS {fmt(done.peak_pss_bytes / 1e9, 2)} GB over {processes(done.peak_processes)},"
+                f" {done.pss_samples} PSS samples in {fmt(done.sampler_cpu_seconds, 1)} s of CPU",
+                flush=True,
+            )
         # TRL has no eval: the rollouts in which our runs evaluated are left out of every arm.
         excluded = set().union(*(eval_intervals(logs[a]) for a in OURS if a in logs))
         for arm, log in logs.items():
             results[arm].eval_intervals = sorted(excluded)
             summarize(results[arm], log, excluded, args.target)
         rounds.append(results)
+        write_json(args, work, config, rounds)  # a bench cut short keeps the rounds it finished
         lines = format_round(seed, order, results, args.target)
         report += lines
         print("\n".join(lines), flush=True)
@@ -716,31 +755,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(table))
     values = result_values(rounds)
     line = result_line(values)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(
-            json.dumps(
-                {
-                    "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-                    "work_dir": str(work),
-                    "our_threads": {
-                        "rollout.num_threads": config.rollout.num_threads,
-                        "trainer.num_threads": config.trainer.num_threads,
-                    },
-                    "rounds": [
-                        {
-                            arm: {**asdict(r), "fixed_seconds": r.fixed_seconds, "ratios": round_ratios(rs)}
-                            for arm, r in rs.items()
-                        }
-                        for rs in rounds
-                    ],
-                    "table": table,
-                    "result": values,
-                },
-                indent=1,
-                default=str,
-            )
-        )
+    write_json(args, work, config, rounds, table, values)
     print(line, flush=True)
     return 1 if failed else 0
 
