@@ -510,6 +510,10 @@ def fmt(value: float, digits: int = 2, unit: str = "") -> str:
     return "n/a" if value is None or math.isnan(value) else f"{value:.{digits}f}{unit}"
 
 
+def times(value: float) -> str:
+    return fmt(value, 2, "x")
+
+
 def spread(values: Sequence[float], digits: int = 2, unit: str = "") -> str:
     """One value, or the range ``low-high`` of several."""
     values = [v for v in values if not math.isnan(v)]
@@ -545,9 +549,9 @@ def format_round(seed: int, order: Sequence[str], arms: dict[str, ArmResult], ta
         )
     ratios = round_ratios(arms)
     lines.append(
-        f"  ratios: ray/trl {fmt(ratios['ray_vs_trl'])}x, local/trl {fmt(ratios['local_vs_trl'])}x per rollout;"
-        f" ray/local {fmt(ratios['ray_vs_local'])}x per rollout; fixed cost ray-local"
-        f" {fmt(ratios['ray_fixed_extra_s'], 1)} s; PSS ray/local {fmt(ratios['ray_pss_vs_local'])}x"
+        f"  ratios: ray/trl {times(ratios['ray_vs_trl'])}, local/trl {times(ratios['local_vs_trl'])} per rollout;"
+        f" ray/local {times(ratios['ray_vs_local'])} per rollout; fixed cost ray-local"
+        f" {fmt(ratios['ray_fixed_extra_s'], 1, ' s')}; PSS ray/local {times(ratios['ray_pss_vs_local'])}"
     )
     return lines
 
