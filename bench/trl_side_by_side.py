@@ -31,9 +31,11 @@ Round ``r`` runs every arm for the ``r``-th seed, the arms' order rotated by one
 - fixed cost: the process's wall time (spawn to exit) minus its loop time (ours: first
   to last event of the log; TRL: ``on_train_begin`` to ``on_train_end``);
 - peak memory: the largest sum of ``Pss`` (``/proc/PID/smaps_rollup``) over the whole
-  process tree, sampled every ``--sample-interval`` seconds (the tree from the child's
+  process tree, sampled every ``--sample-interval`` seconds, or less often where a sample
+  takes longer, so that sampling takes at most 10% of one core (the tree from the child's
   ``/proc/PID/task/*/children``, plus every process of its session, so a process that
-  Ray reparents is still counted), and the largest number of processes summed;
+  Ray reparents is still counted), and the largest number of processes summed; each
+  round line says how much CPU the sampling took;
 - rollouts to reward ``--target``: the id of the first rollout whose mean reward reaches
   it (``none``: never).
 
@@ -53,6 +55,7 @@ import itertools
 import json
 import math
 import os
+import resource
 import signal
 import statistics
 import subprocess
@@ -69,6 +72,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from miles_events.app.config import load_config
 from miles_events.bus.event_log import read_events
+from schemas.config import Config
 from schemas.events import EvalRequested, RolloutGenerated, RolloutRequested, TrainStepFinished
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -155,10 +159,8 @@ def command_name(pid: int) -> str:
         return "?"
 
 
-def tree_pss(root: int, session: int | None = None) -> tuple[int, list[int]]:
-    """The summed PSS of ``root``'s process tree (and of the members of ``session``), and
-    the processes counted."""
-    pids = process_tree(root) | (session_members(session) if session is not None else set())
+def summed_pss(pids: Iterable[int]) -> tuple[int, list[int]]:
+    """The summed PSS of ``pids`` and those of them counted (alive and readable)."""
     counted = []
     total = 0
     for pid in sorted(pids):
@@ -169,21 +171,43 @@ def tree_pss(root: int, session: int | None = None) -> tuple[int, list[int]]:
     return total, counted
 
 
+def tree_pss(root: int, session: int | None = None) -> tuple[int, list[int]]:
+    """The summed PSS of ``root``'s process tree (and of the members of ``session``), and
+    the processes counted."""
+    return summed_pss(process_tree(root) | (session_members(session) if session is not None else set()))
+
+
 class PeakSampler(threading.Thread):
     """Samples a process tree's summed PSS until ``stop``; keeps the peak and the most
-    processes counted in one sample."""
+    processes counted in one sample.
 
-    def __init__(self, root: int, interval: float = 0.2, session: int | None = None) -> None:
+    Reading ``smaps_rollup`` costs milliseconds for a process that imported torch (the
+    kernel walks its mappings), and this machine has 2 cores: a sample starts every
+    ``interval`` seconds, or later, so that sampling takes at most ``duty`` of one core.
+    Every ``session_every``-th sample scans ``/proc`` for the members of ``session``
+    (processes that left the tree); between scans the ones found are followed.
+    """
+
+    def __init__(
+        self, root: int, interval: float = 0.2, session: int | None = None, duty: float = 0.1, session_every: int = 10
+    ) -> None:
         super().__init__(daemon=True)
         self.root, self.interval, self.session = root, interval, session
+        self.duty, self.session_every = duty, session_every
         self.peak_pss = 0
         self.peak_processes = 0
         self.samples = 0
         self.names: set[str] = set()
+        self.cpu_seconds = 0.0
+        """CPU time the sampling took (set by ``run_measured``)."""
+        self._members: set[int] = set()
         self._stop_event = threading.Event()
 
     def sample(self) -> None:
-        total, counted = tree_pss(self.root, self.session)
+        if self.session is not None and self.samples % self.session_every == 0:
+            self._members = session_members(self.session)
+        total, counted = summed_pss(process_tree(self.root) | self._members)
+        self._members &= set(counted)
         self.samples += 1
         if total > self.peak_pss:
             self.peak_pss = total
@@ -193,8 +217,10 @@ class PeakSampler(threading.Thread):
 
     def run(self) -> None:
         while not self._stop_event.is_set():
+            started = time.perf_counter()
             self.sample()
-            self._stop_event.wait(self.interval)
+            took = time.perf_counter() - started
+            self._stop_event.wait(max(self.interval - took, took * (1 / self.duty - 1)))
 
     def stop(self) -> None:
         self._stop_event.set()
@@ -302,6 +328,7 @@ class ArmResult:
     peak_processes: int
     process_names: list[str]
     pss_samples: int
+    sampler_cpu_seconds: float = 0.0
     loop_seconds: float = math.nan
     rollouts: list[Rollout] = field(default_factory=list)
     eval_intervals: list[int] = field(default_factory=list)
@@ -375,6 +402,7 @@ def run_measured(command: list[str], log_dir: Path, interval: float, timeout: fl
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     with open(log_dir / "stdout.log", "wb") as out, open(log_dir / "stderr.log", "wb") as err:
         started = time.perf_counter()
+        cpu_before = resource.getrusage(resource.RUSAGE_SELF)
         child = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True)
         sampler = PeakSampler(child.pid, interval, session=child.pid)
         sampler.start()
@@ -389,6 +417,9 @@ def run_measured(command: list[str], log_dir: Path, interval: float, timeout: fl
         finally:
             seconds = time.perf_counter() - started
             sampler.stop()
+            cpu_after = resource.getrusage(resource.RUSAGE_SELF)
+            # This script only waits meanwhile: its CPU time is the sampler's.
+            sampler.cpu_seconds = (cpu_after.ru_utime - cpu_before.ru_utime) + (cpu_after.ru_stime - cpu_before.ru_stime)
     return returncode, seconds, sampler
 
 
@@ -435,6 +466,7 @@ def run_arm(arm: str, seed: int, args: argparse.Namespace, work: Path) -> tuple[
         peak_processes=sampler.peak_processes,
         process_names=sorted(sampler.names),
         pss_samples=sampler.samples,
+        sampler_cpu_seconds=sampler.cpu_seconds,
         log_dir=str(arm_dir),
     )
     log = None
@@ -478,6 +510,10 @@ def fmt(value: float, digits: int = 2, unit: str = "") -> str:
     return "n/a" if value is None or math.isnan(value) else f"{value:.{digits}f}{unit}"
 
 
+def times(value: float) -> str:
+    return fmt(value, 2, "x")
+
+
 def spread(values: Sequence[float], digits: int = 2, unit: str = "") -> str:
     """One value, or the range ``low-high`` of several."""
     values = [v for v in values if not math.isnan(v)]
@@ -508,13 +544,14 @@ def format_round(seed: int, order: Sequence[str], arms: dict[str, ArmResult], ta
             f" + train {fmt(r.train_seconds, 3)}), process {fmt(r.process_seconds, 1)} s, loop"
             f" {fmt(r.loop_seconds, 1)} s, fixed {fmt(r.fixed_seconds, 1)} s, peak PSS"
             f" {fmt(r.peak_pss_bytes / 1e9, 2)} GB over {processes(r.peak_processes)}, reward >= {target}"
-            f" at rollout {reached(r.rollouts_to_target)}" + (f"  ERROR: {r.error}" if r.error else "")
+            f" at rollout {reached(r.rollouts_to_target)}; the PSS sampler took {fmt(r.sampler_cpu_seconds, 1)} s"
+            f" of CPU for {r.pss_samples} samples" + (f"  ERROR: {r.error}" if r.error else "")
         )
     ratios = round_ratios(arms)
     lines.append(
-        f"  ratios: ray/trl {fmt(ratios['ray_vs_trl'])}x, local/trl {fmt(ratios['local_vs_trl'])}x per rollout;"
-        f" ray/local {fmt(ratios['ray_vs_local'])}x per rollout; fixed cost ray-local"
-        f" {fmt(ratios['ray_fixed_extra_s'], 1)} s; PSS ray/local {fmt(ratios['ray_pss_vs_local'])}x"
+        f"  ratios: ray/trl {times(ratios['ray_vs_trl'])}, local/trl {times(ratios['local_vs_trl'])} per rollout;"
+        f" ray/local {times(ratios['ray_vs_local'])} per rollout; fixed cost ray-local"
+        f" {fmt(ratios['ray_fixed_extra_s'], 1, ' s')}; PSS ray/local {times(ratios['ray_pss_vs_local'])}"
     )
     return lines
 
@@ -632,6 +669,34 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def write_json(
+    args: argparse.Namespace,
+    work: Path,
+    config: Config,
+    rounds: Sequence[dict[str, ArmResult]],
+    table: Sequence[str] = (),
+    values: dict[str, str] | None = None,
+) -> None:
+    if not args.json:
+        return
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    report = {
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "work_dir": str(work),
+        "our_threads": {
+            "rollout.num_threads": config.rollout.num_threads,
+            "trainer.num_threads": config.trainer.num_threads,
+        },
+        "rounds": [
+            {arm: {**asdict(r), "fixed_seconds": r.fixed_seconds, "ratios": round_ratios(rs)} for arm, r in rs.items()}
+            for rs in rounds
+        ],
+        "table": list(table),
+        "result": values,
+    }
+    args.json.write_text(json.dumps(report, indent=1, default=str))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, _terminated)  # as Ctrl-C: the running arm is stopped too
@@ -665,12 +730,20 @@ def main(argv: list[str] | None = None) -> int:
             if log is not None:
                 logs[arm] = log
             failed = failed or not results[arm].ok
+            done = results[arm]
+            print(
+                f"  {arm} done: {'ok' if done.ok else 'FAILED: ' + done.error}; process {fmt(done.process_seconds, 1)} s,"
+                f" peak PSS {fmt(done.peak_pss_bytes / 1e9, 2)} GB over {processes(done.peak_processes)},"
+                f" {done.pss_samples} PSS samples in {fmt(done.sampler_cpu_seconds, 1)} s of CPU",
+                flush=True,
+            )
         # TRL has no eval: the rollouts in which our runs evaluated are left out of every arm.
         excluded = set().union(*(eval_intervals(logs[a]) for a in OURS if a in logs))
         for arm, log in logs.items():
             results[arm].eval_intervals = sorted(excluded)
             summarize(results[arm], log, excluded, args.target)
         rounds.append(results)
+        write_json(args, work, config, rounds)  # a bench cut short keeps the rounds it finished
         lines = format_round(seed, order, results, args.target)
         report += lines
         print("\n".join(lines), flush=True)
@@ -686,31 +759,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(table))
     values = result_values(rounds)
     line = result_line(values)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(
-            json.dumps(
-                {
-                    "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-                    "work_dir": str(work),
-                    "our_threads": {
-                        "rollout.num_threads": config.rollout.num_threads,
-                        "trainer.num_threads": config.trainer.num_threads,
-                    },
-                    "rounds": [
-                        {
-                            arm: {**asdict(r), "fixed_seconds": r.fixed_seconds, "ratios": round_ratios(rs)}
-                            for arm, r in rs.items()
-                        }
-                        for rs in rounds
-                    ],
-                    "table": table,
-                    "result": values,
-                },
-                indent=1,
-                default=str,
-            )
-        )
+    write_json(args, work, config, rounds, table, values)
     print(line, flush=True)
     return 1 if failed else 0
 

@@ -109,7 +109,7 @@ def test_pss_sums_the_whole_process_tree():
         assert tree > 0
         with_child, _ = bench.tree_pss(os.getpid())
         assert with_child > own  # this process's tree now holds both
-        sampler = bench.PeakSampler(child.pid, 0.01, session=child.pid)
+        sampler = bench.PeakSampler(child.pid, 0.01, session=child.pid, duty=1.0, session_every=2)
         sampler.start()
         time.sleep(0.1)
         sampler.stop()
@@ -118,6 +118,22 @@ def test_pss_sums_the_whole_process_tree():
         for pid in sorted(bench.process_tree(child.pid), reverse=True):
             os.kill(pid, 9)
         child.wait()
+
+
+def test_pss_counts_a_process_that_left_the_tree_but_not_the_session():
+    # The child starts a grandchild and exits: the grandchild is reparented, out of the tree.
+    script = "import subprocess, sys; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)'])"
+    child = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
+    child.wait()
+    orphans = bench.session_members(child.pid)
+    try:
+        assert len(orphans) == 1 and child.pid not in orphans
+        assert bench.process_tree(child.pid) == set()
+        total, counted = bench.tree_pss(child.pid, session=child.pid)
+        assert counted == sorted(orphans) and total > 0
+    finally:
+        for pid in orphans:
+            os.kill(pid, 9)
 
 
 def test_reads_a_recorded_run():
