@@ -19,8 +19,9 @@ and reacts to:
 - ``DataReleased`` of a batch it owns: frees it.
 
 The embedded ``torch`` engines run on CUDA when this process sees a GPU (engine i on GPU i
-modulo the count), on CPU otherwise. ``rollout.num_threads`` sets torch's thread count for
-the whole process.
+modulo the count), on CPU otherwise. Each engine samples with ``rollout.num_threads``
+torch threads (0: the process's cores shared by its engines) while it generates
+(``miles_events.rl.threads``).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from miles_events.rl.checksum import ranked_checksums, report_checksums
 from miles_events.rl.checksum_manifest import write_manifest
 from miles_events.rl.prompts import Prompt, load_prompts, rollout_prompts
 from miles_events.rl.registry import load_function
+from miles_events.rl.threads import phase_threads
 from miles_events.rl.versions import engine_names
 from schemas.config import Config
 from schemas.events import (
@@ -80,8 +82,6 @@ class Generator(Actor):
 
     async def start(self) -> None:
         rollout, data = self.config.rollout, self.config.data
-        if rollout.num_threads > 0:
-            torch.set_num_threads(rollout.num_threads)
         if self.config.model.path is None:
             raise RuntimeError("model.path is unset: the driver writes the base model before actors start")
         if data.prompt_data:
@@ -232,7 +232,8 @@ class Generator(Actor):
     ) -> list[Sample]:
         assert self.reward_fn is not None, "start() loads the reward function"
         requests = [prompts[g].prompt for g in groups for _ in range(n_samples)]
-        completions = engine.generate(requests, sampling, generator, self.cancel)
+        with phase_threads(self.config.rollout.num_threads, sharers=len(self.engines)):
+            completions = engine.generate(requests, sampling, generator, self.cancel)
         samples: list[Sample] = []
         for position, completion in enumerate(completions):
             group = groups[position // n_samples]

@@ -40,6 +40,7 @@ from miles_events.rl.finite import (
 )
 from miles_events.rl.hf_model import DTYPES
 from miles_events.rl.prompts import data_cursor, load_prompts
+from miles_events.rl.threads import phase_threads
 from miles_events.rl.versions import next_version, version_number
 from schemas.checkpoint import TrainerState
 from schemas.config import Config
@@ -158,7 +159,10 @@ class Trainer(Actor):
             data = self.context.transport.get_bytes(event.batch)
             batch = msgspec.msgpack.decode(data, type=RolloutBatch)
             trainable = self._finite_part(batch)
-            return batch, self.backend.train(trainable, self.cancel) if trainable.samples else TrainMetrics()
+            if not trainable.samples:
+                return batch, TrainMetrics()
+            with phase_threads(self.config.trainer.num_threads):
+                return batch, self.backend.train(trainable, self.cancel)
 
         try:
             batch, metrics = await anyio.to_thread.run_sync(read_and_train)

@@ -122,7 +122,8 @@ class RolloutConfig(Section):
     """Sequences decoded together by one engine."""
     eval_temperature: NonNegativeFloat = 0.0
     num_threads: NonNegativeInt = 0
-    """torch threads in the Generator; 0 keeps torch's default."""
+    """torch threads of each engine while it generates; 0: the cores of the Generator's
+    process, shared by its engines (the Trainer is idle meanwhile in the synchronous loop)."""
 
 
 class GeneratorConfig(Section):
@@ -164,7 +165,13 @@ class TrainerConfig(Section):
     step). Weights holding a non-finite value are never published or saved."""
     use_rollout_logprobs: bool = False
     """Use the engine's logprobs as old logprobs instead of recomputing them."""
+    shared_prompts: bool = True
+    """Run each distinct prompt of a micro-batch once (a GRPO group's samples share it) and
+    the responses on its copied KV cache, instead of every sample's whole sequence (Qwen2/3,
+    Llama and Mistral; other architectures always run whole sequences)."""
     num_threads: NonNegativeInt = 0
+    """torch threads while a rollout is trained; 0: the cores of the Trainer's process (the
+    Generator is idle meanwhile in the synchronous loop)."""
 
 
 class PublisherConfig(Section):

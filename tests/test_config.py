@@ -163,6 +163,13 @@ def test_micro_batch_may_not_exceed_the_global_batch(tmp_path: Path) -> None:
     assert "trainer.micro_batch_size" in message
 
 
+def test_rollout_logprobs_are_refused_at_a_temperature_other_than_one(tmp_path: Path) -> None:
+    config = write_config(tmp_path, BASE)
+    message = error_of(config, ["trainer.use_rollout_logprobs=true", "rollout.temperature=0.7"])
+    assert "trainer.use_rollout_logprobs: the engine" in message and "(0.7)" in message
+    load_config(config, ["trainer.use_rollout_logprobs=true", "rollout.temperature=1.0"])
+
+
 def test_reward_fn_must_be_importable(tmp_path: Path) -> None:
     message = error_of(write_config(tmp_path, BASE), ["rollout.reward_fn=no_such_module.reward"])
     assert "rollout.reward_fn" in message

@@ -82,6 +82,22 @@ def test_kv_cached_logprobs_match_full_forward_pass(engine: TorchEngine, tempera
         assert torch.allclose(got, expected, atol=1e-5, rtol=0), (got - expected).abs().max()
 
 
+def test_a_groups_prompt_is_prefilled_once_and_its_samples_still_match_a_full_forward(
+    engine: TorchEngine,
+) -> None:
+    rows: list[int] = []
+    engine.model.register_forward_pre_hook(
+        lambda _module, _args, kwargs: rows.append(len(kwargs["input_ids"])), with_kwargs=True
+    )
+    requests = ["3+4="] * 3 + ["12*3="]  # one chunk (max_batch_size 4), two distinct prompts
+    completions = engine.generate(requests, SamplingParams(temperature=1.0, max_new_tokens=6), seeded(0))
+    assert rows[0] == 2  # the prefill: one row per distinct prompt
+    assert len({tuple(c.response_ids) for c in completions[:3]}) > 1  # each row still draws its own
+    for completion in completions:
+        expected = full_forward_logprobs(engine, completion.prompt_ids, completion.response_ids, 1.0)
+        assert torch.allclose(torch.tensor(completion.response_logprobs), expected, atol=1e-5, rtol=0)
+
+
 def test_greedy_decoding_is_deterministic_and_ignores_the_generator(engine: TorchEngine) -> None:
     sampling = SamplingParams(temperature=0.0, max_new_tokens=8)
     first = engine.generate(PROMPTS, sampling, seeded(1))

@@ -7,11 +7,13 @@ import math
 import pytest
 import torch
 
+from actors.trainer_backend import grpo
 from actors.trainer_backend.grpo import (
     entropy_from_logits,
     expand_advantages,
     group_advantages,
     kl_estimate,
+    logprobs_and_entropy,
     policy_loss,
     ppo_clip_token_loss,
     token_logprobs,
@@ -165,6 +167,50 @@ def test_token_logprobs_are_log_softmax_at_the_target() -> None:
     logits = torch.tensor([[0.0, math.log(2.0)], [0.0, math.log(2.0)]])
     logp = token_logprobs(logits, torch.tensor([0, 1]))
     assert close(logp[0], math.log(1 / 3)) and close(logp[1], math.log(2 / 3))
+
+
+@pytest.mark.parametrize("chunk_elements", [1 << 24, 7])
+@pytest.mark.parametrize("weights", [(1.0, 1.0), (1.0, 0.0), (0.0, 1.0)], ids=["both", "logp", "entropy"])
+def test_the_fused_pass_gives_the_reference_values_and_gradients(
+    monkeypatch: pytest.MonkeyPatch, chunk_elements: int, weights: tuple[float, float]
+) -> None:
+    # chunk_elements=7 cuts a [2, 3, 5] tensor into one row per chunk: chunking changes nothing.
+    monkeypatch.setattr(grpo, "LOGPROB_CHUNK_ELEMENTS", chunk_elements)
+    generator = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(2, 3, 5, generator=generator)).requires_grad_()
+    targets = torch.randint(0, 5, (2, 3), generator=generator)
+    w_logp, w_entropy = torch.randn(2, 3, generator=generator), torch.randn(2, 3, generator=generator)
+
+    def gradient(logp: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
+        loss = weights[0] * (logp * w_logp).sum() + weights[1] * (entropy * w_entropy).sum()
+        (grad,) = torch.autograd.grad(loss, logits)
+        return grad
+
+    logp, entropy = logprobs_and_entropy(logits, targets)
+    assert entropy is not None
+    expected_logp, expected_entropy = token_logprobs(logits, targets), entropy_from_logits(logits)
+    assert torch.allclose(logp, expected_logp, atol=1e-6) and torch.allclose(entropy, expected_entropy, atol=1e-6)
+    assert torch.allclose(gradient(logp, entropy), gradient(expected_logp, expected_entropy), atol=1e-6)
+
+
+def test_the_fused_pass_without_entropy_returns_none_and_the_logprob_gradient() -> None:
+    logits = torch.randn(4, 6, requires_grad=True)
+    targets = torch.tensor([0, 5, 2, 2])
+    logp, entropy = logprobs_and_entropy(logits, targets, with_entropy=False)
+    assert entropy is None
+    (fused,) = torch.autograd.grad(logp.sum(), logits)
+    (reference,) = torch.autograd.grad(token_logprobs(logits, targets).sum(), logits)
+    assert torch.allclose(fused, reference, atol=1e-6)
+
+
+def test_the_fused_pass_keeps_no_vocab_sized_float32_copy_of_bfloat16_logits() -> None:
+    logits = torch.randn(8, 1000, dtype=torch.bfloat16, requires_grad=True)
+    logp, entropy = logprobs_and_entropy(logits, torch.zeros(8, dtype=torch.long))
+    assert entropy is not None
+    saved = logp.grad_fn.saved_tensors  # type: ignore[union-attr]
+    assert all(t.numel() < logits.numel() or t.dtype == torch.bfloat16 for t in saved)
+    (grad,) = torch.autograd.grad((logp + entropy).sum(), logits)
+    assert grad.dtype == torch.bfloat16 and torch.isfinite(grad.float()).all()
 
 
 # --- the full loss ---------------------------------------------------------------------------

@@ -14,14 +14,20 @@ import pytest
 import torch
 
 from actors.trainer import Trainer, staleness_max
-from actors.trainer_backend.torch_backend import TorchTrainerBackend
+from actors.trainer_backend.torch_backend import (
+    TorchTrainerBackend,
+    pack_samples,
+    pack_shared_prompts,
+    shares_prompts,
+)
 from miles_events.bus.actor import WorkerGroup
 from miles_events.bus.clock import SYSTEM_CLOCK, Clock
 from miles_events.rl.canary import canary_fingerprint, publication_canary, split_canary
 from miles_events.rl.checksum import fingerprints, per_gpu_checksum
 from miles_events.rl.checksum_manifest import read_manifest
 from miles_events.rl.finite import NonFiniteError
-from miles_events.rl.hf_model import prepare_base_model
+from miles_events.rl.hf_model import load_model, prepare_base_model
+from miles_events.rl.threads import available_cpus
 from miles_events.transport.base import InProcessTransport, Transport
 from schemas.checkpoint import TrainerState
 from schemas.config import (
@@ -233,6 +239,125 @@ async def test_rollout_logprobs_serve_as_old_logprobs_when_configured(
     )
     await trainer.handle(rollout_event(context, 0, two_group_samples()))
     assert context.of_type(TrainStepFinished)[0].metrics.clipfrac > 0.0
+
+
+def test_a_packed_sequence_leaves_out_the_last_token_which_predicts_nothing() -> None:
+    micro = pack_samples([sample(0, GOOD, 1.0), sample(0, BAD, 0.0)], [0, 1])
+    # "1+2=" + "56<eos>" less "<eos>": 6 positions; the shorter row is padded.
+    assert micro.input_ids.tolist() == [[*PROMPT, 7, 0], [*PROMPT, 9, 10]]
+    assert micro.attention_mask.tolist() == [[1] * 5 + [0], [1] * 6]
+    assert micro.logit_index.tolist() == [[3, 4, 0], [3, 4, 5]]
+    assert micro.targets.tolist() == [[7, 1, 0], [9, 10, 1]]
+    assert micro.mask.tolist() == [[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]]
+
+
+def test_response_logprobs_equal_a_full_forward_pass_of_each_sample(base_model: Path, tmp_path: Path) -> None:
+    backend = TorchTrainerBackend(make_config(base_model, tmp_path))
+    samples = two_group_samples()
+    reference = load_model(base_model)
+    for got, s in zip(backend.response_logprobs(samples), samples, strict=True):
+        ids = torch.tensor([s.prompt_ids + s.response_ids])
+        with torch.no_grad():
+            logprobs = torch.log_softmax(reference(input_ids=ids).logits[0].float(), dim=-1)
+        positions = torch.arange(len(s.prompt_ids) - 1, len(s.prompt_ids) + len(s.response_ids) - 1)
+        expected = logprobs[positions, torch.tensor(s.response_ids)]
+        assert torch.allclose(got, expected, atol=1e-5), (got, expected)
+
+
+def varied_samples() -> list[Sample]:
+    """Groups of prompts of several lengths (one of a single token), responses of 0-4 tokens."""
+    prompts = [PROMPT, [5, 14, 6, 7, 16], [8, 16], [3]]
+    lengths = [[2, 0, 4, 1], [3, 3, 1, 2], [1, 4, 0, 2], [2, 2, 3, 1]]
+    return [
+        msgspec.structs.replace(
+            sample(group, [3 + (group + k + j) % 14 for j in range(n)], 0.0, index=group), prompt_ids=prompt
+        )
+        for group, (prompt, ns) in enumerate(zip(prompts, lengths, strict=True))
+        for k, n in enumerate(ns)
+    ]
+
+
+def test_each_distinct_prompt_runs_once_with_the_same_logprobs_and_gradients(base_model: Path, tmp_path: Path) -> None:
+    backend = TorchTrainerBackend(make_config(base_model, tmp_path))
+    samples = varied_samples()
+    assert shares_prompts(samples) and not shares_prompts(samples[::4])
+    indices = list(range(len(samples)))
+    rows = count_forwards(backend)
+    results = []
+    for micro in (pack_samples(samples, indices), pack_shared_prompts(samples, indices)):
+        backend.model.zero_grad()
+        logp, entropy = backend._forward(backend.model, micro, with_entropy=True)
+        assert entropy is not None
+        weights = torch.randn(logp.shape, generator=torch.Generator().manual_seed(1))
+        ((logp + entropy) * weights * micro.mask).sum().backward()
+        grads = {name: p.grad.clone() for name, p in backend.model.named_parameters() if p.grad is not None}
+        results.append((logp * micro.mask, entropy * micro.mask, grads))
+    # Whole sequences: one pass of 16 rows; shared: the 4 prompts, then the 16 responses.
+    assert rows == [16, 4, 16]
+    (logp, entropy, grads), (shared_logp, shared_entropy, shared_grads) = results
+    assert torch.allclose(logp, shared_logp, atol=1e-5) and torch.allclose(entropy, shared_entropy, atol=1e-5)
+    assert grads.keys() == shared_grads.keys()
+    for name, grad in grads.items():
+        assert torch.allclose(grad, shared_grads[name], atol=1e-5, rtol=1e-4), name
+
+
+def test_a_micro_batch_of_empty_responses_has_no_positions_on_either_path(base_model: Path, tmp_path: Path) -> None:
+    backend = TorchTrainerBackend(make_config(base_model, tmp_path))
+    samples = [sample(0, [], 0.0), sample(0, [], 0.0)]
+    for micro in (pack_samples(samples, [0, 1]), pack_shared_prompts(samples, [0, 1])):
+        logp, entropy = backend._forward(backend.model, micro, with_entropy=True)
+        assert logp.shape == (2, 0) and entropy is not None and entropy.shape == (2, 0)
+
+
+def count_forwards(backend: TorchTrainerBackend) -> list[int]:
+    """Rows of every forward pass through the policy's decoder, in order."""
+    rows: list[int] = []
+    body = getattr(backend.model, backend.model.base_model_prefix)
+    body.register_forward_pre_hook(lambda _module, _args, kwargs: rows.append(len(kwargs["input_ids"])), with_kwargs=True)
+    return rows
+
+
+@pytest.mark.parametrize("use_rollout_logprobs", [False, True])
+async def test_old_logprobs_cost_one_pass_over_the_later_steps_only(
+    base_model: Path, tmp_path: Path, use_rollout_logprobs: bool
+) -> None:
+    # Two steps of two samples: the first step's old logprobs are its own training forward.
+    config = make_config(
+        base_model,
+        tmp_path,
+        global_batch_size=2,
+        micro_batch_size=2,
+        use_rollout_logprobs=use_rollout_logprobs,
+        shared_prompts=False,  # one decoder call per pass
+    )
+    trainer, context = await started_trainer(config, tmp_path)
+    assert isinstance(trainer.backend, TorchTrainerBackend)
+    rows = count_forwards(trainer.backend)
+    await trainer.handle(rollout_event(context, 0, two_group_samples()))
+    # Without rollout logprobs: step 2's old logprobs (2 rows), then the two training passes.
+    assert rows == ([2, 2] if use_rollout_logprobs else [2, 2, 2])
+    assert context.of_type(TrainStepFinished)[0].metrics.num_optimizer_steps == 2
+
+
+async def test_a_rollout_trains_on_every_core_unless_configured(
+    base_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trainer, context = await started_trainer(make_config(base_model, tmp_path), tmp_path)
+    seen: list[int] = []
+    train = trainer.backend.train
+
+    def recording(*args: Any) -> Any:
+        seen.append(torch.get_num_threads())
+        return train(*args)
+
+    monkeypatch.setattr(trainer.backend, "train", recording)
+    torch.set_num_threads(1)
+    await trainer.handle(rollout_event(context, 0, two_group_samples()))
+    assert seen == [available_cpus()]
+    config = make_config(base_model, tmp_path, num_threads=1)
+    trainer.config = config
+    await trainer.handle(rollout_event(context, 1, two_group_samples()))
+    assert seen == [available_cpus(), 1]
 
 
 async def test_kl_to_the_reference_is_zero_until_the_policy_moves(base_model: Path, tmp_path: Path) -> None:

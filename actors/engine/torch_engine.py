@@ -4,7 +4,9 @@ Sampling follows what an RL trainer needs from an engine:
 
 - prompts are left-padded into chunks of at most ``max_batch_size`` sequences; one prefill
   fills the KV cache, then each step decodes one token for the sequences still running
-  (finished rows are dropped from the cache, so their cost stops);
+  (finished rows are dropped from the cache, so their cost stops). Identical prompts of a
+  chunk (a GRPO group's samples) are prefilled once and their cache rows copied, as a
+  prefix cache would serve them; each text is tokenized once per call;
 - randomness comes only from the ``torch.Generator`` passed in: one uniform draw per row of
   the chunk per step (inverse-CDF sampling), so identical inputs and generator state give
   identical samples, and a row's sample does not depend on when other rows finish;
@@ -23,7 +25,6 @@ served and checksummed, and a load may name the tensor by either name.
 
 from __future__ import annotations
 
-import inspect
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -47,7 +48,7 @@ from actors.engine.base import (
 from miles_events.rl.canary import CANARY_BYTES, canary_fingerprint, split_canary
 from miles_events.rl.cancel import Cancellation
 from miles_events.rl.checksum import fingerprints, is_skipped, per_engine_checksum, per_gpu_checksum
-from miles_events.rl.hf_model import load_model, load_tokenizer
+from miles_events.rl.hf_model import cache_kwarg, load_model, load_tokenizer
 from miles_events.rl.weights import split_tied
 from miles_events.transport.base import Transport
 from schemas.checksums import EngineChecksumReport, ParallelismInfo, RankChecksums, WeightsCheckResult
@@ -85,9 +86,7 @@ class TorchEngine(Engine):
         self._eos_ids = _eos_token_ids(model, tokenizer)
         pad = tokenizer.pad_token_id
         self._pad_id = pad if pad is not None else min(self._eos_ids, default=0)
-        # transformers 5 renamed the cache argument; accept either spelling.
-        params = inspect.signature(model.forward).parameters
-        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self._cache_kwarg = cache_kwarg(model)
 
     @classmethod
     def from_pretrained(
@@ -149,7 +148,16 @@ class TorchEngine(Engine):
         cancel: Cancellation | None = None,
     ) -> list[Completion]:
         """Sample one completion per request (see the module docstring for the semantics)."""
-        prompt_ids = [self.encode(request) for request in requests]
+        encoded: dict[str, list[int]] = {}  # a group's samples share one prompt text
+
+        def encode(request: GenerateRequest) -> list[int]:
+            if not isinstance(request, str):
+                return self.encode(request)
+            if request not in encoded:
+                encoded[request] = self.encode(request)
+            return encoded[request]
+
+        prompt_ids = [encode(request) for request in requests]
         completions: list[Completion] = []
         with torch.inference_mode():
             for start in range(0, len(prompt_ids), self.max_batch_size):
@@ -179,19 +187,25 @@ class TorchEngine(Engine):
         cancel: Cancellation | None = None,
     ) -> list[Completion]:
         rows, width = len(prompt_ids), max(len(p) for p in prompt_ids)
-        input_ids = torch.full((rows, width), self._pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((rows, width), dtype=torch.long)
-        for row, ids in enumerate(prompt_ids):
-            input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
-            attention_mask[row, width - len(ids) :] = 1
-        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
+        # One prefill row per distinct prompt; ``source[row]`` is the row's prefill row.
+        distinct: dict[tuple[int, ...], int] = {}
+        source = [distinct.setdefault(tuple(ids), len(distinct)) for ids in prompt_ids]
+        unique = [list(ids) for ids in distinct]
+        input_rows = [[self._pad_id] * (width - len(ids)) + ids for ids in unique]
+        mask_rows = [[0] * (width - len(ids)) + [1] * len(ids) for ids in unique]
+        input_ids = torch.tensor(input_rows, dtype=torch.long, device=self.device)
+        attention_mask = torch.tensor(mask_rows, dtype=torch.long, device=self.device)
         # Left padding: each prompt's first real token sits at position 0.
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        next_position = position_ids[:, -1] + 1
 
         version = self._weight_version
         cache = DynamicCache(config=self.model.config)
         logits = self._forward(input_ids, attention_mask, position_ids, cache)
+        if len(unique) < rows:
+            expand = torch.tensor(source, dtype=torch.long, device=self.device)
+            cache.batch_select_indices(expand)
+            logits, attention_mask, position_ids = logits[expand], attention_mask[expand], position_ids[expand]
+        next_position = position_ids[:, -1] + 1
         active = list(range(rows))  # chunk rows still running, in cache order
         response_ids: list[list[int]] = [[] for _ in range(rows)]
         response_logprobs: list[list[float]] = [[] for _ in range(rows)]
@@ -234,12 +248,17 @@ class TorchEngine(Engine):
             logits = self._forward(tokens.unsqueeze(1), attention_mask, next_position.unsqueeze(1), cache)
             next_position = next_position + 1
 
+        # Each distinct response is decoded once (short answers repeat within a group), all
+        # in one batch call.
+        pending = {tuple(response_ids[row]) for row in range(rows) if texts[row] is None}
+        keys = list(pending)
+        decoded = dict(zip(keys, self.tokenizer.batch_decode([list(k) for k in keys], skip_special_tokens=True), strict=True))
         return [
             Completion(
                 prompt_ids=list(prompt_ids[row]),
                 response_ids=response_ids[row],
                 response_logprobs=response_logprobs[row],
-                response=texts[row] if texts[row] is not None else self._decode(response_ids[row]),
+                response=texts[row] if texts[row] is not None else decoded[tuple(response_ids[row])],
                 finish_reason="stop" if finish[row] == "stop" else "length",
                 weight_version=version,
                 matched_stop=matched[row],

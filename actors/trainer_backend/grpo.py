@@ -67,6 +67,75 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     return -(logprobs.exp() * logprobs).sum(dim=-1)
 
 
+LOGPROB_CHUNK_ELEMENTS = 1 << 24
+"""Logits a fused pass converts to float32 at once (64 MiB): bounds its temporary memory."""
+
+
+class _FusedLogprobsEntropy(torch.autograd.Function):
+    """Target log-probabilities and entropies from one log-sum-exp per position.
+
+    Forward keeps only the logits it was given (which the graph holds anyway) and one
+    float32 log-sum-exp and entropy per position, never the ``[positions, vocab]``
+    log-softmax that ``token_logprobs`` and ``entropy_from_logits`` each build and keep for
+    their backward; backward recomputes the softmax chunk by chunk. Both gradients in one pass:
+    ``d logp_t / dz = onehot(t) - p`` and ``d H / dz = -p * (log p + H)``.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, targets: Tensor, with_entropy: bool) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+        vocab = logits.shape[-1]
+        flat, flat_targets = logits.reshape(-1, vocab), targets.reshape(-1)
+        rows = flat.shape[0]
+        logsumexp = torch.empty(rows, dtype=torch.float32, device=logits.device)
+        logp = torch.empty(rows, dtype=torch.float32, device=logits.device)
+        entropy = torch.zeros(rows if with_entropy else 0, dtype=torch.float32, device=logits.device)
+        chunk = max(1, LOGPROB_CHUNK_ELEMENTS // max(vocab, 1))
+        for start in range(0, rows, chunk):
+            part = slice(start, start + chunk)
+            z = flat[part].float()
+            lse = torch.logsumexp(z, dim=-1)
+            logsumexp[part] = lse
+            logp[part] = z.gather(-1, flat_targets[part].unsqueeze(-1)).squeeze(-1) - lse
+            if with_entropy:
+                entropy[part] = lse - (torch.softmax(z, dim=-1) * z).sum(dim=-1)
+        ctx.save_for_backward(logits, targets, logsumexp, entropy)
+        ctx.with_entropy = with_entropy
+        ctx.set_materialize_grads(False)
+        shape = targets.shape
+        return logp.reshape(shape), entropy.reshape(shape) if with_entropy else entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp: Tensor | None, grad_entropy: Tensor | None):  # type: ignore[override]
+        logits, targets, logsumexp, entropy = ctx.saved_tensors
+        if not ctx.with_entropy:
+            grad_entropy = None
+        vocab = logits.shape[-1]
+        flat, flat_targets = logits.reshape(-1, vocab), targets.reshape(-1)
+        g_logp = None if grad_logp is None else grad_logp.reshape(-1).float()
+        g_entropy = None if grad_entropy is None else grad_entropy.reshape(-1).float()
+        grad = torch.empty_like(flat)
+        chunk = max(1, LOGPROB_CHUNK_ELEMENTS // max(vocab, 1))
+        for start in range(0, flat.shape[0], chunk):
+            part = slice(start, start + chunk)
+            logprobs = flat[part].float() - logsumexp[part].unsqueeze(-1)
+            probs = logprobs.exp()
+            g = torch.zeros_like(logprobs)
+            if g_logp is not None:
+                g -= probs * g_logp[part].unsqueeze(-1)
+                g.scatter_add_(-1, flat_targets[part].unsqueeze(-1), g_logp[part].unsqueeze(-1))
+            if g_entropy is not None:
+                g -= probs * (logprobs + entropy[part].unsqueeze(-1)) * g_entropy[part].unsqueeze(-1)
+            grad[part] = g.to(grad.dtype)
+        return grad.reshape(logits.shape), None, None
+
+
+def logprobs_and_entropy(logits: Tensor, targets: Tensor, with_entropy: bool = True) -> tuple[Tensor, Tensor | None]:
+    """``token_logprobs(logits, targets)`` and (with ``with_entropy``) ``entropy_from_logits(logits)``
+    in one fused pass, in float32, with gradients for both and a fraction of their memory."""
+    logp, entropy = _FusedLogprobsEntropy.apply(logits, targets, with_entropy)
+    return logp, entropy if with_entropy else None
+
+
 def kl_estimate(logp: Tensor, ref_logp: Tensor, kind: KLType = "k3") -> Tensor:
     """Per-token estimate of KL(policy || reference) from sampled tokens (Schulman's k1/k3).
 

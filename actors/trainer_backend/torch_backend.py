@@ -3,11 +3,21 @@
 One rollout is trained as follows. Advantages are normalised within each group over the
 whole rollout. The samples, in rollout order, are cut into optimizer steps of
 ``global_batch_size`` samples (unset: one step; a last, shorter step takes the remainder),
-and each step into micro-batches of ``micro_batch_size``. Old log-probabilities (and the
-reference's, with a KL loss) are computed once, before the first optimizer step, with the
-same micro-batches the training pass uses, so that the first step's ratio is exactly 1.
-Every micro-batch's loss is divided by the token count of its whole step, so accumulating
-gradients over micro-batches equals one step on the undivided batch.
+and each step into micro-batches of ``micro_batch_size``. Every micro-batch's loss is
+divided by the token count of its whole step, so accumulating gradients over micro-batches
+equals one step on the undivided batch.
+
+Old log-probabilities are the weights' before the first optimizer step, computed once: the
+first step's are its own training forward (detached: its ratio is exactly 1), the later
+steps' come from one forward pass without gradients before the first optimizer step, or,
+with ``trainer.use_rollout_logprobs``, from the engine that sampled them (every publication
+is verified to serve the trainer's weights, so they are the same policy's). The reference's
+(with a KL loss) are computed in that pass too. A forward feeds each sequence less its last
+token (which predicts nothing) and applies the output head only at the positions that
+predict response tokens; with ``trainer.shared_prompts`` each distinct prompt of a
+micro-batch runs once and the responses on its copied KV cache (``SharedPromptBatch``).
+Log-probabilities and entropies come from one fused pass over the logits
+(``grpo.logprobs_and_entropy``).
 
 The model stays in eval mode: dropout would make the recomputed old log-probabilities
 disagree with the ones of the training pass, and RL fine-tuning does not use it.
@@ -22,23 +32,27 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers import DynamicCache
 
 from actors.trainer_backend.base import TrainerBackend, TrainMetrics, restore_rng_state
 from actors.trainer_backend.grpo import (
-    entropy_from_logits,
     expand_advantages,
     group_advantages,
+    logprobs_and_entropy,
     policy_loss,
-    token_logprobs,
 )
 from miles_events.rl.cancel import Cancellation
 from miles_events.rl.finite import NonFiniteError
-from miles_events.rl.hf_model import DTYPES, load_model
+from miles_events.rl.hf_model import DTYPES, cache_kwarg, load_model
 from miles_events.rl.weights import split_tied
 from schemas.config import Config
 from schemas.rollout import RolloutBatch, Sample
 
 logger = logging.getLogger(__name__)
+
+PLAIN_HEAD_MODELS = frozenset({"qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "llama", "mistral"})
+"""Architectures whose logits are the output head applied to the base model's last hidden
+state, nothing more (no soft-capping or scaling): their head runs at response positions only."""
 
 
 @dataclass(frozen=True)
@@ -59,28 +73,96 @@ class MicroBatch:
 
 
 def pack_samples(samples: list[Sample], indices: list[int]) -> MicroBatch:
-    """Right-pad prompt+response sequences and locate each response token's predicting logits."""
+    """Right-pad each sample's prompt + response, less the last response token (it predicts
+    nothing), and locate the position whose logits predict each response token."""
     for sample in samples:
         if not sample.prompt_ids:
             raise ValueError(f"sample {sample.index} has an empty prompt: nothing predicts its first token")
-    max_len = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    fed = [
+        (s.prompt_ids + s.response_ids)[:-1] if s.response_ids else list(s.prompt_ids) for s in samples
+    ]
+    max_len = max(len(ids) for ids in fed)
     max_response = max(len(s.response_ids) for s in samples)
-    batch = len(samples)
-    input_ids = torch.zeros(batch, max_len, dtype=torch.long)
-    attention_mask = torch.zeros(batch, max_len, dtype=torch.long)
-    logit_index = torch.zeros(batch, max_response, dtype=torch.long)
-    targets = torch.zeros(batch, max_response, dtype=torch.long)
-    mask = torch.zeros(batch, max_response, dtype=torch.float32)
-    for row, sample in enumerate(samples):
+    input_rows, attention_rows, index_rows, target_rows = [], [], [], []
+    for sample, ids in zip(samples, fed, strict=True):
         prompt_len, response_len = len(sample.prompt_ids), len(sample.response_ids)
-        total = prompt_len + response_len
-        input_ids[row, :total] = torch.tensor(sample.prompt_ids + sample.response_ids, dtype=torch.long)
-        attention_mask[row, :total] = 1
+        pad, response_pad = max_len - len(ids), max_response - response_len
+        input_rows.append(ids + [0] * pad)
+        attention_rows.append([1] * len(ids) + [0] * pad)
         # Logits at position t predict token t + 1.
-        logit_index[row, :response_len] = torch.arange(prompt_len - 1, total - 1)
-        targets[row, :response_len] = torch.tensor(sample.response_ids, dtype=torch.long)
-        mask[row, :response_len] = 1.0
-    return MicroBatch(indices, input_ids, attention_mask, logit_index, targets, mask)
+        index_rows.append(list(range(prompt_len - 1, prompt_len - 1 + response_len)) + [0] * response_pad)
+        target_rows.append(list(sample.response_ids) + [0] * response_pad)
+    lengths = torch.tensor([len(s.response_ids) for s in samples])
+    mask = (torch.arange(max_response).unsqueeze(0) < lengths.unsqueeze(1)).to(torch.float32)
+    return MicroBatch(
+        indices,
+        torch.tensor(input_rows, dtype=torch.long),
+        torch.tensor(attention_rows, dtype=torch.long),
+        torch.tensor(index_rows, dtype=torch.long),
+        torch.tensor(target_rows, dtype=torch.long),
+        mask,
+    )
+
+
+@dataclass(frozen=True)
+class SharedPromptBatch:
+    """Samples packed so that each distinct prompt is run once (a GRPO group shares one).
+
+    The prompts go through the model once each, left-padded, filling a KV cache whose rows
+    are then copied to every sample of the prompt; the responses (less their last token)
+    run on top of it, right-padded. Gradients reach the prompt positions through the copy
+    and add up over the group, as if each sample had run its own prompt.
+    """
+
+    indices: list[int]
+    prompt_ids: torch.Tensor
+    """``[prompts, max_prompt_len]`` distinct prompts, left-padded with 0."""
+    prompt_mask: torch.Tensor
+    prompt_of_row: torch.Tensor
+    """``[batch]``: each sample's row in ``prompt_ids``."""
+    response_input: torch.Tensor
+    """``[batch, max_response_len - 1]`` response ids less the last, right-padded with 0."""
+    response_positions: torch.Tensor
+    """``[batch, max_response_len - 1]`` their positions (prompt length + k)."""
+    response_input_mask: torch.Tensor
+    targets: torch.Tensor
+    mask: torch.Tensor
+
+
+def pack_shared_prompts(samples: list[Sample], indices: list[int]) -> SharedPromptBatch:
+    for sample in samples:
+        if not sample.prompt_ids:
+            raise ValueError(f"sample {sample.index} has an empty prompt: nothing predicts its first token")
+    distinct: dict[tuple[int, ...], int] = {}
+    prompt_of_row = [distinct.setdefault(tuple(s.prompt_ids), len(distinct)) for s in samples]
+    width = max(len(prompt) for prompt in distinct)
+    max_response = max(len(s.response_ids) for s in samples)
+    fed = max(max_response - 1, 0)
+    response_rows, position_rows, input_mask_rows, target_rows = [], [], [], []
+    for sample in samples:
+        response, prompt_len = list(sample.response_ids), len(sample.prompt_ids)
+        feed = response[:-1]
+        response_rows.append(feed + [0] * (fed - len(feed)))
+        position_rows.append([prompt_len + k for k in range(fed)])
+        input_mask_rows.append([1] * len(feed) + [0] * (fed - len(feed)))
+        target_rows.append(response + [0] * (max_response - len(response)))
+    lengths = torch.tensor([len(s.response_ids) for s in samples])
+    return SharedPromptBatch(
+        indices=indices,
+        prompt_ids=torch.tensor([[0] * (width - len(p)) + list(p) for p in distinct], dtype=torch.long),
+        prompt_mask=torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in distinct], dtype=torch.long),
+        prompt_of_row=torch.tensor(prompt_of_row, dtype=torch.long),
+        response_input=torch.tensor(response_rows, dtype=torch.long).reshape(len(samples), fed),
+        response_positions=torch.tensor(position_rows, dtype=torch.long).reshape(len(samples), fed),
+        response_input_mask=torch.tensor(input_mask_rows, dtype=torch.long).reshape(len(samples), fed),
+        targets=torch.tensor(target_rows, dtype=torch.long),
+        mask=(torch.arange(max_response).unsqueeze(0) < lengths.unsqueeze(1)).to(torch.float32),
+    )
+
+
+def shares_prompts(samples: list[Sample]) -> bool:
+    """Whether running each distinct prompt once saves work: at most half as many prompts as samples."""
+    return 2 * len({tuple(s.prompt_ids) for s in samples}) <= len(samples)
 
 
 def split(indices: list[int], size: int) -> list[list[int]]:
@@ -95,8 +177,6 @@ class TorchTrainerBackend(TrainerBackend):
             raise ValueError("model.path is unset: the driver prepares the model before actors start")
         self.config = config
         trainer = config.trainer
-        if trainer.num_threads > 0:
-            torch.set_num_threads(trainer.num_threads)
         torch.manual_seed(config.run.seed)
         self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
         self.dtype = DTYPES[config.model.dtype]
@@ -117,26 +197,73 @@ class TorchTrainerBackend(TrainerBackend):
 
     # --- forward passes ------------------------------------------------------------------
 
+    def _pack(self, samples: list[Sample], indices: list[int]) -> MicroBatch | SharedPromptBatch:
+        if (
+            self.config.trainer.shared_prompts
+            and self.model.config.model_type in PLAIN_HEAD_MODELS
+            and shares_prompts(samples)
+        ):
+            return pack_shared_prompts(samples, indices)
+        return pack_samples(samples, indices)
+
+    def _shared_prompt_logits(
+        self, body: torch.nn.Module, head: torch.nn.Module, micro: SharedPromptBatch
+    ) -> torch.Tensor:
+        device = self.device
+        prompt_mask = micro.prompt_mask.to(device)
+        cache = DynamicCache(config=body.config)
+        cache_arg = cache_kwarg(body)
+        prompt_hidden = body(
+            input_ids=micro.prompt_ids.to(device),
+            attention_mask=prompt_mask,
+            position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0),
+            use_cache=True,
+            **{cache_arg: cache},
+        ).last_hidden_state
+        rows = micro.prompt_of_row.to(device)
+        # The last prompt position predicts the first response token (none: no position).
+        hidden = prompt_hidden[:, -1:][rows][:, : micro.targets.shape[1]]
+        if micro.response_input.shape[1]:
+            cache.batch_select_indices(rows)
+            response_hidden = body(
+                input_ids=micro.response_input.to(device),
+                attention_mask=torch.cat([prompt_mask[rows], micro.response_input_mask.to(device)], dim=1),
+                position_ids=micro.response_positions.to(device),
+                use_cache=True,
+                **{cache_arg: cache},
+            ).last_hidden_state
+            hidden = torch.cat([hidden, response_hidden], dim=1)
+        return head(hidden)
+
+    def _response_logits(self, model: torch.nn.Module, micro: MicroBatch | SharedPromptBatch) -> torch.Tensor:
+        """``[batch, max_response_len, vocab]``: the logits that predict each response token."""
+        if isinstance(micro, SharedPromptBatch):
+            return self._shared_prompt_logits(
+                getattr(model, model.base_model_prefix), model.get_output_embeddings(), micro
+            )
+        input_ids = micro.input_ids.to(self.device)
+        attention_mask = micro.attention_mask.to(self.device)
+        index = micro.logit_index.to(self.device)
+        head = model.get_output_embeddings()
+        body = getattr(model, model.base_model_prefix, None)
+        if model.config.model_type in PLAIN_HEAD_MODELS and head is not None and body is not None:
+            # The head's matmul only where a response token is predicted.
+            hidden = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+            return head(hidden.gather(1, index.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])))
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        return logits.gather(1, index.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+
     def _forward(
-        self, model: torch.nn.Module, micro: MicroBatch, with_entropy: bool
+        self, model: torch.nn.Module, micro: MicroBatch | SharedPromptBatch, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Response-aligned log-probabilities (and entropies) of ``micro`` under ``model``."""
-        logits = model(
-            input_ids=micro.input_ids.to(self.device),
-            attention_mask=micro.attention_mask.to(self.device),
-            use_cache=False,
-        ).logits
-        index = micro.logit_index.to(self.device)
-        # Keep only the positions that predict response tokens before the vocab-wide softmax.
-        response_logits = logits.gather(1, index.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
-        logp = token_logprobs(response_logits, micro.targets.to(self.device))
-        entropy = entropy_from_logits(response_logits) if with_entropy else None
-        return logp, entropy
+        logits = self._response_logits(model, micro)
+        return logprobs_and_entropy(logits, micro.targets.to(self.device), with_entropy)
 
     @torch.no_grad()
     def response_logprobs(self, samples: list[Sample]) -> list[torch.Tensor]:
         """Per-token log-probabilities of each sample's response under the current weights."""
-        micro = pack_samples(samples, list(range(len(samples))))
+        micro = self._pack(samples, list(range(len(samples))))
         logp, _ = self._forward(self.model, micro, with_entropy=False)
         return [logp[row, : len(s.response_ids)].cpu() for row, s in enumerate(samples)]
 
@@ -166,20 +293,24 @@ class TorchTrainerBackend(TrainerBackend):
         ).to(self.device)
         step_size = trainer.global_batch_size or len(samples)
         steps = [
-            [pack_samples([samples[i] for i in part], part) for part in split(step, trainer.micro_batch_size)]
+            [self._pack([samples[i] for i in part], part) for part in split(step, trainer.micro_batch_size)]
             for step in split(list(range(len(samples))), step_size)
         ]
         micro_batches = [micro for step in steps for micro in step]
 
-        # Old (and reference) log-probabilities: fixed before the first optimizer step.
-        old_logps: list[torch.Tensor] = []
+        # Old (and reference) log-probabilities: fixed before the first optimizer step. The
+        # first step's old ones are its own forward's (None here), taken as it trains.
+        first_step = len(steps[0])
+        old_logps: list[torch.Tensor | None] = []
         ref_logps: list[torch.Tensor | None] = []
         with torch.no_grad():
-            for micro in micro_batches:
+            for position, micro in enumerate(micro_batches):
                 if cancel is not None:
                     cancel.check()  # a cancellation point: nothing has changed yet
                 if trainer.use_rollout_logprobs:
                     old_logps.append(self._rollout_logprobs(samples, micro))
+                elif position < first_step:
+                    old_logps.append(None)
                 else:
                     old_logps.append(self._forward(self.model, micro, with_entropy=False)[0])
                 ref_logps.append(
@@ -202,6 +333,8 @@ class TorchTrainerBackend(TrainerBackend):
                 position += 1
                 mask = micro.mask.to(self.device)
                 logp, entropy = self._forward(self.model, micro, with_entropy=True)
+                if old_logp is None:
+                    old_logp = logp.detach()
                 if entropy is not None and not trainer.entropy_coef:
                     entropy = entropy.detach()  # logged only: no backward through the softmax
                 terms = policy_loss(
@@ -221,11 +354,11 @@ class TorchTrainerBackend(TrainerBackend):
                 terms.loss.backward()
                 # Terms are sums / step_tokens: scale back to sums for the rollout-wide mean.
                 weight = max(step_tokens, 1)
-                step_totals["loss"] += float(terms.loss.detach().item()) * weight
-                step_totals["pg_loss"] += float(terms.pg_loss.item()) * weight
-                step_totals["kl"] += float(terms.kl.item()) * weight
-                step_totals["entropy"] += float(terms.entropy.item()) * weight
-                step_totals["clipfrac"] += float(terms.clipfrac.item()) * weight
+                values = torch.stack(
+                    [terms.loss.detach(), terms.pg_loss, terms.kl, terms.entropy, terms.clipfrac]
+                ).tolist()  # one device-to-host read per micro-batch
+                for key, value in zip(step_totals, values, strict=True):
+                    step_totals[key] += value * weight
             step_grad_norm = self._clip_gradients()
             if not (math.isfinite(step_grad_norm) and all(math.isfinite(v) for v in step_totals.values())):
                 what = (

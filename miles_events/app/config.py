@@ -389,6 +389,13 @@ def validate(config: Config) -> None:
             f"of {global_batch} samples",
             key="trainer.micro_batch_size",
         )
+    if trainer.use_rollout_logprobs and config.rollout.temperature != 1.0:
+        raise ConfigError(
+            f"trainer.use_rollout_logprobs: the engine's logprobs are of logits / rollout.temperature "
+            f"({config.rollout.temperature:g}) and the trainer's of the untempered policy; sample at "
+            "temperature 1 or let the trainer recompute them",
+            key="trainer.use_rollout_logprobs",
+        )
     try:
         load_function(config.rollout.reward_fn)
     except ValueError as error:

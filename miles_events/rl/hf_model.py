@@ -8,6 +8,7 @@ bytes and the Saver can copy the config and tokenizer next to every checkpoint.
 
 from __future__ import annotations
 
+import inspect
 import shutil
 from pathlib import Path
 
@@ -104,6 +105,12 @@ def load_model(path: str | Path, dtype: str = "float32") -> torch.nn.Module:
     # safetensors only: a pickled weights file (pytorch_model.bin) is never loaded.
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype], use_safetensors=True)
     return model
+
+
+def cache_kwarg(module: torch.nn.Module) -> str:
+    """The name ``module.forward`` takes its KV cache by: transformers 5 renamed
+    ``past_key_values`` to ``cache``; either spelling is accepted."""
+    return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
