@@ -26,6 +26,7 @@ from miles_events.bus.event_bus import EventBus, Mailbox
 from miles_events.runtime.base import ActorStartError, RunContext, Runtime
 from miles_events.runtime.leftovers import claim, clean_dead_run, remove_dead_owners
 from miles_events.runtime.local import LocalRuntime
+from miles_events.runtime.ray_cluster import RayCluster
 from miles_events.sinks.base import Sink, SinkContext, SinkHost
 from miles_events.sinks.event_log import EventLogSink
 from miles_events.transport.base import SHM_PREFIX, ShmTransport, Transport, open_transport, shm_root
@@ -33,6 +34,7 @@ from schemas.config import Config
 from schemas.events import ActorFailed, RunFinished
 
 logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class RunResult:
@@ -50,12 +52,21 @@ def transport_for(config: Config) -> str:
     return transport
 
 
-def make_runtime(context: RunContext, transport: Transport) -> Runtime:
+def make_runtime(context: RunContext, transport: Transport, cluster: RayCluster | None = None) -> Runtime:
     if context.config.run.runtime == "local":
         return LocalRuntime(context, transport)
     from miles_events.runtime.ray import RayRuntime
 
-    return RayRuntime(context, transport)
+    return RayRuntime(context, transport, cluster)
+
+
+def start_cluster(config: Config, actor_classes: list[type[Actor]]) -> RayCluster | None:
+    """For the ray runtime, Ray starting now, beside the driver's own preparation."""
+    if config.run.runtime != "ray":
+        return None
+    from miles_events.runtime.ray import start_cluster
+
+    return start_cluster(config, actor_classes)
 
 
 class Session:
@@ -76,10 +87,11 @@ class Session:
         self.log_writer = open_event_log(Path(config.run.dir).resolve())
         # The directory is this run's now: kill what a run whose driver died left running.
         clean_dead_run(Path(config.run.dir).resolve())
+        self.cluster = start_cluster(config, actor_classes)
         try:
             self.config = resolve(config)
         except BaseException:
-            self.log_writer.close()
+            self._give_back()
             raise
         self.actor_classes = actor_classes
         self.sinks = [EventLogSink(self.log_writer), *(sinks or [])]
@@ -104,13 +116,16 @@ class Session:
             if isinstance(transport, ShmTransport):
                 claim(transport.root)
         except BaseException:
-            # Nothing has started: give the run directory back.
-            self.log_writer.close()
+            # No actor has started: give the run directory and Ray back.
+            self._give_back()
             raise
-        bus = self.bus = EventBus(self.run_id, config.bus.mailbox_size, config.bus.stall_warning_seconds, self.clock)
+        bus = self.bus = EventBus(
+            self.run_id, config.bus.mailbox_size, config.bus.stall_warning_seconds, self.clock
+        )
         watch = bus.subscribe("session", (RunFinished, ActorFailed))
         context = RunContext(self.run_id, config, self.run_dir, transport_name, plan, self.clock)
-        runtime = make_runtime(context, transport)
+        runtime = make_runtime(context, transport, self.cluster)
+        self.cluster = None  # the runtime's now
         hosts: list[SinkHost] = []
         opened: list[Sink] = []
         signals: StopOnSignal | None = None
@@ -136,6 +151,12 @@ class Session:
             bus.close()
             await self._shutdown(runtime, hosts, opened, transport)
         return RunResult(self.run_id, finished, self.run_dir, time.monotonic() - started)
+
+    def _give_back(self) -> None:
+        self.log_writer.close()
+        if self.cluster is not None:
+            self.cluster.shutdown()
+            self.cluster = None
 
     async def _start_sinks(self, bus: EventBus, opened: list[Sink], hosts: list[SinkHost]) -> None:
         """Start each sink in order (the event log first). One that cannot start ends the
@@ -178,7 +199,9 @@ class Session:
         return await self.bus.publish(RunFinished(status="failed", reason=reason), source="session")  # type: ignore[return-value]
 
     @staticmethod
-    async def _shutdown(runtime: Runtime, hosts: list[SinkHost], sinks: list[Sink], transport: Transport) -> None:
+    async def _shutdown(
+        runtime: Runtime, hosts: list[SinkHost], sinks: list[Sink], transport: Transport
+    ) -> None:
         """Each step runs even when an earlier one fails: the actors stopped, every sink
         drained and closed (the event log first) and the run's shared memory removed."""
         steps: list[tuple[str, Callable[[], Awaitable[object]]]] = [

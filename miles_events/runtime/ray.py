@@ -5,10 +5,9 @@ groups the actors declare. The light actors (role ``service``: Publisher, Verifi
 no model) run on the driver's event loop beside the bus, as the Coordinator does, unless
 ``ray.own_process`` names them: those get a Ray actor process of their own.
 
-The local cluster is started lean: in a thread (the driver's loop goes on meanwhile), with
-neither Ray's API server nor its autoscaler monitor (a fixed one-host cluster uses neither),
-and with Ray's prestarted workers only when each will host an actor. It is torn down
-without waiting on Ray's graceful timeouts once the actors have stopped.
+Ray itself (``ray_cluster.py``) starts on a thread of its own as soon as the run knows what
+it places (``start_cluster``, before the model is prepared), so the driver's own start-up,
+the cluster's and the actor processes' imports overlap.
 
 The bus stays in the driver. For each remote actor the driver keeps a proxy: a bus
 mailbox whose events are msgpack-encoded and delivered in batches (one Ray call carries up to
@@ -20,14 +19,8 @@ an actor process that dies is reported as ``ActorFailed`` by its proxy.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import contextlib
 import logging
-import math
 import os
-import threading
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +33,8 @@ from miles_events.bus.errors import describe_error
 from miles_events.bus.event_bus import BusClosed, EventBus, Mailbox
 from miles_events.bus.host import ActorHost
 from miles_events.runtime.base import ActorStartError, InProcessHosts, RunContext, host_context
-from miles_events.runtime.leftovers import forget_processes, kill_alive, ray_processes, record_processes
+from miles_events.runtime.leftovers import forget_processes, record_processes
+from miles_events.runtime.ray_cluster import ARENAS_MARK, RayCluster
 from miles_events.transport.base import Transport, open_transport
 from schemas.config import Config
 from schemas.events import ActorFailed, Event, StopRequested
@@ -63,7 +57,7 @@ class RemoteActorHost:
         transport: str,
         outbox_size: int,
     ) -> None:
-        if os.environ.pop(_ARENAS_SET, None):
+        if os.environ.pop(ARENAS_MARK, None):
             os.environ.pop("MALLOC_ARENA_MAX", None)  # this process has it; its children need not
         self.actor_cls = actor_cls
         self.config = msgspec.json.decode(config_json, type=Config)
@@ -249,6 +243,15 @@ def own_process(cls: type[Actor], config: Config) -> bool:
     return role != "driver"
 
 
+def start_cluster(config: Config, actor_classes: list[type[Actor]]) -> RayCluster:
+    """Ray for a run of ``actor_classes`` under ``config``, starting now on its own thread:
+    the run's placement is known before its model is prepared, so the cluster (and the
+    workers that will host its actors) start while the driver prepares it."""
+    groups = placement_bundles(actor_classes, config)
+    remote = [cls for _, members in groups.values() for cls, _, _ in members]
+    return RayCluster(config.ray, [b for bundles, _ in groups.values() for b in bundles], remote).start()
+
+
 def placement_bundles(
     actor_classes: list[type[Actor]], config: Config
 ) -> dict[str, tuple[list[dict[str, float]], list[tuple[type[Actor], WorkerGroup, int]]]]:
@@ -278,138 +281,19 @@ def placement_bundles(
     return groups
 
 
-UNUSED_HEAD_SERVICES = ("start_api_server", "start_monitor")
-"""What a Ray head starts that a run's own one-host cluster never uses: the API server (with
-``include_dashboard=False`` still a process, serving usage stats, which the run turns off)
-and the autoscaler's monitor (a fixed cluster never scales). Each is a Python process of
-~60 MB; ``ray.init`` waits for the API server to come up, and ``ray.shutdown`` ~1 s for it
-to go (it outlives its SIGTERM)."""
-
-
-@contextlib.contextmanager
-def _lean_head() -> Iterator[None]:
-    """While ``ray.init`` starts a local cluster: skip ``UNUSED_HEAD_SERVICES`` (where this
-    Ray has them), and drop Ray's warning that, started from a thread, it leaves SIGTERM
-    alone (the driver's own handler stays, which is what the run wants)."""
-    from ray._private.node import Node
-
-    saved = {name: Node.__dict__[name] for name in UNUSED_HEAD_SERVICES if name in Node.__dict__}
-    for name in saved:
-        setattr(Node, name, lambda self, *args, **kwargs: None)
-    worker_logger = logging.getLogger("ray._private.worker")
-    quiet = _DropMessage("SIGTERM handler is not set")
-    worker_logger.addFilter(quiet)
-    try:
-        yield
-    finally:
-        worker_logger.removeFilter(quiet)
-        for name, method in saved.items():
-            setattr(Node, name, method)
-
-
-MALLOC_ARENAS = "2"
-"""glibc malloc arenas per process of the run's own cluster (``MALLOC_ARENA_MAX``, where the
-user has not set it). glibc gives each thread that allocates an arena of its own, up to 8
-per core, and an arena keeps what it once held: an actor process has many threads (Ray's,
-its handlers' worker threads), and a trainer held 100-170 MB more at its peak with the
-default, for no speed measured."""
-_ARENAS_SET = "MILES_EVENTS_SET_MALLOC_ARENA_MAX"
-"""Marks ``MALLOC_ARENA_MAX`` as the runtime's, not the user's: an actor process drops both
-(``RemoteActorHost``), so what it starts in turn (an inference server) has glibc's default."""
-
-
-@contextlib.contextmanager
-def _cluster_environment() -> Iterator[None]:
-    """The environment Ray's servers start with (the workers they start inherit it); the
-    driver's own is as it was once they have started."""
-    added = {} if "MALLOC_ARENA_MAX" in os.environ else {"MALLOC_ARENA_MAX": MALLOC_ARENAS, _ARENAS_SET: "1"}
-    os.environ.update(added)
-    try:
-        yield
-    finally:
-        for name in added:
-            os.environ.pop(name, None)
-
-
-class _DropMessage(logging.Filter):
-    def __init__(self, prefix: str) -> None:
-        super().__init__()
-        self.prefix = prefix
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(self.prefix)
-
-
 class RayRuntime:
     name = "ray"
 
-    def __init__(self, run: RunContext, transport: Transport) -> None:
+    def __init__(self, run: RunContext, transport: Transport, cluster: RayCluster | None = None) -> None:
+        """``cluster``: Ray, already starting for this run (``start_cluster``); this runtime
+        owns it from here on. Without one, ``start`` starts it."""
         self.run = run
         self.proxies: list[RemoteActorProxy] = []
         self.driver = InProcessHosts(run, transport)
+        self.cluster = cluster
         self._placement_groups: list[Any] = []
         self._handles: list[Any] = []
         self._pids: dict[str, int] = {}
-        self._started_ray = False
-        self._up: concurrent.futures.Future[None] | None = None
-        self._released = threading.Event()
-
-    def _start_ray(self, bundles: list[dict[str, float]], remote: list[type[Actor]]) -> concurrent.futures.Future[None]:
-        """``_init_ray`` on a thread of its own, so that the driver's loop goes on meanwhile.
-        The thread stays until ``shutdown``: the servers Ray starts are tied to the thread
-        that started them (Ray fate-shares them with it: they are killed when it ends)."""
-        up: concurrent.futures.Future[None] = concurrent.futures.Future()
-        up.set_running_or_notify_cancel()
-
-        def run() -> None:
-            try:
-                self._init_ray(bundles, remote)
-            except BaseException as error:
-                up.set_exception(error)
-                return
-            up.set_result(None)
-            self._released.wait()
-
-        threading.Thread(target=run, name="ray-init", daemon=True).start()
-        return up
-
-    def _init_ray(self, bundles: list[dict[str, float]], remote: list[type[Actor]]) -> None:
-        """Start (or join) the cluster."""
-        import ray
-
-        ray_config = self.run.config.ray
-        if ray.is_initialized():
-            return
-        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-        kwargs: dict[str, Any] = dict(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True)
-        if ray_config.address is None:
-            needed = math.ceil(sum(b.get("CPU", 0.0) for b in bundles))
-            num_cpus = kwargs["num_cpus"] = ray_config.num_cpus or max(needed, os.cpu_count() or 1)
-            num_gpus = math.ceil(sum(b.get("GPU", 0.0) for b in bundles))
-            if num_gpus:
-                kwargs["num_gpus"] = num_gpus
-            # Ray can start a worker per CPU ahead of any actor: worth it only while each will
-            # host one of the run's actors (beyond that they idle), and then as soon as the
-            # raylet is up (its startup, not the driver's connection, ~0.7 s sooner here).
-            prestart = num_cpus <= len(remote)
-            kwargs["_system_config"] = {"prestart_worker_first_driver": False, "enable_worker_prestart": prestart}
-            kwargs["_node_ip_address"] = "127.0.0.1"
-            # A cluster of this host only: every Ray server (GCS, raylet, agents, workers)
-            # binds the loopback address, not every interface. Ray takes the node address
-            # from the loopback only when it believes clusters are disabled; the variable
-            # reaches the processes it starts, the constant this one.
-            os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-            from ray._private import ray_constants
-
-            ray_constants.ENABLE_RAY_CLUSTER = False
-            began = time.monotonic()
-            with _lean_head(), _cluster_environment():
-                ray.init(**kwargs)
-            self._started_ray = True
-            logger.info("local ray cluster (%d CPUs) up in %.1fs", num_cpus, time.monotonic() - began)
-        else:
-            kwargs["address"] = ray_config.address
-            ray.init(**kwargs)
 
     def _create_placement_groups(self, groups: dict[str, Any]) -> dict[str, Any]:
         from ray.util.placement_group import placement_group
@@ -417,7 +301,9 @@ class RayRuntime:
         config = self.run.config
         placed = {}
         for role, (bundles, _) in groups.items():
-            group = placement_group(bundles, strategy=config.ray.placement_strategy, name=f"miles-{self.run.run_id}-{role}")
+            group = placement_group(
+                bundles, strategy=config.ray.placement_strategy, name=f"miles-{self.run.run_id}-{role}"
+            )
             self._placement_groups.append(group)
             placed[role] = group
         return placed
@@ -439,15 +325,19 @@ class RayRuntime:
         groups = placement_bundles(actor_classes, config)
         remote_classes = [cls for _, members in groups.values() for cls, _, _ in members]
         bundles = [b for bundles, _ in groups.values() for b in bundles]
+        if self.cluster is not None and not self.cluster.fits(bundles):
+            self.cluster.shutdown()  # sized before the config was resolved, too small now
+            self.cluster = None
+        if self.cluster is None:
+            self.cluster = RayCluster(config.ray, bundles, remote_classes).start()
         # Ray starts in a thread; meanwhile the driver starts the actors it hosts.
-        up = self._up = self._start_ray(bundles, remote_classes)
         try:
             for cls in actor_classes:
                 if cls not in remote_classes:
                     await self.driver.start(bus, cls)
                     logger.info("started %s (driver)", cls.name)
         finally:
-            await asyncio.wrap_future(up)
+            await asyncio.wrap_future(self.cluster.up)
         self._record_processes()
         placed = self._create_placement_groups(groups)
         remote = self._create_remote(groups, placed)
@@ -460,12 +350,17 @@ class RayRuntime:
         try:
             await self._wait_placed(groups, placed, timeout)
             pids = await wait_for(
-                asyncio.gather(*starts, return_exceptions=True), deadline - self.run.clock.monotonic(), self.run.clock
+                asyncio.gather(*starts, return_exceptions=True),
+                deadline - self.run.clock.monotonic(),
+                self.run.clock,
             )
         except TimeoutError:
             raise RuntimeError(f"actors did not start within {timeout:g}s") from None
         self._raise_start_errors([cls for cls, _ in remote], pids)
-        logger.info("ray actors started %.1fs after the cluster was up", timeout - (deadline - self.run.clock.monotonic()))
+        logger.info(
+            "ray actors started %.1fs after the cluster was up",
+            timeout - (deadline - self.run.clock.monotonic()),
+        )
         self._record_processes()  # now with the actors' worker processes
         # Every remote actor is told all have started before any event reaches it.
         readies = [h.ready.remote() for _, h in remote]
@@ -476,9 +371,13 @@ class RayRuntime:
         self._raise_start_errors([cls for cls, _ in remote], done)
         for (cls, handle), pid in zip(remote, pids, strict=True):
             mailbox = bus.subscribe(cls.name, tuple(cls.handlers()))
-            interrupts = bus.subscribe(f"{cls.name}/interrupt", (StopRequested,)) if cls.interruptible() else None
+            interrupts = (
+                bus.subscribe(f"{cls.name}/interrupt", (StopRequested,)) if cls.interruptible() else None
+            )
             self.proxies.append(
-                RemoteActorProxy(bus, cls.name, handle, mailbox, config.bus.max_batch, self.run.clock, interrupts)
+                RemoteActorProxy(
+                    bus, cls.name, handle, mailbox, config.bus.max_batch, self.run.clock, interrupts
+                )
             )
             self._pids[cls.name] = pid
             logger.info("started %s (ray actor, pid %d)", cls.name, pid)
@@ -521,7 +420,7 @@ class RayRuntime:
     def _record_processes(self) -> None:
         """So that a run after a ``kill -9`` of this driver can kill what is left of the
         cluster this run started (``miles_events.runtime.leftovers``)."""
-        if self._started_ray:
+        if self.cluster is not None and self.cluster.started_here:
             record_processes(self.run.run_dir)
 
     @staticmethod
@@ -544,45 +443,42 @@ class RayRuntime:
         try:
             await asyncio.gather(self.driver.stop(), *(proxy.stop() for proxy in self.proxies))
         finally:
-            if self._up is not None and not self._up.done():
+            if self.cluster is not None and not self.cluster.up.done():
                 # Stopped while Ray was still starting (an abort): let it come up, then end it.
-                await asyncio.wait([asyncio.wrap_future(self._up)])
+                await asyncio.wait([asyncio.wrap_future(self.cluster.up)])
             self.shutdown()
 
     def shutdown(self) -> None:
-        import ray
-
-        if self._up is not None:
-            concurrent.futures.wait([self._up])
-        try:
-            if ray.is_initialized():
-                self._shutdown_ray()
-        finally:
-            self._released.set()
-
-    def _shutdown_ray(self) -> None:
-        import ray
-
-        if not self._started_ray:
-            # A cluster this run joined outlives it: take back only what the run made there.
-            for handle in self._handles:
-                try:
-                    ray.kill(handle)
-                except Exception:
-                    pass
-            from ray.util.placement_group import remove_placement_group
-
-            for group in self._placement_groups:
-                try:
-                    remove_placement_group(group)
-                except Exception:
-                    pass
+        if self.cluster is None:
             return
-        # The run's own cluster goes whole: its actors have stopped, so nothing is asked of
-        # them or of the placement groups one by one; what Ray leaves is killed, not waited on.
-        began = time.monotonic()
-        started = ray_processes()
-        ray.shutdown()
-        killed = kill_alive(started)
-        forget_processes(self.run.run_dir)
-        logger.info("local ray cluster shut down in %.1fs (%d processes killed after)", time.monotonic() - began, killed)
+        try:
+            if (
+                self.cluster.up.done()
+                and self.cluster.up.exception() is None
+                and not self.cluster.started_here
+            ):
+                self._take_back()
+        finally:
+            # The run's own cluster goes whole: its actors have stopped, so nothing is asked
+            # of them or of the placement groups one by one.
+            self.cluster.shutdown()
+            forget_processes(self.run.run_dir)
+
+    def _take_back(self) -> None:
+        """A cluster this run joined outlives it: take back only what the run made there."""
+        import ray
+
+        if not ray.is_initialized():
+            return
+        for handle in self._handles:
+            try:
+                ray.kill(handle)
+            except Exception:
+                pass
+        from ray.util.placement_group import remove_placement_group
+
+        for group in self._placement_groups:
+            try:
+                remove_placement_group(group)
+            except Exception:
+                pass

@@ -15,13 +15,22 @@ import shutil
 import tempfile
 from abc import ABC, abstractmethod
 from pathlib import Path
-
-import torch
-from safetensors.torch import load_file, save_file
+from typing import TYPE_CHECKING, Any
 
 from miles_events.rl.file_modes import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE
 from miles_events.rl.registry import registered
 from schemas.data import DataRef
+
+if TYPE_CHECKING:  # torch is imported by what puts or gets tensors, not by every reader of events
+    import torch
+
+
+def _safetensors() -> Any:
+    """``safetensors.torch``, imported when tensors are first put or got: a process that only
+    passes references on (the driver of the ray runtime) never loads torch."""
+    import safetensors.torch
+
+    return safetensors.torch
 
 
 class Transport(ABC):
@@ -139,11 +148,11 @@ class ShmTransport(Transport):
 
     def put_tensors(self, key: str, tensors: dict[str, torch.Tensor], owner: str) -> DataRef:
         contiguous = {name: t.detach().contiguous().cpu() for name, t in tensors.items()}
-        path = self._publish(key, lambda p: save_file(contiguous, str(p)))
+        path = self._publish(key, lambda p: _safetensors().save_file(contiguous, str(p)))
         return DataRef(self.name, key, owner, path.stat().st_size)
 
     def get_tensors(self, ref: DataRef) -> dict[str, torch.Tensor]:
-        return load_file(str(self._path(ref.key)))
+        return _safetensors().load_file(str(self._path(ref.key)))
 
     def put_bytes(self, key: str, data: bytes, owner: str) -> DataRef:
         self._publish(key, lambda p: p.write_bytes(data))

@@ -12,12 +12,13 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from safetensors.torch import load_file, save_file
-
-from miles_events.transport.base import Transport
+from miles_events.transport.base import Transport, _safetensors
 from schemas.data import DataRef
+
+if TYPE_CHECKING:  # torch is imported by what puts or gets tensors, not by every reader of events
+    import torch
 
 TRANSPORT_DIR = "transport"
 TENSORS_FILE = "model.safetensors"
@@ -65,7 +66,7 @@ class DiskTransport(Transport):
         self._remove(partial)
         partial.mkdir()
         contiguous = {name: t.detach().contiguous().cpu() for name, t in tensors.items()}
-        save_file(contiguous, str(partial / TENSORS_FILE))
+        _safetensors().save_file(contiguous, str(partial / TENSORS_FILE))
         size = (partial / TENSORS_FILE).stat().st_size
         self._install(key, partial)
         return DataRef(self.name, key, owner, size)
@@ -76,7 +77,7 @@ class DiskTransport(Transport):
             raise KeyError(f"disk data {ref.key!r} is gone (freed, or never written under {self.root})")
         tensors: dict[str, torch.Tensor] = {}
         for file in sorted(directory.glob("*.safetensors")):
-            tensors.update(load_file(str(file)))
+            tensors.update(_safetensors().load_file(str(file)))
         return tensors
 
     def put_bytes(self, key: str, data: bytes, owner: str) -> DataRef:
@@ -89,7 +90,9 @@ class DiskTransport(Transport):
         try:
             return self.path(ref).read_bytes()
         except FileNotFoundError:
-            raise KeyError(f"disk data {ref.key!r} is gone (freed, or never written under {self.root})") from None
+            raise KeyError(
+                f"disk data {ref.key!r} is gone (freed, or never written under {self.root})"
+            ) from None
 
     def free(self, ref: DataRef) -> None:
         self._remove(self.path(ref))

@@ -1,0 +1,90 @@
+"""Ray for one run: sized for what the run places, started while the driver prepares the
+model, and given back whenever the run stops before its actors start."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import pytest
+
+from actors.coordinator import Coordinator
+from actors.generator import Generator
+from actors.trainer import Trainer
+from miles_events.app.session import Session
+from miles_events.rl.checkpoint import CheckpointError
+from miles_events.runtime.leftovers import ray_processes
+from miles_events.runtime.ray_cluster import RayCluster, importable_by_workers
+from schemas.config import Config, RayConfig, RunConfig
+from tests.ray_actors import Model
+
+ONE_EACH = [{"CPU": 1.0}, {"CPU": 1.0}]
+
+
+def test_a_worker_per_cpu_is_prestarted_only_when_each_hosts_an_actor_and_imports_its_module():
+    cluster = RayCluster(RayConfig(num_cpus=2), ONE_EACH, [Generator, Trainer])
+    assert cluster.prestart and cluster.preload == ["actors.generator", "actors.trainer"]
+    assert not RayCluster(RayConfig(num_cpus=4), ONE_EACH, [Generator, Trainer]).prestart
+
+
+def test_only_modules_a_worker_can_import_without_the_drivers_directory_are_preloaded():
+    assert importable_by_workers("actors.trainer") and importable_by_workers("torch")
+    assert not importable_by_workers("tests.ray_actors"), "the tests run from the checkout, not installed"
+    assert RayCluster(RayConfig(num_cpus=2), ONE_EACH, [Model, Trainer]).preload == ["actors.trainer"]
+
+
+def test_a_cluster_sized_before_the_config_was_resolved_says_whether_it_still_fits():
+    cluster = RayCluster(RayConfig(), [{"CPU": 1.0, "GPU": 1.0}], [Trainer])
+    assert cluster.fits([{"CPU": 1.0, "GPU": 1.0}])
+    assert not cluster.fits([{"CPU": 1.0, "GPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}])
+    assert not cluster.fits([{"CPU": float(cluster.num_cpus + 1)}])
+    assert RayCluster(RayConfig(address="127.0.0.1:6379"), [], []).fits([{"CPU": 64.0, "GPU": 8.0}])
+
+
+def ray_config(tmp_path) -> Config:
+    return Config(run=RunConfig(dir=str(tmp_path), runtime="ray", num_rollout=1), ray=RayConfig(num_cpus=2))
+
+
+@pytest.mark.slow
+def test_ray_starts_while_the_model_is_prepared_and_a_failed_preparation_gives_it_back(tmp_path, monkeypatch):
+    seen: dict[str, int] = {}
+
+    def prepare(config: Config) -> Config:
+        # Ray is coming up meanwhile, on its own thread.
+        concurrent.futures.wait([session_cluster()], timeout=60)
+        seen["ray processes"] = len(ray_processes())
+        raise CheckpointError("model.safetensors does not match its sha256")
+
+    started: list[RayCluster] = []
+    real = RayCluster.start
+
+    def start(self: RayCluster) -> RayCluster:
+        started.append(self)
+        return real(self)
+
+    def session_cluster() -> concurrent.futures.Future[None]:
+        return started[0].up
+
+    monkeypatch.setattr(RayCluster, "start", start)
+    monkeypatch.setattr("miles_events.app.session.resolve", prepare)
+    with pytest.raises(CheckpointError):
+        Session(ray_config(tmp_path), [Coordinator, Trainer])
+    assert seen["ray processes"] > 0, "the cluster was up while the model was being prepared"
+    import ray
+
+    assert not ray.is_initialized() and not ray_processes(), "the failed session gave Ray back"
+
+
+@pytest.mark.slow
+async def test_a_run_that_cannot_be_planned_gives_ray_back(tmp_path, monkeypatch):
+    session = Session(ray_config(tmp_path), [Coordinator, Trainer])
+    assert session.cluster is not None
+
+    def refuse(*args: object) -> None:
+        raise CheckpointError("checkpoint rollout_000003: model.safetensors does not match its sha256")
+
+    monkeypatch.setattr("miles_events.app.session.make_plan", refuse)
+    with pytest.raises(CheckpointError):
+        await session.run()
+    import ray
+
+    assert session.cluster is None and not ray.is_initialized() and not ray_processes()
