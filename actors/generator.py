@@ -29,10 +29,10 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import anyio
 import msgspec
-import torch
 
 from actors.engine import build_engine
 from actors.engine.base import Engine, SamplingParams, TensorCheckAction
@@ -59,6 +59,9 @@ from schemas.events import (
     WeightsStaged,
 )
 from schemas.rollout import RolloutBatch, Sample
+
+if TYPE_CHECKING:
+    import torch
 
 RewardFn = Callable[[str, str, str], float]
 
@@ -189,6 +192,8 @@ class Generator(Actor):
         self, prompts: Sequence[Prompt], n_samples: int, sampling: SamplingParams, kind: str, rollout_id: int
     ) -> list[Sample]:
         """``n_samples`` scored samples per prompt, ordered by group; engines run concurrently."""
+        import torch
+
         num_engines = len(self.engines)
         per_engine = [list(range(i, len(prompts), num_engines)) for i in range(num_engines)]
         results: list[list[Sample]] = [[] for _ in self.engines]

@@ -18,11 +18,10 @@ import io
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
-import torch
 
 from actors.trainer_backend import build_backend
 from actors.trainer_backend.base import TrainerBackend
@@ -38,7 +37,7 @@ from miles_events.rl.finite import (
     non_finite_rewards,
     require_finite_weights,
 )
-from miles_events.rl.hf_model import DTYPES
+from miles_events.rl.hf_model import torch_dtype
 from miles_events.rl.prompts import data_cursor, load_prompts
 from miles_events.rl.threads import phase_threads
 from miles_events.rl.versions import next_version, version_number
@@ -60,6 +59,9 @@ from schemas.events import (
     WeightsStaged,
 )
 from schemas.rollout import RolloutBatch
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -225,7 +227,7 @@ class Trainer(Actor):
     async def on_publish_requested(self, event: PublishRequested) -> None:
         started = time.perf_counter()
         version = next_version(self.weight_version)
-        engine_dtype = DTYPES[self.config.model.dtype]
+        engine_dtype = torch_dtype(self.config.model.dtype)
         ref, digest, manifest, num_tensors, num_bytes, canary = await anyio.to_thread.run_sync(
             self._stage_weights, version, engine_dtype
         )
@@ -322,6 +324,8 @@ class Trainer(Actor):
 
 def torch_save_bytes(obj: Any) -> bytes:
     """``torch.save`` into memory."""
+    import torch
+
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     return buffer.getvalue()

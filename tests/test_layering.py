@@ -169,3 +169,22 @@ def test_the_check_catches_imports_against_the_direction(tmp_path, monkeypatch, 
         (fake_repo / module).touch()
     monkeypatch.setitem(globals(), "REPO", fake_repo)
     assert len(violations(target)) == expected
+
+
+HEAVY = ("torch", "transformers", "tokenizers", "safetensors", "numpy")
+
+
+def test_the_driver_reads_the_roster_and_starts_a_session_without_the_model_libraries():
+    """The actors' modules, the session and the runtimes import torch and transformers only
+    where they compute: the ray runtime starts its cluster before the driver builds the base
+    model, so that Ray and the actor processes come up beside it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; import miles_events.app.run, miles_events.app.roster, miles_events.app.session, "
+        "miles_events.runtime.ray; "
+        f"print(','.join(m for m in {HEAVY!r} if m in sys.modules))"
+    )
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    assert loaded.stdout.strip() == "", f"imported at start-up: {loaded.stdout.strip()}"

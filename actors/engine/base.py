@@ -15,9 +15,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
-
-import torch
+from typing import TYPE_CHECKING, Literal
 
 from miles_events.rl.cancel import Cancellation
 from miles_events.transport.base import Transport
@@ -25,12 +23,15 @@ from schemas.checksums import EngineChecksumReport, WeightsCheckResult
 from schemas.config import Config
 from schemas.data import DataRef
 
+if TYPE_CHECKING:
+    import torch
+
 Selector = Literal["all", "target", "draft"]
 TensorCheckAction = Literal["snapshot", "reset_tensors", "compare"]
 TENSOR_CHECK_ACTIONS: tuple[str, ...] = ("snapshot", "reset_tensors", "compare")
 """The weight-checker actions besides ``checksum``."""
 
-_SIGNED_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_SIGNED_OF_WIDTH = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
 MAX_NAMES_IN_MESSAGE = 10
 """Tensor names listed in a message at most; the rest are counted."""
 
@@ -169,7 +170,9 @@ def find_stop(text: str, stops: Sequence[str]) -> tuple[int, str | None]:
 
 def _ordered_bits(tensor: torch.Tensor) -> torch.Tensor:
     """Float bits mapped to int64 so that neighbouring floats differ by exactly 1."""
-    bits = tensor.reshape(-1).view(_SIGNED_OF_WIDTH[tensor.element_size()]).to(torch.int64)
+    import torch
+
+    bits = tensor.reshape(-1).view(getattr(torch, _SIGNED_OF_WIDTH[tensor.element_size()])).to(torch.int64)
     magnitude = bits & ((1 << (8 * tensor.element_size() - 1)) - 1)
     return torch.where(bits < 0, -magnitude, magnitude)
 
@@ -177,6 +180,8 @@ def _ordered_bits(tensor: torch.Tensor) -> torch.Tensor:
 def tensors_match(served: torch.Tensor, snapshot: torch.Tensor, allow_quant_error: bool) -> bool:
     """Whether ``served`` equals ``snapshot`` bitwise, or within one ULP of their float dtype
     when ``allow_quant_error`` (dtype and shape must match either way)."""
+    import torch
+
     served = served.detach().to("cpu").contiguous()
     snapshot = snapshot.contiguous()
     if served.dtype != snapshot.dtype or served.shape != snapshot.shape:

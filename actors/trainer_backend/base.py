@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import random
 from abc import ABC, abstractmethod
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from miles_events.rl.cancel import Cancellation
 from schemas.events import TrainMetrics
 from schemas.rollout import RolloutBatch
+
+if TYPE_CHECKING:
+    import torch
 
 
 class TrainerBackend(ABC):
@@ -72,6 +73,8 @@ class TrainerBackend(ABC):
 
 def capture_rng_state() -> dict[str, Any]:
     """The process's RNG states: torch CPU, every CUDA device when present, Python's ``random``."""
+    import torch
+
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -80,6 +83,8 @@ def capture_rng_state() -> dict[str, Any]:
 
 def restore_rng_state(state: dict[str, Any]) -> None:
     """Put back what ``capture_rng_state`` took; a missing CUDA entry leaves CUDA alone."""
+    import torch
+
     torch.set_rng_state(state["torch"])
     python_state = state["python"]
     # torch.load may hand back the inner tuple as a list; random.setstate wants tuples.

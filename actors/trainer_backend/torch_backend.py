@@ -43,7 +43,7 @@ from actors.trainer_backend.grpo import (
 )
 from miles_events.rl.cancel import Cancellation
 from miles_events.rl.finite import NonFiniteError
-from miles_events.rl.hf_model import DTYPES, cache_kwarg, load_model
+from miles_events.rl.hf_model import cache_kwarg, load_model, torch_dtype
 from miles_events.rl.weights import split_tied
 from schemas.config import Config
 from schemas.rollout import RolloutBatch, Sample
@@ -179,7 +179,7 @@ class TorchTrainerBackend(TrainerBackend):
         trainer = config.trainer
         torch.manual_seed(config.run.seed)
         self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-        self.dtype = DTYPES[config.model.dtype]
+        self.dtype = torch_dtype(config.model.dtype)
         self.model = load_model(config.model.path, config.model.dtype).to(self.device)
         self.model.eval()
         self.reference: torch.nn.Module | None = None

@@ -23,14 +23,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-
-import torch
+from typing import TYPE_CHECKING
 
 from miles_events.app.config import ConfigError, load_config
 from miles_events.rl.memory import ModelShape, available_memory, rollout_memory
 from miles_events.rl.model_size import builtin_build_bytes, builtin_parameter_count
 from miles_events.rl.prompts import DataError, load_prompts, whole_batches_per_epoch
 from schemas.config import Config
+
+if TYPE_CHECKING:
+    pass
 
 INPUT_ERRORS: tuple[type[Exception], ...] = (ConfigError, DataError)
 """What the checks raise for bad input; anything else is a bug."""
@@ -77,6 +79,8 @@ def check_data(config: Config) -> int:
 
 def check_rollout_fits(config: Config, available: int | None, longest_prompt: int) -> None:
     """A rollout's estimated memory (``miles_events.rl.memory``) fits in ``available``."""
+    import torch
+
     data, rollout = config.data, config.rollout
     if available is None:
         return

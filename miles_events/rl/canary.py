@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
-
-import torch
+from typing import TYPE_CHECKING
 
 from miles_events.rl.checksum import tensor_fingerprint
+
+if TYPE_CHECKING:
+    import torch
 
 CANARY_TENSOR = "miles_events.publication_canary"
 CANARY_BYTES = 16
@@ -26,6 +28,8 @@ CANARY_BYTES = 16
 
 def publication_canary(run_id: str, weight_version: str) -> torch.Tensor:
     """The canary of publication ``weight_version`` of run ``run_id`` (uint8, 16 bytes)."""
+    import torch
+
     digest = hashlib.blake2b(f"{run_id}:{weight_version}".encode(), digest_size=CANARY_BYTES).digest()
     return torch.frombuffer(bytearray(digest), dtype=torch.uint8)
 

@@ -31,15 +31,16 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
-import torch
-from safetensors.torch import load_file, save_file
 
 from miles_events.rl.file_modes import keep
 from miles_events.rl.weights import split_tied
 from schemas.checkpoint import Manifest, ManifestEntry, TrainerState
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +132,8 @@ def _safetensors_ready(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     bytes, so the checkpoint loads under either name; so does any other view of a buffer
     already written (fused projections sliced from one tensor).
     """
+    import torch
+
     _unique, tied = split_tied(weights)
     seen: set[int] = set()
     ready: dict[str, torch.Tensor] = {}
@@ -243,6 +246,8 @@ def write_checkpoint(
     checkpoint of the same rollout is replaced only once the new one is complete. On
     failure the partial directory is removed and every older checkpoint is untouched.
     """
+    from safetensors.torch import save_file
+
     root = Path(run_dir) / CHECKPOINTS_DIR
     root.mkdir(parents=True, exist_ok=True)
     name = checkpoint_name(rollout_id)
@@ -321,6 +326,8 @@ def _torch_load(path: Path) -> Any:
     manifest, so the hashes prove integrity, not trust, and nothing loaded may run code. A
     file that needs more than that is refused, naming it.
     """
+    import torch
+
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
@@ -339,6 +346,8 @@ def read_checkpoint(path: Path, verify: bool = True) -> LoadedCheckpoint:
     ``verify=False`` is for a checkpoint this run has verified already (the run plan does,
     once): the manifest is read but the files are not hashed again.
     """
+    from safetensors.torch import load_file
+
     path = Path(path)
     manifest = verify_checkpoint(path) if verify else _read_manifest(path)
     return LoadedCheckpoint(

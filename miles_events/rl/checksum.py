@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Mapping
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING
 
 from schemas.checksums import EngineChecksumReport, RankChecksums
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
 
 _CHUNK_WORDS = 1 << 16
 # Odd 64-bit constants (from splitmix64), as signed int64 so torch arithmetic wraps.
@@ -31,6 +33,8 @@ def _wrap64(value: int) -> int:
 
 
 def _words(tensor: torch.Tensor) -> torch.Tensor:
+    import torch
+
     raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
     pad = (-raw.numel()) % 8
     if pad:
@@ -41,6 +45,8 @@ def _words(tensor: torch.Tensor) -> torch.Tensor:
 def _mix_sum_numpy(words: np.ndarray) -> int:
     """The same sum as ``_mix_sum_torch``, for CPU tensors: numpy's per-call overhead is a
     fraction of torch's, which matters for the many small tensors of a model."""
+    import numpy as np
+
     acc = 0
     with np.errstate(over="ignore"):
         for start in range(0, words.size, _CHUNK_WORDS):
@@ -85,6 +91,8 @@ _TRITON: object = False
 
 def _mix_chunk(chunk: torch.Tensor, start: int) -> torch.Tensor:
     """The multiply-xorshift of one chunk of words at global offset ``start``, summed."""
+    import torch
+
     index = torch.arange(chunk.numel(), dtype=torch.int64, device=chunk.device) + start
     mixed = chunk * _K1 + index * _K2
     mixed = mixed ^ (mixed >> 31)
@@ -100,6 +108,8 @@ _DEVICE_CHUNK_WORDS = 1 << 25
 def _mix_sum_torch(words: torch.Tensor) -> int:
     """Position-dependent multiply-xorshift of every word, summed modulo 2**64, on the
     tensor's own device."""
+    import torch
+
     step = _DEVICE_CHUNK_WORDS if words.device.type != "cpu" else _CHUNK_WORDS
     acc = torch.zeros((), dtype=torch.int64, device=words.device)
     for start in range(0, words.numel(), step):

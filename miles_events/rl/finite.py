@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
 
 MAX_LISTED = 10
 
@@ -35,6 +38,8 @@ def describe_samples(rollout_id: int, indices: Sequence[int], rewards: Sequence[
 
 def non_finite_tensors(tensors: Mapping[str, torch.Tensor]) -> list[str]:
     """Names of the floating-point tensors holding a NaN or an infinity."""
+    import torch
+
     return [
         name
         for name, tensor in tensors.items()

@@ -11,30 +11,38 @@ from __future__ import annotations
 import inspect
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
-import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    LlamaConfig,
-    PreTrainedTokenizerBase,
-    PreTrainedTokenizerFast,
-    Qwen2Config,
-)
 
 from miles_events.rl.file_modes import keep
 from schemas.config import BuiltinModelConfig, ModelConfig
 
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
 ARITH_SPECIAL = ["<pad>", "<eos>", "<unk>"]
 ARITH_SYMBOLS = list("0123456789+-*=?")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+"""The ``model.dtype`` values."""
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype ``model.dtype`` names."""
+    import torch
+
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"unknown dtype {name!r}; known: {', '.join(DTYPE_NAMES)}")
+    return getattr(torch, name)  # type: ignore[no-any-return]
 
 
 def build_arith_tokenizer() -> PreTrainedTokenizerFast:
     """One token per character of arithmetic text, plus pad / eos / unk."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
     vocab = {tok: i for i, tok in enumerate(ARITH_SPECIAL + ARITH_SYMBOLS)}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r"\S"), behavior="isolated")
@@ -45,6 +53,9 @@ def build_arith_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def build_builtin(config: BuiltinModelConfig, seed: int) -> tuple[torch.nn.Module, PreTrainedTokenizerFast]:
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
     tokenizer = build_arith_tokenizer()
     common = dict(
         vocab_size=len(tokenizer),
@@ -103,7 +114,9 @@ def prepare_base_model(config: ModelConfig, run_dir: Path, seed: int) -> Path:
 
 def load_model(path: str | Path, dtype: str = "float32") -> torch.nn.Module:
     # safetensors only: a pickled weights file (pytorch_model.bin) is never loaded.
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype], use_safetensors=True)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype(dtype), use_safetensors=True)
     return model
 
 
@@ -114,4 +127,6 @@ def cache_kwarg(module: torch.nn.Module) -> str:
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(str(path))

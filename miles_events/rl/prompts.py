@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from schemas.checkpoint import DataCursor
+
+if TYPE_CHECKING:
+    pass
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,8 @@ def whole_batches_per_epoch(num_prompts: int, rollout_batch_size: int) -> int:
 
 
 def epoch_order(num_prompts: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
+    import torch
+
     if not shuffle:
         return list(range(num_prompts))
     # torch takes seeds in [-2**63, 2**64) and reads a negative one modulo 2**64: the same

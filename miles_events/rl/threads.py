@@ -23,8 +23,10 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    pass
 
 
 def available_cpus() -> int:
@@ -44,6 +46,8 @@ def phase_thread_count(configured: int, sharers: int = 1) -> int:
 @contextmanager
 def phase_threads(configured: int, sharers: int = 1) -> Iterator[int]:
     """Run the block, in this thread, with ``phase_thread_count(configured, sharers)`` torch threads."""
+    import torch
+
     threads = phase_thread_count(configured, sharers)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)

@@ -13,10 +13,13 @@ Empty tensors and tensors without memory (the meta device) are never tied.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-TensorIdentity = tuple[str, int, int, torch.dtype, tuple[int, ...], tuple[int, ...]]
+
+TensorIdentity = tuple[str, int, int, "torch.dtype", tuple[int, ...], tuple[int, ...]]
 
 
 def tensor_identity(tensor: torch.Tensor) -> TensorIdentity | None:
