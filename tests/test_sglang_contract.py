@@ -312,3 +312,31 @@ def test_the_server_refuses_a_body_sglang_refuses_with_its_400_shape(server):
     error: Any = json.loads(body)
     assert error["object"] == "error" and "no field version" in error["message"] and error["code"] == 400
     assert "HTTP 400" in api.error_message(status, body)
+
+
+def test_sglangs_own_argument_parser_reads_the_launch_argv():
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    launch = api.LaunchArgs(
+        model_path="/m",
+        port=15000,
+        tp_size=2,
+        mem_fraction_static=0.7,
+        nccl_port=15100,
+        random_seed=3,
+        enable_memory_saver=True,
+        enable_metrics=True,
+        skip_server_warmup=True,
+        extra_args=("--log-level", "warning"),
+    )
+    args = parser.parse_args(api.launch_argv(launch)[3:])
+    assert (args.model_path, args.host, args.port, args.tp_size, args.dp_size) == ("/m", "127.0.0.1", 15000, 2, 1)
+    assert (args.mem_fraction_static, args.nccl_port, args.random_seed) == (0.7, 15100, 3)
+    assert args.enable_memory_saver and args.enable_metrics and args.skip_server_warmup
+    assert args.log_level == "warning"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model-path", "/m", "--tp", "x"])
