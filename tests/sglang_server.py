@@ -407,6 +407,10 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post(api.PAUSE_GENERATION)
     async def pause_generation(request: Request) -> Response:
         if variant.pause_mode:
+            if not await request.body():  # FastAPI's answer to a missing required body
+                state.requests.append((request.method, api.PAUSE_GENERATION, None))
+                state.refused.append((api.PAUSE_GENERATION, "no body"))
+                return JSONResponse({"detail": [{"type": "missing", "loc": ["body"], "msg": "Field required"}]}, 422)
             try:
                 obj = await body_of(request, api.PAUSE_GENERATION)
             except Refused as error:

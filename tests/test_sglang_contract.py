@@ -340,3 +340,33 @@ def test_sglangs_own_argument_parser_reads_the_launch_argv():
     assert args.log_level == "warning"
     with pytest.raises(SystemExit):
         parser.parse_args(["--model-path", "/m", "--tp", "x"])
+
+
+def test_a_pause_without_a_body_is_refused_by_the_newer_endpoint_so_a_mode_is_sent_by_default():
+    # SGLang 0.5.23 declares ``obj: Annotated[PauseGenerationReqInput, Body()]``: a required body.
+    from typing import Annotated
+
+    from fastapi import Body, FastAPI
+    from fastapi.testclient import TestClient
+
+    io = sglang_classes.load().io_struct
+    app = FastAPI()
+
+    async def pause(obj):  # type: ignore[no-untyped-def]
+        return {"mode": obj.mode}
+
+    # Set here, not written: this module's annotations are strings FastAPI cannot resolve.
+    pause.__annotations__ = {"obj": Annotated[io.PauseGenerationReqInput, Body()]}
+    app.post(api.PAUSE_GENERATION)(pause)
+
+    client = TestClient(app)
+    assert client.post(api.PAUSE_GENERATION, content=api.pause_generation_body(None)).status_code == 422
+    sent = client.post(api.PAUSE_GENERATION, content=api.pause_generation_body("retract"), headers={"Content-Type": "application/json"})
+    assert sent.json() == {"mode": "retract"}
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
+def test_the_contract_server_answers_a_bodiless_pause_as_its_version_does(variant, tmp_path):
+    with serve(variant, str(tmp_path)) as server:
+        status, _ = call(server.url, api.PAUSE_GENERATION, api.pause_generation_body(None) or None)
+        assert status == (422 if variant is NEWER else 200)
