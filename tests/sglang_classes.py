@@ -78,10 +78,17 @@ def load() -> types.SimpleNamespace | None:
     from transformers.utils import import_utils
 
     import_utils.is_torchvision_available()  # cached as False before the stub exists
-    if "torchvision" not in sys.modules and not any(isinstance(f, _StubFinder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _StubFinder())
-    from sglang.srt.managers import io_struct
-    from sglang.srt.sampling import sampling_params
+    finder = None
+    if "torchvision" not in sys.modules:
+        finder = _StubFinder()
+        sys.meta_path.insert(0, finder)
+    try:
+        from sglang.srt.managers import io_struct
+        from sglang.srt.sampling import sampling_params
+    finally:
+        # Only SGLang's import sees the stub finder; the stub modules it made stay cached.
+        if finder is not None:
+            sys.meta_path.remove(finder)
 
     _loaded = types.SimpleNamespace(io_struct=io_struct, sampling_params=sampling_params)
     return _loaded

@@ -1,13 +1,14 @@
 """A contract server for the SGLang backend: FastAPI answering SGLang's documented reply
-shapes (``/work``-independent: see ``actors/engine/sglang_api.py`` for the contract), in the
-variant of an older or a newer server, and refusing every request body that SGLang's own
+shapes (``actors/engine/sglang_api.py`` types the contract), in the variant of an older or
+a newer server, and refusing every request body that SGLang's own
 request classes refuse.
 
-Each body is validated as SGLang's HTTP server validates it (pydantic over the installed
+Each body is validated (in a process of its own, ``tests/sglang_validator.py``, since importing
+SGLang patches ``transformers``) as SGLang's HTTP server validates it (pydantic over the installed
 ``io_struct`` class, as FastAPI does), and, stricter than SGLang, a field the class does not
 know is refused too: SGLang would ignore it silently, which hides a misspelt field.
 ``/generate`` also goes through ``GenerateReqInput.normalize_batch_and_arguments``, SGLang's
-JSON contract gate and ``SamplingParams(**sp).normalize(None)`` / ``.verify(vocab_size)``.
+JSON contract gate and ``SamplingParams(**sp).normalize`` / ``.verify(vocab_size)``.
 
 The served "model" is a few named byte strings whose fingerprints are SGLang's CPU tensor
 hash (first 8 bytes of sha256); their content is derived from the files of the directory a
@@ -22,21 +23,20 @@ import json
 import socket
 import threading
 import time
+import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import msgspec
-import pydantic
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from actors.engine import sglang_api as api
 from miles_events.rl.checksum import per_engine_checksum, per_gpu_checksum
-from tests import sglang_classes
+from tests import sglang_validator
 
 ALWAYS_SKIPPED = ("cos_sin_cache", "inv_freq", "freqs_cis", "_weight_fp32")
 TENSOR_NAMES = (
@@ -104,91 +104,13 @@ NEWER = Variant(
 VARIANTS = (OLDER, NEWER)
 
 
-class _CharTokenizer:
-    """What ``SamplingParams.normalize`` asks of the server's tokenizer: one id per character."""
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return [ord(c) % VOCAB_SIZE for c in text]
-
-
-class Refused(ValueError):
-    """A request body SGLang's classes (or this server's strictness) refuse."""
-
-
-_IO_CLASS = {
-    api.UPDATE_WEIGHTS_FROM_DISK: "UpdateWeightFromDiskReqInput",
-    api.INIT_WEIGHTS_UPDATE_GROUP: "InitWeightsUpdateGroupReqInput",
-    api.UPDATE_WEIGHTS_FROM_DISTRIBUTED: "UpdateWeightsFromDistributedReqInput",
-    api.DESTROY_WEIGHTS_UPDATE_GROUP: "DestroyWeightsUpdateGroupReqInput",
-    api.UPDATE_WEIGHT_VERSION: "UpdateWeightVersionReqInput",
-    api.PAUSE_GENERATION: "PauseGenerationReqInput",
-    api.CONTINUE_GENERATION: "ContinueGenerationReqInput",
-    api.RELEASE_MEMORY_OCCUPATION: "ReleaseMemoryOccupationReqInput",
-    api.RESUME_MEMORY_OCCUPATION: "ResumeMemoryOccupationReqInput",
-    api.WEIGHTS_CHECKER: "CheckWeightsReqInput",
-    api.BEGIN_WEIGHT_UPDATE: "BeginWeightUpdateReqInput",
-    api.END_WEIGHT_UPDATE: "EndWeightUpdateReqInput",
-    api.ABORT_REQUEST: "AbortReq",
-}
-"""Endpoint -> its request class in ``sglang.srt.managers.io_struct``."""
-
-
-def _classes() -> Any:
-    loaded = sglang_classes.load()
-    if loaded is None:
-        raise RuntimeError("SGLang is not installed: its request classes validate every body")
-    return loaded
+Refused = sglang_validator.Refused
 
 
 def validate_request(path: str, body: Any) -> Any:
-    """Validate one request body as SGLang does, returning SGLang's object; raise
-    ``Refused`` with SGLang's error otherwise."""
-    classes = _classes()
-    if not isinstance(body, dict):
-        raise Refused(f"{path}: the body must be a JSON object, got {type(body).__name__}")
-    if path == api.GENERATE:
-        return _validate_generate(classes, body)
-    cls = getattr(classes.io_struct, _IO_CLASS[path])
-    known = {f.name for f in msgspec.structs.fields(cls)}
-    unknown = sorted(set(body) - known)
-    if unknown:
-        raise Refused(f"{path}: {cls.__name__} has no field {', '.join(unknown)}")
-    try:
-        return pydantic.TypeAdapter(cls).validate_python(body)
-    except (pydantic.ValidationError, TypeError, ValueError) as error:
-        raise Refused(f"{path}: {cls.__name__} refuses the body: {error}") from error
-
-
-def _validate_generate(classes: Any, body: dict[str, Any]) -> Any:
-    io = classes.io_struct
-    import dataclasses
-
-    from sglang.srt.entrypoints.api_contract import generate_contract_error
-
-    known = {f.name for f in dataclasses.fields(io.GenerateReqInput)}
-    unknown = sorted(set(body) - known)
-    if unknown:
-        raise Refused(f"/generate: GenerateReqInput has no field {', '.join(unknown)}")
-    contract = generate_contract_error(body)
-    if contract is not None:
-        raise Refused(f"/generate: SGLang's contract gate refuses the body: {contract}")
-    try:
-        request = pydantic.TypeAdapter(io.GenerateReqInput).validate_python(body)
-        request.normalize_batch_and_arguments()
-        params = request.sampling_params
-        for sp in params if isinstance(params, list) else [params]:
-            sp_known = {f.name for f in msgspec.structs.fields(classes.sampling_params.SamplingParams)}
-            sp_unknown = sorted(set(sp) - sp_known)
-            if sp_unknown:
-                raise Refused(f"/generate: SamplingParams has no field {', '.join(sp_unknown)}")
-            sampling = classes.sampling_params.SamplingParams(**sp)
-            sampling.normalize(_CharTokenizer())
-            sampling.verify(VOCAB_SIZE)
-    except Refused:
-        raise
-    except (pydantic.ValidationError, TypeError, ValueError) as error:
-        raise Refused(f"/generate: SGLang refuses the body: {error}") from error
-    return request
+    """SGLang's reading of one request body (its fields, as attributes), validated by SGLang's
+    own classes in the validator process; raises ``Refused`` with SGLang's error."""
+    return types.SimpleNamespace(**sglang_validator.validate(path, body))
 
 
 def _content(seed: str, name: str) -> bytes:

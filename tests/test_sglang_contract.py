@@ -3,7 +3,8 @@ wrong one is refused, so the check can fail), and every reply shape of the contr
 in the older and the newer server variant, parses.
 
 SGLang cannot serve without CUDA, but its request classes import here
-(``tests/sglang_classes.py``); the tests skip where SGLang is not installed.
+(``tests/sglang_classes.py``), in a process of their own (``tests/sglang_validator.py``); the
+tests skip where SGLang is not installed.
 """
 
 from __future__ import annotations
@@ -16,11 +17,10 @@ from typing import Any
 import pytest
 
 from actors.engine import sglang_api as api
-from tests import sglang_classes
+from tests import sglang_validator
+from tests.sglang_server import NEWER, OLDER, VARIANTS, Refused, serve, validate_request
 
-pytestmark = pytest.mark.skipif(sglang_classes.load() is None, reason="sglang is not installed")
-
-from tests.sglang_server import NEWER, OLDER, VARIANTS, Refused, serve, validate_request  # noqa: E402
+pytestmark = pytest.mark.skipif(not sglang_validator.available(), reason="sglang is not installed")
 
 SAMPLING = api.SamplingParamsBody(
     max_new_tokens=6,
@@ -315,12 +315,6 @@ def test_the_server_refuses_a_body_sglang_refuses_with_its_400_shape(server):
 
 
 def test_sglangs_own_argument_parser_reads_the_launch_argv():
-    import argparse
-
-    from sglang.srt.server_args import ServerArgs
-
-    parser = argparse.ArgumentParser()
-    ServerArgs.add_cli_args(parser)
     launch = api.LaunchArgs(
         model_path="/m",
         port=15000,
@@ -333,36 +327,19 @@ def test_sglangs_own_argument_parser_reads_the_launch_argv():
         skip_server_warmup=True,
         extra_args=("--log-level", "warning"),
     )
-    args = parser.parse_args(api.launch_argv(launch)[3:])
-    assert (args.model_path, args.host, args.port, args.tp_size, args.dp_size) == ("/m", "127.0.0.1", 15000, 2, 1)
-    assert (args.mem_fraction_static, args.nccl_port, args.random_seed) == (0.7, 15100, 3)
-    assert args.enable_memory_saver and args.enable_metrics and args.skip_server_warmup
-    assert args.log_level == "warning"
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--model-path", "/m", "--tp", "x"])
+    args = sglang_validator.launch_args(api.launch_argv(launch)[3:])
+    assert [args[k] for k in ("model_path", "host", "port", "tp_size", "dp_size")] == ["/m", "127.0.0.1", 15000, 2, 1]
+    assert [args[k] for k in ("mem_fraction_static", "nccl_port", "random_seed")] == [0.7, 15100, 3]
+    assert args["enable_memory_saver"] and args["enable_metrics"] and args["skip_server_warmup"]
+    assert args["log_level"] == "warning"
+    with pytest.raises(Refused):
+        sglang_validator.launch_args(["--model-path", "/m", "--tp-size", "x"])
 
 
 def test_a_pause_without_a_body_is_refused_by_the_newer_endpoint_so_a_mode_is_sent_by_default():
     # SGLang 0.5.23 declares ``obj: Annotated[PauseGenerationReqInput, Body()]``: a required body.
-    from typing import Annotated
-
-    from fastapi import Body, FastAPI
-    from fastapi.testclient import TestClient
-
-    io = sglang_classes.load().io_struct
-    app = FastAPI()
-
-    async def pause(obj):  # type: ignore[no-untyped-def]
-        return {"mode": obj.mode}
-
-    # Set here, not written: this module's annotations are strings FastAPI cannot resolve.
-    pause.__annotations__ = {"obj": Annotated[io.PauseGenerationReqInput, Body()]}
-    app.post(api.PAUSE_GENERATION)(pause)
-
-    client = TestClient(app)
-    assert client.post(api.PAUSE_GENERATION, content=api.pause_generation_body(None)).status_code == 422
-    sent = client.post(api.PAUSE_GENERATION, content=api.pause_generation_body("retract"), headers={"Content-Type": "application/json"})
-    assert sent.json() == {"mode": "retract"}
+    bodies = [api.pause_generation_body(None).decode(), api.pause_generation_body("retract").decode()]
+    assert sglang_validator.pause_statuses(bodies) == [422, 200]
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
@@ -370,3 +347,11 @@ def test_the_contract_server_answers_a_bodiless_pause_as_its_version_does(varian
     with serve(variant, str(tmp_path)) as server:
         status, _ = call(server.url, api.PAUSE_GENERATION, api.pause_generation_body(None) or None)
         assert status == (422 if variant is NEWER else 200)
+
+
+def test_sglang_is_never_imported_by_the_test_process():
+    # Importing SGLang patches transformers process-wide; only the validator process does.
+    import sys
+
+    validate_request(api.UPDATE_WEIGHT_VERSION, api.UpdateWeightVersionRequest(new_version="1").to_dict())
+    assert not [m for m in sys.modules if m == "sglang" or m.startswith("sglang.")]

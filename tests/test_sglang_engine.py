@@ -12,11 +12,10 @@ from actors.engine.sglang_engine import SglangEngine, SglangError
 from miles_events.rl.cancel import Cancellation, Cancelled
 from miles_events.transport.disk import DiskTransport
 from schemas.config import Config, GeneratorConfig, SglangConfig
-from tests import sglang_classes
+from tests import sglang_validator
+from tests.sglang_server import NEWER, VARIANTS, serve
 
-pytestmark = pytest.mark.skipif(sglang_classes.load() is None, reason="sglang is not installed")
-
-from tests.sglang_server import NEWER, VARIANTS, serve  # noqa: E402
+pytestmark = pytest.mark.skipif(not sglang_validator.available(), reason="sglang is not installed")
 
 
 def config_for(url: str, *, newer: bool, **sglang) -> Config:
