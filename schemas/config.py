@@ -130,9 +130,34 @@ class GeneratorConfig(Section):
     """The inference engines behind the Generator."""
 
     engine: str = "torch"
-    """The engine backend: ``torch`` (the embedded PyTorch engine, CPU or GPU)."""
+    """The engine backend: ``torch`` (the embedded PyTorch engine, CPU or GPU) or ``sglang``
+    (SGLang servers over HTTP, ``[sglang]``)."""
     num_engines: PositiveInt = 1
     """Engines, each serving one copy of the policy (``engine-0``, ``engine-1``, ...)."""
+
+
+class SglangConfig(Section):
+    """The ``sglang`` engine backend: one running SGLang server per engine, over HTTP."""
+
+    urls: list[str] = []
+    """Engine ``i`` uses ``urls[i]`` (e.g. ``http://127.0.0.1:15000``): one per engine."""
+    request_timeout: PositiveFloat = 600.0
+    """Seconds any one HTTP call may take (a ``/generate`` batch included)."""
+    pause_mode: Literal["abort", "retract", "in_place"] | None = "retract"
+    """How ``/pause_generation`` pauses running requests before a weight load (miles:
+    ``retract``); unset: send no body (servers that predate the modes)."""
+    flush_cache_timeout: PositiveFloat = 60.0
+    """Seconds ``/flush_cache`` is retried while it answers 400 (requests still running)."""
+    flush_cache_server_timeout: NonNegativeFloat | None = None
+    """Sent as ``/flush_cache?timeout=`` (newer servers wait that long themselves); unset: not sent."""
+    weight_update_session: bool = False
+    """Wrap each load in ``/begin_weight_update`` / ``/end_weight_update`` (newer servers, some
+    of which require it)."""
+    tp_size: PositiveInt = 1
+    """GPUs per server (for the command line a server is started with)."""
+    mem_fraction_static: Annotated[float, msgspec.Meta(gt=0, lt=1)] | None = None
+    extra_args: list[str] = []
+    """Further ``sglang.launch_server`` arguments, as they are."""
 
 
 class TrainerConfig(Section):
@@ -265,6 +290,7 @@ class Config(Section):
     data: DataConfig = msgspec.field(default_factory=DataConfig)
     rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
     generator: GeneratorConfig = msgspec.field(default_factory=GeneratorConfig)
+    sglang: SglangConfig = msgspec.field(default_factory=SglangConfig)
     trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
     publisher: PublisherConfig = msgspec.field(default_factory=PublisherConfig)
     verifier: VerifierConfig = msgspec.field(default_factory=VerifierConfig)

@@ -40,7 +40,7 @@ def test_the_builtin_names_resolve_to_the_torch_classes():
 @pytest.mark.parametrize(
     ("lookup", "message"),
     [
-        (engine_class, "unknown engine 'vllm'; known: torch"),
+        (engine_class, "unknown engine 'vllm'; known: sglang, torch"),
         (backend_class, "unknown trainer backend 'vllm'; known: torch"),
     ],
 )

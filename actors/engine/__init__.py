@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 ENGINES: dict[str, str] = {
     "torch": "actors.engine.torch_engine:TorchEngine",
+    "sglang": "actors.engine.sglang_engine:SglangEngine",
 }
 """Engine backend name -> ``"module:Class"`` of its ``Engine`` subclass."""
 

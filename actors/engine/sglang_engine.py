@@ -1,0 +1,289 @@
+"""An engine served by an SGLang server, driven over its HTTP API (``sglang_api``).
+
+Engine ``i`` talks to ``sglang.urls[i]``, a server already running; starting one is the
+server-process helper's job (``actors/engine/server_process.py``), which builds its command
+line with ``SglangEngine.launch_args`` and passes the URL here. A run without a URL for an
+engine is refused with one line.
+
+- ``generate``: prompts are tokenized here (the tokenizer of ``model.path``) and sent as
+  ``input_ids``, in batches of ``rollout.max_batch_size``, one ``sampling_seed`` per request
+  drawn from the Generator's ``torch.Generator`` (so a resumed run asks for the same
+  samples); the cancellation is checked between batches.
+- ``load_weights``: pause (``sglang.pause_mode``), flush the cache (retried while busy),
+  ``/update_weights_from_disk`` with the directory of a ``disk`` handle (between
+  ``/begin_weight_update`` and ``/end_weight_update`` where ``sglang.weight_update_session``),
+  ``/update_weight_version`` (``abort_all_requests`` false), continue.
+- ``checksums`` and ``weights_check``: ``/weights_checker``.
+"""
+
+from __future__ import annotations
+
+import urllib.error
+import urllib.request
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from actors.engine import sglang_api as api
+from actors.engine.base import (
+    Completion,
+    Engine,
+    GenerateRequest,
+    SamplingParams,
+    Selector,
+    TensorCheckAction,
+)
+from miles_events.rl.cancel import Cancellation
+from miles_events.transport.base import Transport
+from schemas.checksums import EngineChecksumReport, WeightsCheckResult
+from schemas.config import Config
+from schemas.data import DataRef
+
+_SEED_BOUND = 2**63 - 1
+
+
+class SglangError(RuntimeError):
+    """A call the server failed, or could not be reached for."""
+
+
+class _Http:
+    """JSON over HTTP to one server; every call has a timeout."""
+
+    def __init__(self, url: str, timeout: float) -> None:
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+
+    def call(self, path: str, body: bytes | None = None, method: str = "POST") -> tuple[int, bytes]:
+        request = urllib.request.Request(
+            self.url + path, data=body, method=method, headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as reply:
+                return reply.status, reply.read()
+        except urllib.error.HTTPError as error:
+            return error.code, error.read()
+        except (urllib.error.URLError, OSError) as error:
+            raise SglangError(f"{self.url}{path}: {getattr(error, 'reason', error)}") from error
+
+    def ok(self, path: str, body: bytes | None = None, method: str = "POST") -> bytes:
+        status, reply = self.call(path, body, method)
+        if status != 200:
+            raise SglangError(f"{self.url}{path}: {api.error_message(status, reply)}")
+        return reply
+
+    def success(self, path: str, request: api.Request, reply: type[api.SuccessReply] = api.SuccessReply) -> Any:
+        parsed = api.parse_success_reply(*self.call(path, request.body()), reply)
+        if not parsed.success:
+            raise SglangError(f"{self.url}{path}: {parsed.message or 'failed'}")
+        return parsed
+
+
+class SglangEngine(Engine):
+    """One SGLang server serving one copy of the policy."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        name: str,
+        config: Config,
+        transport: Transport,
+        tokenizer: Any = None,
+    ) -> None:
+        self.name = name
+        self.config = config
+        self.settings = config.sglang
+        self.http = _Http(url, self.settings.request_timeout)
+        self.transport = transport
+        self._tokenizer = tokenizer
+        self._weight_version = self._served_version()
+
+    @classmethod
+    def from_config(cls, config: Config, *, index: int, name: str, transport: Transport) -> SglangEngine:
+        urls = config.sglang.urls
+        if index >= len(urls):
+            raise ValueError(
+                f"sglang.urls: {name} needs the URL of a running SGLang server, {len(urls)} given for "
+                f"{config.generator.num_engines} engines"
+            )
+        return cls(urls[index], name=name, config=config, transport=transport)
+
+    @staticmethod
+    def launch_args(config: Config, *, port: int, nccl_port: int | None = None) -> api.LaunchArgs:
+        """What the server-process helper starts one server with, for ``port``."""
+        if config.model.path is None:
+            raise ValueError("model.path is unset: an SGLang server needs a model directory")
+        settings = config.sglang
+        return api.LaunchArgs(
+            model_path=config.model.path,
+            port=port,
+            tp_size=settings.tp_size,
+            mem_fraction_static=settings.mem_fraction_static,
+            nccl_port=nccl_port,
+            random_seed=config.run.seed,
+            extra_args=tuple(settings.extra_args),
+        )
+
+    # --- state ---------------------------------------------------------------------------------
+
+    def _served_version(self) -> str:
+        for path in api.MODEL_INFO_PATHS:
+            status, body = self.http.call(path, method="GET")
+            if status == 200:
+                version = api.decode(body, api.ModelInfo).weight_version
+                return version if version is not None else "default"
+            if status != 404:
+                raise SglangError(f"{self.http.url}{path}: {api.error_message(status, body)}")
+        raise SglangError(f"{self.http.url}: neither of {', '.join(api.MODEL_INFO_PATHS)} answers")
+
+    @property
+    def weight_version(self) -> str:
+        return self._weight_version
+
+    def ready(self) -> bool:
+        """Whether ``/health_generate`` answers 200 now."""
+        try:
+            return api.is_ready(self.http.call(api.HEALTH_GENERATE, method="GET")[0])
+        except SglangError:
+            return False
+
+    # --- generation ----------------------------------------------------------------------------
+
+    def _encode(self, request: GenerateRequest) -> list[int]:
+        if not isinstance(request, str):
+            ids = [int(t) for t in request]
+        else:
+            if self._tokenizer is None:
+                if self.config.model.path is None:
+                    raise ValueError("a text prompt needs a tokenizer: model.path is unset")
+                from transformers import AutoTokenizer
+
+                self._tokenizer = AutoTokenizer.from_pretrained(self.config.model.path)
+            ids = list(self._tokenizer(request, add_special_tokens=True)["input_ids"])
+        if not ids:
+            raise ValueError(f"prompt {request!r} has no tokens")
+        return ids
+
+    def generate(
+        self,
+        requests: Sequence[GenerateRequest],
+        sampling: SamplingParams,
+        generator: torch.Generator | None = None,
+        cancel: Cancellation | None = None,
+    ) -> list[Completion]:
+        prompts = [self._encode(r) for r in requests]
+        seeds = (
+            torch.randint(0, _SEED_BOUND, (len(prompts),), generator=generator).tolist()
+            if generator is not None
+            else [None] * len(prompts)
+        )
+        size = self.config.rollout.max_batch_size
+        completions: list[Completion] = []
+        for start in range(0, len(prompts), size):
+            if cancel is not None:
+                cancel.check()
+            batch = prompts[start : start + size]
+            body = api.GenerateRequest(
+                input_ids=batch,
+                sampling_params=[self._sampling(sampling, seed) for seed in seeds[start : start + size]],
+                return_logprob=True,
+            )
+            replies = api.parse_generate_reply(self.http.ok(api.GENERATE, body.body()))
+            if len(replies) != len(batch):
+                raise SglangError(f"{self.http.url}/generate: {len(replies)} replies for {len(batch)} prompts")
+            completions += [self._completion(ids, reply) for ids, reply in zip(batch, replies, strict=True)]
+        return completions
+
+    def _sampling(self, sampling: SamplingParams, seed: int | None) -> api.SamplingParamsBody:
+        return api.SamplingParamsBody(
+            max_new_tokens=sampling.max_new_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            stop=list(sampling.stop) or None,
+            sampling_seed=seed,
+        )
+
+    def _completion(self, prompt_ids: list[int], reply: api.GenerateReply) -> Completion:
+        finish = reply.finish
+        if finish == "abort":
+            reason = reply.meta_info.finish_reason
+            raise SglangError(f"{self.name}: request {reply.meta_info.id} aborted: {reason and reason.message}")
+        matched = reply.meta_info.finish_reason.matched if reply.meta_info.finish_reason else None
+        return Completion(
+            prompt_ids=prompt_ids,
+            response_ids=list(reply.output_ids),
+            response_logprobs=reply.output_logprobs,
+            response=reply.text,
+            finish_reason=finish,
+            weight_version=reply.weight_version,
+            matched_stop=matched if isinstance(matched, str) else None,
+        )
+
+    # --- weights -------------------------------------------------------------------------------
+
+    def _flush_cache(self) -> None:
+        settings = self.settings
+        api.flush_cache_with_retry(
+            lambda: self.http.call(api.flush_cache_path(settings.flush_cache_server_timeout)),
+            timeout=settings.flush_cache_timeout,
+        )
+
+    def load_weights(self, weights: DataRef, weight_version: str) -> int:
+        if weights.transport != "disk":
+            raise ValueError(
+                f"{self.name}: an SGLang server loads published weights from disk "
+                f"(publisher.transport = 'disk'), not from {weights.transport!r}"
+            )
+        path = Path(self.transport.path(weights))  # type: ignore[attr-defined]
+        settings = self.settings
+        self.http.ok(api.PAUSE_GENERATION, api.pause_generation_body(settings.pause_mode))
+        try:
+            self._flush_cache()
+            if settings.weight_update_session:
+                self.http.success(api.BEGIN_WEIGHT_UPDATE, api.BeginWeightUpdateRequest())
+            self.http.success(
+                api.UPDATE_WEIGHTS_FROM_DISK,
+                api.UpdateWeightsFromDiskRequest(model_path=str(path), weight_version=weight_version),
+                api.UpdateWeightsFromDiskReply,
+            )
+            if settings.weight_update_session:
+                self.http.success(api.END_WEIGHT_UPDATE, api.EndWeightUpdateRequest())
+            self.http.success(
+                api.UPDATE_WEIGHT_VERSION,
+                api.UpdateWeightVersionRequest(new_version=weight_version),
+                api.UpdateWeightVersionReply,
+            )
+            self._weight_version = weight_version
+        finally:
+            self.http.ok(api.CONTINUE_GENERATION, api.ContinueGenerationRequest().body())
+        return weights.num_bytes
+
+    # --- the weights checker -------------------------------------------------------------------
+
+    def _checker(self, action: str, selector: Selector, skip: Iterable[str], allow_quant_error: bool) -> tuple[int, bytes]:
+        request = api.WeightsCheckerRequest(
+            action=action,  # type: ignore[arg-type]
+            selector=selector,
+            skip_tensor_list=list(skip),
+            allow_quant_error=allow_quant_error,
+        )
+        return self.http.call(api.WEIGHTS_CHECKER, request.body())
+
+    def checksums(self, skip_tensor_list: Iterable[str] = (), selector: Selector = "all") -> EngineChecksumReport:
+        return api.parse_checksum_reply(*self._checker("checksum", selector, skip_tensor_list, False))
+
+    def weights_check(
+        self,
+        action: TensorCheckAction,
+        selector: Selector = "all",
+        skip_tensor_list: Iterable[str] = (),
+        allow_quant_error: bool = False,
+    ) -> WeightsCheckResult:
+        if action not in ("snapshot", "reset_tensors", "compare"):
+            return WeightsCheckResult(
+                success=False, message=f"unknown action {action!r}", action=action, weight_version=self.weight_version
+            )
+        status, body = self._checker(action, selector, skip_tensor_list, allow_quant_error)
+        return api.parse_check_reply(action, status, body, weight_version=self.weight_version)

@@ -1,0 +1,163 @@
+"""``SglangEngine`` end to end against the contract server, in both server variants: every
+body it sends is validated by SGLang's own classes there."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from actors.engine import engine_class
+from actors.engine.base import SamplingParams
+from actors.engine.sglang_engine import SglangEngine, SglangError
+from miles_events.rl.cancel import Cancellation, Cancelled
+from miles_events.transport.disk import DiskTransport
+from schemas.config import Config, GeneratorConfig, SglangConfig
+from tests import sglang_validator
+from tests.sglang_server import NEWER, VARIANTS, serve
+
+pytestmark = pytest.mark.skipif(not sglang_validator.available(), reason="sglang is not installed")
+
+
+def config_for(url: str, *, newer: bool, **sglang) -> Config:
+    return Config(
+        generator=GeneratorConfig(engine="sglang"),
+        sglang=SglangConfig(urls=[url], weight_update_session=newer, flush_cache_timeout=5, **sglang),
+    )
+
+
+@pytest.fixture(params=VARIANTS, ids=lambda v: v.name)
+def setup(request, tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"base weights")
+    transport = DiskTransport("run", tmp_path)
+    with serve(request.param, str(model)) as server:
+        config = config_for(server.url, newer=request.param is NEWER)
+        engine = engine_class("sglang").from_config(config, index=0, name="engine-0", transport=transport)
+        yield engine, server, transport
+
+
+def publish(transport: DiskTransport, tensors: dict[str, torch.Tensor], key: str):
+    return transport.put_tensors(key, tensors, owner="trainer")
+
+
+def test_sglang_is_a_registered_engine_that_reads_the_served_version(setup):
+    engine, server, _ = setup
+    assert isinstance(engine, SglangEngine) and engine.weight_version == "default" and engine.ready()
+    assert server.state.refused == []
+
+
+def test_generate_returns_one_completion_per_prompt_with_logprobs_and_version(setup):
+    engine, server, _ = setup
+    sampling = SamplingParams(temperature=0.5, top_p=0.9, max_new_tokens=4, stop=("\n",))
+    generator = torch.Generator().manual_seed(3)
+    completions = engine.generate([[1, 2], [10], [3, 4, 5]], sampling, generator)
+    assert [c.prompt_ids for c in completions] == [[1, 2], [10], [3, 4, 5]]
+    for c in completions:
+        assert len(c.response_ids) == len(c.response_logprobs) == 4 and c.finish_reason == "length"
+        assert c.weight_version == "default"
+    assert server.state.refused == []
+    seeds = [sp["sampling_seed"] for _, path, body in server.state.requests if path == "/generate" for sp in body["sampling_params"]]
+    again = engine.generate([[1, 2], [10], [3, 4, 5]], sampling, torch.Generator().manual_seed(3))
+    seeds_again = [sp["sampling_seed"] for _, path, body in server.state.requests if path == "/generate" for sp in body["sampling_params"]][3:]
+    assert seeds[:3] == seeds_again and [c.response_ids for c in again] == [c.response_ids for c in completions]
+
+
+def test_generate_batches_by_max_batch_size_and_stops_at_a_cancellation(tmp_path):
+    model = tmp_path / "m"
+    model.mkdir()
+    with serve(VARIANTS[0], str(model)) as server:
+        config = config_for(server.url, newer=False)
+        config.rollout.max_batch_size = 2
+        engine = SglangEngine(server.url, name="e", config=config, transport=DiskTransport("r", tmp_path))
+        engine.generate([[1]] * 5, SamplingParams(max_new_tokens=1))
+        assert sum(1 for _, path, _ in server.state.requests if path == "/generate") == 3
+        cancel = Cancellation()
+        cancel.cancel("stop")
+        with pytest.raises(Cancelled):
+            engine.generate([[1]], SamplingParams(max_new_tokens=1), cancel=cancel)
+
+
+def test_load_weights_pauses_flushes_loads_versions_and_continues(setup, tmp_path):
+    engine, server, transport = setup
+    server.state.busy_flushes = 2
+    ref = publish(transport, {"w": torch.ones(2)}, "v1")
+    assert engine.load_weights(ref, "1") == ref.num_bytes
+    assert engine.weight_version == "1"
+    paths = [path.split("?")[0] for _, path, _ in server.state.requests]
+    start = paths.index("/pause_generation")
+    expected = ["/pause_generation", "/flush_cache", "/flush_cache", "/flush_cache"]
+    if server.state.variant is NEWER:
+        expected += ["/begin_weight_update", "/update_weights_from_disk", "/end_weight_update"]
+    else:
+        expected += ["/update_weights_from_disk"]
+    expected += ["/update_weight_version", "/continue_generation"]
+    assert paths[start:] == expected
+    bodies = {path: body for _, path, body in server.state.requests}
+    assert bodies["/update_weights_from_disk"]["model_path"] == str(transport.path(ref))
+    assert bodies["/update_weight_version"] == {"new_version": "1", "abort_all_requests": False}
+    assert bodies["/pause_generation"] == {"mode": "retract"}
+    assert server.state.refused == [] and server.state.paused is None
+    assert engine.generate([[1]], SamplingParams(max_new_tokens=1))[0].weight_version == "1"
+
+
+def test_a_failed_load_still_continues_generation_and_keeps_the_version(setup, tmp_path):
+    engine, server, transport = setup
+    ref = publish(transport, {"w": torch.ones(2)}, "v1")
+    transport.free(ref)
+    with pytest.raises(SglangError, match="not a directory"):
+        engine.load_weights(ref, "1")
+    assert engine.weight_version == "default" and server.state.paused is None
+
+
+def test_only_disk_handles_load(setup):
+    engine, _, _ = setup
+    from schemas.data import DataRef
+
+    with pytest.raises(ValueError, match="from disk"):
+        engine.load_weights(DataRef("shm", "k", "trainer"), "1")
+
+
+def test_checksums_and_the_seeds_check_through_the_weights_checker(setup, tmp_path):
+    engine, server, transport = setup
+    base = engine.checksums(["visual"])
+    assert base.success and base.ranks and "model.rotary_emb.inv_freq" not in base.ranks[0].checksums
+    assert engine.weights_check("snapshot").success
+    assert engine.weights_check("reset_tensors").success
+    assert engine.checksums().per_engine_checksum != base.per_engine_checksum
+    failed = engine.weights_check("compare")
+    assert not failed.success and "check tensor equality failed" in failed.message
+    # Loading the files the server started from again restores the snapshot.
+    import shutil
+
+    ref = publish(transport, {"w": torch.ones(1)}, "again")
+    shutil.rmtree(transport.path(ref))
+    shutil.copytree(server.state.model_path, transport.path(ref))
+    engine.load_weights(ref, "1")
+    passed = engine.weights_check("compare")
+    assert passed.success and passed.weight_version == "1"
+    assert engine.checksums(["visual"]).per_engine_checksum == base.per_engine_checksum
+    assert not engine.weights_check("bogus").success  # type: ignore[arg-type]
+    assert server.state.refused == []
+
+
+def test_a_missing_url_is_one_line_naming_the_key(tmp_path):
+    config = Config(generator=GeneratorConfig(engine="sglang", num_engines=2), sglang=SglangConfig(urls=["http://x"]))
+    with pytest.raises(ValueError, match=r"sglang\.urls: engine-1 needs the URL"):
+        SglangEngine.from_config(config, index=1, name="engine-1", transport=DiskTransport("r", tmp_path))
+
+
+def test_an_unreachable_server_is_an_error_naming_the_url(tmp_path):
+    config = config_for("http://127.0.0.1:9", newer=False, request_timeout=2)
+    with pytest.raises(SglangError, match="127.0.0.1:9"):
+        SglangEngine.from_config(config, index=0, name="engine-0", transport=DiskTransport("r", tmp_path))
+
+
+def test_launch_args_come_from_the_config():
+    config = Config(
+        sglang=SglangConfig(tp_size=2, mem_fraction_static=0.6, extra_args=["--log-level", "warning"]),
+    )
+    config.model.path = "/m"
+    args = SglangEngine.launch_args(config, port=15000, nccl_port=15001)
+    assert (args.model_path, args.port, args.tp_size, args.mem_fraction_static, args.nccl_port) == ("/m", 15000, 2, 0.6, 15001)
+    assert args.random_seed == config.run.seed and args.extra_args == ("--log-level", "warning")
