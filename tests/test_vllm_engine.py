@@ -190,6 +190,10 @@ def test_checksums_read_back_what_can_be_and_name_the_rest(
     # Every tensor read back equals the trainer's fingerprint of what it published.
     assert served == {n: c for n, c in fingerprints(base).items() if n in served}
     assert "cannot be read back" in report.message
+    # Embeddings (vLLM pads the vocabulary), norms and the q/k/v biases (fused) read back.
+    assert "model.embed_tokens.weight" in served and "model.norm.weight" in served
+    assert "model.layers.0.self_attn.k_proj.bias" in served
+    assert "model.layers.0.mlp.up_proj.weight" not in served
     _publish(engine, transport, _perturbed(base, seed=6), "4")
     assert engine.checksums().ranks[0].checksums != served
     _publish(engine, transport, base, "5")

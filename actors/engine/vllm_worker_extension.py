@@ -90,7 +90,7 @@ class MilesWorkerExtension:
         checksums: dict[str, str] = {}
         unreadable: list[str] = []
         for name, shape in wanted.items():
-            tensor = served.get(name)
+            tensor = _served_view(model, served, name, wanted)
             if (
                 tensor is None
                 or list(tensor.shape) != list(shape)
@@ -99,14 +99,58 @@ class MilesWorkerExtension:
             ):
                 unreadable.append(name)
                 continue
-            checksums[name] = tensor_fingerprint(tensor.detach().to("cpu"))
+            checksums[name] = tensor_fingerprint(tensor.detach().to("cpu").contiguous())
         return {"checksums": checksums, "unreadable": sorted(unreadable)}
+
+
+_FUSED_BIASES = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}
+
+
+def _served_view(
+    model: torch.nn.Module, served: dict[str, torch.Tensor], name: str, wanted: dict[str, list[int]]
+) -> torch.Tensor | None:
+    """The part of what vLLM serves that holds the Hugging Face tensor ``name``, if any.
+
+    Two layouts are undone: an embedding (or LM head) whose vocabulary vLLM pads to a
+    multiple of its tile keeps the real rows first; the q/k/v biases fused into
+    ``qkv_proj.bias`` lie one after another in that order.
+    """
+    tensor = served.get(name)
+    if tensor is not None:
+        shape = wanted[name]
+        if (
+            tensor.dim() == len(shape) >= 1
+            and list(tensor.shape[1:]) == shape[1:]
+            and tensor.shape[0] > shape[0]
+        ):
+            from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+            module_name = name.rpartition(".")[0]
+            if isinstance(model.get_submodule(module_name), VocabParallelEmbedding):
+                return tensor[: shape[0]]
+        return tensor
+    prefix, _, rest = name.rpartition(".")  # "model.layers.0.self_attn.q_proj", "bias"
+    parent, _, projection = prefix.rpartition(".")
+    if rest != "bias" or projection not in _FUSED_BIASES:
+        return None
+    fused_name, position = _FUSED_BIASES[projection]
+    fused = served.get(f"{parent}.{fused_name}.bias")
+    parts = [wanted.get(f"{parent}.{p}.bias") for p in ("q_proj", "k_proj", "v_proj")]
+    if fused is None or any(part is None or len(part) != 1 for part in parts):
+        return None
+    sizes = [part[0] for part in parts if part is not None]
+    if sum(sizes) != fused.numel():
+        return None
+    start = sum(sizes[:position])
+    return fused[start : start + sizes[position]]
 
 
 def _repacked(model: torch.nn.Module, name: str) -> bool:
     """Whether the parameter ``name`` belongs to a linear layer whose kernel keeps its own
     packed copy of the weight (the parameter then no longer reflects what is served)."""
     module_name, _, attribute = name.rpartition(".")
+    if attribute != "weight":
+        return False
     try:
         module = model.get_submodule(module_name)
     except AttributeError:
