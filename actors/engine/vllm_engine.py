@@ -28,8 +28,9 @@ engine's ``weight_version`` is then read back from the server, never assumed.
 
 Verification: on CPU vLLM repacks every linear layer's weight into a kernel layout and
 fuses q/k/v and gate/up projections, so those tensors cannot be read back in the
-trainer's layout. ``checksums`` fingerprints the tensors that can (embeddings, norms, a
-separate ``lm_head`` where it is not repacked) and names the rest in its message;
+trainer's layout. ``checksums`` fingerprints the tensors that can (the embeddings and LM
+head, their real vocabulary rows; the norms; the q/k/v biases, split out of the fused
+bias: 13 of the built-in 2-layer model's 27) and names the rest in its message;
 ``weights_check`` snapshots and compares those same fingerprints, and cannot reset
 tensors. A behavioural check (the logprobs of a fixed probe batch against the
 trainer's) is what proves the other tensors; ``probe_logprobs`` is the engine's half of it.
