@@ -100,3 +100,13 @@ def test_an_exit_by_signal_is_named(tmp_path):
     command = ["sh", "-c", f"kill -{int(signal.SIGKILL)} $$"]
     with pytest.raises(ServerStartError, match=r"killed by SIGKILL"):
         ServerProcess.start("engine-0", command, port=free_port(), log_path=tmp_path / "s.log", timeout=10)
+
+
+def test_each_vllm_server_is_bound_to_a_cpu_of_its_own_by_default():
+    from actors.engine.vllm_engine import server_env
+    from schemas.config import VllmConfig
+
+    cpus = sorted(os.sched_getaffinity(0))
+    bound = [server_env(VllmConfig(), index)["VLLM_CPU_OMP_THREADS_BIND"] for index in range(len(cpus) + 1)]
+    assert bound == [str(cpu) for cpu in cpus] + [str(cpus[0])]  # round-robin over the allowed CPUs
+    assert server_env(VllmConfig(cpu_threads_bind="nobind"), 0)["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
