@@ -153,6 +153,15 @@ def test_greedy_logprobs_match_the_model_computed_in_torch(engine: VllmEngine, b
     assert completion.response_ids[0] == int(logprobs[start - 1].argmax())
 
 
+def test_probe_logprobs_are_the_served_logprobs_of_given_tokens(engine: VllmEngine):
+    completions = engine.generate(
+        PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=6), torch.Generator().manual_seed(4)
+    )
+    probed = engine.probe_logprobs([c.prompt_ids for c in completions], [c.response_ids for c in completions])
+    for completion, logprobs in zip(completions, probed, strict=True):
+        assert logprobs == pytest.approx(completion.response_logprobs, abs=1e-4)
+
+
 def test_a_reload_changes_outputs_and_the_original_weights_bring_them_back(
     engine: VllmEngine, transport: InProcessTransport, base_model: Path
 ):

@@ -417,7 +417,6 @@ class VllmEngine(Engine):
         results: list[list[float]] = []
         for prompt, response in zip(prompt_ids, response_ids, strict=True):
             body = {
-                "model": str(self.model_path),
                 "prompt": list(prompt) + list(response),
                 "max_tokens": 1,
                 "temperature": 0.0,
