@@ -96,6 +96,22 @@ def test_the_gist_prefers_the_last_error_line_and_shortens_it(tmp_path):
     assert log_gist(tmp_path / "absent.log") == "no log"
 
 
+def test_the_gist_of_a_vllm_log_is_the_root_cause_not_its_wrappers(tmp_path):
+    log = tmp_path / "s.log"
+    log.write_text(
+        "(Worker pid=9) ERROR 12-01 18:47:27 [multiproc_executor.py:1063] RuntimeError: Unsupported CPU "
+        "attention configuration: head_dim=16 isa=2 kv_cache_idx=0\n"
+        "(EngineCore pid=8) ERROR 12-01 18:47:27 [core.py:1512] Traceback (most recent call last):\n"
+        "(APIServer pid=7) ERROR 12-01 18:47:27 [async_llm.py:906] vllm.v1.engine.exceptions.EngineDeadError: "
+        "EngineCore encountered an issue. See stack trace (above) for the root cause.\n"
+        'INFO:     127.0.0.1:33540 - "POST /inference/v1/generate HTTP/1.1" 500 Internal Server Error\n'
+    )
+    assert (
+        log_gist(log)
+        == "RuntimeError: Unsupported CPU attention configuration: head_dim=16 isa=2 kv_cache_idx=0"
+    )
+
+
 def test_an_exit_by_signal_is_named(tmp_path):
     command = ["sh", "-c", f"kill -{int(signal.SIGKILL)} $$"]
     with pytest.raises(ServerStartError, match=r"killed by SIGKILL"):

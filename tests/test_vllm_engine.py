@@ -270,6 +270,7 @@ def test_a_bad_model_path_is_one_line_naming_the_log_within_the_timeout(run_dir:
     assert time.monotonic() - started < 120
     assert "\n" not in message
     assert "exited during start" in message and str(run_dir / "vllm" / "bad-model.log") in message
+    assert "Unrecognized model in" in message  # the cause, from the log
     assert (
         subprocess.run(["pgrep", "-f", str(not_a_model)], capture_output=True).returncode == 1
     )  # nothing left

@@ -29,9 +29,13 @@ import httpx
 HOST = "127.0.0.1"
 LOG_TAIL_BYTES = 64 * 1024
 """How much of the log's end is read for the gist of a failed start."""
-_ERROR_LINE = re.compile(
-    r"(Error|Exception|error:|ERROR|Traceback|No such file|not found|does not exist|Killed)"
-)
+_EXCEPTION_LINE = re.compile(r"\b[A-Za-z_][\w.]*(Error|Exception|Exit): \S")
+"""A Python exception with its message (``RuntimeError: ...``)."""
+_ERROR_LINE = re.compile(r"(Error|Exception|error:|ERROR|No such file|not found|does not exist|Killed)")
+_WRAPPER = re.compile(r"stack trace \(above\)|^Traceback|HTTP/1\.[01]\" \d{3}")
+"""Lines that only point elsewhere: chained-exception wrappers, tracebacks, access logs."""
+_LOG_PREFIX = re.compile(r"^(\(\S+ pid=\d+\)\s+)?(\w+\s+\d\d-\d\d \d\d:\d\d:\d\d(\.\d+)?\s+\[[^\]]*\]\s*)?")
+"""vLLM's ``(Worker pid=1) ERROR 12-01 18:47:27 [file.py:12]`` line prefix."""
 
 _OPEN: set[ServerProcess] = set()
 _OPEN_LOCK = threading.Lock()
@@ -69,12 +73,18 @@ def log_gist(log_path: Path, max_chars: int = 300) -> str:
             tail = log.read().decode("utf-8", errors="replace")
     except OSError:
         return "no log"
-    lines = [" ".join(line.split()) for line in tail.splitlines()]
+    lines = [_LOG_PREFIX.sub("", " ".join(line.split())) for line in tail.splitlines()]
     lines = [line for line in lines if line]
     if not lines:
         return "the log is empty"
-    errors = [line for line in lines if _ERROR_LINE.search(line) and not line.startswith("Traceback")]
-    gist = errors[-1] if errors else lines[-1]
+    useful = [line for line in lines if not _WRAPPER.search(line)]
+    # The last exception with its message says why, unless it only points at another one.
+    exceptions = [line for line in useful if _EXCEPTION_LINE.search(line)]
+    errors = [line for line in useful if _ERROR_LINE.search(line)]
+    gist = (exceptions or errors or useful or lines)[-1]
+    if "validation error" in gist and useful.index(gist) + 1 < len(useful):
+        # pydantic puts what failed on the line after its summary.
+        gist = f"{gist}: {useful[useful.index(gist) + 1]}"
     return gist if len(gist) <= max_chars else gist[: max_chars - 3] + "..."
 
 
