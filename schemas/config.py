@@ -130,8 +130,9 @@ class GeneratorConfig(Section):
     """The inference engines behind the Generator."""
 
     engine: str = "torch"
-    """The engine backend: ``torch`` (the embedded PyTorch engine, CPU or GPU) or ``sglang``
-    (SGLang servers over HTTP, ``[sglang]``)."""
+    """The engine backend: ``torch`` (the embedded PyTorch engine, CPU or GPU), ``vllm`` (a
+    vLLM server per engine, set up in ``[vllm]``) or ``sglang`` (SGLang servers over HTTP,
+    ``[sglang]``)."""
     num_engines: PositiveInt = 1
     """Engines, each serving one copy of the policy (``engine-0``, ``engine-1``, ...)."""
 
@@ -158,6 +159,44 @@ class SglangConfig(Section):
     mem_fraction_static: Annotated[float, msgspec.Meta(gt=0, lt=1)] | None = None
     extra_args: list[str] = []
     """Further ``sglang.launch_server`` arguments, as they are."""
+
+
+class VllmConfig(Section):
+    """The ``vllm`` engine backend: one vLLM OpenAI-compatible server per engine, launched
+    by the Generator (or reached at ``urls``), driven over HTTP with token ids in and out."""
+
+    python: str | None = None
+    """The Python that runs the server (vLLM's environment). Unset: the repository's
+    ``.venv-vllm/bin/python`` (``bash .ci/setup-vllm`` creates it)."""
+    urls: list[str] = []
+    """Connect to these running servers (engine i to ``urls[i]``) instead of launching any;
+    they must serve ``model.path`` with the flags the launch would pass (``--enable-scale-out``,
+    ``VLLM_SERVER_DEV_MODE=1``, the worker extension for ``publication = "push"``)."""
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
+    """Engine i listens on ``port + i`` on 127.0.0.1; 0 picks a free port per engine."""
+    extra_args: list[str] = []
+    """Appended to the server's command line."""
+    startup_timeout: PositiveFloat = 300.0
+    """Seconds a launched server may take to answer ``/health``; then the start fails with
+    one line that names the log."""
+    request_timeout: PositiveFloat = 300.0
+    """Seconds one HTTP request to a server may take."""
+    max_model_len: PositiveInt | None = None
+    """Prompt plus completion tokens per sequence. Unset: the model's
+    ``max_position_embeddings``."""
+    kv_cache_space_gib: PositiveInt = 1
+    """KV cache of each server, in GiB (``VLLM_CPU_KVCACHE_SPACE``)."""
+    cpu_threads_bind: str = ""
+    """``VLLM_CPU_OMP_THREADS_BIND`` of each server. Empty: engine i is bound to the i-th
+    CPU (modulo the count) of those this process may run on, so that servers do not pile
+    onto one core (vLLM's ``auto`` binds every server to the same last core); ``nobind``
+    leaves placement to the OS; anything else (``"0-3"``) is passed as it is."""
+    publication: Literal["disk", "push"] = "disk"
+    """How published weights reach a server: ``disk`` writes them as a safetensors directory
+    under ``<run.dir>/vllm/`` and has vLLM's ``reload_weights`` read it (the server must see
+    this filesystem); ``push`` sends them over HTTP (base64 safetensors through the
+    project's worker extension, no shared filesystem needed), and the extension keeps the
+    publication canary, so the load is proven to have written."""
 
 
 class TrainerConfig(Section):
@@ -290,6 +329,7 @@ class Config(Section):
     data: DataConfig = msgspec.field(default_factory=DataConfig)
     rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
     generator: GeneratorConfig = msgspec.field(default_factory=GeneratorConfig)
+    vllm: VllmConfig = msgspec.field(default_factory=VllmConfig)
     sglang: SglangConfig = msgspec.field(default_factory=SglangConfig)
     trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
     publisher: PublisherConfig = msgspec.field(default_factory=PublisherConfig)

@@ -177,7 +177,7 @@ def test_reward_fn_must_be_importable(tmp_path: Path) -> None:
 
 def test_an_unknown_engine_backend_names_the_known_ones(tmp_path: Path) -> None:
     message = error_of(write_config(tmp_path, BASE + '[generator]\nengine = "sglangg"\n'))
-    assert message == f"{tmp_path / 'run.toml'}:6: generator.engine: unknown engine 'sglangg'; known: sglang, torch"
+    assert message == f"{tmp_path / 'run.toml'}:6: generator.engine: unknown engine 'sglangg'; known: sglang, torch, vllm"
 
 
 def test_an_unknown_trainer_backend_names_the_known_ones(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 ENGINES: dict[str, str] = {
     "torch": "actors.engine.torch_engine:TorchEngine",
     "sglang": "actors.engine.sglang_engine:SglangEngine",
+    "vllm": "actors.engine.vllm_engine:VllmEngine",
 }
 """Engine backend name -> ``"module:Class"`` of its ``Engine`` subclass."""
 

@@ -40,6 +40,7 @@ PATH_KEYS: tuple[tuple[str, str], ...] = (
     ("data", "prompt_data"),
     ("data", "eval_data"),
     ("model", "path"),
+    ("vllm", "python"),
     ("tracking", "tensorboard_dir"),
     ("tracking", "wandb_dir"),
 )

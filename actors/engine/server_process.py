@@ -1,0 +1,233 @@
+"""An inference server in a child process: started, waited for, and stopped whole.
+
+Server engines (vLLM here, SGLang alike) launch their server with ``ServerProcess.start``:
+the command runs in a new process group on 127.0.0.1, on a free port or a configured one,
+with stdout and stderr in one log file under the run directory, and ``start`` returns once
+its health URL answers 200. Every way a start can fail ends in ``ServerStartError``, one
+line that names the cause and the log: the port is taken, the process exited during start
+(with the gist of its last log lines), or the health URL did not answer in time. A start
+never hangs, and a failed start leaves no process behind. ``close`` ends the whole process
+group (a server's worker processes included): SIGTERM, then SIGKILL after a grace period.
+Servers still open when the interpreter exits are closed then.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import re
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import httpx
+
+HOST = "127.0.0.1"
+LOG_TAIL_BYTES = 64 * 1024
+"""How much of the log's end is read for the gist of a failed start."""
+_EXCEPTION_LINE = re.compile(r"\b[A-Za-z_][\w.]*(Error|Exception|Exit): \S")
+"""A Python exception with its message (``RuntimeError: ...``)."""
+_ERROR_LINE = re.compile(r"(Error|Exception|error:|ERROR|No such file|not found|does not exist|Killed)")
+_WRAPPER = re.compile(r"stack trace \(above\)|^Traceback|HTTP/1\.[01]\" \d{3}")
+"""Lines that only point elsewhere: chained-exception wrappers, tracebacks, access logs."""
+_LOG_PREFIX = re.compile(r"^(\(\S+ pid=\d+\)\s+)?(\w+\s+\d\d-\d\d \d\d:\d\d:\d\d(\.\d+)?\s+\[[^\]]*\]\s*)?")
+"""vLLM's ``(Worker pid=1) ERROR 12-01 18:47:27 [file.py:12]`` line prefix."""
+
+_OPEN: set[ServerProcess] = set()
+_OPEN_LOCK = threading.Lock()
+
+
+class ServerStartError(RuntimeError):
+    """A server did not start; the message is one line naming the cause and the log."""
+
+
+def free_port(host: str = HOST) -> int:
+    """A port nobody listens on now (the kernel's pick)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
+
+
+def port_is_free(port: int, host: str = HOST) -> bool:
+    """Whether ``port`` can be bound on ``host`` now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def log_gist(log_path: Path, max_chars: int = 300) -> str:
+    """One line from the end of a server log that says why it stopped: the last line that
+    reads like an error, else the last non-empty line."""
+    try:
+        with open(log_path, "rb") as log:
+            log.seek(0, os.SEEK_END)
+            size = log.tell()
+            log.seek(max(0, size - LOG_TAIL_BYTES))
+            tail = log.read().decode("utf-8", errors="replace")
+    except OSError:
+        return "no log"
+    lines = [_LOG_PREFIX.sub("", " ".join(line.split())) for line in tail.splitlines()]
+    lines = [line for line in lines if line]
+    if not lines:
+        return "the log is empty"
+    useful = [line for line in lines if not _WRAPPER.search(line)]
+    # The last exception with its message says why, unless it only points at another one.
+    exceptions = [line for line in useful if _EXCEPTION_LINE.search(line)]
+    errors = [line for line in useful if _ERROR_LINE.search(line)]
+    gist = (exceptions or errors or useful or lines)[-1]
+    if "validation error" in gist and useful.index(gist) + 1 < len(useful):
+        # pydantic puts what failed on the line after its summary.
+        gist = f"{gist}: {useful[useful.index(gist) + 1]}"
+    return gist if len(gist) <= max_chars else gist[: max_chars - 3] + "..."
+
+
+class ServerProcess:
+    """One running server: its process group, port, base URL and log."""
+
+    def __init__(self, name: str, process: subprocess.Popen[bytes], port: int, log_path: Path) -> None:
+        self.name = name
+        self.process = process
+        self.port = port
+        self.log_path = log_path
+        self.url = f"http://{HOST}:{port}"
+        self.ready_seconds = 0.0
+        """Seconds from the launch until the health URL answered."""
+
+    @classmethod
+    def start(
+        cls,
+        name: str,
+        command: Sequence[str],
+        *,
+        port: int,
+        log_path: Path,
+        health_path: str = "/health",
+        env: Mapping[str, str] | None = None,
+        timeout: float = 300.0,
+        poll_interval: float = 0.5,
+    ) -> ServerProcess:
+        """Run ``command`` (which must make the server listen on ``HOST:port``) and wait
+        until ``health_path`` answers 200, at most ``timeout`` seconds.
+
+        ``env`` is added to this process's environment. Raises ``ServerStartError``; the
+        process group is gone then.
+        """
+        if not port_is_free(port):
+            raise ServerStartError(
+                f"{name}: port {port} on {HOST} is taken by another process; "
+                f"choose another port or leave it unset for a free one (log {log_path} not started)"
+            )
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        full_env = {**os.environ, **(env or {})}
+        started = time.monotonic()
+        with open(log_path, "ab") as log:
+            try:
+                process = subprocess.Popen(
+                    list(command),
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=full_env,
+                    start_new_session=True,  # its own process group: close() ends every child
+                )
+            except OSError as error:
+                raise ServerStartError(
+                    f"{name}: cannot run {command[0]}: {error.strerror} (log {log_path})"
+                ) from None
+        server = cls(name, process, port, log_path)
+        with _OPEN_LOCK:
+            _OPEN.add(server)
+        try:
+            server._wait_ready(health_path, started + timeout, timeout, poll_interval)
+        except BaseException:
+            server.close(grace=5.0)
+            raise
+        server.ready_seconds = time.monotonic() - started
+        return server
+
+    def _wait_ready(self, health_path: str, deadline: float, timeout: float, poll_interval: float) -> None:
+        health = self.url + health_path
+        with httpx.Client(timeout=httpx.Timeout(5.0, connect=1.0)) as client:
+            while True:
+                code = self.process.poll()
+                if code is not None:
+                    raise ServerStartError(
+                        f"{self.name}: the server exited during start ({_exit_status(code)}): "
+                        f"{log_gist(self.log_path)} (log {self.log_path})"
+                    )
+                try:
+                    if client.get(health).status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass  # not listening yet
+                if time.monotonic() >= deadline:
+                    raise ServerStartError(
+                        f"{self.name}: {health} did not answer within {timeout:g} s; last log line: "
+                        f"{log_gist(self.log_path)} (log {self.log_path})"
+                    )
+                time.sleep(poll_interval)
+
+    @property
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def close(self, grace: float = 10.0) -> None:
+        """End the server's whole process group: SIGTERM, then SIGKILL after ``grace`` s.
+        Closing twice is allowed."""
+        with _OPEN_LOCK:
+            _OPEN.discard(self)
+        pgid = self.process.pid  # the session leader: its pid is the group's id
+        try:
+            os.killpg(pgid, signal.SIGTERM)
+        except ProcessLookupError:
+            self.process.poll()
+            return
+        # The leader's children may outlive it: wait for the whole group, then kill it.
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            self.process.poll()  # reap the leader, or the group never empties
+            if not _group_alive(pgid):
+                return
+            time.sleep(0.05)
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            self.process.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _exit_status(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+@atexit.register
+def _close_open_servers() -> None:
+    with _OPEN_LOCK:
+        servers = list(_OPEN)
+    for server in servers:
+        server.close(grace=5.0)

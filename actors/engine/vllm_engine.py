@@ -1,0 +1,646 @@
+"""The ``vllm`` engine: one vLLM server per engine, driven over HTTP.
+
+The engine launches ``python -m vllm.entrypoints.openai.api_server`` with vLLM's own
+environment (``[vllm] python``, by default ``.venv-vllm``) through ``ServerProcess``, or
+connects to a running server (``[vllm] urls``). The server is started with
+``--enable-scale-out`` (the token-in/token-out ``/inference/v1/generate`` route, whose
+replies say which weight version sampled each token), ``VLLM_SERVER_DEV_MODE=1`` (pause,
+resume, ``/collective_rpc``, weight versions) and the project's worker extension
+(``vllm_worker_extension.py``).
+
+Generation: prompts are tokenized here (text with the model's tokenizer, as ``TorchEngine``
+does; token ids are sent as they are), one request per sequence with its own seed, drawn
+from the ``torch.Generator`` passed in, so a run with the same generator state asks for the
+same samples. ``response_ids`` are every sampled token (a final EOS and the tokens that
+completed a stop string included) and the text is vLLM's detokenization, cut before a
+matched stop string. ``response_logprobs`` are vLLM's default ``raw_logprobs``: log-softmax
+of the unscaled logits, which is ``TorchEngine``'s distribution at temperature 1 and in
+greedy decoding (at other temperatures ``TorchEngine`` reports the tempered one). A
+completion's ``weight_version`` is the one the server reports for its first token.
+
+Publication (``load_weights``): the payload is checked against the base model's tensor
+names and shapes, then the server is paused (``/pause?mode=wait``: running requests
+finish first), loads it (``publication = "disk"``: vLLM's ``reload_weights`` reads a
+safetensors directory written under ``<run.dir>/vllm/<engine>/``; ``"push"``: the bytes go
+over ``/collective_rpc`` to the worker extension, which also keeps the canary), is told
+the new version (``/update_weight_version``), drops its prefix cache and resumes. The
+engine's ``weight_version`` is then read back from the server, never assumed.
+
+Verification: on CPU vLLM repacks every linear layer's weight into a kernel layout and
+fuses q/k/v and gate/up projections, so those tensors cannot be read back in the
+trainer's layout. ``checksums`` fingerprints the tensors that can (the embeddings and LM
+head, their real vocabulary rows; the norms; the q/k/v biases, split out of the fused
+bias: 13 of the built-in 2-layer model's 27) and names the rest in its message;
+``weights_check`` snapshots and compares those same fingerprints, and cannot reset
+tensors. A behavioural check (the logprobs of a fixed probe batch against the
+trainer's) is what proves the other tensors; ``probe_logprobs`` is the engine's half of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+from safetensors import safe_open
+from safetensors.torch import save, save_file
+
+from actors.engine.base import (
+    TENSOR_CHECK_ACTIONS,
+    Completion,
+    Engine,
+    GenerateRequest,
+    SamplingParams,
+    Selector,
+    TensorCheckAction,
+    name_list,
+)
+from actors.engine.server_process import HOST, ServerProcess, ServerStartError, free_port, log_gist
+from miles_events.rl.canary import CANARY_TENSOR, split_canary
+from miles_events.rl.cancel import Cancellation, Cancelled
+from miles_events.rl.checksum import is_skipped, per_engine_checksum, per_gpu_checksum
+from miles_events.rl.hf_model import load_tokenizer
+from miles_events.transport.base import Transport
+from schemas.checksums import EngineChecksumReport, ParallelismInfo, RankChecksums, WeightsCheckResult
+from schemas.config import Config, VllmConfig
+from schemas.data import DataRef
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
+WORKER_EXTENSION = "actors.engine.vllm_worker_extension.MilesWorkerExtension"
+MAX_SEED = 2**31 - 1
+WEIGHTS_DIR = "vllm"
+"""Under the run directory: the disk publications and server logs of the vllm engines."""
+
+
+class VllmError(RuntimeError):
+    """A vLLM server refused or failed a request; one line naming the engine and route."""
+
+
+def server_command(
+    python: str | Path,
+    model_path: str | Path,
+    port: int,
+    config: VllmConfig,
+    *,
+    dtype: str,
+    max_model_len: int,
+) -> list[str]:
+    """The command line of one launched server."""
+    return [
+        str(python),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_path),
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        "--dtype",
+        dtype,
+        "--max-model-len",
+        str(max_model_len),
+        "--enforce-eager",
+        "--enable-scale-out",
+        "--generation-config",
+        "vllm",  # sampling defaults come from the request, not the model's generation_config
+        "--worker-extension-cls",
+        WORKER_EXTENSION,
+        *config.extra_args,
+    ]
+
+
+def server_env(config: VllmConfig, index: int) -> dict[str, str]:
+    """The environment added for server ``index``."""
+    bind = config.cpu_threads_bind
+    if not bind:
+        cpus = sorted(os.sched_getaffinity(0))
+        bind = str(cpus[index % len(cpus)])
+    python_path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {
+        "VLLM_SERVER_DEV_MODE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": str(config.kv_cache_space_gib),
+        "VLLM_CPU_OMP_THREADS_BIND": bind,
+        "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_DO_NOT_TRACK": "1",
+        "PYTHONPATH": python_path,  # the worker extension is this repository's module
+    }
+
+
+def base_model_tensors(model_path: str | Path) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor of a Hugging Face directory's safetensors files."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in sorted(Path(model_path).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():
+                shapes[name] = tuple(handle.get_slice(name).get_shape())
+    return shapes
+
+
+class VllmEngine(Engine):
+    """One vLLM server serving one copy of the policy."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        url: str,
+        model_path: str | Path,
+        run_dir: Path,
+        config: VllmConfig,
+        transport: Transport | None = None,
+        server: ServerProcess | None = None,
+    ) -> None:
+        self.name = name
+        self.url = url.rstrip("/")
+        self.model_path = Path(model_path)
+        self.run_dir = run_dir
+        self.config = config
+        self.transport = transport
+        self.server = server
+        """The launched server; None when connected to ``urls``."""
+        self.holds_canary = config.publication == "push"
+        self.tokenizer = load_tokenizer(self.model_path)
+        self._tensor_shapes = base_model_tensors(self.model_path)
+        self._client = httpx.Client(base_url=self.url, timeout=config.request_timeout)
+        self._snapshot: dict[str, str] | None = None
+        self._weights_dir: Path | None = None
+        self.last_load_seconds = 0.0
+        """Seconds the server took for the last load (pause to resume)."""
+        served = self._get("/weight_info").get("weight_version")
+        if served is None:
+            # A fresh server has no version yet; the seam's bootstrap version is "default".
+            self._post("/update_weight_version", json={"new_version": "default"})
+            served = self._get("/weight_info").get("weight_version")
+        self._weight_version = str(served)
+
+    @classmethod
+    def from_config(cls, config: Config, *, index: int, name: str, transport: Transport) -> VllmEngine:
+        """Launch server ``index`` (or connect to ``vllm.urls[index]``), warm it up, and
+        serve ``model.path`` as version ``"default"``."""
+        if config.model.path is None:
+            raise ValueError("model.path is unset: the driver writes the base model before actors start")
+        vllm = config.vllm
+        run_dir = Path(config.run.dir)
+        if vllm.urls:
+            if index >= len(vllm.urls):
+                raise ValueError(
+                    f"vllm.urls has {len(vllm.urls)} server(s) but generator.num_engines asks for engine {index}"
+                )
+            engine = cls(
+                name=name,
+                url=vllm.urls[index],
+                model_path=config.model.path,
+                run_dir=run_dir,
+                config=vllm,
+                transport=transport,
+            )
+            engine.warm_up()
+            return engine
+        server = launch_server(config, index=index, name=name)
+        try:
+            engine = cls(
+                name=name,
+                url=server.url,
+                model_path=config.model.path,
+                run_dir=run_dir,
+                config=vllm,
+                transport=transport,
+                server=server,
+            )
+            engine.warm_up()
+        except BaseException:
+            server.close()
+            raise
+        return engine
+
+    @property
+    def weight_version(self) -> str:
+        return self._weight_version
+
+    # --- HTTP ----------------------------------------------------------------------------
+
+    def _check(self, response: httpx.Response, route: str) -> Any:
+        if response.status_code != 200:
+            body = " ".join(response.text.split())[:300]
+            cause = ""
+            if response.status_code >= 500 and self.server is not None:
+                cause = f"; the log says: {log_gist(self.server.log_path)}"
+            raise VllmError(
+                f"{self.name}: {route} answered {response.status_code}: {body}{cause}{self._log_hint()}"
+            )
+        return response.json() if response.content else None
+
+    def _log_hint(self) -> str:
+        return f" (log {self.server.log_path})" if self.server is not None else ""
+
+    def _request(self, method: str, route: str, **kwargs: Any) -> Any:
+        try:
+            response = self._client.request(method, route, **kwargs)
+        except httpx.TransportError as error:
+            alive = "" if self.server is None or self.server.alive else ", the server process has exited"
+            raise VllmError(f"{self.name}: {route} failed: {error!r}{alive}{self._log_hint()}") from None
+        return self._check(response, route)
+
+    def _get(self, route: str) -> Any:
+        return self._request("GET", route)
+
+    def _post(self, route: str, **kwargs: Any) -> Any:
+        return self._request("POST", route, **kwargs)
+
+    def collective_rpc(self, method: str, *args: str, **kwargs: str) -> list[Any]:
+        """Call ``method`` on every worker of the server; one result per worker."""
+        reply = self._post("/collective_rpc", json={"method": method, "args": list(args), "kwargs": kwargs})
+        return list((reply or {}).get("results", []))
+
+    # --- generation ----------------------------------------------------------------------
+
+    def encode(self, request: GenerateRequest) -> list[int]:
+        """Token ids of one prompt: text through the tokenizer, ids as they are."""
+        ids = (
+            list(self.tokenizer(request, add_special_tokens=True)["input_ids"])
+            if isinstance(request, str)
+            else [int(t) for t in request]
+        )
+        if not ids:
+            raise ValueError(f"prompt {request!r} has no tokens")
+        return ids
+
+    def warm_up(self) -> None:
+        """One short request with logprobs, so that the op vLLM compiles for logprobs on
+        its first use is compiled before the first rollout (tens of seconds on CPU the
+        first time; torch's inductor cache keeps it for later servers)."""
+        prompt = self.encode(self.tokenizer.eos_token or "0")
+        self.generate(
+            [prompt], SamplingParams(temperature=1.0, max_new_tokens=2), torch.Generator().manual_seed(0)
+        )
+
+    def generate(
+        self,
+        requests: Sequence[GenerateRequest],
+        sampling: SamplingParams,
+        generator: torch.Generator | None = None,
+        cancel: Cancellation | None = None,
+    ) -> list[Completion]:
+        """Sample one completion per request, all in flight at once (the server batches).
+
+        Seeds come from ``generator`` (one per request), so the same generator state asks
+        for the same samples; vLLM then samples reproducibly given the same weights. A
+        cancellation aborts the requests still running on the server and raises
+        ``Cancelled``.
+        """
+        encoded: dict[str, list[int]] = {}
+        prompt_ids = []
+        for request in requests:
+            if isinstance(request, str):
+                if request not in encoded:
+                    encoded[request] = self.encode(request)
+                prompt_ids.append(encoded[request])
+            else:
+                prompt_ids.append(self.encode(request))
+        if generator is not None:
+            seeds: list[int | None] = torch.randint(
+                0, MAX_SEED, (len(prompt_ids),), generator=generator
+            ).tolist()
+        else:
+            seeds = [None] * len(prompt_ids)
+        if not prompt_ids:
+            return []
+        return asyncio.run(self._generate_all(prompt_ids, seeds, sampling, cancel))
+
+    def _generate_body(
+        self, request_id: str, ids: list[int], seed: int | None, sampling: SamplingParams
+    ) -> dict[str, Any]:
+        params: dict[str, Any] = {
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "max_tokens": sampling.max_new_tokens,
+            "logprobs": 0,  # the sampled token's only
+            "stop": list(sampling.stop),
+            "skip_special_tokens": True,
+            "detokenize": True,
+        }
+        if seed is not None:
+            params["seed"] = seed
+        return {"request_id": request_id, "token_ids": ids, "sampling_params": params, "output_mode": "text"}
+
+    async def _generate_all(
+        self,
+        prompt_ids: list[list[int]],
+        seeds: list[int | None],
+        sampling: SamplingParams,
+        cancel: Cancellation | None,
+    ) -> list[Completion]:
+        batch = f"{self.name}-{uuid.uuid4().hex[:12]}"
+        request_ids = [f"{batch}-{i}" for i in range(len(prompt_ids))]
+        route = "/inference/v1/generate"
+        limits = httpx.Limits(max_connections=max(1, len(prompt_ids)))
+        async with httpx.AsyncClient(
+            base_url=self.url, timeout=self.config.request_timeout, limits=limits
+        ) as client:
+
+            async def one(i: int) -> Completion:
+                body = self._generate_body(request_ids[i], prompt_ids[i], seeds[i], sampling)
+                try:
+                    response = await client.post(route, json=body)
+                except httpx.TransportError as error:
+                    alive = (
+                        "" if self.server is None or self.server.alive else ", the server process has exited"
+                    )
+                    raise VllmError(
+                        f"{self.name}: {route} failed: {error!r}{alive}{self._log_hint()}"
+                    ) from None
+                return self._completion(prompt_ids[i], self._check(response, route))
+
+            tasks = [asyncio.create_task(one(i)) for i in range(len(prompt_ids))]
+            try:
+                pending = set(tasks)
+                while pending:
+                    done, pending = await asyncio.wait(
+                        pending, timeout=0.05, return_when=asyncio.FIRST_EXCEPTION
+                    )
+                    for task in done:
+                        if task.exception() is not None:
+                            raise task.exception()  # type: ignore[misc]
+                    if cancel is not None and cancel.cancelled and pending:
+                        await client.post("/inference/v1/abort_requests", json={"request_ids": request_ids})
+                        raise Cancelled(cancel.reason)
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+            if cancel is not None:
+                cancel.check()
+            return [task.result() for task in tasks]
+
+    def _completion(self, prompt_ids: list[int], reply: dict[str, Any]) -> Completion:
+        choice = reply["choices"][0]
+        finish = choice.get("finish_reason")
+        if finish not in ("stop", "length"):
+            raise VllmError(f"{self.name}: a request ended with finish_reason {finish!r}{self._log_hint()}")
+        token_ids = [int(t) for t in choice.get("token_ids") or []]
+        content = (choice.get("logprobs") or {}).get("content") or []
+        logprobs = [float(entry["logprob"]) for entry in content]
+        if len(logprobs) != len(token_ids):
+            raise VllmError(
+                f"{self.name}: the server returned {len(token_ids)} tokens but {len(logprobs)} logprobs"
+            )
+        stop_reason = choice.get("stop_reason")
+        spans = choice.get("weight_versions") or []
+        version = str(spans[0]["version"]) if spans else self._weight_version
+        return Completion(
+            prompt_ids=list(prompt_ids),
+            response_ids=token_ids,
+            response_logprobs=logprobs,
+            response=choice.get("text") or "",
+            finish_reason=finish,
+            weight_version=version,
+            matched_stop=stop_reason if isinstance(stop_reason, str) else None,
+        )
+
+    def probe_logprobs(
+        self, prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]]
+    ) -> list[list[float]]:
+        """The served model's log-probabilities of ``response_ids`` after ``prompt_ids``
+        (teacher-forced, one list per sequence): the engine's half of a behavioural check
+        of the weights, compared with the trainer's logprobs of the same probe batch."""
+        results: list[list[float]] = []
+        for prompt, response in zip(prompt_ids, response_ids, strict=True):
+            body = {
+                "prompt": list(prompt) + list(response),
+                "max_tokens": 1,
+                "temperature": 0.0,
+                "prompt_logprobs": 0,
+            }
+            reply = self._post("/v1/completions", json=body)
+            entries = reply["choices"][0]["prompt_logprobs"][len(prompt) :]
+            results.append(
+                [float(entry[str(token)]["logprob"]) for entry, token in zip(entries, response, strict=True)]
+            )
+        return results
+
+    # --- weights -------------------------------------------------------------------------
+
+    def _check_payload(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        known = self._tensor_shapes
+        tied = "lm_head.weight" not in known and "model.embed_tokens.weight" in known
+        aliases = {"lm_head.weight": "model.embed_tokens.weight"} if tied else {}
+        unknown = sorted(n for n in tensors if n not in known and n not in aliases)
+        given = {aliases.get(n, n) for n in tensors}
+        missing = sorted(n for n in known if n not in given)
+        wrong_shape = [
+            f"{n} {tuple(t.shape)} (serves {known[aliases.get(n, n)]})"
+            for n, t in tensors.items()
+            if aliases.get(n, n) in known and tuple(t.shape) != known[aliases.get(n, n)]
+        ]
+        problems = [
+            f"{label}: {name_list(names)}"
+            for label, names in (("unknown", unknown), ("missing", missing), ("wrong shape", wrong_shape))
+            if names
+        ]
+        if problems:
+            raise ValueError(f"engine {self.name} cannot load these weights; " + "; ".join(problems))
+
+    def load_weights(self, weights: DataRef, weight_version: str) -> int:
+        """Pause, load the tensors behind ``weights``, set the version, drop the prefix
+        cache, resume; returns the bytes of model tensors loaded."""
+        if self.transport is None:
+            raise ValueError(
+                f"engine {self.name} has no transport to read {weights.transport}:{weights.key} from"
+            )
+        payload = self.transport.get_tensors(weights)
+        model_tensors, canary = split_canary(payload)
+        self._check_payload(model_tensors)
+        contiguous = {n: t.detach().contiguous().cpu() for n, t in model_tensors.items()}
+        num_bytes = sum(t.numel() * t.element_size() for t in contiguous.values())
+        started = time.perf_counter()
+        self._post("/pause", params={"mode": "wait"})
+        try:
+            if self.config.publication == "push":
+                if canary is not None:
+                    contiguous[CANARY_TENSOR] = canary.contiguous()
+                encoded = base64.b64encode(save(contiguous)).decode("ascii")
+                self.collective_rpc("miles_push_weights", encoded)
+            else:
+                directory = self._write_weights_dir(contiguous, weight_version)
+                self.collective_rpc("reload_weights", weights_path=str(directory))
+            self._post("/update_weight_version", json={"new_version": str(weight_version)})
+            self._post("/reset_prefix_cache")
+        finally:
+            self._post("/resume")
+        self.last_load_seconds = time.perf_counter() - started
+        served = self._get("/weight_info").get("weight_version")
+        if str(served) != str(weight_version):
+            raise VllmError(
+                f"{self.name}: after loading version {weight_version} the server reports {served!r}"
+            )
+        self._weight_version = str(served)
+        return num_bytes
+
+    def _write_weights_dir(self, tensors: dict[str, torch.Tensor], weight_version: str) -> Path:
+        root = self.run_dir / WEIGHTS_DIR / self.name
+        final = root / f"weights-{weight_version}"
+        partial = root / f".weights-{weight_version}.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        save_file(tensors, str(partial / "model.safetensors"))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(partial, final)
+        # vLLM reads later reloads relative to the last path it loaded; keep only that one.
+        if self._weights_dir is not None and self._weights_dir != final:
+            shutil.rmtree(self._weights_dir, ignore_errors=True)
+        self._weights_dir = final
+        return final
+
+    def served_canary(self) -> str:
+        if not self.holds_canary:
+            return ""
+        results = self.collective_rpc("miles_canary")
+        return str(results[0]) if results else ""
+
+    # --- checksums -------------------------------------------------------------------------
+
+    def readable_checksums(self) -> tuple[dict[str, str], list[str]]:
+        """Fingerprints of the base model's tensors the server holds in the Hugging Face
+        layout, and the names of those it does not (repacked or fused on this backend)."""
+        names = {n: list(shape) for n, shape in self._tensor_shapes.items()}
+        results = self.collective_rpc("miles_checksums", json.dumps(names))
+        if not results or not isinstance(results[0], dict):
+            raise VllmError(
+                f"{self.name}: the worker extension gave no checksums ({results!r}){self._log_hint()}"
+            )
+        return dict(results[0]["checksums"]), list(results[0]["unreadable"])
+
+    def checksums(
+        self, skip_tensor_list: Iterable[str] = (), selector: Selector = "all"
+    ) -> EngineChecksumReport:
+        """The fingerprints of the tensors that can be read back (see the module docstring),
+        as one rank; the message names those that cannot. ``"draft"`` selects nothing."""
+        if selector not in ("all", "target", "draft"):
+            raise ValueError(f"unknown selector {selector!r}; known: all, target, draft")
+        skip = list(skip_tensor_list)
+        if selector == "draft":
+            readable: dict[str, str] = {}
+            unreadable: list[str] = []
+        else:
+            readable, unreadable = self.readable_checksums()
+            readable = {n: c for n, c in readable.items() if not is_skipped(n, skip)}
+            unreadable = [n for n in unreadable if not is_skipped(n, skip)]
+        per_gpu = per_gpu_checksum(readable)
+        message = f"checksums of {len(readable)} tensors"
+        if unreadable:
+            message += f"; {len(unreadable)} cannot be read back from vLLM (repacked or fused): {name_list(unreadable)}"
+        return EngineChecksumReport(
+            success=True,
+            message=message,
+            ranks=[
+                RankChecksums(
+                    checksums=readable, per_gpu_checksum=per_gpu, parallelism_info=ParallelismInfo()
+                )
+            ],
+            per_engine_checksum=per_engine_checksum([per_gpu]),
+        )
+
+    def weights_check(
+        self,
+        action: TensorCheckAction,
+        selector: Selector = "all",
+        skip_tensor_list: Iterable[str] = (),
+        allow_quant_error: bool = False,
+    ) -> WeightsCheckResult:
+        """``snapshot`` and ``compare`` on the fingerprints of the readable tensors
+        (bitwise: a fingerprint cannot tell one ULP from any other difference);
+        ``reset_tensors`` is not supported (unsuccessful)."""
+        if action not in TENSOR_CHECK_ACTIONS:
+            known = ", ".join(TENSOR_CHECK_ACTIONS)
+            return self._result(action, False, f"unknown action {action!r}; known: {known} (and checksum)")
+        if selector == "draft":
+            return self._result(action, True, f"{action}: no draft model, nothing selected")
+        if action == "reset_tensors":
+            return self._result(
+                action, False, "reset_tensors: the vllm engine cannot overwrite what its server serves"
+            )
+        report = self.checksums(skip_tensor_list, selector)
+        current = dict(report.ranks[0].checksums)
+        if action == "snapshot":
+            self._snapshot = current
+            return self._result(
+                action, True, f"snapshot of {len(current)} readable tensors", num_tensors=len(current)
+            )
+        if self._snapshot is None:
+            return self._result("compare", False, "compare: no snapshot; run the snapshot action first")
+        absent = sorted(n for n in current if n not in self._snapshot)
+        differ = sorted(n for n, c in current.items() if n in self._snapshot and self._snapshot[n] != c)
+        if absent or differ:
+            message = f"{len(differ)} of {len(current)} readable tensors differ from the snapshot: {name_list(differ)}"
+            if absent:
+                message += f"; not in the snapshot: {name_list(absent)}"
+            return self._result(
+                "compare", False, message, num_tensors=len(current), mismatched=differ, missing=absent
+            )
+        mode = "fingerprints" + (
+            " (one ULP is not told apart from other differences)" if allow_quant_error else ""
+        )
+        return self._result(
+            "compare",
+            True,
+            f"{len(current)} readable tensors equal the snapshot ({mode})",
+            num_tensors=len(current),
+        )
+
+    def _result(self, action: str, success: bool, message: str, **counts: object) -> WeightsCheckResult:
+        return WeightsCheckResult(
+            success=success,
+            message=message,
+            action=action,
+            weight_version=self._weight_version,
+            **counts,  # type: ignore[arg-type]
+        )
+
+    def close(self) -> None:
+        """Close the HTTP client and end a launched server's whole process group."""
+        self._client.close()
+        if self.server is not None:
+            self.server.close()
+
+
+def launch_server(config: Config, *, index: int, name: str) -> ServerProcess:
+    """Start server ``index`` for ``model.path``; ``ServerStartError`` (one line) if it
+    does not come up."""
+    vllm = config.vllm
+    assert config.model.path is not None
+    log_path = Path(config.run.dir) / WEIGHTS_DIR / f"{name}.log"
+    python = Path(vllm.python) if vllm.python else DEFAULT_PYTHON
+    if not python.exists():
+        raise ServerStartError(
+            f"{name}: no vLLM Python at {python} (run bash .ci/setup-vllm, or set vllm.python)"
+        )
+    model_path = Path(config.model.path)
+    if not model_path.is_dir():
+        raise ServerStartError(f"{name}: model path {model_path} is not a directory (server not started)")
+    max_model_len = vllm.max_model_len or _max_positions(model_path)
+    port = vllm.port + index if vllm.port else free_port()
+    command = server_command(
+        python, model_path, port, vllm, dtype=config.model.dtype, max_model_len=max_model_len
+    )
+    return ServerProcess.start(
+        name, command, port=port, log_path=log_path, env=server_env(vllm, index), timeout=vllm.startup_timeout
+    )
+
+
+def _max_positions(model_path: Path) -> int:
+    try:
+        value = json.loads((model_path / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError):
+        value = None
+    return int(value) if value else 2048

@@ -1,0 +1,128 @@
+"""A server in a child process: every failed start is one line naming the cause and the log,
+never a hang, and nothing of the process group is left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import time
+
+import pytest
+
+from actors.engine.server_process import ServerProcess, ServerStartError, free_port, log_gist
+
+
+def _group_gone(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+HTTP_SERVER = [sys.executable, "-m", "http.server", "--bind", "127.0.0.1"]
+
+
+def test_a_server_that_answers_is_ready_and_close_ends_its_whole_group(tmp_path):
+    port = free_port()
+    # The server forks a sleeper: close must end the child too, not only the leader.
+    command = ["sh", "-c", f"sleep 300 & exec {' '.join(HTTP_SERVER)} {port}"]
+    server = ServerProcess.start(
+        "test", command, port=port, log_path=tmp_path / "s.log", health_path="/", timeout=30
+    )
+    assert server.alive and server.url == f"http://127.0.0.1:{port}"
+    assert server.ready_seconds > 0
+    pgid = server.process.pid
+    server.close()
+    assert _group_gone(pgid)
+    server.close()  # twice is allowed
+
+
+def test_a_taken_port_is_one_line_before_anything_starts(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ServerStartError) as error:
+            ServerProcess.start("engine-0", ["true"], port=port, log_path=tmp_path / "s.log", timeout=5)
+    message = str(error.value)
+    assert "\n" not in message
+    assert f"port {port} on 127.0.0.1 is taken" in message and "engine-0" in message
+
+
+def test_a_process_that_exits_during_start_names_its_exit_and_the_gist_of_its_log(tmp_path):
+    log = tmp_path / "s.log"
+    command = [
+        "sh",
+        "-c",
+        "echo loading; echo 'ValueError: no config.json in /nowhere' >&2; echo bye; exit 3",
+    ]
+    started = time.monotonic()
+    with pytest.raises(ServerStartError) as error:
+        ServerProcess.start("engine-0", command, port=free_port(), log_path=log, timeout=30)
+    assert time.monotonic() - started < 10
+    message = str(error.value)
+    assert "\n" not in message
+    assert "exited during start (exit code 3)" in message
+    assert "ValueError: no config.json in /nowhere" in message
+    assert str(log) in message
+
+
+def test_a_server_that_never_answers_times_out_in_one_line_and_is_killed(tmp_path):
+    command = ["sh", "-c", "trap '' TERM; echo still loading; sleep 300"]  # ignores SIGTERM too
+    started = time.monotonic()
+    with pytest.raises(ServerStartError) as error:
+        ServerProcess.start("engine-0", command, port=free_port(), log_path=tmp_path / "s.log", timeout=1.5)
+    assert time.monotonic() - started < 30
+    message = str(error.value)
+    assert "\n" not in message
+    assert "did not answer within 1.5 s" in message and "still loading" in message
+
+
+def test_a_missing_program_is_one_line(tmp_path):
+    with pytest.raises(ServerStartError, match="cannot run /no/such/python"):
+        ServerProcess.start("engine-0", ["/no/such/python"], port=free_port(), log_path=tmp_path / "s.log")
+
+
+def test_the_gist_prefers_the_last_error_line_and_shortens_it(tmp_path):
+    log = tmp_path / "s.log"
+    log.write_text(
+        "INFO start\nTraceback (most recent call last):\n  File x\nOSError: " + "x" * 500 + "\nINFO bye\n"
+    )
+    gist = log_gist(log)
+    assert gist.startswith("OSError: x") and gist.endswith("...") and len(gist) == 300
+    assert log_gist(tmp_path / "absent.log") == "no log"
+
+
+def test_the_gist_of_a_vllm_log_is_the_root_cause_not_its_wrappers(tmp_path):
+    log = tmp_path / "s.log"
+    log.write_text(
+        "(Worker pid=9) ERROR 12-01 18:47:27 [multiproc_executor.py:1063] RuntimeError: Unsupported CPU "
+        "attention configuration: head_dim=16 isa=2 kv_cache_idx=0\n"
+        "(EngineCore pid=8) ERROR 12-01 18:47:27 [core.py:1512] Traceback (most recent call last):\n"
+        "(APIServer pid=7) ERROR 12-01 18:47:27 [async_llm.py:906] vllm.v1.engine.exceptions.EngineDeadError: "
+        "EngineCore encountered an issue. See stack trace (above) for the root cause.\n"
+        'INFO:     127.0.0.1:33540 - "POST /inference/v1/generate HTTP/1.1" 500 Internal Server Error\n'
+    )
+    assert (
+        log_gist(log)
+        == "RuntimeError: Unsupported CPU attention configuration: head_dim=16 isa=2 kv_cache_idx=0"
+    )
+
+
+def test_an_exit_by_signal_is_named(tmp_path):
+    command = ["sh", "-c", f"kill -{int(signal.SIGKILL)} $$"]
+    with pytest.raises(ServerStartError, match=r"killed by SIGKILL"):
+        ServerProcess.start("engine-0", command, port=free_port(), log_path=tmp_path / "s.log", timeout=10)
+
+
+def test_each_vllm_server_is_bound_to_a_cpu_of_its_own_by_default():
+    from actors.engine.vllm_engine import server_env
+    from schemas.config import VllmConfig
+
+    cpus = sorted(os.sched_getaffinity(0))
+    bound = [server_env(VllmConfig(), index)["VLLM_CPU_OMP_THREADS_BIND"] for index in range(len(cpus) + 1)]
+    assert bound == [str(cpu) for cpu in cpus] + [str(cpus[0])]  # round-robin over the allowed CPUs
+    assert server_env(VllmConfig(cpu_threads_bind="nobind"), 0)["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
