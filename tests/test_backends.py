@@ -40,13 +40,13 @@ def test_the_builtin_names_resolve_to_the_torch_classes():
 @pytest.mark.parametrize(
     ("lookup", "message"),
     [
-        (engine_class, "unknown engine 'vllm'; known: sglang, torch"),
-        (backend_class, "unknown trainer backend 'vllm'; known: torch"),
+        (engine_class, "unknown engine 'vllmm'; known: sglang, torch, vllm"),
+        (backend_class, "unknown trainer backend 'vllmm'; known: torch"),
     ],
 )
 def test_an_unknown_name_is_one_line_naming_the_known_ones(lookup, message):
     with pytest.raises(ValueError) as raised:
-        lookup("vllm")
+        lookup("vllmm")
     assert str(raised.value) == message
 
 
