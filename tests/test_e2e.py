@@ -224,7 +224,7 @@ def test_a_nan_reward_stops_the_run_with_one_line_naming_the_rollout(tmp_path):
         ('data.prompt_data="missing.jsonl"', "missing.jsonl"),
         ('rollout.reward_fn="no.such.module.fn"', "no.such.module"),
         ('run.dir="/dev/null/run"', "run.dir /dev/null/run"),
-        ('generator.engine="no_such_engine"', "generator.engine: unknown engine 'no_such_engine'; known: torch"),
+        ('generator.engine="no_such_engine"', "generator.engine: unknown engine 'no_such_engine'; known: sglang, torch, vllm"),
         ('trainer.backend="no_such_backend"', "trainer.backend: unknown trainer backend 'no_such_backend'; known: torch"),
         ("model.builtin.hidden_size=100000000", "model.builtin: 30,000,080,900,000,000 parameters (hidden_size 100000000"),
         ("model.builtin.num_attention_heads=3", "model.builtin.num_attention_heads: 3 must divide model.builtin.hidden_size (128)"),
