@@ -362,6 +362,9 @@ def start_replay(log: Path) -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "miles_events.replay", str(log), "--serve-metrics", "0"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        # Interruptible even when this test run was started with SIGINT ignored (a shell's
+        # background job): the child would inherit that.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     assert proc.stdout is not None
     line = proc.stdout.readline()
