@@ -1,6 +1,5 @@
 """``python -m miles_events.run CONFIG.toml``: see ``miles_events.app.run``."""
 
-import gc
 import os
 import signal
 import sys
@@ -21,12 +20,7 @@ if __name__ == "__main__":
     try:
         from miles_events.app.run import main
 
-        code = main()
-        # The run is over and closed. What torch and transformers built at import (hundreds
-        # of thousands of objects) need not be traced once more by the collector at exit:
-        # ~0.7 s of a 2-core machine's exit. Files still flush and atexit handlers still run.
-        gc.freeze()
-        sys.exit(code)
+        sys.exit(main())
     except KeyboardInterrupt:
         print("error: aborted", file=sys.stderr)
         sys.exit(130)
