@@ -13,9 +13,9 @@ matching and the snapshot comparison (bitwise, or within one ULP).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from miles_events.rl.cancel import Cancellation
 from miles_events.transport.base import Transport
@@ -156,6 +156,19 @@ class Engine(ABC):
 
     def close(self) -> None:
         """Release the engine's memory."""
+
+
+def encode_prompt(request: GenerateRequest, tokenizer: Callable[[], Any]) -> list[int]:
+    """Token ids of one prompt: text through ``tokenizer()`` (called only for text), ids as
+    they are; a prompt with no tokens is refused."""
+    ids = (
+        list(tokenizer()(request, add_special_tokens=True)["input_ids"])
+        if isinstance(request, str)
+        else [int(t) for t in request]
+    )
+    if not ids:
+        raise ValueError(f"prompt {request!r} has no tokens")
+    return ids
 
 
 def find_stop(text: str, stops: Sequence[str]) -> tuple[int, str | None]:

@@ -34,6 +34,7 @@ from actors.engine.base import (
     SamplingParams,
     Selector,
     TensorCheckAction,
+    encode_prompt,
 )
 from miles_events.rl.cancel import Cancellation
 from miles_events.transport.base import Transport
@@ -152,19 +153,17 @@ class SglangEngine(Engine):
     # --- generation ----------------------------------------------------------------------------
 
     def _encode(self, request: GenerateRequest) -> list[int]:
-        if not isinstance(request, str):
-            ids = [int(t) for t in request]
-        else:
-            if self._tokenizer is None:
-                if self.config.model.path is None:
-                    raise ValueError("a text prompt needs a tokenizer: model.path is unset")
-                from transformers import AutoTokenizer
+        return encode_prompt(request, self._text_tokenizer)
 
-                self._tokenizer = AutoTokenizer.from_pretrained(self.config.model.path)
-            ids = list(self._tokenizer(request, add_special_tokens=True)["input_ids"])
-        if not ids:
-            raise ValueError(f"prompt {request!r} has no tokens")
-        return ids
+    def _text_tokenizer(self) -> Any:
+        """The model's tokenizer, loaded when a text prompt first needs it."""
+        if self._tokenizer is None:
+            if self.config.model.path is None:
+                raise ValueError("a text prompt needs a tokenizer: model.path is unset")
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.config.model.path)
+        return self._tokenizer
 
     def generate(
         self,

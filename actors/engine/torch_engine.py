@@ -41,6 +41,7 @@ from actors.engine.base import (
     SamplingParams,
     Selector,
     TensorCheckAction,
+    encode_prompt,
     find_stop,
     name_list,
     tensors_match,
@@ -131,14 +132,7 @@ class TorchEngine(Engine):
 
     def encode(self, request: GenerateRequest) -> list[int]:
         """Token ids of one prompt: text through the tokenizer, ids as they are."""
-        ids = (
-            list(self.tokenizer(request, add_special_tokens=True)["input_ids"])
-            if isinstance(request, str)
-            else [int(t) for t in request]
-        )
-        if not ids:
-            raise ValueError(f"prompt {request!r} has no tokens")
-        return ids
+        return encode_prompt(request, lambda: self.tokenizer)
 
     def generate(
         self,

@@ -62,6 +62,7 @@ from actors.engine.base import (
     SamplingParams,
     Selector,
     TensorCheckAction,
+    encode_prompt,
     name_list,
 )
 from actors.engine.server_process import HOST, ServerProcess, ServerStartError, free_port, log_gist
@@ -267,14 +268,7 @@ class VllmEngine(Engine):
 
     def encode(self, request: GenerateRequest) -> list[int]:
         """Token ids of one prompt: text through the tokenizer, ids as they are."""
-        ids = (
-            list(self.tokenizer(request, add_special_tokens=True)["input_ids"])
-            if isinstance(request, str)
-            else [int(t) for t in request]
-        )
-        if not ids:
-            raise ValueError(f"prompt {request!r} has no tokens")
-        return ids
+        return encode_prompt(request, lambda: self.tokenizer)
 
     def warm_up(self) -> None:
         """One short request with logprobs, so that the op vLLM compiles for logprobs on
