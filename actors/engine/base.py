@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from miles_events.rl.cancel import Cancellation
+from miles_events.rl.checksum import per_engine_checksum, per_gpu_checksum
 from miles_events.transport.base import Transport
-from schemas.checksums import EngineChecksumReport, WeightsCheckResult
+from schemas.checksums import EngineChecksumReport, ParallelismInfo, RankChecksums, WeightsCheckResult
 from schemas.config import Config
 from schemas.data import DataRef
 
@@ -156,6 +157,18 @@ class Engine(ABC):
 
     def close(self) -> None:
         """Release the engine's memory."""
+
+
+def single_rank_report(checksums: dict[str, str], message: str) -> EngineChecksumReport:
+    """A successful ``checksum`` report of an engine without tensor parallelism: one rank
+    holding ``checksums``, with its per-GPU and per-engine digests."""
+    per_gpu = per_gpu_checksum(checksums)
+    return EngineChecksumReport(
+        success=True,
+        message=message,
+        ranks=[RankChecksums(checksums=checksums, per_gpu_checksum=per_gpu, parallelism_info=ParallelismInfo())],
+        per_engine_checksum=per_engine_checksum([per_gpu]),
+    )
 
 
 def encode_prompt(request: GenerateRequest, tokenizer: Callable[[], Any]) -> list[int]:

@@ -44,15 +44,16 @@ from actors.engine.base import (
     encode_prompt,
     find_stop,
     name_list,
+    single_rank_report,
     tensors_match,
 )
 from miles_events.rl.canary import CANARY_BYTES, canary_fingerprint, split_canary
 from miles_events.rl.cancel import Cancellation
-from miles_events.rl.checksum import fingerprints, is_skipped, per_engine_checksum, per_gpu_checksum
+from miles_events.rl.checksum import fingerprints, is_skipped
 from miles_events.rl.hf_model import cache_kwarg, load_model, load_tokenizer
 from miles_events.rl.weights import split_tied
 from miles_events.transport.base import Transport
-from schemas.checksums import EngineChecksumReport, ParallelismInfo, RankChecksums, WeightsCheckResult
+from schemas.checksums import EngineChecksumReport, WeightsCheckResult
 from schemas.config import Config
 from schemas.data import DataRef
 
@@ -347,13 +348,7 @@ class TorchEngine(Engine):
         """The fingerprints of the selected tensors, as one rank (this engine has no tensor
         parallelism); ``"draft"`` selects nothing."""
         checksums = fingerprints(self._selected(selector, skip_tensor_list))
-        per_gpu = per_gpu_checksum(checksums)
-        return EngineChecksumReport(
-            success=True,
-            message=f"checksums of {len(checksums)} tensors",
-            ranks=[RankChecksums(checksums=checksums, per_gpu_checksum=per_gpu, parallelism_info=ParallelismInfo())],
-            per_engine_checksum=per_engine_checksum([per_gpu]),
-        )
+        return single_rank_report(checksums, f"checksums of {len(checksums)} tensors")
 
     def weights_check(
         self,

@@ -64,14 +64,15 @@ from actors.engine.base import (
     TensorCheckAction,
     encode_prompt,
     name_list,
+    single_rank_report,
 )
 from actors.engine.server_process import HOST, ServerProcess, ServerStartError, free_port, log_gist
 from miles_events.rl.canary import CANARY_TENSOR, split_canary
 from miles_events.rl.cancel import Cancellation, Cancelled
-from miles_events.rl.checksum import is_skipped, per_engine_checksum, per_gpu_checksum
+from miles_events.rl.checksum import is_skipped
 from miles_events.rl.hf_model import load_tokenizer
 from miles_events.transport.base import Transport
-from schemas.checksums import EngineChecksumReport, ParallelismInfo, RankChecksums, WeightsCheckResult
+from schemas.checksums import EngineChecksumReport, WeightsCheckResult
 from schemas.config import Config, VllmConfig
 from schemas.data import DataRef
 
@@ -530,20 +531,10 @@ class VllmEngine(Engine):
             readable, unreadable = self.readable_checksums()
             readable = {n: c for n, c in readable.items() if not is_skipped(n, skip)}
             unreadable = [n for n in unreadable if not is_skipped(n, skip)]
-        per_gpu = per_gpu_checksum(readable)
         message = f"checksums of {len(readable)} tensors"
         if unreadable:
             message += f"; {len(unreadable)} cannot be read back from vLLM (repacked or fused): {name_list(unreadable)}"
-        return EngineChecksumReport(
-            success=True,
-            message=message,
-            ranks=[
-                RankChecksums(
-                    checksums=readable, per_gpu_checksum=per_gpu, parallelism_info=ParallelismInfo()
-                )
-            ],
-            per_engine_checksum=per_engine_checksum([per_gpu]),
-        )
+        return single_rank_report(readable, message)
 
     def weights_check(
         self,
