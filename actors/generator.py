@@ -1,8 +1,12 @@
 """The Generator: inference engines that turn prompts into scored rollout samples.
 
 It owns ``generator.num_engines`` engines ("engine-0", "engine-1", ...) of the backend
-``generator.engine``, all bootstrapped from ``model.path`` and serving version ``"default"``,
-and reacts to:
+``generator.engine``, all bootstrapped from ``model.path`` and serving version ``"default"``.
+Each engine is a rank of the Generator's worker group (``actors.engine.worker``), with a
+CPU of its own (and its GPUs): on the ray runtime engine 0 runs in the Generator's process
+and every other engine in a Ray actor process of its own, in its own bundle; on the local
+runtime all run in the one process. Engines start at once (servers launch and load their
+models concurrently), and every call below goes to all of them at once. It reacts to:
 
 - ``RolloutRequested``: samples ``n_samples_per_prompt`` completions for each prompt of the
   rollout (one group per prompt; groups go to engines round-robin), scores them with the
@@ -12,43 +16,53 @@ and reacts to:
 - ``EvalRequested``: the same on the eval prompts at ``eval_temperature``; ``EvalFinished``.
 - ``WeightsStaged``: every engine loads the staged weights from their handle and
   fingerprints what it now serves; one ``WeightsLoaded`` per engine (digest, counts and the
-  checksum manifest, written once per digest under ``<run_dir>/checksums/``), emitted as
-  soon as that engine is done.
+  checksum manifest, written once per digest under ``<run_dir>/checksums/``), in engine
+  order, each as soon as it and the engines before it are done.
 - ``WeightsCheckRequested``: SGLang's weight-checker action on every engine; one
-  ``WeightsCheckFinished`` per engine.
+  ``WeightsCheckFinished`` per engine, in engine order.
 - ``DataReleased`` of a batch it owns: frees it.
 
-The embedded ``torch`` engines run on CUDA when this process sees a GPU (engine i on GPU i
+A failure on one engine fails the handler with the engine's name in its message.
+
+The embedded ``torch`` engines run on CUDA when their process sees a GPU (engine i on GPU i
 modulo the count), on CPU otherwise. Each engine samples with ``rollout.num_threads``
-torch threads (0: the process's cores shared by its engines) while it generates
+torch threads (0: its process's cores shared by the engines there) while it generates
 (``miles_events.rl.threads``).
 """
-
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import time
-from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any, ClassVar
 
 import anyio
 import msgspec
 
-from actors.engine import build_engine
-from actors.engine.base import Engine, SamplingParams, TensorCheckAction
-from miles_events.bus.actor import Actor, ActorContext, WorkerGroup, handles
+from actors.engine.base import Completion, SamplingParams, TensorCheckAction
+from actors.engine.worker import Checked, Loaded, engine_worker
+from miles_events.bus.actor import (
+    Actor,
+    ActorContext,
+    Worker,
+    WorkerFactory,
+    WorkerGroup,
+    close_workers,
+    handles,
+)
+from miles_events.bus.errors import describe_error
 from miles_events.rl.cancel import Cancellation, Cancelled
-from miles_events.rl.checksum import ranked_checksums, report_checksums
-from miles_events.rl.checksum_manifest import write_manifest
 from miles_events.rl.prompts import Prompt, load_prompts, rollout_prompts
 from miles_events.rl.registry import load_function
-from miles_events.rl.threads import phase_threads
 from miles_events.rl.versions import engine_names
+from schemas.checksums import WeightsCheckResult
 from schemas.config import Config
 from schemas.events import (
     DataReleased,
     EvalFinished,
     EvalRequested,
+    Event,
     RolloutGenerated,
     RolloutRequested,
     StepCancelled,
@@ -60,9 +74,6 @@ from schemas.events import (
 )
 from schemas.rollout import RolloutBatch, Sample
 
-if TYPE_CHECKING:
-    import torch
-
 RewardFn = Callable[[str, str, str], float]
 
 
@@ -71,17 +82,24 @@ class Generator(Actor):
 
     name = "generator"
 
+    build_worker: ClassVar[WorkerFactory] = staticmethod(engine_worker)
+    """How each engine rank is built where it runs (a module-level function)."""
+
     def __init__(self, config: Config, context: ActorContext) -> None:
         super().__init__(config, context)
         self.cancel = Cancellation()
-        self.engines: list[Engine] = []
+        self.engines: list[Worker] = []
+        """One worker-group rank per engine, in engine order (``engine_names``)."""
+        self.engine_names: list[str] = []
         self.prompts: list[Prompt] = []
         self.eval_prompts: list[Prompt] = []
         self.reward_fn: RewardFn | None = None
 
     @classmethod
     def resources(cls, config: Config) -> WorkerGroup:
-        return WorkerGroup(role="rollout", cpus_per_rank=1)
+        # A rank per engine: on the ray runtime engine 0 shares the Generator's process and
+        # each other engine gets a process, and a bundle of CPUs and GPUs, of its own.
+        return WorkerGroup(role="rollout", num_ranks=config.generator.num_engines, cpus_per_rank=1)
 
     async def start(self) -> None:
         rollout, data = self.config.rollout, self.config.data
@@ -93,18 +111,13 @@ class Generator(Actor):
             load_prompts(data.eval_data, data.input_key, data.label_key) if data.eval_data else self.prompts
         )
         self.reward_fn = load_function(rollout.reward_fn)
-        self.engines = await anyio.to_thread.run_sync(self._load_engines)
-
-    def _load_engines(self) -> list[Engine]:
-        return [
-            build_engine(self.config, index=index, name=name, transport=self.context.transport)
-            for index, name in enumerate(engine_names(self.config))
-        ]
+        # Every engine starts at once: servers launch and load their models concurrently.
+        self.engine_names = list(engine_names(self.config))
+        self.engines = await self.context.start_workers(type(self).build_worker, len(self.engine_names))
 
     async def stop(self) -> None:
-        for engine in self.engines:
-            engine.close()
-        self.engines = []
+        engines, self.engines = self.engines, []
+        await close_workers(engines)
 
     # --- rollouts and evaluation ------------------------------------------------------------
 
@@ -117,6 +130,8 @@ class Generator(Actor):
     def interrupt(self, event: StopRequested) -> None:
         if event.now:
             self.cancel.cancel(event.reason)
+            for engine in self.engines:
+                engine.notify("cancel", event.reason)
 
     @handles(RolloutRequested, emits=(RolloutGenerated, StepCancelled))
     async def on_rollout_requested(self, event: RolloutRequested) -> None:
@@ -192,24 +207,18 @@ class Generator(Actor):
         self, prompts: Sequence[Prompt], n_samples: int, sampling: SamplingParams, kind: str, rollout_id: int
     ) -> list[Sample]:
         """``n_samples`` scored samples per prompt, ordered by group; engines run concurrently."""
-        import torch
-
         num_engines = len(self.engines)
         per_engine = [list(range(i, len(prompts), num_engines)) for i in range(num_engines)]
         results: list[list[Sample]] = [[] for _ in self.engines]
 
         async def run(index: int) -> None:
-            generator = torch.Generator().manual_seed(
-                engine_seed(self.config.run.seed, kind, rollout_id, index)
-            )
+            groups = per_engine[index]
+            requests = [prompts[g].prompt for g in groups for _ in range(n_samples)]
+            seed = engine_seed(self.config.run.seed, kind, rollout_id, index)
+            completions = await self._on_engine(index, "generate", requests, sampling, seed)
+            self.cancel.check()
             results[index] = await anyio.to_thread.run_sync(
-                self._generate_groups,
-                self.engines[index],
-                prompts,
-                per_engine[index],
-                n_samples,
-                sampling,
-                generator,
+                self._score, self.engine_names[index], prompts, groups, n_samples, completions
             )
 
         try:
@@ -226,19 +235,26 @@ class Generator(Actor):
             raise Cancelled(self.cancel.reason) from None
         return sorted((s for samples in results for s in samples), key=lambda s: s.group)
 
-    def _generate_groups(
+    async def _on_engine(self, index: int, method: str, *args: object) -> Any:
+        """``method(*args)`` of engine ``index``; a failure whose message does not name the
+        engine (a rank process that died, an HTTP error) is raised as ``EngineFailed`` naming it."""
+        name = self.engine_names[index]
+        try:
+            return await self.engines[index].call(method, *args)
+        except Exception as error:
+            if isinstance(error, Cancelled) or name in str(error):
+                raise
+            raise EngineFailed(f"{name}: {describe_error(error)}") from error
+
+    def _score(
         self,
-        engine: Engine,
+        engine: str,
         prompts: Sequence[Prompt],
         groups: list[int],
         n_samples: int,
-        sampling: SamplingParams,
-        generator: torch.Generator,
+        completions: Sequence[Completion],
     ) -> list[Sample]:
         assert self.reward_fn is not None, "start() loads the reward function"
-        requests = [prompts[g].prompt for g in groups for _ in range(n_samples)]
-        with phase_threads(self.config.rollout.num_threads, sharers=len(self.engines)):
-            completions = engine.generate(requests, sampling, generator, self.cancel)
         samples: list[Sample] = []
         for position, completion in enumerate(completions):
             group = groups[position // n_samples]
@@ -255,7 +271,7 @@ class Generator(Actor):
                     response=completion.response,
                     reward=float(self.reward_fn(prompt.prompt, completion.response, prompt.label)),
                     weight_version=completion.weight_version,
-                    engine=engine.name,
+                    engine=engine,
                     finish_reason=completion.finish_reason,
                 )
             )
@@ -265,79 +281,86 @@ class Generator(Actor):
 
     @handles(WeightsStaged, emits=(WeightsLoaded,))
     async def on_weights_staged(self, event: WeightsStaged) -> None:
-        # Each engine resolves the handle itself; the staged data belongs to the trainer.
+        # Every engine loads at once and resolves the handle itself (the staged data belongs
+        # to the trainer).
         # The skip list applies here as on the trainer: digests are compared whole.
         skip = list(self.config.verifier.skip_tensor_list)
-        for engine in self.engines:
-            previous = engine.weight_version
+
+        async def load(index: int) -> Event:
             started = time.perf_counter()
-
-            def load(engine: Engine = engine) -> tuple[int, str, str, int, str | None]:
-                num_bytes = engine.load_weights(event.weights, event.weight_version)
-                checksums = report_checksums(engine.checksums(skip))
-                digest, manifest = write_manifest(self.context.run_dir, checksums)
-                canary = engine.served_canary() if engine.holds_canary else None
-                return num_bytes, digest, manifest, len(checksums), canary
-
-            num_bytes, digest, manifest, num_tensors, canary = await anyio.to_thread.run_sync(load)
-            await self.publish(
-                WeightsLoaded(
-                    engine=engine.name,
-                    weight_version=engine.weight_version,
-                    previous_version=previous,
-                    digest=digest,
-                    num_tensors=num_tensors,
-                    num_bytes=num_bytes,
-                    checksums_manifest=manifest,
-                    load_seconds=time.perf_counter() - started,
-                    canary=canary,
-                )
+            loaded: Loaded = await self._on_engine(index, "load", event.weights, event.weight_version, skip)
+            return WeightsLoaded(
+                engine=self.engine_names[index],
+                weight_version=loaded.weight_version,
+                previous_version=loaded.previous_version,
+                digest=loaded.digest,
+                num_tensors=loaded.num_tensors,
+                num_bytes=loaded.num_bytes,
+                checksums_manifest=loaded.checksums_manifest,
+                load_seconds=time.perf_counter() - started,
+                canary=loaded.canary,
             )
 
-    def _checksum_check(self, engine: Engine, event: WeightsCheckRequested) -> WeightsCheckFinished:
-        report = engine.checksums(list(event.skip_tensor_list), event.selector)
-        digest = manifest = ""
-        num_tensors = 0
-        if report.success and report.ranks:
-            # Flattened as miles does (``rank{r}/{name}``), so checks compare as the seed's.
-            checksums = ranked_checksums(report)
-            digest, manifest = write_manifest(self.context.run_dir, checksums)
-            num_tensors = len(checksums)
-        return WeightsCheckFinished(
-            engine=engine.name,
-            action=event.action,
-            success=report.success,
-            message=report.message,
-            digest=digest,
-            num_tensors=num_tensors,
-            checksums_manifest=manifest,
-            weight_version=engine.weight_version,
-            request_id=event.request_id,
-        )
+        await self._on_every_engine(load)
 
-    def _tensor_check(self, engine: Engine, event: WeightsCheckRequested) -> WeightsCheckFinished:
-        action: TensorCheckAction = event.action  # type: ignore[assignment]
-        result = engine.weights_check(action, event.selector, list(event.skip_tensor_list), event.allow_quant_error)
-        return WeightsCheckFinished(
-            engine=engine.name,
-            action=event.action,
-            success=result.success,
-            message=result.message,
-            num_tensors=result.num_tensors,
-            weight_version=result.weight_version,
-            request_id=event.request_id,
-        )
+    async def _on_every_engine(self, work: Callable[[int], Awaitable[Event]]) -> None:
+        """``work(index)`` for every engine at once; the events they return are published in
+        engine order (each as soon as it and those before it are done), so a run's event log
+        does not depend on which engine was faster. The first failure is raised."""
+        tasks = [asyncio.ensure_future(work(index)) for index in range(len(self.engines))]
+        try:
+            for task in tasks:
+                await self.publish(await task)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     @handles(WeightsCheckRequested, emits=(WeightsCheckFinished,))
     async def on_weights_check_requested(self, event: WeightsCheckRequested) -> None:
-        check = self._checksum_check if event.action == "checksum" else self._tensor_check
-        for engine in self.engines:
-            await self.publish(await anyio.to_thread.run_sync(check, engine, event))
+        skip = list(event.skip_tensor_list)
+
+        async def check(index: int) -> Event:
+            name = self.engine_names[index]
+            if event.action == "checksum":
+                checked: Checked = await self._on_engine(index, "checksum_check", skip, event.selector)
+                finished = WeightsCheckFinished(
+                    engine=name,
+                    action=event.action,
+                    success=checked.success,
+                    message=checked.message,
+                    digest=checked.digest,
+                    num_tensors=checked.num_tensors,
+                    checksums_manifest=checked.checksums_manifest,
+                    weight_version=checked.weight_version,
+                    request_id=event.request_id,
+                )
+            else:
+                action: TensorCheckAction = event.action  # type: ignore[assignment]
+                result: WeightsCheckResult = await self._on_engine(
+                    index, "weights_check", action, event.selector, skip, event.allow_quant_error
+                )
+                finished = WeightsCheckFinished(
+                    engine=name,
+                    action=event.action,
+                    success=result.success,
+                    message=result.message,
+                    num_tensors=result.num_tensors,
+                    weight_version=result.weight_version,
+                    request_id=event.request_id,
+                )
+            return finished
+
+        await self._on_every_engine(check)
 
     @handles(DataReleased, emits=())
     async def on_data_released(self, event: DataReleased) -> None:
         if event.ref.owner == self.name:
             self.context.transport.free(event.ref)
+
+
+class EngineFailed(RuntimeError):
+    """A call on one engine failed; the message starts with the engine's name."""
 
 
 def engine_seed(run_seed: int, kind: str, rollout_id: int, engine_index: int) -> int:

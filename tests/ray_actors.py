@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 from miles_events.bus.actor import Actor, WorkerGroup, handles
+from miles_events.bus.workers import RankPlace, close_workers
 from schemas.events import EvalRequested, RolloutGenerated, RolloutRequested, StopRequested
 
 
@@ -53,3 +54,65 @@ class Model(Actor):
     async def on_eval(self, event: EvalRequested) -> None:
         arenas = os.environ.get("MALLOC_ARENA_MAX", "")
         await self.publish(StopRequested(reason=f"{os.getpid()}:{event.rollout_id}:{arenas}"))
+
+
+class RankProbe:
+    """One rank of ``Ranked``'s worker group: says where it runs, fails when asked."""
+
+    def __init__(self, place: RankPlace) -> None:
+        self.place = place
+        self.notified: list[str] = []
+
+    def where(self) -> tuple[int, int, int]:
+        return self.place.rank, os.getpid(), self.place.ranks_in_process
+
+    def fail(self) -> None:
+        raise KeyError(f"rank {self.place.rank} was asked to fail")
+
+    def note(self, text: str) -> None:
+        self.notified.append(text)
+
+    def notes(self) -> list[str]:
+        return self.notified
+
+    def close(self) -> None:
+        (self.place.run_dir / f"rank-{self.place.rank}.closed").write_text(str(os.getpid()))
+
+
+def rank_probe(config, transport, place: RankPlace) -> RankProbe:  # type: ignore[no-untyped-def]
+    if place.rank == int(os.environ.get("MILES_TEST_FAILING_RANK", "-1")):
+        raise OSError(f"rank {place.rank} cannot start")
+    return RankProbe(place)
+
+
+class Ranked(Actor):
+    """A model actor with a worker group of two ranks: on EvalRequested, answers with a
+    StopRequested per rank (``rank:pid:ranks_in_process``); on RolloutRequested, asks rank 1
+    to fail and answers with the error it got."""
+
+    name = "ranked"
+
+    @classmethod
+    def resources(cls, config):  # type: ignore[no-untyped-def]
+        return WorkerGroup(role="rollout", num_ranks=2, cpus_per_rank=0.5)
+
+    async def start(self) -> None:
+        self.workers = await self.context.start_workers(rank_probe, 2)
+
+    async def stop(self) -> None:
+        await close_workers(self.workers)
+
+    @handles(EvalRequested, emits=(StopRequested,))
+    async def on_eval(self, event: EvalRequested) -> None:
+        for worker in self.workers:
+            worker.notify("note", f"eval {event.rollout_id}")
+            rank, pid, sharing = await worker.call("where")
+            notes = await worker.call("notes")
+            await self.publish(StopRequested(reason=f"{rank}:{pid}:{sharing}:{os.getpid()}:{'|'.join(notes)}"))
+
+    @handles(RolloutRequested, emits=(StopRequested,))
+    async def on_rollout(self, event: RolloutRequested) -> None:
+        try:
+            await self.workers[1].call("fail")
+        except KeyError as error:
+            await self.publish(StopRequested(reason=f"KeyError: {error.args[0]}"))

@@ -18,6 +18,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from actors.engine.worker import engine_worker
 from actors.generator import Generator
 from miles_events.app.config import load_config
 from miles_events.app.session import Session
@@ -293,13 +294,12 @@ def test_dry_run_prints_the_resolved_config_and_runs_nothing(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-class CorruptingGenerator(Generator):
-    """A Generator whose second engine corrupts one tensor while loading version 3, as a
-    faulty transport or loader would."""
-
-    def _load_engines(self):  # type: ignore[no-untyped-def]
-        engines = super()._load_engines()
-        faulty = engines[-1]
+def corrupting_engine(config, transport, place):  # type: ignore[no-untyped-def]
+    """Engine rank ``place.rank``; the last one corrupts one tensor while loading version 3,
+    as a faulty transport or loader would."""
+    worker = engine_worker(config, transport, place)
+    if place.rank == config.generator.num_engines - 1:
+        faulty = worker.engine
         real_load = faulty.load_weights
 
         def load_weights(weights, weight_version):  # type: ignore[no-untyped-def]
@@ -310,7 +310,11 @@ class CorruptingGenerator(Generator):
             return loaded
 
         faulty.load_weights = load_weights  # type: ignore[method-assign]
-        return engines
+    return worker
+
+
+class CorruptingGenerator(Generator):
+    build_worker = staticmethod(corrupting_engine)
 
 
 @pytest.mark.parametrize("continue_on_mismatch", [False, True])
@@ -339,20 +343,22 @@ def test_an_engine_serving_different_weights_is_caught(tmp_path, continue_on_mis
         assert not [e for e in log if isinstance(e, RolloutGenerated) and e.rollout_id >= 2]
 
 
+def no_op_load_engine(config, transport, place):  # type: ignore[no-untyped-def]
+    """An engine whose load bumps the version and writes nothing (the bug class of a
+    version bump without a transfer)."""
+    worker = engine_worker(config, transport, place)
+    engine = worker.engine
+
+    def load_weights(weights, weight_version):  # type: ignore[no-untyped-def]
+        engine._weight_version = str(weight_version)
+        return weights.num_bytes
+
+    engine.load_weights = load_weights  # type: ignore[method-assign]
+    return worker
+
+
 class NoOpLoadGenerator(Generator):
-    """A Generator whose engine's load bumps the version and writes nothing (the bug class
-    of a version bump without a transfer)."""
-
-    def _load_engines(self):  # type: ignore[no-untyped-def]
-        engines = super()._load_engines()
-        for engine in engines:
-
-            def load_weights(weights, weight_version, engine=engine):  # type: ignore[no-untyped-def]
-                engine._weight_version = str(weight_version)
-                return weights.num_bytes
-
-            engine.load_weights = load_weights  # type: ignore[method-assign]
-        return engines
+    build_worker = staticmethod(no_op_load_engine)
 
 
 def no_op_run(tmp_path: Path, *overrides: str):  # type: ignore[no-untyped-def]

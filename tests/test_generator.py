@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,6 +14,7 @@ import torch
 
 from actors.generator import Generator, engine_seed, sorted_versions
 from miles_events.bus.actor import WorkerGroup
+from miles_events.bus.workers import Worker, WorkerFactory, start_in_process
 from miles_events.rl.checksum import fingerprints, per_gpu_checksum
 from miles_events.rl.checksum_manifest import read_manifest, write_manifest
 from miles_events.rl.hf_model import load_model, prepare_base_model
@@ -72,11 +74,19 @@ class FakeContext:
     async def publish(self, event: Event) -> None:
         self.events.append(event)
 
+    async def start_workers(self, factory: WorkerFactory, ranks: int) -> list[Worker]:
+        return await start_in_process(factory, ranks, self.config, self.transport, self.run_dir)
+
     def of(self, event_type: type[Event]) -> list:
         return [e for e in self.events if isinstance(e, event_type)]
 
 
 Started = tuple[Generator, FakeContext]
+
+
+def served_engines(generator: Generator) -> list:
+    """The engines themselves (the local runtime hosts every rank in process)."""
+    return [worker.target.engine for worker in generator.engines]
 
 
 @pytest.fixture(scope="module")
@@ -152,13 +162,15 @@ def manifest_of(context: FakeContext, event: WeightsLoaded | WeightsCheckFinishe
 
 
 def test_generator_declares_one_cpu(model_dir: Path, prompt_file: Path, tmp_path: Path) -> None:
-    assert Generator.resources(make_config(model_dir, prompt_file, tmp_path)) == WorkerGroup(role="rollout", cpus_per_rank=1)
+    assert Generator.resources(make_config(model_dir, prompt_file, tmp_path)) == WorkerGroup(
+        role="rollout", num_ranks=2, cpus_per_rank=1
+    ), "a rank of one CPU per engine"
 
 
 async def test_start_loads_one_engine_per_configured_engine(actor: Started) -> None:
     generator, _ = actor
-    assert [e.name for e in generator.engines] == ["engine-0", "engine-1"]
-    assert all(e.weight_version == "default" for e in generator.engines)
+    assert [e.name for e in served_engines(generator)] == ["engine-0", "engine-1"]
+    assert all(e.weight_version == "default" for e in served_engines(generator))
 
 
 async def test_rollout_yields_groups_of_samples_at_the_default_version(actor: Started) -> None:
@@ -271,28 +283,29 @@ async def test_engines_are_handed_the_handle_and_read_the_weights_themselves(
     staged = weights_staged(context, staged_weights(model_dir, 0.01), "1")
     handed: list[tuple[str, object]] = []
     reads: list[str | None] = []  # the engine loading when the transport was read, else None
-    loading: list[str] = []
-    for engine in generator.engines:
+    loading = threading.local()  # engines load concurrently, each on a thread
+    for engine in served_engines(generator):
         load = engine.load_weights
 
         def spy(weights, version, engine=engine, load=load):  # type: ignore[no-untyped-def]
             handed.append((engine.name, weights))
-            loading.append(engine.name)
+            loading.engine = engine.name
             try:
                 return load(weights, version)
             finally:
-                loading.pop()
+                loading.engine = None
 
         monkeypatch.setattr(engine, "load_weights", spy)
     get_tensors = context.transport.get_tensors
 
     def read(ref):  # type: ignore[no-untyped-def]
-        reads.append(loading[-1] if loading else None)
+        reads.append(getattr(loading, "engine", None))
         return get_tensors(ref)
 
     monkeypatch.setattr(context.transport, "get_tensors", read)
     await generator.handle(staged)
-    assert handed == [("engine-0", staged.weights), ("engine-1", staged.weights)]
+    assert sorted(handed) == [("engine-0", staged.weights), ("engine-1", staged.weights)]
+    reads.sort()
     assert reads == ["engine-0", "engine-1"], "only the engines read the staged tensors"
 
 

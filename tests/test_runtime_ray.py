@@ -13,14 +13,14 @@ import pytest
 
 from miles_events.bus.actor import Actor
 from miles_events.bus.event_bus import EventBus
-from miles_events.runtime.base import RunContext
-from miles_events.runtime.leftovers import PROCESSES_FILE, Process, alive, ray_processes
+from miles_events.runtime.base import ActorStartError, RunContext
+from miles_events.runtime.leftovers import PROCESSES_FILE, Process, alive, ray_processes, start_time
 from miles_events.runtime.ray import RayRuntime
 from miles_events.transport.base import ShmTransport
 from schemas.config import Config, RayConfig, RunConfig
 from schemas.events import ActorFailed, EvalRequested, Event, RolloutRequested, StopRequested
 from schemas.plan import RunPlan
-from tests.ray_actors import Echo, Model
+from tests.ray_actors import Echo, Model, Ranked
 
 pytestmark = pytest.mark.slow
 
@@ -149,3 +149,45 @@ async def test_without_an_actor_for_each_cpu_no_worker_is_prestarted(tmp_path):
         bus.close()
         await runtime.stop()
         ShmTransport("ray-test").close()
+
+
+async def test_a_worker_group_has_rank_0_in_its_actor_and_each_other_rank_in_a_process_of_its_own(tmp_path):
+    bus, runtime = await start(tmp_path, [Ranked], RayConfig())
+    try:
+        replies = bus.subscribe("replies", (StopRequested,))
+        await bus.publish(EvalRequested(rollout_id=1))
+        await bus.publish(EvalRequested(rollout_id=2))
+        answers = [e.reason.split(":") for e in await collect(replies, 4)]
+        (actor_pid,) = {int(a[3]) for a in answers}
+        ranks = {int(a[0]): (int(a[1]), int(a[2])) for a in answers}
+        assert ranks[0] == (actor_pid, 1), "rank 0 lives in the actor's own process"
+        rank_1_pid = ranks[1][0]
+        rank_1 = (rank_1_pid, start_time(rank_1_pid))
+        assert rank_1_pid not in (actor_pid, os.getpid()) and ranks[1][1] == 1, "rank 1 has a process of its own"
+        assert all("eval 1" in a[4] for a in answers[2:]), "notifications reach every rank"
+        assert runtime.processes() == [("ranked", actor_pid)]
+
+        await bus.publish(RolloutRequested(rollout_id=3))
+        (failed,) = await collect(replies, 1)
+        assert failed.reason == "KeyError: rank 1 was asked to fail", "a rank's own exception reaches its actor"
+    finally:
+        bus.close()
+        await runtime.stop()
+        ShmTransport("ray-test").close()
+    assert (tmp_path / "rank-0.closed").read_text() == str(actor_pid)
+    assert (tmp_path / "rank-1.closed").read_text() == str(rank_1_pid), "every rank is closed where it runs"
+    assert not running(rank_1), "the rank's process is gone"
+
+
+async def test_a_rank_that_cannot_start_fails_its_actors_start_with_its_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("MILES_TEST_FAILING_RANK", "1")
+    config = Config(run=RunConfig(runtime="ray"))
+    plan = RunPlan(start_rollout_id=0, num_rollout=1, num_rollout_per_epoch=1, runtime="ray")
+    runtime = RayRuntime(RunContext("ray-test", config, tmp_path, "shm", plan), ShmTransport("ray-test"))
+    try:
+        with pytest.raises(ActorStartError, match="ranked: OSError: rank 1 cannot start"):
+            await runtime.start(EventBus("ray-test"), [Ranked])
+    finally:
+        await runtime.stop()
+        ShmTransport("ray-test").close()
+    assert (tmp_path / "rank-0.closed").exists(), "the rank that started is closed"

@@ -281,6 +281,18 @@ def test_a_missing_model_directory_is_refused_before_any_launch(run_dir: Path, t
         launch_server(_config(run_dir, tmp_path / "absent"), index=0, name="absent-model")
 
 
+def test_a_head_size_the_cpu_server_cannot_serve_is_refused_before_any_launch(run_dir: Path, tmp_path: Path):
+    # The built-in default: 64 wide, 4 heads of 16.
+    model = prepare_base_model(ModelConfig(), tmp_path, seed=1)
+    started = time.monotonic()
+    with pytest.raises(ServerStartError) as error:
+        launch_server(_config(run_dir, model), index=0, name="small-heads")
+    assert time.monotonic() - started < 5
+    message = str(error.value)
+    assert "\n" not in message and "no attention kernel for head size 16" in message
+    assert "model.builtin.num_attention_heads" in message
+
+
 def test_a_taken_port_is_one_line_at_once(run_dir: Path, base_model: Path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

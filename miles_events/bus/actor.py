@@ -18,12 +18,23 @@ from typing import Any, ClassVar, Literal, Protocol
 
 from miles_events.bus.clock import Clock
 from miles_events.bus.handlers import HandlerTable, handles
+from miles_events.bus.workers import RankPlace, Worker, WorkerFactory, close_workers
 from miles_events.transport.base import Transport
 from schemas.config import Config
 from schemas.events import Event, StopRequested
 from schemas.plan import RunPlan
 
-__all__ = ["Actor", "ActorContext", "UndeclaredEmit", "WorkerGroup", "handles"]
+__all__ = [
+    "Actor",
+    "ActorContext",
+    "RankPlace",
+    "UndeclaredEmit",
+    "Worker",
+    "WorkerFactory",
+    "WorkerGroup",
+    "close_workers",
+    "handles",
+]
 
 Role = Literal["driver", "rollout", "actor", "critic", "service"]
 
@@ -63,6 +74,10 @@ class ActorContext(Protocol):
 
     async def report_failure(self, error: BaseException) -> None:
         """A task the actor spawned raised: report it as the actor's failure."""
+        ...
+
+    async def start_workers(self, factory: WorkerFactory, ranks: int) -> list[Worker]:
+        """The ``ranks`` workers of the actor's worker group, started (``miles_events.bus.workers``)."""
         ...
 
 

@@ -20,6 +20,7 @@ from miles_events.bus.actor import Actor
 from miles_events.bus.clock import SYSTEM_CLOCK, Clock, wait_for
 from miles_events.bus.errors import describe_error, innermost
 from miles_events.bus.event_bus import BusClosed, Mailbox
+from miles_events.bus.workers import StartWorkers, Worker, WorkerFactory, start_in_process
 from miles_events.transport.base import Transport
 from schemas.config import Config
 from schemas.events import ActorFailed, Event, StopRequested
@@ -42,6 +43,13 @@ class HostContext:
     plan: RunPlan
     _publish: Publish = field(repr=False)
     clock: Clock = SYSTEM_CLOCK
+    _start_workers: StartWorkers | None = field(default=None, repr=False)
+    """How the runtime hosting the actor starts its ranks; None: all in this process."""
+
+    async def start_workers(self, factory: WorkerFactory, ranks: int) -> list[Worker]:
+        if self._start_workers is None:
+            return await start_in_process(factory, ranks, self.config, self.transport, self.run_dir)
+        return await self._start_workers(factory, ranks)
 
     async def publish(self, event: Event) -> None:
         if not event.time or not event.source:

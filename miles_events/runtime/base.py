@@ -12,6 +12,7 @@ from miles_events.bus.clock import SYSTEM_CLOCK, Clock
 from miles_events.bus.errors import describe_error
 from miles_events.bus.event_bus import EventBus
 from miles_events.bus.host import ActorHost, HostContext, Publish
+from miles_events.bus.workers import StartWorkers
 from miles_events.transport.base import Transport
 from schemas.config import Config
 from schemas.events import Event, StopRequested
@@ -60,8 +61,11 @@ class Runtime(Protocol):
         ...
 
 
-def host_context(run: RunContext, transport: Transport, name: str, publish: Publish) -> HostContext:
-    """The context of actor ``name`` of ``run``, publishing through ``publish``."""
+def host_context(
+    run: RunContext, transport: Transport, name: str, publish: Publish, start_workers: StartWorkers | None = None
+) -> HostContext:
+    """The context of actor ``name`` of ``run``, publishing through ``publish``; its worker
+    ranks started by ``start_workers`` (None: all in this process)."""
     return HostContext(
         run_id=run.run_id,
         name=name,
@@ -71,6 +75,7 @@ def host_context(run: RunContext, transport: Transport, name: str, publish: Publ
         plan=run.plan,
         clock=run.clock,
         _publish=publish,
+        _start_workers=start_workers,
     )
 
 

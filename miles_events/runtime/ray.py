@@ -19,6 +19,7 @@ an actor process that dies is reported as ``ActorFailed`` by its proxy.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 from pathlib import Path
@@ -35,6 +36,7 @@ from miles_events.bus.host import ActorHost
 from miles_events.runtime.base import ActorStartError, InProcessHosts, RunContext, host_context
 from miles_events.runtime.leftovers import forget_processes, record_processes
 from miles_events.runtime.ray_cluster import ARENAS_MARK, RayCluster
+from miles_events.runtime.ray_workers import start_ray_workers
 from miles_events.transport.base import Transport, open_transport
 from schemas.config import Config
 from schemas.events import ActorFailed, Event, StopRequested
@@ -56,6 +58,7 @@ class RemoteActorHost:
         run_dir: str,
         transport: str,
         outbox_size: int,
+        first_bundle: int = 0,
     ) -> None:
         if os.environ.pop(ARENAS_MARK, None):
             os.environ.pop("MALLOC_ARENA_MAX", None)  # this process has it; its children need not
@@ -65,6 +68,7 @@ class RemoteActorHost:
         self.run_id = run_id
         self.run_dir = Path(run_dir)
         self.transport = open_transport(transport, run_id, self.run_dir)
+        self.first_bundle = first_bundle
         self.outbox = Mailbox(f"{actor_cls.name}-outbox", outbox_size, (Event,))
         self.emitted = 0
         self.host: ActorHost | None = None
@@ -76,7 +80,17 @@ class RemoteActorHost:
     async def start(self) -> int:
         name = self.actor_cls.name
         run = RunContext(self.run_id, self.config, self.run_dir, self.transport.name, self.plan)
-        context = host_context(run, self.transport, name, self._publish)
+        start_workers = functools.partial(
+            start_ray_workers,
+            config=self.config,
+            transport=self.transport,
+            run_id=self.run_id,
+            run_dir=self.run_dir,
+            group=self.actor_cls.resources(self.config),
+            first_bundle=self.first_bundle,
+            timeout=self.config.ray.actor_start_timeout,
+        )
+        context = host_context(run, self.transport, name, self._publish, start_workers)
         actor = self.actor_cls(self.config, context)
         await actor.start()
         inbox = Mailbox(name, 1, tuple(actor.handlers()))
@@ -412,6 +426,7 @@ class RayRuntime:
                     str(self.run.run_dir),
                     self.run.transport,
                     config.bus.mailbox_size,
+                    first,
                 )
                 self._handles.append(handle)
                 remote.append((cls, handle))

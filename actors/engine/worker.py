@@ -1,0 +1,138 @@
+"""One engine of the Generator as a worker-group rank (``miles_events.bus.workers``): the
+engine itself, in whichever process hosts its rank, and the calls the Generator makes on it.
+
+Every call returns plain data (completions, counts, digests), so the rank may live in the
+Generator's process or in one of its own: sampling is seeded by a number, loading writes the
+checksum manifest here (beside the tensors it fingerprints) and returns its digest, and a
+cancellation is a ``notify`` that sets this rank's own flag.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from actors.engine import build_engine, engine_class
+from actors.engine.base import (
+    Completion,
+    Engine,
+    GenerateRequest,
+    SamplingParams,
+    Selector,
+    TensorCheckAction,
+)
+from miles_events.bus.actor import RankPlace
+from miles_events.rl.cancel import Cancellation
+from miles_events.rl.checksum import ranked_checksums, report_checksums
+from miles_events.rl.checksum_manifest import write_manifest
+from miles_events.rl.threads import phase_threads
+from miles_events.rl.versions import engine_names
+from miles_events.transport.base import Transport
+from schemas.checksums import WeightsCheckResult
+from schemas.config import Config
+from schemas.data import DataRef
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """What one engine reports after loading a publication."""
+
+    weight_version: str
+    previous_version: str
+    num_bytes: int
+    digest: str
+    checksums_manifest: str
+    num_tensors: int
+    canary: str | None
+
+
+@dataclass(frozen=True)
+class Checked:
+    """One engine's answer to the ``checksum`` action: success, digest and manifest."""
+
+    success: bool
+    message: str
+    digest: str
+    checksums_manifest: str
+    num_tensors: int
+    weight_version: str
+
+
+class EngineWorker:
+    """Engine ``place.rank`` of the run, serving from ``model.path``."""
+
+    def __init__(self, config: Config, engine: Engine, place: RankPlace) -> None:
+        self.config = config
+        self.engine = engine
+        self.place = place
+        self.cancellation = Cancellation()
+
+    @property
+    def name(self) -> str:
+        return self.engine.name
+
+    def weight_version(self) -> str:
+        return self.engine.weight_version
+
+    def generate(self, requests: Sequence[GenerateRequest], sampling: SamplingParams, seed: int) -> list[Completion]:
+        """One completion per request, sampled from a generator seeded with ``seed``;
+        raises ``Cancelled`` once ``cancel`` was called."""
+        import torch
+
+        generator = torch.Generator().manual_seed(seed)
+        with phase_threads(self.config.rollout.num_threads, sharers=self.place.ranks_in_process):
+            return self.engine.generate(requests, sampling, generator, self.cancellation)
+
+    def cancel(self, reason: str) -> None:
+        self.cancellation.cancel(reason)
+
+    def load(self, weights: DataRef, weight_version: str, skip_tensor_list: Sequence[str]) -> Loaded:
+        """Serve ``weights`` as ``weight_version``, then fingerprint what is served now."""
+        previous = self.engine.weight_version
+        num_bytes = self.engine.load_weights(weights, weight_version)
+        checksums = report_checksums(self.engine.checksums(list(skip_tensor_list)))
+        digest, manifest = write_manifest(self.place.run_dir, checksums)
+        return Loaded(
+            weight_version=self.engine.weight_version,
+            previous_version=previous,
+            num_bytes=num_bytes,
+            digest=digest,
+            checksums_manifest=manifest,
+            num_tensors=len(checksums),
+            canary=self.engine.served_canary() if self.engine.holds_canary else None,
+        )
+
+    def checksum_check(self, skip_tensor_list: Sequence[str], selector: Selector) -> Checked:
+        """SGLang's ``checksum`` action, flattened as miles does (``rank{r}/{name}``) so that
+        checks compare as the seed's."""
+        report = self.engine.checksums(list(skip_tensor_list), selector)
+        digest = manifest = ""
+        num_tensors = 0
+        if report.success and report.ranks:
+            checksums = ranked_checksums(report)
+            digest, manifest = write_manifest(self.place.run_dir, checksums)
+            num_tensors = len(checksums)
+        return Checked(report.success, report.message, digest, manifest, num_tensors, self.engine.weight_version)
+
+    def weights_check(
+        self, action: TensorCheckAction, selector: Selector, skip_tensor_list: Sequence[str], allow_quant_error: bool
+    ) -> WeightsCheckResult:
+        return self.engine.weights_check(action, selector, list(skip_tensor_list), allow_quant_error)
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+_ONE_AT_A_TIME = threading.Lock()
+"""Held while an engine that does not ``starts_concurrently`` is built in this process."""
+
+
+def engine_worker(config: Config, transport: Transport, place: RankPlace) -> EngineWorker:
+    """The worker-group factory of the Generator: engine ``place.rank`` of ``generator.engine``."""
+    name = engine_names(config)[place.rank]
+    concurrent = engine_class(config.generator.engine).starts_concurrently
+    with contextlib.nullcontext() if concurrent else _ONE_AT_A_TIME:
+        engine = build_engine(config, index=place.rank, name=name, transport=transport)
+    return EngineWorker(config, engine, place)

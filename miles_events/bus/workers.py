@@ -1,0 +1,128 @@
+"""Rank workers: what an actor's worker group runs beside the actor, one object per rank.
+
+An actor whose ``resources`` ask for N ranks starts them with
+``await context.start_workers(factory, N)``. ``factory(config, transport, place)`` is a
+top-level function (the ray runtime sends it to other processes by reference) that builds
+rank ``place.rank``'s object in the process that hosts that rank. The actor then calls the
+object's methods with ``await worker.call("method", *args)``, which runs the method off the
+actor's event loop, and ``worker.notify("method", *args)`` for a call that must not wait
+(a cancellation, while another call of the same worker runs).
+
+Where ranks run is the runtime's business: the local runtime, and every actor hosted in the
+driver, run all of them in the actor's process, each call on a thread; the ray runtime hosts
+rank 0 in the actor's own process and every other rank in a Ray actor process of its own,
+placed in the bundle of the actor's placement group reserved for that rank (its own CPUs and
+GPUs). Ranks start concurrently; a rank that fails to start fails ``start_workers``, and the
+ranks that did start are closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from miles_events.transport.base import Transport
+from schemas.config import Config
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RankPlace:
+    """Where one rank is built: its index, how many ranks of the group share its process
+    (their threads split the process's cores), and the run directory."""
+
+    rank: int
+    ranks_in_process: int
+    run_dir: Path
+
+
+WorkerFactory = Callable[[Config, Transport, RankPlace], Any]
+"""Builds one rank's object; must be importable by name (a module-level function)."""
+
+
+class Worker(Protocol):
+    """One rank of a worker group, seen from its actor."""
+
+    rank: int
+    pid: int
+    """The process hosting the rank."""
+
+    async def call(self, method: str, *args: Any) -> Any:
+        """``method(*args)`` of the rank's object, off the event loop; its exception is raised here."""
+        ...
+
+    def notify(self, method: str, *args: Any) -> None:
+        """``method(*args)`` of the rank's object, without waiting for it (cheap methods only)."""
+        ...
+
+    async def close(self) -> None:
+        """The object's ``close()`` if it has one; then the rank's process, if its own, goes."""
+        ...
+
+
+StartWorkers = Callable[[WorkerFactory, int], Awaitable[list[Worker]]]
+
+
+class InProcessWorker:
+    """A rank in the actor's own process: calls run on threads."""
+
+    def __init__(self, rank: int, target: Any) -> None:
+        self.rank = rank
+        self.pid = os.getpid()
+        self.target = target
+
+    async def call(self, method: str, *args: Any) -> Any:
+        return await asyncio.to_thread(functools.partial(getattr(self.target, method), *args))
+
+    def notify(self, method: str, *args: Any) -> None:
+        getattr(self.target, method)(*args)
+
+    async def close(self) -> None:
+        if hasattr(self.target, "close"):
+            await self.call("close")
+
+
+async def build_in_process(
+    factory: WorkerFactory, config: Config, transport: Transport, places: Sequence[RankPlace]
+) -> list[InProcessWorker]:
+    """The ranks ``places`` built here, concurrently, each on a thread."""
+
+    async def build(place: RankPlace) -> InProcessWorker:
+        target = await asyncio.to_thread(factory, config, transport, place)
+        return InProcessWorker(place.rank, target)
+
+    return await gather_workers([build(place) for place in places])
+
+
+async def start_in_process(
+    factory: WorkerFactory, ranks: int, config: Config, transport: Transport, run_dir: Path
+) -> list[Worker]:
+    """Every rank in this process (the local runtime, and actors hosted in the driver)."""
+    places = [RankPlace(rank, ranks, run_dir) for rank in range(ranks)]
+    return list(await build_in_process(factory, config, transport, places))
+
+
+async def gather_workers(starts: Sequence[Awaitable[Any]]) -> list[Any]:
+    """Await every start; if one failed, close those that started and raise the first error
+    (in rank order)."""
+    results = await asyncio.gather(*starts, return_exceptions=True)
+    failed = [r for r in results if isinstance(r, BaseException)]
+    if not failed:
+        return list(results)
+    await close_workers([r for r in results if not isinstance(r, BaseException)])
+    raise failed[0]
+
+
+async def close_workers(workers: Sequence[Worker]) -> None:
+    """Close every worker, concurrently; a failure to close is logged, not raised."""
+    results = await asyncio.gather(*(w.close() for w in workers), return_exceptions=True)
+    for worker, result in zip(workers, results, strict=True):
+        if isinstance(result, BaseException):
+            logger.warning("closing rank %d failed: %s", worker.rank, result)

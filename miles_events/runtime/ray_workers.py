@@ -1,0 +1,138 @@
+"""Worker-group ranks on the ray runtime (``miles_events.bus.workers``): rank 0 in the
+actor's own process, every other rank in a Ray actor process of its own, in the bundle of
+the actor's placement group reserved for it (``placement_bundles`` gives a group of N ranks
+N bundles: its actor sits on the first, rank r on the first + r), with the group's CPUs and
+GPUs per rank. A rank process is a threaded Ray actor, so a ``notify`` (a cancellation)
+runs while a ``call`` of the same rank is in progress.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from miles_events.bus.actor import WorkerGroup
+from miles_events.bus.clock import SYSTEM_CLOCK, wait_for
+from miles_events.bus.workers import (
+    RankPlace,
+    Worker,
+    WorkerFactory,
+    build_in_process,
+    gather_workers,
+)
+from miles_events.runtime.ray_cluster import ARENAS_MARK
+from miles_events.transport.base import Transport, open_transport
+from schemas.config import Config
+
+RANK_CONCURRENCY = 4
+"""Calls one rank process runs at once (a long call, and the notifications beside it)."""
+
+
+class RankHost:
+    """Lives in a rank's Ray actor process: builds the rank's object, runs calls on it."""
+
+    def __init__(
+        self, factory: WorkerFactory, config_json: bytes, run_id: str, run_dir: str, transport: str, place: RankPlace
+    ) -> None:
+        if os.environ.pop(ARENAS_MARK, None):
+            os.environ.pop("MALLOC_ARENA_MAX", None)
+        config = msgspec.json.decode(config_json, type=Config)
+        # A failure to build is kept and raised by ``started``: Ray reports an actor whose
+        # constructor raised as dead, without the exception itself.
+        self.failure: BaseException | None = None
+        self.target: Any = None
+        try:
+            self.target = factory(config, open_transport(transport, run_id, Path(run_dir)), place)
+        except Exception as error:
+            self.failure = error
+
+    def started(self) -> int:
+        """The rank's pid, once built; its build's exception otherwise."""
+        if self.failure is not None:
+            raise self.failure
+        return os.getpid()
+
+    def call(self, method: str, args: tuple[Any, ...]) -> Any:
+        return getattr(self.target, method)(*args)
+
+
+class RayWorker:
+    """The actor's side of a rank in its own process."""
+
+    def __init__(self, rank: int, handle: Any, pid: int) -> None:
+        self.rank = rank
+        self.handle = handle
+        self.pid = pid
+
+    async def call(self, method: str, *args: Any) -> Any:
+        from ray.exceptions import RayTaskError
+
+        try:
+            return await self.handle.call.remote(method, args)
+        except RayTaskError as error:
+            raise (error.cause or error) from None  # the rank's own exception, as in process
+
+    def notify(self, method: str, *args: Any) -> None:
+        self.handle.call.remote(method, args)
+
+    async def close(self) -> None:
+        import ray
+
+        try:
+            await self.call("close")
+        finally:
+            ray.kill(self.handle)
+
+
+async def start_ray_workers(
+    factory: WorkerFactory,
+    ranks: int,
+    *,
+    config: Config,
+    transport: Transport,
+    run_id: str,
+    run_dir: Path,
+    group: WorkerGroup,
+    first_bundle: int,
+    timeout: float,
+) -> list[Worker]:
+    """Rank 0 here, ranks 1.. in their own processes, all started concurrently."""
+    import ray
+    from ray.exceptions import RayTaskError
+    from ray.util import get_current_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    placement = get_current_placement_group()
+    if ranks > 1 and placement is None:
+        raise RuntimeError("a worker group of several ranks needs its actor placed in a placement group")
+    remote_cls = ray.remote(RankHost)
+    config_json = msgspec.json.encode(config)
+
+    async def remote(rank: int) -> RayWorker:
+        handle = remote_cls.options(
+            num_cpus=group.cpus_per_rank,
+            num_gpus=group.gpus_per_rank,
+            max_concurrency=RANK_CONCURRENCY,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=placement, placement_group_bundle_index=first_bundle + rank
+            ),
+        ).remote(factory, config_json, run_id, str(run_dir), transport.name, RankPlace(rank, 1, run_dir))
+        try:
+            pid = await wait_for(handle.started.remote(), timeout, SYSTEM_CLOCK)
+        except TimeoutError:
+            ray.kill(handle)
+            raise RuntimeError(f"rank {rank} did not start within {timeout:g}s") from None
+        except RayTaskError as error:
+            ray.kill(handle)
+            raise (error.cause or error) from None
+        return RayWorker(rank, handle, pid)
+
+    async def local() -> Worker:
+        (worker,) = await build_in_process(factory, config, transport, [RankPlace(0, 1, run_dir)])
+        return worker
+
+    return await gather_workers([local(), *(remote(rank) for rank in range(1, ranks))])
+

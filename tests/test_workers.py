@@ -1,0 +1,47 @@
+"""Worker-group ranks hosted in the actor's process (the local runtime, and actors on the
+driver): every rank built here at once, calls off the event loop, a failed start closes
+the ranks that started."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from miles_events.bus.workers import RankPlace, start_in_process
+from miles_events.transport.base import InProcessTransport
+from schemas.config import Config
+
+closed: list[int] = []
+
+
+class Rank:
+    def __init__(self, place: RankPlace) -> None:
+        self.place = place
+
+    def where(self) -> tuple[int, int, str]:
+        return self.place.rank, self.place.ranks_in_process, threading.current_thread().name
+
+    def close(self) -> None:
+        closed.append(self.place.rank)
+
+
+def build(config: Config, transport: InProcessTransport, place: RankPlace) -> Rank:
+    if place.rank == 2:
+        raise OSError("rank 2 cannot start")
+    return Rank(place)
+
+
+async def test_every_rank_runs_in_this_process_and_its_calls_off_the_event_loop(tmp_path: Path) -> None:
+    workers = await start_in_process(build, 2, Config(), InProcessTransport("w"), tmp_path)
+    answers = [await w.call("where") for w in workers]
+    assert [(rank, sharing) for rank, sharing, _ in answers] == [(0, 2), (1, 2)], "both ranks share the process"
+    assert all(thread != threading.current_thread().name for _, _, thread in answers)
+
+
+async def test_a_rank_that_cannot_start_fails_the_start_and_the_others_are_closed(tmp_path: Path) -> None:
+    closed.clear()
+    with pytest.raises(OSError, match="rank 2 cannot start"):
+        await start_in_process(build, 3, Config(), InProcessTransport("w"), tmp_path)
+    assert sorted(closed) == [0, 1]
