@@ -16,8 +16,9 @@ models concurrently), and every call below goes to all of them at once. It react
 - ``EvalRequested``: the same on the eval prompts at ``eval_temperature``; ``EvalFinished``.
 - ``WeightsStaged``: every engine loads the staged weights from their handle and
   fingerprints what it now serves; one ``WeightsLoaded`` per engine (digest, counts and the
-  checksum manifest, written once per digest under ``<run_dir>/checksums/``), in engine
-  order, each as soon as it and the engines before it are done.
+  checksum manifest, written once per digest under ``<run_dir>/checksums/``; with the
+  publication's behavioural probe, the engine's answer to it), in engine order, each as soon
+  as it and the engines before it are done.
 - ``WeightsCheckRequested``: SGLang's weight-checker action on every engine; one
   ``WeightsCheckFinished`` per engine, in engine order.
 - ``DataReleased`` of a batch it owns: frees it.
@@ -288,7 +289,9 @@ class Generator(Actor):
 
         async def load(index: int) -> Event:
             started = time.perf_counter()
-            loaded: Loaded = await self._on_engine(index, "load", event.weights, event.weight_version, skip)
+            loaded: Loaded = await self._on_engine(
+                index, "load", event.weights, event.weight_version, skip, event.probe
+            )
             return WeightsLoaded(
                 engine=self.engine_names[index],
                 weight_version=loaded.weight_version,
@@ -299,6 +302,7 @@ class Generator(Actor):
                 checksums_manifest=loaded.checksums_manifest,
                 load_seconds=time.perf_counter() - started,
                 canary=loaded.canary,
+                probe_logprobs=loaded.probe_logprobs,
             )
 
         await self._on_every_engine(load)

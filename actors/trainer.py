@@ -38,6 +38,7 @@ from miles_events.rl.finite import (
     require_finite_weights,
 )
 from miles_events.rl.hf_model import torch_dtype
+from miles_events.rl.probe import probe_batch, probe_vocab_size
 from miles_events.rl.prompts import data_cursor, load_prompts
 from miles_events.rl.threads import phase_threads
 from miles_events.rl.versions import next_version, version_number
@@ -46,6 +47,7 @@ from schemas.config import Config
 from schemas.data import DataRef
 from schemas.events import (
     DataReleased,
+    ProbeBatch,
     PublicationVerified,
     PublishRequested,
     RolloutGenerated,
@@ -97,6 +99,8 @@ class Trainer(Actor):
         self._num_saves = 0
         self._last_trained: tuple[int, str] | None = None
         """(rollout id, the version it improved upon) of the last rollout trained."""
+        self._probe_ids: tuple[list[list[int]], list[list[int]]] | None = None
+        """The run's probe batch (prompt ids, response ids), when publications carry a probe."""
 
     @classmethod
     def resources(cls, config: Config) -> WorkerGroup:
@@ -117,6 +121,10 @@ class Trainer(Actor):
             self.num_prompts = len(load_prompts(data.prompt_data, data.input_key, data.label_key))
         config = self.config
         self._backend = await anyio.to_thread.run_sync(lambda: build_backend(config))
+        if self.context.plan.probe:
+            assert config.model.path is not None
+            vocab = await anyio.to_thread.run_sync(probe_vocab_size, config.model.path)
+            self._probe_ids = probe_batch(vocab, config.run.seed)
         plan = self.context.plan
         if plan.load_checkpoint is not None:
             await anyio.to_thread.run_sync(self._restore, Path(plan.load_checkpoint))
@@ -207,6 +215,13 @@ class Trainer(Actor):
 
     # --- publication -----------------------------------------------------------------------
 
+    def _probe(self) -> ProbeBatch | None:
+        """The publication's behavioural probe with the weights as they are now."""
+        if self._probe_ids is None:
+            return None
+        prompts, responses = self._probe_ids
+        return ProbeBatch(prompts, responses, self.backend.probe_logprobs(prompts, responses))
+
     def _stage_weights(self, version: str, dtype: torch.dtype) -> tuple[DataRef, str, str, int, int, str]:
         """(ref, digest, checksum manifest, tensors in the digest, bytes staged, canary)."""
         tensors = self.backend.named_weights(dtype)
@@ -231,6 +246,7 @@ class Trainer(Actor):
         ref, digest, manifest, num_tensors, num_bytes, canary = await anyio.to_thread.run_sync(
             self._stage_weights, version, engine_dtype
         )
+        probe = await anyio.to_thread.run_sync(self._probe)
         previous, self._published = self._published, ref
         if previous is not None:
             self._free(previous)
@@ -247,6 +263,7 @@ class Trainer(Actor):
                 rollout_id=event.rollout_id,
                 stage_seconds=time.perf_counter() - started,
                 canary=canary,
+                probe=probe,
             )
         )
 

@@ -19,6 +19,12 @@ the engine served already. So each engine must also show the publication's canar
 mismatch on ``CANARY_TENSOR`` (its load did not apply the payload), on every publication,
 the first included. An engine that cannot hold a canary is verified by digests alone, and
 ``PublicationVerified.write_proof`` says which.
+
+When the run probes publications (``verifier.probe``; ``miles_events.rl.probe``), every
+engine's log-probabilities of the probe batch must also match the trainer's within
+``verifier.probe_tolerance``: this covers the tensors an engine cannot fingerprint (and
+leaves out of its digest). A miss is a mismatch on ``PROBE_TENSOR`` with the difference in
+its reason; ``PublicationVerified.probe_max_diff`` is the largest difference that passed.
 """
 
 from __future__ import annotations
@@ -31,9 +37,11 @@ from miles_events.bus.actor import Actor, ActorContext, WorkerGroup, handles
 from miles_events.rl.canary import CANARY_TENSOR
 from miles_events.rl.checksum import is_skipped
 from miles_events.rl.checksum_manifest import ManifestError, read_manifest
+from miles_events.rl.probe import PROBE_TENSOR, max_difference
 from miles_events.rl.versions import version_number
 from schemas.config import Config
 from schemas.events import (
+    ProbeBatch,
     PublicationMismatch,
     PublicationVerified,
     TensorMismatch,
@@ -108,6 +116,21 @@ class Verifier(Actor):
             mismatches.extend(compare_checksums(engine, expected, actual, skip))
         return mismatches
 
+    def _probe_mismatch(self, engine: str, probe: ProbeBatch, reply: WeightsLoaded) -> TensorMismatch | None:
+        """The probe's verdict on one engine: None within ``verifier.probe_tolerance``."""
+        tolerance = self.config.verifier.probe_tolerance
+        if reply.probe_logprobs is None:
+            reason = "the engine did not answer the publication's behavioural probe"
+        else:
+            difference = max_difference(probe.logprobs, reply.probe_logprobs)
+            if difference <= tolerance:
+                return None
+            reason = (
+                f"the served weights give other log-probabilities on the probe batch: they differ "
+                f"by up to {difference:.3g} (tolerance {tolerance:g})"
+            )
+        return TensorMismatch(engine=engine, tensor=PROBE_TENSOR, expected="", actual="", reason=reason)
+
     @handles(WeightsPublished, emits=(PublicationVerified, PublicationMismatch))
     async def on_weights_published(self, event: WeightsPublished) -> None:
         version = event.weight_version
@@ -148,6 +171,18 @@ class Verifier(Actor):
                         reason="the engine does not hold this publication's canary: its load did not apply the payload",
                     )
                 )
+        probe_max_diff = None
+        if staged is not None and staged.probe is not None:
+            probe_max_diff = 0.0
+            for engine in event.engines:
+                reply = loaded.get(engine)
+                if reply is None:
+                    continue  # no load to probe: already a mismatch of its digest
+                mismatch = self._probe_mismatch(engine, staged.probe, reply)
+                if mismatch is None:
+                    probe_max_diff = max(probe_max_diff, max_difference(staged.probe.logprobs, reply.probe_logprobs or []))
+                else:
+                    mismatches.append(mismatch)
         elapsed = time.perf_counter() - started
         if mismatches:
             await self.publish(
@@ -171,5 +206,6 @@ class Verifier(Actor):
                     rollout_id=event.rollout_id,
                     verify_seconds=elapsed,
                     write_proof="canary" if proven else "none",
+                    probe_max_diff=probe_max_diff,
                 )
             )

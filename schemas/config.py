@@ -262,6 +262,14 @@ class VerifierConfig(Section):
     """Substrings of tensor names the check leaves alone."""
     check_weight_update_allow_quant_error: bool = False
     """``compare`` accepts a difference of one ULP (quantised weights)."""
+    probe: Literal["auto", "on", "off"] = "auto"
+    """The behavioural probe of every publication: the trainer's log-probabilities of a fixed
+    probe batch (random token ids drawn from the run seed) against each engine's, after its
+    load. It proves the tensors an engine cannot read back (vLLM on CPU repacks its linear
+    layers). ``auto``: on when the engine backend cannot read back every tensor it serves."""
+    probe_tolerance: PositiveFloat = 0.01
+    """The largest difference of any probe token's log-probability, trainer against engine,
+    that still verifies (the same weights in float32 differ by ~1e-5)."""
 
 
 class SaverConfig(Section):
@@ -302,6 +310,11 @@ class MetricsConfig(Section):
     host: str = "127.0.0.1"
     port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 9464
     """0 picks a free port; the CLI prints the metrics URL at start (not in quiet mode)."""
+    engine_targets_dir: str = ""
+    """Where each server engine (vllm, sglang) writes its Prometheus file_sd target while it
+    runs (``<run id>-<engine>.json``: its ``/metrics`` with labels run, engine, backend), for
+    the dashboard's engines row; ``grafana/prometheus.yml`` reads ``targets/*.json`` beside
+    it. Empty: none written."""
 
 
 class ConsoleConfig(Section):

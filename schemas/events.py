@@ -179,6 +179,15 @@ class PublishRequested(Event, frozen=True, kw_only=True):
     """None for the initial publication ("always update weights first")."""
 
 
+class ProbeBatch(msgspec.Struct, frozen=True):
+    """The behavioural probe of one publication (``miles_events.rl.probe``): token ids, and
+    the trainer's log-probability of every response token with the published weights."""
+
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    logprobs: list[list[float]]
+
+
 class WeightsStaged(Event, frozen=True, kw_only=True):
     """The trainer put version ``weight_version`` in the data plane, with the digest of it."""
 
@@ -199,6 +208,8 @@ class WeightsStaged(Event, frozen=True, kw_only=True):
     canary: str = ""
     """The fingerprint of the publication canary the payload carries
     (``miles_events.rl.canary``); "" in logs recorded before canaries."""
+    probe: ProbeBatch | None = None
+    """The behavioural probe, when the run probes publications (``verifier.probe``)."""
 
 
 class WeightsLoaded(Event, frozen=True, kw_only=True):
@@ -220,6 +231,9 @@ class WeightsLoaded(Event, frozen=True, kw_only=True):
     canary: str | None = None
     """The fingerprint of the publication canary the engine holds after this load ("" for
     none); None when the engine cannot hold one."""
+    probe_logprobs: list[list[float]] | None = None
+    """The engine's log-probabilities of the publication's probe batch after this load;
+    None when the publication carried no probe."""
 
 
 class WeightsPublished(Event, frozen=True, kw_only=True):
@@ -265,6 +279,9 @@ class PublicationVerified(Event, frozen=True, kw_only=True):
     write_proof: Literal["canary", "none"] = "none"
     """``canary``: every engine also showed this publication's canary, so each load applied
     the payload; ``none``: the digests alone (an engine that cannot hold a canary)."""
+    probe_max_diff: float | None = None
+    """With the behavioural probe: the largest difference of a probe token's log-probability,
+    trainer against any engine (within ``verifier.probe_tolerance``); None without one."""
 
 
 class PublicationMismatch(Event, frozen=True, kw_only=True):

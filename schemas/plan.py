@@ -33,3 +33,6 @@ class RunPlan(msgspec.Struct, frozen=True, kw_only=True):
     lineage: str = ""
     """The run id of the fresh run this run continues (its own on a fresh run); every
     checkpoint it saves records it."""
+    probe: bool = False
+    """Whether every publication carries the behavioural probe (``verifier.probe``: on, or
+    auto with an engine that cannot read back every tensor it serves)."""

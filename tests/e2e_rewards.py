@@ -10,8 +10,7 @@ def nan_when_wrong(prompt: str, response: str, label: str) -> float:
     return 1.0 if response.strip() == label else float("nan")
 
 
-def first_character(prompt: str, response: str, label: str) -> float:
-    """Credit for the first character of the answer only: a signal a tiny model picks up
-    within a few rollouts (about half the sums of two digits start with 1)."""
-    answer = response.strip()
-    return 1.0 if answer[:1] == label[:1] else 0.0
+def starts_with_one(prompt: str, response: str, label: str) -> float:
+    """Credit for an answer that starts with "1": one token's choice, which a tiny model
+    learns within a few rollouts whatever the prompt."""
+    return 1.0 if response.strip().startswith("1") else 0.0

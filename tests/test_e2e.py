@@ -24,6 +24,7 @@ from miles_events.app.config import load_config
 from miles_events.app.session import Session
 from miles_events.bus.event_log import read_events
 from miles_events.rl.checkpoint import latest_checkpoint, read_checkpoint
+from miles_events.rl.probe import PROBE_TENSOR
 from schemas.events import (
     ActorFailed,
     CheckpointSaved,
@@ -341,6 +342,56 @@ def test_an_engine_serving_different_weights_is_caught(tmp_path, continue_on_mis
         assert result.finished.status == "failed"
         assert "engine-1 model.norm.weight" in result.finished.reason
         assert not [e for e in log if isinstance(e, RolloutGenerated) and e.rollout_id >= 2]
+
+
+def halving_engine(config, transport, place):  # type: ignore[no-untyped-def]
+    """Engine rank ``place.rank``; the last one halves the final norm while loading
+    version 3 (a loader that scales a tensor it should have copied)."""
+    worker = engine_worker(config, transport, place)
+    if place.rank == config.generator.num_engines - 1:
+        faulty = worker.engine
+        real_load = faulty.load_weights
+
+        def load_weights(weights, weight_version):  # type: ignore[no-untyped-def]
+            loaded = real_load(weights, weight_version)
+            if weight_version == "3":
+                with torch.no_grad():
+                    faulty.model.get_parameter("model.norm.weight").mul_(0.5)
+            return loaded
+
+        faulty.load_weights = load_weights  # type: ignore[method-assign]
+    return worker
+
+
+class HalvingGenerator(Generator):
+    build_worker = staticmethod(halving_engine)
+
+
+def test_the_probe_catches_a_corruption_the_digests_leave_out(tmp_path):
+    """The engine's digests skip the tensor it corrupts (as vLLM's leave out the linears it
+    cannot read back): only the behavioural probe can see it, and does."""
+    from actors.coordinator import Coordinator
+    from actors.publisher import Publisher
+    from actors.saver import Saver
+    from actors.trainer import Trainer
+    from actors.verifier import Verifier
+
+    config = load_config(TINY, [
+        *SMALL, f'run.dir="{tmp_path}"', "metrics.port=0", 'run.runtime="local"', "run.num_rollout=4",
+        "generator.num_engines=2", 'verifier.probe="on"', 'verifier.skip_tensor_list=["model.norm"]',
+    ])  # fmt: skip
+    session = Session(config, [HalvingGenerator, Trainer, Publisher, Verifier, Saver, Coordinator])
+    result = asyncio.run(session.run())
+    log = events(tmp_path)
+    verified = [e for e in log if isinstance(e, PublicationVerified)]
+    assert [e.weight_version for e in verified] == ["1", "2"]
+    assert all(e.probe_max_diff is not None and e.probe_max_diff < 1e-5 for e in verified)
+    (mismatch,) = [e for e in log if isinstance(e, PublicationMismatch)]
+    assert mismatch.weight_version == "3"
+    assert len(set(mismatch.engine_digests.values())) == 1, "the digests agree"
+    assert [(m.engine, m.tensor) for m in mismatch.mismatches] == [("engine-1", PROBE_TENSOR)]
+    assert "differ by up to" in mismatch.mismatches[0].reason
+    assert result.finished.status == "failed"
 
 
 def no_op_load_engine(config, transport, place):  # type: ignore[no-untyped-def]

@@ -75,7 +75,7 @@ class FakeContext:
         self.events.append(event)
 
     async def start_workers(self, factory: WorkerFactory, ranks: int) -> list[Worker]:
-        return await start_in_process(factory, ranks, self.config, self.transport, self.run_dir)
+        return await start_in_process(factory, ranks, self.config, self.transport, self.run_dir, self.run_id)
 
     def of(self, event_type: type[Event]) -> list:
         return [e for e in self.events if isinstance(e, event_type)]

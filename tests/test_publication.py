@@ -14,10 +14,12 @@ from miles_events.bus.clock import ManualClock
 from miles_events.rl.canary import CANARY_TENSOR
 from miles_events.rl.checksum import fingerprints, per_gpu_checksum
 from miles_events.rl.checksum_manifest import write_manifest
+from miles_events.rl.probe import PROBE_TENSOR
 from schemas.config import Config, GeneratorConfig, PublisherConfig, VerifierConfig
 from schemas.data import DataRef
 from schemas.events import (
     DataReleased,
+    ProbeBatch,
     PublicationFailed,
     PublicationMismatch,
     PublicationVerified,
@@ -269,3 +271,40 @@ async def test_a_log_without_canaries_verifies_by_digests():
     v = verifier(Path("."))
     (out,) = await feed(v, staged("1"), loaded("engine-0", "1", "default"), published("1", engines=("engine-0",)))
     assert isinstance(out, PublicationVerified) and out.write_proof == "none"
+
+
+PROBE = ProbeBatch(prompt_ids=[[1, 2], [3, 4]], response_ids=[[5], [6]], logprobs=[[-1.0], [-2.5]])
+
+
+@pytest.mark.parametrize(
+    ("answers", "outcome"),
+    [
+        # The same weights, up to float rounding: verified, with the largest difference.
+        ({"engine-0": [[-1.0], [-2.5]], "engine-1": [[-1.0004], [-2.5]]}, "verified"),
+        # One engine serves other weights where its digest cannot look.
+        ({"engine-0": [[-1.0], [-2.5]], "engine-1": [[-1.3], [-2.5]]}, "differ by up to 0.3"),
+        ({"engine-0": [[-1.0], [-2.5]], "engine-1": [[float("nan")], [-2.5]]}, "differ by up to inf"),
+        ({"engine-0": [[-1.0], [-2.5]], "engine-1": [[-1.0]]}, "differ by up to inf"),
+        ({"engine-0": [[-1.0], [-2.5]], "engine-1": None}, "did not answer"),
+    ],
+)
+async def test_a_probed_publication_needs_every_engines_logprobs_within_the_tolerance(tmp_path, answers, outcome):
+    v = verifier(tmp_path, probe_tolerance=0.01)
+    inputs: list = [msgspec.structs.replace(staged("1"), probe=PROBE)]
+    for engine, answer in answers.items():
+        inputs.append(msgspec.structs.replace(loaded(engine, "1", "default"), probe_logprobs=answer))
+    (out,) = await feed(v, *inputs, published("1"))
+    if outcome == "verified":
+        assert isinstance(out, PublicationVerified)
+        assert out.probe_max_diff == pytest.approx(0.0004)
+    else:
+        assert isinstance(out, PublicationMismatch), "equal digests are not enough"
+        (bad,) = out.mismatches
+        assert (bad.engine, bad.tensor) == ("engine-1", PROBE_TENSOR)
+        assert outcome in bad.reason
+
+
+async def test_an_unprobed_publication_says_so():
+    v = verifier(Path("."))
+    (out,) = await feed(v, staged("1"), loaded("engine-0", "1", "default"), published("1", engines=("engine-0",)))
+    assert isinstance(out, PublicationVerified) and out.probe_max_diff is None

@@ -126,3 +126,26 @@ def test_each_vllm_server_is_bound_to_a_cpu_of_its_own_by_default():
     bound = [server_env(VllmConfig(), index)["VLLM_CPU_OMP_THREADS_BIND"] for index in range(len(cpus) + 1)]
     assert bound == [str(cpu) for cpu in cpus] + [str(cpus[0])]  # round-robin over the allowed CPUs
     assert server_env(VllmConfig(cpu_threads_bind="nobind"), 0)["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+
+
+def test_servers_launched_at_once_are_never_given_the_same_port():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from actors.engine.server_process import free_port
+
+    with ThreadPoolExecutor(8) as pool:
+        ports = list(pool.map(lambda _: free_port(), range(64)))
+    assert len(set(ports)) == len(ports)
+
+
+def test_a_request_that_fails_says_whether_the_server_has_exited(tmp_path):
+    port = free_port()
+    server = ServerProcess.start(
+        "test", [*HTTP_SERVER, str(port)], port=port, log_path=tmp_path / "s.log", health_path="/", timeout=30
+    )
+    try:
+        assert server.exit_note(wait=0.1) == "", "a live server: the connection failed, not the server"
+        os.kill(server.process.pid, signal.SIGKILL)
+        assert server.exit_note() == ", the server process has exited (killed by SIGKILL)"
+    finally:
+        server.close()

@@ -303,3 +303,45 @@ def test_a_taken_port_is_one_line_at_once(run_dir: Path, base_model: Path):
             launch_server(_config(run_dir, base_model, port=port), index=0, name="taken-port")
     assert time.monotonic() - started < 5
     assert "\n" not in str(error.value) and f"port {port} on 127.0.0.1 is taken" in str(error.value)
+
+
+def _trainer_logprobs(base_model: Path, tensors: dict[str, torch.Tensor], prompts, responses):
+    from miles_events.rl.hf_model import load_model
+    from miles_events.rl.probe import teacher_forced_logprobs
+
+    model = load_model(base_model)
+    model.load_state_dict(tensors, strict=False)
+    return teacher_forced_logprobs(model, prompts, responses)
+
+
+def test_the_probe_passes_a_faithful_reload_and_catches_a_corrupted_one_the_digests_miss(
+    engine: VllmEngine, transport, base_model: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """The disk reload is given a file whose down projection of layer 0 is negated (a
+    faulty writer): what vLLM can read back still matches, the probe does not."""
+    import actors.engine.vllm_engine as vllm_engine
+    from miles_events.rl.probe import max_difference, probe_batch, probe_vocab_size
+
+    assert engine.config.publication == "disk"
+    prompts, responses = probe_batch(probe_vocab_size(str(base_model)), seed=11)
+    tensors = _perturbed(_base_tensors(base_model), seed=21)
+    expected = _trainer_logprobs(base_model, tensors, prompts, responses)
+    skip = ["proj.weight"]
+
+    _publish(engine, transport, tensors, "300")
+    faithful = max_difference(expected, engine.probe_logprobs(prompts, responses))
+    assert faithful < 1e-3, f"the same weights in float32: {faithful}"
+
+    corrupted = "model.layers.0.mlp.down_proj.weight"
+    real_save = vllm_engine.save_file
+
+    def faulty_save(payload, path):  # type: ignore[no-untyped-def]
+        real_save({**payload, corrupted: -payload[corrupted]}, path)
+
+    monkeypatch.setattr(vllm_engine, "save_file", faulty_save)
+    _publish(engine, transport, tensors, "301")
+    readable = engine.checksums(skip).ranks[0].checksums
+    published = fingerprints({n: t for n, t in tensors.items() if n in readable})
+    assert readable == published, "the digests cannot see the corruption"
+    difference = max_difference(expected, engine.probe_logprobs(prompts, responses))
+    assert difference > 0.01, f"the probe sees it: {difference}"

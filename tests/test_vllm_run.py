@@ -37,14 +37,14 @@ def test_two_vllm_engines_learn_and_every_publication_reaches_both_verified(tmp_
             pytest.fail(f"{message} (CI is set: .ci/run creates it)")
         pytest.skip(message)
     run_dir = tmp_path / "run"
-    num_rollout = 5
+    num_rollout = 6
     overrides = [
         f'run.dir="{run_dir}"', 'run.runtime="local"', f"run.num_rollout={num_rollout}",
         # vLLM's CPU attention needs a head dimension of 32 or more (128 / 4).
         "model.builtin.num_attention_heads=4", "model.builtin.num_key_value_heads=2",
         "data.rollout_batch_size=32", "data.n_samples_per_prompt=8",
-        "trainer.global_batch_size=256", "trainer.micro_batch_size=256", "trainer.lr=0.003",
-        'rollout.reward_fn="tests.e2e_rewards.first_character"',
+        "trainer.global_batch_size=64", "trainer.micro_batch_size=64", "trainer.lr=0.01",
+        'rollout.reward_fn="tests.e2e_rewards.starts_with_one"',
         'generator.engine="vllm"', "generator.num_engines=2", 'vllm.publication="push"',
         # The linear weights vLLM repacks cannot be read back: the digests cover the rest.
         'verifier.skip_tensor_list=["proj.weight"]', 'console.mode="plain"', "metrics.enabled=false",
@@ -54,7 +54,7 @@ def test_two_vllm_engines_learn_and_every_publication_reaches_both_verified(tmp_
         command += ["--set", override]
     done = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    log = read_events(run_dir / "events.log")
+    log = list(read_events(run_dir / "events.log"))
     loaded = [e for e in log if isinstance(e, WeightsLoaded)]
     for engine in ("engine-0", "engine-1"):
         versions = [(e.previous_version, e.weight_version) for e in loaded if e.engine == engine]
@@ -65,7 +65,7 @@ def test_two_vllm_engines_learn_and_every_publication_reaches_both_verified(tmp_
     assert all(e.engines == ["engine-0", "engine-1"] and e.write_proof == "canary" for e in verified)
     assert not [e for e in log if isinstance(e, PublicationMismatch)]
     rewards = rollout_rewards(run_dir)
-    assert max(rewards[-2:]) > rewards[0] + 0.1, f"the reward rises: {rewards}"
+    assert rewards[-1] > rewards[0] + 0.3, f"the reward rises: {rewards}"
     engine_logs = sorted(p.name for p in (run_dir / "vllm").glob("*.log"))
     assert engine_logs == ["engine-0.log", "engine-1.log"], "each server logs under the run directory"
     leftover = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True)

@@ -25,6 +25,29 @@ ENGINES: dict[str, str] = {
 }
 """Engine backend name -> ``"module:Class"`` of its ``Engine`` subclass."""
 
+PARTIAL_READBACK: frozenset[str] = frozenset({"vllm"})
+"""Backends whose engines cannot read back every tensor they serve in the trainer's layout
+(vLLM on CPU repacks its linear layers): their digests leave those out, and the behavioural
+probe (``verifier.probe = "auto"``) proves them."""
+
+
+PROBING: frozenset[str] = frozenset({"torch", "vllm"})
+"""Backends whose engines answer the behavioural probe (``Engine.probe_logprobs``)."""
+
+
+def check_probe(name: str, probe: bool) -> None:
+    """Raise ``ValueError`` (one line) when publications are to be probed and backend
+    ``name`` cannot answer a probe."""
+    if probe and name not in PROBING:
+        raise ValueError(
+            f"the {name} engine has no behavioural probe (engines with one: {', '.join(sorted(PROBING))})"
+        )
+
+
+def reads_back_every_tensor(name: str) -> bool:
+    """Whether engines of backend ``name`` fingerprint every tensor they serve."""
+    return name not in PARTIAL_READBACK
+
 
 def check_engine(name: str) -> None:
     """Raise ``ValueError`` (one line, naming the known backends) for an unknown name."""

@@ -147,10 +147,21 @@ class Engine(ABC):
         """SGLang's ``snapshot``, ``reset_tensors`` or ``compare`` action (``checksum`` is
         ``checksums``); an unknown action is an unsuccessful result, not an exception."""
 
+    def probe_logprobs(
+        self, prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]]
+    ) -> list[list[float]]:
+        """The served weights' log-probability of each response token after its prompt
+        (teacher-forced): the engine's half of the publication probe
+        (``miles_events.rl.probe``). Backends in ``PROBING`` implement it."""
+        raise NotImplementedError(f"engine {self.name} has no behavioural probe")
+
     starts_concurrently: ClassVar[bool] = False
     """Whether several engines of this backend may be built at once in one process: a
     server engine's start is a launch and a wait; an embedded engine's builds a model with
     transformers, whose loading patches process-wide state, so those are built one by one."""
+
+    metrics_url: str | None = None
+    """The URL of the server's own Prometheus metrics; None for an engine without a server."""
 
     holds_canary: bool = False
     """Whether the engine keeps the publication canary of the payload it loaded

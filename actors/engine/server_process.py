@@ -45,16 +45,28 @@ class ServerStartError(RuntimeError):
     """A server did not start; the message is one line naming the cause and the log."""
 
 
+_HANDED_OUT: set[int] = set()
+"""Ports ``free_port`` has returned in this process: servers launched at once must not be
+given the same one (the kernel may pick a just-released port again)."""
+_PORTS_LOCK = threading.Lock()
+
+
 def free_port(host: str = HOST) -> int:
-    """A port nobody listens on now (the kernel's pick)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((host, 0))
-        return int(probe.getsockname()[1])
+    """A port nobody listens on now (the kernel's pick), never one this process was given
+    before."""
+    with _PORTS_LOCK:
+        while True:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+                probe.bind((host, 0))
+                port = int(probe.getsockname()[1])
+            if port not in _HANDED_OUT:
+                _HANDED_OUT.add(port)
+                return port
 
 
 def port_is_free(port: int, host: str = HOST) -> bool:
     """Whether ``port`` can be bound on ``host`` now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+    with _PORTS_LOCK, socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         try:
             probe.bind((host, port))
         except OSError:
@@ -177,6 +189,16 @@ class ServerProcess:
     @property
     def alive(self) -> bool:
         return self.process.poll() is None
+
+    def exit_note(self, wait: float = 2.0) -> str:
+        """For a request that failed at the transport: ", the server process has exited
+        (<how>)" once it has (waiting up to ``wait`` s for a dying process to be reaped),
+        else "" (the server lives; the failure was the connection's)."""
+        try:
+            code = self.process.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            return ""
+        return f", the server process has exited ({_exit_status(code)})"
 
     def close(self, grace: float = 10.0) -> None:
         """End the server's whole process group: SIGTERM, then SIGKILL after ``grace`` s.

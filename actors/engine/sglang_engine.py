@@ -99,6 +99,7 @@ class SglangEngine(Engine):
         self.config = config
         self.settings = config.sglang
         self.http = _Http(url, self.settings.request_timeout)
+        self.metrics_url = f"{self.http.url}/metrics"
         self.transport = transport
         self._tokenizer = tokenizer
         self._weight_version = self._served_version()

@@ -51,6 +51,7 @@ from miles_events.rl.canary import CANARY_BYTES, canary_fingerprint, split_canar
 from miles_events.rl.cancel import Cancellation
 from miles_events.rl.checksum import fingerprints, is_skipped
 from miles_events.rl.hf_model import cache_kwarg, load_model, load_tokenizer
+from miles_events.rl.probe import teacher_forced_logprobs
 from miles_events.rl.weights import split_tied
 from miles_events.transport.base import Transport
 from schemas.checksums import EngineChecksumReport, WeightsCheckResult
@@ -260,6 +261,11 @@ class TorchEngine(Engine):
             )
             for row in range(rows)
         ]
+
+    def probe_logprobs(
+        self, prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]]
+    ) -> list[list[float]]:
+        return teacher_forced_logprobs(self.model, prompt_ids, response_ids)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -167,6 +167,7 @@ class VllmEngine(Engine):
     ) -> None:
         self.name = name
         self.url = url.rstrip("/")
+        self.metrics_url = f"{self.url}/metrics"
         self.model_path = Path(model_path)
         self.run_dir = run_dir
         self.config = config
@@ -252,7 +253,7 @@ class VllmEngine(Engine):
         try:
             response = self._client.request(method, route, **kwargs)
         except httpx.TransportError as error:
-            alive = "" if self.server is None or self.server.alive else ", the server process has exited"
+            alive = "" if self.server is None else self.server.exit_note()
             raise VllmError(f"{self.name}: {route} failed: {error!r}{alive}{self._log_hint()}") from None
         return self._check(response, route)
 
@@ -351,9 +352,7 @@ class VllmEngine(Engine):
                 try:
                     response = await client.post(route, json=body)
                 except httpx.TransportError as error:
-                    alive = (
-                        "" if self.server is None or self.server.alive else ", the server process has exited"
-                    )
+                    alive = "" if self.server is None else self.server.exit_note()
                     raise VllmError(
                         f"{self.name}: {route} failed: {error!r}{alive}{self._log_hint()}"
                     ) from None

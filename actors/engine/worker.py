@@ -13,6 +13,7 @@ import contextlib
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from actors.engine import build_engine, engine_class
 from actors.engine.base import (
@@ -23,6 +24,7 @@ from actors.engine.base import (
     Selector,
     TensorCheckAction,
 )
+from actors.engine.scrape_target import remove_target, write_target
 from miles_events.bus.actor import RankPlace
 from miles_events.rl.cancel import Cancellation
 from miles_events.rl.checksum import ranked_checksums, report_checksums
@@ -33,6 +35,7 @@ from miles_events.transport.base import Transport
 from schemas.checksums import WeightsCheckResult
 from schemas.config import Config
 from schemas.data import DataRef
+from schemas.events import ProbeBatch
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,7 @@ class Loaded:
     checksums_manifest: str
     num_tensors: int
     canary: str | None
+    probe_logprobs: list[list[float]] | None = None
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,17 @@ class EngineWorker:
         self.engine = engine
         self.place = place
         self.cancellation = Cancellation()
+        self.scrape_target: Path | None = None
+        """The engine's Prometheus target file, while it runs (``metrics.engine_targets_dir``)."""
+        targets = config.metrics.engine_targets_dir
+        if targets and engine.metrics_url is not None:
+            self.scrape_target = write_target(
+                targets,
+                run_id=place.run_id,
+                engine=engine.name,
+                backend=config.generator.engine,
+                metrics_url=engine.metrics_url,
+            )
 
     @property
     def name(self) -> str:
@@ -88,8 +103,15 @@ class EngineWorker:
     def cancel(self, reason: str) -> None:
         self.cancellation.cancel(reason)
 
-    def load(self, weights: DataRef, weight_version: str, skip_tensor_list: Sequence[str]) -> Loaded:
-        """Serve ``weights`` as ``weight_version``, then fingerprint what is served now."""
+    def load(
+        self,
+        weights: DataRef,
+        weight_version: str,
+        skip_tensor_list: Sequence[str],
+        probe: ProbeBatch | None = None,
+    ) -> Loaded:
+        """Serve ``weights`` as ``weight_version``, then fingerprint what is served now and,
+        with a ``probe``, answer it with the served weights."""
         previous = self.engine.weight_version
         num_bytes = self.engine.load_weights(weights, weight_version)
         checksums = report_checksums(self.engine.checksums(list(skip_tensor_list)))
@@ -102,6 +124,9 @@ class EngineWorker:
             checksums_manifest=manifest,
             num_tensors=len(checksums),
             canary=self.engine.served_canary() if self.engine.holds_canary else None,
+            probe_logprobs=(
+                self.engine.probe_logprobs(probe.prompt_ids, probe.response_ids) if probe is not None else None
+            ),
         )
 
     def checksum_check(self, skip_tensor_list: Sequence[str], selector: Selector) -> Checked:
@@ -122,6 +147,8 @@ class EngineWorker:
         return self.engine.weights_check(action, selector, list(skip_tensor_list), allow_quant_error)
 
     def close(self) -> None:
+        if self.scrape_target is not None:
+            remove_target(self.scrape_target)
         self.engine.close()
 
 

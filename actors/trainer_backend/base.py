@@ -66,6 +66,11 @@ class TrainerBackend(ABC):
         """Make ``weights`` (as ``named_weights`` gives them) the KL reference; without a KL
         loss there is no reference and this does nothing."""
 
+    @abstractmethod
+    def probe_logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
+        """The current weights' log-probability of each response token after its prompt
+        (teacher-forced): the trainer's half of the publication probe (``miles_events.rl.probe``)."""
+
     def rng_state(self) -> dict[str, Any]:
         """Every random number generator state training may draw from."""
         return capture_rng_state()

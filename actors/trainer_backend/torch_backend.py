@@ -44,6 +44,7 @@ from actors.trainer_backend.grpo import (
 from miles_events.rl.cancel import Cancellation
 from miles_events.rl.finite import NonFiniteError
 from miles_events.rl.hf_model import cache_kwarg, load_model, torch_dtype
+from miles_events.rl.probe import teacher_forced_logprobs
 from miles_events.rl.weights import split_tied
 from schemas.config import Config
 from schemas.rollout import RolloutBatch, Sample
@@ -266,6 +267,9 @@ class TorchTrainerBackend(TrainerBackend):
         micro = self._pack(samples, list(range(len(samples))))
         logp, _ = self._forward(self.model, micro, with_entropy=False)
         return [logp[row, : len(s.response_ids)].cpu() for row, s in enumerate(samples)]
+
+    def probe_logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
+        return teacher_forced_logprobs(self.model, prompt_ids, response_ids)
 
     def _rollout_logprobs(self, samples: list[Sample], micro: MicroBatch) -> torch.Tensor:
         old = torch.zeros_like(micro.mask)

@@ -26,7 +26,7 @@ from typing import Any
 
 import msgspec
 
-from actors.engine import check_engine
+from actors.engine import check_engine, check_probe
 from actors.trainer_backend import check_backend
 from miles_events.rl.registry import load_function
 from schemas.config import Config
@@ -409,6 +409,10 @@ def validate(config: Config) -> None:
             check(value)
         except ValueError as error:
             raise ConfigError(f"{key}: {error}", key=key) from None
+    try:
+        check_probe(config.generator.engine, config.verifier.probe == "on")
+    except ValueError as error:
+        raise ConfigError(f"verifier.probe: {error}", key="verifier.probe") from None
 
 
 def _floats(value: object, key: str) -> Iterator[tuple[str, float]]:

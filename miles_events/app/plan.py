@@ -13,6 +13,7 @@ from pathlib import Path
 
 import msgspec
 
+from actors.engine import reads_back_every_tensor
 from miles_events.app.config import config_digest
 from miles_events.rl.checkpoint import (
     CheckpointError,
@@ -101,7 +102,17 @@ def make_plan(config: Config, runtime: str, run_id: str = "") -> RunPlan:
         rollout_only=run.rollout_only_from_checkpoint,
         checkpoint_iteration=iteration,
         lineage=lineage,
+        probe=probe_publications(config),
     )
+
+
+def probe_publications(config: Config) -> bool:
+    """``verifier.probe`` resolved: "auto" probes when the engine backend cannot read back
+    every tensor it serves (its digests then leave some out)."""
+    probe = config.verifier.probe
+    if probe == "auto":
+        return config.verifier.enabled and not reads_back_every_tensor(config.generator.engine)
+    return probe == "on" and config.verifier.enabled
 
 
 def _resume_checkpoint(run_dir: Path) -> tuple[Path | None, str]:

@@ -48,7 +48,7 @@ class HostContext:
 
     async def start_workers(self, factory: WorkerFactory, ranks: int) -> list[Worker]:
         if self._start_workers is None:
-            return await start_in_process(factory, ranks, self.config, self.transport, self.run_dir)
+            return await start_in_process(factory, ranks, self.config, self.transport, self.run_dir, self.run_id)
         return await self._start_workers(factory, ranks)
 
     async def publish(self, event: Event) -> None:

@@ -36,11 +36,12 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class RankPlace:
     """Where one rank is built: its index, how many ranks of the group share its process
-    (their threads split the process's cores), and the run directory."""
+    (their threads split the process's cores), the run directory and the run's id."""
 
     rank: int
     ranks_in_process: int
     run_dir: Path
+    run_id: str = ""
 
 
 WorkerFactory = Callable[[Config, Transport, RankPlace], Any]
@@ -102,10 +103,10 @@ async def build_in_process(
 
 
 async def start_in_process(
-    factory: WorkerFactory, ranks: int, config: Config, transport: Transport, run_dir: Path
+    factory: WorkerFactory, ranks: int, config: Config, transport: Transport, run_dir: Path, run_id: str = ""
 ) -> list[Worker]:
     """Every rank in this process (the local runtime, and actors hosted in the driver)."""
-    places = [RankPlace(rank, ranks, run_dir) for rank in range(ranks)]
+    places = [RankPlace(rank, ranks, run_dir, run_id) for rank in range(ranks)]
     return list(await build_in_process(factory, config, transport, places))
 
 
