@@ -1,6 +1,11 @@
 """One RL step of the embedded default, split into generate / train / publish / verify / save.
 
     .venv/bin/python bench/rl_step.py [--runtime local|ray] [--rollouts 12] [--config examples/tiny.toml]
+        [--set KEY=VALUE ...]
+
+``--set`` takes the run's own overrides, e.g. two vLLM engines:
+``--set generator.engine='"vllm"' --set generator.num_engines=2`` (with the model and
+verifier settings a vLLM run needs: see bench/vllm_engine.py's ``VLLM_RUN``).
 
 Runs the embedded default with a save after every rollout, then reads the run's event log:
 - step: wall time between consecutive ``RolloutRequested`` events (the whole loop),
@@ -61,6 +66,7 @@ def main() -> None:
     parser.add_argument("--config", default=str(ROOT / "examples" / "tiny.toml"))
     parser.add_argument("--runtime", default="local", choices=["local", "ray"])
     parser.add_argument("--rollouts", type=int, default=12)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override")
     args = parser.parse_args()
     run_dir = Path(tempfile.mkdtemp(prefix="rl-step-"))
     config = load_config(
@@ -71,6 +77,7 @@ def main() -> None:
             f"run.num_rollout={args.rollouts}",
             "run.save_interval=1",
             "run.skip_eval_before_train=true",
+            *args.set,
         ],
     )
     config = msgspec.structs.replace(config, run=msgspec.structs.replace(config.run, eval_interval=None))

@@ -9,7 +9,9 @@ against this file, against Grafana's schema, and runs every expression on a real
 Prometheus scraping a real run. Edit here, not in the JSON (or in Grafana's UI).
 
 Every query selects the dashboard's run with ``run=~"$run"`` (metric names and labels are
-in docs/metrics.md); engine-level series also honour ``$engine``.
+in docs/metrics.md); engine-level series also honour ``$engine``. The "Inference engines"
+row reads the servers' own metrics (vLLM's ``vllm:*``, SGLang's ``sglang:*``), which
+Prometheus scrapes from the file_sd targets the run writes (``metrics.engine_targets_dir``).
 """
 
 from __future__ import annotations
@@ -275,8 +277,89 @@ def _bus_and_failures() -> list[PanelSpec]:
     ]
 
 
+SERVERS = 'run=~"$run", engine=~"$engine"'
+"""The series of the run's inference servers, scraped through their file_sd targets
+(``metrics.engine_targets_dir``), which label them with the run and the engine."""
+
+
+def _either(vllm: str, sglang: str) -> str:
+    """A vLLM expression, or the SGLang one for a run on SGLang servers."""
+    return f"({vllm}) or ({sglang})"
+
+
+def _server_p95(vllm_metric: str, sglang_metric: str, legend: str) -> Query:
+    def p95(metric: str) -> str:
+        rate = f"rate({metric}_bucket{{{SERVERS}}}[$__rate_interval])"
+        return f"histogram_quantile(0.95, sum by (le, engine) ({rate}))"
+
+    return Query(_either(p95(vllm_metric), p95(sglang_metric)), f"{{{{engine}}}} {legend}")
+
+
+def _inference_engines() -> list[PanelSpec]:
+    """The servers' own metrics (``vllm:*``, ``sglang:*``): a run on the embedded engine has none."""
+    return [
+        timeseries(
+            "Engine requests",
+            "Requests each inference server is running and has queued.",
+            Query(
+                _either(
+                    f"sum by (engine) (vllm:num_requests_running{{{SERVERS}}})",
+                    f"sum by (engine) (sglang:num_running_reqs{{{SERVERS}}})",
+                ),
+                "{{engine}} running",
+            ),
+            Query(
+                _either(
+                    f"sum by (engine) (vllm:num_requests_waiting{{{SERVERS}}})",
+                    f"sum by (engine) (sglang:num_queue_reqs{{{SERVERS}}})",
+                ),
+                "{{engine}} queued",
+            ),
+        ),
+        timeseries(
+            "Engine generation throughput",
+            "Tokens each inference server generates per second.",
+            Query(
+                _either(
+                    f"sum by (engine) (rate(vllm:generation_tokens_total{{{SERVERS}}}[$__rate_interval]))",
+                    f"sum by (engine) (sglang:gen_throughput{{{SERVERS}}})",
+                ),
+                "{{engine}}",
+            ),
+        ),
+        timeseries(
+            "Engine KV cache use",
+            "Fraction of each server's KV cache in use.",
+            Query(
+                _either(
+                    f"max by (engine) (vllm:kv_cache_usage_perc{{{SERVERS}}})",
+                    f"max by (engine) (sglang:token_usage{{{SERVERS}}})",
+                ),
+                "{{engine}}",
+            ),
+            unit="percentunit",
+        ),
+        timeseries(
+            "Engine request latency (p95)",
+            "Each server's end-to-end request latency and time to first token.",
+            _server_p95("vllm:e2e_request_latency_seconds", "sglang:e2e_request_latency_seconds", "end to end"),
+            _server_p95("vllm:time_to_first_token_seconds", "sglang:time_to_first_token_seconds", "first token"),
+            unit="s",
+            width=12,
+        ),
+        timeseries(
+            "Engine inter-token latency (p95)",
+            "Time between two output tokens of a request, on each server.",
+            _server_p95("vllm:inter_token_latency_seconds", "sglang:inter_token_latency_seconds", ""),
+            unit="s",
+            width=12,
+        ),
+    ]
+
+
 def overview() -> Json:
-    """The RL overview of one run: weights, learning, throughput and latency, the bus."""
+    """The RL overview of one run: weights, learning, throughput and latency, the bus, and
+    the inference servers' own metrics."""
     return dashboard(
         "miles-rl-overview",
         "miles-events: RL overview",
@@ -287,6 +370,7 @@ def overview() -> Json:
             ("Learning", _learning()),
             ("Throughput & latency", _throughput_and_latency()),
             ("Bus & failures", _bus_and_failures()),
+            ("Inference engines", _inference_engines()),
         ],
     )
 

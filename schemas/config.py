@@ -141,7 +141,16 @@ class SglangConfig(Section):
     """The ``sglang`` engine backend: one running SGLang server per engine, over HTTP."""
 
     urls: list[str] = []
-    """Engine ``i`` uses ``urls[i]`` (e.g. ``http://127.0.0.1:15000``): one per engine."""
+    """Connect engine ``i`` to the running server at ``urls[i]`` (e.g. ``http://127.0.0.1:15000``)
+    instead of launching one; set one per engine, or none."""
+    python: str = "python3"
+    """Without ``urls``: the Python (SGLang's environment) that launches each engine's server,
+    ``python -m sglang.launch_server`` with the arguments of ``SglangEngine.launch_args``."""
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
+    """A launched engine i listens on ``port + i`` on 127.0.0.1; 0 picks a free port per engine."""
+    startup_timeout: PositiveFloat = 900.0
+    """Seconds a launched server may take to answer ``/health_generate`` (its model loaded,
+    its CUDA graphs captured); then the start fails with one line naming its log."""
     request_timeout: PositiveFloat = 600.0
     """Seconds any one HTTP call may take (a ``/generate`` batch included)."""
     pause_mode: Literal["abort", "retract", "in_place"] | None = "retract"

@@ -511,14 +511,14 @@ class ContractServer:
 
 
 @contextmanager
-def serve(variant: Variant, model_path: str, *, tp_size: int = 1) -> Iterator[ContractServer]:
-    """Run a contract server on a free 127.0.0.1 port in a thread; its model starts from
-    ``model_path`` (a directory) as version ``"default"``."""
+def serve(variant: Variant, model_path: str, *, tp_size: int = 1, port: int = 0) -> Iterator[ContractServer]:
+    """Run a contract server on 127.0.0.1 (``port``, or a free one) in a thread; its model
+    starts from ``model_path`` (a directory) as version ``"default"``."""
     state = ServerState(variant=variant, model_path=model_path, tp_size=tp_size)
     state.load(_directory_seed(model_path))
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
+    sock.bind(("127.0.0.1", port))
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(build_app(state), log_level="warning", lifespan="off"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)

@@ -38,6 +38,9 @@ TSC = GRAFANA / ".typecheck" / "node_modules" / ".bin" / "tsc"
 REQUIRE = os.environ.get("MILES_REQUIRE_OBSERVABILITY") == "1"
 LIVE_ONLY_METRICS = ("miles_bus_mailbox_depth", "miles_bus_mailbox_high_water_mark")
 """Read from the live bus: absent from metrics rebuilt from an event log (docs/metrics.md)."""
+SERVER_METRIC = re.compile(r"\b(vllm|sglang):\w+")
+"""The inference servers' own metrics: a run on the embedded engine has none; they are
+checked against a real vLLM server (tests/test_vllm_engine.py) and SGLang's own source."""
 
 
 def require(present: bool, what: str) -> None:
@@ -139,6 +142,28 @@ def test_queries_use_only_documented_metrics(dashboard: dict[str, Any]) -> None:
     names = {name for _, expr in expressions(dashboard) for name in re.findall(r"\bmiles_\w+", expr)}
     used = {re.sub(r"_(bucket|sum|count)$", "", name) for name in names}  # a histogram's series
     assert used - documented == set()
+
+
+def test_the_engines_row_asks_each_server_backend_for_metrics_it_defines() -> None:
+    """SGLang's names from its own source (the pinned package; its servers cannot run here);
+    vLLM's are checked on a real server by tests/test_vllm_engine.py."""
+    overview = json.loads((GRAFANA / "dashboards" / "miles-rl-overview.json").read_text())
+    used = {m.group(0) for _, e in expressions(overview) for m in SERVER_METRIC.finditer(e)}
+    assert {name.split(":")[0] for name in used} == {"vllm", "sglang"}
+    sglang = pytest.importorskip("sglang")
+    observability = Path(sglang.__file__).parent / "srt" / "observability"
+    defined = set(re.findall(r'name="(sglang:\w+)"', "".join(p.read_text() for p in observability.glob("*.py"))))
+    names = {re.sub(r"_(bucket|sum|count)$", "", n) for n in used if n.startswith("sglang:")}
+    assert names and names - defined == set()
+
+
+def test_prometheus_scrapes_the_inference_servers_from_the_targets_the_run_writes() -> None:
+    config = load_yaml(GRAFANA / "prometheus.yml")
+    (job,) = [job for job in config["scrape_configs"] if job["job_name"] == "inference-engines"]
+    (discovery,) = job["file_sd_configs"]
+    assert discovery["files"] == ["targets/*.json"] and (GRAFANA / "targets").is_dir()
+    prometheus = mounts(load_yaml(GRAFANA / "docker-compose.yml")["services"]["prometheus"])
+    assert prometheus["./targets"] == "/etc/prometheus/targets", "beside the config, where the glob resolves"
 
 
 def test_dashboards_are_up_to_date_with_their_source() -> None:
@@ -427,15 +452,20 @@ def assert_all_return_data(
     pytest.fail(f"{len(pending)} of {len(named)} expressions returned no data for run {run_id}:\n{lines}")
 
 
+def run_expressions(dashboard: dict[str, Any]) -> list[tuple[str, str]]:
+    """The expressions on the run's own metrics (``miles_*``)."""
+    return [(n, e) for n, e in expressions(dashboard) if not SERVER_METRIC.search(e)]
+
+
 @pytest.mark.slow
 def test_every_query_returns_data_for_a_replayed_run(observed: ObservedRuns, dashboard: dict[str, Any]) -> None:
-    named = [(n, e) for n, e in expressions(dashboard) if not any(m in e for m in LIVE_ONLY_METRICS)]
+    named = [(n, e) for n, e in run_expressions(dashboard) if not any(m in e for m in LIVE_ONLY_METRICS)]
     assert_all_return_data(observed, observed.replayed_run, named, deadline_s=45)
 
 
 @pytest.mark.slow
 def test_every_query_returns_data_for_a_live_run(observed: ObservedRuns, dashboard: dict[str, Any]) -> None:
-    assert_all_return_data(observed, observed.live_run, expressions(dashboard), deadline_s=45)
+    assert_all_return_data(observed, observed.live_run, run_expressions(dashboard), deadline_s=45)
 
 
 @pytest.mark.slow

@@ -3,17 +3,24 @@ body it sends is validated by SGLang's own classes there."""
 
 from __future__ import annotations
 
+import os
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from actors.engine import engine_class
 from actors.engine.base import SamplingParams
+from actors.engine.server_process import ServerStartError
 from actors.engine.sglang_engine import SglangEngine, SglangError
 from miles_events.rl.cancel import Cancellation, Cancelled
 from miles_events.transport.disk import DiskTransport
-from schemas.config import Config, GeneratorConfig, SglangConfig
+from schemas.config import Config, GeneratorConfig, ModelConfig, RunConfig, SglangConfig
 from tests import sglang_validator
 from tests.sglang_server import NEWER, VARIANTS, serve
+
+REPO = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.skipif(not sglang_validator.available(), reason="sglang is not installed")
 
@@ -161,3 +168,58 @@ def test_launch_args_come_from_the_config():
     args = SglangEngine.launch_args(config, port=15000, nccl_port=15001)
     assert (args.model_path, args.port, args.tp_size, args.mem_fraction_static, args.nccl_port) == ("/m", 15000, 2, 0.6, 15001)
     assert args.random_seed == config.run.seed and args.extra_args == ("--log-level", "warning")
+
+
+def fake_sglang_python(tmp_path: Path, body: str) -> Path:
+    """A "python" for ``sglang.python``: given ``-m sglang.launch_server ARGS``, runs ``body``
+    with ARGS (SGLang itself needs CUDA)."""
+    script = tmp_path / "sglang-python"
+    script.write_text(f"#!/bin/sh\n[ \"$1 $2\" = \"-m sglang.launch_server\" ] || exit 64\nshift 2\n{body}\n")
+    script.chmod(0o755)
+    return script
+
+
+def launch_config(tmp_path: Path, python: Path, **sglang) -> Config:
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    (model / "model.safetensors").write_bytes(b"base weights")
+    return Config(
+        run=RunConfig(dir=str(tmp_path / "run")),
+        model=ModelConfig(path=str(model)),
+        generator=GeneratorConfig(engine="sglang", num_engines=2),
+        sglang=SglangConfig(python=str(python), flush_cache_timeout=5, **sglang),
+    )
+
+
+def test_without_urls_each_engine_launches_its_server_and_ends_it_on_close(tmp_path):
+    contract = f'cd "{REPO}" && exec "{sys.executable}" -m tests.sglang_launch "$@"'
+    config = launch_config(tmp_path, fake_sglang_python(tmp_path, contract), startup_timeout=120)
+    engines = [
+        engine_class("sglang").from_config(config, index=i, name=f"engine-{i}", transport=DiskTransport("r", tmp_path))
+        for i in range(2)
+    ]
+    try:
+        assert [e.weight_version for e in engines] == ["default", "default"] and all(e.ready() for e in engines)
+        assert len({e.http.url for e in engines}) == 2, "a port each"
+        [completion] = engines[1].generate([[1, 2]], SamplingParams(max_new_tokens=2))
+        assert len(completion.response_ids) == 2
+        log = (tmp_path / "run" / "sglang" / "engine-0.log").read_text()
+        assert f"contract server for {tmp_path / 'model'}" in log, "SGLang's parser read the launch line"
+    finally:
+        groups = [e.server.process.pid for e in engines if e.server is not None]
+        for engine in engines:
+            engine.close()
+    assert len(groups) == 2
+    for pgid in groups:
+        with pytest.raises(ProcessLookupError):
+            os.killpg(pgid, 0)
+
+
+def test_a_server_that_exits_during_start_is_one_line_naming_its_log(tmp_path):
+    python = fake_sglang_python(tmp_path, 'echo "RuntimeError: no CUDA GPUs are available" >&2; exit 1')
+    config = launch_config(tmp_path, python, startup_timeout=60)
+    with pytest.raises(ServerStartError) as error:
+        engine_class("sglang").from_config(config, index=0, name="engine-0", transport=DiskTransport("r", tmp_path))
+    message = str(error.value)
+    assert "\n" not in message and "no CUDA GPUs are available" in message
+    assert str(tmp_path / "run" / "sglang" / "engine-0.log") in message

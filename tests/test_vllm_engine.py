@@ -345,3 +345,54 @@ def test_the_probe_passes_a_faithful_reload_and_catches_a_corrupted_one_the_dige
     assert readable == published, "the digests cannot see the corruption"
     difference = max_difference(expected, engine.probe_logprobs(prompts, responses))
     assert difference > 0.01, f"the probe sees it: {difference}"
+
+
+def test_the_dashboards_engines_row_reads_a_real_servers_metrics(engine: VllmEngine, tmp_path: Path):
+    """A real Prometheus finds the server through the file_sd target a run writes, and every
+    vLLM expression of the engines row returns data for the run."""
+    import json
+    import shutil
+    import signal
+
+    from actors.engine.scrape_target import write_target
+    from tests.test_grafana import GRAFANA, expressions, free_ports, load_yaml, query, require, substitute
+
+    prometheus = shutil.which("prometheus")
+    require(prometheus is not None, "prometheus (Debian package prometheus)")
+    assert engine.metrics_url is not None
+    write_target(tmp_path / "targets", run_id="vllm-run", engine="engine-0", backend="vllm", metrics_url=engine.metrics_url)
+    settings = load_yaml(GRAFANA / "prometheus.yml")
+    settings["global"].update(scrape_interval="1s", evaluation_interval="1s")
+    (job,) = [j for j in settings["scrape_configs"] if j["job_name"] == "inference-engines"]
+    job.update(scrape_interval="1s", scrape_timeout="1s")
+    job["file_sd_configs"] = [{"files": [str(tmp_path / "targets" / "*.json")], "refresh_interval": "1s"}]
+    settings["scrape_configs"] = [job]
+    (tmp_path / "prometheus.yml").write_text(json.dumps(settings))
+    (port,) = free_ports(1)
+    url = f"http://127.0.0.1:{port}"
+    args = [
+        str(prometheus), f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'data'}",
+        f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn",
+    ]  # fmt: skip
+    overview = json.loads((GRAFANA / "dashboards" / "miles-rl-overview.json").read_text())
+    pending = {n: substitute(e, "vllm-run") for n, e in expressions(overview) if "vllm:" in e}
+    assert len(pending) >= 5
+    with (tmp_path / "prometheus.log").open("wb") as log:
+        server = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 90
+        while pending and time.monotonic() < deadline:
+            assert server.poll() is None, (tmp_path / "prometheus.log").read_text()[-2000:]
+            engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=8), torch.Generator().manual_seed(1))
+            for name, promql in list(pending.items()):
+                try:
+                    found = query(url, promql)
+                except OSError:
+                    break  # Prometheus is still starting
+                if found:
+                    del pending[name]
+            time.sleep(1)
+        assert not pending, f"no data for {sorted(pending)}"
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=30)

@@ -36,6 +36,7 @@ from actors.engine.base import (
     TensorCheckAction,
     encode_prompt,
 )
+from actors.engine.server_process import ServerProcess, ServerStartError, free_port
 from miles_events.rl.cancel import Cancellation
 from miles_events.transport.base import Transport
 from schemas.checksums import EngineChecksumReport, WeightsCheckResult
@@ -94,8 +95,11 @@ class SglangEngine(Engine):
         config: Config,
         transport: Transport,
         tokenizer: Any = None,
+        server: ServerProcess | None = None,
     ) -> None:
         self.name = name
+        self.server = server
+        """The launched server; None when connected to ``sglang.urls``."""
         self.config = config
         self.settings = config.sglang
         self.http = _Http(url, self.settings.request_timeout)
@@ -106,13 +110,26 @@ class SglangEngine(Engine):
 
     @classmethod
     def from_config(cls, config: Config, *, index: int, name: str, transport: Transport) -> SglangEngine:
+        """Connect to ``sglang.urls[index]``, or without ``urls`` launch server ``index``
+        (``launch_server``) and wait until it generates."""
         urls = config.sglang.urls
+        if not urls:
+            server = launch_server(config, index=index, name=name)
+            try:
+                return cls(server.url, name=name, config=config, transport=transport, server=server)
+            except BaseException:
+                server.close()
+                raise
         if index >= len(urls):
             raise ValueError(
                 f"sglang.urls: {name} needs the URL of a running SGLang server, {len(urls)} given for "
-                f"{config.generator.num_engines} engines"
+                f"{config.generator.num_engines} engines (or give none to launch them)"
             )
         return cls(urls[index], name=name, config=config, transport=transport)
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
 
     @staticmethod
     def launch_args(config: Config, *, port: int, nccl_port: int | None = None) -> api.LaunchArgs:
@@ -289,3 +306,26 @@ class SglangEngine(Engine):
             )
         status, body = self._checker(action, selector, skip_tensor_list, allow_quant_error)
         return api.parse_check_reply(action, status, body, weight_version=self.weight_version)
+
+
+LOG_DIR = "sglang"
+"""Launched servers log to ``<run.dir>/sglang/<engine>.log``."""
+
+
+def launch_server(config: Config, *, index: int, name: str) -> ServerProcess:
+    """Start server ``index`` with ``sglang.python -m sglang.launch_server`` and the arguments
+    of ``SglangEngine.launch_args``; ready once ``/health_generate`` answers (the server can
+    generate, not merely listen). ``ServerStartError`` (one line naming the log) otherwise."""
+    settings = config.sglang
+    if config.model.path is None or not Path(config.model.path).is_dir():
+        raise ServerStartError(f"{name}: model path {config.model.path} is not a directory (server not started)")
+    port = settings.port + index if settings.port else free_port()
+    argv = api.launch_argv(SglangEngine.launch_args(config, port=port), python=settings.python)
+    return ServerProcess.start(
+        name,
+        argv,
+        port=port,
+        log_path=Path(config.run.dir) / LOG_DIR / f"{name}.log",
+        health_path=api.HEALTH_GENERATE,
+        timeout=settings.startup_timeout,
+    )
