@@ -129,7 +129,7 @@ def test_generation_returns_token_ids_and_per_token_logprobs(engine: VllmEngine)
 
 def test_the_same_generator_state_gives_the_same_samples(engine: VllmEngine):
     sampling = SamplingParams(temperature=1.0, max_new_tokens=8)
-    requests = ["1+1="] * 8  # a group: the same prompt, a seed of its own per sample
+    requests = ["1+1="] * 8  # a group: one request of n = 8 samples, each with a seed of its own
     first = engine.generate(requests, sampling, torch.Generator().manual_seed(11))
     again = engine.generate(requests, sampling, torch.Generator().manual_seed(11))
     other = engine.generate(requests, sampling, torch.Generator().manual_seed(12))
@@ -212,11 +212,32 @@ def test_snapshot_and_compare_cover_the_readable_tensors(engine: VllmEngine, tra
     base = _base_tensors(base_model)
     assert engine.weights_check("snapshot").success
     assert engine.weights_check("compare").success
-    assert not engine.weights_check("reset_tensors").success
     _publish(engine, transport, _perturbed(base, seed=7), "6")
     assert not engine.weights_check("compare").success
     _publish(engine, transport, base, "7")
     assert engine.weights_check("compare").success
+
+
+def test_reset_tensors_overwrites_what_is_served_the_repacked_linears_included(
+    engine: VllmEngine, transport, base_model: Path
+):
+    """The seed's snapshot -> reset -> publish -> compare on vLLM: the compare sees the
+    readable tensors, the probe the linears vLLM repacks."""
+    from miles_events.rl.probe import max_difference, probe_batch, probe_vocab_size
+
+    base = _base_tensors(base_model)
+    prompts, responses = probe_batch(probe_vocab_size(str(base_model)), seed=5)
+    _publish(engine, transport, base, "8")
+    served = engine.probe_logprobs(prompts, responses)
+    assert engine.weights_check("snapshot").success
+    reset = engine.weights_check("reset_tensors", skip_tensor_list=["norm"])
+    assert reset.success and reset.num_tensors > 0 and engine.weight_version == "8"
+    assert not engine.weights_check("compare").success
+    assert max_difference(served, engine.probe_logprobs(prompts, responses)) > 0.1
+    # Only the norms (skipped) kept their values; reset the rest back by the publication.
+    _publish(engine, transport, base, "9")
+    assert engine.weights_check("compare").success
+    assert max_difference(served, engine.probe_logprobs(prompts, responses)) < 1e-4
 
 
 def test_a_push_over_http_loads_and_keeps_the_publication_canary(
@@ -345,6 +366,8 @@ def test_the_probe_passes_a_faithful_reload_and_catches_a_corrupted_one_the_dige
     assert readable == published, "the digests cannot see the corruption"
     difference = max_difference(expected, engine.probe_logprobs(prompts, responses))
     assert difference > 0.01, f"the probe sees it: {difference}"
+    monkeypatch.undo()
+    _publish(engine, transport, _base_tensors(base_model), "302")
 
 
 def test_the_dashboards_engines_row_reads_a_real_servers_metrics(engine: VllmEngine, tmp_path: Path):

@@ -84,6 +84,11 @@ WEIGHTS_DIR = "vllm"
 """Under the run directory: the disk publications and server logs of the vllm engines."""
 
 
+MAX_SAMPLES_PER_REQUEST = 64
+"""Samples of one prompt asked for in one request at most (a server's ``max_num_seqs``
+bounds ``n``; vLLM's CPU default is 256)."""
+
+
 class VllmError(RuntimeError):
     """A vLLM server refused or failed a request; one line naming the engine and route."""
 
@@ -292,13 +297,15 @@ class VllmEngine(Engine):
     ) -> list[Completion]:
         """Sample one completion per request, all in flight at once (the server batches).
 
-        Seeds come from ``generator`` (one per request), so the same generator state asks
+        Consecutive requests for the same prompt go as one HTTP request of ``n`` samples
+        (up to ``MAX_SAMPLES_PER_REQUEST``). Seeds come from ``generator`` (one per HTTP
+        request; vLLM seeds its k-th sample with seed + k), so the same generator state asks
         for the same samples; vLLM then samples reproducibly given the same weights. A
         cancellation aborts the requests still running on the server and raises
         ``Cancelled``.
         """
+        prompt_ids: list[list[int]] = []
         encoded: dict[str, list[int]] = {}
-        prompt_ids = []
         for request in requests:
             if isinstance(request, str):
                 if request not in encoded:
@@ -306,20 +313,27 @@ class VllmEngine(Engine):
                 prompt_ids.append(encoded[request])
             else:
                 prompt_ids.append(self.encode(request))
-        if generator is not None:
-            seeds: list[int | None] = torch.randint(
-                0, MAX_SEED, (len(prompt_ids),), generator=generator
-            ).tolist()
-        else:
-            seeds = [None] * len(prompt_ids)
         if not prompt_ids:
             return []
-        return asyncio.run(self._generate_all(prompt_ids, seeds, sampling, cancel))
+        # Consecutive requests for the same prompt (a GRPO group) go as one request of n
+        # samples: vLLM computes the prompt once and seeds sample k with seed + k.
+        groups: list[tuple[list[int], int]] = []
+        for ids in prompt_ids:
+            if groups and groups[-1][0] == ids and groups[-1][1] < MAX_SAMPLES_PER_REQUEST:
+                groups[-1] = (ids, groups[-1][1] + 1)
+            else:
+                groups.append((ids, 1))
+        if generator is not None:
+            seeds: list[int | None] = torch.randint(0, MAX_SEED, (len(groups),), generator=generator).tolist()
+        else:
+            seeds = [None] * len(groups)
+        return asyncio.run(self._generate_all(groups, seeds, sampling, cancel))
 
     def _generate_body(
-        self, request_id: str, ids: list[int], seed: int | None, sampling: SamplingParams
+        self, request_id: str, ids: list[int], n: int, seed: int | None, sampling: SamplingParams
     ) -> dict[str, Any]:
         params: dict[str, Any] = {
+            "n": n,
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
             "max_tokens": sampling.max_new_tokens,
@@ -334,21 +348,22 @@ class VllmEngine(Engine):
 
     async def _generate_all(
         self,
-        prompt_ids: list[list[int]],
+        groups: list[tuple[list[int], int]],
         seeds: list[int | None],
         sampling: SamplingParams,
         cancel: Cancellation | None,
     ) -> list[Completion]:
         batch = f"{self.name}-{uuid.uuid4().hex[:12]}"
-        request_ids = [f"{batch}-{i}" for i in range(len(prompt_ids))]
+        request_ids = [f"{batch}-{i}" for i in range(len(groups))]
         route = "/inference/v1/generate"
-        limits = httpx.Limits(max_connections=max(1, len(prompt_ids)))
+        limits = httpx.Limits(max_connections=max(1, len(groups)))
         async with httpx.AsyncClient(
             base_url=self.url, timeout=self.config.request_timeout, limits=limits
         ) as client:
 
-            async def one(i: int) -> Completion:
-                body = self._generate_body(request_ids[i], prompt_ids[i], seeds[i], sampling)
+            async def one(i: int) -> list[Completion]:
+                ids, n = groups[i]
+                body = self._generate_body(request_ids[i], ids, n, seeds[i], sampling)
                 try:
                     response = await client.post(route, json=body)
                 except httpx.TransportError as error:
@@ -356,9 +371,9 @@ class VllmEngine(Engine):
                     raise VllmError(
                         f"{self.name}: {route} failed: {error!r}{alive}{self._log_hint()}"
                     ) from None
-                return self._completion(prompt_ids[i], self._check(response, route))
+                return self._completions(ids, n, self._check(response, route))
 
-            tasks = [asyncio.create_task(one(i)) for i in range(len(prompt_ids))]
+            tasks = [asyncio.create_task(one(i)) for i in range(len(groups))]
             try:
                 pending = set(tasks)
                 while pending:
@@ -377,10 +392,15 @@ class VllmEngine(Engine):
                 await asyncio.gather(*tasks, return_exceptions=True)
             if cancel is not None:
                 cancel.check()
-            return [task.result() for task in tasks]
+            return [completion for task in tasks for completion in task.result()]
 
-    def _completion(self, prompt_ids: list[int], reply: dict[str, Any]) -> Completion:
-        choice = reply["choices"][0]
+    def _completions(self, prompt_ids: list[int], n: int, reply: dict[str, Any]) -> list[Completion]:
+        choices = sorted(reply["choices"], key=lambda choice: int(choice.get("index", 0)))
+        if len(choices) != n:
+            raise VllmError(f"{self.name}: asked for {n} samples of a prompt, the server returned {len(choices)}")
+        return [self._completion(prompt_ids, choice) for choice in choices]
+
+    def _completion(self, prompt_ids: list[int], choice: dict[str, Any]) -> Completion:
         finish = choice.get("finish_reason")
         if finish not in ("stop", "length"):
             raise VllmError(f"{self.name}: a request ended with finish_reason {finish!r}{self._log_hint()}")
@@ -546,16 +566,14 @@ class VllmEngine(Engine):
     ) -> WeightsCheckResult:
         """``snapshot`` and ``compare`` on the fingerprints of the readable tensors
         (bitwise: a fingerprint cannot tell one ULP from any other difference);
-        ``reset_tensors`` is not supported (unsuccessful)."""
+        ``reset_tensors`` overwrites every tensor not skipped, the unreadable ones included."""
         if action not in TENSOR_CHECK_ACTIONS:
             known = ", ".join(TENSOR_CHECK_ACTIONS)
             return self._result(action, False, f"unknown action {action!r}; known: {known} (and checksum)")
         if selector == "draft":
             return self._result(action, True, f"{action}: no draft model, nothing selected")
         if action == "reset_tensors":
-            return self._result(
-                action, False, "reset_tensors: the vllm engine cannot overwrite what its server serves"
-            )
+            return self._reset_tensors(list(skip_tensor_list))
         report = self.checksums(skip_tensor_list, selector)
         current = dict(report.ranks[0].checksums)
         if action == "snapshot":
@@ -583,6 +601,20 @@ class VllmEngine(Engine):
             f"{len(current)} readable tensors equal the snapshot ({mode})",
             num_tensors=len(current),
         )
+
+    def _reset_tensors(self, skip: list[str]) -> WeightsCheckResult:
+        """Overwrite every served tensor not skipped with random data, through vLLM's own
+        weight loading (so the linears' packed kernel copies are overwritten too), paused as
+        a load is; the served version stays."""
+        names = {n: list(shape) for n, shape in self._tensor_shapes.items() if not is_skipped(n, skip)}
+        self._post("/pause", params={"mode": "wait"})
+        try:
+            results = self.collective_rpc("miles_reset_tensors", json.dumps(names))
+            self._post("/reset_prefix_cache")
+        finally:
+            self._post("/resume")
+        reset = int(results[0]["num_tensors"]) if results and isinstance(results[0], dict) else 0
+        return self._result("reset_tensors", True, f"reset {reset} tensors to random data", num_tensors=reset)
 
     def _result(self, action: str, success: bool, message: str, **counts: object) -> WeightsCheckResult:
         return WeightsCheckResult(

@@ -11,6 +11,7 @@ base64 safetensors bytes) and whose results are JSON.
   memory, copied in the same pass as the weights.
 - ``miles_load_weights_from_dir``: the same from a safetensors directory the worker reads.
 - ``miles_canary``: the fingerprint of the canary of the publication loaded last.
+- ``miles_reset_tensors``: random data under every named tensor (SGLang's ``reset_tensors``).
 - ``miles_checksums``: fingerprints of the served tensors that keep the Hugging Face layout
   on this backend, by Hugging Face name, and the names of those that do not (vLLM on CPU
   repacks linear layers into kernel layouts; fused projections merge several tensors).
@@ -69,6 +70,17 @@ class MilesWorkerExtension:
         for file in sorted(Path(directory).glob("*.safetensors")):
             tensors.update(load_file(str(file)))
         return self._miles_load(tensors)
+
+    def miles_reset_tensors(self, names_json: str) -> dict[str, Any]:
+        """Load random data (a fixed seed) under every Hugging Face name and shape in
+        ``names_json``: SGLang's ``reset_tensors``, through vLLM's weight loading so that
+        repacked and fused layers are overwritten too."""
+        wanted: dict[str, list[int]] = json.loads(names_json)
+        generator = torch.Generator().manual_seed(0)
+        dtype = next(self.model_runner.get_model().parameters()).dtype  # type: ignore[attr-defined]
+        tensors = {name: torch.randn(shape, generator=generator).to(dtype) for name, shape in wanted.items()}
+        self.model_runner.reload_weights(weights_iterator=iter(tensors.items()))  # type: ignore[attr-defined]
+        return {"num_tensors": len(tensors)}
 
     def miles_canary(self) -> str:
         """The fingerprint of the canary loaded last; "" before any."""
