@@ -22,6 +22,7 @@ from schemas.events import (
     EVENT_TYPES,
     EVENT_TYPES_BY_NAME,
     Event,
+    ProbeBatch,
     RolloutRequested,
     TensorMismatch,
     TrainMetrics,
@@ -110,6 +111,7 @@ EXAMPLES: dict[str, dict[str, Any]] = {
         rollout_id=3,
         stage_seconds=0.5,
         canary="0f" * 8,
+        probe=ProbeBatch(prompt_ids=[[1, 2]], response_ids=[[3]], logprobs=[[-0.5]]),
     ),
     "WeightsLoaded": dict(
         engine="engine-0",
@@ -121,6 +123,7 @@ EXAMPLES: dict[str, dict[str, Any]] = {
         checksums_manifest=MANIFEST,
         load_seconds=0.25,
         canary="0f" * 8,
+        probe_logprobs=[[-0.5]],
     ),
     "WeightsPublished": dict(
         weight_version="4",
@@ -134,7 +137,7 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     "PublicationFailed": dict(weight_version="4", phase="load", reason="timeout", rollout_id=3),
     "PublicationVerified": dict(
         weight_version="4", digest="cd" * 32, num_tensors=2, engines=["engine-0"], rollout_id=3, verify_seconds=0.01,
-        write_proof="canary",
+        write_proof="canary", probe_max_diff=1e-5,
     ),
     "PublicationMismatch": dict(
         weight_version="4",
