@@ -295,27 +295,39 @@ def test_dry_run_prints_the_resolved_config_and_runs_nothing(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def corrupting_engine(config, transport, place):  # type: ignore[no-untyped-def]
-    """Engine rank ``place.rank``; the last one corrupts one tensor while loading version 3,
-    as a faulty transport or loader would."""
-    worker = engine_worker(config, transport, place)
-    if place.rank == config.generator.num_engines - 1:
-        faulty = worker.engine
-        real_load = faulty.load_weights
+def faulty_at_version_3(damage):  # type: ignore[no-untyped-def]
+    """An engine-worker factory whose last engine applies ``damage(norm weight)`` right
+    after loading version 3, as a faulty transport or loader would."""
 
-        def load_weights(weights, weight_version):  # type: ignore[no-untyped-def]
-            loaded = real_load(weights, weight_version)
-            if weight_version == "3":
-                with torch.no_grad():
-                    faulty.model.get_parameter("model.norm.weight")[0] += 1e-3
-            return loaded
+    def build(config, transport, place):  # type: ignore[no-untyped-def]
+        worker = engine_worker(config, transport, place)
+        if place.rank == config.generator.num_engines - 1:
+            faulty = worker.engine
+            real_load = faulty.load_weights
 
-        faulty.load_weights = load_weights  # type: ignore[method-assign]
-    return worker
+            def load_weights(weights, weight_version):  # type: ignore[no-untyped-def]
+                loaded = real_load(weights, weight_version)
+                if weight_version == "3":
+                    with torch.no_grad():
+                        damage(faulty.model.get_parameter("model.norm.weight"))
+                return loaded
+
+            faulty.load_weights = load_weights  # type: ignore[method-assign]
+        return worker
+
+    return build
+
+
+def nudge_one_element(weight: torch.Tensor) -> None:
+    weight[0] += 1e-3
+
+
+def halve(weight: torch.Tensor) -> None:
+    weight.mul_(0.5)
 
 
 class CorruptingGenerator(Generator):
-    build_worker = staticmethod(corrupting_engine)
+    build_worker = staticmethod(faulty_at_version_3(nudge_one_element))
 
 
 @pytest.mark.parametrize("continue_on_mismatch", [False, True])
@@ -344,27 +356,11 @@ def test_an_engine_serving_different_weights_is_caught(tmp_path, continue_on_mis
         assert not [e for e in log if isinstance(e, RolloutGenerated) and e.rollout_id >= 2]
 
 
-def halving_engine(config, transport, place):  # type: ignore[no-untyped-def]
-    """Engine rank ``place.rank``; the last one halves the final norm while loading
-    version 3 (a loader that scales a tensor it should have copied)."""
-    worker = engine_worker(config, transport, place)
-    if place.rank == config.generator.num_engines - 1:
-        faulty = worker.engine
-        real_load = faulty.load_weights
-
-        def load_weights(weights, weight_version):  # type: ignore[no-untyped-def]
-            loaded = real_load(weights, weight_version)
-            if weight_version == "3":
-                with torch.no_grad():
-                    faulty.model.get_parameter("model.norm.weight").mul_(0.5)
-            return loaded
-
-        faulty.load_weights = load_weights  # type: ignore[method-assign]
-    return worker
-
-
 class HalvingGenerator(Generator):
-    build_worker = staticmethod(halving_engine)
+    """Its last engine halves the final norm while loading version 3 (a loader that scales
+    a tensor it should have copied)."""
+
+    build_worker = staticmethod(faulty_at_version_3(halve))
 
 
 def test_the_probe_catches_a_corruption_the_digests_leave_out(tmp_path):

