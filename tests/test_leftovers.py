@@ -160,3 +160,42 @@ def test_kill_9_of_a_ray_driver_leaves_nothing_after_the_next_run(tmp_path):
     assert not left, f"still running after the next run: {left}"
     assert not (shm_root() / f"{SHM_PREFIX}{run_id}").exists()
     assert not (tmp_path / PROCESSES_FILE).exists(), "a clean shutdown removes its record"
+
+
+SERVER_LAUNCHER = """
+import sys
+from pathlib import Path
+from actors.engine.server_process import ServerProcess, free_port
+port = free_port()
+# The server forks a child of its own: the whole group must go, not only its leader.
+command = ["sh", "-c", f"sleep 300 & exec {sys.executable} -m http.server --bind 127.0.0.1 {port}"]
+server = ServerProcess.start("engine-0", command, port=port, log_path=Path(sys.argv[1]) / "vllm" / "engine-0.log",
+                             health_path="/", timeout=30)
+print(server.process.pid, flush=True)
+sys.stdin.read()  # until killed
+"""
+
+
+def test_the_next_run_ends_the_servers_a_killed_launcher_left_running(tmp_path):
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", SERVER_LAUNCHER, str(tmp_path)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1],
+    )  # fmt: skip
+    pgid = int(launcher.stdout.readline())
+    record = tmp_path / "vllm" / "engine-0.processes.json"
+    assert record.exists()
+    launcher.kill()
+    launcher.wait()
+    time.sleep(0.2)
+    os.killpg(pgid, 0)  # the server group outlives its launcher (a session of its own)
+    assert clean_dead_run(tmp_path) >= 2, "the server and the child it forked"
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the server's process group is still there")
+    assert not record.exists()

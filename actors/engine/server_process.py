@@ -14,6 +14,7 @@ Servers still open when the interpreter exits are closed then.
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import re
 import signal
@@ -156,6 +157,7 @@ class ServerProcess:
         server = cls(name, process, port, log_path)
         with _OPEN_LOCK:
             _OPEN.add(server)
+        server._record()
         try:
             server._wait_ready(health_path, started + timeout, timeout, poll_interval)
         except BaseException:
@@ -190,6 +192,22 @@ class ServerProcess:
     def alive(self) -> bool:
         return self.process.poll() is None
 
+    @property
+    def record_path(self) -> Path:
+        """``<log>.processes.json`` beside the log: who launched the server and its process
+        group, so that the next run in the directory can end a server whose launcher was
+        killed with no chance to close it (``miles_events.runtime.leftovers``)."""
+        return self.log_path.with_name(self.log_path.stem + RECORD_SUFFIX)
+
+    def _record(self) -> None:
+        leader = self.process.pid
+        record = {
+            "driver": [os.getpid(), _start_time(os.getpid())],
+            "processes": [[leader, _start_time(leader)]],
+            "group": leader,
+        }
+        self.record_path.write_text(json.dumps(record))
+
     def exit_note(self, wait: float = 2.0) -> str:
         """For a request that failed at the transport: ", the server process has exited
         (<how>)" once it has (waiting up to ``wait`` s for a dying process to be reaped),
@@ -203,6 +221,7 @@ class ServerProcess:
     def close(self, grace: float = 10.0) -> None:
         """End the server's whole process group: SIGTERM, then SIGKILL after ``grace`` s.
         Closing twice is allowed."""
+        self.record_path.unlink(missing_ok=True)
         with _OPEN_LOCK:
             _OPEN.discard(self)
         pgid = self.process.pid  # the session leader: its pid is the group's id
@@ -236,6 +255,19 @@ def _group_alive(pgid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+RECORD_SUFFIX = ".processes.json"
+
+
+def _start_time(pid: int) -> int:
+    """The process's start time in clock ticks since boot (``/proc/<pid>/stat`` field 22), as
+    ``miles_events.runtime.leftovers`` compares it; 0 when it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0
+    return int(stat[stat.rindex(")") + 2 :].split()[19])
 
 
 def _exit_status(code: int) -> str:

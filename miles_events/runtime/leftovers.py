@@ -1,7 +1,8 @@
 """What a run killed with ``kill -9`` leaves behind, and the next run's cleanup of it.
 
 A driver killed without a chance to shut down leaves the local Ray cluster's helper
-processes (its dashboard and runtime-env agents, workers) orphaned, and its shared-memory
+processes (its dashboard and runtime-env agents, workers) orphaned, the inference servers
+it launched (each its own process group, recorded beside its log), and its shared-memory
 data plane in ``/dev/shm``. So a run on the ray runtime records, in its run directory, the
 processes of the cluster it started (``ray-processes.json``: each pid with its start time,
 so a reused pid is never mistaken for one of them) and removes the record when it shuts
@@ -131,10 +132,37 @@ def forget_processes(run_dir: Path) -> None:
     (Path(run_dir) / PROCESSES_FILE).unlink(missing_ok=True)
 
 
+SERVER_RECORDS = "*/*.processes.json"
+"""The records of inference servers a run launched (``actors.engine.server_process``:
+``<run.dir>/<backend>/<engine>.processes.json``): the launcher and the server's process
+group, which a dead launcher leaves running (the group is a session of its own)."""
+
+
 def clean_dead_run(run_dir: Path) -> int:
-    """Kill what a dead driver's run left (its recorded processes still alive); returns how
-    many. A record of a live driver is left alone."""
-    path = Path(run_dir) / PROCESSES_FILE
+    """Kill what a dead driver's run left (its recorded processes still alive, and the
+    process groups of servers whose launcher is gone); returns how many. A record of a live
+    driver is left alone."""
+    killed = sum(_clean_record(path) for path in sorted(Path(run_dir).glob(SERVER_RECORDS)))
+    return killed + _clean_record(Path(run_dir) / PROCESSES_FILE)
+
+
+def _group_members(pgid: int, since: int) -> list[Process]:
+    """The live processes of process group ``pgid`` started at ``since`` or later."""
+    members: list[Process] = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields_after = fields[fields.rindex(")") + 2 :].split()
+        if int(fields_after[2]) == pgid and int(fields_after[19]) >= since:
+            members.append((int(entry.name), int(fields_after[19])))
+    return members
+
+
+def _clean_record(path: Path) -> int:
     try:
         record = json.loads(path.read_text())
         driver = tuple(record["driver"])
@@ -147,6 +175,9 @@ def clean_dead_run(run_dir: Path) -> int:
         return 0
     if alive(driver):  # type: ignore[arg-type]
         return 0
+    if "group" in record and processes:
+        members = _group_members(int(record["group"]), int(processes[0][1]))
+        processes = list(dict.fromkeys([*processes, *members]))
     killed = kill_alive(processes)  # type: ignore[arg-type]
     path.unlink(missing_ok=True)
     if killed:
