@@ -3,7 +3,7 @@
 It owns ``generator.num_engines`` engines ("engine-0", "engine-1", ...) of the backend
 ``generator.engine``, all bootstrapped from ``model.path`` and serving version ``"default"``.
 Each engine is a rank of the Generator's worker group (``actors.engine.worker``), with a
-CPU of its own (and its GPUs): on the ray runtime engine 0 runs in the Generator's process
+CPU (and its GPUs) reserved for it: on the ray runtime engine 0 runs in the Generator's process
 and every other engine in a Ray actor process of its own, in its own bundle; on the local
 runtime all run in the one process. Engines start at once (servers launch and load their
 models concurrently), and every call below goes to all of them at once. It reacts to:
@@ -27,7 +27,7 @@ A failure on one engine fails the handler with the engine's name in its message.
 
 The embedded ``torch`` engines run on CUDA when their process sees a GPU (engine i on GPU i
 modulo the count), on CPU otherwise. Each engine samples with ``rollout.num_threads``
-torch threads (0: its process's cores shared by the engines there) while it generates
+torch threads (0: the cores it may use, shared by all engines) while it generates
 (``miles_events.rl.threads``).
 """
 from __future__ import annotations
@@ -222,18 +222,27 @@ class Generator(Actor):
                 self._score, self.engine_names[index], prompts, groups, n_samples, completions
             )
 
+        tasks = [asyncio.ensure_future(run(index)) for index, groups in enumerate(per_engine) if groups]
+        if not tasks:
+            return []
         try:
-            async with anyio.create_task_group() as group:
-                for index, groups in enumerate(per_engine):
-                    if groups:
-                        group.start_soon(run, index)
-        except BaseExceptionGroup as failed:
-            # One engine's failure is the rollout's; a cancellation is one, not one per engine.
-            cancelled, other = failed.split(Cancelled)
-            if other is not None:
-                raise other.exceptions[0] if len(other.exceptions) == 1 else other from None
-            assert cancelled is not None
-            raise Cancelled(self.cancel.reason) from None
+            _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            if pending:
+                # An engine failed: the rollout is lost, so the others stop at their next
+                # decode step; every call is waited for (none is left running on its own).
+                for engine in self.engines:
+                    engine.notify("cancel", "another engine failed this rollout")
+                await asyncio.wait(pending)
+        finally:
+            for task in tasks:
+                task.cancel()  # only if this handler itself was cancelled
+        failures = [t.exception() for t in tasks if not t.cancelled() and t.exception() is not None]
+        # One engine's failure is the rollout's; a cancellation is one, not one per engine.
+        other = [f for f in failures if not isinstance(f, Cancelled)]
+        if other:
+            raise other[0]
+        if failures:
+            raise Cancelled(self.cancel.reason)
         return sorted((s for samples in results for s in samples), key=lambda s: s.group)
 
     async def _on_engine(self, index: int, method: str, *args: object) -> Any:
@@ -310,15 +319,25 @@ class Generator(Actor):
     async def _on_every_engine(self, work: Callable[[int], Awaitable[Event]]) -> None:
         """``work(index)`` for every engine at once; the events they return are published in
         engine order (each as soon as it and those before it are done), so a run's event log
-        does not depend on which engine was faster. The first failure is raised."""
+        does not depend on which engine was faster. After a failure the rest are waited for,
+        and the first failure (in engine order) is raised."""
         tasks = [asyncio.ensure_future(work(index)) for index in range(len(self.engines))]
+        first: BaseException | None = None
         try:
             for task in tasks:
-                await self.publish(await task)
+                # Every call is waited for, a failed one's included: none is left running.
+                try:
+                    event = await task
+                except Exception as error:
+                    first = first or error
+                    continue
+                if first is None:
+                    await self.publish(event)
         finally:
             for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+                task.cancel()  # only if this handler itself was cancelled
+        if first is not None:
+            raise first
 
     @handles(WeightsCheckRequested, emits=(WeightsCheckFinished,))
     async def on_weights_check_requested(self, event: WeightsCheckRequested) -> None:

@@ -22,7 +22,7 @@ the first included. An engine that cannot hold a canary is verified by digests a
 
 When the run probes publications (``verifier.probe``; ``miles_events.rl.probe``), every
 engine's log-probabilities of the probe batch must also match the trainer's within
-``verifier.probe_tolerance``: this covers the tensors an engine cannot fingerprint (and
+``verifier.probe_tolerance`` (by default 0.01 in float32, 0.1 in 16 bits): this covers the tensors an engine cannot fingerprint (and
 leaves out of its digest). A miss is a mismatch on ``PROBE_TENSOR`` with the difference in
 its reason; ``PublicationVerified.probe_max_diff`` is the largest difference that passed.
 """
@@ -37,7 +37,7 @@ from miles_events.bus.actor import Actor, ActorContext, WorkerGroup, handles
 from miles_events.rl.canary import CANARY_TENSOR
 from miles_events.rl.checksum import is_skipped
 from miles_events.rl.checksum_manifest import ManifestError, read_manifest
-from miles_events.rl.probe import PROBE_TENSOR, max_difference
+from miles_events.rl.probe import PROBE_TENSOR, max_difference, probe_tolerance
 from miles_events.rl.versions import version_number
 from schemas.config import Config
 from schemas.events import (
@@ -118,7 +118,7 @@ class Verifier(Actor):
 
     def _probe_mismatch(self, engine: str, probe: ProbeBatch, reply: WeightsLoaded) -> TensorMismatch | None:
         """The probe's verdict on one engine: None within ``verifier.probe_tolerance``."""
-        tolerance = self.config.verifier.probe_tolerance
+        tolerance = probe_tolerance(self.config.verifier.probe_tolerance, self.config.model.dtype)
         if reply.probe_logprobs is None:
             reason = "the engine did not answer the publication's behavioural probe"
         else:

@@ -64,7 +64,7 @@ class RankProbe:
         self.notified: list[str] = []
 
     def where(self) -> tuple[int, int, int]:
-        return self.place.rank, os.getpid(), self.place.ranks_in_process
+        return self.place.rank, os.getpid(), self.place.ranks_sharing_cores
 
     def fail(self) -> None:
         raise KeyError(f"rank {self.place.rank} was asked to fail")
@@ -87,7 +87,7 @@ def rank_probe(config, transport, place: RankPlace) -> RankProbe:  # type: ignor
 
 class Ranked(Actor):
     """A model actor with a worker group of two ranks: on EvalRequested, answers with a
-    StopRequested per rank (``rank:pid:ranks_in_process``); on RolloutRequested, asks rank 1
+    StopRequested per rank (``rank:pid:ranks_sharing_cores``); on RolloutRequested, asks rank 1
     to fail and answers with the error it got."""
 
     name = "ranked"

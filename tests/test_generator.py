@@ -390,3 +390,26 @@ def test_engine_seeds_differ_by_rollout_engine_and_kind() -> None:
 def test_versions_sort_oldest_first() -> None:
     assert sorted_versions(["10", "default", "9", "10"]) == ["default", "9", "10"]
 
+
+
+async def test_an_engine_that_fails_a_rollout_stops_the_others_and_is_named(actor: Started) -> None:
+    generator, context = actor
+    failing, other = generator.engines[1].target, generator.engines[0].target
+    finished: list[str] = []
+    real_generate = other.generate
+
+    def generate(*args):  # type: ignore[no-untyped-def]
+        try:
+            return real_generate(*args)
+        finally:
+            finished.append("engine-0")
+
+    def broken(*args):  # type: ignore[no-untyped-def]
+        raise ConnectionError("the server went away")
+
+    other.generate, failing.generate = generate, broken
+    with pytest.raises(Exception, match="engine-1: ConnectionError: the server went away"):
+        await generator.handle(RolloutRequested(rollout_id=0))
+    assert finished == ["engine-0"], "the other engine's call was waited for, not left running"
+    assert other.cancellation.cancelled, "and told to stop at its next decode step"
+    assert not context.of(RolloutGenerated)

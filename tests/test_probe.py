@@ -65,3 +65,11 @@ def test_the_logprobs_are_those_of_the_full_forward(model_dir: Path):
         logprobs = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
     start = len(prompts[0])
     assert row == pytest.approx([logprobs[start - 1 + i, t].item() for i, t in enumerate(responses[0])], abs=1e-6)
+
+
+def test_the_default_tolerance_follows_the_dtype_and_a_setting_wins():
+    from miles_events.rl.probe import probe_tolerance
+
+    assert probe_tolerance(None, "float32") == 0.01
+    assert probe_tolerance(None, "bfloat16") == probe_tolerance(None, "float16") == 0.1
+    assert probe_tolerance(0.5, "float32") == 0.5

@@ -160,10 +160,11 @@ async def test_a_worker_group_has_rank_0_in_its_actor_and_each_other_rank_in_a_p
         answers = [e.reason.split(":") for e in await collect(replies, 4)]
         (actor_pid,) = {int(a[3]) for a in answers}
         ranks = {int(a[0]): (int(a[1]), int(a[2])) for a in answers}
-        assert ranks[0] == (actor_pid, 1), "rank 0 lives in the actor's own process"
+        assert ranks[0] == (actor_pid, 2), "rank 0 lives in the actor's own process"
         rank_1_pid = ranks[1][0]
         rank_1 = (rank_1_pid, start_time(rank_1_pid))
-        assert rank_1_pid not in (actor_pid, os.getpid()) and ranks[1][1] == 1, "rank 1 has a process of its own"
+        assert rank_1_pid not in (actor_pid, os.getpid()), "rank 1 has a process of its own"
+        assert ranks[1][1] == 2, "the ranks split the node's cores: Ray pins no process to its CPUs"
         assert all("eval 1" in a[4] for a in answers[2:]), "notifications reach every rank"
         assert runtime.processes() == [("ranked", actor_pid)]
 

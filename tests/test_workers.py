@@ -21,7 +21,7 @@ class Rank:
         self.place = place
 
     def where(self) -> tuple[int, int, str]:
-        return self.place.rank, self.place.ranks_in_process, threading.current_thread().name
+        return self.place.rank, self.place.ranks_sharing_cores, threading.current_thread().name
 
     def close(self) -> None:
         closed.append(self.place.rank)

@@ -367,7 +367,7 @@ class VllmEngine(Engine):
                 try:
                     response = await client.post(route, json=body)
                 except httpx.TransportError as error:
-                    alive = "" if self.server is None else self.server.exit_note()
+                    alive = "" if self.server is None else await asyncio.to_thread(self.server.exit_note)
                     raise VllmError(
                         f"{self.name}: {route} failed: {error!r}{alive}{self._log_hint()}"
                     ) from None

@@ -10,6 +10,7 @@ cancellation is a ``notify`` that sets this rank's own flag.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -76,13 +77,17 @@ class EngineWorker:
         """The engine's Prometheus target file, while it runs (``metrics.engine_targets_dir``)."""
         targets = config.metrics.engine_targets_dir
         if targets and engine.metrics_url is not None:
-            self.scrape_target = write_target(
-                targets,
-                run_id=place.run_id,
-                engine=engine.name,
-                backend=config.generator.engine,
-                metrics_url=engine.metrics_url,
-            )
+            try:
+                self.scrape_target = write_target(
+                    targets,
+                    run_id=place.run_id,
+                    engine=engine.name,
+                    backend=config.generator.engine,
+                    metrics_url=engine.metrics_url,
+                )
+            except (OSError, ValueError) as error:
+                # The dashboard misses this server's row; the run goes on without it.
+                logger.warning("%s: no Prometheus target written: %s", engine.name, error)
 
     @property
     def name(self) -> str:
@@ -97,7 +102,7 @@ class EngineWorker:
         import torch
 
         generator = torch.Generator().manual_seed(seed)
-        with phase_threads(self.config.rollout.num_threads, sharers=self.place.ranks_in_process):
+        with phase_threads(self.config.rollout.num_threads, sharers=self.place.ranks_sharing_cores):
             return self.engine.generate(requests, sampling, generator, self.cancellation)
 
     def cancel(self, reason: str) -> None:
@@ -152,6 +157,8 @@ class EngineWorker:
         self.engine.close()
 
 
+logger = logging.getLogger(__name__)
+
 _ONE_AT_A_TIME = threading.Lock()
 """Held while an engine that does not ``starts_concurrently`` is built in this process."""
 
@@ -162,4 +169,8 @@ def engine_worker(config: Config, transport: Transport, place: RankPlace) -> Eng
     concurrent = engine_class(config.generator.engine).starts_concurrently
     with contextlib.nullcontext() if concurrent else _ONE_AT_A_TIME:
         engine = build_engine(config, index=place.rank, name=name, transport=transport)
-    return EngineWorker(config, engine, place)
+    try:
+        return EngineWorker(config, engine, place)
+    except BaseException:
+        engine.close()  # a launched server must not outlive a rank that failed to start
+        raise

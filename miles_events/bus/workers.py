@@ -35,11 +35,11 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class RankPlace:
-    """Where one rank is built: its index, how many ranks of the group share its process
-    (their threads split the process's cores), the run directory and the run's id."""
+    """Where one rank is built: its index, how many ranks of the group share the cores it
+    may run on (their threads split them), the run directory and the run's id."""
 
     rank: int
-    ranks_in_process: int
+    ranks_sharing_cores: int
     run_dir: Path
     run_id: str = ""
 

@@ -25,6 +25,19 @@ PROBE_PROMPT_TOKENS = 8
 PROBE_RESPONSE_TOKENS = 8
 
 
+DEFAULT_TOLERANCE = {"float32": 0.01}
+"""``verifier.probe_tolerance`` when unset, by ``model.dtype``; 16-bit dtypes get
+``HALF_PRECISION_TOLERANCE``."""
+HALF_PRECISION_TOLERANCE = 0.1
+
+
+def probe_tolerance(configured: float | None, dtype: str) -> float:
+    """The tolerance a probe is held to: ``configured``, else the default for ``dtype``."""
+    if configured is not None:
+        return configured
+    return DEFAULT_TOLERANCE.get(dtype, HALF_PRECISION_TOLERANCE)
+
+
 def probe_batch(vocab_size: int, seed: int) -> tuple[list[list[int]], list[list[int]]]:
     """(prompt ids, response ids) of the run's probe batch, token ids in [0, vocab_size)."""
     if vocab_size < 2:

@@ -142,8 +142,13 @@ def clean_dead_run(run_dir: Path) -> int:
     """Kill what a dead driver's run left (its recorded processes still alive, and the
     process groups of servers whose launcher is gone); returns how many. A record of a live
     driver is left alone."""
-    killed = sum(_clean_record(path) for path in sorted(Path(run_dir).glob(SERVER_RECORDS)))
-    return killed + _clean_record(Path(run_dir) / PROCESSES_FILE)
+    # The cluster first: on ray a server's launcher is one of the cluster's workers, dead
+    # once the cluster's record is cleaned (it may linger a moment as a zombie).
+    dead = _clean_record(Path(run_dir) / PROCESSES_FILE, set())
+    killed = len(dead)
+    for path in sorted(Path(run_dir).glob(SERVER_RECORDS)):
+        killed += len(_clean_record(path, dead))
+    return killed
 
 
 def _group_members(pgid: int, since: int) -> list[Process]:
@@ -162,26 +167,29 @@ def _group_members(pgid: int, since: int) -> list[Process]:
     return members
 
 
-def _clean_record(path: Path) -> int:
+def _clean_record(path: Path, dead: set[Process]) -> set[Process]:
+    """Kill what the record at ``path`` names if its driver is gone (or in ``dead``, just
+    killed); returns the processes killed."""
     try:
         record = json.loads(path.read_text())
         driver = tuple(record["driver"])
         processes = [tuple(p) for p in record["processes"]]
     except FileNotFoundError:
-        return 0
+        return set()
     except (OSError, ValueError, KeyError, TypeError) as error:
         logger.warning("%s cannot be read (%s); removed", path, error)
         path.unlink(missing_ok=True)
-        return 0
-    if alive(driver):  # type: ignore[arg-type]
-        return 0
+        return set()
+    if alive(driver) and driver not in dead:  # type: ignore[arg-type]
+        return set()
     if "group" in record and processes:
         members = _group_members(int(record["group"]), int(processes[0][1]))
         processes = list(dict.fromkeys([*processes, *members]))
-    killed = kill_alive(processes)  # type: ignore[arg-type]
+    killed = {p for p in processes if alive(p)}  # type: ignore[arg-type]
+    kill_alive(sorted(killed))
     path.unlink(missing_ok=True)
     if killed:
-        logger.warning("killed %d process(es) left by a run whose driver died (pid %d)", killed, driver[0])
+        logger.warning("killed %d process(es) left by a run whose driver died (pid %d)", len(killed), driver[0])
     return killed
 
 

@@ -78,11 +78,11 @@ class RayWorker:
     def notify(self, method: str, *args: Any) -> None:
         self.handle.call.remote(method, args)
 
-    async def close(self) -> None:
+    async def close(self, timeout: float = 60.0) -> None:
         import ray
 
         try:
-            await self.call("close")
+            await wait_for(self.call("close"), timeout, SYSTEM_CLOCK)
         finally:
             ray.kill(self.handle)
 
@@ -119,7 +119,7 @@ async def start_ray_workers(
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=placement, placement_group_bundle_index=first_bundle + rank
             ),
-        ).remote(factory, config_json, run_id, str(run_dir), transport.name, RankPlace(rank, 1, run_dir, run_id))
+        ).remote(factory, config_json, run_id, str(run_dir), transport.name, RankPlace(rank, ranks, run_dir, run_id))
         try:
             pid = await wait_for(handle.started.remote(), timeout, SYSTEM_CLOCK)
         except TimeoutError:
@@ -131,7 +131,7 @@ async def start_ray_workers(
         return RayWorker(rank, handle, pid)
 
     async def local() -> Worker:
-        (worker,) = await build_in_process(factory, config, transport, [RankPlace(0, 1, run_dir, run_id)])
+        (worker,) = await build_in_process(factory, config, transport, [RankPlace(0, ranks, run_dir, run_id)])
         return worker
 
     return await gather_workers([local(), *(remote(rank) for rank in range(1, ranks))])
