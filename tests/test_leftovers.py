@@ -171,6 +171,10 @@ port = free_port()
 command = ["sh", "-c", f"sleep 300 & exec {sys.executable} -m http.server --bind 127.0.0.1 {port}"]
 server = ServerProcess.start("engine-0", command, port=port, log_path=Path(sys.argv[1]) / "vllm" / "engine-0.log",
                              health_path="/", timeout=30)
+target = Path(sys.argv[1]) / "targets" / "run-engine-0.json"
+target.parent.mkdir()
+target.write_text("[]")
+server.record_file(target)
 print(server.process.pid, flush=True)
 sys.stdin.read()  # until killed
 """
@@ -199,3 +203,4 @@ def test_the_next_run_ends_the_servers_a_killed_launcher_left_running(tmp_path):
     else:
         pytest.fail("the server's process group is still there")
     assert not record.exists()
+    assert not (tmp_path / "targets" / "run-engine-0.json").exists(), "its scrape target goes with it"

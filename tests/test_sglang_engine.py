@@ -223,3 +223,10 @@ def test_a_server_that_exits_during_start_is_one_line_naming_its_log(tmp_path):
     message = str(error.value)
     assert "\n" not in message and "no CUDA GPUs are available" in message
     assert str(tmp_path / "run" / "sglang" / "engine-0.log") in message
+
+
+def test_engines_launched_from_one_process_take_their_own_gpus():
+    from actors.engine.sglang_engine import first_gpu
+
+    assert [first_gpu(i, 2, visible=4) for i in range(2)] == [None, 2], "two servers of TP 2 on four GPUs"
+    assert first_gpu(1, 1, visible=1) is None, "a process that sees only its own GPU (a Ray rank)"

@@ -112,6 +112,8 @@ class ServerProcess:
         self.url = f"http://{HOST}:{port}"
         self.ready_seconds = 0.0
         """Seconds from the launch until the health URL answered."""
+        self._files: list[Path] = []
+        """Files that describe this server, named in its record (``record_file``)."""
 
     @classmethod
     def start(
@@ -199,14 +201,21 @@ class ServerProcess:
         killed with no chance to close it (``miles_events.runtime.leftovers``)."""
         return self.log_path.with_name(self.log_path.stem + RECORD_SUFFIX)
 
-    def _record(self) -> None:
+    def _record(self, files: Sequence[Path] = ()) -> None:
         leader = self.process.pid
         record = {
             "driver": [os.getpid(), _start_time(os.getpid())],
             "processes": [[leader, _start_time(leader)]],
             "group": leader,
+            "files": [str(f) for f in files],
         }
         self.record_path.write_text(json.dumps(record))
+
+    def record_file(self, path: Path) -> None:
+        """Name ``path`` (a file that describes this server, e.g. its Prometheus target) in
+        the server's record, so that the cleanup after a killed launcher removes it too."""
+        self._files.append(path)
+        self._record(self._files)
 
     def exit_note(self, wait: float = 2.0) -> str:
         """For a request that failed at the transport: ", the server process has exited

@@ -98,6 +98,9 @@ class LaunchArgs:
     dp_size: int = 1
     mem_fraction_static: float | None = None
     nccl_port: int | None = None
+    base_gpu_id: int | None = None
+    """The first of the server's GPUs among those its process sees (several servers of one
+    process's engines on one host)."""
     random_seed: int | None = None
     enable_memory_saver: bool = False
     """Needed for ``/release_memory_occupation`` (offload)."""
@@ -115,6 +118,8 @@ def launch_argv(args: LaunchArgs, python: str = "python") -> list[str]:
         argv += ["--mem-fraction-static", repr(args.mem_fraction_static)]
     if args.nccl_port is not None:
         argv += ["--nccl-port", str(args.nccl_port)]
+    if args.base_gpu_id is not None:
+        argv += ["--base-gpu-id", str(args.base_gpu_id)]
     if args.random_seed is not None:
         argv += ["--random-seed", str(args.random_seed)]
     for flag, on in (

@@ -132,7 +132,9 @@ class SglangEngine(Engine):
             self.server.close()
 
     @staticmethod
-    def launch_args(config: Config, *, port: int, nccl_port: int | None = None) -> api.LaunchArgs:
+    def launch_args(
+        config: Config, *, port: int, nccl_port: int | None = None, base_gpu_id: int | None = None
+    ) -> api.LaunchArgs:
         """What the server-process helper starts one server with, for ``port``."""
         if config.model.path is None:
             raise ValueError("model.path is unset: an SGLang server needs a model directory")
@@ -143,6 +145,7 @@ class SglangEngine(Engine):
             tp_size=settings.tp_size,
             mem_fraction_static=settings.mem_fraction_static,
             nccl_port=nccl_port,
+            base_gpu_id=base_gpu_id,
             random_seed=config.run.seed,
             extra_args=tuple(settings.extra_args),
         )
@@ -308,6 +311,15 @@ class SglangEngine(Engine):
         return api.parse_check_reply(action, status, body, weight_version=self.weight_version)
 
 
+def first_gpu(index: int, tp_size: int, visible: int | None = None) -> int | None:
+    """The first GPU of engine ``index``'s server among the GPUs this process sees: its own
+    ``tp_size`` of them when the process sees every engine's (several engines launched from
+    one process, the local runtime); None (the server's first) when it sees fewer (a Ray
+    rank process, which sees its bundle's GPUs only)."""
+    count = torch.cuda.device_count() if visible is None else visible
+    return index * tp_size if count >= (index + 1) * tp_size and index > 0 else None
+
+
 LOG_DIR = "sglang"
 """Launched servers log to ``<run.dir>/sglang/<engine>.log``."""
 
@@ -320,7 +332,8 @@ def launch_server(config: Config, *, index: int, name: str) -> ServerProcess:
     if config.model.path is None or not Path(config.model.path).is_dir():
         raise ServerStartError(f"{name}: model path {config.model.path} is not a directory (server not started)")
     port = settings.port + index if settings.port else free_port()
-    argv = api.launch_argv(SglangEngine.launch_args(config, port=port), python=settings.python)
+    launch = SglangEngine.launch_args(config, port=port, base_gpu_id=first_gpu(index, settings.tp_size))
+    argv = api.launch_argv(launch, python=settings.python)
     return ServerProcess.start(
         name,
         argv,

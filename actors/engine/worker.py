@@ -88,6 +88,9 @@ class EngineWorker:
             except (OSError, ValueError) as error:
                 # The dashboard misses this server's row; the run goes on without it.
                 logger.warning("%s: no Prometheus target written: %s", engine.name, error)
+            server = getattr(engine, "server", None)
+            if self.scrape_target is not None and server is not None:
+                server.record_file(self.scrape_target)  # removed with the server after a kill -9
 
     @property
     def name(self) -> str:

@@ -187,6 +187,8 @@ def _clean_record(path: Path, dead: set[Process]) -> set[Process]:
         processes = list(dict.fromkeys([*processes, *members]))
     killed = {p for p in processes if alive(p)}  # type: ignore[arg-type]
     kill_alive(sorted(killed))
+    for leftover in record.get("files", []):  # what described the dead server (a scrape target)
+        Path(leftover).unlink(missing_ok=True)
     path.unlink(missing_ok=True)
     if killed:
         logger.warning("killed %d process(es) left by a run whose driver died (pid %d)", len(killed), driver[0])
