@@ -149,3 +149,34 @@ def test_a_request_that_fails_says_whether_the_server_has_exited(tmp_path):
         assert server.exit_note() == ", the server process has exited (killed by SIGKILL)"
     finally:
         server.close()
+
+
+def test_a_picked_port_taken_before_the_server_binds_it_is_picked_again(tmp_path, monkeypatch):
+    import actors.engine.server_process as server_process
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        picks = iter([busy])
+        real_free_port = server_process.free_port
+        monkeypatch.setattr(server_process, "free_port", lambda: next(picks, None) or real_free_port())
+        server = server_process.start_on_a_port(
+            "engine-0", lambda port: [*HTTP_SERVER, str(port)], port=0, log_path=tmp_path / "s.log",
+            health_path="/", timeout=30,
+        )  # fmt: skip
+        try:
+            assert server.port != busy and server.alive
+        finally:
+            server.close()
+
+
+def test_a_configured_port_that_is_taken_is_not_replaced(tmp_path):
+    from actors.engine.server_process import PortTaken, start_on_a_port
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(PortTaken, match=f"port {port} on 127.0.0.1 is taken"):
+            start_on_a_port("engine-0", lambda p: [*HTTP_SERVER, str(p)], port=port, log_path=tmp_path / "s.log")

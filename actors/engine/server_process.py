@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import logging
 import os
 import re
 import signal
@@ -22,8 +23,9 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -38,12 +40,18 @@ _WRAPPER = re.compile(r"stack trace \(above\)|^Traceback|HTTP/1\.[01]\" \d{3}")
 _LOG_PREFIX = re.compile(r"^(\(\S+ pid=\d+\)\s+)?(\w+\s+\d\d-\d\d \d\d:\d\d:\d\d(\.\d+)?\s+\[[^\]]*\]\s*)?")
 """vLLM's ``(Worker pid=1) ERROR 12-01 18:47:27 [file.py:12]`` line prefix."""
 
+logger = logging.getLogger(__name__)
+
 _OPEN: set[ServerProcess] = set()
 _OPEN_LOCK = threading.Lock()
 
 
 class ServerStartError(RuntimeError):
     """A server did not start; the message is one line naming the cause and the log."""
+
+
+class PortTaken(ServerStartError):
+    """The server's port was taken, before the launch or by the time the server bound it."""
 
 
 _HANDED_OUT: set[int] = set()
@@ -135,7 +143,7 @@ class ServerProcess:
         process group is gone then.
         """
         if not port_is_free(port):
-            raise ServerStartError(
+            raise PortTaken(
                 f"{name}: port {port} on {HOST} is taken by another process; "
                 f"choose another port or leave it unset for a free one (log {log_path} not started)"
             )
@@ -174,9 +182,11 @@ class ServerProcess:
             while True:
                 code = self.process.poll()
                 if code is not None:
-                    raise ServerStartError(
+                    gist = log_gist(self.log_path)
+                    error = PortTaken if "address already in use" in gist.lower() else ServerStartError
+                    raise error(
                         f"{self.name}: the server exited during start ({_exit_status(code)}): "
-                        f"{log_gist(self.log_path)} (log {self.log_path})"
+                        f"{gist} (log {self.log_path})"
                     )
                 try:
                     if client.get(health).status_code == 200:
@@ -264,6 +274,33 @@ def _group_alive(pgid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+PORT_ATTEMPTS = 3
+"""Free ports tried for a server whose port is picked (another process may take a free
+port between the pick and the server's bind)."""
+
+
+def start_on_a_port(
+    name: str,
+    command_for: Callable[[int], Sequence[str]],
+    *,
+    port: int,
+    log_path: Path,
+    **start: Any,
+) -> ServerProcess:
+    """``ServerProcess.start`` of ``command_for(port)``; with ``port`` 0, on a free port,
+    picked again (up to ``PORT_ATTEMPTS`` times) when another process takes it first."""
+    attempts = PORT_ATTEMPTS if port == 0 else 1
+    for attempt in range(attempts):
+        chosen = port or free_port()
+        try:
+            return ServerProcess.start(name, command_for(chosen), port=chosen, log_path=log_path, **start)
+        except PortTaken:
+            if attempt == attempts - 1:
+                raise
+            logger.warning("%s: port %d was taken before the server bound it; trying another", name, chosen)
+    raise AssertionError("unreachable")
 
 
 RECORD_SUFFIX = ".processes.json"

@@ -36,7 +36,7 @@ from actors.engine.base import (
     TensorCheckAction,
     encode_prompt,
 )
-from actors.engine.server_process import ServerProcess, ServerStartError, free_port
+from actors.engine.server_process import ServerProcess, ServerStartError, start_on_a_port
 from miles_events.rl.cancel import Cancellation
 from miles_events.transport.base import Transport
 from schemas.checksums import EngineChecksumReport, WeightsCheckResult
@@ -331,13 +331,16 @@ def launch_server(config: Config, *, index: int, name: str) -> ServerProcess:
     settings = config.sglang
     if config.model.path is None or not Path(config.model.path).is_dir():
         raise ServerStartError(f"{name}: model path {config.model.path} is not a directory (server not started)")
-    port = settings.port + index if settings.port else free_port()
-    launch = SglangEngine.launch_args(config, port=port, base_gpu_id=first_gpu(index, settings.tp_size))
-    argv = api.launch_argv(launch, python=settings.python)
-    return ServerProcess.start(
+    base_gpu_id = first_gpu(index, settings.tp_size)
+
+    def command(port: int) -> list[str]:
+        launch = SglangEngine.launch_args(config, port=port, base_gpu_id=base_gpu_id)
+        return api.launch_argv(launch, python=settings.python)
+
+    return start_on_a_port(
         name,
-        argv,
-        port=port,
+        command,
+        port=settings.port + index if settings.port else 0,
         log_path=Path(config.run.dir) / LOG_DIR / f"{name}.log",
         health_path=api.HEALTH_GENERATE,
         timeout=settings.startup_timeout,

@@ -66,7 +66,7 @@ from actors.engine.base import (
     name_list,
     single_rank_report,
 )
-from actors.engine.server_process import HOST, ServerProcess, ServerStartError, free_port, log_gist
+from actors.engine.server_process import HOST, ServerProcess, ServerStartError, log_gist, start_on_a_port
 from miles_events.rl.canary import CANARY_TENSOR, split_canary
 from miles_events.rl.cancel import Cancellation, Cancelled
 from miles_events.rl.checksum import is_skipped
@@ -649,12 +649,13 @@ def launch_server(config: Config, *, index: int, name: str) -> ServerProcess:
     if _is_cpu_build(python):
         check_cpu_head_size(model_path, name)
     max_model_len = vllm.max_model_len or _max_positions(model_path)
-    port = vllm.port + index if vllm.port else free_port()
-    command = server_command(
-        python, model_path, port, vllm, dtype=config.model.dtype, max_model_len=max_model_len
-    )
-    return ServerProcess.start(
-        name, command, port=port, log_path=log_path, env=server_env(vllm, index), timeout=vllm.startup_timeout
+    return start_on_a_port(
+        name,
+        lambda port: server_command(python, model_path, port, vllm, dtype=config.model.dtype, max_model_len=max_model_len),
+        port=vllm.port + index if vllm.port else 0,
+        log_path=log_path,
+        env=server_env(vllm, index),
+        timeout=vllm.startup_timeout,
     )
 
 
