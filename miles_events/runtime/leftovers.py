@@ -20,6 +20,7 @@ import logging
 import os
 import shutil
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -31,15 +32,32 @@ Process = tuple[int, int]
 """(pid, start time in clock ticks since boot): one process, even across pid reuse."""
 
 
-def start_time(pid: int) -> int | None:
-    """The process's start time (``/proc/<pid>/stat`` field 22), None when it is gone."""
+_PPID, _PGRP, _STARTTIME = 1, 2, 19
+"""Indices of ``/proc/<pid>/stat`` fields 4, 5 and 22 in what ``_stat`` returns."""
+
+
+def _stat(pid: int | str) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (field 3 on), None when
+    the process is gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
     # The command name (field 2) is in parentheses and may hold spaces: split after it.
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return int(fields[19])
+    return stat[stat.rindex(")") + 2 :].split()
+
+
+def _every_process() -> Iterator[tuple[int, list[str]]]:
+    """(pid, ``_stat`` fields) of every live process."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (fields := _stat(entry.name)) is not None:
+            yield int(entry.name), fields
+
+
+def start_time(pid: int) -> int | None:
+    """The process's start time (``/proc/<pid>/stat`` field 22), None when it is gone."""
+    fields = _stat(pid)
+    return None if fields is None else int(fields[_STARTTIME])
 
 
 def alive(process: Process) -> bool:
@@ -55,15 +73,8 @@ def this_process() -> Process:
 def descendants(pid: int) -> list[Process]:
     """Every live process below ``pid`` (children, their children, ...)."""
     children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        parent = int(stat[stat.rindex(")") + 2 :].split()[1])
-        children.setdefault(parent, []).append(int(entry.name))
+    for child, fields in _every_process():
+        children.setdefault(int(fields[_PPID]), []).append(child)
     found: list[Process] = []
     stack = list(children.get(pid, []))
     while stack:
@@ -153,18 +164,11 @@ def clean_dead_run(run_dir: Path) -> int:
 
 def _group_members(pgid: int, since: int) -> list[Process]:
     """The live processes of process group ``pgid`` started at ``since`` or later."""
-    members: list[Process] = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields_after = fields[fields.rindex(")") + 2 :].split()
-        if int(fields_after[2]) == pgid and int(fields_after[19]) >= since:
-            members.append((int(entry.name), int(fields_after[19])))
-    return members
+    return [
+        (pid, int(fields[_STARTTIME]))
+        for pid, fields in _every_process()
+        if int(fields[_PGRP]) == pgid and int(fields[_STARTTIME]) >= since
+    ]
 
 
 def _clean_record(path: Path, dead: set[Process]) -> set[Process]:
