@@ -310,6 +310,23 @@ def query(url: str, promql: str) -> list[Any]:
     return api(url, "/api/v1/query", query=promql)["result"]
 
 
+def wait_until_ready(url: str, server: subprocess.Popen[bytes], log: Path, timeout_s: float = 60) -> None:
+    """Returns once Prometheus at ``url`` answers ``/-/ready`` (it answers 503 to every query
+    while its storage starts); fails the test if it exits or is not ready in ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            pytest.fail(f"prometheus exited with {server.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"{url}/-/ready", timeout=5) as answer:
+                if answer.status == 200:
+                    return
+        except OSError:
+            pass  # not listening yet, or 503 while starting
+        time.sleep(0.2)
+    pytest.fail(f"prometheus at {url} was not ready within {timeout_s:.0f} s:\n{log.read_text()[-3000:]}")
+
+
 def free_ports(count: int) -> list[int]:
     sockets = [socket.socket() for _ in range(count)]
     for sock in sockets:
@@ -389,7 +406,8 @@ def observe_runs(prometheus: str, config: Path, tmp: Path) -> Iterator[ObservedR
     try:
         config_file, storage = f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'data'}"
         listen = f"--web.listen-address=127.0.0.1:{prometheus_port}"
-        start("prometheus", [prometheus, config_file, storage, listen, "--log.level=warn"])
+        server = start("prometheus", [prometheus, config_file, storage, listen, "--log.level=warn"])
+        wait_until_ready(url, server, processes["prometheus"][1])
         # Far more rollouts than it will reach: it is stopped when the tests are done.
         live_settings = ("saver.keep_last=1", "saver.fsync=false", f"metrics.port={live_port}")
         start("live run", run_command(tmp / "live", num_rollout=100_000, interval=2, overrides=live_settings))

@@ -378,7 +378,16 @@ def test_the_dashboards_engines_row_reads_a_real_servers_metrics(engine: VllmEng
     import signal
 
     from actors.engine.scrape_target import write_target
-    from tests.test_grafana import GRAFANA, expressions, free_ports, load_yaml, query, require, substitute
+    from tests.test_grafana import (
+        GRAFANA,
+        expressions,
+        free_ports,
+        load_yaml,
+        query,
+        require,
+        substitute,
+        wait_until_ready,
+    )
 
     prometheus = shutil.which("prometheus")
     require(prometheus is not None, "prometheus (Debian package prometheus)")
@@ -403,16 +412,13 @@ def test_the_dashboards_engines_row_reads_a_real_servers_metrics(engine: VllmEng
     with (tmp_path / "prometheus.log").open("wb") as log:
         server = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
     try:
+        wait_until_ready(url, server, tmp_path / "prometheus.log")
         deadline = time.monotonic() + 90
         while pending and time.monotonic() < deadline:
             assert server.poll() is None, (tmp_path / "prometheus.log").read_text()[-2000:]
             engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=8), torch.Generator().manual_seed(1))
             for name, promql in list(pending.items()):
-                try:
-                    found = query(url, promql)
-                except OSError:
-                    break  # Prometheus is still starting
-                if found:
+                if query(url, promql):
                     del pending[name]
             time.sleep(1)
         assert not pending, f"no data for {sorted(pending)}"
