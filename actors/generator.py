@@ -105,7 +105,7 @@ class Generator(Actor):
     async def start(self) -> None:
         rollout, data = self.config.rollout, self.config.data
         if self.config.model.path is None:
-            raise RuntimeError("model.path is unset: the driver writes the base model before actors start")
+            raise RuntimeError("model.path is unset: the session sets it to the base model before actors start")
         if data.prompt_data:
             self.prompts = load_prompts(data.prompt_data, data.input_key, data.label_key)
         self.eval_prompts = (

@@ -54,7 +54,8 @@ class Saver(Actor):
     def _write(self, event: TrainStateStaged) -> Path:
         """Read the staged state and write the checkpoint (runs in a worker thread)."""
         transport = self.context.transport
-        weights = transport.get_tensors(event.weights)
+        # The staged file where the transport keeps one: copied, never decoded.
+        weights = transport.tensors_file(event.weights) or transport.get_tensors(event.weights)
         optimizer = transport.get_bytes(event.optimizer)
         rng = transport.get_bytes(event.rng)
         if self.config.model.path is None:

@@ -56,6 +56,26 @@ class Model(Actor):
         await self.publish(StopRequested(reason=f"{os.getpid()}:{event.rollout_id}:{arenas}"))
 
 
+class Learner(Model):
+    """Stands for the trainer (role actor): the ray runtime makes a run's ``Preparation`` in
+    its process."""
+
+    name = "learner"
+
+    @classmethod
+    def resources(cls, config):  # type: ignore[no-untyped-def]
+        return WorkerGroup(role="actor", cpus_per_rank=0.5)
+
+
+def write_pid(path: Path) -> None:
+    """A ``Preparation`` that says where it ran."""
+    path.write_text(str(os.getpid()))
+
+
+def fill_the_disk() -> None:
+    raise OSError(28, "No space left on device")
+
+
 class RankProbe:
     """One rank of ``Ranked``'s worker group: says where it runs, fails when asked."""
 

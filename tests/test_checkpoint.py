@@ -26,7 +26,8 @@ from miles_events.rl.checkpoint import (
     write_checkpoint,
 )
 from miles_events.rl.hf_model import load_model, load_tokenizer, prepare_base_model
-from miles_events.transport.base import InProcessTransport, Transport
+from miles_events.rl.weights import split_tied
+from miles_events.transport.base import InProcessTransport, ShmTransport, Transport
 from schemas.checkpoint import DataCursor, TrainerState
 from schemas.config import Config, ModelConfig, SaverConfig
 from schemas.data import DataRef
@@ -146,6 +147,35 @@ def test_transformers_loads_checkpoint_with_same_logits(base_dir: Path, tmp_path
         base = load_model(base_dir).eval()(input_ids=input_ids).logits
     assert torch.equal(actual, expected)
     assert not torch.equal(actual, base)
+
+
+def test_a_staged_file_becomes_the_checkpoints_weights_as_it_is(base_dir: Path, tmp_path: Path) -> None:
+    """The Saver of a transport that keeps a tensor set in one safetensors file copies that
+    file (no torch needed): the checkpoint is the same as one written from the tensors."""
+    model, optimizer, rng = _trained(base_dir)
+    transport = ShmTransport("ckpt-test", tmp_path / "shm")
+    try:
+        unique, _tied = split_tied(model.state_dict())
+        ref = transport.put_tensors("weights", unique, owner="trainer")
+        staged = transport.tensors_file(ref)
+        path = write_checkpoint(tmp_path / "copied", base_dir, 1, staged, optimizer, rng, _state(1), fsync=False)
+        decoded = write_checkpoint(tmp_path / "decoded", base_dir, 1, unique, optimizer, rng, _state(1), fsync=False)
+    finally:
+        transport.close()
+    assert (path / "model.safetensors").read_bytes() == (decoded / "model.safetensors").read_bytes()
+    assert verify_checkpoint(path) == verify_checkpoint(decoded)
+    reloaded = AutoModelForCausalLM.from_pretrained(path)
+    input_ids = torch.tensor([[3, 4, 5, 6, 7]])
+    with torch.no_grad():
+        assert torch.equal(reloaded.eval()(input_ids=input_ids).logits, model.eval()(input_ids=input_ids).logits)
+
+
+def test_the_in_process_transport_keeps_no_file_so_the_saver_decodes() -> None:
+    transport = InProcessTransport("ckpt-test")
+    try:
+        assert transport.tensors_file(transport.put_tensors("w", {"x": torch.ones(2)}, owner="trainer")) is None
+    finally:
+        transport.close()
 
 
 def test_weights_that_share_storage_are_saved(base_dir: Path, tmp_path: Path) -> None:

@@ -56,8 +56,23 @@ SMALL = (
 )
 
 
-def run_cli(run_dir: Path, *overrides: str, flags: tuple[str, ...] = (), timeout: int = 300) -> subprocess.CompletedProcess:
-    args = [sys.executable, "-m", "miles_events.run", str(TINY), "--set", f'run.dir="{run_dir}"', "--set", "metrics.port=0", *flags]
+# ``python -m miles_events.run`` that, as it exits, writes the top-level packages it imported
+# to the file its first argument names.
+RUN_RECORDING_IMPORTS = """
+import atexit, pathlib, runpy, sys
+out = pathlib.Path(sys.argv.pop(1))
+atexit.register(lambda: out.write_text("\\n".join(sorted({m.partition(".")[0] for m in sys.modules}))))
+sys.argv[0] = "miles_events.run"
+runpy.run_module("miles_events.run", run_name="__main__", alter_sys=True)
+"""
+
+
+def run_cli(
+    run_dir: Path, *overrides: str, flags: tuple[str, ...] = (), timeout: int = 300, imports: Path | None = None
+) -> subprocess.CompletedProcess:
+    """The run's CLI; ``imports``: a file the driver writes its imported packages to."""
+    command = ["-m", "miles_events.run"] if imports is None else ["-c", RUN_RECORDING_IMPORTS, str(imports)]
+    args = [sys.executable, *command, str(TINY), "--set", f'run.dir="{run_dir}"', "--set", "metrics.port=0", *flags]
     for override in (*SMALL, *overrides):
         args += ["--set", override]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -86,7 +101,10 @@ def local_run(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ray_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("ray")
-    result = run_cli(run_dir, 'run.runtime="ray"', "run.num_rollout=3", "run.save_interval=2", "run.eval_interval=2")
+    result = run_cli(
+        run_dir, 'run.runtime="ray"', "run.num_rollout=3", "run.save_interval=2", "run.eval_interval=2",
+        imports=run_dir.parent / "ray-driver-imports.txt",
+    )  # fmt: skip
     return run_dir, result
 
 
@@ -118,8 +136,20 @@ def test_both_runtimes_make_the_same_run(local_run, ray_run):
     ]
 
 
-def test_the_last_checkpoint_loads_in_transformers_as_it_is(local_run):
-    run_dir, _ = local_run
+def test_the_ray_drivers_process_never_imports_torch(ray_run):
+    """The driver hosts the Coordinator and the light actors, none of which needs torch: the
+    built-in base model is built in the trainer's process, the Saver copies the staged file."""
+    run_dir, result = ray_run
+    assert result.returncode == 0, result.stderr[-2000:]
+    imported = (run_dir.parent / "ray-driver-imports.txt").read_text().split()
+    assert "ray" in imported and "msgspec" in imported  # what it wrote is the driver's
+    assert not {"torch", "transformers", "safetensors"} & set(imported)
+    assert (run_dir / "base_model" / "config.json").is_file()
+
+
+@pytest.mark.parametrize("which", ["local_run", "ray_run"])
+def test_the_last_checkpoint_loads_in_transformers_as_it_is(which, request):
+    run_dir, _ = request.getfixturevalue(which)
     log = events(run_dir)
     saved = [e for e in log if isinstance(e, CheckpointSaved)]
     assert [e.rollout_id for e in saved] == [1, 2]  # interval, then forced on the last rollout

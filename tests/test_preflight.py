@@ -147,3 +147,19 @@ def test_the_rollout_estimate_grows_with_what_it_holds() -> None:
     longer = memory.rollout_memory(shape, samples=4096, prompt_tokens=40, max_new_tokens=3, engine_batch=4096, micro_batch=1024)
     assert more.batch_bytes == 2 * small.batch_bytes and more.engine_bytes == small.engine_bytes
     assert longer.host_bytes(on_gpu=False) > small.host_bytes(on_gpu=False) > small.host_bytes(on_gpu=True)
+
+
+def test_a_gpu_is_seen_without_torch_where_the_nvidia_driver_lists_one_and_none_is_hidden(tmp_path, monkeypatch):
+    gpus = tmp_path / "gpus"
+    monkeypatch.setattr(memory, "NVIDIA_GPUS", gpus)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert not memory.cuda_present(), "no NVIDIA driver"
+    gpus.mkdir()
+    assert not memory.cuda_present(), "a driver without a GPU"
+    (gpus / "0000:01:00.0").mkdir()
+    assert memory.cuda_present()
+    for hidden in ("", "-1", " , "):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", hidden)
+        assert not memory.cuda_present(), f"CUDA_VISIBLE_DEVICES={hidden!r}"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert memory.cuda_present()

@@ -5,6 +5,7 @@ with no idle workers, torn down at once."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import time
 from pathlib import Path
@@ -13,26 +14,26 @@ import pytest
 
 from miles_events.bus.actor import Actor
 from miles_events.bus.event_bus import EventBus
-from miles_events.runtime.base import ActorStartError, RunContext
+from miles_events.runtime.base import ActorStartError, Preparation, RunContext
 from miles_events.runtime.leftovers import PROCESSES_FILE, Process, alive, ray_processes, start_time
 from miles_events.runtime.ray import RayRuntime
 from miles_events.transport.base import ShmTransport
 from schemas.config import Config, RayConfig, RunConfig
 from schemas.events import ActorFailed, EvalRequested, Event, RolloutRequested, StopRequested
 from schemas.plan import RunPlan
-from tests.ray_actors import Echo, Model, Ranked
+from tests.ray_actors import Echo, Learner, Model, Ranked, fill_the_disk, write_pid
 
 pytestmark = pytest.mark.slow
 
 
 async def start(
-    tmp_path, actors: list[type[Actor]] | None = None, ray: RayConfig | None = None
+    tmp_path, actors: list[type[Actor]] | None = None, ray: RayConfig | None = None, prepare: Preparation | None = None
 ) -> tuple[EventBus, RayRuntime]:
     # Echo is a light actor (role service): by default the option gives it a process of its own.
     config = Config(run=RunConfig(runtime="ray"), ray=ray or RayConfig(own_process=["echo"]))
     bus = EventBus("ray-test")
     plan = RunPlan(start_rollout_id=0, num_rollout=1, num_rollout_per_epoch=1, runtime="ray")
-    runtime = RayRuntime(RunContext("ray-test", config, tmp_path, "shm", plan), ShmTransport("ray-test"))
+    runtime = RayRuntime(RunContext("ray-test", config, tmp_path, "shm", plan, prepare=prepare), ShmTransport("ray-test"))
     await runtime.start(bus, actors or [Echo])
     return bus, runtime
 
@@ -108,6 +109,37 @@ async def test_light_actors_run_on_the_driver_unless_named_and_model_actors_in_t
         bus.close()
         await runtime.stop()
         ShmTransport("ray-test").close()
+
+
+async def test_the_runs_preparation_is_made_in_the_trainers_process_before_any_actor_starts(tmp_path):
+    written = tmp_path / "prepared-by"
+    preparation = Preparation("building the test model", functools.partial(write_pid, written))
+    bus, runtime = await start(tmp_path, [Model, Learner], RayConfig(), preparation)
+    try:
+        replies = bus.subscribe("replies", (StopRequested,))
+        await bus.publish(EvalRequested(rollout_id=1))
+        pids = {e.source: int(e.reason.split(":")[0]) for e in await collect(replies, 2)}
+        assert int(written.read_text()) == pids["learner"] != os.getpid()
+    finally:
+        bus.close()
+        await runtime.stop()
+        ShmTransport("ray-test").close()
+
+
+async def test_a_preparation_that_fails_fails_the_start_naming_what_and_where(tmp_path):
+    config = Config(run=RunConfig(runtime="ray"))
+    plan = RunPlan(start_rollout_id=0, num_rollout=1, num_rollout_per_epoch=1, runtime="ray")
+    preparation = Preparation("building the test model", fill_the_disk)
+    context = RunContext("ray-test", config, tmp_path, "shm", plan, prepare=preparation)
+    runtime = RayRuntime(context, ShmTransport("ray-test"))
+    try:
+        with pytest.raises(ActorStartError) as failed:
+            await runtime.start(EventBus("ray-test"), [Model, Learner])
+    finally:
+        await runtime.stop()
+        ShmTransport("ray-test").close()
+    assert str(failed.value).startswith("building the test model: OSError: [Errno 28] No space left on device")
+    assert not (tmp_path / "model.stopped").exists(), "no actor started"
 
 
 async def test_the_cluster_is_lean_and_its_stop_runs_every_stop_then_ends_it_at_once(tmp_path):

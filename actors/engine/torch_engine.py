@@ -111,7 +111,7 @@ class TorchEngine(Engine):
         """On CUDA when this process sees a GPU (engine ``index`` on GPU ``index`` modulo the
         count), on CPU otherwise."""
         if config.model.path is None:
-            raise ValueError("model.path is unset: the driver writes the base model before actors start")
+            raise ValueError("model.path is unset: the session sets it to the base model before actors start")
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         return cls.from_pretrained(
             config.model.path,

@@ -199,7 +199,7 @@ class VllmEngine(Engine):
         """Launch server ``index`` (or connect to ``vllm.urls[index]``), warm it up, and
         serve ``model.path`` as version ``"default"``."""
         if config.model.path is None:
-            raise ValueError("model.path is unset: the driver writes the base model before actors start")
+            raise ValueError("model.path is unset: the session sets it to the base model before actors start")
         vllm = config.vllm
         run_dir = Path(config.run.dir)
         if vllm.urls:

@@ -7,6 +7,7 @@ verified here, once, and handed to the trainer through the plan.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from pathlib import Path
@@ -24,9 +25,10 @@ from miles_events.rl.checkpoint import (
     saved_lineage,
     set_aside,
 )
-from miles_events.rl.hf_model import prepare_base_model
+from miles_events.rl.hf_model import base_model_built, base_model_dir, prepare_base_model
 from miles_events.rl.prompts import load_prompts, whole_batches_per_epoch
 from miles_events.rl.versions import engine_names
+from miles_events.runtime.base import Preparation
 from schemas.checkpoint import TrainerState
 from schemas.config import Config
 from schemas.plan import RunPlan
@@ -35,13 +37,26 @@ logger = logging.getLogger(__name__)
 
 
 def resolve(config: Config) -> Config:
-    """Build the model every actor loads (once per run directory); return the config with
-    absolute paths to it and to the run directory."""
+    """The config with absolute paths to the run directory and to the model every actor
+    loads (a built-in one built from other settings is refused here; one not built yet is
+    ``base_model_preparation``'s)."""
     run_dir = Path(config.run.dir).resolve()
-    model_path = prepare_base_model(config.model, run_dir, config.run.seed)
-    model = msgspec.structs.replace(config.model, path=str(Path(model_path).resolve()))
+    base_model_built(config.model, run_dir, config.run.seed)
+    model_path = base_model_dir(config.model, run_dir)
+    model = msgspec.structs.replace(config.model, path=str(model_path.resolve()))
     run = msgspec.structs.replace(config.run, dir=str(run_dir))
     return msgspec.structs.replace(config, model=model, run=run)
+
+
+def base_model_preparation(config: Config) -> Preparation | None:
+    """Building the built-in model, when the run directory has none yet (once per run
+    directory), for the runtime to run before any actor starts; ``config`` as the run
+    had it before ``resolve``."""
+    run_dir = Path(config.run.dir).resolve()
+    if base_model_built(config.model, run_dir, config.run.seed):
+        return None
+    build = functools.partial(prepare_base_model, config.model, run_dir, config.run.seed)
+    return Preparation("building the built-in base model", build)
 
 
 def make_plan(config: Config, runtime: str, run_id: str = "") -> RunPlan:

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from miles_events.app.config import ConfigError, load_config
-from miles_events.rl.memory import ModelShape, available_memory, rollout_memory
+from miles_events.rl.memory import ModelShape, available_memory, cuda_present, rollout_memory
 from miles_events.rl.model_size import builtin_build_bytes, builtin_parameter_count
 from miles_events.rl.prompts import DataError, load_prompts, whole_batches_per_epoch
 from schemas.config import Config
@@ -79,8 +79,6 @@ def check_data(config: Config) -> int:
 
 def check_rollout_fits(config: Config, available: int | None, longest_prompt: int) -> None:
     """A rollout's estimated memory (``miles_events.rl.memory``) fits in ``available``."""
-    import torch
-
     data, rollout = config.data, config.rollout
     if available is None:
         return
@@ -101,7 +99,7 @@ def check_rollout_fits(config: Config, available: int | None, longest_prompt: in
         max_new_tokens=rollout.max_new_tokens,
         engine_batch=rollout.max_batch_size,
         micro_batch=config.trainer.micro_batch_size,
-    ).host_bytes(on_gpu=torch.cuda.is_available())  # the engines and the trainer run on the GPU then
+    ).host_bytes(on_gpu=cuda_present())  # the engines and the trainer run on the GPU then
     if needed > available:
         raise ConfigError(
             f"data.n_samples_per_prompt: a rollout of {samples:,} samples (data.rollout_batch_size "

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from actors.coordinator import Coordinator
 from miles_events.app.config import dump_config
-from miles_events.app.plan import make_plan, resolve
+from miles_events.app.plan import base_model_preparation, make_plan, resolve
 from miles_events.app.pyspy import PeriodicPySpyDump, interval_from_env
 from miles_events.app.run_dir import new_run_id, open_event_log, run_config_path
 from miles_events.app.signals import StopOnSignal
@@ -90,6 +90,7 @@ class Session:
         self.cluster = start_cluster(config, actor_classes)
         try:
             self.config = resolve(config)
+            self.preparation = base_model_preparation(config)
         except BaseException:
             self._give_back()
             raise
@@ -123,7 +124,7 @@ class Session:
             self.run_id, config.bus.mailbox_size, config.bus.stall_warning_seconds, self.clock
         )
         watch = bus.subscribe("session", (RunFinished, ActorFailed))
-        context = RunContext(self.run_id, config, self.run_dir, transport_name, plan, self.clock)
+        context = RunContext(self.run_id, config, self.run_dir, transport_name, plan, self.clock, self.preparation)
         runtime = make_runtime(context, transport, self.cluster)
         self.cluster = None  # the runtime's now
         hosts: list[SinkHost] = []

@@ -234,7 +234,7 @@ def write_checkpoint(
     run_dir: Path,
     base_model_dir: Path,
     rollout_id: int,
-    weights: dict[str, torch.Tensor],
+    weights: dict[str, torch.Tensor] | Path,
     optimizer: bytes,
     rng: bytes,
     trainer_state: TrainerState,
@@ -242,12 +242,12 @@ def write_checkpoint(
 ) -> Path:
     """Write the checkpoint of ``rollout_id`` atomically and point ``latest`` at it.
 
-    ``optimizer`` and ``rng`` are ``torch.save`` bytes, stored as they are. An existing
-    checkpoint of the same rollout is replaced only once the new one is complete. On
-    failure the partial directory is removed and every older checkpoint is untouched.
+    ``weights`` are tensors, or a safetensors file of them, copied as it is (a transport's
+    staged file: the copy needs no torch). ``optimizer`` and ``rng`` are ``torch.save``
+    bytes, stored as they are. An existing checkpoint of the same rollout is replaced only
+    once the new one is complete. On failure the partial directory is removed and every
+    older checkpoint is untouched.
     """
-    from safetensors.torch import save_file
-
     root = Path(run_dir) / CHECKPOINTS_DIR
     root.mkdir(parents=True, exist_ok=True)
     name = checkpoint_name(rollout_id)
@@ -256,7 +256,12 @@ def write_checkpoint(
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir()
     try:
-        save_file(_safetensors_ready(weights), str(partial / MODEL_FILE), metadata={"format": "pt"})
+        if isinstance(weights, Path):
+            shutil.copyfile(weights, partial / MODEL_FILE)
+        else:
+            from safetensors.torch import save_file
+
+            save_file(_safetensors_ready(weights), str(partial / MODEL_FILE), metadata={"format": "pt"})
         keep(partial / MODEL_FILE)  # safetensors creates 0600; kept files follow one rule
         if fsync:
             _fsync_path(partial / MODEL_FILE)

@@ -1,9 +1,10 @@
 """Hugging Face causal LMs: the built-in tiny model and tokenizer, and loading by path.
 
-Every actor loads the model from one Hugging Face directory. For the built-in model the
-driver writes that directory once, under ``<run.dir>/base_model``, before any actor starts,
-so that the Generator and the Trainer (possibly in other processes) start from the same
-bytes and the Saver can copy the config and tokenizer next to every checkpoint.
+Every actor loads the model from one Hugging Face directory. For the built-in model that
+directory is written once, under ``<run.dir>/base_model``, before any actor starts (by the
+runtime: ``miles_events.runtime.base.Preparation``), so that the Generator and the Trainer
+(possibly in other processes) start from the same bytes and the Saver can copy the config
+and tokenizer next to every checkpoint.
 """
 
 from __future__ import annotations
@@ -85,20 +86,40 @@ class BaseModelMismatch(ValueError):
     """The run directory's built-in model was built from other settings."""
 
 
-def prepare_base_model(config: ModelConfig, run_dir: Path, seed: int) -> Path:
-    """The Hugging Face directory every actor loads: ``model.path`` or the built-in one."""
+def base_model_dir(config: ModelConfig, run_dir: Path) -> Path:
+    """The Hugging Face directory every actor loads: ``model.path`` or the built-in one's."""
+    return Path(config.path) if config.path is not None else run_dir / "base_model"
+
+
+def _recipe(config: ModelConfig, seed: int) -> bytes:
+    return msgspec.json.encode({"builtin": config.builtin, "seed": seed})
+
+
+def base_model_built(config: ModelConfig, run_dir: Path, seed: int) -> bool:
+    """Whether the base model's directory is there to load (``model.path`` is taken as it
+    is); raises ``BaseModelMismatch`` for a built-in one built from other settings. Reads
+    two small files: no torch."""
     if config.path is not None:
-        return Path(config.path)
-    target = run_dir / "base_model"
-    recipe = msgspec.json.encode({"builtin": config.builtin, "seed": seed})
-    if (target / "config.json").exists():
-        built_from = (target / BUILTIN_RECIPE).read_bytes() if (target / BUILTIN_RECIPE).exists() else b""
-        if built_from != recipe:
-            raise BaseModelMismatch(
-                f"{target} was built from other [model.builtin] settings or run.seed "
-                f"({built_from.decode() or 'unknown'}); use a new run.dir, or the settings it was built with"
-            )
+        return True
+    target = base_model_dir(config, run_dir)
+    if not (target / "config.json").exists():
+        return False
+    built_from = (target / BUILTIN_RECIPE).read_bytes() if (target / BUILTIN_RECIPE).exists() else b""
+    if built_from != _recipe(config, seed):
+        raise BaseModelMismatch(
+            f"{target} was built from other [model.builtin] settings or run.seed "
+            f"({built_from.decode() or 'unknown'}); use a new run.dir, or the settings it was built with"
+        )
+    return True
+
+
+def prepare_base_model(config: ModelConfig, run_dir: Path, seed: int) -> Path:
+    """The Hugging Face directory every actor loads, the built-in model written there first
+    when it is not yet."""
+    target = base_model_dir(config, run_dir)
+    if base_model_built(config, run_dir, seed):
         return target
+    recipe = _recipe(config, seed)
     model, tokenizer = build_builtin(config.builtin, seed)
     partial = run_dir / ".base_model.partial"
     shutil.rmtree(partial, ignore_errors=True)

@@ -27,6 +27,7 @@ from miles_events.rl.model_size import BUILTIN_VOCAB_SIZE
 from schemas.config import BuiltinModelConfig
 
 MEMINFO = Path("/proc/meminfo")
+NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")
 SAMPLE_OVERHEAD = 1024
 """Bytes of one sample's Python and msgpack overhead besides its token arrays."""
 
@@ -120,6 +121,19 @@ def available_memory() -> int | None:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (AttributeError, OSError, ValueError):
         return None
+
+
+def cuda_present() -> bool:
+    """Whether this process would see an NVIDIA GPU, asked without importing torch (the
+    driver does not import it): the NVIDIA driver lists one under ``/proc/driver/nvidia/gpus``
+    and ``CUDA_VISIBLE_DEVICES``, when set, leaves one visible."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and not [d for d in visible.split(",") if d.strip() and d.strip() != "-1"]:
+        return False
+    try:
+        return any(NVIDIA_GPUS.iterdir())
+    except OSError:
+        return False
 
 
 def gib(num_bytes: int) -> str:

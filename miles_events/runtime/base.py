@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
+
+import anyio.to_thread
 
 from miles_events.bus.actor import Actor
 from miles_events.bus.clock import SYSTEM_CLOCK, Clock
@@ -22,6 +25,23 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+class Preparation:
+    """What must be on disk before any actor starts, made once per run by its runtime: the
+    built-in base model. The local runtime makes it in this process; the ray runtime in a
+    model actor's process (where torch is imported anyway), so that its driver never
+    imports torch. ``make`` is picklable (it crosses to that process)."""
+
+    what: str
+    make: Callable[[], object]
+
+    async def run_here(self) -> None:
+        try:
+            await anyio.to_thread.run_sync(self.make)
+        except Exception as error:
+            raise ActorStartError(f"{self.what}: {describe_error(error)}") from error
+
+
+@dataclass(frozen=True)
 class RunContext:
     """What every runtime needs to host a run's actors."""
 
@@ -31,6 +51,7 @@ class RunContext:
     transport: str
     plan: RunPlan
     clock: Clock = field(default=SYSTEM_CLOCK, compare=False)
+    prepare: Preparation | None = None
 
 
 class ActorStartError(RuntimeError):

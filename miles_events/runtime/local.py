@@ -24,6 +24,8 @@ class LocalRuntime:
         self.hosts = InProcessHosts(run, transport)
 
     async def start(self, bus: EventBus, actor_classes: list[type[Actor]]) -> None:
+        if self.run.prepare is not None:
+            await self.run.prepare.run_here()
         for cls in actor_classes:
             await self.hosts.start(bus, cls)
             logger.info("started %s (local)", cls.name)

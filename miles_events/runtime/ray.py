@@ -33,7 +33,7 @@ from miles_events.bus.codec import decode_batch, encode_batch
 from miles_events.bus.errors import describe_error
 from miles_events.bus.event_bus import BusClosed, EventBus, Mailbox
 from miles_events.bus.host import ActorHost
-from miles_events.runtime.base import ActorStartError, InProcessHosts, RunContext, host_context
+from miles_events.runtime.base import ActorStartError, InProcessHosts, Preparation, RunContext, host_context
 from miles_events.runtime.leftovers import forget_processes, record_processes
 from miles_events.runtime.ray_cluster import ARENAS_MARK, RayCluster
 from miles_events.runtime.ray_workers import start_ray_workers
@@ -76,6 +76,11 @@ class RemoteActorHost:
     async def _publish(self, event: Event) -> None:
         self.emitted += 1
         await self.outbox.put(event)
+
+    async def prepare(self, preparation: Preparation) -> None:
+        """Make what the run needs on disk before any actor starts (before this one's own
+        ``start``), in this process."""
+        await preparation.run_here()
 
     async def start(self) -> int:
         name = self.actor_cls.name
@@ -360,9 +365,10 @@ class RayRuntime:
         # The actors are created at once and load their models while the groups are
         # placed (Ray schedules each as soon as its bundle is); the wait for the placement
         # only names the bundles that could not be placed.
-        starts = [h.start.remote() for _, h in remote]
         try:
             await self._wait_placed(groups, placed, timeout)
+            await self._prepare(remote, deadline)
+            starts = [h.start.remote() for _, h in remote]
             pids = await wait_for(
                 asyncio.gather(*starts, return_exceptions=True),
                 deadline - self.run.clock.monotonic(),
@@ -396,6 +402,30 @@ class RayRuntime:
             self._pids[cls.name] = pid
             logger.info("started %s (ray actor, pid %d)", cls.name, pid)
         await self.driver.ready()
+
+    async def _prepare(self, remote: list[tuple[type[Actor], Any]], deadline: float) -> None:
+        """The run's ``Preparation``, before any remote actor starts, in the process of the
+        first with role ``actor`` (the trainer: it imports torch anyway), else of the first."""
+        preparation = self.run.prepare
+        if preparation is None:
+            return
+        if not remote:
+            await preparation.run_here()
+            return
+        roles = [cls.resources(self.run.config).role for cls, _ in remote]
+        cls, handle = remote[roles.index("actor") if "actor" in roles else 0]
+        began = self.run.clock.monotonic()
+        try:
+            await wait_for(handle.prepare.remote(preparation), deadline - began, self.run.clock)
+        except TimeoutError:
+            limit = self.run.config.ray.actor_start_timeout
+            raise RuntimeError(f"{preparation.what} did not finish within ray.actor_start_timeout ({limit:g}s)") from None
+        except Exception as error:
+            cause = getattr(error, "cause", None)
+            if isinstance(cause, ActorStartError):
+                raise ActorStartError(str(cause)) from None
+            raise ActorStartError(f"{preparation.what} ({cls.name}'s process): {describe_error(cause or error)}") from None
+        logger.info("%s took %.1fs (%s's process)", preparation.what, self.run.clock.monotonic() - began, cls.name)
 
     def _create_remote(self, groups: dict[str, Any], placed: dict[str, Any]) -> list[tuple[type[Actor], Any]]:
         """Each placed actor as a Ray actor, on the first bundle of its ranks (created; its

@@ -51,6 +51,12 @@ class Transport(ABC):
     @abstractmethod
     def get_tensors(self, ref: DataRef) -> dict[str, torch.Tensor]: ...
 
+    def tensors_file(self, ref: DataRef) -> Path | None:
+        """The one safetensors file holding ``ref``'s tensors, where this transport keeps
+        them in one (a reader that only copies them, as the Saver, needs no torch then);
+        None where it does not."""
+        return None
+
     @abstractmethod
     def put_bytes(self, key: str, data: bytes, owner: str) -> DataRef: ...
 
@@ -108,6 +114,10 @@ class InProcessTransport(Transport):
         _IN_PROCESS.pop(self.run_id, None)
 
 
+TENSORS_METADATA = {"format": "pt"}
+"""The header metadata of every safetensors file a transport writes, as Hugging Face writes
+it: a staged file is a checkpoint's weights file as it is."""
+
 SHM_PREFIX = "miles-events-"
 """The shared-memory directory of run ``r`` is ``<shm_root>/miles-events-<r>``."""
 
@@ -148,11 +158,14 @@ class ShmTransport(Transport):
 
     def put_tensors(self, key: str, tensors: dict[str, torch.Tensor], owner: str) -> DataRef:
         contiguous = {name: t.detach().contiguous().cpu() for name, t in tensors.items()}
-        path = self._publish(key, lambda p: _safetensors().save_file(contiguous, str(p)))
+        path = self._publish(key, lambda p: _safetensors().save_file(contiguous, str(p), TENSORS_METADATA))
         return DataRef(self.name, key, owner, path.stat().st_size)
 
     def get_tensors(self, ref: DataRef) -> dict[str, torch.Tensor]:
         return _safetensors().load_file(str(self._path(ref.key)))
+
+    def tensors_file(self, ref: DataRef) -> Path:
+        return self._path(ref.key)
 
     def put_bytes(self, key: str, data: bytes, owner: str) -> DataRef:
         self._publish(key, lambda p: p.write_bytes(data))

@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from miles_events.transport.base import Transport, _safetensors
+from miles_events.transport.base import TENSORS_METADATA, Transport, _safetensors
 from schemas.data import DataRef
 
 if TYPE_CHECKING:  # torch is imported by what puts or gets tensors, not by every reader of events
@@ -66,7 +66,7 @@ class DiskTransport(Transport):
         self._remove(partial)
         partial.mkdir()
         contiguous = {name: t.detach().contiguous().cpu() for name, t in tensors.items()}
-        _safetensors().save_file(contiguous, str(partial / TENSORS_FILE))
+        _safetensors().save_file(contiguous, str(partial / TENSORS_FILE), TENSORS_METADATA)
         size = (partial / TENSORS_FILE).stat().st_size
         self._install(key, partial)
         return DataRef(self.name, key, owner, size)
@@ -79,6 +79,10 @@ class DiskTransport(Transport):
         for file in sorted(directory.glob("*.safetensors")):
             tensors.update(_safetensors().load_file(str(file)))
         return tensors
+
+    def tensors_file(self, ref: DataRef) -> Path | None:
+        files = sorted(self.path(ref).glob("*.safetensors"))
+        return files[0] if len(files) == 1 else None
 
     def put_bytes(self, key: str, data: bytes, owner: str) -> DataRef:
         partial = self._path(key).with_name(f".{key}.partial")
