@@ -19,6 +19,10 @@ closed: list[int] = []
 class Rank:
     def __init__(self, place: RankPlace) -> None:
         self.place = place
+        self.built_on = threading.get_ident()
+
+    def thread(self) -> int:
+        return threading.get_ident()
 
     def where(self) -> tuple[int, int, str]:
         return self.place.rank, self.place.ranks_sharing_cores, threading.current_thread().name
@@ -45,3 +49,17 @@ async def test_a_rank_that_cannot_start_fails_the_start_and_the_others_are_close
     with pytest.raises(OSError, match="rank 2 cannot start"):
         await start_in_process(build, 3, Config(), InProcessTransport("w"), tmp_path)
     assert sorted(closed) == [0, 1]
+
+
+async def test_a_rank_is_built_and_called_on_one_thread_of_its_own(tmp_path: Path) -> None:
+    """As a rank in a process of its own: all of one rank's work on one thread, so what it
+    allocates stays in one glibc arena rather than one per thread of a pool."""
+    workers = await start_in_process(build, 2, Config(), InProcessTransport("w"), tmp_path)
+    try:
+        threads = [{await w.call("thread") for _ in range(20)} for w in workers]
+        assert [len(t) for t in threads] == [1, 1]
+        assert threads[0] != threads[1] and threading.get_ident() not in threads[0] | threads[1]
+        assert [next(iter(t)) for t in threads] == [w.target.built_on for w in workers]  # type: ignore[attr-defined]
+    finally:
+        for worker in workers:
+            await worker.close()

@@ -20,6 +20,7 @@ from miles_events.app.config import ConfigError, dump_config
 from miles_events.app.preflight import INPUT_ERRORS, load_and_check
 from miles_events.rl.checkpoint import CheckpointError
 from miles_events.rl.prompts import DataError
+from miles_events.runtime.malloc import cap_this_process
 from miles_events.sinks.base import Sink, SinkContext
 from miles_events.sinks.metrics import MetricsError, MetricsExporter, metrics_exporter
 
@@ -73,6 +74,7 @@ def _abort(signum: int, frame: object) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    cap_this_process()  # before the run's threads allocate
     args = parse_args(argv)
     configure_logging(args.log_level)
     # Until the run's loop takes signals over (the first then stops after the current step),

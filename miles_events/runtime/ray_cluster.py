@@ -25,6 +25,7 @@ from typing import Any
 
 from miles_events.bus.actor import Actor
 from miles_events.runtime.leftovers import kill_alive, ray_processes
+from miles_events.runtime.malloc import MALLOC_ARENAS
 from schemas.config import RayConfig
 
 logger = logging.getLogger(__name__)
@@ -66,12 +67,6 @@ def _lean_head() -> Iterator[None]:
             setattr(Node, name, method)
 
 
-MALLOC_ARENAS = "2"
-"""glibc malloc arenas per process of the run's own cluster (``MALLOC_ARENA_MAX``, where the
-user has not set it). glibc gives each thread that allocates an arena of its own, up to 8
-per core, and an arena keeps what it once held: an actor process has many threads (Ray's,
-its handlers' worker threads), and a trainer held 100-170 MB more at its peak with the
-default, for no speed measured."""
 ARENAS_MARK = "MILES_EVENTS_SET_MALLOC_ARENA_MAX"
 """Marks ``MALLOC_ARENA_MAX`` as the runtime's, not the user's: an actor process drops both
 (``RemoteActorHost``), so what it starts in turn (an inference server) has glibc's default."""
@@ -81,7 +76,7 @@ ARENAS_MARK = "MILES_EVENTS_SET_MALLOC_ARENA_MAX"
 def _cluster_environment() -> Iterator[None]:
     """The environment Ray's servers start with (the workers they start inherit it); the
     driver's own is as it was once they have started."""
-    added = {} if "MALLOC_ARENA_MAX" in os.environ else {"MALLOC_ARENA_MAX": MALLOC_ARENAS, ARENAS_MARK: "1"}
+    added = {} if "MALLOC_ARENA_MAX" in os.environ else {"MALLOC_ARENA_MAX": str(MALLOC_ARENAS), ARENAS_MARK: "1"}
     os.environ.update(added)
     try:
         yield
