@@ -41,6 +41,7 @@ from typing import Any, ClassVar
 import anyio
 import msgspec
 
+from actors.engine import engine_module
 from actors.engine.base import Completion, SamplingParams, TensorCheckAction
 from actors.engine.worker import Checked, Loaded, engine_worker
 from miles_events.bus.actor import (
@@ -54,6 +55,7 @@ from miles_events.bus.actor import (
 )
 from miles_events.bus.errors import describe_error
 from miles_events.rl.cancel import Cancellation, Cancelled
+from miles_events.rl.hf_model import modeling_module
 from miles_events.rl.prompts import Prompt, load_prompts, rollout_prompts
 from miles_events.rl.registry import load_function
 from miles_events.rl.versions import engine_names
@@ -101,6 +103,13 @@ class Generator(Actor):
         # A rank per engine: on the ray runtime engine 0 shares the Generator's process and
         # each other engine gets a process, and a bundle of CPUs and GPUs, of its own.
         return WorkerGroup(role="rollout", num_ranks=config.generator.num_engines, cpus_per_rank=1)
+
+    @classmethod
+    def process_modules(cls, config: Config) -> list[str]:
+        # Its engine backend, and for the embedded engine the model's transformers module.
+        engine = config.generator.engine
+        modeling = modeling_module(config.model) if engine == "torch" else None
+        return [cls.__module__, engine_module(engine), *([modeling] if modeling else [])]
 
     async def start(self) -> None:
         rollout, data = self.config.rollout, self.config.data

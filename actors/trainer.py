@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import msgspec
 
-from actors.trainer_backend import build_backend
+from actors.trainer_backend import backend_module, build_backend
 from actors.trainer_backend.base import TrainerBackend
 from miles_events.bus.actor import Actor, ActorContext, WorkerGroup, handles
 from miles_events.rl.canary import CANARY_TENSOR, canary_fingerprint, publication_canary
@@ -37,7 +37,7 @@ from miles_events.rl.finite import (
     non_finite_rewards,
     require_finite_weights,
 )
-from miles_events.rl.hf_model import torch_dtype
+from miles_events.rl.hf_model import modeling_module, torch_dtype
 from miles_events.rl.probe import probe_batch, probe_vocab_size
 from miles_events.rl.prompts import data_cursor, load_prompts
 from miles_events.rl.threads import phase_threads
@@ -105,6 +105,13 @@ class Trainer(Actor):
     @classmethod
     def resources(cls, config: Config) -> WorkerGroup:
         return WorkerGroup(role="actor", cpus_per_rank=1)
+
+    @classmethod
+    def process_modules(cls, config: Config) -> list[str]:
+        # Its backend (torch), and the model's transformers module (the built-in model is
+        # built in this process: ``miles_events.runtime.base.Preparation``).
+        modeling = modeling_module(config.model)
+        return [cls.__module__, backend_module(config.trainer.backend), *([modeling] if modeling else [])]
 
     @property
     def backend(self) -> TrainerBackend:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 
+import msgspec
 import pytest
 
 from actors.coordinator import Coordinator
@@ -13,8 +14,9 @@ from actors.trainer import Trainer
 from miles_events.app.session import Session
 from miles_events.rl.checkpoint import CheckpointError
 from miles_events.runtime.leftovers import ray_processes
+from miles_events.runtime.ray import process_modules
 from miles_events.runtime.ray_cluster import RayCluster, importable_by_workers
-from schemas.config import Config, RayConfig, RunConfig
+from schemas.config import BuiltinModelConfig, Config, GeneratorConfig, ModelConfig, RayConfig, RunConfig
 from tests.ray_actors import Model
 
 ONE_EACH = [{"CPU": 1.0}, {"CPU": 1.0}]
@@ -24,6 +26,22 @@ def test_a_worker_per_cpu_is_prestarted_only_when_each_hosts_an_actor_and_import
     cluster = RayCluster(RayConfig(num_cpus=2), ONE_EACH, [Generator, Trainer])
     assert cluster.prestart and cluster.preload == ["actors.generator", "actors.trainer"]
     assert not RayCluster(RayConfig(num_cpus=4), ONE_EACH, [Generator, Trainer]).prestart
+
+
+def test_the_workers_import_the_actors_backends_and_model_module_not_only_their_own():
+    """The actors' modules import torch only where they compute: a worker that imported only
+    those would import torch, transformers and the model's module once given its actor."""
+    config = Config(model=ModelConfig(builtin=BuiltinModelConfig(architecture="llama")))
+    cluster = RayCluster(RayConfig(num_cpus=2), ONE_EACH, [Generator, Trainer], process_modules([Generator, Trainer], config))
+    assert cluster.preload == [
+        "actors.engine.torch_engine",
+        "actors.generator",
+        "actors.trainer",
+        "actors.trainer_backend.torch_backend",
+        "transformers.models.llama.modeling_llama",
+    ]
+    vllm = msgspec.structs.replace(config, generator=GeneratorConfig(engine="vllm"))
+    assert Generator.process_modules(vllm) == ["actors.generator", "actors.engine.vllm_engine"], "no model in process"
 
 
 def test_only_modules_a_worker_can_import_without_the_drivers_directory_are_preloaded():

@@ -15,7 +15,7 @@ from miles_events.bus.event_bus import EventBus
 from miles_events.bus.event_log import FRAME_SIZE, MAGIC, EventLogWriter, read_events
 from miles_events.bus.handlers import handles
 from miles_events.rl.checkpoint import CheckpointError
-from miles_events.rl.hf_model import BaseModelMismatch, prepare_base_model
+from miles_events.rl.hf_model import BaseModelMismatch, modeling_module, prepare_base_model
 from miles_events.sinks.base import Sink, SinkContext, SinkHost
 from miles_events.sinks.event_log import EventLogSink
 from miles_events.sinks.tracking import TrackingError
@@ -163,3 +163,14 @@ async def test_a_failing_run_still_closes_every_sink(tmp_path):
     result = await Session(config, [Boom, Coordinator], sinks=[tracking]).run()
     assert result.finished.status == "failed" and "CUDA out of memory" in result.finished.reason
     assert tracking.closed
+
+
+def test_the_models_transformers_module_is_named_from_its_files_without_importing_transformers(tmp_path):
+    assert modeling_module(ModelConfig()) == "transformers.models.qwen2.modeling_qwen2"
+    assert modeling_module(ModelConfig(builtin=BuiltinModelConfig(architecture="llama"))) == "transformers.models.llama.modeling_llama"
+    (tmp_path / "config.json").write_text('{"model_type": "mistral"}')
+    assert modeling_module(ModelConfig(path=str(tmp_path))) == "transformers.models.mistral.modeling_mistral"
+    for written in ('{"model_type": "no_such_model"}', '{"model_type": "../x"}', "{}", "not json"):
+        (tmp_path / "config.json").write_text(written)
+        assert modeling_module(ModelConfig(path=str(tmp_path))) is None, written
+    assert modeling_module(ModelConfig(path=str(tmp_path / "missing"))) is None

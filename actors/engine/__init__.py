@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from miles_events.rl.registry import check_registered, registered
+from miles_events.rl.registry import check_registered, registered, registered_module
 
 if TYPE_CHECKING:
     from actors.engine.base import Engine
@@ -52,6 +52,11 @@ def reads_back_every_tensor(name: str) -> bool:
 def check_engine(name: str) -> None:
     """Raise ``ValueError`` (one line, naming the known backends) for an unknown name."""
     check_registered(ENGINES, name, "engine")
+
+
+def engine_module(name: str) -> str:
+    """The module of backend ``name``, not imported."""
+    return registered_module(ENGINES, name)
 
 
 def engine_class(name: str) -> type[Engine]:

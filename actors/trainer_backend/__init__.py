@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from miles_events.rl.registry import check_registered, registered
+from miles_events.rl.registry import check_registered, registered, registered_module
 
 if TYPE_CHECKING:
     from actors.trainer_backend.base import TrainerBackend
@@ -24,6 +24,11 @@ BACKENDS: dict[str, str] = {
 def check_backend(name: str) -> None:
     """Raise ``ValueError`` (one line, naming the known backends) for an unknown name."""
     check_registered(BACKENDS, name, "trainer backend")
+
+
+def backend_module(name: str) -> str:
+    """The module of backend ``name``, not imported."""
+    return registered_module(BACKENDS, name)
 
 
 def backend_class(name: str) -> type[TrainerBackend]:

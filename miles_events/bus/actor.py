@@ -120,6 +120,14 @@ class Actor(HandlerTable):
     def resources(cls, config: Config) -> WorkerGroup:
         return WorkerGroup()
 
+    @classmethod
+    def process_modules(cls, config: Config) -> list[str]:
+        """The modules a process that will host this actor under ``config`` imports before
+        it is given the actor (the ray runtime has them imported while Ray starts): its own,
+        and what it imports only when it computes (torch with its backend), where that is
+        where its start-up time goes."""
+        return [cls.__module__]
+
     async def start(self) -> None:
         """Acquire resources (load models, open files). Called once before any event."""
 

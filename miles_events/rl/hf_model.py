@@ -9,6 +9,7 @@ and tokenizer next to every checkpoint.
 
 from __future__ import annotations
 
+import importlib.machinery
 import inspect
 import shutil
 from pathlib import Path
@@ -89,6 +90,29 @@ class BaseModelMismatch(ValueError):
 def base_model_dir(config: ModelConfig, run_dir: Path) -> Path:
     """The Hugging Face directory every actor loads: ``model.path`` or the built-in one's."""
     return Path(config.path) if config.path is not None else run_dir / "base_model"
+
+
+def modeling_module(config: ModelConfig) -> str | None:
+    """The transformers module of the model's architecture (``transformers.models.qwen2.
+    modeling_qwen2``), where this transformers has it; None where it is not known. Asked of
+    the files (the ``model_type`` of ``config.json``, the module's file) without importing
+    transformers."""
+    if config.path is None:
+        model_type = config.builtin.architecture
+    else:
+        try:
+            model_type = msgspec.json.decode((Path(config.path) / "config.json").read_bytes())["model_type"]
+        except (OSError, msgspec.DecodeError, KeyError, TypeError):
+            return None
+    if not isinstance(model_type, str) or not model_type.isidentifier():
+        return None
+    spec = importlib.machinery.PathFinder.find_spec("transformers")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for root in spec.submodule_search_locations:
+        if (Path(root) / "models" / model_type / f"modeling_{model_type}.py").is_file():
+            return f"transformers.models.{model_type}.modeling_{model_type}"
+    return None
 
 
 def _recipe(config: ModelConfig, seed: int) -> bytes:

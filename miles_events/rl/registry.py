@@ -38,3 +38,8 @@ def registered(registry: Mapping[str, str], name: str, kind: str) -> Any:
 def check_registered(registry: Mapping[str, str], name: str, kind: str) -> None:
     if name not in registry:
         raise ValueError(f"unknown {kind} {name!r}; known: {', '.join(sorted(registry))}")
+
+
+def registered_module(registry: Mapping[str, str], name: str) -> str:
+    """The module ``registry`` names for ``name`` (``"module:Class"``), not imported."""
+    return registry[name].partition(":")[0]

@@ -268,7 +268,13 @@ def start_cluster(config: Config, actor_classes: list[type[Actor]]) -> RayCluste
     workers that will host its actors) start while the driver prepares it."""
     groups = placement_bundles(actor_classes, config)
     remote = [cls for _, members in groups.values() for cls, _, _ in members]
-    return RayCluster(config.ray, [b for bundles, _ in groups.values() for b in bundles], remote).start()
+    bundles = [b for bundles, _ in groups.values() for b in bundles]
+    return RayCluster(config.ray, bundles, remote, process_modules(remote, config)).start()
+
+
+def process_modules(remote: list[type[Actor]], config: Config) -> list[str]:
+    """What the processes of ``remote`` import before each is given its actor."""
+    return [module for cls in remote for module in cls.process_modules(config)]
 
 
 def placement_bundles(
@@ -348,7 +354,7 @@ class RayRuntime:
             self.cluster.shutdown()  # sized before the config was resolved, too small now
             self.cluster = None
         if self.cluster is None:
-            self.cluster = RayCluster(config.ray, bundles, remote_classes).start()
+            self.cluster = RayCluster(config.ray, bundles, remote_classes, process_modules(remote_classes, config)).start()
         # Ray starts in a thread; meanwhile the driver starts the actors it hosts.
         try:
             for cls in actor_classes:

@@ -1,12 +1,13 @@
 """Ray itself for one run: the run's own one-host cluster, started lean on a thread of its
-own as soon as the run knows what it will place (before its model is prepared, so the two
-overlap), or the cluster at ``ray.address``, joined.
+own as soon as the run knows what it will place (while the driver plans the run), or the
+cluster at ``ray.address``, joined.
 
 Lean: neither Ray's API server nor its autoscaler monitor (a fixed one-host cluster uses
 neither); a worker prestarted per CPU only when each will host one of the run's actors, and
-then with the actors' modules (torch, transformers) imported before any actor is asked
-for; glibc's arenas capped; and a teardown that kills what Ray leaves rather than waiting
-on its graceful timeouts (the actors have stopped by then).
+then with what the actors' processes import (``Actor.process_modules``: torch with their
+backends, the model's transformers module) imported before any actor is asked for; glibc's
+arenas capped; and a teardown that kills what Ray leaves rather than waiting on its
+graceful timeouts (the actors have stopped by then).
 """
 
 from __future__ import annotations
@@ -117,8 +118,14 @@ class RayCluster:
     """
 
     def __init__(
-        self, ray_config: RayConfig, bundles: list[dict[str, float]], remote: list[type[Actor]]
+        self,
+        ray_config: RayConfig,
+        bundles: list[dict[str, float]],
+        remote: list[type[Actor]],
+        modules: list[str] | None = None,
     ) -> None:
+        """``modules``: what a prestarted worker imports before it is given an actor (the
+        remote actors' ``process_modules``); None: each remote actor's own module."""
         self.ray_config = ray_config
         self.own = ray_config.address is None
         needed = math.ceil(sum(b.get("CPU", 0.0) for b in bundles))
@@ -128,7 +135,8 @@ class RayCluster:
         # host one of the run's actors (beyond that they idle), and then as soon as the
         # raylet is up, each importing the actors' modules before it is given one.
         self.prestart = self.num_cpus <= len(remote)
-        self.preload = sorted({cls.__module__ for cls in remote if importable_by_workers(cls.__module__)})
+        wanted = [cls.__module__ for cls in remote] if modules is None else modules
+        self.preload = sorted({module for module in wanted if importable_by_workers(module)})
         self.up: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._released = threading.Event()
         self._thread: threading.Thread | None = None
