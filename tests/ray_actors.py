@@ -46,6 +46,12 @@ class Model(Actor):
     name = "model"
     stop = Echo.stop
 
+    async def start(self) -> None:
+        # Says whether a run's Preparation (``write_pid``'s file) was there when it started.
+        run_dir = Path(self.context.run_dir)
+        prepared = (run_dir / PREPARED).exists()
+        (run_dir / f"{self.name}.started").write_text("prepared" if prepared else "unprepared")
+
     @classmethod
     def resources(cls, config):  # type: ignore[no-untyped-def]
         return WorkerGroup(role="rollout", cpus_per_rank=0.5)
@@ -67,8 +73,11 @@ class Learner(Model):
         return WorkerGroup(role="actor", cpus_per_rank=0.5)
 
 
+PREPARED = "prepared-by"
+
+
 def write_pid(path: Path) -> None:
-    """A ``Preparation`` that says where it ran."""
+    """A ``Preparation`` that says where it ran (call it with ``<run_dir>/PREPARED``)."""
     path.write_text(str(os.getpid()))
 
 

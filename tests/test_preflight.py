@@ -149,17 +149,29 @@ def test_the_rollout_estimate_grows_with_what_it_holds() -> None:
     assert longer.host_bytes(on_gpu=False) > small.host_bytes(on_gpu=False) > small.host_bytes(on_gpu=True)
 
 
-def test_a_gpu_is_seen_without_torch_where_the_nvidia_driver_lists_one_and_none_is_hidden(tmp_path, monkeypatch):
-    gpus = tmp_path / "gpus"
+def test_a_gpu_is_seen_without_torch_where_the_driver_lists_one_in_this_container_and_none_is_hidden(tmp_path, monkeypatch):
+    gpus, control = tmp_path / "gpus", tmp_path / "nvidiactl"
     monkeypatch.setattr(memory, "NVIDIA_GPUS", gpus)
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(memory, "NVIDIA_CONTROL", control)
+    monkeypatch.setattr(memory, "AMD_KFD", tmp_path / "kfd")
+    for name in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"):
+        monkeypatch.delenv(name, raising=False)
     assert not memory.cuda_present(), "no NVIDIA driver"
     gpus.mkdir()
-    assert not memory.cuda_present(), "a driver without a GPU"
     (gpus / "0000:01:00.0").mkdir()
+    assert not memory.cuda_present(), "the host's GPU, not passed to this container"
+    control.touch()
     assert memory.cuda_present()
-    for hidden in ("", "-1", " , "):
+    for hidden in ("", "-1", " , ", "-1,0"):
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", hidden)
         assert not memory.cuda_present(), f"CUDA_VISIBLE_DEVICES={hidden!r}"
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
-    assert memory.cuda_present()
+    for shown in ("0", "1,0", "GPU-5f3a"):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", shown)
+        assert memory.cuda_present(), f"CUDA_VISIBLE_DEVICES={shown!r}"
+    monkeypatch.setenv("NVIDIA_VISIBLE_DEVICES", "void")
+    assert not memory.cuda_present()
+    monkeypatch.delenv("NVIDIA_VISIBLE_DEVICES")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    control.unlink()
+    (tmp_path / "kfd").touch()
+    assert memory.cuda_present(), "ROCm"

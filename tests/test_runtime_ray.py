@@ -21,7 +21,7 @@ from miles_events.transport.base import ShmTransport
 from schemas.config import Config, RayConfig, RunConfig
 from schemas.events import ActorFailed, EvalRequested, Event, RolloutRequested, StopRequested
 from schemas.plan import RunPlan
-from tests.ray_actors import Echo, Learner, Model, Ranked, fill_the_disk, write_pid
+from tests.ray_actors import PREPARED, Echo, Learner, Model, Ranked, fill_the_disk, write_pid
 
 pytestmark = pytest.mark.slow
 
@@ -112,7 +112,7 @@ async def test_light_actors_run_on_the_driver_unless_named_and_model_actors_in_t
 
 
 async def test_the_runs_preparation_is_made_in_the_trainers_process_before_any_actor_starts(tmp_path):
-    written = tmp_path / "prepared-by"
+    written = tmp_path / PREPARED
     preparation = Preparation("building the test model", functools.partial(write_pid, written))
     bus, runtime = await start(tmp_path, [Model, Learner], RayConfig(), preparation)
     try:
@@ -120,6 +120,7 @@ async def test_the_runs_preparation_is_made_in_the_trainers_process_before_any_a
         await bus.publish(EvalRequested(rollout_id=1))
         pids = {e.source: int(e.reason.split(":")[0]) for e in await collect(replies, 2)}
         assert int(written.read_text()) == pids["learner"] != os.getpid()
+        assert [(tmp_path / f"{n}.started").read_text() for n in ("model", "learner")] == ["prepared", "prepared"]
     finally:
         bus.close()
         await runtime.stop()
@@ -138,8 +139,10 @@ async def test_a_preparation_that_fails_fails_the_start_naming_what_and_where(tm
     finally:
         await runtime.stop()
         ShmTransport("ray-test").close()
-    assert str(failed.value).startswith("building the test model: OSError: [Errno 28] No space left on device")
-    assert not (tmp_path / "model.stopped").exists(), "no actor started"
+    message = str(failed.value)
+    assert message.startswith("building the test model: OSError: [Errno 28] No space left on device")
+    assert message.endswith("(learner's process)")
+    assert not list(tmp_path.glob("*.started")), "no actor started"
 
 
 async def test_the_cluster_is_lean_and_its_stop_runs_every_stop_then_ends_it_at_once(tmp_path):

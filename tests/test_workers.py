@@ -4,6 +4,7 @@ the ranks that started."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from pathlib import Path
 
@@ -23,6 +24,9 @@ class Rank:
 
     def thread(self) -> int:
         return threading.get_ident()
+
+    def block(self, released: threading.Event) -> None:
+        released.wait(30)
 
     def where(self) -> tuple[int, int, str]:
         return self.place.rank, self.place.ranks_sharing_cores, threading.current_thread().name
@@ -63,3 +67,19 @@ async def test_a_rank_is_built_and_called_on_one_thread_of_its_own(tmp_path: Pat
     finally:
         for worker in workers:
             await worker.close()
+
+
+async def test_closing_a_rank_does_not_wait_behind_a_stuck_call(tmp_path: Path) -> None:
+    """A handler cancelled at shutdown leaves its call running on the rank's thread: the
+    rank's close still runs at once."""
+    closed.clear()
+    (worker,) = await start_in_process(build, 1, Config(), InProcessTransport("w"), tmp_path)
+    released = threading.Event()
+    stuck = asyncio.ensure_future(worker.call("block", released))
+    await asyncio.sleep(0.1)
+    try:
+        await asyncio.wait_for(worker.close(), 5)
+        assert closed == [0]
+    finally:
+        released.set()
+        await stuck

@@ -175,7 +175,7 @@ class TorchTrainerBackend(TrainerBackend):
 
     def __init__(self, config: Config) -> None:
         if config.model.path is None:
-            raise ValueError("model.path is unset: the driver prepares the model before actors start")
+            raise ValueError("model.path is unset: the session sets it to the base model before actors start")
         self.config = config
         trainer = config.trainer
         torch.manual_seed(config.run.seed)

@@ -61,7 +61,7 @@ def make_runtime(context: RunContext, transport: Transport, cluster: RayCluster 
 
 
 def start_cluster(config: Config, actor_classes: list[type[Actor]]) -> RayCluster | None:
-    """For the ray runtime, Ray starting now, beside the driver's own preparation."""
+    """For the ray runtime, Ray starting now, beside the driver's planning of the run."""
     if config.run.runtime != "ray":
         return None
     from miles_events.runtime.ray import start_cluster

@@ -73,10 +73,12 @@ StartWorkers = Callable[[WorkerFactory, int], Awaitable[list[Worker]]]
 
 
 class InProcessWorker:
-    """A rank in the actor's own process: its object is built, and every call runs, on one
-    thread of its own, as in a process of its own. (On a pool's threads, calls of one rank
-    land on different threads, each with a glibc arena of its own that keeps what it once
-    held: a local run's engine held ~100 MB more so.)"""
+    """A rank in the actor's own process: its object is built, and every ``call`` runs, on
+    one thread of its own, as in a process of its own. (On a pool's threads, calls of one
+    rank land on different threads, each with a glibc arena of its own that keeps what it
+    once held: a local run's engine held ~100 MB more so.) ``notify`` runs on the caller's
+    thread, beside a call; so does ``close``, which must not wait behind a call that is
+    stuck (its handler cancelled at shutdown)."""
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
@@ -103,9 +105,9 @@ class InProcessWorker:
     async def close(self) -> None:
         try:
             if hasattr(self.target, "close"):
-                await self.call("close")
+                await asyncio.to_thread(self.target.close)
         finally:
-            self._thread.shutdown(wait=False)
+            self._thread.shutdown(wait=False, cancel_futures=True)
 
 
 async def build_in_process(

@@ -28,6 +28,8 @@ from schemas.config import BuiltinModelConfig
 
 MEMINFO = Path("/proc/meminfo")
 NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")
+NVIDIA_CONTROL = Path("/dev/nvidiactl")
+AMD_KFD = Path("/dev/kfd")
 SAMPLE_OVERHEAD = 1024
 """Bytes of one sample's Python and msgpack overhead besides its token arrays."""
 
@@ -124,14 +126,28 @@ def available_memory() -> int | None:
 
 
 def cuda_present() -> bool:
-    """Whether this process would see an NVIDIA GPU, asked without importing torch (the
-    driver does not import it): the NVIDIA driver lists one under ``/proc/driver/nvidia/gpus``
-    and ``CUDA_VISIBLE_DEVICES``, when set, leaves one visible."""
+    """Whether this process would see a GPU, asked without importing torch (the driver does
+    not import it): an NVIDIA GPU listed by its driver (``/proc/driver/nvidia/gpus``) with
+    its device nodes in this container (``/dev/nvidiactl``), or an AMD GPU's (``/dev/kfd``,
+    which ROCm's torch counts as CUDA); and none hidden by ``CUDA_VISIBLE_DEVICES`` (read as
+    CUDA reads it: up to its first invalid entry) or ``NVIDIA_VISIBLE_DEVICES`` (``void``,
+    ``none``)."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None and not [d for d in visible.split(",") if d.strip() and d.strip() != "-1"]:
+    if visible is not None:
+        listed = []
+        for entry in visible.split(","):
+            entry = entry.strip()
+            if not entry or entry.startswith("-"):
+                break
+            listed.append(entry)
+        if not listed:
+            return False
+    if os.environ.get("NVIDIA_VISIBLE_DEVICES", "").strip().lower() in ("void", "none"):
         return False
+    if AMD_KFD.exists():
+        return True
     try:
-        return any(NVIDIA_GPUS.iterdir())
+        return NVIDIA_CONTROL.exists() and any(NVIDIA_GPUS.iterdir())
     except OSError:
         return False
 

@@ -12,7 +12,6 @@ set in ``MALLOC_ARENA_MAX`` is left as it is.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import os
 
@@ -30,7 +29,7 @@ def cap_this_process() -> bool:
     if "MALLOC_ARENA_MAX" in os.environ:
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.CDLL("libc.so.6")  # glibc's soname (find_library would run ldconfig)
         return bool(libc.mallopt(M_ARENA_MAX, MALLOC_ARENAS))
     except (OSError, AttributeError):  # not glibc: no mallopt, or no arenas of this kind
         logger.debug("malloc arenas not capped: no glibc mallopt", exc_info=True)

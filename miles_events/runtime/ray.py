@@ -264,8 +264,9 @@ def own_process(cls: type[Actor], config: Config) -> bool:
 
 def start_cluster(config: Config, actor_classes: list[type[Actor]]) -> RayCluster:
     """Ray for a run of ``actor_classes`` under ``config``, starting now on its own thread:
-    the run's placement is known before its model is prepared, so the cluster (and the
-    workers that will host its actors) start while the driver prepares it."""
+    the run's placement is known as soon as its config is read, so the cluster (and the
+    workers that will host its actors, importing what they will need) start while the
+    driver plans the run."""
     groups = placement_bundles(actor_classes, config)
     remote = [cls for _, members in groups.values() for cls, _, _ in members]
     bundles = [b for bundles, _ in groups.values() for b in bundles]
@@ -363,18 +364,28 @@ class RayRuntime:
                     logger.info("started %s (driver)", cls.name)
         finally:
             await asyncio.wrap_future(self.cluster.up)
+        up_at = self.run.clock.monotonic()
         self._record_processes()
         placed = self._create_placement_groups(groups)
         remote = self._create_remote(groups, placed)
         timeout = config.ray.actor_start_timeout
-        deadline = self.run.clock.monotonic() + timeout
         # The actors are created at once and load their models while the groups are
         # placed (Ray schedules each as soon as its bundle is); the wait for the placement
-        # only names the bundles that could not be placed.
+        # only names the bundles that could not be placed. A run's Preparation (its
+        # base model) is made first, within a timeout of its own, and the starts follow.
+        preparation = self.run.prepare
+        asked = self._ask_preparation(remote)
+        starts = [] if preparation is not None else [h.start.remote() for _, h in remote]
+        deadline = self.run.clock.monotonic() + timeout
         try:
             await self._wait_placed(groups, placed, timeout)
-            await self._prepare(remote, deadline)
-            starts = [h.start.remote() for _, h in remote]
+            if preparation is not None:
+                if asked is None:
+                    await preparation.run_here()
+                else:
+                    await self._wait_prepared(*asked, preparation, timeout)
+                deadline = self.run.clock.monotonic() + timeout
+                starts = [h.start.remote() for _, h in remote]
             pids = await wait_for(
                 asyncio.gather(*starts, return_exceptions=True),
                 deadline - self.run.clock.monotonic(),
@@ -385,7 +396,7 @@ class RayRuntime:
         self._raise_start_errors([cls for cls, _ in remote], pids)
         logger.info(
             "ray actors started %.1fs after the cluster was up",
-            timeout - (deadline - self.run.clock.monotonic()),
+            self.run.clock.monotonic() - up_at,
         )
         self._record_processes()  # now with the actors' worker processes
         # Every remote actor is told all have started before any event reaches it.
@@ -409,29 +420,30 @@ class RayRuntime:
             logger.info("started %s (ray actor, pid %d)", cls.name, pid)
         await self.driver.ready()
 
-    async def _prepare(self, remote: list[tuple[type[Actor], Any]], deadline: float) -> None:
-        """The run's ``Preparation``, before any remote actor starts, in the process of the
-        first with role ``actor`` (the trainer: it imports torch anyway), else of the first."""
-        preparation = self.run.prepare
-        if preparation is None:
-            return
-        if not remote:
-            await preparation.run_here()
-            return
+    def _ask_preparation(self, remote: list[tuple[type[Actor], Any]]) -> tuple[Any, str] | None:
+        """The run's ``Preparation``, asked for now (Ray runs it once the actor exists), of
+        the first remote actor with role ``actor`` (the trainer: it imports torch anyway),
+        else of the first: the call's reference and the actor's name. None without a
+        Preparation or a remote actor."""
+        if self.run.prepare is None or not remote:
+            return None
         roles = [cls.resources(self.run.config).role for cls, _ in remote]
         cls, handle = remote[roles.index("actor") if "actor" in roles else 0]
+        return handle.prepare.remote(self.run.prepare), cls.name
+
+    async def _wait_prepared(self, made: Any, where: str, preparation: Preparation, timeout: float) -> None:
         began = self.run.clock.monotonic()
         try:
-            await wait_for(handle.prepare.remote(preparation), deadline - began, self.run.clock)
+            await wait_for(made, timeout, self.run.clock)
         except TimeoutError:
-            limit = self.run.config.ray.actor_start_timeout
-            raise RuntimeError(f"{preparation.what} did not finish within ray.actor_start_timeout ({limit:g}s)") from None
+            raise RuntimeError(
+                f"{preparation.what} ({where}'s process) did not finish within ray.actor_start_timeout ({timeout:g}s)"
+            ) from None
         except Exception as error:
             cause = getattr(error, "cause", None)
-            if isinstance(cause, ActorStartError):
-                raise ActorStartError(str(cause)) from None
-            raise ActorStartError(f"{preparation.what} ({cls.name}'s process): {describe_error(cause or error)}") from None
-        logger.info("%s took %.1fs (%s's process)", preparation.what, self.run.clock.monotonic() - began, cls.name)
+            detail = str(cause) if isinstance(cause, ActorStartError) else f"{preparation.what}: {describe_error(cause or error)}"
+            raise ActorStartError(f"{detail} ({where}'s process)") from None
+        logger.info("%s took %.1fs (%s's process)", preparation.what, self.run.clock.monotonic() - began, where)
 
     def _create_remote(self, groups: dict[str, Any], placed: dict[str, Any]) -> list[tuple[type[Actor], Any]]:
         """Each placed actor as a Ray actor, on the first bundle of its ranks (created; its
