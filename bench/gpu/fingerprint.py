@@ -27,7 +27,7 @@ from triton.testing import do_bench
 from miles_events.rl import checksum
 from miles_events.rl.checksum_triton import BLOCK, NUM_WARPS, PROGRAMS_PER_SM, mix_sum
 
-K = (checksum._K1, checksum._K2, checksum._K3)
+K = (checksum.K1, checksum.K2, checksum.K3)
 
 
 @triton.jit

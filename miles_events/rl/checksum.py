@@ -23,9 +23,9 @@ if TYPE_CHECKING:
 
 _CHUNK_WORDS = 1 << 16
 # Odd 64-bit constants (from splitmix64), as signed int64 so torch arithmetic wraps.
-_K1 = 0x9E3779B97F4A7C15 - (1 << 64)
-_K2 = 0xBF58476D1CE4E5B9 - (1 << 64)
-_K3 = 0x94D049BB133111EB - (1 << 64)
+K1 = 0x9E3779B97F4A7C15 - (1 << 64)
+K2 = 0xBF58476D1CE4E5B9 - (1 << 64)
+K3 = 0x94D049BB133111EB - (1 << 64)
 
 
 def _wrap64(value: int) -> int:
@@ -51,10 +51,10 @@ def _mix_sum_numpy(words: np.ndarray) -> int:
     with np.errstate(over="ignore"):
         for start in range(0, words.size, _CHUNK_WORDS):
             chunk = words[start : start + _CHUNK_WORDS]
-            m = chunk * np.int64(_K1)
-            m += np.arange(start, start + chunk.size, dtype=np.int64) * np.int64(_K2)
+            m = chunk * np.int64(K1)
+            m += np.arange(start, start + chunk.size, dtype=np.int64) * np.int64(K2)
             m ^= m >> 31
-            m *= np.int64(_K3)
+            m *= np.int64(K3)
             m ^= m >> 29
             acc = _wrap64(acc + int(m.sum(dtype=np.int64)))
     return acc
@@ -66,27 +66,43 @@ def tensor_fingerprint(tensor: torch.Tensor) -> str:
     if words.device.type == "cpu":
         total = _mix_sum_numpy(words.numpy())
     elif words.device.type == "cuda" and _triton_mix_sum() is not None:
-        total = _triton_mix_sum()(words, _K1, _K2, _K3)  # type: ignore[misc]
+        total = _triton_mix_sum()(words, K1, K2, K3)  # type: ignore[misc]
     else:
         total = _mix_sum_torch(words)
-    header = f"{tensor.dtype}|{tuple(tensor.shape)}|{total}".encode()
+    return fingerprint_from_sum(tensor.dtype, tuple(tensor.shape), total)
+
+
+def fingerprint_from_sum(dtype: torch.dtype, shape: tuple[int, ...], total: int) -> str:
+    """The fingerprint of a tensor of ``dtype`` and ``shape`` whose mixed words sum to
+    ``total``: the sum bound to dtype and shape."""
+    header = f"{dtype}|{tuple(shape)}|{total}".encode()
     return hashlib.blake2b(header, digest_size=8).hexdigest()
 
 
-def _triton_mix_sum():  # type: ignore[no-untyped-def]
-    """The fused CUDA kernel when Triton is installed, else None (cached)."""
-    global _TRITON
-    if _TRITON is False:
+def _triton(name: str):  # type: ignore[no-untyped-def]
+    """``checksum_triton.<name>`` when Triton is installed, else None (cached)."""
+    if name not in _TRITON:
         try:
-            from miles_events.rl.checksum_triton import mix_sum
+            from miles_events.rl import checksum_triton
 
-            _TRITON = mix_sum
+            _TRITON[name] = getattr(checksum_triton, name)
         except ImportError:
-            _TRITON = None
-    return _TRITON
+            _TRITON[name] = None
+    return _TRITON[name]
 
 
-_TRITON: object = False
+def _triton_mix_sum():  # type: ignore[no-untyped-def]
+    """The fused CUDA kernel over one tensor, when Triton is installed, else None."""
+    return _triton("mix_sum")
+
+
+def triton_segment_sums():  # type: ignore[no-untyped-def]
+    """The fused CUDA kernel over every tensor of a bucket, when Triton is installed, else
+    None (``checksum_triton.segment_sums``)."""
+    return _triton("segment_sums")
+
+
+_TRITON: dict[str, object] = {}
 
 
 def _mix_chunk(chunk: torch.Tensor, start: int) -> torch.Tensor:
@@ -94,9 +110,9 @@ def _mix_chunk(chunk: torch.Tensor, start: int) -> torch.Tensor:
     import torch
 
     index = torch.arange(chunk.numel(), dtype=torch.int64, device=chunk.device) + start
-    mixed = chunk * _K1 + index * _K2
+    mixed = chunk * K1 + index * K2
     mixed = mixed ^ (mixed >> 31)
-    mixed = mixed * _K3
+    mixed = mixed * K3
     mixed = mixed ^ (mixed >> 29)
     return mixed.sum()
 

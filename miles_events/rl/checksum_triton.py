@@ -10,6 +10,11 @@ width) except one tail tile; the index term's per-lane part (``lane * k2``) is c
 once per program, so a word costs two 64-bit multiplies. Imported only when a CUDA tensor
 is fingerprinted and Triton is installed; otherwise the torch path is used.
 
+``segment_sums`` computes the same sum for every tensor of a flat bucket
+(``miles_events.rl.buckets``) at once: a table of tiles, none crossing a tensor, walked by
+a program per job of a few whole tiles of one tensor, then one per partial tile, each
+tile's words indexed from its tensor's start.
+
 ``bench/gpu/fingerprint.py`` measures it against a copy and a read of the same bytes.
 """
 
@@ -17,9 +22,12 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
+
+from schemas.data import BucketLayout, TensorSlot
 
 BLOCK = 4096
 """int64 words per tile."""
@@ -35,7 +43,7 @@ def _mix_sum_kernel(words_ptr, out_ptr, n, full_tiles, tail_start, k1, k2, k3, B
     lane_k2 = lane * k2
     acc = tl.zeros([BLOCK], dtype=tl.int64)
     for tile in range(pid, full_tiles, programs):
-        base = tile.to(tl.int64) * BLOCK
+        base = tl.cast(tile, tl.int64) * BLOCK
         words = tl.load(words_ptr + base + lane)
         mixed = words * k1 + (base * k2 + lane_k2)
         mixed = mixed ^ (mixed >> 31)
@@ -80,3 +88,124 @@ def mix_sum(
             words, out, n, full_tiles, full_tiles * block, k1, k2, k3, BLOCK=block, num_warps=num_warps
         )
     return int(out.item())
+
+
+# --- every tensor of a bucket in one launch --------------------------------------------------
+
+
+@triton.jit
+def _mix_tile(words, index, k1, k2, k3):  # type: ignore[no-untyped-def]
+    mixed = words * k1 + index * k2
+    mixed = mixed ^ (mixed >> 31)
+    mixed = mixed * k3
+    return mixed ^ (mixed >> 29)
+
+
+@triton.jit
+def _segment_jobs_kernel(  # type: ignore[no-untyped-def]
+    words_ptr, start_ptr, index_ptr, tiles_ptr, slot_ptr, out_ptr, k1, k2, k3, BLOCK: tl.constexpr, ALIGN: tl.constexpr
+):
+    """One job a program: up to a few whole tiles of ``BLOCK`` words of one tensor, from its
+    word ``index`` at the bucket's word ``start``. The job's four numbers are read once;
+    the tiles' addresses follow from them, so no load waits on another."""
+    job = tl.program_id(0)
+    start = tl.multiple_of(tl.load(start_ptr + job), ALIGN)  # tensors start on 256 bytes: full-width loads
+    index = tl.load(index_ptr + job)
+    tiles = tl.load(tiles_ptr + job)
+    lane = tl.arange(0, BLOCK).to(tl.int64)
+    lane_k2 = lane * k2
+    acc = tl.zeros([BLOCK], dtype=tl.int64)
+    for tile in range(0, tiles):
+        base = tl.cast(tile, tl.int64) * BLOCK
+        words = tl.load(words_ptr + (start + base) + lane)
+        mixed = words * k1 + ((index + base) * k2 + lane_k2)
+        mixed = mixed ^ (mixed >> 31)
+        mixed = mixed * k3
+        acc += mixed ^ (mixed >> 29)
+    tl.atomic_add(out_ptr + tl.load(slot_ptr + job), tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _segment_tail_kernel(  # type: ignore[no-untyped-def]
+    words_ptr, start_ptr, index_ptr, count_ptr, slot_ptr, out_ptr, tiles, k1, k2, k3, BLOCK: tl.constexpr
+):
+    """The last, partial tile of each tensor (fewer than ``BLOCK`` words), masked."""
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    lane = tl.arange(0, BLOCK).to(tl.int64)
+    for tile in range(pid, tiles, programs):
+        start = tl.load(start_ptr + tile)
+        index = tl.load(index_ptr + tile)
+        mask = lane < tl.load(count_ptr + tile)
+        words = tl.load(words_ptr + start + lane, mask=mask, other=0)
+        mixed = _mix_tile(words, index + lane, k1, k2, k3)
+        tl.atomic_add(out_ptr + tl.load(slot_ptr + tile), tl.sum(tl.where(mask, mixed, 0), axis=0))
+
+
+TILES_PER_JOB = 8
+"""Whole tiles one program of ``segment_sums`` walks (256 KiB at the default tile)."""
+
+
+@functools.lru_cache(maxsize=64)
+def _segment_tiles(
+    layout: BucketLayout, slots: tuple[TensorSlot, ...], device: torch.device, block: int, tiles_per_job: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The work tables of ``slots`` of a bucket, ``[4, n]`` int64 tensors on ``device``:
+    jobs of whole tiles (first word in the bucket, index of that word within its tensor,
+    tiles, slot number) and each tensor's partial last tile (first word, index, words, slot
+    number)."""
+    itemsize = torch.empty((), dtype=getattr(torch, layout.dtype)).element_size()
+    jobs: list[np.ndarray] = []
+    tail: list[tuple[int, int, int, int]] = []
+    for number, slot in enumerate(slots):
+        first = slot.offset * itemsize // 8
+        words = -(-slot.numel * itemsize // 8)
+        whole = words // block
+        if whole:
+            starts = np.arange(0, whole, tiles_per_job, dtype=np.int64)
+            tiles = np.minimum(tiles_per_job, whole - starts)
+            jobs.append(np.stack([first + starts * block, starts * block, tiles, np.full(len(starts), number)]))
+        if words % block:
+            tail.append((first + whole * block, whole * block, words % block, number))
+    job_table = np.concatenate(jobs, axis=1) if jobs else np.zeros((4, 0), dtype=np.int64)
+    tail_table = np.array(tail, dtype=np.int64).T.reshape(4, -1)
+    return (
+        torch.from_numpy(np.ascontiguousarray(job_table)).to(device),
+        torch.from_numpy(np.ascontiguousarray(tail_table)).to(device),
+    )
+
+
+def segment_sums(
+    buffer: torch.Tensor,
+    layout: BucketLayout,
+    slots: tuple[TensorSlot, ...],
+    k1: int,
+    k2: int,
+    k3: int,
+    *,
+    block: int = BLOCK,
+    tiles_per_job: int = TILES_PER_JOB,
+    programs_per_sm: int = PROGRAMS_PER_SM,
+    num_warps: int = NUM_WARPS,
+) -> list[int]:
+    """The wrapped int64 sum of the mixed words of each of ``slots`` of the bucket
+    ``buffer`` (laid out as ``layout``), each tensor's words indexed from 0: what
+    ``mix_sum`` gives for each tensor alone. Two launches (jobs of whole tiles, then each
+    tensor's partial tile) and one host sync."""
+    out = torch.zeros(max(1, len(slots)), dtype=torch.int64, device=buffer.device)
+    if not slots:
+        return []
+    words = buffer.view(torch.int64)
+    jobs, tail = _segment_tiles(layout, slots, buffer.device, block, tiles_per_job)
+    if jobs.shape[1]:
+        align = 32 if all((s.offset * buffer.element_size()) % 256 == 0 for s in slots) else 1
+        _segment_jobs_kernel[(jobs.shape[1],)](
+            words, jobs[0], jobs[1], jobs[2], jobs[3], out, k1, k2, k3, BLOCK=block, ALIGN=align, num_warps=num_warps
+        )
+    tails = tail.shape[1]
+    if tails:
+        programs = max(1, min(tails, _multiprocessors(buffer.device.index or 0) * programs_per_sm))
+        _segment_tail_kernel[(programs,)](
+            words, tail[0], tail[1], tail[2], tail[3], out, tails, k1, k2, k3, BLOCK=block, num_warps=num_warps
+        )
+    return [int(v) for v in out.tolist()]

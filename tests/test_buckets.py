@@ -1,0 +1,172 @@
+"""Weights as flat buckets: layout, packing, fingerprints equal to each tensor's own, the
+fused segment kernel bit-identical to the CPU reference, modules moved into buckets."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from miles_events.rl.buckets import ALIGN_BYTES, Buckets, bucket_parameters, fingerprint_buckets, plan_layouts
+from miles_events.rl.checksum import fingerprints
+from miles_events.rl.finite import NonFiniteError, require_finite_buckets
+from miles_events.rl.hf_model import load_model, prepare_base_model
+from schemas.config import BuiltinModelConfig, ModelConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def mixed_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
+    """Several dtypes, shapes whose bytes are not a multiple of 8 (padded words), an empty
+    tensor and a scalar."""
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "embed.weight": torch.randn(37, 11, generator=gen).to(torch.bfloat16),
+        "norm.weight": torch.randn(3, generator=gen).to(torch.bfloat16),
+        "q.bias": torch.randn(5, generator=gen),
+        "empty": torch.zeros(0),
+        "scale": torch.tensor(2.5),
+        "counts": torch.arange(9, dtype=torch.int64),
+        "mask": torch.tensor([1, 0, 1], dtype=torch.uint8),
+        "head.weight": torch.randn(129, 7, generator=gen).to(torch.bfloat16),
+    }
+
+
+def test_every_tensor_starts_aligned_in_the_bucket_of_its_dtype_in_given_order():
+    layouts = plan_layouts(mixed_tensors())
+    assert [layout.dtype for layout in layouts] == ["bfloat16", "float32", "int64", "uint8"]
+    assert [s.name for s in layouts[0].slots] == ["embed.weight", "norm.weight", "head.weight"]
+    for layout in layouts:
+        itemsize = getattr(torch, layout.dtype).itemsize
+        for slot in layout.slots:
+            assert (slot.offset * itemsize) % ALIGN_BYTES == 0
+        ends = [s.offset + s.numel for s in layout.slots]
+        assert all(end <= nxt.offset for end, nxt in zip(ends, layout.slots[1:], strict=False))
+        assert (layout.numel * itemsize) % ALIGN_BYTES == 0 and layout.numel >= ends[-1]
+
+
+def test_packed_buckets_view_every_tensor_with_its_values_and_zero_gaps():
+    tensors = mixed_tensors()
+    buckets = Buckets.of(tensors)
+    views = buckets.tensors()
+    assert list(views) == [s.name for layout in buckets.layouts for s in layout.slots]
+    for name, tensor in tensors.items():
+        assert views[name].dtype == tensor.dtype and torch.equal(views[name], tensor)
+    assert all(gap.numel() == 0 or not gap.any() for gap in buckets._gaps())
+    tensors["q.bias"].zero_()  # a copy was packed
+    assert views["q.bias"].abs().sum() > 0
+    assert buckets.tensor_bytes == sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def test_packing_tensors_that_do_not_fit_the_layout_is_refused():
+    buckets = Buckets.of(mixed_tensors())
+    with pytest.raises(ValueError, match="do not fit"):
+        buckets.pack({"embed.weight": torch.zeros(37, 11)})
+
+
+def test_bucket_fingerprints_equal_each_tensors_own_with_the_skip_list():
+    tensors = mixed_tensors()
+    buckets = Buckets.of(tensors)
+    assert fingerprint_buckets(buckets) == fingerprints(tensors)
+    assert fingerprint_buckets(buckets, ["bias", "mask"]) == fingerprints(tensors, ["bias", "mask"])
+
+
+def test_a_copy_between_buckets_of_one_layout_copies_every_tensor():
+    target = Buckets.of(mixed_tensors(seed=0))
+    source = Buckets.of(mixed_tensors(seed=1))
+    target.copy_from(source)
+    assert fingerprint_buckets(target) == fingerprints(mixed_tensors(seed=1))
+    other = Buckets.of({"x": torch.zeros(3)})
+    with pytest.raises(ValueError, match="layouts differ"):
+        target.copy_from(other)
+
+
+def test_non_finite_weights_in_a_bucket_are_named_and_refused():
+    tensors = mixed_tensors()
+    require_finite_buckets(Buckets.of(tensors), "weight version 1")
+    tensors["head.weight"][3, 2] = float("nan")
+    tensors["q.bias"][0] = float("inf")
+    with pytest.raises(NonFiniteError, match=r"2 tensor\(s\) \(q.bias, head.weight\)|2 tensor\(s\) \(head.weight, q.bias\)"):
+        require_finite_buckets(Buckets.of(tensors), "weight version 1")
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_modules_weights_moved_into_buckets_keep_its_values_outputs_and_ties(tmp_path: Path, tied: bool):
+    config = ModelConfig(builtin=BuiltinModelConfig(tie_word_embeddings=tied))
+    model = load_model(str(prepare_base_model(config, tmp_path, seed=5)), "float32").eval()
+    ids = torch.tensor([[1, 2, 3, 4]])
+    before_state = {n: t.clone() for n, t in model.state_dict().items()}
+    with torch.no_grad():
+        before = model(ids).logits
+    names = [n for n in before_state if not (tied and n == "lm_head.weight")]
+    buckets = bucket_parameters(model, names)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)
+    state = model.state_dict()
+    assert all(torch.equal(state[n], before_state[n]) for n in before_state)
+    bucket = buckets.buffers[0]
+    for name in names:  # every weight now lives in the bucket
+        assert state[name].untyped_storage().data_ptr() == bucket.untyped_storage().data_ptr()
+    if tied:
+        assert model.lm_head.weight is model.get_input_embeddings().weight
+    bucket.zero_()  # writing the bucket writes the module
+    assert not any(p.any() for p in model.parameters())
+
+
+INTERPRETED = textwrap.dedent(
+    """
+    import torch
+    from miles_events.rl import checksum, checksum_triton
+    from miles_events.rl.buckets import Buckets
+
+    checksum_triton._multiprocessors = lambda device: 2  # no CUDA device in the interpreter
+    gen = torch.Generator().manual_seed(7)
+    tensors = {
+        "a": torch.randn(3, 5, generator=gen).to(torch.bfloat16),
+        "b": torch.randn(700, generator=gen).to(torch.bfloat16),
+        "c": torch.randn(9001, generator=gen).to(torch.bfloat16),
+        "d": torch.randn(1, generator=gen),
+        "e": torch.randn(3000, generator=gen),
+        "f": torch.randint(-2**62, 2**62, (600,), generator=gen),
+    }
+    buckets = Buckets.of(tensors)
+    for layout, buffer in zip(buckets.layouts, buckets.buffers):
+        for slots in (layout.slots, layout.slots[1:]):
+            for block, per_job in ((64, 1), (128, 3)):
+                sums = checksum_triton.segment_sums(
+                    buffer, layout, slots, checksum.K1, checksum.K2, checksum.K3, block=block, tiles_per_job=per_job
+                )
+                expected = [checksum._mix_sum_numpy(checksum._words(tensors[s.name]).numpy()) for s in slots]
+                assert sums == expected, (layout.dtype, block, per_job)
+    words = checksum._words(tensors["c"])
+    assert checksum_triton.mix_sum(words, checksum.K1, checksum.K2, checksum.K3, block=128) == (
+        checksum._mix_sum_numpy(words.numpy())
+    )
+    print("bit-identical")
+    """
+)
+
+
+def test_the_fused_segment_kernel_is_bit_identical_to_the_cpu_reference_in_tritons_interpreter():
+    """The kernel's own code, run by Triton's CPU interpreter: whole and partial tiles,
+    several tensors per program, a subset of a bucket's tensors."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
+    assert done.returncode == 0 and "bit-identical" in done.stdout, done.stderr[-2000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bucket_fingerprints_on_cuda_equal_the_cpu_ones():
+    tensors = {**mixed_tensors(), "big": torch.randn(3 * 4096 * 8 + 13).to(torch.bfloat16)}
+    cuda = Buckets.of({n: t.cuda() for n, t in tensors.items()})
+    assert fingerprint_buckets(cuda) == fingerprints(tensors)
+    assert fingerprint_buckets(cuda, ["big"]) == fingerprints(tensors, ["big"])
