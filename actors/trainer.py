@@ -17,6 +17,7 @@ from __future__ import annotations
 import io
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,16 +27,16 @@ import msgspec
 from actors.trainer_backend import backend_module, build_backend
 from actors.trainer_backend.base import TrainerBackend
 from miles_events.bus.actor import Actor, ActorContext, WorkerGroup, handles
+from miles_events.rl.buckets import Buckets, fingerprint_buckets
 from miles_events.rl.canary import CANARY_TENSOR, canary_fingerprint, publication_canary
 from miles_events.rl.cancel import Cancellation, Cancelled
 from miles_events.rl.checkpoint import read_checkpoint
-from miles_events.rl.checksum import fingerprints
 from miles_events.rl.checksum_manifest import remove_manifest, write_manifest
 from miles_events.rl.finite import (
     NonFiniteError,
     describe_samples,
     non_finite_rewards,
-    require_finite_weights,
+    require_finite_buckets,
 )
 from miles_events.rl.hf_model import modeling_module, torch_dtype
 from miles_events.rl.probe import probe_batch, probe_vocab_size
@@ -232,16 +233,17 @@ class Trainer(Actor):
     def _stage_weights(self, version: str, dtype: torch.dtype) -> tuple[DataRef, str, str, int, int, str]:
         """(ref, digest, checksum manifest, tensors in the digest, bytes staged, canary)."""
         tensors = self.backend.named_weights(dtype)
-        require_finite_weights(tensors, f"weight version {version}")
         # The payload also carries this publication's canary, which only a load that
         # applies it can show (miles_events.rl.canary); it is in no digest.
         canary = publication_canary(self.context.run_id, version)
+        # One flat bucket per dtype, packed by one multi-tensor copy each: the staged copy,
+        # which engines load and which is fingerprinted in one launch per dtype.
         payload = {**tensors, CANARY_TENSOR: canary}
-        ref = self.context.transport.put_tensors(f"weights-v{version}", payload, owner=self.name)
-        # Same bytes as the staged copy, fingerprinted before training can touch them (this
-        # runs inside the handler, and the trainer handles one event at a time). The skip
-        # list applies here as on the engines: digests are compared whole.
-        checksums = fingerprints(tensors, self.config.verifier.skip_tensor_list)
+        buckets = Buckets.of(payload)
+        require_finite_buckets(buckets, f"weight version {version}")
+        # The skip list applies here as on the engines: digests are compared whole.
+        checksums = fingerprint_buckets(buckets, [*self.config.verifier.skip_tensor_list, CANARY_TENSOR])
+        ref = self.context.transport.put_buckets(f"weights-v{version}", buckets, owner=self.name)
         digest, manifest = write_manifest(self.context.run_dir, checksums)
         return ref, digest, manifest, len(checksums), staged_bytes(payload), canary_fingerprint(canary)
 
@@ -299,41 +301,46 @@ class Trainer(Actor):
 
     # --- checkpoints -----------------------------------------------------------------------
 
-    def _stage_train_state(self, prefix: str) -> tuple[DataRef, DataRef, DataRef]:
-        transport = self.context.transport
-        # The training dtype, unconverted: a resumed run continues from exactly these bytes.
+    def _snapshot_train_state(self, prefix: str) -> TrainStateSnapshot:
+        """The train state as it is now, in copies that training does not touch: the weights
+        in the training dtype, unconverted (a resumed run continues from exactly these
+        bytes), packed in one bucket per dtype, and the optimizer's tensors, both copied
+        where they live; the RNG state."""
         tensors = self.backend.named_weights()
-        require_finite_weights(tensors, f"checkpoint {prefix}")
-        weights = transport.put_tensors(f"{prefix}-weights", tensors, owner=self.name)
-        optimizer = transport.put_bytes(
-            f"{prefix}-optimizer", torch_save_bytes(self.backend.optimizer_state_dict()), owner=self.name
-        )
-        rng = transport.put_bytes(
-            f"{prefix}-rng", torch_save_bytes(self.backend.rng_state()), owner=self.name
-        )
+        weights = Buckets.of(tensors)
+        require_finite_buckets(weights, f"checkpoint {prefix}")
+        return TrainStateSnapshot(weights, detached_copy(self.backend.optimizer_state_dict()), self.backend.rng_state())
+
+    def _stage_train_state(self, prefix: str, snapshot: TrainStateSnapshot) -> tuple[DataRef, DataRef, DataRef]:
+        transport = self.context.transport
+        weights = transport.put_buckets(f"{prefix}-weights", snapshot.weights, owner=self.name)
+        optimizer = transport.put_bytes(f"{prefix}-optimizer", torch_save_bytes(snapshot.optimizer), owner=self.name)
+        rng = transport.put_bytes(f"{prefix}-rng", torch_save_bytes(snapshot.rng), owner=self.name)
         return weights, optimizer, rng
+
+    def _stages_in_background(self, snapshot: TrainStateSnapshot) -> bool:
+        mode = self.config.trainer.save_staging
+        return mode == "background" or (mode == "auto" and snapshot.weights.device.type == "cuda")
 
     @handles(SaveRequested, emits=(TrainStateStaged,))
     async def on_save_requested(self, event: SaveRequested) -> None:
         self._num_saves += 1
         # The counter keeps keys unique when one rollout is saved twice (say, sentinel then last).
         prefix = f"train-state-r{event.rollout_id}-{self._num_saves}"
-        weights, optimizer, rng = await anyio.to_thread.run_sync(self._stage_train_state, prefix)
-        # The version the saved weights had when trained: a save asked for after the step's
-        # publication (a stop) records what one asked for before it would, so a resumed run
-        # republishes these weights under the same number as the uninterrupted run did.
-        version = self.weight_version
-        if self._last_trained is not None and self._last_trained[0] == event.rollout_id:
-            version = self._last_trained[1]
-        trainer_state = TrainerState(
-            rollout_id=event.rollout_id,
-            weight_version=version,
-            num_optimizer_steps=self.backend.num_optimizer_steps,
-            data=data_cursor(event.rollout_id + 1, self.config.data.rollout_batch_size, self.num_prompts),
-            seed=self.config.run.seed,
-            run_id=self.context.run_id,
-            lineage=self.context.plan.lineage or self.context.run_id,
-        )
+        snapshot = await anyio.to_thread.run_sync(self._snapshot_train_state, prefix)
+        trainer_state = self._trainer_state(event.rollout_id)
+        if self._stages_in_background(snapshot):
+            # The host copy, serialisation and staging go on beside the next events (the
+            # publication asked for after this save among them); the Saver hears of the
+            # state when it is staged.
+            self.spawn(self._stage_and_announce(event, prefix, snapshot, trainer_state), emits=(TrainStateStaged,))
+        else:
+            await self._stage_and_announce(event, prefix, snapshot, trainer_state)
+
+    async def _stage_and_announce(
+        self, event: SaveRequested, prefix: str, snapshot: TrainStateSnapshot, trainer_state: TrainerState
+    ) -> None:
+        weights, optimizer, rng = await anyio.to_thread.run_sync(self._stage_train_state, prefix, snapshot)
         await self.publish(
             TrainStateStaged(
                 rollout_id=event.rollout_id,
@@ -344,6 +351,45 @@ class Trainer(Actor):
                 reason=event.reason,
             )
         )
+
+    def _trainer_state(self, rollout_id: int) -> TrainerState:
+        # The version the saved weights had when trained: a save asked for after the step's
+        # publication (a stop) records what one asked for before it would, so a resumed run
+        # republishes these weights under the same number as the uninterrupted run did.
+        version = self.weight_version
+        if self._last_trained is not None and self._last_trained[0] == rollout_id:
+            version = self._last_trained[1]
+        return TrainerState(
+            rollout_id=rollout_id,
+            weight_version=version,
+            num_optimizer_steps=self.backend.num_optimizer_steps,
+            data=data_cursor(rollout_id + 1, self.config.data.rollout_batch_size, self.num_prompts),
+            seed=self.config.run.seed,
+            run_id=self.context.run_id,
+            lineage=self.context.plan.lineage or self.context.run_id,
+        )
+
+
+@dataclass(frozen=True)
+class TrainStateSnapshot:
+    """A save's train state, copied away from what training changes."""
+
+    weights: Buckets
+    optimizer: dict[str, Any]
+    rng: dict[str, Any]
+
+
+def detached_copy(obj: Any) -> Any:
+    """``obj`` with every tensor in it copied (dicts, lists and tuples walked), on its device."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {key: detached_copy(value) for key, value in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(detached_copy(value) for value in obj)
+    return obj
 
 
 def torch_save_bytes(obj: Any) -> bytes:

@@ -245,12 +245,23 @@ class TrainerConfig(Section):
     num_threads: NonNegativeInt = 0
     """torch threads while a rollout is trained; 0: the cores of the Trainer's process (the
     Generator is idle meanwhile in the synchronous loop)."""
+    save_staging: Literal["auto", "inline", "background"] = "auto"
+    """How a save's train state is staged for the Saver. ``inline``: copied to the host and
+    serialised before the trainer handles its next event (the publication asked for after
+    the save waits for it); ``background``: copied where it lives (weights into one bucket
+    per dtype, optimizer state tensor by tensor), which is quick on a GPU, then moved to the
+    host, serialised and staged in a thread while the trainer publishes and trains on,
+    holding one more copy of the train state on the device meanwhile; ``auto``:
+    ``background`` when the weights are on a GPU, else ``inline``."""
 
 
 class PublisherConfig(Section):
-    transport: Literal["auto", "inprocess", "shm", "disk"] = "auto"
+    transport: Literal["auto", "inprocess", "shm", "disk", "cuda_ipc"] = "auto"
     """``auto``: in-process on the local runtime, shared memory on ray; ``disk``: files under
-    ``<run.dir>/transport`` (a handle is a path)."""
+    ``<run.dir>/transport`` (a handle is a path); ``cuda_ipc``: weights staged on a GPU stay
+    there and engines in other processes on the same host read them through CUDA IPC
+    handles (slime's colocated path; the trainer's weights on CUDA, the engines embedded),
+    everything else as ``shm``."""
     stage_timeout: PositiveFloat = 120.0
     load_timeout: PositiveFloat = 120.0
     """Seconds each phase may take before the publication fails."""

@@ -11,6 +11,7 @@ import torch
 
 from actors.engine.base import SamplingParams
 from actors.engine.torch_engine import TorchEngine, sample_tokens
+from miles_events.rl.buckets import Buckets
 from miles_events.rl.canary import CANARY_TENSOR, canary_fingerprint, publication_canary
 from miles_events.rl.cancel import Cancellation, Cancelled
 from miles_events.rl.checksum import fingerprints, per_gpu_checksum, report_checksums
@@ -285,6 +286,38 @@ def test_load_weights_resolves_a_data_plane_handle(model_dir: Path, tmp_path: Pa
     state = perturbed_state(engine)
     ref = plane.put_tensors("weights-v1", state, owner="trainer")
     assert engine.load_weights(ref, "1") == sum(t.numel() * t.element_size() for t in state.values())
+    assert engine.weight_version == "1" and served_checksums(engine) == fingerprints(state)
+    plane.close()
+
+
+def test_weights_staged_in_buckets_of_the_served_layout_load_bucket_by_bucket(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plane = open_transport("inprocess", "run-buckets", tmp_path)
+    engine = TorchEngine.from_pretrained(model_dir, transport=plane)
+    state = perturbed_state(engine)
+    canary = publication_canary("run-buckets", "1")
+    ref = plane.put_buckets("weights-v1", Buckets.of({**state, CANARY_TENSOR: canary}), owner="trainer")
+
+    def tensor_by_tensor(*args: object) -> None:
+        raise AssertionError("the buckets' layout is the engine's: no tensor-by-tensor load")
+
+    monkeypatch.setattr(engine, "load_tensors", tensor_by_tensor)
+    assert engine.load_weights(ref, "1") == sum(t.numel() * t.element_size() for t in state.values()) + 16
+    assert engine.weight_version == "1" and served_checksums(engine) == fingerprints(state)
+    assert engine.served_canary() == canary_fingerprint(canary)
+    served = engine.served_tensors()
+    assert all(torch.equal(served[n], state[n]) for n in state)
+    plane.close()
+
+
+def test_weights_staged_in_buckets_of_another_layout_load_tensor_by_tensor(model_dir: Path, tmp_path: Path) -> None:
+    plane = open_transport("inprocess", "run-reordered", tmp_path)
+    engine = TorchEngine.from_pretrained(model_dir, transport=plane)
+    state = perturbed_state(engine, seed=2)
+    reordered = dict(reversed(list(state.items())))
+    ref = plane.put_buckets("weights-v1", Buckets.of(reordered), owner="trainer")
+    engine.load_weights(ref, "1")
     assert engine.weight_version == "1" and served_checksums(engine) == fingerprints(state)
     plane.close()
 

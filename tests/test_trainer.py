@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import math
@@ -13,7 +14,7 @@ import msgspec
 import pytest
 import torch
 
-from actors.trainer import Trainer, staleness_max
+from actors.trainer import Trainer, staleness_max, torch_save_bytes
 from actors.trainer_backend.torch_backend import (
     TorchTrainerBackend,
     pack_samples,
@@ -527,6 +528,30 @@ async def test_saved_train_state_carries_version_steps_and_data_cursor(
     assert (state.data.next_rollout_id, state.data.epoch, state.data.offset) == (1, 0, 2)
     weights = context.transport.get_tensors(staged.weights)
     assert all(torch.equal(weights[n], t) for n, t in trainer.backend.named_weights().items())
+
+
+async def test_a_background_save_stages_the_state_as_it_was_when_asked_while_training_goes_on(
+    base_model: Path, tmp_path: Path
+) -> None:
+    trainer, context = await started_trainer(make_config(base_model, tmp_path, save_staging="background"), tmp_path)
+    await trainer.handle(rollout_event(context, 0, two_group_samples()))
+    asked = {n: t.clone() for n, t in trainer.backend.named_weights().items()}
+    optimizer_asked = torch_load(torch_save_bytes(trainer.backend.optimizer_state_dict()))
+    await trainer.handle(SaveRequested(rollout_id=0, reason="interval"))
+    await trainer.handle(rollout_event(context, 1, two_group_samples()))  # the next step, before it is staged
+    for _ in range(200):
+        if context.of_type(TrainStateStaged):
+            break
+        await asyncio.sleep(0.01)
+    staged = context.of_type(TrainStateStaged)[0]
+    assert staged.trainer_state.rollout_id == 0 and staged.trainer_state.num_optimizer_steps == 1
+    weights = context.transport.get_tensors(staged.weights)
+    assert weights.keys() == asked.keys() and all(torch.equal(weights[n], t) for n, t in asked.items())
+    now = trainer.backend.named_weights()
+    assert any(not torch.equal(now[n], t) for n, t in asked.items())  # training went on
+    optimizer = torch_load(context.transport.get_bytes(staged.optimizer))
+    for key, state in optimizer_asked["state"].items():
+        assert all(torch.equal(optimizer["state"][key][k], v) for k, v in state.items() if isinstance(v, torch.Tensor))
 
 
 async def test_released_train_state_is_freed_by_its_owner(base_model: Path, tmp_path: Path) -> None:

@@ -1,12 +1,16 @@
-"""The disk transport: a handle is a path under the run directory."""
+"""Transports: the disk transport's handle is a path under the run directory; weights
+staged as flat buckets pass in process and by CUDA IPC without a copy, and as files
+elsewhere."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
+from miles_events.rl.buckets import Buckets
 from miles_events.transport.base import open_transport
 from miles_events.transport.disk import DiskTransport
 
@@ -60,3 +64,73 @@ def test_bad_keys_and_a_missing_run_dir_are_errors(tmp_path: Path):
         open_transport("disk", "run-1")
     with pytest.raises(ValueError, match="unknown transport 'nccl'"):
         open_transport("nccl", "run-1", tmp_path)
+
+
+# --- weights staged as flat buckets ------------------------------------------------------------
+
+
+def bucketed() -> Buckets:
+    return Buckets.of({"w": torch.arange(12.0).reshape(3, 4), "b": torch.ones(5, dtype=torch.bfloat16)})
+
+
+def test_the_in_process_transport_hands_buckets_over_without_a_copy(tmp_path: Path):
+    plane = open_transport("inprocess", "run-b", tmp_path)
+    buckets = bucketed()
+    ref = plane.put_buckets("weights-v1", buckets, owner="trainer")
+    assert plane.get_buckets(ref) is buckets
+    views = plane.get_tensors(ref)
+    assert views["w"].untyped_storage().data_ptr() == buckets.buffers[0].untyped_storage().data_ptr()
+    assert torch.equal(views["w"], torch.arange(12.0).reshape(3, 4))
+    plane.free(ref)
+    with pytest.raises(KeyError, match="weights-v1"):
+        plane.get_buckets(ref)
+
+
+@pytest.mark.parametrize("name", ["shm", "disk", "cuda_ipc"])
+def test_transports_without_device_buckets_store_the_bucketed_tensors_as_a_file(tmp_path: Path, name: str):
+    """shm and disk write the tensors (views) into one safetensors file; cuda_ipc does the same
+    for buckets that are not on a GPU."""
+    plane = open_transport(name, f"run-{name}", tmp_path)
+    ref = plane.put_buckets("weights-v1", bucketed(), owner="trainer")
+    assert plane.get_buckets(ref) is None and plane.tensors_file(ref) is not None
+    loaded = plane.get_tensors(ref)
+    assert torch.equal(loaded["w"], torch.arange(12.0).reshape(3, 4)) and loaded["b"].dtype == torch.bfloat16
+    plane.close()
+
+
+CHILD = """
+import sys, torch
+from miles_events.rl.buckets import fingerprint_buckets
+from miles_events.transport.cuda_ipc import CudaIpcTransport
+from schemas.data import DataRef
+plane = CudaIpcTransport(sys.argv[1])
+buckets = plane.get_buckets(DataRef("cuda_ipc", "weights-v1", "trainer"))
+print(sorted(fingerprint_buckets(buckets).items()))
+buckets.buffers[0].add_(1)  # the producer's memory, not a copy
+torch.cuda.synchronize()
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_ipc_shares_gpu_buckets_with_another_process_without_a_copy(tmp_path: Path):
+    import subprocess
+    import sys
+
+    from miles_events.rl.buckets import fingerprint_buckets
+
+    plane = open_transport("cuda_ipc", "run-ipc", tmp_path)
+    buckets = bucketed().to("cuda")
+    ref = plane.put_buckets("weights-v1", buckets, owner="trainer")
+    assert ref.transport == "cuda_ipc" and plane.get_buckets(ref) is buckets  # the producer's own
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD, "run-ipc"], capture_output=True, text=True, timeout=120, cwd=root,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == str(sorted(fingerprint_buckets(bucketed()).items()))
+    assert torch.equal(buckets.tensors()["w"].cpu(), torch.arange(12.0).reshape(3, 4) + 1)
+    plane.free(ref)
+    assert plane.get_buckets(ref) is None
+    plane.close()

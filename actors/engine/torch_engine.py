@@ -20,7 +20,10 @@ Sampling follows what an RL trainer needs from an engine:
 Served weights are the model's ``state_dict()`` (so non-persistent buffers such as rotary
 ``inv_freq`` are not weights), without tied duplicates (``miles_events.rl.weights``): with
 tied embeddings only the first name of a shared tensor (``model.embed_tokens.weight``) is
-served and checksummed, and a load may name the tensor by either name.
+served and checksummed, and a load may name the tensor by either name. The served tensors
+live in flat buckets, one per dtype (``miles_events.rl.buckets``): a publication staged in
+buckets of the same layout loads with one copy per dtype, and ``checksums`` fingerprints
+every tensor in one launch per dtype on a GPU.
 """
 
 from __future__ import annotations
@@ -47,9 +50,10 @@ from actors.engine.base import (
     single_rank_report,
     tensors_match,
 )
-from miles_events.rl.canary import CANARY_BYTES, canary_fingerprint, split_canary
+from miles_events.rl.buckets import Buckets, bucket_parameters, fingerprint_buckets, same_layouts
+from miles_events.rl.canary import CANARY_BYTES, CANARY_TENSOR, canary_fingerprint, split_canary
 from miles_events.rl.cancel import Cancellation
-from miles_events.rl.checksum import fingerprints, is_skipped
+from miles_events.rl.checksum import is_skipped
 from miles_events.rl.hf_model import cache_kwarg, load_model, load_tokenizer
 from miles_events.rl.probe import teacher_forced_logprobs
 from miles_events.rl.weights import split_tied
@@ -84,6 +88,9 @@ class TorchEngine(Engine):
         self._canary = torch.zeros(CANARY_BYTES, dtype=torch.uint8)
         """The publication canary of the payload loaded last (``miles_events.rl.canary``)."""
         self._canary_loaded = False
+        served, _ = split_tied(model.state_dict())
+        self._buckets = bucket_parameters(model, served)
+        """The served tensors, each now a view of its dtype's flat bucket."""
         self._served, self._aliases = split_tied(model.state_dict())
         self._snapshot: dict[str, torch.Tensor] | None = None
         self._eos_ids = _eos_token_ids(model, tokenizer)
@@ -282,9 +289,28 @@ class TorchEngine(Engine):
                 f"engine {self.name} reads the {self.transport.name} transport, "
                 f"not {weights.transport} ({weights.key})"
             )
+        staged = self.transport.get_buckets(weights)
+        if staged is not None and self._load_buckets(staged, weight_version):
+            return staged.tensor_bytes
         payload = self.transport.get_tensors(weights)
         self.load_tensors(payload, weight_version)
         return sum(t.numel() * t.element_size() for t in payload.values())
+
+    def _load_buckets(self, staged: Buckets, weight_version: str) -> bool:
+        """Load ``staged`` bucket by bucket when its model buckets are laid out exactly as
+        the served ones (same names, shapes, dtypes and offsets: nothing to check tensor by
+        tensor) and the canary has a bucket of its own; False, loading nothing, otherwise."""
+        canary = [i for i, layout in enumerate(staged.layouts) if [s.name for s in layout.slots] == [CANARY_TENSOR]]
+        model = [i for i in range(len(staged.layouts)) if i not in canary]
+        if len(canary) > 1 or not same_layouts([staged.layouts[i] for i in model], self._buckets.layouts):
+            return False
+        with torch.no_grad():
+            self._buckets.copy_from(Buckets(self._buckets.layouts, tuple(staged.buffers[i] for i in model)))
+            if canary:
+                self._canary.copy_(staged.buffers[canary[0]][:CANARY_BYTES])
+        self._canary_loaded = self._canary_loaded or bool(canary)
+        self._weight_version = str(weight_version)
+        return True
 
     holds_canary = True
 
@@ -308,8 +334,7 @@ class TorchEngine(Engine):
             # The canary goes through the same copy as every weight, into its own buffer.
             plan.append((self._canary, canary))
         with torch.no_grad():
-            for target, source in plan:
-                target.copy_(source.to(device=target.device))
+            torch._foreach_copy_([t for t, _ in plan], [source for _, source in plan])
         self._canary_loaded = self._canary_loaded or canary is not None
         self._weight_version = str(weight_version)
 
@@ -353,7 +378,8 @@ class TorchEngine(Engine):
     def checksums(self, skip_tensor_list: Iterable[str] = (), selector: Selector = "all") -> EngineChecksumReport:
         """The fingerprints of the selected tensors, as one rank (this engine has no tensor
         parallelism); ``"draft"`` selects nothing."""
-        checksums = fingerprints(self._selected(selector, skip_tensor_list))
+        self._select(selector)  # refuses an unknown selector
+        checksums = {} if selector == "draft" else fingerprint_buckets(self._buckets, skip_tensor_list)
         return single_rank_report(checksums, f"checksums of {len(checksums)} tensors")
 
     def weights_check(

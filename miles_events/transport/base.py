@@ -4,7 +4,10 @@ events carry a ``DataRef`` to it.
 One seam, small implementations: ``InProcessTransport`` keeps objects in this process (the
 local runtime), ``ShmTransport`` writes them under ``/dev/shm`` so any process on the host
 maps them (the ray runtime), ``DiskTransport`` (``disk.py``) writes them under the run
-directory, where a handle is a path any reader can open itself. Whoever consumes a
+directory, where a handle is a path any reader can open itself, and ``CudaIpcTransport``
+(``cuda_ipc.py``) shares weights staged on a GPU with the processes on the same host by CUDA
+IPC handles, without a copy. Weights are staged as flat buckets (``put_buckets``), one
+buffer per dtype. Whoever consumes a
 reference publishes ``DataReleased``; the owner then calls ``free``.
 """
 
@@ -23,6 +26,8 @@ from schemas.data import DataRef
 
 if TYPE_CHECKING:  # torch is imported by what puts or gets tensors, not by every reader of events
     import torch
+
+    from miles_events.rl.buckets import Buckets
 
 
 def _safetensors() -> Any:
@@ -50,6 +55,19 @@ class Transport(ABC):
 
     @abstractmethod
     def get_tensors(self, ref: DataRef) -> dict[str, torch.Tensor]: ...
+
+    def put_buckets(self, key: str, buckets: Buckets, owner: str) -> DataRef:
+        """Stage tensors already packed in flat buckets (``miles_events.rl.buckets``), which
+        the caller hands over and no longer writes. A transport that can pass the buckets on
+        as they are (in process, CUDA IPC) keeps them; the others store their tensors as
+        ``put_tensors`` does, from one device-to-host copy per bucket."""
+        return self.put_tensors(key, buckets.to("cpu").tensors(), owner)
+
+    def get_buckets(self, ref: DataRef) -> Buckets | None:
+        """The buckets behind ``ref`` as staged by ``put_buckets``, where this transport keeps
+        them as buckets (a reader whose own weights share their layout loads each with one
+        copy); None where it does not."""
+        return None
 
     def tensors_file(self, ref: DataRef) -> Path | None:
         """The one safetensors file holding ``ref``'s tensors, where this transport keeps
@@ -87,10 +105,24 @@ class InProcessTransport(Transport):
         self._store()[key] = copy
         return DataRef(self.name, key, owner, sum(t.numel() * t.element_size() for t in copy.values()))
 
+    def put_buckets(self, key: str, buckets: Buckets, owner: str) -> DataRef:
+        # Handed over, not copied: the caller packed them for this publication alone.
+        self._store()[key] = buckets
+        return DataRef(self.name, key, owner, buckets.num_bytes)
+
     def get_tensors(self, ref: DataRef) -> dict[str, torch.Tensor]:
         value = self._get(ref)
-        assert isinstance(value, dict)
-        return value
+        if isinstance(value, dict):
+            return value
+        buckets = self.get_buckets(ref)
+        assert buckets is not None
+        return buckets.tensors()
+
+    def get_buckets(self, ref: DataRef) -> Buckets | None:
+        from miles_events.rl.buckets import Buckets
+
+        value = self._get(ref)
+        return value if isinstance(value, Buckets) else None
 
     def put_bytes(self, key: str, data: bytes, owner: str) -> DataRef:
         self._store()[key] = bytes(data)
@@ -185,6 +217,7 @@ TRANSPORTS: dict[str, str] = {
     "inprocess": "miles_events.transport.base:InProcessTransport",
     "shm": "miles_events.transport.base:ShmTransport",
     "disk": "miles_events.transport.disk:DiskTransport",
+    "cuda_ipc": "miles_events.transport.cuda_ipc:CudaIpcTransport",
 }
 """Transport name -> ``"module:Class"``, imported when a run opens it."""
 

@@ -1,0 +1,127 @@
+"""The ``cuda_ipc`` transport: weights staged on a GPU, read by other processes of the same
+host through CUDA IPC handles, without a copy (the colocated path of slime and miles).
+
+``put_buckets`` keeps the trainer's flat buckets (``miles_events.rl.buckets``) alive in the
+producer's process and writes, under the run's shared-memory directory, one small record:
+each buffer's layout and the handle torch's own reduction of a CUDA tensor gives
+(``torch.multiprocessing.reductions``). A reader opens the buffers from that record and
+copies what it needs; the producer frees them when the reference is freed (the next
+publication, ``DataReleased`` or the run's end), and torch's IPC reference counting keeps
+the memory from being reused while a reader still maps it. Everything that is not a set of
+GPU buckets (rollout batches, train state for the Saver, CPU weights) goes through shared
+memory files exactly as ``ShmTransport``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from miles_events.transport.base import ShmTransport
+from schemas.data import BucketLayout, CudaIpcBuffer, CudaIpcRecord, DataRef
+
+if TYPE_CHECKING:
+    import torch
+
+    from miles_events.rl.buckets import Buckets
+
+RECORD_SUFFIX = ".cuda-ipc"
+"""The record of key ``k`` is the shared-memory file ``k.cuda-ipc``."""
+
+_DECODER = msgspec.msgpack.Decoder(CudaIpcRecord)
+
+
+def share(buffer: torch.Tensor, layout: BucketLayout) -> CudaIpcBuffer:
+    """The IPC handle of a whole CUDA ``buffer`` (a bucket laid out as ``layout``)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    _, args = reduce_tensor(buffer)
+    (_, _, _, tensor_offset, _, _, device, handle, size_bytes, offset_bytes, _, counter, counter_offset, event, sync) = args
+    return CudaIpcBuffer(
+        layout=layout,
+        device=int(device),
+        handle=bytes(handle),
+        storage_size_bytes=int(size_bytes),
+        storage_offset_bytes=int(offset_bytes),
+        tensor_offset=int(tensor_offset),
+        ref_counter_handle=bytes(counter),
+        ref_counter_offset=int(counter_offset),
+        event_handle=None if event is None else bytes(event),
+        event_sync_required=bool(sync),
+    )
+
+
+def open_shared(shared: CudaIpcBuffer) -> torch.Tensor:
+    """The producer's buffer, mapped into this process (torch caches the mapping while any
+    tensor of it lives)."""
+    import torch
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    dtype = getattr(torch, shared.layout.dtype)
+    return rebuild_cuda_tensor(
+        torch.Tensor,
+        torch.Size([shared.layout.numel]),
+        (1,),
+        shared.tensor_offset,
+        torch.storage.TypedStorage,
+        dtype,
+        shared.device,
+        shared.handle,
+        shared.storage_size_bytes,
+        shared.storage_offset_bytes,
+        False,
+        shared.ref_counter_handle,
+        shared.ref_counter_offset,
+        shared.event_handle,
+        shared.event_sync_required,
+    )
+
+
+class CudaIpcTransport(ShmTransport):
+    name = "cuda_ipc"
+
+    def __init__(self, run_id: str, root: Path | None = None) -> None:
+        super().__init__(run_id, root)
+        self._held: dict[str, Buckets] = {}
+        """The buckets this process staged, by key, alive until freed."""
+
+    def put_buckets(self, key: str, buckets: Buckets, owner: str) -> DataRef:
+        if buckets.device.type != "cuda":
+            return super().put_buckets(key, buckets, owner)
+        import torch
+
+        # Readers copy from these buffers as soon as they hear of them: the packing must be done.
+        torch.cuda.current_stream(buckets.device).synchronize()
+        record = CudaIpcRecord(tuple(share(b, layout) for layout, b in zip(buckets.layouts, buckets.buffers, strict=True)))
+        self._held[key] = buckets
+        data = msgspec.msgpack.encode(record)
+        self._publish(key + RECORD_SUFFIX, lambda p: p.write_bytes(data))
+        return DataRef(self.name, key, owner, buckets.num_bytes)
+
+    def get_buckets(self, ref: DataRef) -> Buckets | None:
+        from miles_events.rl.buckets import Buckets
+
+        held = self._held.get(ref.key)
+        if held is not None:  # the producer's own process cannot open its own handles
+            return held
+        path = self._path(ref.key + RECORD_SUFFIX)
+        try:
+            record = _DECODER.decode(path.read_bytes())
+        except FileNotFoundError:
+            return None
+        return Buckets(tuple(b.layout for b in record.buffers), tuple(open_shared(b) for b in record.buffers))
+
+    def get_tensors(self, ref: DataRef) -> dict[str, torch.Tensor]:
+        buckets = self.get_buckets(ref)
+        return buckets.tensors() if buckets is not None else super().get_tensors(ref)
+
+    def free(self, ref: DataRef) -> None:
+        self._held.pop(ref.key, None)
+        self._path(ref.key + RECORD_SUFFIX).unlink(missing_ok=True)
+        super().free(ref)
+
+    def close(self) -> None:
+        self._held.clear()
+        super().close()
