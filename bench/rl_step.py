@@ -10,10 +10,14 @@ verifier settings a vLLM run needs: see bench/vllm_engine.py's ``VLLM_RUN``).
 Runs the embedded default with a save after every rollout, then reads the run's event log:
 - step: wall time between consecutive ``RolloutRequested`` events (the whole loop),
 - generate / train: ``RolloutGenerated.generate_seconds`` / ``TrainStepFinished.train_seconds``,
-- publish: ``WeightsPublished.publish_seconds`` (stage + every engine's load),
+- publish: ``WeightsPublished.publish_seconds`` (from the request to every engine's load,
+  waits included: a save asked for before it stages the train state first), and of that
+  the publication's own work: ``WeightsStaged.stage_seconds`` plus the slowest
+  ``WeightsLoaded.load_seconds``,
 - verify: what verification adds to a step: fingerprinting the published tensors on the
-  trainer and on every engine (measured here on the same weights, same process) plus the
-  Verifier's comparison (``PublicationVerified.verify_seconds``),
+  trainer and on every engine (measured here on the same weights, in the run's dtype, on
+  the device the run used, packed in buckets as the run packs them) plus the Verifier's
+  comparison (``PublicationVerified.verify_seconds``),
 - save: ``CheckpointSaved.save_seconds`` (runs beside the publication, not in series).
 Medians over the rollouts after the first (warm-up).
 """
@@ -34,15 +38,18 @@ from miles_events.app.config import load_config
 from miles_events.app.roster import ACTORS
 from miles_events.app.session import Session
 from miles_events.bus.event_log import read_events
-from miles_events.rl.checksum import fingerprints
+from miles_events.rl.buckets import Buckets, fingerprint_buckets
 from miles_events.rl.hf_model import load_model
+from miles_events.rl.weights import split_tied
 from schemas.events import (
     CheckpointSaved,
     PublicationVerified,
     RolloutGenerated,
     RolloutRequested,
     TrainStepFinished,
+    WeightsLoaded,
     WeightsPublished,
+    WeightsStaged,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,12 +59,19 @@ def median_after_warmup(values: list[float]) -> float:
     return statistics.median(values[1:] if len(values) > 2 else values)
 
 
-def fingerprint_seconds(model_path: str, repeats: int = 20) -> float:
-    tensors = dict(load_model(model_path).state_dict())
-    fingerprints(tensors)
+def fingerprint_seconds(model_path: str, dtype: str, repeats: int = 20) -> float:
+    """One side's fingerprinting of a publication as the run does it: the model's weights in
+    the run's dtype, packed in buckets on the device the run trains on (a GPU when there is
+    one), every tensor fingerprinted (one fused launch per dtype on a GPU)."""
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    weights, _ = split_tied(load_model(model_path, dtype).to(device).state_dict())
+    buckets = Buckets.of(weights)
+    fingerprint_buckets(buckets)
     start = time.perf_counter()
     for _ in range(repeats):
-        fingerprints(tensors)
+        fingerprint_buckets(buckets)
     return (time.perf_counter() - start) / repeats
 
 
@@ -91,10 +105,21 @@ def main() -> None:
     generate = [e.generate_seconds for e in log if isinstance(e, RolloutGenerated)]
     train = [e.train_seconds for e in log if isinstance(e, TrainStepFinished)]
     publish = [e.publish_seconds for e in log if isinstance(e, WeightsPublished) and e.rollout_id is not None]
+    # A publication's own work: the trainer's staging and the slowest engine's load, by version.
+    stage = {e.weight_version: e.stage_seconds for e in log if isinstance(e, WeightsStaged)}
+    load: dict[str, float] = {}
+    for e in log:
+        if isinstance(e, WeightsLoaded):
+            load[e.weight_version] = max(load.get(e.weight_version, 0.0), e.load_seconds)
+    own = [
+        stage[e.weight_version] + load.get(e.weight_version, 0.0)
+        for e in log
+        if isinstance(e, WeightsPublished) and e.rollout_id is not None and e.weight_version in stage
+    ]
     compare = [e.verify_seconds for e in log if isinstance(e, PublicationVerified) and e.rollout_id is not None]
     save = [e.save_seconds for e in log if isinstance(e, CheckpointSaved)]
     num_engines = config.generator.num_engines
-    fingerprint = fingerprint_seconds(session.config.model.path or "") * (1 + num_engines)
+    fingerprint = fingerprint_seconds(session.config.model.path or "", config.model.dtype) * (1 + num_engines)
     verify = [fingerprint + c for c in compare]
 
     rows = {
@@ -102,6 +127,7 @@ def main() -> None:
         "generate": median_after_warmup(generate),
         "train": median_after_warmup(train),
         "publish": median_after_warmup(publish),
+        "  stage + load": median_after_warmup(own),
         "verify": median_after_warmup(verify),
         "save (beside)": median_after_warmup(save),
     }
@@ -115,6 +141,7 @@ def main() -> None:
     print(
         f"RESULT verify_fraction={fraction:.4f} step_ms={step * 1000:.1f} generate_ms={rows['generate'] * 1000:.1f} "
         f"train_ms={rows['train'] * 1000:.1f} publish_ms={rows['publish'] * 1000:.1f} "
+        f"stage_load_ms={rows['  stage + load'] * 1000:.1f} "
         f"verify_ms={rows['verify'] * 1000:.2f} save_ms={rows['save (beside)'] * 1000:.1f}"
     )
 
