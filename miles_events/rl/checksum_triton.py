@@ -68,6 +68,12 @@ def _multiprocessors(device: int) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _persistent_programs(work: int, device: torch.device, programs_per_sm: int) -> int:
+    """Programs of a persistent grid over ``work`` items: a few per multiprocessor, at
+    least one, never more than the items."""
+    return max(1, min(work, _multiprocessors(device.index or 0) * programs_per_sm))
+
+
 def mix_sum(
     words: torch.Tensor,
     k1: int,
@@ -83,7 +89,7 @@ def mix_sum(
     n = words.numel()
     if n:
         full_tiles = n // block
-        programs = max(1, min(full_tiles, _multiprocessors(words.device.index or 0) * programs_per_sm))
+        programs = _persistent_programs(full_tiles, words.device, programs_per_sm)
         _mix_sum_kernel[(programs,)](
             words, out, n, full_tiles, full_tiles * block, k1, k2, k3, BLOCK=block, num_warps=num_warps
         )
@@ -204,7 +210,7 @@ def segment_sums(
         )
     tails = tail.shape[1]
     if tails:
-        programs = max(1, min(tails, _multiprocessors(buffer.device.index or 0) * programs_per_sm))
+        programs = _persistent_programs(tails, buffer.device, programs_per_sm)
         _segment_tail_kernel[(programs,)](
             words, tail[0], tail[1], tail[2], tail[3], out, tails, k1, k2, k3, BLOCK=block, num_warps=num_warps
         )
