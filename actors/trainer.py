@@ -236,8 +236,8 @@ class Trainer(Actor):
         # The payload also carries this publication's canary, which only a load that
         # applies it can show (miles_events.rl.canary); it is in no digest.
         canary = publication_canary(self.context.run_id, version)
-        # One flat bucket per dtype, packed by one multi-tensor copy each: the staged copy,
-        # which engines load and which is fingerprinted in one launch per dtype.
+        # One flat bucket per dtype, packed by one torch.cat each: the staged copy, which
+        # engines load and which is fingerprinted in one launch per dtype.
         payload = {**tensors, CANARY_TENSOR: canary}
         buckets = Buckets.of(payload)
         require_finite_buckets(buckets, f"weight version {version}")
@@ -302,14 +302,18 @@ class Trainer(Actor):
     # --- checkpoints -----------------------------------------------------------------------
 
     def _snapshot_train_state(self, prefix: str) -> TrainStateSnapshot:
-        """The train state as it is now, in copies that training does not touch: the weights
-        in the training dtype, unconverted (a resumed run continues from exactly these
-        bytes), packed in one bucket per dtype, and the optimizer's tensors, both copied
-        where they live; the RNG state."""
-        tensors = self.backend.named_weights()
-        weights = Buckets.of(tensors)
+        """The train state as it is now: the weights in the training dtype, unconverted (a
+        resumed run continues from exactly these bytes), packed in one bucket per dtype where
+        they live; the optimizer state, copied where it lives when it is staged in the
+        background (training goes on meanwhile), as it is when staged inline; the RNG state."""
+        weights = Buckets.of(self.backend.named_weights())
         require_finite_buckets(weights, f"checkpoint {prefix}")
-        return TrainStateSnapshot(weights, detached_copy(self.backend.optimizer_state_dict()), self.backend.rng_state())
+        mode = self.config.trainer.save_staging
+        background = mode == "background" or (mode == "auto" and weights.device.type == "cuda")
+        optimizer = self.backend.optimizer_state_dict()
+        return TrainStateSnapshot(
+            weights, detached_copy(optimizer) if background else optimizer, self.backend.rng_state(), background
+        )
 
     def _stage_train_state(self, prefix: str, snapshot: TrainStateSnapshot) -> tuple[DataRef, DataRef, DataRef]:
         transport = self.context.transport
@@ -318,10 +322,6 @@ class Trainer(Actor):
         rng = transport.put_bytes(f"{prefix}-rng", torch_save_bytes(snapshot.rng), owner=self.name)
         return weights, optimizer, rng
 
-    def _stages_in_background(self, snapshot: TrainStateSnapshot) -> bool:
-        mode = self.config.trainer.save_staging
-        return mode == "background" or (mode == "auto" and snapshot.weights.device.type == "cuda")
-
     @handles(SaveRequested, emits=(TrainStateStaged,))
     async def on_save_requested(self, event: SaveRequested) -> None:
         self._num_saves += 1
@@ -329,7 +329,7 @@ class Trainer(Actor):
         prefix = f"train-state-r{event.rollout_id}-{self._num_saves}"
         snapshot = await anyio.to_thread.run_sync(self._snapshot_train_state, prefix)
         trainer_state = self._trainer_state(event.rollout_id)
-        if self._stages_in_background(snapshot):
+        if snapshot.background:
             # The host copy, serialisation and staging go on beside the next events (the
             # publication asked for after this save among them); the Saver hears of the
             # state when it is staged.
@@ -372,11 +372,13 @@ class Trainer(Actor):
 
 @dataclass(frozen=True)
 class TrainStateSnapshot:
-    """A save's train state, copied away from what training changes."""
+    """A save's train state, copied away from what training changes where it is staged in
+    the ``background``."""
 
     weights: Buckets
     optimizer: dict[str, Any]
     rng: dict[str, Any]
+    background: bool
 
 
 def detached_copy(obj: Any) -> Any:

@@ -50,7 +50,7 @@ from actors.engine.base import (
     single_rank_report,
     tensors_match,
 )
-from miles_events.rl.buckets import Buckets, bucket_parameters, fingerprint_buckets, same_layouts
+from miles_events.rl.buckets import Buckets, bucket_parameters, fingerprint_buckets
 from miles_events.rl.canary import CANARY_BYTES, CANARY_TENSOR, canary_fingerprint, split_canary
 from miles_events.rl.cancel import Cancellation
 from miles_events.rl.checksum import is_skipped
@@ -302,7 +302,7 @@ class TorchEngine(Engine):
         tensor) and the canary has a bucket of its own; False, loading nothing, otherwise."""
         canary = [i for i, layout in enumerate(staged.layouts) if [s.name for s in layout.slots] == [CANARY_TENSOR]]
         model = [i for i in range(len(staged.layouts)) if i not in canary]
-        if len(canary) > 1 or not same_layouts([staged.layouts[i] for i in model], self._buckets.layouts):
+        if len(canary) > 1 or tuple(staged.layouts[i] for i in model) != self._buckets.layouts:
             return False
         with torch.no_grad():
             self._buckets.copy_from(Buckets(self._buckets.layouts, tuple(staged.buffers[i] for i in model)))
@@ -378,8 +378,8 @@ class TorchEngine(Engine):
     def checksums(self, skip_tensor_list: Iterable[str] = (), selector: Selector = "all") -> EngineChecksumReport:
         """The fingerprints of the selected tensors, as one rank (this engine has no tensor
         parallelism); ``"draft"`` selects nothing."""
-        self._select(selector)  # refuses an unknown selector
-        checksums = {} if selector == "draft" else fingerprint_buckets(self._buckets, skip_tensor_list)
+        # Every served tensor lives in the buckets: a selection is all of them or none.
+        checksums = fingerprint_buckets(self._buckets, skip_tensor_list) if self._select(selector) else {}
         return single_rank_report(checksums, f"checksums of {len(checksums)} tensors")
 
     def weights_check(

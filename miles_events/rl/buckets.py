@@ -20,7 +20,15 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from miles_events.rl.checksum import fingerprint_from_sum, is_skipped, tensor_fingerprint
+from miles_events.rl.checksum import (
+    K1,
+    K2,
+    K3,
+    fingerprint_from_sum,
+    is_skipped,
+    tensor_fingerprint,
+    triton_segment_sums,
+)
 from schemas.data import BucketLayout, TensorSlot
 
 if TYPE_CHECKING:
@@ -180,10 +188,6 @@ def _flat(tensor: torch.Tensor, slot: TensorSlot, buffer: torch.Tensor) -> torch
     return tensor.detach().reshape(-1).to(device=buffer.device, dtype=buffer.dtype)
 
 
-def same_layouts(a: Sequence[BucketLayout], b: Sequence[BucketLayout]) -> bool:
-    return tuple(a) == tuple(b)
-
-
 def bucket_parameters(module: torch.nn.Module, names: Iterable[str]) -> Buckets:
     """Move the named tensors of ``module`` (state-dict names; a tied tensor once) into
     buckets on their device, in place: each parameter or buffer becomes a view of its
@@ -206,8 +210,6 @@ def fingerprint_buckets(buckets: Buckets, skip_tensor_list: Iterable[str] = ()) 
     launch and one host sync per dtype; elsewhere tensor by tensor."""
     skip = list(skip_tensor_list)
     if buckets.buffers and buckets.device.type == "cuda":
-        from miles_events.rl.checksum import K1, K2, K3, triton_segment_sums
-
         segment_sums = triton_segment_sums()
         if segment_sums is not None:
             result: dict[str, str] = {}

@@ -36,6 +36,17 @@ NUM_WARPS = 16
 
 
 @triton.jit
+def _mix(words, index_term, k1, k3):  # type: ignore[no-untyped-def]
+    """Each word's hash, ``checksum._mix_sum_numpy``'s: ``words * k1`` plus the index term
+    (``index * k2``, which each kernel computes where it is cheapest), then xorshift,
+    multiply, xorshift. Inlined where it is called."""
+    mixed = words * k1 + index_term
+    mixed = mixed ^ (mixed >> 31)
+    mixed = mixed * k3
+    return mixed ^ (mixed >> 29)
+
+
+@triton.jit
 def _mix_sum_kernel(words_ptr, out_ptr, n, full_tiles, tail_start, k1, k2, k3, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -45,21 +56,13 @@ def _mix_sum_kernel(words_ptr, out_ptr, n, full_tiles, tail_start, k1, k2, k3, B
     for tile in range(pid, full_tiles, programs):
         base = tl.cast(tile, tl.int64) * BLOCK
         words = tl.load(words_ptr + base + lane)
-        mixed = words * k1 + (base * k2 + lane_k2)
-        mixed = mixed ^ (mixed >> 31)
-        mixed = mixed * k3
-        mixed = mixed ^ (mixed >> 29)
-        acc += mixed
+        acc += _mix(words, base * k2 + lane_k2, k1, k3)
     if pid == programs - 1:  # the tail, fewer than BLOCK words
         base = tl.full([], 0, tl.int64) + tail_start  # (an argument of 1 arrives as a constant)
         offsets = base + lane
         mask = offsets < n
         words = tl.load(words_ptr + offsets, mask=mask, other=0)
-        mixed = words * k1 + (base * k2 + lane_k2)
-        mixed = mixed ^ (mixed >> 31)
-        mixed = mixed * k3
-        mixed = mixed ^ (mixed >> 29)
-        acc += tl.where(mask, mixed, 0)
+        acc += tl.where(mask, _mix(words, base * k2 + lane_k2, k1, k3), 0)
     tl.atomic_add(out_ptr, tl.sum(acc, axis=0))
 
 
@@ -100,14 +103,6 @@ def mix_sum(
 
 
 @triton.jit
-def _mix_tile(words, index, k1, k2, k3):  # type: ignore[no-untyped-def]
-    mixed = words * k1 + index * k2
-    mixed = mixed ^ (mixed >> 31)
-    mixed = mixed * k3
-    return mixed ^ (mixed >> 29)
-
-
-@triton.jit
 def _segment_jobs_kernel(  # type: ignore[no-untyped-def]
     words_ptr, start_ptr, index_ptr, tiles_ptr, slot_ptr, out_ptr, k1, k2, k3, BLOCK: tl.constexpr, ALIGN: tl.constexpr
 ):
@@ -124,10 +119,7 @@ def _segment_jobs_kernel(  # type: ignore[no-untyped-def]
     for tile in range(0, tiles):
         base = tl.cast(tile, tl.int64) * BLOCK
         words = tl.load(words_ptr + (start + base) + lane)
-        mixed = words * k1 + ((index + base) * k2 + lane_k2)
-        mixed = mixed ^ (mixed >> 31)
-        mixed = mixed * k3
-        acc += mixed ^ (mixed >> 29)
+        acc += _mix(words, (index + base) * k2 + lane_k2, k1, k3)
     tl.atomic_add(out_ptr + tl.load(slot_ptr + job), tl.sum(acc, axis=0))
 
 
@@ -144,7 +136,7 @@ def _segment_tail_kernel(  # type: ignore[no-untyped-def]
         index = tl.load(index_ptr + tile)
         mask = lane < tl.load(count_ptr + tile)
         words = tl.load(words_ptr + start + lane, mask=mask, other=0)
-        mixed = _mix_tile(words, index + lane, k1, k2, k3)
+        mixed = _mix(words, (index + lane) * k2, k1, k3)
         tl.atomic_add(out_ptr + tl.load(slot_ptr + tile), tl.sum(tl.where(mask, mixed, 0), axis=0))
 
 

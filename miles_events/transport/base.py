@@ -114,7 +114,7 @@ class InProcessTransport(Transport):
         value = self._get(ref)
         if isinstance(value, dict):
             return value
-        buckets = self.get_buckets(ref)
+        buckets = self.get_buckets(ref)  # the only other kind of tensors kept
         assert buckets is not None
         return buckets.tensors()
 
