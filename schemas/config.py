@@ -120,6 +120,12 @@ class RolloutConfig(Section):
     """Stop strings; the tokenizer's EOS token always stops."""
     max_batch_size: PositiveInt = 256
     """Sequences decoded together by one engine."""
+    decode: Literal["auto", "eager", "static", "cuda_graph"] = "auto"
+    """How the embedded engine decodes. ``eager``: a growing KV cache, one host look per
+    token. ``static``: a static KV cache and sampling on the device, the host looking every
+    16 steps. ``cuda_graph``: ``static`` with each step replayed from a CUDA graph. ``auto``:
+    ``cuda_graph`` on a GPU for a model with full attention in every layer, ``eager``
+    otherwise. All sample alike from the same draws."""
     eval_temperature: NonNegativeFloat = 0.0
     num_threads: NonNegativeInt = 0
     """torch threads of each engine while it generates; 0: the cores of the Generator's

@@ -68,6 +68,11 @@ def test_generate_returns_one_completion_per_prompt_with_logprobs_and_version(se
     again = engine.generate([[1, 2], [10], [3, 4, 5]], sampling, torch.Generator().manual_seed(3))
     seeds_again = [sp["sampling_seed"] for _, path, body in server.state.requests if path == "/generate" for sp in body["sampling_params"]][3:]
     assert seeds[:3] == seeds_again and [c.response_ids for c in again] == [c.response_ids for c in completions]
+    sent = [sp for _, path, body in server.state.requests if path == "/generate" for sp in body["sampling_params"]]
+    assert {sp["ignore_eos"] for sp in sent} == {False}
+    engine.generate([[1, 2]], SamplingParams(max_new_tokens=4, ignore_eos=True), generator)
+    last = [body for _, path, body in server.state.requests if path == "/generate"][-1]
+    assert [sp["ignore_eos"] for sp in last["sampling_params"]] == [True]
 
 
 def test_generate_batches_by_max_batch_size_and_stops_at_a_cancellation(tmp_path):

@@ -123,6 +123,14 @@ def test_generation_returns_token_ids_and_per_token_logprobs(engine: VllmEngine)
         )
 
 
+def test_ignore_eos_reaches_the_server_and_every_row_runs_the_full_length(engine: VllmEngine):
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=24, ignore_eos=True)
+    completions = engine.generate(PROMPTS * 4, sampling, torch.Generator().manual_seed(0))
+    assert all(len(c.response_ids) == 24 and c.finish_reason == "length" for c in completions)
+    eos = engine.tokenizer.eos_token_id
+    assert any(eos in c.response_ids for c in completions), "the fixed seed is expected to sample EOS"
+
+
 def test_the_same_generator_state_gives_the_same_samples(engine: VllmEngine):
     sampling = SamplingParams(temperature=1.0, max_new_tokens=8)
     requests = ["1+1="] * 8  # a group: one request of n = 8 samples, each with a seed of its own

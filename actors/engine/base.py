@@ -53,6 +53,9 @@ class SamplingParams:
     top_p: float = 1.0
     max_new_tokens: int = 16
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    """Keep sampling past EOS tokens (until a stop string or the length), as SGLang's and
+    vLLM's ``ignore_eos``: for benchmarks of a fixed number of tokens."""
 
     def __post_init__(self) -> None:
         if self.temperature < 0:

@@ -224,6 +224,7 @@ class SglangEngine(Engine):
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             stop=list(sampling.stop) or None,
+            ignore_eos=sampling.ignore_eos,
             sampling_seed=seed,
         )
 

@@ -50,6 +50,8 @@ from actors.engine.base import (
     single_rank_report,
     tensors_match,
 )
+from actors.engine.sampling import sample_tokens
+from actors.engine.static_decode import Decoded, EndCheck, Prefill, RowEnd, StaticDecoder, supports
 from miles_events.rl.buckets import Buckets, bucket_parameters, fingerprint_buckets
 from miles_events.rl.canary import CANARY_BYTES, CANARY_TENSOR, canary_fingerprint, split_canary
 from miles_events.rl.cancel import Cancellation
@@ -61,6 +63,11 @@ from miles_events.transport.base import Transport
 from schemas.checksums import EngineChecksumReport, WeightsCheckResult
 from schemas.config import Config
 from schemas.data import DataRef
+
+DECODE_MODES = ("auto", "eager", "static", "cuda_graph")
+"""``eager``: a growing KV cache and a host look at every token (any model, any device);
+``static``: ``StaticDecoder`` without graphs; ``cuda_graph``: ``StaticDecoder`` replaying
+CUDA graphs; ``auto``: ``cuda_graph`` on CUDA for a model it supports, ``eager`` otherwise."""
 
 
 class TorchEngine(Engine):
@@ -74,6 +81,7 @@ class TorchEngine(Engine):
         name: str = "engine-0",
         max_batch_size: int = 256,
         transport: Transport | None = None,
+        decode: str = "auto",
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -97,6 +105,23 @@ class TorchEngine(Engine):
         pad = tokenizer.pad_token_id
         self._pad_id = pad if pad is not None else min(self._eos_ids, default=0)
         self._cache_kwarg = cache_kwarg(model)
+        self._decoder = self._decoder_for(decode)
+        self.decode_mode = "eager" if self._decoder is None else "cuda_graph" if self._decoder.cuda_graphs else "static"
+        """How this engine decodes: ``eager``, ``static`` or ``cuda_graph`` (see ``DECODE_MODES``)."""
+
+    def _decoder_for(self, decode: str) -> StaticDecoder | None:
+        if decode not in DECODE_MODES:
+            raise ValueError(f"unknown decode mode {decode!r}; known: {', '.join(DECODE_MODES)}")
+        unsupported = supports(self.model)
+        if decode == "auto":
+            if self.device.type != "cuda" or unsupported is not None:
+                return None
+            decode = "cuda_graph"
+        if decode == "eager":
+            return None
+        if unsupported is not None:
+            raise ValueError(f"decode mode {decode!r} does not support this model: {unsupported}")
+        return StaticDecoder(self.model, self._cache_kwarg, cuda_graphs=decode == "cuda_graph")
 
     @classmethod
     def from_pretrained(
@@ -108,10 +133,13 @@ class TorchEngine(Engine):
         device: str | torch.device = "cpu",
         max_batch_size: int = 256,
         transport: Transport | None = None,
+        decode: str = "auto",
     ) -> TorchEngine:
         """Load the model and tokenizer of a Hugging Face directory onto ``device``."""
         model = load_model(path, dtype).to(torch.device(device))
-        return cls(model, load_tokenizer(path), name=name, max_batch_size=max_batch_size, transport=transport)
+        return cls(
+            model, load_tokenizer(path), name=name, max_batch_size=max_batch_size, transport=transport, decode=decode
+        )
 
     @classmethod
     def from_config(cls, config: Config, *, index: int, name: str, transport: Transport) -> TorchEngine:
@@ -127,6 +155,7 @@ class TorchEngine(Engine):
             device=f"cuda:{index % gpus}" if gpus else "cpu",
             max_batch_size=config.rollout.max_batch_size,
             transport=transport,
+            decode=config.rollout.decode,
         )
 
     @property
@@ -182,13 +211,9 @@ class TorchEngine(Engine):
         )
         return out.logits[:, -1, :].float()
 
-    def _generate_chunk(
-        self,
-        prompt_ids: list[list[int]],
-        sampling: SamplingParams,
-        generator: torch.Generator | None,
-        cancel: Cancellation | None = None,
-    ) -> list[Completion]:
+    def _prefill(self, prompt_ids: list[list[int]]) -> tuple[DynamicCache, Prefill]:
+        """One forward over the chunk's distinct prompts, left-padded; their cache rows and
+        logits expanded to one row per prompt."""
         rows, width = len(prompt_ids), max(len(p) for p in prompt_ids)
         # One prefill row per distinct prompt; ``source[row]`` is the row's prefill row.
         distinct: dict[tuple[int, ...], int] = {}
@@ -201,20 +226,90 @@ class TorchEngine(Engine):
         # Left padding: each prompt's first real token sits at position 0.
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
-        version = self._weight_version
         cache = DynamicCache(config=self.model.config)
         logits = self._forward(input_ids, attention_mask, position_ids, cache)
         if len(unique) < rows:
             expand = torch.tensor(source, dtype=torch.long, device=self.device)
             cache.batch_select_indices(expand)
             logits, attention_mask, position_ids = logits[expand], attention_mask[expand], position_ids[expand]
-        next_position = position_ids[:, -1] + 1
+        layers = [(layer.keys, layer.values) for layer in cache.layers]
+        return cache, Prefill(layers, logits, attention_mask, position_ids[:, -1] + 1)
+
+    def _stop_check(self, stops: Sequence[str]) -> EndCheck | None:
+        """Whether a row's response so far ends at a stop string (None: no stop strings)."""
+        if not stops:
+            return None
+
+        def ends(ids: list[int]) -> RowEnd | None:
+            text = self._decode(ids)
+            cut, stop = find_stop(text, stops)
+            return RowEnd(len(ids) - 1, "stop", text[:cut], stop) if stop is not None else None
+
+        return ends
+
+    def _generate_chunk(
+        self,
+        prompt_ids: list[list[int]],
+        sampling: SamplingParams,
+        generator: torch.Generator | None,
+        cancel: Cancellation | None = None,
+    ) -> list[Completion]:
+        version = self._weight_version
+        cache, prefill = self._prefill(prompt_ids)
+        eos_ids = frozenset() if sampling.ignore_eos else self._eos_ids
+        ends = self._stop_check(sampling.stop)
+        if self._decoder is not None:
+            del cache  # the decoder copies the prefill into its own buffers
+            decoded = self._decoder.decode(
+                prefill,
+                sampling.max_new_tokens,
+                sampling.temperature,
+                sampling.top_p,
+                generator,
+                eos_ids,
+                ends,
+                cancel.check if cancel is not None else None,
+            )
+        else:
+            decoded = self._decode_eager(cache, prefill, sampling, generator, eos_ids, ends, cancel)
+
+        # Each distinct response is decoded once (short answers repeat within a group), all
+        # in one batch call.
+        rows = range(len(prompt_ids))
+        keys = list({tuple(decoded.response_ids[row]) for row in rows if decoded.ends[row].text is None})
+        texts = self.tokenizer.batch_decode([list(k) for k in keys], skip_special_tokens=True)
+        decoded_text = dict(zip(keys, texts, strict=True))
+        return [
+            Completion(
+                prompt_ids=list(prompt_ids[row]),
+                response_ids=decoded.response_ids[row],
+                response_logprobs=decoded.response_logprobs[row],
+                response=end.text if end.text is not None else decoded_text[tuple(decoded.response_ids[row])],
+                finish_reason="stop" if end.reason == "stop" else "length",
+                weight_version=version,
+                matched_stop=end.matched,
+            )
+            for row, end in zip(rows, decoded.ends, strict=True)
+        ]
+
+    def _decode_eager(
+        self,
+        cache: DynamicCache,
+        prefill: Prefill,
+        sampling: SamplingParams,
+        generator: torch.Generator | None,
+        eos_ids: frozenset[int],
+        ends: EndCheck | None,
+        cancel: Cancellation | None,
+    ) -> Decoded:
+        """The decode loop with a growing cache and a look at every token: one step's
+        launches and one host sync per token."""
+        logits, attention_mask, next_position = prefill.logits, prefill.attention_mask, prefill.next_position
+        rows = logits.shape[0]
         active = list(range(rows))  # chunk rows still running, in cache order
         response_ids: list[list[int]] = [[] for _ in range(rows)]
         response_logprobs: list[list[float]] = [[] for _ in range(rows)]
-        finish: list[str] = ["length"] * rows
-        texts: list[str | None] = [None] * rows
-        matched: list[str | None] = [None] * rows
+        ended: dict[int, RowEnd] = {}
 
         for step in range(sampling.max_new_tokens):
             if cancel is not None:
@@ -229,16 +324,11 @@ class TorchEngine(Engine):
                 row = active[slot]
                 response_ids[row].append(token)
                 response_logprobs[row].append(logprob)
-                if token in self._eos_ids:
-                    finish[row] = "stop"
-                    continue
-                if sampling.stop:
-                    text = self._decode(response_ids[row])
-                    cut, stop = find_stop(text, sampling.stop)
-                    if stop is not None:
-                        finish[row], texts[row], matched[row] = "stop", text[:cut], stop
-                        continue
-                running.append(slot)
+                end = RowEnd(step, "stop") if token in eos_ids else ends(response_ids[row]) if ends else None
+                if end is not None:
+                    ended[row] = end
+                else:
+                    running.append(slot)
             if not running or step == sampling.max_new_tokens - 1:
                 break
             if len(running) < len(active):
@@ -250,24 +340,9 @@ class TorchEngine(Engine):
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(active), 1))], dim=1)
             logits = self._forward(tokens.unsqueeze(1), attention_mask, next_position.unsqueeze(1), cache)
             next_position = next_position + 1
-
-        # Each distinct response is decoded once (short answers repeat within a group), all
-        # in one batch call.
-        pending = {tuple(response_ids[row]) for row in range(rows) if texts[row] is None}
-        keys = list(pending)
-        decoded = dict(zip(keys, self.tokenizer.batch_decode([list(k) for k in keys], skip_special_tokens=True), strict=True))
-        return [
-            Completion(
-                prompt_ids=list(prompt_ids[row]),
-                response_ids=response_ids[row],
-                response_logprobs=response_logprobs[row],
-                response=texts[row] if texts[row] is not None else decoded[tuple(response_ids[row])],
-                finish_reason="stop" if finish[row] == "stop" else "length",
-                weight_version=version,
-                matched_stop=matched[row],
-            )
-            for row in range(rows)
-        ]
+        for row in range(rows):
+            ended.setdefault(row, RowEnd(len(response_ids[row]) - 1, "length"))
+        return Decoded(response_ids, response_logprobs, [ended[row] for row in range(rows)])
 
     def probe_logprobs(
         self, prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]]
@@ -456,38 +531,6 @@ class TorchEngine(Engine):
 
     def close(self) -> None:
         self._snapshot = None
-
-
-def sample_tokens(
-    logits: torch.Tensor, temperature: float, top_p: float, uniform: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick one token per row of ``logits`` ([rows, vocab]) and its log-probability.
-
-    ``temperature == 0``: the argmax, with log-probabilities of the unscaled logits.
-    Otherwise the token at ``uniform`` (one U[0, 1) per row) of the inverse CDF of the
-    top-p-truncated distribution of ``logits / temperature``; its log-probability is taken
-    from the untruncated tempered distribution.
-    """
-    if temperature == 0:
-        logprobs_all = torch.log_softmax(logits, dim=-1)
-        tokens = logits.argmax(dim=-1)
-    else:
-        if uniform is None:
-            raise ValueError("sampling at temperature > 0 needs one uniform draw per row")
-        logprobs_all = torch.log_softmax(logits / temperature, dim=-1)
-        probs = logprobs_all.exp()
-        if top_p < 1.0:
-            probs, order = probs.sort(dim=-1, descending=True)
-            # Keep a token while the mass before it is below top_p: the smallest set that
-            # reaches top_p, and always at least the most likely token.
-            probs = probs * ((probs.cumsum(dim=-1) - probs) < top_p)
-        else:
-            order = None
-        cdf = probs.cumsum(dim=-1)
-        threshold = (uniform.to(cdf.dtype) * cdf[:, -1]).unsqueeze(-1)
-        picked = torch.searchsorted(cdf, threshold, right=True).clamp(max=cdf.shape[-1] - 1)
-        tokens = (order.gather(-1, picked) if order is not None else picked).squeeze(-1)
-    return tokens, logprobs_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
 def _eos_token_ids(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:

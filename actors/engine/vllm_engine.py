@@ -339,6 +339,7 @@ class VllmEngine(Engine):
             "max_tokens": sampling.max_new_tokens,
             "logprobs": 0,  # the sampled token's only
             "stop": list(sampling.stop),
+            "ignore_eos": sampling.ignore_eos,
             "skip_special_tokens": True,
             "detokenize": True,
         }

@@ -1,0 +1,477 @@
+"""Decoding with a static KV cache and device-side sampling, replayed from CUDA graphs.
+
+The embedded engine's eager loop (``TorchEngine``) grows a ``DynamicCache`` and reads every
+sampled token back to the host before launching the next step: on a GPU it is bound by
+kernel launches and host round trips, not by memory. This decoder keeps the same sampling
+semantics and runs the steps without the host:
+
+- the K/V of a chunk live in fixed buffers, ``[batch, kv_heads, length, head_dim]`` per
+  layer (``SlotCache``); prefill fills slots ``[0, width)`` and decode step ``s`` writes
+  slot ``width + s``; an additive mask in a fixed buffer (0 where a row attends, the
+  dtype's minimum elsewhere) says which slots each row attends to, so left padding works as
+  in the eager loop;
+- every uniform draw of the chunk is taken up front, in the order the eager loop takes
+  them (one ``torch.rand(rows)`` per step from the same generator), and the generator is
+  left where the eager loop would leave it; a step samples on the device with
+  ``sample_tokens`` and writes token and log-probability into output buffers;
+- one step is a fixed sequence of kernels over fixed buffers, so on CUDA it is captured
+  once per (batch size, temperature, top-p) and replayed: one graph launch per token;
+- the host looks every ``sync_every`` steps: EOS tokens and stop strings end rows exactly
+  where the eager loop ends them (later tokens of an ended row are computed and dropped),
+  and when the running rows fit a smaller captured batch size they move to the front and
+  decoding goes on at that size, so finished rows stop costing.
+
+Only models whose layers all use full attention through ``sdpa`` or ``eager`` attention
+take this path (``supports``); the engine decodes others with its eager loop. An ``sdpa``
+model is switched to ``decode_sdpa``, which attends a single query token to grouped K/V
+heads without first repeating them (``repeat_kv`` would copy the whole cache, twice per
+layer and step); every other call goes to Hugging Face's ``sdpa`` unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from actors.engine.sampling import sample_tokens
+
+SYNC_EVERY = 16
+"""Decode steps between two looks of the host at the sampled tokens."""
+
+LENGTH_ALIGN = 64
+"""Cache lengths are rounded up to a multiple of this, so chunks of slightly different
+prompt widths share buffers and graphs."""
+
+MAX_BUFFER_SETS = 2
+"""Buffer sets (with their graphs) kept for reuse; the least recently used goes first."""
+
+
+DECODE_ATTENTION = "miles_events_decode_sdpa"
+"""The name ``decode_sdpa`` is registered under with Hugging Face's attention interfaces."""
+
+
+def decode_sdpa(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Hugging Face's ``sdpa`` attention, except for one query token with a mask and grouped
+    K/V heads: the query heads of each K/V head become that head's query rows
+    (``[batch, kv_heads, group, dim]``), so the cache is read as it is instead of repeated."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    if query.shape[2] != 1 or groups == 1 or attention_mask is None or module.training:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    batch, heads, _, dim = query.shape
+    packed = query.reshape(batch, heads // groups, groups, dim)
+    # The mask [batch, 1, 1, length] broadcasts over the K/V heads and each group's rows.
+    out = torch.nn.functional.scaled_dot_product_attention(packed, key, value, attn_mask=attention_mask, scale=scaling)
+    return out.reshape(batch, heads, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+def use_decode_sdpa(model: torch.nn.Module) -> None:
+    """Switch an ``sdpa`` model to ``decode_sdpa`` (its masks stay ``sdpa``'s)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(DECODE_ATTENTION, decode_sdpa)
+    AttentionMaskInterface.register(DECODE_ATTENTION, sdpa_mask)
+    model.set_attn_implementation(DECODE_ATTENTION)
+
+
+def _fused_rms_norm(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's RMSNorm (in float32, scaled in the input dtype) with the
+    normalisation in one ``rms_norm`` kernel instead of five."""
+    normed = torch.nn.functional.rms_norm(
+        hidden_states.float(), hidden_states.shape[-1:], eps=self.variance_epsilon
+    )
+    return self.weight * normed.to(hidden_states.dtype)
+
+
+def fuse_rms_norms(model: torch.nn.Module) -> int:
+    """Give every Hugging Face RMSNorm of ``model`` (Qwen2's, Llama's: a ``weight`` and a
+    ``variance_epsilon``) the fused forward; returns how many. The result equals the
+    unfused one up to float32 rounding inside the norm."""
+    import types
+
+    fused = 0
+    for module in model.modules():
+        if type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
+            module.forward = types.MethodType(_fused_rms_norm, module)
+            fused += 1
+    return fused
+
+
+def supports(model: torch.nn.Module) -> str | None:
+    """Why ``model`` cannot decode here, or None when it can."""
+    config = model.config
+    attention = getattr(config, "_attn_implementation", None)
+    if attention not in ("sdpa", "eager", DECODE_ATTENTION):
+        return f"attention implementation {attention!r} (needs sdpa or eager)"
+    kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if kinds != {"full_attention"}:
+        return f"layer types {sorted(kinds)} (needs full attention in every layer)"
+    return None
+
+
+class SlotCache:
+    """The K/V buffers of every layer at one batch size; ``update`` writes the step's keys
+    and values at ``slot`` and returns the whole buffers (the mask hides unwritten slots).
+
+    It implements the one method a Hugging Face attention layer calls on its cache.
+    """
+
+    def __init__(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], slot: torch.Tensor) -> None:
+        self.keys, self.values, self.slot = list(keys), list(values), slot
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        keys.index_copy_(2, self.slot, key_states)
+        values.index_copy_(2, self.slot, value_states)
+        return keys, values
+
+
+@dataclass
+class Prefill:
+    """A chunk after its prompt pass: one row per sample (a group's rows already expanded)."""
+
+    cache_layers: list[tuple[torch.Tensor, torch.Tensor]]
+    """Per layer, keys and values of the prompts ``[rows, kv_heads, width, head_dim]``."""
+    logits: torch.Tensor
+    """``[rows, vocab]`` float32 logits of each prompt's last position."""
+    attention_mask: torch.Tensor
+    """``[rows, width]``, 1 on prompt tokens, 0 on left padding."""
+    next_position: torch.Tensor
+    """``[rows]``, the position of each row's first response token."""
+
+
+@dataclass
+class RowEnd:
+    """Where a row ended: its last token's step, and for a stop string the cut text."""
+
+    step: int
+    reason: str  # "stop" or "length"
+    text: str | None = None
+    matched: str | None = None
+
+
+@dataclass
+class Decoded:
+    """Per chunk row: response tokens, their log-probabilities, and how the row ended."""
+
+    response_ids: list[list[int]]
+    response_logprobs: list[list[float]]
+    ends: list[RowEnd]
+
+
+EndCheck = Callable[[list[int]], RowEnd | None]
+"""Given a row's response ids so far, where a stop string ends it (at its last token), or
+None."""
+
+
+@dataclass
+class _Buffers:
+    """Every tensor a step reads or writes, at fixed addresses (what a CUDA graph replays)."""
+
+    capacity: int
+    length: int
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    logits: torch.Tensor  # [capacity, vocab] float32: the next step samples from these
+    tokens: torch.Tensor  # [capacity] the tokens fed to the forward
+    positions: torch.Tensor  # [capacity] their positions
+    mask: torch.Tensor  # [capacity, 1, 1, length] additive, in the model's dtype
+    slot: torch.Tensor  # [1] the cache slot this step writes
+    step: torch.Tensor  # [1] the step index
+    row_ids: torch.Tensor  # [capacity] chunk row of each batch slot; ``capacity`` = none
+    uniforms: torch.Tensor  # [length, capacity + 1] float32, by step and chunk row
+    out_tokens: torch.Tensor  # [capacity + 1, length] by chunk row and step
+    out_logprobs: torch.Tensor  # [capacity + 1, length] float32
+    caches: dict[int, SlotCache] = field(default_factory=dict)
+    graphs: dict[tuple[int, float, float], torch.cuda.CUDAGraph] = field(default_factory=dict)
+
+    def cache(self, batch: int) -> SlotCache:
+        if batch not in self.caches:
+            self.caches[batch] = SlotCache(
+                [k[:batch] for k in self.keys], [v[:batch] for v in self.values], self.slot
+            )
+        return self.caches[batch]
+
+
+class StaticDecoder:
+    """Decodes chunks of one model with static buffers; with ``cuda_graphs`` (CUDA only),
+    each step is a graph replay."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cache_kwarg: str,
+        *,
+        cuda_graphs: bool,
+        sync_every: int = SYNC_EVERY,
+    ) -> None:
+        reason = supports(model)
+        if reason is not None:
+            raise ValueError(f"static decoding does not support this model: {reason}")
+        self.model = model
+        self.device = next(model.parameters()).device
+        if cuda_graphs and self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA model, not one on {self.device}")
+        self.cuda_graphs = cuda_graphs
+        self.sync_every = sync_every
+        self._cache_kwarg = cache_kwarg
+        if model.config._attn_implementation == "sdpa":
+            use_decode_sdpa(model)
+        if cuda_graphs:
+            fuse_rms_norms(model)
+        self._buffers: dict[tuple[int, int], _Buffers] = {}
+        self._pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
+
+    # --- one step ------------------------------------------------------------------------
+
+    def _step(self, buf: _Buffers, batch: int, temperature: float, top_p: float) -> None:
+        """Sample from ``buf.logits``, record, feed the tokens forward: one decode step,
+        nothing but device work on fixed buffers."""
+        rows = buf.row_ids[:batch]
+        uniform = None
+        if temperature > 0:
+            uniform = buf.uniforms.index_select(0, buf.step).squeeze(0).index_select(0, rows)
+        tokens, logprobs = sample_tokens(buf.logits[:batch], temperature, top_p, uniform)
+        where = (rows, buf.step.expand(batch))
+        buf.out_tokens.index_put_(where, tokens)
+        buf.out_logprobs.index_put_(where, logprobs)
+        buf.tokens[:batch].copy_(tokens)
+        mask = buf.mask[:batch]
+        mask.index_fill_(3, buf.slot, 0.0)
+        out = self.model(
+            input_ids=buf.tokens[:batch].unsqueeze(1),
+            position_ids=buf.positions[:batch].unsqueeze(1),
+            attention_mask=mask,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_kwarg: buf.cache(batch)},
+        )
+        buf.logits[:batch].copy_(out.logits[:, -1, :])
+        buf.positions[:batch].add_(1)
+        buf.slot.add_(1)
+        buf.step.add_(1)
+
+    def _run_step(self, buf: _Buffers, batch: int, temperature: float, top_p: float) -> None:
+        if self.cuda_graphs:
+            buf.graphs[(batch, temperature, top_p)].replay()
+        else:
+            self._step(buf, batch, temperature, top_p)
+
+    def _capture(self, buf: _Buffers, batches: Sequence[int], temperature: float, top_p: float) -> None:
+        """Capture the step at each of ``batches`` not captured yet for this sampling. Runs
+        before a chunk's state is set: warm-up runs write the buffers."""
+        missing = [b for b in batches if (b, temperature, top_p) not in buf.graphs]
+        if not missing:
+            return
+        buf.row_ids.fill_(buf.capacity)
+        buf.positions.zero_()
+        buf.logits.zero_()
+        buf.mask.zero_()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for batch in missing:  # warm-up: lazy initialisations happen outside capture
+                for _ in range(2):
+                    buf.slot.zero_()
+                    buf.step.zero_()
+                    self._step(buf, batch, temperature, top_p)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        for batch in missing:
+            buf.slot.zero_()
+            buf.step.zero_()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                self._step(buf, batch, temperature, top_p)
+            buf.graphs[(batch, temperature, top_p)] = graph
+
+    # --- buffers -------------------------------------------------------------------------
+
+    def _buffers_for(self, prefill: Prefill, capacity: int, length: int) -> _Buffers:
+        key = (capacity, length)
+        buf = self._buffers.pop(key, None)
+        if buf is None:
+            while len(self._buffers) >= MAX_BUFFER_SETS:
+                self._buffers.pop(next(iter(self._buffers)))
+            buf = self._allocate(prefill, capacity, length)
+        self._buffers[key] = buf  # most recently used last
+        return buf
+
+    def _allocate(self, prefill: Prefill, capacity: int, length: int) -> _Buffers:
+        def cache_buffer(like: torch.Tensor) -> torch.Tensor:
+            _, heads, _, dim = like.shape
+            return torch.zeros(capacity, heads, length, dim, dtype=like.dtype, device=self.device)
+
+        mask_dtype = prefill.cache_layers[0][0].dtype
+        on = {"device": self.device}
+        return _Buffers(
+            capacity=capacity,
+            length=length,
+            keys=[cache_buffer(k) for k, _ in prefill.cache_layers],
+            values=[cache_buffer(v) for _, v in prefill.cache_layers],
+            logits=torch.zeros(capacity, prefill.logits.shape[-1], dtype=torch.float32, **on),
+            tokens=torch.zeros(capacity, dtype=torch.long, **on),
+            positions=torch.zeros(capacity, dtype=torch.long, **on),
+            mask=torch.zeros(capacity, 1, 1, length, dtype=mask_dtype, **on),
+            slot=torch.zeros(1, dtype=torch.long, **on),
+            step=torch.zeros(1, dtype=torch.long, **on),
+            row_ids=torch.full((capacity,), capacity, dtype=torch.long, **on),
+            uniforms=torch.zeros(length, capacity + 1, dtype=torch.float32, **on),
+            out_tokens=torch.zeros(capacity + 1, length, dtype=torch.long, **on),
+            out_logprobs=torch.zeros(capacity + 1, length, dtype=torch.float32, **on),
+        )
+
+    def _place(self, buf: _Buffers, source: Prefill | _Buffers, order: list[int], rows: list[int], width: int) -> None:
+        """Fill batch slots ``[0, len(order))`` from ``source``'s rows ``order`` (a prefill,
+        or this buffer's own slots when freeing finished rows); ``rows`` are their chunk rows,
+        padded with ``buf.capacity`` for slots that only fill a batch size."""
+        batch = len(order)
+        index = torch.tensor(order, dtype=torch.long, device=self.device)
+        buf.row_ids[:batch].copy_(torch.tensor(rows, dtype=torch.long))
+        if isinstance(source, Prefill):
+            for (k, v), keys, values in zip(source.cache_layers, buf.keys, buf.values, strict=True):
+                keys[:batch, :, :width].copy_(k.index_select(0, index))
+                values[:batch, :, :width].copy_(v.index_select(0, index))
+            attend = source.attention_mask.index_select(0, index).bool()
+            buf.mask[:batch].fill_(torch.finfo(buf.mask.dtype).min)
+            buf.mask[:batch, 0, 0, :width].masked_fill_(attend, 0.0)
+            buf.positions[:batch].copy_(source.next_position.index_select(0, index))
+            buf.logits[:batch].copy_(source.logits.index_select(0, index))
+            return
+        for tensor in (*buf.keys, *buf.values, buf.mask, buf.positions, buf.logits):
+            tensor[:batch].copy_(tensor.index_select(0, index))  # the gather copies first: slots overlap
+
+    # --- a chunk -------------------------------------------------------------------------
+
+    def decode(
+        self,
+        prefill: Prefill,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        generator: torch.Generator | None,
+        eos_ids: frozenset[int],
+        ends: EndCheck | None = None,
+        cancel_check: Callable[[], None] | None = None,
+    ) -> Decoded:
+        """Sample up to ``max_new_tokens`` tokens for every row of ``prefill``: a row ends
+        at a token of ``eos_ids``, else where ``ends`` says, else at the length."""
+        rows = prefill.logits.shape[0]
+        width = prefill.attention_mask.shape[1]
+        steps = max_new_tokens
+        batch = _batch_size(rows)
+        length = -(-(width + steps) // LENGTH_ALIGN) * LENGTH_ALIGN
+        buf = self._buffers_for(prefill, batch, length)
+        if self.cuda_graphs:
+            self._capture(buf, _batch_sizes(batch), temperature, top_p)
+
+        draw_from = generator if generator is not None else torch.default_generator
+        rng_state = draw_from.get_state()
+        if temperature > 0:
+            buf.uniforms[:steps, :rows].copy_(torch.rand(steps, rows, generator=draw_from, dtype=torch.float32))
+        order = list(range(rows)) + [0] * (batch - rows)
+        self._place(buf, prefill, order, order[:rows] + [buf.capacity] * (batch - rows), width)
+        buf.slot.fill_(width)
+        buf.step.zero_()
+
+        slots = list(range(rows))  # chunk row of each running batch slot
+        ids: list[list[int]] = [[] for _ in range(rows)]
+        ended: dict[int, RowEnd] = {}
+        eos = torch.tensor(sorted(eos_ids), dtype=torch.long)
+        seen = 0  # steps whose tokens the host has looked at
+        step = 0
+        try:
+            for step in range(steps):
+                if cancel_check is not None:
+                    cancel_check()
+                self._run_step(buf, batch, temperature, top_p)
+                if step + 1 - seen < self.sync_every and step < steps - 1:
+                    continue
+                block = buf.out_tokens[:rows, seen : step + 1].cpu()  # the host's one sync
+                self._look(block, seen, ids, ended, ends, eos, last=step == steps - 1)
+                seen = step + 1
+                running = [slot for slot, row in enumerate(slots) if row not in ended]
+                if not running:
+                    break
+                smaller = _batch_size(len(running))
+                if smaller < batch:
+                    order = running + [running[0]] * (smaller - len(running))
+                    kept = [slots[slot] for slot in running]
+                    self._place(buf, buf, order, kept + [buf.capacity] * (smaller - len(running)), width)
+                    slots, batch = kept, smaller
+        except BaseException:
+            if temperature > 0:  # a cancelled eager loop has drawn for the steps before this one
+                draw_from.set_state(rng_state)
+                torch.rand(step, rows, generator=draw_from, dtype=torch.float32)
+            raise
+
+        ran = max(end.step for end in ended.values()) + 1
+        if temperature > 0:  # leave the generator where the eager loop leaves it
+            draw_from.set_state(rng_state)
+            torch.rand(ran, rows, generator=draw_from, dtype=torch.float32)
+        logprobs = buf.out_logprobs[:rows, :ran].cpu().tolist()
+        return Decoded(
+            response_ids=[ids[row][: ended[row].step + 1] for row in range(rows)],
+            response_logprobs=[logprobs[row][: ended[row].step + 1] for row in range(rows)],
+            ends=[ended[row] for row in range(rows)],
+        )
+
+    @staticmethod
+    def _look(
+        block: torch.Tensor,
+        first_step: int,
+        ids: list[list[int]],
+        ended: dict[int, RowEnd],
+        ends: EndCheck | None,
+        eos: torch.Tensor,
+        *,
+        last: bool,
+    ) -> None:
+        """End the rows that ended within ``block`` (tokens of steps ``first_step...``), in
+        the eager loop's order: an EOS token, else a stop string, else the length."""
+        hits = torch.isin(block, eos)
+        first_eos = torch.where(hits.any(dim=1), hits.int().argmax(dim=1), block.shape[1]).tolist()
+        tokens = block.tolist()
+        for row, row_tokens in enumerate(tokens):
+            if row in ended:
+                continue
+            for offset, token in enumerate(row_tokens):
+                ids[row].append(token)
+                step = first_step + offset
+                if offset == first_eos[row]:
+                    ended[row] = RowEnd(step, "stop")
+                    break
+                end = ends(ids[row]) if ends is not None else None
+                if end is not None:
+                    ended[row] = end
+                    break
+            else:
+                if last:
+                    ended[row] = RowEnd(first_step + len(row_tokens) - 1, "length")
+
+
+def _batch_size(rows: int) -> int:
+    """The captured batch size that holds ``rows``: the next power of two."""
+    return 1 << max(rows - 1, 0).bit_length()
+
+
+def _batch_sizes(largest: int) -> list[int]:
+    """Every batch size a chunk starting at ``largest`` may shrink to."""
+    return [1 << i for i in range(largest.bit_length())]
