@@ -76,10 +76,6 @@ def staleness_max(trainer_version: str, sample_versions: list[str]) -> int:
     return version_number(trainer_version) - min(version_number(v) for v in sample_versions)
 
 
-def staged_bytes(tensors: dict[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors.values())
-
-
 class Trainer(Actor):
     """Consumes ``RolloutGenerated``, ``PublishRequested``, ``SaveRequested`` and ``DataReleased``;
     emits ``DataReleased`` + ``TrainStepFinished``, ``WeightsStaged`` and ``TrainStateStaged``."""
@@ -232,20 +228,31 @@ class Trainer(Actor):
 
     def _stage_weights(self, version: str, dtype: torch.dtype) -> tuple[DataRef, str, str, int, int, str]:
         """(ref, digest, checksum manifest, tensors in the digest, bytes staged, canary)."""
-        tensors = self.backend.named_weights(dtype)
         # The payload also carries this publication's canary, which only a load that
-        # applies it can show (miles_events.rl.canary); it is in no digest.
+        # applies it can show (miles_events.rl.canary); it is in no digest. It has a bucket
+        # of its own (uint8), after the weights' buckets.
         canary = publication_canary(self.context.run_id, version)
-        # One flat bucket per dtype, packed by one torch.cat each: the staged copy, which
-        # engines load and which is fingerprinted in one launch per dtype.
-        payload = {**tensors, CANARY_TENSOR: canary}
-        buckets = Buckets.of(payload)
+        weights = self._weights_copy(dtype)
+        canary_bucket = Buckets.of({CANARY_TENSOR: canary}, device=weights.device)
+        buckets = Buckets(weights.layouts + canary_bucket.layouts, weights.buffers + canary_bucket.buffers)
         require_finite_buckets(buckets, f"weight version {version}")
         # The skip list applies here as on the engines: digests are compared whole.
         checksums = fingerprint_buckets(buckets, [*self.config.verifier.skip_tensor_list, CANARY_TENSOR])
         ref = self.context.transport.put_buckets(f"weights-v{version}", buckets, owner=self.name)
         digest, manifest = write_manifest(self.context.run_dir, checksums)
-        return ref, digest, manifest, len(checksums), staged_bytes(payload), canary_fingerprint(canary)
+        return ref, digest, manifest, len(checksums), buckets.tensor_bytes, canary_fingerprint(canary)
+
+    def _weights_copy(self, dtype: torch.dtype | None = None) -> Buckets:
+        """A copy of the weights (``named_weights``), converted to ``dtype``, in flat buckets
+        on their device: one copy per bucket where the backend trains them in buckets of that
+        dtype already, else packed by one ``torch.cat`` per dtype (``Buckets.of``)."""
+        import torch
+
+        own = self.backend.weight_buckets()
+        if own is not None and all(dtype in (None, buffer.dtype) for buffer in own.buffers):
+            with torch.no_grad():
+                return Buckets(own.layouts, tuple(buffer.clone() for buffer in own.buffers))
+        return Buckets.of(self.backend.named_weights(dtype))
 
     @handles(PublishRequested, emits=(WeightsStaged,))
     async def on_publish_requested(self, event: PublishRequested) -> None:
@@ -306,7 +313,7 @@ class Trainer(Actor):
         resumed run continues from exactly these bytes), packed in one bucket per dtype where
         they live; the optimizer state, copied where it lives when it is staged in the
         background (training goes on meanwhile), as it is when staged inline; the RNG state."""
-        weights = Buckets.of(self.backend.named_weights())
+        weights = self._weights_copy()
         require_finite_buckets(weights, f"checkpoint {prefix}")
         mode = self.config.trainer.save_staging
         background = mode == "background" or (mode == "auto" and weights.device.type == "cuda")

@@ -14,6 +14,7 @@ import msgspec
 import pytest
 import torch
 
+from actors.engine.torch_engine import TorchEngine
 from actors.trainer import Trainer, staleness_max, torch_save_bytes
 from actors.trainer_backend.torch_backend import (
     TorchTrainerBackend,
@@ -23,7 +24,7 @@ from actors.trainer_backend.torch_backend import (
 )
 from miles_events.bus.actor import WorkerGroup
 from miles_events.bus.clock import SYSTEM_CLOCK, Clock
-from miles_events.rl.canary import canary_fingerprint, publication_canary, split_canary
+from miles_events.rl.canary import CANARY_TENSOR, canary_fingerprint, publication_canary, split_canary
 from miles_events.rl.checksum import fingerprints, per_gpu_checksum
 from miles_events.rl.checksum_manifest import read_manifest
 from miles_events.rl.finite import NonFiniteError
@@ -432,6 +433,28 @@ async def test_staged_checksums_fingerprint_the_staged_tensors(base_model: Path,
     assert event.num_tensors == len(tensors)
     assert event.num_bytes == sum(t.numel() * t.element_size() for t in payload.values())
     assert event.weights.owner == "trainer"
+
+
+async def test_the_backend_trains_in_its_buckets_and_a_publication_copies_them_whole(
+    base_model: Path, tmp_path: Path
+) -> None:
+    trainer, context = await started_trainer(make_config(base_model, tmp_path), tmp_path)
+    own = trainer.backend.weight_buckets()
+    assert own is not None
+    views = own.tensors()
+    for name, tensor in trainer.backend.named_weights().items():
+        assert tensor.data_ptr() == views[name].data_ptr(), name  # the parameters are bucket views
+    await trainer.handle(PublishRequested(rollout_id=None))
+    staged = context.transport.get_buckets(context.of_type(WeightsStaged)[0].weights)
+    assert staged is not None
+    # The weights' buckets as the backend lays them out (one copy each), then the canary's.
+    assert staged.layouts[:-1] == own.layouts
+    assert [slot.name for slot in staged.layouts[-1].slots] == [CANARY_TENSOR]
+    assert all(torch.equal(a, b) and a.data_ptr() != b.data_ptr() for a, b in zip(staged.buffers[:-1], own.buffers, strict=True))
+    # An engine of the same model loads them bucket by bucket.
+    assert TorchEngine.from_pretrained(base_model)._load_buckets(staged, "1")
+    await trainer.handle(rollout_event(context, 0, two_group_samples()))
+    assert not torch.equal(staged.buffers[0], own.buffers[0])  # training moved the buckets in place
 
 
 async def test_the_staged_digest_leaves_out_the_verifier_skip_list(base_model: Path, tmp_path: Path) -> None:

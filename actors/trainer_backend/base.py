@@ -20,6 +20,8 @@ from schemas.rollout import RolloutBatch
 if TYPE_CHECKING:
     import torch
 
+    from miles_events.rl.buckets import Buckets
+
 
 class TrainerBackend(ABC):
     """A policy model with its optimizer, trained on rollout batches."""
@@ -40,6 +42,12 @@ class TrainerBackend(ABC):
         non-persistent buffers are left out. With ``dtype`` the tensors are converted;
         the result may alias live parameters, so callers copy before training continues.
         """
+
+    def weight_buckets(self) -> Buckets | None:
+        """The tensors of ``named_weights()``, held in flat buckets that the model trains in
+        place (its parameters are views of them), or None when it keeps them otherwise.
+        Staging a publication in the weights' own dtype then copies each bucket whole."""
+        return None
 
     @property
     @abstractmethod

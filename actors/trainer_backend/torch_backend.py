@@ -41,6 +41,7 @@ from actors.trainer_backend.grpo import (
     logprobs_and_entropy,
     policy_loss,
 )
+from miles_events.rl.buckets import Buckets, bucket_parameters
 from miles_events.rl.cancel import Cancellation
 from miles_events.rl.finite import NonFiniteError
 from miles_events.rl.hf_model import cache_kwarg, load_model, torch_dtype
@@ -183,6 +184,9 @@ class TorchTrainerBackend(TrainerBackend):
         self.dtype = torch_dtype(config.model.dtype)
         self.model = load_model(config.model.path, config.model.dtype).to(self.device)
         self.model.eval()
+        # The weights live in one flat bucket per dtype (each parameter a view), before the
+        # optimizer sees them: a publication stages them with one copy per dtype.
+        self._buckets = bucket_parameters(self.model, split_tied(self.model.state_dict())[0])
         self.reference: torch.nn.Module | None = None
         if trainer.use_kl_loss:
             # Frozen at the base weights for the whole run, resumed or not.
@@ -414,6 +418,9 @@ class TorchTrainerBackend(TrainerBackend):
         # tied duplicates (lm_head sharing the embedding) follow the one rule of rl.weights.
         unique, _tied = split_tied(self.model.state_dict())
         return {name: t.detach() if dtype is None else t.detach().to(dtype) for name, t in unique.items()}
+
+    def weight_buckets(self) -> Buckets:
+        return self._buckets
 
     @property
     def num_optimizer_steps(self) -> int:
