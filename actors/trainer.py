@@ -39,6 +39,7 @@ from miles_events.rl.finite import (
     require_finite_buckets,
 )
 from miles_events.rl.hf_model import modeling_module, torch_dtype
+from miles_events.rl.host_copy import capture_point, copy_to_host
 from miles_events.rl.probe import probe_batch, probe_vocab_size
 from miles_events.rl.prompts import data_cursor, load_prompts
 from miles_events.rl.threads import phase_threads
@@ -318,14 +319,20 @@ class Trainer(Actor):
         mode = self.config.trainer.save_staging
         background = mode == "background" or (mode == "auto" and weights.device.type == "cuda")
         optimizer = self.backend.optimizer_state_dict()
-        return TrainStateSnapshot(
-            weights, detached_copy(optimizer) if background else optimizer, self.backend.rng_state(), background
-        )
+        if background:
+            optimizer = detached_copy(optimizer)
+        # On a GPU, the host copy waits for this point only, not for the steps after it.
+        ready = capture_point(weights.device) if background else None
+        return TrainStateSnapshot(weights, optimizer, self.backend.rng_state(), background, ready)
 
     def _stage_train_state(self, prefix: str, snapshot: TrainStateSnapshot) -> tuple[DataRef, DataRef, DataRef]:
         transport = self.context.transport
-        weights = transport.put_buckets(f"{prefix}-weights", snapshot.weights, owner=self.name)
-        optimizer = transport.put_bytes(f"{prefix}-optimizer", torch_save_bytes(snapshot.optimizer), owner=self.name)
+        host_weights, host_optimizer = snapshot.weights, snapshot.optimizer
+        if snapshot.background:
+            # Off the trainer's stream, into pinned memory: the next step runs meanwhile.
+            host_weights, host_optimizer = copy_to_host((snapshot.weights, snapshot.optimizer), snapshot.ready)
+        weights = transport.put_buckets(f"{prefix}-weights", host_weights, owner=self.name)
+        optimizer = transport.put_bytes(f"{prefix}-optimizer", torch_save_bytes(host_optimizer), owner=self.name)
         rng = transport.put_bytes(f"{prefix}-rng", torch_save_bytes(snapshot.rng), owner=self.name)
         return weights, optimizer, rng
 
@@ -386,6 +393,8 @@ class TrainStateSnapshot:
     optimizer: dict[str, Any]
     rng: dict[str, Any]
     background: bool
+    ready: Any = None
+    """On a GPU, a CUDA event where the copies were taken: what the host copy waits for."""
 
 
 def detached_copy(obj: Any) -> Any:

@@ -16,6 +16,7 @@ from miles_events.rl.buckets import ALIGN_BYTES, Buckets, bucket_parameters, fin
 from miles_events.rl.checksum import fingerprints
 from miles_events.rl.finite import NonFiniteError, require_finite_buckets
 from miles_events.rl.hf_model import load_model, prepare_base_model
+from miles_events.rl.host_copy import capture_point, copy_to_host
 from schemas.config import BuiltinModelConfig, ModelConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -170,3 +171,40 @@ def test_bucket_fingerprints_on_cuda_equal_the_cpu_ones():
     cuda = Buckets.of({n: t.cuda() for n, t in tensors.items()})
     assert fingerprint_buckets(cuda) == fingerprints(tensors)
     assert fingerprint_buckets(cuda, ["big"]) == fingerprints(tensors, ["big"])
+
+
+# --- host copies -----------------------------------------------------------------------------
+
+
+def test_a_host_copy_of_cpu_state_is_the_state_itself() -> None:
+    state = {"weights": Buckets.of({"a": torch.ones(3)}), "optimizer": {"state": [torch.zeros(2)], "lr": 0.1}}
+    assert copy_to_host(state) is state
+    assert capture_point(torch.device("cpu")) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_host_copy_takes_the_state_at_its_capture_point_into_pinned_memory() -> None:
+    weights = Buckets.of({"a": torch.randn(1 << 20, device="cuda"), "b": torch.randn(7, 3, device="cuda")})
+    optimizer = {"state": {0: {"exp_avg": torch.randn(5, device="cuda"), "step": torch.tensor(3.0)}}, "lr": 0.1}
+    expected = (tuple(2 * b.cpu() for b in weights.buffers), detached_cpu(optimizer))
+    for buffer in weights.buffers:  # still being written on the trainer's stream when captured
+        torch.cuda._sleep(50_000_000)
+        buffer.mul_(2)
+    ready = capture_point(weights.device)
+    host_weights, host_optimizer = copy_to_host((weights, optimizer), ready)
+    assert host_weights.layouts == weights.layouts
+    for got, want in zip(host_weights.buffers, expected[0], strict=True):
+        assert got.device.type == "cpu" and got.is_pinned()
+        assert torch.equal(got, want)  # the copy stream waited for the writes before the capture point
+    assert torch.equal(host_optimizer["state"][0]["exp_avg"], expected[1]["state"][0]["exp_avg"])
+    assert host_optimizer["state"][0]["step"] is optimizer["state"][0]["step"]  # CPU tensors as they are
+    assert host_optimizer["lr"] == 0.1
+
+
+def detached_cpu(obj: object) -> object:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: detached_cpu(v) for k, v in obj.items()}
+    return obj

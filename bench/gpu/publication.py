@@ -10,11 +10,13 @@ the same GPU. Times (CUDA-synchronised, medians of ``--reps``):
 - copy: one device-to-device copy of a buffer of the published bytes (the floor);
 - per tensor (before): each tensor cloned into the staged copy, copied into the engine,
   and fingerprinted on both sides, tensor by tensor;
-- buckets, in process: the trainer's tensors packed into one bucket per dtype
-  (``Buckets.of``: one multi-tensor copy), copied into the engine's own buckets of the same
-  layout (one copy per dtype); and the fingerprints of both sides
-  (``fingerprint_buckets``: one launch and one sync per dtype each);
-- buckets, across processes: the same packing, shared with an engine process on the same
+- buckets, in process: the trainer's weights, which it trains in buckets of its own, copied
+  whole into staged buckets (one copy per dtype), then into the engine's own buckets of
+  the same layout (one copy per dtype); and the fingerprints of both sides
+  (``fingerprint_buckets``: one launch and one sync per dtype each). The packing a trainer
+  without buckets would do instead (``Buckets.of``, one ``torch.cat`` per dtype) is timed
+  beside;
+- buckets, across processes: the same staging, shared with an engine process on the same
   GPU by the ``cuda_ipc`` transport (a record under /dev/shm naming each buffer's IPC
   handle), the engine opening it and copying into its buckets, timed from the start of the
   packing to the engine's answer over a pipe.
@@ -119,11 +121,19 @@ def main() -> None:
     per_tensor_s = timed(per_tensor, args.reps)
 
     engine_buckets = bucket_parameters(engine, engine_weights)
-    stage_s = timed(lambda: Buckets.of(weights), args.reps)
-    staged = Buckets.of(weights)
+    pack_s = timed(lambda: Buckets.of(weights), args.reps)
+    # The trainer trains in buckets of its own (TrainerBackend.weight_buckets): staging
+    # copies each bucket whole.
+    trainer_buckets = bucket_parameters(trainer, weights)
+
+    def stage() -> Buckets:
+        return Buckets(trainer_buckets.layouts, tuple(b.clone() for b in trainer_buckets.buffers))
+
+    stage_s = timed(stage, args.reps)
+    staged = stage()
     assert staged.layouts == engine_buckets.layouts
     load_s = timed(lambda: engine_buckets.copy_from(staged), args.reps)
-    publish_s = timed(lambda: engine_buckets.copy_from(Buckets.of(weights)), args.reps)
+    publish_s = timed(lambda: engine_buckets.copy_from(stage()), args.reps)
     fingerprint_s = timed(lambda: fingerprint_buckets(staged), args.reps)
     sweep = {}
     layout, buffer = staged.layouts[0], staged.buffers[0]
@@ -131,9 +141,10 @@ def main() -> None:
         sweep[per_job] = timed(
             lambda p=per_job: segment_sums(buffer, layout, layout.slots, K1, K2, K3, tiles_per_job=p), args.reps
         )
-    assert fingerprint_buckets(engine_buckets) == fingerprint_buckets(staged) == fingerprints(
-        {n: t.cpu() for n, t in weights.items()}
-    ), "bucket fingerprints differ from the CPU reference"
+    reference = fingerprints({n: t.cpu() for n, t in split_tied(trainer.state_dict())[0].items()})
+    assert fingerprint_buckets(engine_buckets) == fingerprint_buckets(staged) == reference, (
+        "bucket fingerprints differ from the CPU reference"
+    )
 
     run_id = f"bench-{int(time.time())}"
     plane = CudaIpcTransport(run_id)
@@ -146,7 +157,7 @@ def main() -> None:
     previous: DataRef | None = None
     for rep in range(args.reps + 2):
         start = time.perf_counter()
-        ref = plane.put_buckets(f"weights-v{rep}", Buckets.of(weights), owner="trainer")
+        ref = plane.put_buckets(f"weights-v{rep}", stage(), owner="trainer")
         requests.put(ref.key)
         child_s = answers.get(timeout=120)
         if rep >= 2:
@@ -167,7 +178,8 @@ def main() -> None:
     rows = [
         ("copy of the same bytes (floor)", copy_s, copy_rate),
         ("per tensor: clone + copy + fingerprints (before)", per_tensor_s, None),
-        ("buckets: stage (pack)", stage_s, rate(stage_s)),
+        ("buckets: pack tensor by tensor (a trainer without buckets)", pack_s, rate(pack_s)),
+        ("buckets: stage (one copy per trainer bucket)", stage_s, rate(stage_s)),
         ("buckets: load into the engine (copy)", load_s, rate(load_s)),
         ("buckets: publish in process (stage + load)", publish_s, rate(publish_s, 4 * num_bytes)),
         ("buckets: fingerprint every tensor (one side)", fingerprint_s, rate(fingerprint_s, num_bytes)),
