@@ -298,7 +298,8 @@ class StaticDecoder:
             buf.slot.zero_()
             buf.step.zero_()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            # thread_local: a trainer in another thread of this process may call CUDA meanwhile.
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 self._step(buf, batch, temperature, top_p)
             buf.graphs[(batch, temperature, top_p)] = graph
 
