@@ -124,8 +124,10 @@ class RolloutConfig(Section):
     """How the embedded engine decodes. ``eager``: a growing KV cache, one host look per
     token. ``static``: a static KV cache and sampling on the device, the host looking every
     16 steps. ``cuda_graph``: ``static`` with each step replayed from a CUDA graph. ``auto``:
-    ``cuda_graph`` on a GPU for a model with full attention in every layer, ``eager``
-    otherwise. All sample alike from the same draws."""
+    ``cuda_graph`` on a GPU for a model it supports (full attention in every layer, no
+    expert routing), ``eager`` otherwise. All take the same uniform draws from the same
+    generator and end rows by the same rules; ``static`` and ``cuda_graph`` attend over a
+    padded cache, so in bf16 an occasional near-tie resolves differently from ``eager``."""
     eval_temperature: NonNegativeFloat = 0.0
     num_threads: NonNegativeInt = 0
     """torch threads of each engine while it generates; 0: the cores of the Generator's

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import types
 from pathlib import Path
 
 import msgspec
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from actors.engine.base import SamplingParams
-from actors.engine.static_decode import fuse_rms_norms
+from actors.engine.static_decode import fuse_rms_norms, supports
 from actors.engine.torch_engine import TorchEngine, sample_tokens
 from miles_events.rl.buckets import Buckets
 from miles_events.rl.canary import CANARY_TENSOR, canary_fingerprint, publication_canary
@@ -248,6 +249,46 @@ def test_static_decoding_samples_what_eager_decoding_samples_and_leaves_the_gene
     assert torch.equal(first.get_state(), second.get_state())
 
 
+class CancelAfter(Cancellation):
+    """Cancelled at its check number ``checks + 1``."""
+
+    def __init__(self, checks: int) -> None:
+        super().__init__()
+        self.checks, self.calls = checks, 0
+
+    def check(self) -> None:
+        self.calls += 1
+        if self.calls > self.checks:
+            self.cancel("cancelled at a decode step")
+        super().check()
+
+
+def test_static_decoding_is_cancelled_where_eager_decoding_is_and_rewinds_the_generator_alike(
+    model_dir: Path,
+) -> None:
+    eager = TorchEngine.from_pretrained(model_dir, max_batch_size=16, decode="eager")
+    static = TorchEngine.from_pretrained(model_dir, max_batch_size=16, decode="static")
+    assert static._decoder is not None
+    static._decoder.sync_every = 16  # the host looks later than rows end
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=60)
+    counted = CancelAfter(10**9)
+    eager.generate(PROMPTS * 2, sampling, seeded(1), counted)
+    # Every check the eager loop makes, and a few after its last (where the static loop,
+    # not having looked yet, still runs: those must not cancel a finished chunk).
+    for checks in range(counted.calls - 3, counted.calls + 8):
+        outcomes = []
+        for engine in (eager, static):
+            generator = seeded(1)
+            try:
+                engine.generate(PROMPTS * 2, sampling, generator, CancelAfter(checks))
+                outcome = "done"
+            except Cancelled:
+                outcome = "cancelled"
+            outcomes.append((outcome, generator.get_state()))
+        assert outcomes[0][0] == outcomes[1][0], checks
+        assert torch.equal(outcomes[0][1], outcomes[1][1]), checks
+
+
 def test_static_decoding_frees_finished_rows_into_a_smaller_batch(model_dir: Path) -> None:
     eager = TorchEngine.from_pretrained(model_dir, max_batch_size=32, decode="eager")
     static = TorchEngine.from_pretrained(model_dir, max_batch_size=32, decode="static")
@@ -291,6 +332,22 @@ def test_the_fused_rms_norm_computes_hugging_faces(model_dir: Path, dtype: torch
     for a, b in zip(expected, got, strict=True):
         assert a.dtype == b.dtype == dtype
         torch.testing.assert_close(b, a, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "config, reason",
+    [
+        ({"_attn_implementation": "flash_attention_2"}, "attention implementation"),
+        ({"layer_types": ["full_attention", "sliding_attention"]}, "layer types"),
+        ({"num_local_experts": 8}, "mixture-of-experts"),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "dynamic rotary scaling"),
+        ({}, None),
+    ],
+)
+def test_models_a_graph_cannot_hold_are_named_and_decode_eagerly(config: dict, reason: str | None) -> None:
+    model = types.SimpleNamespace(config=types.SimpleNamespace(**{"_attn_implementation": "sdpa", **config}))
+    why = supports(model)  # type: ignore[arg-type]
+    assert (why is None) if reason is None else (why is not None and reason in why)
 
 
 def test_ignore_eos_samples_the_full_length(engine: TorchEngine) -> None:

@@ -30,7 +30,9 @@ layer and step); every other call goes to Hugging Face's ``sdpa`` unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +49,9 @@ prompt widths share buffers and graphs."""
 
 MAX_BUFFER_SETS = 2
 """Buffer sets (with their graphs) kept for reuse; the least recently used goes first."""
+
+_CAPTURE_LOCK = threading.Lock()
+"""One CUDA graph capture at a time in a process (engines may decode in several threads)."""
 
 
 DECODE_ATTENTION = "miles_events_decode_sdpa"
@@ -122,6 +127,13 @@ def supports(model: torch.nn.Module) -> str | None:
     kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
     if kinds != {"full_attention"}:
         return f"layer types {sorted(kinds)} (needs full attention in every layer)"
+    experts = [key for key in ("num_experts", "num_local_experts", "n_routed_experts") if getattr(config, key, None)]
+    if experts:
+        return f"mixture-of-experts routing ({experts[0]}: data-dependent shapes a graph cannot hold)"
+    rope = getattr(config, "rope_scaling", None) or getattr(config, "rope_parameters", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+    if rope_type in ("dynamic", "longrope"):
+        return f"{rope_type} rotary scaling (recomputed from the sequence length on the host)"
     return None
 
 
@@ -238,7 +250,20 @@ class StaticDecoder:
         if cuda_graphs:
             fuse_rms_norms(model)
         self._buffers: dict[tuple[int, int], _Buffers] = {}
-        self._pool = torch.cuda.graph_pool_handle() if cuda_graphs else None
+        self._pool = None
+        self._capture_stream = None
+        if cuda_graphs:
+            with torch.cuda.device(self.device):
+                self._pool = torch.cuda.graph_pool_handle()
+                self._capture_stream = torch.cuda.Stream(self.device)
+
+    def close(self) -> None:
+        """Free the buffers and graphs."""
+        self._buffers.clear()
+
+    def _on_device(self) -> contextlib.AbstractContextManager[Any]:
+        """This decoder's GPU as the thread's current device (its streams, its graphs)."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
 
     # --- one step ------------------------------------------------------------------------
 
@@ -281,6 +306,10 @@ class StaticDecoder:
         missing = [b for b in batches if (b, temperature, top_p) not in buf.graphs]
         if not missing:
             return
+        with _CAPTURE_LOCK:
+            self._capture_locked(buf, missing, temperature, top_p)
+
+    def _capture_locked(self, buf: _Buffers, missing: Sequence[int], temperature: float, top_p: float) -> None:
         buf.row_ids.fill_(buf.capacity)
         buf.positions.zero_()
         buf.logits.zero_()
@@ -298,8 +327,11 @@ class StaticDecoder:
             buf.slot.zero_()
             buf.step.zero_()
             graph = torch.cuda.CUDAGraph()
-            # thread_local: a trainer in another thread of this process may call CUDA meanwhile.
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            # On this decoder's own stream and GPU; thread_local: a trainer in another thread
+            # of this process may call CUDA meanwhile.
+            with torch.cuda.graph(
+                graph, pool=self._pool, stream=self._capture_stream, capture_error_mode="thread_local"
+            ):
                 self._step(buf, batch, temperature, top_p)
             buf.graphs[(batch, temperature, top_p)] = graph
 
@@ -374,34 +406,49 @@ class StaticDecoder:
     ) -> Decoded:
         """Sample up to ``max_new_tokens`` tokens for every row of ``prefill``: a row ends
         at a token of ``eos_ids``, else where ``ends`` says, else at the length."""
+        with self._on_device():
+            return self._decode(
+                prefill, max_new_tokens, temperature, top_p, generator, eos_ids, ends, cancel_check
+            )
+
+    def _decode(
+        self,
+        prefill: Prefill,
+        steps: int,
+        temperature: float,
+        top_p: float,
+        generator: torch.Generator | None,
+        eos_ids: frozenset[int],
+        ends: EndCheck | None,
+        cancel_check: Callable[[], None] | None,
+    ) -> Decoded:
         rows = prefill.logits.shape[0]
         width = prefill.attention_mask.shape[1]
-        steps = max_new_tokens
         batch = _batch_size(rows)
         length = -(-(width + steps) // LENGTH_ALIGN) * LENGTH_ALIGN
         buf = self._buffers_for(prefill, batch, length)
         if self.cuda_graphs:
             self._capture(buf, _batch_sizes(batch), temperature, top_p)
 
-        draw_from = generator if generator is not None else torch.default_generator
-        rng_state = draw_from.get_state()
-        if temperature > 0:
-            buf.uniforms[:steps, :rows].copy_(torch.rand(steps, rows, generator=draw_from, dtype=torch.float32))
-        order = list(range(rows)) + [0] * (batch - rows)
-        self._place(buf, prefill, order, order[:rows] + [buf.capacity] * (batch - rows), width)
-        buf.slot.fill_(width)
-        buf.step.zero_()
+        with self._draws(generator, temperature, rows) as draw:
+            if temperature > 0:
+                buf.uniforms[:steps, :rows].copy_(draw(steps))
+            order = list(range(rows)) + [0] * (batch - rows)
+            self._place(buf, prefill, order, order[:rows] + [buf.capacity] * (batch - rows), width)
+            buf.slot.fill_(width)
+            buf.step.zero_()
 
-        slots = list(range(rows))  # chunk row of each running batch slot
-        ids: list[list[int]] = [[] for _ in range(rows)]
-        ended: dict[int, RowEnd] = {}
-        eos = torch.tensor(sorted(eos_ids), dtype=torch.long)
-        seen = 0  # steps whose tokens the host has looked at
-        step = 0
-        try:
+            slots = list(range(rows))  # chunk row of each running batch slot
+            ids: list[list[int]] = [[] for _ in range(rows)]
+            ended: dict[int, RowEnd] = {}
+            eos = torch.tensor(sorted(eos_ids), dtype=torch.long)
+            seen = 0  # steps whose tokens the host has looked at
             for step in range(steps):
-                if cancel_check is not None:
-                    cancel_check()
+                draw.used = step  # what the eager loop has drawn when it reaches this step
+                if cancel_check is not None and not self._cancel_point(
+                    cancel_check, buf, rows, seen, step, ids, ended, ends, eos
+                ):
+                    break  # every row had ended: the eager loop would not have reached this check
                 self._run_step(buf, batch, temperature, top_p)
                 if step + 1 - seen < self.sync_every and step < steps - 1:
                     continue
@@ -417,22 +464,55 @@ class StaticDecoder:
                     kept = [slots[slot] for slot in running]
                     self._place(buf, buf, order, kept + [buf.capacity] * (smaller - len(running)), width)
                     slots, batch = kept, smaller
-        except BaseException:
-            if temperature > 0:  # a cancelled eager loop has drawn for the steps before this one
-                draw_from.set_state(rng_state)
-                torch.rand(step, rows, generator=draw_from, dtype=torch.float32)
-            raise
-
-        ran = max(end.step for end in ended.values()) + 1
-        if temperature > 0:  # leave the generator where the eager loop leaves it
-            draw_from.set_state(rng_state)
-            torch.rand(ran, rows, generator=draw_from, dtype=torch.float32)
+            ran = max(end.step for end in ended.values()) + 1
+            draw.used = ran  # the eager loop draws once per step it runs
         logprobs = buf.out_logprobs[:rows, :ran].cpu().tolist()
         return Decoded(
             response_ids=[ids[row][: ended[row].step + 1] for row in range(rows)],
             response_logprobs=[logprobs[row][: ended[row].step + 1] for row in range(rows)],
             ends=[ended[row] for row in range(rows)],
         )
+
+    def _cancel_point(
+        self,
+        cancel_check: Callable[[], None],
+        buf: _Buffers,
+        rows: int,
+        seen: int,
+        step: int,
+        ids: list[list[int]],
+        ended: dict[int, RowEnd],
+        ends: EndCheck | None,
+        eos: torch.Tensor,
+    ) -> bool:
+        """The eager loop's cancellation point before step ``step``: True to go on. A
+        cancellation raises unless the steps the host has not looked at yet ended every row,
+        in which case the eager loop returned before this point and so does this one."""
+        try:
+            cancel_check()
+        except BaseException:
+            if step > seen:
+                self._look(buf.out_tokens[:rows, seen:step].cpu(), seen, ids, ended, ends, eos, last=False)
+            if len(ended) < rows:
+                raise
+            return False
+        return True
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _draws(generator: torch.Generator | None, temperature: float, rows: int) -> Iterator[_Draws]:
+        """Uniform draws as the eager loop takes them (``rows`` a step), taken up front; on
+        leaving, ``generator`` is set to where the eager loop leaves it after ``used`` steps
+        (by default, on an error: the steps before the one that failed). Without a generator
+        the draws come from the process's default one, which is not rewound: another thread
+        may have drawn from it meanwhile."""
+        draws = _Draws(generator, rows)
+        try:
+            yield draws
+        finally:
+            if temperature > 0 and generator is not None:
+                generator.set_state(draws.state)
+                torch.rand(draws.used, rows, generator=generator, dtype=torch.float32)
 
     @staticmethod
     def _look(
@@ -466,6 +546,20 @@ class StaticDecoder:
             else:
                 if last:
                     ended[row] = RowEnd(first_step + len(row_tokens) - 1, "length")
+
+
+class _Draws:
+    """Takes a chunk's uniforms up front; ``used`` is how many steps' worth the eager loop
+    would have taken (set once known)."""
+
+    def __init__(self, generator: torch.Generator | None, rows: int) -> None:
+        self.generator = generator
+        self.rows = rows
+        self.state = generator.get_state() if generator is not None else None
+        self.used = 0
+
+    def __call__(self, steps: int) -> torch.Tensor:
+        return torch.rand(steps, self.rows, generator=self.generator, dtype=torch.float32)
 
 
 def _batch_size(rows: int) -> int:

@@ -531,6 +531,8 @@ class TorchEngine(Engine):
 
     def close(self) -> None:
         self._snapshot = None
+        if self._decoder is not None:
+            self._decoder.close()
 
 
 def _eos_token_ids(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
