@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import random
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,10 +32,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from qwen_shape import add_shape_arguments, prepare_model  # noqa: E402
+
 from actors.engine.base import SamplingParams  # noqa: E402
 from actors.engine.torch_engine import TorchEngine  # noqa: E402
-from miles_events.rl.hf_model import ARITH_SYMBOLS, prepare_base_model  # noqa: E402
-from schemas.config import BuiltinModelConfig, ModelConfig  # noqa: E402
+from miles_events.rl.hf_model import ARITH_SYMBOLS  # noqa: E402
 
 
 def best_of(fn: Callable[[], int], reps: int) -> tuple[float, int]:
@@ -57,23 +57,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--new", type=int, default=256)
-    parser.add_argument("--hidden", type=int, default=896)
-    parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--intermediate", type=int, default=4864)
-    parser.add_argument("--heads", type=int, default=14)
-    parser.add_argument("--kv-heads", type=int, default=2)
+    add_shape_arguments(parser)
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
-    builtin = BuiltinModelConfig(
-        hidden_size=args.hidden,
-        num_hidden_layers=args.layers,
-        intermediate_size=args.intermediate,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        max_position_embeddings=max(2048, args.prompt + args.new),
-    )
-    config = ModelConfig(builtin=builtin, dtype="bfloat16")
-    model_dir = prepare_base_model(config, Path(tempfile.mkdtemp()), seed=1)
+    model_dir = prepare_model(args, max_position_embeddings=max(2048, args.prompt + args.new))
     engines = {
         mode: TorchEngine.from_pretrained(
             model_dir, dtype="bfloat16", device="cuda", max_batch_size=args.batch, decode=mode

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -41,13 +40,14 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from qwen_shape import add_shape_arguments, prepare_model  # noqa: E402
+
 from miles_events.rl.buckets import Buckets, bucket_parameters, fingerprint_buckets  # noqa: E402
 from miles_events.rl.checksum import K1, K2, K3, fingerprints  # noqa: E402
 from miles_events.rl.checksum_triton import segment_sums  # noqa: E402
-from miles_events.rl.hf_model import load_model, prepare_base_model  # noqa: E402
+from miles_events.rl.hf_model import load_model  # noqa: E402
 from miles_events.rl.weights import split_tied  # noqa: E402
 from miles_events.transport.cuda_ipc import CudaIpcTransport  # noqa: E402
-from schemas.config import BuiltinModelConfig, ModelConfig  # noqa: E402
 from schemas.data import DataRef  # noqa: E402
 
 
@@ -85,21 +85,10 @@ def engine_process(model_dir: str, run_id: str, requests: mp.Queue, answers: mp.
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--hidden", type=int, default=896)
-    parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--intermediate", type=int, default=4864)
-    parser.add_argument("--heads", type=int, default=14)
-    parser.add_argument("--kv-heads", type=int, default=2)
+    add_shape_arguments(parser)
     parser.add_argument("--reps", type=int, default=20)
     args = parser.parse_args()
-    builtin = BuiltinModelConfig(
-        hidden_size=args.hidden,
-        num_hidden_layers=args.layers,
-        intermediate_size=args.intermediate,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-    )
-    model_dir = str(prepare_base_model(ModelConfig(builtin=builtin, dtype="bfloat16"), Path(tempfile.mkdtemp()), seed=1))
+    model_dir = str(prepare_model(args))
     trainer = load_model(model_dir, "bfloat16").cuda()
     weights, _ = split_tied(trainer.state_dict())
     engine = load_model(model_dir, "bfloat16").cuda()
