@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -192,6 +192,14 @@ class Decoded:
 EndCheck = Callable[[list[int]], RowEnd | None]
 """Given a row's response ids so far, where a stop string ends it (at its last token), or
 None."""
+
+
+def row_end(ids: list[int], step: int, eos_ids: frozenset[int], ends: EndCheck | None) -> RowEnd | None:
+    """Whether a row ends at its last token ``ids[-1]``, sampled at ``step``: an EOS token
+    ends it, else a stop string (``ends``); the rule of both decode loops."""
+    if ids[-1] in eos_ids:
+        return RowEnd(step, "stop")
+    return ends(ids) if ends is not None else None
 
 
 @dataclass
@@ -373,11 +381,13 @@ class StaticDecoder:
 
     def _place(self, buf: _Buffers, source: Prefill | _Buffers, order: list[int], rows: list[int], width: int) -> None:
         """Fill batch slots ``[0, len(order))`` from ``source``'s rows ``order`` (a prefill,
-        or this buffer's own slots when freeing finished rows); ``rows`` are their chunk rows,
-        padded with ``buf.capacity`` for slots that only fill a batch size."""
+        or this buffer's own slots when freeing finished rows); ``rows`` are the chunk rows of
+        the first slots, and the slots after them, which only fill a batch size, belong to no
+        row (``buf.capacity``)."""
         batch = len(order)
         index = torch.tensor(order, dtype=torch.long, device=self.device)
-        buf.row_ids[:batch].copy_(torch.tensor(rows, dtype=torch.long))
+        owners = rows + [buf.capacity] * (batch - len(rows))
+        buf.row_ids[:batch].copy_(torch.tensor(owners, dtype=torch.long))
         if isinstance(source, Prefill):
             for (k, v), keys, values in zip(source.cache_layers, buf.keys, buf.values, strict=True):
                 keys[:batch, :, :width].copy_(k.index_select(0, index))
@@ -430,30 +440,29 @@ class StaticDecoder:
         if self.cuda_graphs:
             self._capture(buf, _batch_sizes(batch), temperature, top_p)
 
-        with self._draws(generator, temperature, rows) as draw:
+        with _Draws(generator, temperature, rows) as draw:
             if temperature > 0:
                 buf.uniforms[:steps, :rows].copy_(draw(steps))
             order = list(range(rows)) + [0] * (batch - rows)
-            self._place(buf, prefill, order, order[:rows] + [buf.capacity] * (batch - rows), width)
+            self._place(buf, prefill, order, order[:rows], width)
             buf.slot.fill_(width)
             buf.step.zero_()
 
             slots = list(range(rows))  # chunk row of each running batch slot
             ids: list[list[int]] = [[] for _ in range(rows)]
             ended: dict[int, RowEnd] = {}
-            eos = torch.tensor(sorted(eos_ids), dtype=torch.long)
             seen = 0  # steps whose tokens the host has looked at
             for step in range(steps):
                 draw.used = step  # what the eager loop has drawn when it reaches this step
                 if cancel_check is not None and not self._cancel_point(
-                    cancel_check, buf, rows, seen, step, ids, ended, ends, eos
+                    cancel_check, buf, rows, seen, step, ids, ended, eos_ids, ends
                 ):
                     break  # every row had ended: the eager loop would not have reached this check
                 self._run_step(buf, batch, temperature, top_p)
                 if step + 1 - seen < self.sync_every and step < steps - 1:
                     continue
                 block = buf.out_tokens[:rows, seen : step + 1].cpu()  # the host's one sync
-                self._look(block, seen, ids, ended, ends, eos, last=step == steps - 1)
+                self._look(block, seen, ids, ended, eos_ids, ends, last=step == steps - 1)
                 seen = step + 1
                 running = [slot for slot, row in enumerate(slots) if row not in ended]
                 if not running:
@@ -462,13 +471,13 @@ class StaticDecoder:
                 if smaller < batch:
                     order = running + [running[0]] * (smaller - len(running))
                     kept = [slots[slot] for slot in running]
-                    self._place(buf, buf, order, kept + [buf.capacity] * (smaller - len(running)), width)
+                    self._place(buf, buf, order, kept, width)
                     slots, batch = kept, smaller
             ran = max(end.step for end in ended.values()) + 1
             draw.used = ran  # the eager loop draws once per step it runs
         logprobs = buf.out_logprobs[:rows, :ran].cpu().tolist()
         return Decoded(
-            response_ids=[ids[row][: ended[row].step + 1] for row in range(rows)],
+            response_ids=ids,  # each row's ids stop at the token that ends it
             response_logprobs=[logprobs[row][: ended[row].step + 1] for row in range(rows)],
             ends=[ended[row] for row in range(rows)],
         )
@@ -482,8 +491,8 @@ class StaticDecoder:
         step: int,
         ids: list[list[int]],
         ended: dict[int, RowEnd],
+        eos_ids: frozenset[int],
         ends: EndCheck | None,
-        eos: torch.Tensor,
     ) -> bool:
         """The eager loop's cancellation point before step ``step``: True to go on. A
         cancellation raises unless the steps the host has not looked at yet ended every row,
@@ -492,27 +501,11 @@ class StaticDecoder:
             cancel_check()
         except BaseException:
             if step > seen:
-                self._look(buf.out_tokens[:rows, seen:step].cpu(), seen, ids, ended, ends, eos, last=False)
+                self._look(buf.out_tokens[:rows, seen:step].cpu(), seen, ids, ended, eos_ids, ends, last=False)
             if len(ended) < rows:
                 raise
             return False
         return True
-
-    @staticmethod
-    @contextlib.contextmanager
-    def _draws(generator: torch.Generator | None, temperature: float, rows: int) -> Iterator[_Draws]:
-        """Uniform draws as the eager loop takes them (``rows`` a step), taken up front; on
-        leaving, ``generator`` is set to where the eager loop leaves it after ``used`` steps
-        (by default, on an error: the steps before the one that failed). Without a generator
-        the draws come from the process's default one, which is not rewound: another thread
-        may have drawn from it meanwhile."""
-        draws = _Draws(generator, rows)
-        try:
-            yield draws
-        finally:
-            if temperature > 0 and generator is not None:
-                generator.set_state(draws.state)
-                torch.rand(draws.used, rows, generator=generator, dtype=torch.float32)
 
     @staticmethod
     def _look(
@@ -520,26 +513,20 @@ class StaticDecoder:
         first_step: int,
         ids: list[list[int]],
         ended: dict[int, RowEnd],
+        eos_ids: frozenset[int],
         ends: EndCheck | None,
-        eos: torch.Tensor,
         *,
         last: bool,
     ) -> None:
-        """End the rows that ended within ``block`` (tokens of steps ``first_step...``), in
-        the eager loop's order: an EOS token, else a stop string, else the length."""
-        hits = torch.isin(block, eos)
-        first_eos = torch.where(hits.any(dim=1), hits.int().argmax(dim=1), block.shape[1]).tolist()
-        tokens = block.tolist()
-        for row, row_tokens in enumerate(tokens):
+        """Extend each running row's ``ids`` by its tokens in ``block`` (steps
+        ``first_step...``) up to the one that ends it (``row_end``), or, at the ``last``
+        step, the length."""
+        for row, row_tokens in enumerate(block.tolist()):
             if row in ended:
                 continue
             for offset, token in enumerate(row_tokens):
                 ids[row].append(token)
-                step = first_step + offset
-                if offset == first_eos[row]:
-                    ended[row] = RowEnd(step, "stop")
-                    break
-                end = ends(ids[row]) if ends is not None else None
+                end = row_end(ids[row], first_step + offset, eos_ids, ends)
                 if end is not None:
                     ended[row] = end
                     break
@@ -549,17 +536,30 @@ class StaticDecoder:
 
 
 class _Draws:
-    """Takes a chunk's uniforms up front; ``used`` is how many steps' worth the eager loop
-    would have taken (set once known)."""
+    """A chunk's uniform draws as the eager loop takes them (``rows`` a step), taken up
+    front. On leaving, ``generator`` is set to where the eager loop leaves it after ``used``
+    steps (set once known; on an error, the steps before the one that failed). Without a
+    generator the draws come from the process's default one, which is not rewound: another
+    thread may have drawn from it meanwhile."""
 
-    def __init__(self, generator: torch.Generator | None, rows: int) -> None:
+    def __init__(self, generator: torch.Generator | None, temperature: float, rows: int) -> None:
         self.generator = generator
+        self.rewind = temperature > 0 and generator is not None
         self.rows = rows
         self.state = generator.get_state() if generator is not None else None
         self.used = 0
 
     def __call__(self, steps: int) -> torch.Tensor:
         return torch.rand(steps, self.rows, generator=self.generator, dtype=torch.float32)
+
+    def __enter__(self) -> _Draws:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self.rewind:
+            assert self.generator is not None and self.state is not None
+            self.generator.set_state(self.state)
+            torch.rand(self.used, self.rows, generator=self.generator, dtype=torch.float32)
 
 
 def _batch_size(rows: int) -> int:

@@ -51,7 +51,7 @@ from actors.engine.base import (
     tensors_match,
 )
 from actors.engine.sampling import sample_tokens
-from actors.engine.static_decode import Decoded, EndCheck, Prefill, RowEnd, StaticDecoder, supports
+from actors.engine.static_decode import Decoded, EndCheck, Prefill, RowEnd, StaticDecoder, row_end, supports
 from miles_events.rl.buckets import Buckets, bucket_parameters, fingerprint_buckets
 from miles_events.rl.canary import CANARY_BYTES, CANARY_TENSOR, canary_fingerprint, split_canary
 from miles_events.rl.cancel import Cancellation
@@ -96,10 +96,10 @@ class TorchEngine(Engine):
         self._canary = torch.zeros(CANARY_BYTES, dtype=torch.uint8)
         """The publication canary of the payload loaded last (``miles_events.rl.canary``)."""
         self._canary_loaded = False
-        served, _ = split_tied(model.state_dict())
+        served, self._aliases = split_tied(model.state_dict())
         self._buckets = bucket_parameters(model, served)
         """The served tensors, each now a view of its dtype's flat bucket."""
-        self._served, self._aliases = split_tied(model.state_dict())
+        self._served = self._buckets.tensors()
         self._snapshot: dict[str, torch.Tensor] | None = None
         self._eos_ids = _eos_token_ids(model, tokenizer)
         pad = tokenizer.pad_token_id
@@ -259,7 +259,6 @@ class TorchEngine(Engine):
         eos_ids = frozenset() if sampling.ignore_eos else self._eos_ids
         ends = self._stop_check(sampling.stop)
         if self._decoder is not None:
-            del cache  # the decoder copies the prefill into its own buffers
             decoded = self._decoder.decode(
                 prefill,
                 sampling.max_new_tokens,
@@ -324,7 +323,7 @@ class TorchEngine(Engine):
                 row = active[slot]
                 response_ids[row].append(token)
                 response_logprobs[row].append(logprob)
-                end = RowEnd(step, "stop") if token in eos_ids else ends(response_ids[row]) if ends else None
+                end = row_end(response_ids[row], step, eos_ids, ends)
                 if end is not None:
                     ended[row] = end
                 else:
