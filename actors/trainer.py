@@ -39,7 +39,7 @@ from miles_events.rl.finite import (
     require_finite_buckets,
 )
 from miles_events.rl.hf_model import modeling_module, torch_dtype
-from miles_events.rl.host_copy import capture_point, copy_to_host
+from miles_events.rl.host_copy import capture_point, copy_to_host, map_tensors
 from miles_events.rl.probe import probe_batch, probe_vocab_size
 from miles_events.rl.prompts import data_cursor, load_prompts
 from miles_events.rl.threads import phase_threads
@@ -319,8 +319,8 @@ class Trainer(Actor):
         mode = self.config.trainer.save_staging
         background = mode == "background" or (mode == "auto" and weights.device.type == "cuda")
         optimizer = self.backend.optimizer_state_dict()
-        if background:
-            optimizer = detached_copy(optimizer)
+        if background:  # copied where it lives: training goes on meanwhile
+            optimizer = map_tensors(optimizer, lambda tensor: tensor.detach().clone())
         # On a GPU, the host copy waits for this point only, not for the steps after it.
         ready = capture_point(weights.device) if background else None
         return TrainStateSnapshot(weights, optimizer, self.backend.rng_state(), background, ready)
@@ -395,19 +395,6 @@ class TrainStateSnapshot:
     background: bool
     ready: Any = None
     """On a GPU, a CUDA event where the copies were taken: what the host copy waits for."""
-
-
-def detached_copy(obj: Any) -> Any:
-    """``obj`` with every tensor in it copied (dicts, lists and tuples walked), on its device."""
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, dict):
-        return {key: detached_copy(value) for key, value in obj.items()}
-    if isinstance(obj, list | tuple):
-        return type(obj)(detached_copy(value) for value in obj)
-    return obj
 
 
 def torch_save_bytes(obj: Any) -> bytes:

@@ -10,6 +10,7 @@ next step computes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from miles_events.rl.buckets import Buckets
@@ -56,13 +57,15 @@ def copy_to_host(obj: Any, after: torch.cuda.Event | None = None) -> Any:
             host.copy_(tensor.detach(), non_blocking=True)
         return host
 
-    copied = _map(obj, to_host)
+    copied = map_tensors(obj, to_host)
     for stream in streams.values():
         stream.synchronize()
     return copied
 
 
-def _map(obj: Any, fn: Any) -> Any:
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``obj`` with ``fn`` applied to every tensor in it: dicts, lists and tuples walked,
+    ``Buckets`` buffer by buffer; anything else as it is."""
     import torch
 
     if isinstance(obj, torch.Tensor):
@@ -70,13 +73,13 @@ def _map(obj: Any, fn: Any) -> Any:
     if isinstance(obj, Buckets):
         return Buckets(obj.layouts, tuple(fn(buffer) for buffer in obj.buffers))
     if isinstance(obj, dict):
-        return {key: _map(value, fn) for key, value in obj.items()}
+        return {key: map_tensors(value, fn) for key, value in obj.items()}
     if isinstance(obj, list | tuple):
-        return type(obj)(_map(value, fn) for value in obj)
+        return type(obj)(map_tensors(value, fn) for value in obj)
     return obj
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
     found: list[torch.Tensor] = []
-    _map(obj, lambda t: found.append(t) or t)
+    map_tensors(obj, lambda t: found.append(t) or t)
     return found
