@@ -56,8 +56,8 @@ class Saver(Actor):
         transport = self.context.transport
         # The staged file where the transport keeps one: copied, never decoded.
         weights = transport.tensors_file(event.weights) or transport.get_tensors(event.weights)
-        optimizer = transport.get_bytes(event.optimizer)
-        rng = transport.get_bytes(event.rng)
+        optimizer = transport.state_file(event.optimizer) or transport.get_state(event.optimizer)
+        rng = transport.state_file(event.rng) or transport.get_state(event.rng)
         if self.config.model.path is None:
             raise ValueError("model.path is unset: no base model to copy config and tokenizer from")
         return write_checkpoint(

@@ -14,7 +14,6 @@ the end of the run drops whatever is left).
 
 from __future__ import annotations
 
-import io
 import logging
 import time
 from dataclasses import dataclass
@@ -321,6 +320,8 @@ class Trainer(Actor):
         optimizer = self.backend.optimizer_state_dict()
         if background:  # copied where it lives: training goes on meanwhile
             optimizer = map_tensors(optimizer, lambda tensor: tensor.detach().clone())
+        else:  # to the host now: what is staged is handed over, never written again
+            optimizer = map_tensors(optimizer, lambda tensor: tensor.detach().to("cpu", copy=True))
         # On a GPU, the host copy waits for this point only, not for the steps after it.
         ready = capture_point(weights.device) if background else None
         return TrainStateSnapshot(weights, optimizer, self.backend.rng_state(), background, ready)
@@ -332,8 +333,8 @@ class Trainer(Actor):
             # Off the trainer's stream, into pinned memory: the next step runs meanwhile.
             host_weights, host_optimizer = copy_to_host((snapshot.weights, snapshot.optimizer), snapshot.ready)
         weights = transport.put_buckets(f"{prefix}-weights", host_weights, owner=self.name)
-        optimizer = transport.put_bytes(f"{prefix}-optimizer", torch_save_bytes(host_optimizer), owner=self.name)
-        rng = transport.put_bytes(f"{prefix}-rng", torch_save_bytes(snapshot.rng), owner=self.name)
+        optimizer = transport.put_state(f"{prefix}-optimizer", host_optimizer, owner=self.name)
+        rng = transport.put_state(f"{prefix}-rng", snapshot.rng, owner=self.name)
         return weights, optimizer, rng
 
     @handles(SaveRequested, emits=(TrainStateStaged,))
@@ -395,12 +396,3 @@ class TrainStateSnapshot:
     background: bool
     ready: Any = None
     """On a GPU, a CUDA event where the copies were taken: what the host copy waits for."""
-
-
-def torch_save_bytes(obj: Any) -> bytes:
-    """``torch.save`` into memory."""
-    import torch
-
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()

@@ -58,8 +58,8 @@ def _torch_bytes(obj: object) -> bytes:
     return buffer.getvalue()
 
 
-def _trained(base_dir: Path) -> tuple[torch.nn.Module, bytes, bytes]:
-    """A model moved away from the base by one optimizer step, its optimizer and RNG bytes."""
+def _trained(base_dir: Path) -> tuple[torch.nn.Module, dict, dict]:
+    """A model moved away from the base by one optimizer step, its optimizer and RNG state."""
     torch.manual_seed(0)
     model = load_model(base_dir)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -67,7 +67,7 @@ def _trained(base_dir: Path) -> tuple[torch.nn.Module, bytes, bytes]:
     model(input_ids=input_ids, labels=input_ids).loss.backward()
     optimizer.step()
     rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    return model, _torch_bytes(optimizer.state_dict()), _torch_bytes(rng)
+    return model, optimizer.state_dict(), rng
 
 
 def _small_weights(value: float) -> dict[str, torch.Tensor]:
@@ -80,8 +80,8 @@ def _write(run_dir: Path, base_dir: Path, rollout_id: int, value: float = 1.0) -
         base_dir,
         rollout_id,
         _small_weights(value),
-        _torch_bytes({"state": {}}),
-        _torch_bytes({"torch": torch.get_rng_state()}),
+        {"state": {}},
+        {"torch": torch.get_rng_state()},
         _state(rollout_id),
         fsync=False,
     )
@@ -106,9 +106,9 @@ def test_round_trip_gives_identical_weights_optimizer_rng_and_state(base_dir: Pa
     assert path == tmp_path / "checkpoints" / "rollout_000005"
     assert loaded.weights.keys() == weights.keys()
     assert all(torch.equal(loaded.weights[k], weights[k]) for k in weights)
-    assert _torch_bytes(loaded.optimizer) == _torch_bytes(torch.load(io.BytesIO(optimizer)))
-    assert torch.equal(loaded.rng["torch"], torch.load(io.BytesIO(rng))["torch"])
-    assert loaded.rng["python"] == torch.load(io.BytesIO(rng))["python"]
+    assert _torch_bytes(loaded.optimizer) == _torch_bytes(optimizer)
+    assert torch.equal(loaded.rng["torch"], rng["torch"])
+    assert loaded.rng["python"] == rng["python"]
     assert loaded.trainer_state == _state(5)
     assert loaded.manifest.rollout_id == 5 and loaded.manifest.weight_version == "3"
 
@@ -182,7 +182,7 @@ def test_weights_that_share_storage_are_saved(base_dir: Path, tmp_path: Path) ->
     embedding = torch.randn(4, 2)
     weights = {"model.embed_tokens.weight": embedding, "lm_head.weight": embedding}
 
-    path = write_checkpoint(tmp_path, base_dir, 0, weights, _torch_bytes({}), _torch_bytes({}), _state(0))
+    path = write_checkpoint(tmp_path, base_dir, 0, weights, {}, {}, _state(0))
 
     loaded = read_checkpoint(path).weights
     assert torch.equal(loaded["lm_head.weight"], embedding)
@@ -233,9 +233,10 @@ def test_a_crafted_pickle_with_a_matching_manifest_is_refused_and_never_run(
     """Whoever can write a checkpoint can rewrite its manifest too: the hashes match, and
     the load must still run nothing."""
     marker = tmp_path / "code-ran"
-    crafted = _torch_bytes({"torch": torch.get_rng_state(), "python": _RunsCode(marker)})
-    rng = crafted if file_name == "rng.pt" else _torch_bytes({"torch": torch.get_rng_state()})
-    optimizer = crafted if file_name == "optimizer.pt" else _torch_bytes({"state": {}})
+    crafted = tmp_path / "staged.pt"  # a staged file is copied as it is
+    crafted.write_bytes(_torch_bytes({"torch": torch.get_rng_state(), "python": _RunsCode(marker)}))
+    rng = crafted if file_name == "rng.pt" else {"torch": torch.get_rng_state()}
+    optimizer = crafted if file_name == "optimizer.pt" else {"state": {}}
     path = write_checkpoint(tmp_path / "run", base_dir, 0, _small_weights(1.0), optimizer, rng, _state(0), fsync=False)
     verify_checkpoint(path)  # the manifest agrees with the crafted file
     with pytest.raises(CheckpointError, match=f"{file_name} holds objects other than tensors and plain data"):
@@ -247,10 +248,10 @@ def test_what_the_trainer_saves_loads_with_weights_only(base_dir: Path, tmp_path
     from actors.trainer_backend.base import capture_rng_state
 
     _model, optimizer, _rng = _trained(base_dir)
-    rng = _torch_bytes(capture_rng_state())
+    rng = capture_rng_state()
     path = write_checkpoint(tmp_path / "run", base_dir, 0, _small_weights(1.0), optimizer, rng, _state(0), fsync=False)
     loaded = read_checkpoint(path)
-    assert loaded.optimizer["state"] and torch.equal(loaded.rng["torch"], torch.load(io.BytesIO(rng))["torch"])
+    assert loaded.optimizer["state"] and torch.equal(loaded.rng["torch"], rng["torch"])
 
 
 def test_latest_is_none_without_checkpoints(tmp_path: Path) -> None:
@@ -322,7 +323,7 @@ def test_failed_rewrite_leaves_previous_checkpoint_intact(base_dir: Path, tmp_pa
     no_config.mkdir()
 
     with pytest.raises(CheckpointError):
-        write_checkpoint(tmp_path, no_config, 4, _small_weights(2.0), b"o", b"r", _state(4), fsync=False)
+        write_checkpoint(tmp_path, no_config, 4, _small_weights(2.0), {}, {}, _state(4), fsync=False)
 
     embedding = read_checkpoint(previous).weights["model.embed_tokens.weight"]
     assert torch.equal(embedding, torch.full((4, 2), 1.0))
@@ -408,8 +409,8 @@ def _staged(context: FakeContext, rollout_id: int) -> TrainStateStaged:
     return TrainStateStaged(
         rollout_id=rollout_id,
         weights=transport.put_tensors(f"w{rollout_id}", _small_weights(float(rollout_id)), "trainer"),
-        optimizer=transport.put_bytes(f"o{rollout_id}", _torch_bytes({"state": {}}), "trainer"),
-        rng=transport.put_bytes(f"r{rollout_id}", _torch_bytes({"torch": torch.get_rng_state()}), "trainer"),
+        optimizer=transport.put_state(f"o{rollout_id}", {"state": {}}, "trainer"),
+        rng=transport.put_state(f"r{rollout_id}", {"torch": torch.get_rng_state()}, "trainer"),
         trainer_state=_state(rollout_id, weight_version=str(rollout_id + 1)),
     )
 
@@ -438,6 +439,24 @@ async def test_saver_releases_three_refs_then_reports_saved(base_dir: Path, tmp_
     assert Path(saved.path) == tmp_path / "checkpoints" / "rollout_000003"
     assert saved.num_bytes == sum(p.stat().st_size for p in Path(saved.path).iterdir())
     assert read_checkpoint(Path(saved.path)).trainer_state == event.trainer_state
+
+
+async def test_the_saver_copies_the_staged_files_of_a_file_transport_as_they_are(
+    base_dir: Path, tmp_path: Path
+) -> None:
+    saver, context = _saver(base_dir, tmp_path / "run")
+    context.transport = ShmTransport("run-test-files", tmp_path / "shm")
+    event = _staged(context, 2)
+    staged = {"optimizer.pt": event.optimizer, "rng.pt": event.rng}
+    staged_bytes = {name: context.transport.state_file(ref).read_bytes() for name, ref in staged.items()}
+
+    await saver.handle(event)
+
+    saved = context.events[-1]
+    assert isinstance(saved, CheckpointSaved)
+    for name, data in staged_bytes.items():
+        assert (Path(saved.path) / name).read_bytes() == data
+    assert read_checkpoint(Path(saved.path)).optimizer == {"state": {}}
 
 
 async def test_saver_prunes_to_keep_last(base_dir: Path, tmp_path: Path) -> None:

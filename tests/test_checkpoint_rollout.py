@@ -377,8 +377,8 @@ def test_a_checkpoint_of_the_bootstrap_weights_is_refused_with_the_seeds_message
         base_model_dir=base_dir,
         rollout_id=saved.trainer_state.rollout_id,
         weights=load_file(str(base_dir / "model.safetensors")),
-        optimizer=(saved.path / "optimizer.pt").read_bytes(),
-        rng=(saved.path / "rng.pt").read_bytes(),
+        optimizer=saved.path / "optimizer.pt",
+        rng=saved.path / "rng.pt",
         trainer_state=saved.trainer_state,
     )
     evidence_path = tmp_path / "evidence.json"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import json
 from pathlib import Path
 
@@ -65,15 +64,9 @@ def save(run_dir: Path, base: Path, rollout_id: int, lineage: str = "run-a") -> 
         data=DataCursor(next_rollout_id=rollout_id + 1, epoch=0, offset=0), seed=1, run_id=lineage, lineage=lineage,
     )  # fmt: skip
     return write_checkpoint(
-        run_dir, base, rollout_id, {"w": torch.full((2,), float(rollout_id))}, torch_bytes({"state": {}}),
-        torch_bytes({"torch": torch.get_rng_state()}), state, fsync=False,
+        run_dir, base, rollout_id, {"w": torch.full((2,), float(rollout_id))}, {"state": {}},
+        {"torch": torch.get_rng_state()}, state, fsync=False,
     )  # fmt: skip
-
-
-def torch_bytes(obj: object) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
 
 
 def corrupt(checkpoint: Path) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import io
+import copy
 import json
 import math
 from dataclasses import dataclass, field
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from actors.engine.torch_engine import TorchEngine
-from actors.trainer import Trainer, staleness_max, torch_save_bytes
+from actors.trainer import Trainer, staleness_max
 from actors.trainer_backend.torch_backend import (
     TorchTrainerBackend,
     pack_samples,
@@ -150,10 +150,6 @@ def rollout_event(context: FakeContext, rollout_id: int, samples: list[Sample]) 
 
 def weights_of(trainer: Trainer) -> dict[str, torch.Tensor]:
     return {name: t.clone() for name, t in trainer.backend.named_weights().items()}
-
-
-def torch_load(data: bytes) -> Any:
-    return torch.load(io.BytesIO(data), weights_only=True)
 
 
 # --- training ----------------------------------------------------------------------------------
@@ -522,7 +518,7 @@ async def test_saved_optimizer_bytes_load_back_into_an_optimizer(base_model: Pat
     await trainer.handle(rollout_event(context, 0, two_group_samples()))
     await trainer.handle(SaveRequested(rollout_id=0, reason="interval"))
     staged = context.of_type(TrainStateStaged)[0]
-    state = torch_load(context.transport.get_bytes(staged.optimizer))
+    state = context.transport.get_state(staged.optimizer)
     assert len(state["state"]) > 0
     fresh = TorchTrainerBackend(trainer.config)
     fresh.optimizer.load_state_dict(state)
@@ -559,7 +555,7 @@ async def test_a_background_save_stages_the_state_as_it_was_when_asked_while_tra
     trainer, context = await started_trainer(make_config(base_model, tmp_path, save_staging="background"), tmp_path)
     await trainer.handle(rollout_event(context, 0, two_group_samples()))
     asked = {n: t.clone() for n, t in trainer.backend.named_weights().items()}
-    optimizer_asked = torch_load(torch_save_bytes(trainer.backend.optimizer_state_dict()))
+    optimizer_asked = copy.deepcopy(trainer.backend.optimizer_state_dict())
     await trainer.handle(SaveRequested(rollout_id=0, reason="interval"))
     await trainer.handle(rollout_event(context, 1, two_group_samples()))  # the next step, before it is staged
     for _ in range(200):
@@ -572,7 +568,7 @@ async def test_a_background_save_stages_the_state_as_it_was_when_asked_while_tra
     assert weights.keys() == asked.keys() and all(torch.equal(weights[n], t) for n, t in asked.items())
     now = trainer.backend.named_weights()
     assert any(not torch.equal(now[n], t) for n, t in asked.items())  # training went on
-    optimizer = torch_load(context.transport.get_bytes(staged.optimizer))
+    optimizer = context.transport.get_state(staged.optimizer)
     for key, state in optimizer_asked["state"].items():
         assert all(torch.equal(optimizer["state"][key][k], v) for k, v in state.items() if isinstance(v, torch.Tensor))
 
@@ -584,7 +580,7 @@ async def test_released_train_state_is_freed_by_its_owner(base_model: Path, tmp_
     for ref in (staged.weights, staged.optimizer, staged.rng):
         await trainer.handle(DataReleased(ref=ref))
     with pytest.raises(KeyError):
-        context.transport.get_bytes(staged.optimizer)
+        context.transport.get_state(staged.optimizer)
     with pytest.raises(KeyError):
         context.transport.get_tensors(staged.weights)
 
@@ -620,8 +616,8 @@ async def test_resume_continues_training_exactly_where_the_save_left_off(
     staged = context.of_type(TrainStateStaged)[0]
     loaded = LoadedCheckpoint(
         weights={n: t.clone() for n, t in context.transport.get_tensors(staged.weights).items()},
-        optimizer=torch_load(context.transport.get_bytes(staged.optimizer)),
-        rng=torch_load(context.transport.get_bytes(staged.rng)),
+        optimizer=copy.deepcopy(context.transport.get_state(staged.optimizer)),
+        rng=copy.deepcopy(context.transport.get_state(staged.rng)),
         trainer_state=staged.trainer_state,
     )
     checkpoint = tmp_path / "checkpoints" / "rollout-0"

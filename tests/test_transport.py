@@ -39,6 +39,41 @@ def test_bytes_round_trip_and_free_removes_them(tmp_path: Path):
         disk.get_bytes(ref)
 
 
+def optimizer_state() -> dict:
+    exp_avg = torch.arange(4.0)
+    return {"state": {0: {"step": torch.tensor(3.0), "exp_avg": exp_avg}}, "param_groups": [{"lr": 0.1}]}
+
+
+@pytest.mark.parametrize("name", ["shm", "disk", "cuda_ipc"])
+def test_a_state_is_torch_saved_straight_into_the_transports_file(tmp_path: Path, name: str):
+    plane = open_transport(name, f"run-state-{name}", tmp_path)
+    try:
+        ref = plane.put_state("train-state-optimizer", optimizer_state(), owner="trainer")
+        path = plane.state_file(ref)
+        assert path is not None and path.is_file() and ref.num_bytes == path.stat().st_size
+        on_disk = torch.load(path, weights_only=True)  # the file is what torch.save writes
+        for loaded in (on_disk, plane.get_state(ref)):
+            assert torch.equal(loaded["state"][0]["exp_avg"], torch.arange(4.0))
+            assert loaded["param_groups"] == [{"lr": 0.1}]
+        plane.free(ref)
+        assert not path.exists()
+        with pytest.raises((KeyError, FileNotFoundError)):
+            plane.get_state(ref)
+    finally:
+        plane.close()
+
+
+def test_the_in_process_transport_hands_a_state_over_unserialised(tmp_path: Path):
+    plane = open_transport("inprocess", "run-state", tmp_path)
+    state = optimizer_state()
+    ref = plane.put_state("train-state-optimizer", state, owner="trainer")
+    assert plane.get_state(ref) is state and plane.state_file(ref) is None
+    assert ref.num_bytes == 4 + 16  # the tensors' bytes
+    plane.free(ref)
+    with pytest.raises(KeyError):
+        plane.get_state(ref)
+
+
 def test_a_key_put_again_replaces_the_old_data(tmp_path: Path):
     disk = open_transport("disk", "run-1", tmp_path)
     disk.put_tensors("w", {"a": torch.zeros(2)}, owner="trainer")

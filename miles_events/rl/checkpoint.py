@@ -8,7 +8,7 @@ Layout under a run directory::
       rollout_000012/
         model.safetensors         HF tensor names, {"format": "pt"} metadata
         config.json, generation_config.json, tokenizer files   (copied from the base model)
-        optimizer.pt, rng.pt      torch.save bytes as the trainer staged them
+        optimizer.pt, rng.pt      torch.save files of the trainer's optimizer and RNG state
         trainer_state.json        schemas.checkpoint.TrainerState
         manifest.json             sha256 and size of every other file; written last
 
@@ -114,6 +114,21 @@ def _write_file(path: Path, data: bytes, fsync: bool) -> None:
         f.flush()
         if fsync:
             os.fsync(f.fileno())
+
+
+def _write_state(path: Path, state: Path | Any, fsync: bool) -> None:
+    """A ``torch.save`` file of ``state``, or the file ``state`` copied."""
+    if isinstance(state, bytes | bytearray):
+        raise TypeError(f"{path.name}: a state or the path of its torch.save file, not bytes")
+    if isinstance(state, Path):
+        shutil.copyfile(state, path)
+    else:
+        import torch
+
+        torch.save(state, path)
+    keep(path)
+    if fsync:
+        _fsync_path(path)
 
 
 def _pretty_json(value: object) -> bytes:
@@ -235,16 +250,17 @@ def write_checkpoint(
     base_model_dir: Path,
     rollout_id: int,
     weights: dict[str, torch.Tensor] | Path,
-    optimizer: bytes,
-    rng: bytes,
+    optimizer: Path | Any,
+    rng: Path | Any,
     trainer_state: TrainerState,
     fsync: bool = True,
 ) -> Path:
     """Write the checkpoint of ``rollout_id`` atomically and point ``latest`` at it.
 
     ``weights`` are tensors, or a safetensors file of them, copied as it is (a transport's
-    staged file: the copy needs no torch). ``optimizer`` and ``rng`` are ``torch.save``
-    bytes, stored as they are. An existing checkpoint of the same rollout is replaced only
+    staged file: the copy needs no torch). ``optimizer`` and ``rng`` are states (dicts of
+    tensors and plain data), written with ``torch.save``, or ``torch.save`` files of them,
+    copied as they are. An existing checkpoint of the same rollout is replaced only
     once the new one is complete. On failure the partial directory is removed and every
     older checkpoint is untouched.
     """
@@ -265,8 +281,8 @@ def write_checkpoint(
         keep(partial / MODEL_FILE)  # safetensors creates 0600; kept files follow one rule
         if fsync:
             _fsync_path(partial / MODEL_FILE)
-        _write_file(partial / OPTIMIZER_FILE, optimizer, fsync)
-        _write_file(partial / RNG_FILE, rng, fsync)
+        _write_state(partial / OPTIMIZER_FILE, optimizer, fsync)
+        _write_state(partial / RNG_FILE, rng, fsync)
         _write_file(partial / TRAINER_STATE_FILE, _pretty_json(trainer_state), fsync)
         _copy_base_files(Path(base_model_dir), partial, fsync)
         manifest = _manifest_for(partial, rollout_id, trainer_state.weight_version)

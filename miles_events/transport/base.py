@@ -17,6 +17,7 @@ import os
 import shutil
 import tempfile
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -82,6 +83,24 @@ class Transport(ABC):
     def get_bytes(self, ref: DataRef) -> bytes: ...
 
     @abstractmethod
+    def put_state(self, key: str, state: Any, owner: str) -> DataRef:
+        """Stage a torch state (an optimizer's or the RNG's state dict: tensors, numbers and
+        strings in dicts and lists), which the caller hands over and no longer writes. A
+        transport that keeps files writes it with ``torch.save`` straight into its file:
+        pickled into memory first, a state of a gigabyte would hold the interpreter lock for
+        a second, stalling every actor thread beside the save."""
+
+    @abstractmethod
+    def get_state(self, ref: DataRef) -> Any:
+        """The state staged by ``put_state`` (tensors on the CPU)."""
+
+    def state_file(self, ref: DataRef) -> Path | None:
+        """The ``torch.save`` file of ``ref``'s state, where this transport keeps one (a
+        reader that only copies it, as the Saver, needs no torch then); None where it does
+        not."""
+        return None
+
+    @abstractmethod
     def free(self, ref: DataRef) -> None:
         """Drop the data; freeing twice is allowed."""
 
@@ -133,6 +152,16 @@ class InProcessTransport(Transport):
         assert isinstance(value, bytes)
         return value
 
+    def put_state(self, key: str, state: Any, owner: str) -> DataRef:
+        # Handed over as it is: nothing in this process needs it serialised.
+        self._store()[key] = _StagedState(state)
+        return DataRef(self.name, key, owner, _state_bytes(state))
+
+    def get_state(self, ref: DataRef) -> Any:
+        value = self._get(ref)
+        assert isinstance(value, _StagedState)
+        return value.state
+
     def _get(self, ref: DataRef) -> object:
         try:
             return self._store()[ref.key]
@@ -144,6 +173,36 @@ class InProcessTransport(Transport):
 
     def close(self) -> None:
         _IN_PROCESS.pop(self.run_id, None)
+
+
+@dataclass(frozen=True)
+class _StagedState:
+    """A state kept in process (told apart from the other objects kept)."""
+
+    state: Any
+
+
+def _state_bytes(state: Any) -> int:
+    from miles_events.rl.host_copy import map_tensors
+
+    sizes: list[int] = []
+    map_tensors(state, lambda t: sizes.append(t.numel() * t.element_size()) or t)
+    return sum(sizes)
+
+
+def save_state(state: Any, path: Path) -> None:
+    """``torch.save`` of ``state`` into the file ``path``."""
+    import torch
+
+    torch.save(state, path)
+
+
+def load_state(path: Path) -> Any:
+    """A state written by ``save_state``: tensors, numbers, strings and containers only
+    (``weights_only``: loading runs no code), on the CPU."""
+    import torch
+
+    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 TENSORS_METADATA = {"format": "pt"}
@@ -205,6 +264,16 @@ class ShmTransport(Transport):
 
     def get_bytes(self, ref: DataRef) -> bytes:
         return self._path(ref.key).read_bytes()
+
+    def put_state(self, key: str, state: Any, owner: str) -> DataRef:
+        path = self._publish(key, lambda p: save_state(state, p))
+        return DataRef(self.name, key, owner, path.stat().st_size)
+
+    def get_state(self, ref: DataRef) -> Any:
+        return load_state(self._path(ref.key))
+
+    def state_file(self, ref: DataRef) -> Path:
+        return self._path(ref.key)
 
     def free(self, ref: DataRef) -> None:
         self._path(ref.key).unlink(missing_ok=True)

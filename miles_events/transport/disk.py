@@ -12,9 +12,9 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from miles_events.transport.base import TENSORS_METADATA, Transport, _safetensors
+from miles_events.transport.base import TENSORS_METADATA, Transport, _safetensors, load_state, save_state
 from schemas.data import DataRef
 
 if TYPE_CHECKING:  # torch is imported by what puts or gets tensors, not by every reader of events
@@ -97,6 +97,22 @@ class DiskTransport(Transport):
             raise KeyError(
                 f"disk data {ref.key!r} is gone (freed, or never written under {self.root})"
             ) from None
+
+    def put_state(self, key: str, state: Any, owner: str) -> DataRef:
+        partial = self._path(key).with_name(f".{key}.partial")
+        save_state(state, partial)
+        size = partial.stat().st_size
+        self._install(key, partial)
+        return DataRef(self.name, key, owner, size)
+
+    def get_state(self, ref: DataRef) -> Any:
+        path = self.state_file(ref)
+        if not path.is_file():
+            raise KeyError(f"disk data {ref.key!r} is gone (freed, or never written under {self.root})")
+        return load_state(path)
+
+    def state_file(self, ref: DataRef) -> Path:
+        return self.path(ref)
 
     def free(self, ref: DataRef) -> None:
         self._remove(self.path(ref))
