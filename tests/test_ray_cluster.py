@@ -4,6 +4,7 @@ model, and given back whenever the run stops before its actors start."""
 from __future__ import annotations
 
 import concurrent.futures
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -106,3 +107,21 @@ async def test_a_run_that_cannot_be_planned_gives_ray_back(tmp_path, monkeypatch
     import ray
 
     assert session.cluster is None and not ray.is_initialized() and not ray_processes()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("agents", ["stand_in", "ray"])
+def test_the_raylets_agents_are_stood_in_for_unless_rays_own_are_asked_for(agents):
+    import ray
+
+    cluster = RayCluster(RayConfig(num_cpus=1, agents=agents), [{"CPU": 1.0}], []).start()
+    try:
+        cluster.up.result(timeout=120)
+        answer = ray.get(ray.remote(num_cpus=1)(lambda: 41 + 1).remote(), timeout=60)
+        commands = [Path(f"/proc/{pid}/cmdline").read_bytes() for pid, _ in ray_processes()]
+    finally:
+        cluster.shutdown()
+    assert answer == 42, "a task runs either way"
+    rays_own = [c for c in commands if c.startswith((b"ray::DashboardAgent", b"ray::RuntimeEnvAgent"))]
+    assert len(rays_own) == (2 if agents == "ray" else 0)
+    assert not ray.is_initialized() and not ray_processes()

@@ -161,6 +161,8 @@ async def test_the_cluster_is_lean_and_its_stop_runs_every_stop_then_ends_it_at_
         assert sorted(name for name, _ in runtime.processes()) == ["echo", "model"]
         assert not [c for c in commands if c.startswith(b"ray::IDLE")], "no idle worker is left running"
         assert not [c for c in commands if b"dashboard/dashboard.py" in c or b"autoscaler/_private/monitor.py" in c]
+        agents = (b"ray::DashboardAgent", b"ray::RuntimeEnvAgent")
+        assert not [c for c in commands if c.startswith(agents)], "the raylet's agents are stood in for"
         assert (tmp_path / PROCESSES_FILE).exists()
     finally:
         bus.close()

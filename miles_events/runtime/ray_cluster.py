@@ -3,7 +3,8 @@ own as soon as the run knows what it will place (while the driver plans the run)
 cluster at ``ray.address``, joined.
 
 Lean: neither Ray's API server nor its autoscaler monitor (a fixed one-host cluster uses
-neither); a worker prestarted per CPU only when each will host one of the run's actors, and
+neither); the raylet's two agents (dashboard, runtime env) stood in for by idle processes
+unless ``ray.agents = "ray"``; a worker prestarted per CPU only when each will host one of the run's actors, and
 then with what the actors' processes import (``Actor.process_modules``: torch with their
 backends, the model's transformers module) imported before any actor is asked for; glibc's
 arenas capped; and a teardown that kills what Ray leaves rather than waiting on its
@@ -18,6 +19,7 @@ import importlib.machinery
 import logging
 import math
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -40,17 +42,64 @@ and the autoscaler's monitor (a fixed cluster never scales). Each is a Python pr
 to go (it outlives its SIGTERM)."""
 
 
+AGENT_STAND_IN = ("/bin/sh", "-c", "exec cat >/dev/null")
+"""What the raylet runs in place of each of its two agents (``ray.agents = "stand_in"``): a
+process that lives exactly as long as the raylet (it reads the pipe the raylet gives each
+agent as its stdin, which closes when the raylet goes) and offers no service. The raylet
+fate-shares with its agents, so one must run; the ports they would serve are reported as
+-1 ("not in use", as Ray's own minimal dashboard agent reports its metrics ports) before
+the raylet starts, in the files the raylet waits for."""
+
+AGENT_COMMAND_FLAGS = ("--dashboard_agent_command=", "--runtime_env_agent_command=")
+
+
+def _agents_stood_in(command: list[str]) -> list[str]:
+    """The raylet's ``command`` with its agents replaced by ``AGENT_STAND_IN``, their ports
+    reported as not in use (in Ray's own port files, by Ray's own function)."""
+    from ray._raylet import (
+        DASHBOARD_AGENT_LISTEN_PORT_NAME,
+        METRICS_AGENT_PORT_NAME,
+        METRICS_EXPORT_PORT_NAME,
+        RUNTIME_ENV_AGENT_PORT_NAME,
+        persist_port,
+    )
+
+    flags = dict(arg[2:].split("=", 1) for arg in command if arg.startswith("--") and "=" in arg)
+    for port in (
+        METRICS_AGENT_PORT_NAME,
+        METRICS_EXPORT_PORT_NAME,
+        DASHBOARD_AGENT_LISTEN_PORT_NAME,
+        RUNTIME_ENV_AGENT_PORT_NAME,
+    ):
+        persist_port(flags["session_dir"], flags["node_id"], port, -1)
+    stand_in = subprocess.list2cmdline(AGENT_STAND_IN)
+    return [
+        next((flag + stand_in for flag in AGENT_COMMAND_FLAGS if arg.startswith(flag)), arg) for arg in command
+    ]
+
+
 @contextlib.contextmanager
-def _lean_head() -> Iterator[None]:
+def _lean_head(stand_in_agents: bool) -> Iterator[None]:
     """While ``ray.init`` starts a local cluster: skip ``UNUSED_HEAD_SERVICES`` (where this
-    Ray has them), and drop two of Ray's warnings: that, started from a thread, it leaves
-    SIGTERM alone (the driver's own handler stays, which is what the run wants), and that it
-    turned token authentication on (it stays on; nothing is asked of the user)."""
+    Ray has them) and, with ``stand_in_agents``, start the raylet with ``AGENT_STAND_IN`` for
+    its agents; drop two of Ray's warnings: that, started from a thread, it leaves SIGTERM
+    alone (the driver's own handler stays, which is what the run wants), and that it turned
+    token authentication on (it stays on; nothing is asked of the user)."""
+    from ray._private import ray_constants, services
     from ray._private.node import Node
 
     saved = {name: Node.__dict__[name] for name in UNUSED_HEAD_SERVICES if name in Node.__dict__}
     for name in saved:
         setattr(Node, name, lambda self, *args, **kwargs: None)
+    start_ray_process = services.start_ray_process
+
+    def start_without_agents(command: list[str], process_type: str, *args: Any, **kwargs: Any) -> Any:
+        if process_type == ray_constants.PROCESS_TYPE_RAYLET:
+            command = _agents_stood_in(command)
+        return start_ray_process(command, process_type, *args, **kwargs)
+
+    if stand_in_agents:
+        services.start_ray_process = start_without_agents
     quiet = {
         logging.getLogger("ray._private.worker"): _DropMessage("SIGTERM handler is not set"),
         logging.getLogger("ray._private.authentication.authentication_token_setup"): _DropMessage(
@@ -62,6 +111,7 @@ def _lean_head() -> Iterator[None]:
     try:
         yield
     finally:
+        services.start_ray_process = start_ray_process
         for ray_logger, drop in quiet.items():
             ray_logger.removeFilter(drop)
         for name, method in saved.items():
@@ -200,7 +250,7 @@ class RayCluster:
 
         ray_constants.ENABLE_RAY_CLUSTER = False
         began = time.monotonic()
-        with _lean_head(), _cluster_environment():
+        with _lean_head(self.ray_config.agents == "stand_in"), _cluster_environment():
             ray.init(**kwargs)
         self.started_here = True
         logger.info("local ray cluster (%d CPUs) up in %.1fs", self.num_cpus, time.monotonic() - began)
