@@ -7,7 +7,9 @@ Read top to bottom, the handlers are the loop:
                                 after rollout k: periodic eval, then rollout k+1 or finish
     EvalFinished             -> whatever was waiting on the eval
     TrainStepFinished(k)     -> save if periodic / last / sentinel (removing it), then publish
-    CheckpointSaved          -> finish once nothing is pending
+                                (a save due while the last is being written waits for it)
+    CheckpointSaved          -> the save (and publication) waiting for it; finish once
+                                nothing is pending
     StopRequested            -> after the current step's publication (or eval): save that
                                 step unless it was saved, then finish
     rollout-only             -> the seed's checkpoint-backed proof (checksums, publish,
@@ -117,6 +119,8 @@ class Coordinator(Actor):
         self.run = config.run
         self._after_eval: Callable[[], object] | None = None
         self._pending_saves: set[int] = set()
+        self._save_waiting: tuple[int, str] | None = None
+        """A step's save (rollout id, reason) due while the last save was being written."""
         self._saved: set[int] = set()
         """Rollouts a save was asked for."""
         self._finishing: RunFinished | None = None
@@ -436,19 +440,35 @@ class Coordinator(Actor):
         if self._finishing is not None:
             return  # once finishing, nothing new is asked for
         sentinel = self.run.save_trigger_sentinel
-        external_save = sentinel is not None and os.path.exists(sentinel)
-        if external_save:
-            await self._save(rollout_id, "sentinel")
+        reason: str | None = None
+        if sentinel is not None and os.path.exists(sentinel):
+            reason = "sentinel"
             # One touch, one save: the file goes once its save is asked for, before the
             # next rollout (the seed removes it right after its synchronous save).
             try:
-                os.remove(sentinel)  # type: ignore[arg-type]
+                os.remove(sentinel)
             except FileNotFoundError:
                 pass
         elif should_run_periodic_action(
             rollout_id, self.run.save_interval, self.plan.num_rollout_per_epoch, self.plan.num_rollout
         ):
             reason = "last" if rollout_id == self.plan.num_rollout - 1 else "interval"
+        if reason is not None and self._pending_saves:
+            # One save in flight at a time (as Megatron's asynchronous saves): a save due
+            # while the last is still being written waits for it, and the loop with it, so
+            # that saves asked for faster than they are written hold one staged train
+            # state, not a growing queue of them.
+            logger.info(
+                "the save of rollout %d waits for the save of rollout %s, still being written",
+                rollout_id,
+                ", ".join(map(str, sorted(self._pending_saves))),
+            )
+            self._save_waiting = (rollout_id, reason)
+            return
+        await self._save_then_publish(rollout_id, reason)
+
+    async def _save_then_publish(self, rollout_id: int, reason: str | None) -> None:
+        if reason is not None:
             await self._save(rollout_id, reason)
         await self.publish(PublishRequested(rollout_id=rollout_id))
 
@@ -465,10 +485,13 @@ class Coordinator(Actor):
         self._pending_saves.add(rollout_id)
         await self.publish(SaveRequested(rollout_id=rollout_id, reason=reason))  # type: ignore[arg-type]
 
-    @handles(CheckpointSaved, emits=(RunFinished,))
+    @handles(CheckpointSaved, emits=(RunFinished, SaveRequested, PublishRequested))
     async def on_checkpoint_saved(self, event: CheckpointSaved) -> None:
         self._pending_saves.discard(event.rollout_id)
-        if self._finishing is not None and not self._pending_saves:
+        waiting, self._save_waiting = self._save_waiting, None
+        if waiting is not None and self._finishing is None:
+            await self._save_then_publish(*waiting)
+        elif self._finishing is not None and not self._pending_saves:
             await self._publish_finished(self._finishing)
 
     # -- failures and stops -------------------------------------------------------------

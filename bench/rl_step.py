@@ -8,7 +8,8 @@
 verifier settings a vLLM run needs: see bench/vllm_engine.py's ``VLLM_RUN``).
 
 Runs the embedded default with a save after every rollout, then reads the run's event log:
-- step: wall time between consecutive ``RolloutRequested`` events (the whole loop),
+- step: wall time between consecutive ``RolloutRequested`` events (the whole loop); the
+  median, and the mean, which counts the steps a save every few rollouts slows,
 - generate / train: ``RolloutGenerated.generate_seconds`` / ``TrainStepFinished.train_seconds``,
 - publish: ``WeightsPublished.publish_seconds`` (from the request to every engine's load,
   waits included: a save asked for before it stages the train state first), and of that
@@ -124,6 +125,7 @@ def main() -> None:
 
     rows = {
         "step (wall)": median_after_warmup(steps),
+        "step (mean)": statistics.mean(steps[1:] if len(steps) > 2 else steps),
         "generate": median_after_warmup(generate),
         "train": median_after_warmup(train),
         "publish": median_after_warmup(publish),
@@ -139,7 +141,8 @@ def main() -> None:
     fraction = rows["verify"] / step
     print(f"verification is {100 * fraction:.2f}% of a step (goal < 5%)")
     print(
-        f"RESULT verify_fraction={fraction:.4f} step_ms={step * 1000:.1f} generate_ms={rows['generate'] * 1000:.1f} "
+        f"RESULT verify_fraction={fraction:.4f} step_ms={step * 1000:.1f} "
+        f"step_mean_ms={rows['step (mean)'] * 1000:.1f} generate_ms={rows['generate'] * 1000:.1f} "
         f"train_ms={rows['train'] * 1000:.1f} publish_ms={rows['publish'] * 1000:.1f} "
         f"stage_load_ms={rows['  stage + load'] * 1000:.1f} "
         f"verify_ms={rows['verify'] * 1000:.2f} save_ms={rows['save (beside)'] * 1000:.1f}"

@@ -120,7 +120,7 @@ async def test_periodic_save_and_forced_save_on_the_last_rollout():
     await feed(c, verified(2, 0))
     saves = await feed(c, trained(1))
     assert kinds(saves) == [("SaveRequested", 1), ("PublishRequested", 1)]
-    await feed(c, verified(3, 1), trained(2))
+    await feed(c, verified(3, 1), CheckpointSaved(rollout_id=1, path="p", weight_version="2", num_bytes=1), trained(2))
     last = c.context.published[-2]
     assert isinstance(last, SaveRequested) and last.rollout_id == 2 and last.reason == "last"
 
@@ -131,6 +131,21 @@ async def test_a_completed_run_waits_for_its_pending_checkpoint():
     assert ("RunFinished", "completed") not in kinds(out)
     done = await feed(c, CheckpointSaved(rollout_id=0, path="p", weight_version="1", num_bytes=1))
     assert kinds(done) == [("RunFinished", "completed")]
+
+
+async def test_a_save_due_while_the_one_before_is_being_written_waits_for_it_and_the_loop_with_it():
+    c = make(num_rollout=3, save_interval=1)
+    await feed(c, started(c), verified(1, None))
+    assert kinds(await feed(c, trained(0))) == [("SaveRequested", 0), ("PublishRequested", 0)]
+    await feed(c, verified(2, 0))
+    # One save in flight at a time: the step's save and its publication wait for the last one.
+    assert kinds(await feed(c, trained(1))) == []
+    saved = CheckpointSaved(rollout_id=0, path="p", weight_version="1", num_bytes=1)
+    assert kinds(await feed(c, saved)) == [("SaveRequested", 1), ("PublishRequested", 1)]
+    # A failed save fails the run: the one waiting for it is never asked for.
+    await feed(c, verified(3, 1))
+    out = await feed(c, trained(2), CheckpointFailed(rollout_id=1, reason="disk full"))
+    assert kinds(out) == [("RunFinished", "failed")]
 
 
 async def test_one_touch_of_the_sentinel_file_is_one_save(tmp_path):
@@ -292,6 +307,7 @@ async def test_a_given_num_rollout_has_no_epoch_end_triggers():
         events += [trained(k), verified(k + 2, k)]
         if (k + 1) % 10 == 0:
             events.append(EvalFinished(rollout_id=k, metrics={}))
+            events.append(CheckpointSaved(rollout_id=k, path="p", weight_version=str(k + 1), num_bytes=1))
     out = await feed(c, *events)
     assert [e.rollout_id for e in out if isinstance(e, SaveRequested)] == [9, 19, 29, 39, 49]
     assert [e.rollout_id for e in out if isinstance(e, EvalRequested)] == [9, 19, 29, 39, 49]
