@@ -38,7 +38,7 @@ from miles_events.rl.finite import (
     require_finite_buckets,
 )
 from miles_events.rl.hf_model import modeling_module, torch_dtype
-from miles_events.rl.host_copy import capture_point, copy_to_host, map_tensors
+from miles_events.rl.host_copy import PinnedArena, PinnedPool, capture_point, copy_to_host, map_tensors
 from miles_events.rl.probe import probe_batch, probe_vocab_size
 from miles_events.rl.prompts import data_cursor, load_prompts
 from miles_events.rl.threads import phase_threads
@@ -94,6 +94,11 @@ class Trainer(Actor):
         self._manifests: dict[str, str] = {}
         """Weight version -> the checksum manifest written for it, until it is verified."""
         self._num_saves = 0
+        self._pinned = PinnedPool()
+        """Pinned host memory for saves staged in the background, pinned once, reused."""
+        self._arenas: dict[str, tuple[PinnedArena, set[str]]] = {}
+        """A staged save's pinned arena and the keys of its data the Saver has yet to
+        release, by save."""
         self._last_trained: tuple[int, str] | None = None
         """(rollout id, the version it improved upon) of the last rollout trained."""
         self._probe_ids: tuple[list[list[int]], list[list[int]]] | None = None
@@ -303,6 +308,11 @@ class Trainer(Actor):
         if event.ref.owner != self.name:
             return
         self._free(event.ref)
+        for prefix, (arena, unreleased) in list(self._arenas.items()):
+            unreleased.discard(event.ref.key)
+            if not unreleased:  # written: the next save copies into the same pinned memory
+                del self._arenas[prefix]
+                self._pinned.give_back(arena)
         if self._published is not None and self._published.key == event.ref.key:
             self._published = None
 
@@ -329,12 +339,17 @@ class Trainer(Actor):
     def _stage_train_state(self, prefix: str, snapshot: TrainStateSnapshot) -> tuple[DataRef, DataRef, DataRef]:
         transport = self.context.transport
         host_weights, host_optimizer = snapshot.weights, snapshot.optimizer
+        arena = None
         if snapshot.background:
             # Off the trainer's stream, into pinned memory: the next step runs meanwhile.
-            host_weights, host_optimizer = copy_to_host((snapshot.weights, snapshot.optimizer), snapshot.ready)
+            (host_weights, host_optimizer), arena = copy_to_host(
+                (snapshot.weights, snapshot.optimizer), snapshot.ready, self._pinned
+            )
         weights = transport.put_buckets(f"{prefix}-weights", host_weights, owner=self.name)
         optimizer = transport.put_state(f"{prefix}-optimizer", host_optimizer, owner=self.name)
         rng = transport.put_state(f"{prefix}-rng", snapshot.rng, owner=self.name)
+        if arena is not None:  # read until the Saver releases what it was staged as
+            self._arenas[prefix] = (arena, {weights.key, optimizer.key, rng.key})
         return weights, optimizer, rng
 
     @handles(SaveRequested, emits=(TrainStateStaged,))

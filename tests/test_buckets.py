@@ -16,7 +16,7 @@ from miles_events.rl.buckets import ALIGN_BYTES, Buckets, bucket_parameters, fin
 from miles_events.rl.checksum import fingerprints
 from miles_events.rl.finite import NonFiniteError, require_finite_buckets
 from miles_events.rl.hf_model import load_model, prepare_base_model
-from miles_events.rl.host_copy import capture_point, copy_to_host
+from miles_events.rl.host_copy import PinnedPool, capture_point, copy_to_host
 from schemas.config import BuiltinModelConfig, ModelConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -178,8 +178,24 @@ def test_bucket_fingerprints_on_cuda_equal_the_cpu_ones():
 
 def test_a_host_copy_of_cpu_state_is_the_state_itself() -> None:
     state = {"weights": Buckets.of({"a": torch.ones(3)}), "optimizer": {"state": [torch.zeros(2)], "lr": 0.1}}
-    assert copy_to_host(state) is state
+    assert copy_to_host(state) == (state, None)
     assert capture_point(torch.device("cpu")) is None
+
+
+def test_a_pinned_pool_pins_an_arena_once_and_carves_every_later_save_from_it() -> None:
+    pool = PinnedPool(pin=False)  # the same bookkeeping, in pageable memory
+    state = [torch.ones(3, 5), torch.zeros(7, dtype=torch.bfloat16), torch.ones(100)]
+    arena = pool.take(state)
+    views = [arena.carve(t) for t in state]
+    assert [(v.shape, v.dtype) for v in views] == [(t.shape, t.dtype) for t in state]
+    assert views[0].data_ptr() != views[2].data_ptr()  # carved one after the other
+    assert pool.take(state) is not arena, "in use until given back: another is pinned"
+    pool.give_back(arena)
+    again = pool.take(state)
+    assert again is arena and pool.num_pinned == 2
+    assert again.carve(state[0]).data_ptr() == views[0].data_ptr(), "carving starts over"
+    pool.give_back(again)
+    assert pool.take([torch.ones(10_000)]) is not arena, "an arena too small for a state is not taken"
 
 
 @pytest.mark.gpu
@@ -192,7 +208,8 @@ def test_a_host_copy_takes_the_state_at_its_capture_point_into_pinned_memory() -
         torch.cuda._sleep(50_000_000)
         buffer.mul_(2)
     ready = capture_point(weights.device)
-    host_weights, host_optimizer = copy_to_host((weights, optimizer), ready)
+    pool = PinnedPool()
+    (host_weights, host_optimizer), arena = copy_to_host((weights, optimizer), ready, pool)
     assert host_weights.layouts == weights.layouts
     for got, want in zip(host_weights.buffers, expected[0], strict=True):
         assert got.device.type == "cpu" and got.is_pinned()
@@ -200,6 +217,13 @@ def test_a_host_copy_takes_the_state_at_its_capture_point_into_pinned_memory() -
     assert torch.equal(host_optimizer["state"][0]["exp_avg"], expected[1]["state"][0]["exp_avg"])
     assert host_optimizer["state"][0]["step"] is optimizer["state"][0]["step"]  # CPU tensors as they are
     assert host_optimizer["lr"] == 0.1
+    # The next save copies into the same pinned memory once this one is given back.
+    assert arena is not None
+    pool.give_back(arena)
+    (again, _), reused = copy_to_host((weights, optimizer), capture_point(weights.device), pool)
+    assert reused is arena and pool.num_pinned == 1
+    assert again.buffers[0].data_ptr() == host_weights.buffers[0].data_ptr()
+    assert torch.equal(again.buffers[0], expected[0][0])
 
 
 def detached_cpu(obj: object) -> object:

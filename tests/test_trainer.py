@@ -573,6 +573,42 @@ async def test_a_background_save_stages_the_state_as_it_was_when_asked_while_tra
         assert all(torch.equal(optimizer["state"][key][k], v) for k, v in state.items() if isinstance(v, torch.Tensor))
 
 
+async def test_a_background_saves_pinned_memory_is_reused_once_the_saver_released_what_it_staged(
+    base_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On a CPU nothing is copied to the host: stand in for the GPU's copy into the pool's arena.
+    from miles_events.rl import host_copy
+
+    def copy_into_arena(obj: Any, after: Any = None, pool: Any = None) -> tuple[Any, Any]:
+        arena = pool.take([])
+        return obj, arena
+
+    monkeypatch.setattr("actors.trainer.copy_to_host", copy_into_arena)
+    trainer, context = await started_trainer(make_config(base_model, tmp_path, save_staging="background"), tmp_path)
+    pool: host_copy.PinnedPool = trainer._pinned
+    pool.pin = False
+
+    async def staged_save(rollout_id: int) -> TrainStateStaged:
+        await trainer.handle(SaveRequested(rollout_id=rollout_id, reason="interval"))
+        for _ in range(200):
+            done = [e for e in context.of_type(TrainStateStaged) if e.rollout_id == rollout_id]
+            if done:
+                return done[0]
+            await asyncio.sleep(0.01)
+        raise AssertionError("not staged")
+
+    first = await staged_save(0)
+    await staged_save(1)  # the first is still being written: a second arena
+    assert pool.num_pinned == 2
+    for ref in (first.weights, first.optimizer):
+        await trainer.handle(DataReleased(ref=ref))
+    await staged_save(2)
+    assert pool.num_pinned == 3, "in use until every part of the save is released"
+    await trainer.handle(DataReleased(ref=first.rng))
+    await staged_save(3)
+    assert pool.num_pinned == 3, "the first save's arena, given back, was taken again"
+
+
 async def test_released_train_state_is_freed_by_its_owner(base_model: Path, tmp_path: Path) -> None:
     trainer, context = await started_trainer(make_config(base_model, tmp_path), tmp_path)
     await trainer.handle(SaveRequested(rollout_id=0))

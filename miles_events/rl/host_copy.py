@@ -6,10 +6,17 @@ kernel queued before it and hold back every kernel queued after it. Here the cop
 a stream of their own that waits only for the point where the state was captured
 (``capture_point``), into pinned host memory, so the DMA engines move the bytes while the
 next step computes.
+
+The pinned memory is pinned once and reused (``PinnedPool``): pinning stalls every CUDA
+call of the process for as long as it takes (a loop of small kernels beside the pinning of
+2.25 GB ran 770x slower, ~1.8 s a save; into memory pinned before, the copy cost it ~40 ms,
+the copy's own time: ``bench/gpu/save_overlap.py``). Copies into pageable memory stall the
+loop as long, at a fraction of the rate.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -31,9 +38,72 @@ def capture_point(device: torch.device) -> torch.cuda.Event | None:
     return event
 
 
-def copy_to_host(obj: Any, after: torch.cuda.Event | None = None) -> Any:
+HOST_ALIGN = 64
+"""Each tensor carved from an arena starts at a multiple of this many elements."""
+
+
+class PinnedArena:
+    """Host memory for one save's copies: one flat buffer per dtype, carved into tensors in
+    the order they are asked for (``carve``)."""
+
+    def __init__(self, buffers: dict[torch.dtype, torch.Tensor]) -> None:
+        self.buffers = buffers
+        self._next: dict[torch.dtype, int] = {}
+
+    def fits(self, needs: dict[torch.dtype, int]) -> bool:
+        return all(dtype in self.buffers and self.buffers[dtype].numel() >= n for dtype, n in needs.items())
+
+    def carve(self, tensor: torch.Tensor) -> torch.Tensor:
+        """An uninitialised host tensor of ``tensor``'s shape and dtype, the next one."""
+        start = self._next.get(tensor.dtype, 0)
+        self._next[tensor.dtype] = start + _aligned(tensor.numel())
+        return self.buffers[tensor.dtype][start : start + tensor.numel()].view(tensor.shape)
+
+    def reset(self) -> None:
+        self._next.clear()
+
+
+class PinnedPool:
+    """Pinned arenas, each pinned once, for as many saves as are staged at a time: ``take``
+    one that fits the tensors (an idle one, else a new one, pinned now), ``give_back`` it when
+    what was copied into it has been written (the Saver released it)."""
+
+    def __init__(self, pin: bool = True) -> None:
+        self.pin = pin
+        self._lock = threading.Lock()  # taken on a staging thread, given back on the loop
+        self._idle: list[PinnedArena] = []
+        self.num_pinned = 0
+        """Arenas pinned so far (each a stall of the GPU while it was pinned)."""
+
+    def take(self, tensors: list[torch.Tensor]) -> PinnedArena:
+        import torch
+
+        needs: dict[torch.dtype, int] = {}
+        for tensor in tensors:
+            needs[tensor.dtype] = needs.get(tensor.dtype, 0) + _aligned(tensor.numel())
+        with self._lock:
+            for arena in self._idle:
+                if arena.fits(needs):
+                    self._idle.remove(arena)
+                    arena.reset()
+                    return arena
+            self.num_pinned += 1
+        return PinnedArena({dtype: torch.empty(n, dtype=dtype, pin_memory=self.pin) for dtype, n in needs.items()})
+
+    def give_back(self, arena: PinnedArena) -> None:
+        with self._lock:
+            self._idle.append(arena)
+
+
+def _aligned(numel: int) -> int:
+    return -(-numel // HOST_ALIGN) * HOST_ALIGN
+
+
+def copy_to_host(obj: Any, after: torch.cuda.Event | None = None, pool: PinnedPool | None = None) -> tuple[Any, PinnedArena | None]:
     """``obj`` (tensors in dicts, lists and tuples, and ``Buckets``) with every CUDA tensor
-    copied into pinned host memory, on a copy stream that first waits for ``after``.
+    copied into pinned host memory, on a copy stream that first waits for ``after``, and the
+    arena of ``pool`` the copies live in (for ``pool.give_back`` once they are no longer
+    read; None where nothing was copied). Without a pool, the memory is pinned now.
 
     Returns once the copies are done; the wait releases the GIL. The CUDA tensors must not
     be written between ``after`` and the return (copies of them, taken at ``after``, are
@@ -41,10 +111,11 @@ def copy_to_host(obj: Any, after: torch.cuda.Event | None = None) -> Any:
     """
     import torch
 
-    devices = {t.device for t in _tensors(obj) if t.is_cuda}
-    if not devices:
-        return obj
-    streams = {device: torch.cuda.Stream(device) for device in devices}
+    cuda = [t for t in _tensors(obj) if t.is_cuda]
+    if not cuda:
+        return obj, None
+    arena = (pool or PinnedPool()).take(cuda)
+    streams = {device: torch.cuda.Stream(device) for device in {t.device for t in cuda}}
     for stream in streams.values():
         if after is not None:
             stream.wait_event(after)
@@ -52,7 +123,7 @@ def copy_to_host(obj: Any, after: torch.cuda.Event | None = None) -> Any:
     def to_host(tensor: torch.Tensor) -> torch.Tensor:
         if not tensor.is_cuda:
             return tensor
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host = arena.carve(tensor)
         with torch.cuda.stream(streams[tensor.device]):
             host.copy_(tensor.detach(), non_blocking=True)
         return host
@@ -60,7 +131,7 @@ def copy_to_host(obj: Any, after: torch.cuda.Event | None = None) -> Any:
     copied = map_tensors(obj, to_host)
     for stream in streams.values():
         stream.synchronize()
-    return copied
+    return copied, arena
 
 
 def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
