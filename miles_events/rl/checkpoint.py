@@ -21,6 +21,7 @@ leaves either the previous checkpoint or the new one, never a torn one under the
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import errno
 import hashlib
@@ -29,6 +30,7 @@ import os
 import pickle
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -116,7 +118,18 @@ def _write_file(path: Path, data: bytes, fsync: bool) -> None:
             os.fsync(f.fileno())
 
 
-def _write_state(path: Path, state: Path | Any, fsync: bool) -> None:
+def _write_weights(path: Path, weights: dict[str, torch.Tensor] | Path) -> None:
+    """A safetensors file of ``weights``, or the file ``weights`` copied."""
+    if isinstance(weights, Path):
+        shutil.copyfile(weights, path)
+    else:
+        from safetensors.torch import save_file
+
+        save_file(_safetensors_ready(weights), str(path), metadata={"format": "pt"})
+    keep(path)  # safetensors creates 0600; kept files follow one rule
+
+
+def _write_state(path: Path, state: Path | Any) -> None:
     """A ``torch.save`` file of ``state``, or the file ``state`` copied."""
     if isinstance(state, bytes | bytearray):
         raise TypeError(f"{path.name}: a state or the path of its torch.save file, not bytes")
@@ -127,8 +140,14 @@ def _write_state(path: Path, state: Path | Any, fsync: bool) -> None:
 
         torch.save(state, path)
     keep(path)
+
+
+def _write_hashed(path: Path, write: Callable[[Path], None], fsync: bool) -> ManifestEntry:
+    """``write`` the file ``path``, sync it, and its manifest entry."""
+    write(path)
     if fsync:
         _fsync_path(path)
+    return ManifestEntry(path=path.name, sha256=_sha256(path), num_bytes=path.stat().st_size)
 
 
 def _pretty_json(value: object) -> bytes:
@@ -180,9 +199,13 @@ def _copy_base_files(base_model_dir: Path, target: Path, fsync: bool) -> None:
             _fsync_path(target / name)
 
 
-def _manifest_for(directory: Path, rollout_id: int, weight_version: str) -> Manifest:
+def _manifest_for(
+    directory: Path, rollout_id: int, weight_version: str, hashed: dict[str, ManifestEntry] | None = None
+) -> Manifest:
+    """Every file of ``directory`` but the manifest, hashed here unless in ``hashed``."""
+    hashed = hashed or {}
     files = [
-        ManifestEntry(path=p.name, sha256=_sha256(p), num_bytes=p.stat().st_size)
+        hashed.get(p.name) or ManifestEntry(path=p.name, sha256=_sha256(p), num_bytes=p.stat().st_size)
         for p in sorted(directory.iterdir())
         if p.is_file() and p.name != MANIFEST_FILE
     ]
@@ -272,20 +295,19 @@ def write_checkpoint(
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir()
     try:
-        if isinstance(weights, Path):
-            shutil.copyfile(weights, partial / MODEL_FILE)
-        else:
-            from safetensors.torch import save_file
-
-            save_file(_safetensors_ready(weights), str(partial / MODEL_FILE), metadata={"format": "pt"})
-        keep(partial / MODEL_FILE)  # safetensors creates 0600; kept files follow one rule
-        if fsync:
-            _fsync_path(partial / MODEL_FILE)
-        _write_state(partial / OPTIMIZER_FILE, optimizer, fsync)
-        _write_state(partial / RNG_FILE, rng, fsync)
-        _write_file(partial / TRAINER_STATE_FILE, _pretty_json(trainer_state), fsync)
-        _copy_base_files(Path(base_model_dir), partial, fsync)
-        manifest = _manifest_for(partial, rollout_id, trainer_state.weight_version)
+        # The weights and the optimizer state, the bulk, are written, synced and hashed side
+        # by side (each while its pages are still cached): the work is in the kernel and in
+        # hashlib, which release the interpreter.
+        with concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="checkpoint") as pool:
+            bulk = [
+                pool.submit(_write_hashed, partial / MODEL_FILE, lambda p: _write_weights(p, weights), fsync),
+                pool.submit(_write_hashed, partial / OPTIMIZER_FILE, lambda p: _write_state(p, optimizer), fsync),
+            ]
+            rng_entry = _write_hashed(partial / RNG_FILE, lambda p: _write_state(p, rng), fsync)
+            _write_file(partial / TRAINER_STATE_FILE, _pretty_json(trainer_state), fsync)
+            _copy_base_files(Path(base_model_dir), partial, fsync)
+            hashed = {entry.path: entry for entry in (rng_entry, *(future.result() for future in bulk))}
+        manifest = _manifest_for(partial, rollout_id, trainer_state.weight_version, hashed)
         _write_file(partial / MANIFEST_FILE, _pretty_json(manifest), fsync)
         if fsync:
             _fsync_path(partial)
