@@ -345,9 +345,18 @@ class Trainer(Actor):
             (host_weights, host_optimizer), arena = copy_to_host(
                 (snapshot.weights, snapshot.optimizer), snapshot.ready, self._pinned
             )
-        weights = transport.put_buckets(f"{prefix}-weights", host_weights, owner=self.name)
-        optimizer = transport.put_state(f"{prefix}-optimizer", host_optimizer, owner=self.name)
-        rng = transport.put_state(f"{prefix}-rng", snapshot.rng, owner=self.name)
+        staged: list[DataRef] = []
+        try:
+            staged.append(transport.put_buckets(f"{prefix}-weights", host_weights, owner=self.name))
+            staged.append(transport.put_state(f"{prefix}-optimizer", host_optimizer, owner=self.name))
+            staged.append(transport.put_state(f"{prefix}-rng", snapshot.rng, owner=self.name))
+        except BaseException:
+            for ref in staged:  # nobody will hear of them
+                self._free(ref)
+            if arena is not None:
+                self._pinned.give_back(arena)
+            raise
+        weights, optimizer, rng = staged
         if arena is not None:  # read until the Saver releases what it was staged as
             self._arenas[prefix] = (arena, {weights.key, optimizer.key, rng.key})
         return weights, optimizer, rng

@@ -3,6 +3,7 @@ fused segment kernel bit-identical to the CPU reference, modules moved into buck
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
@@ -182,20 +183,39 @@ def test_a_host_copy_of_cpu_state_is_the_state_itself() -> None:
     assert capture_point(torch.device("cpu")) is None
 
 
-def test_a_pinned_pool_pins_an_arena_once_and_carves_every_later_save_from_it() -> None:
+def test_a_pinned_pool_pins_an_arena_once_and_every_later_save_of_the_same_state_reuses_it() -> None:
     pool = PinnedPool(pin=False)  # the same bookkeeping, in pageable memory
     state = [torch.ones(3, 5), torch.zeros(7, dtype=torch.bfloat16), torch.ones(100)]
     arena = pool.take(state)
-    views = [arena.carve(t) for t in state]
-    assert [(v.shape, v.dtype) for v in views] == [(t.shape, t.dtype) for t in state]
-    assert views[0].data_ptr() != views[2].data_ptr()  # carved one after the other
+    hosts = [arena.carve(t) for t in state]
+    assert [(h.shape, h.dtype) for h in hosts] == [(t.shape, t.dtype) for t in state]
     assert pool.take(state) is not arena, "in use until given back: another is pinned"
     pool.give_back(arena)
     again = pool.take(state)
     assert again is arena and pool.num_pinned == 2
-    assert again.carve(state[0]).data_ptr() == views[0].data_ptr(), "carving starts over"
+    assert again.carve(state[0]).data_ptr() == hosts[0].data_ptr(), "carving starts over"
     pool.give_back(again)
-    assert pool.take([torch.ones(10_000)]) is not arena, "an arena too small for a state is not taken"
+    assert pool.take([torch.ones(3, 5)]) is not arena, "an arena serves a state of its own shapes only"
+
+
+def test_each_host_copy_owns_its_memory_so_a_saved_state_holds_its_own_bytes_alone() -> None:
+    # torch.save writes a view's whole storage: copies carved from one shared buffer would
+    # carry each other's bytes (the weights' in the optimizer's file) into every file.
+    weights = [torch.randn(64, 32), torch.randn(32)]
+    optimizer = {"state": {0: {"exp_avg": torch.randn(64, 32), "step": torch.tensor(2.0)}}}
+    arena = PinnedPool(pin=False).take([*weights, optimizer["state"][0]["exp_avg"]])
+    for tensor in weights:
+        arena.carve(tensor)
+    exp_avg = arena.carve(optimizer["state"][0]["exp_avg"])
+    assert exp_avg.untyped_storage().nbytes() == exp_avg.numel() * exp_avg.element_size()
+    carved = {"state": {0: {"exp_avg": exp_avg.copy_(optimizer["state"][0]["exp_avg"]), "step": torch.tensor(2.0)}}}
+    assert len(torch_save_bytes(carved)) == len(torch_save_bytes(optimizer))
+
+
+def torch_save_bytes(obj: object) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
 
 
 @pytest.mark.gpu

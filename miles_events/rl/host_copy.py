@@ -38,35 +38,40 @@ def capture_point(device: torch.device) -> torch.cuda.Event | None:
     return event
 
 
-HOST_ALIGN = 64
-"""Each tensor carved from an arena starts at a multiple of this many elements."""
-
-
 class PinnedArena:
-    """Host memory for one save's copies: one flat buffer per dtype, carved into tensors in
-    the order they are asked for (``carve``)."""
+    """Host memory for one save's copies: a pinned tensor for each tensor copied, handed out
+    in the order they are asked for (``carve``). Each owns its memory: ``torch.save`` writes a
+    view's whole storage, so copies carved from one shared buffer would carry each other's
+    bytes into every file they are saved in."""
 
-    def __init__(self, buffers: dict[torch.dtype, torch.Tensor]) -> None:
-        self.buffers = buffers
-        self._next: dict[torch.dtype, int] = {}
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.tensors = tensors
+        self._next = 0
 
-    def fits(self, needs: dict[torch.dtype, int]) -> bool:
-        return all(dtype in self.buffers and self.buffers[dtype].numel() >= n for dtype, n in needs.items())
+    @property
+    def signature(self) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
+        return _signature(self.tensors)
 
     def carve(self, tensor: torch.Tensor) -> torch.Tensor:
-        """An uninitialised host tensor of ``tensor``'s shape and dtype, the next one."""
-        start = self._next.get(tensor.dtype, 0)
-        self._next[tensor.dtype] = start + _aligned(tensor.numel())
-        return self.buffers[tensor.dtype][start : start + tensor.numel()].view(tensor.shape)
+        """An uninitialised host tensor of ``tensor``'s shape and dtype: the next one."""
+        host = self.tensors[self._next]
+        if host.shape != tensor.shape or host.dtype != tensor.dtype:
+            raise ValueError(
+                f"the arena's tensor {self._next} is {tuple(host.shape)} {host.dtype}, "
+                f"asked for {tuple(tensor.shape)} {tensor.dtype}"
+            )
+        self._next += 1
+        return host
 
     def reset(self) -> None:
-        self._next.clear()
+        self._next = 0
 
 
 class PinnedPool:
     """Pinned arenas, each pinned once, for as many saves as are staged at a time: ``take``
-    one that fits the tensors (an idle one, else a new one, pinned now), ``give_back`` it when
-    what was copied into it has been written (the Saver released it)."""
+    one for the tensors (an idle one of the same shapes and dtypes, else a new one, pinned
+    now), ``give_back`` it when what was copied into it has been written (the Saver
+    released it)."""
 
     def __init__(self, pin: bool = True) -> None:
         self.pin = pin
@@ -78,25 +83,23 @@ class PinnedPool:
     def take(self, tensors: list[torch.Tensor]) -> PinnedArena:
         import torch
 
-        needs: dict[torch.dtype, int] = {}
-        for tensor in tensors:
-            needs[tensor.dtype] = needs.get(tensor.dtype, 0) + _aligned(tensor.numel())
+        signature = _signature(tensors)
         with self._lock:
             for arena in self._idle:
-                if arena.fits(needs):
+                if arena.signature == signature:
                     self._idle.remove(arena)
                     arena.reset()
                     return arena
             self.num_pinned += 1
-        return PinnedArena({dtype: torch.empty(n, dtype=dtype, pin_memory=self.pin) for dtype, n in needs.items()})
+        return PinnedArena([torch.empty(shape, dtype=dtype, pin_memory=self.pin) for shape, dtype in signature])
 
     def give_back(self, arena: PinnedArena) -> None:
         with self._lock:
             self._idle.append(arena)
 
 
-def _aligned(numel: int) -> int:
-    return -(-numel // HOST_ALIGN) * HOST_ALIGN
+def _signature(tensors: list[torch.Tensor]) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
+    return tuple((tuple(t.shape), t.dtype) for t in tensors)
 
 
 def copy_to_host(obj: Any, after: torch.cuda.Event | None = None, pool: PinnedPool | None = None) -> tuple[Any, PinnedArena | None]:
