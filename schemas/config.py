@@ -327,12 +327,12 @@ class RayConfig(Section):
     sharing its bundles (the seed's colocated mode)."""
     actor_start_timeout: PositiveFloat = 120.0
     agents: Literal["stand_in", "ray"] = "stand_in"
-    """What the raylet of the run's own cluster runs as its two per-node agents. ``stand_in``:
-    one idle process of no size each, the agents' services reported as not in use: Ray's
-    metrics export, its per-node job and log services, and runtime environments are then
-    unavailable (a run uses none of them: its metrics are its own exporter's); ~120 MB and ~1 s
-    of start-up less than ``ray``: Ray's dashboard and runtime-env agents. A joined cluster
-    (``address``) runs what it runs."""
+    """What the run's own cluster runs as the raylet's two per-node agents (dashboard and
+    runtime environments). ``stand_in``: an idle placeholder process for each, so that Ray's
+    metrics export, its per-node job and log services and runtime environments are off (a
+    run uses none of them: its metrics come from its own exporter); the run's processes
+    hold ~120 MB less and the cluster starts ~1 s sooner. ``ray``: Ray's own agents.
+    Ignored when ``address`` is set (a joined cluster runs what it runs)."""
     own_process: list[str] = []
     """The light actors (``publisher``, ``verifier``, ``saver``: no model) that get a Ray
     actor process of their own, placed in the ``service`` group; the others run on the

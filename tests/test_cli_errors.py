@@ -59,3 +59,17 @@ def test_a_dry_run_of_good_input_prints_the_config(tmp_path: Path, capsys: pytes
     out, err = capsys.readouterr()
     assert "[data]" in out and err == ""
     assert not (tmp_path / "run").exists()
+
+
+def test_a_dry_run_refuses_a_run_dir_holding_another_runs_checkpoints_as_the_run_would(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = write_run(tmp_path, GOOD.encode())
+    checkpoint = tmp_path / "run" / "checkpoints" / "rollout_000004"
+    checkpoint.mkdir(parents=True)
+    assert main([str(config), "--dry-run"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert err.startswith(f"error: run.dir {tmp_path / 'run'} holds another run's checkpoints (rollout_000004)")
+    assert main([str(config), "--dry-run", "--set", "run.overwrite=true"]) == 0
+    assert checkpoint.is_dir(), "a dry run moves nothing"

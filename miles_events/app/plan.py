@@ -160,21 +160,29 @@ def _resume_checkpoint(run_dir: Path) -> tuple[Path | None, str]:
     return choice.checkpoint, choice.lineage
 
 
-def _refuse_another_runs_checkpoints(config: Config) -> None:
-    """A fresh run does not write into another run's checkpoints (it would replace some,
-    prune its own and leave a resume to pick the other's): refused, or, with
-    ``run.overwrite``, the old ones are moved aside whole."""
-    run_dir = Path(config.run.dir)
-    existing = checkpoint_dirs(run_dir)
-    if not existing:
+def check_run_dir(config: Config) -> None:
+    """Refuse a fresh run whose ``run.dir`` holds another run's checkpoints, unless
+    ``run.overwrite`` (it would replace some, prune its own and leave a resume to pick the
+    other's). Reads only: ``--dry-run`` asks it too."""
+    run = config.run
+    if run.resume or run.rollout_only_from_checkpoint or run.overwrite:
         return
-    root = run_dir / "checkpoints"
-    if not config.run.overwrite:
+    run_dir = Path(run.dir)
+    existing = checkpoint_dirs(run_dir)
+    if existing:
         names = ", ".join(p.name for p in existing[:3]) + (f" and {len(existing) - 3} more" if len(existing) > 3 else "")
         raise CheckpointError(
             f"run.dir {run_dir} holds another run's checkpoints ({names}): set run.resume = true to continue "
             "it, choose another run.dir, or set run.overwrite = true to move them aside and start over"
         )
-    moved = set_aside(root, "replaced-" + time.strftime("%Y%m%d-%H%M%S"))
-    logger.warning("run.overwrite: moved the previous run's checkpoints to %s", moved)
+
+
+def _refuse_another_runs_checkpoints(config: Config) -> None:
+    """``check_run_dir``; with ``run.overwrite``, another run's checkpoints are moved aside
+    whole."""
+    check_run_dir(config)
+    run_dir = Path(config.run.dir)
+    if config.run.overwrite and checkpoint_dirs(run_dir):
+        moved = set_aside(run_dir / "checkpoints", "replaced-" + time.strftime("%Y%m%d-%H%M%S"))
+        logger.warning("run.overwrite: moved the previous run's checkpoints to %s", moved)
 

@@ -1,9 +1,9 @@
-"""``python -m miles_events.run cfg.toml [--set a.b=value ...] [--dry-run]``
+"""python -m miles_events.run cfg.toml [--set a.b=value ...] [--dry-run]
 
 Exit codes: 0 the run completed (or was stopped on request), 1 the run failed, 2 the input
-(config, data) is wrong. A user's mistake gets one line naming what is wrong, no traceback;
-the input is checked (``miles_events.app.preflight``) before anything is written, and
-``--dry-run`` checks it as well.
+(config, data, a run.dir holding another run's checkpoints) is wrong. A user's mistake gets
+one line naming what is wrong, no traceback; the input is checked
+(miles_events.app.preflight) before anything is written, and --dry-run checks it as well.
 """
 
 from __future__ import annotations
@@ -38,13 +38,17 @@ class ShowMetricsUrl(Sink):
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m miles_events.run", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m miles_events.run", description=__doc__.split("\n\n")[1])
     parser.add_argument("config", help="the run's TOML file")
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a key, e.g. run.num_rollout=3"
     )
     parser.add_argument("--dry-run", action="store_true", help="check the input, print the resolved config and exit")
-    parser.add_argument("--log-level", default=os.environ.get("MILES_LOG_LEVEL", "WARNING"))
+    parser.add_argument(
+        "--log-level",
+        default=os.environ.get("MILES_LOG_LEVEL", "WARNING"),
+        help="Python logging level of the driver's log (default: $MILES_LOG_LEVEL, else WARNING)",
+    )
     return parser.parse_args(argv)
 
 
@@ -94,6 +98,13 @@ def _run(args: argparse.Namespace) -> int:
         print(error_line(error), file=sys.stderr)
         return 2
     if args.dry_run:
+        from miles_events.app.plan import check_run_dir
+
+        try:
+            check_run_dir(config)
+        except CheckpointError as error:
+            print(error_line(error), file=sys.stderr)
+            return 2
         sys.stdout.write(dump_config(config))
         return 0
 
