@@ -26,11 +26,15 @@ class RunConfig(Section):
     dir: str = "runs/default"
     """Where the event log, checkpoints and the built model go."""
     runtime: Literal["ray", "local"] = "ray"
+    """``ray``: the Generator and the Trainer each in a Ray actor process, on a one-host
+    cluster the run starts (or the one at ``ray.address``); ``local``: every actor in this
+    one process (the same events, the same results)."""
     seed: int = 1234
     """Seeds the built-in model's init, the trainer, the data order and the sampling: 0 to 2**63 - 1."""
     num_rollout: NonNegativeInt | None = None
     """Rollouts to run; derived from dataset size, batch size and num_epoch when unset."""
     num_epoch: PositiveInt = 1
+    """Passes over the prompt data when ``num_rollout`` is unset."""
     start_rollout_id: NonNegativeInt | None = None
     """First rollout id; 0 on a fresh run, the checkpoint's next one on resume."""
     resume: bool = False
@@ -41,13 +45,21 @@ class RunConfig(Section):
     """Start a fresh run in a directory that holds another run's checkpoints: they are moved
     aside to ``<dir>/checkpoints.replaced-<time>`` first. Without it such a run is refused."""
     eval_interval: PositiveInt | None = None
+    """Evaluate on ``data.eval_data`` after every this many rollouts, at each epoch end and
+    before the first rollout (as miles' ``--eval-interval``); unset: no evaluation."""
     skip_eval_before_train: bool = False
+    """Leave out the evaluation before the first rollout."""
     save_interval: PositiveInt | None = None
+    """Save a checkpoint after every this many rollouts, at each epoch end and after the
+    last rollout (as miles' ``--save-interval``); unset: no periodic saves (a stop still
+    saves the last complete step). One save is written at a time: one due while the last
+    is being written waits for it, and the loop with it."""
     save_trigger_sentinel: str | None = None
     """A file whose existence triggers one save after the current rollout; it is removed when
     that save is asked for. A relative path is resolved against the config file's directory,
     like every path here (the seed resolves it against the working directory)."""
     debug_exit_after_rollout: PositiveInt | None = None
+    """Finish (completed) after this many rollouts of this run, counted from where it started."""
     stop_grace_seconds: PositiveFloat | None = 60.0
     """After a stop is asked for (a first SIGINT / SIGTERM), how long the step in progress
     may take to finish before it is cut at its next cancellation point (a second signal
@@ -78,7 +90,9 @@ class BuiltinModelConfig(Section):
     before anything starts."""
 
     architecture: Literal["qwen2", "llama"] = "qwen2"
+    """The Hugging Face model class built (``Qwen2ForCausalLM`` or ``LlamaForCausalLM``)."""
     hidden_size: PositiveInt = 64
+    """The model's width (its Hugging Face config's ``hidden_size``, as the keys below are)."""
     intermediate_size: PositiveInt = 128
     num_hidden_layers: PositiveInt = 2
     num_attention_heads: PositiveInt = 4
@@ -86,8 +100,11 @@ class BuiltinModelConfig(Section):
     num_key_value_heads: PositiveInt = 2
     """Must divide ``num_attention_heads``."""
     max_position_embeddings: PositiveInt = 64
+    """Longest sequence, prompt and response together."""
     tie_word_embeddings: bool = False
+    """The output layer shares the input embedding's weights."""
     tokenizer: Literal["arith"] = "arith"
+    """The tokenizer built in code: ``arith``, digits, ``+``, ``=`` and the special tokens."""
 
 
 class ModelConfig(Section):
@@ -95,27 +112,37 @@ class ModelConfig(Section):
     """A Hugging Face model directory (config, safetensors, tokenizer). Unset: build ``builtin``."""
     builtin: BuiltinModelConfig = msgspec.field(default_factory=BuiltinModelConfig)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """The dtype the trainer trains in and the engines serve (publications are in it)."""
 
 
 class DataConfig(Section):
     prompt_data: str = ""
     """JSONL file of prompts for training rollouts."""
     eval_data: str | None = None
+    """JSONL file of prompts to evaluate on; unset: ``prompt_data``."""
     input_key: str = "input"
+    """The key of each JSONL line holding the prompt."""
     label_key: str = "label"
+    """The key holding the label the reward function compares with."""
     rollout_batch_size: PositiveInt = 8
     """Prompts per rollout."""
     n_samples_per_prompt: PositiveInt = 8
+    """Responses sampled per prompt: a GRPO group."""
     rollout_shuffle: bool = True
+    """Shuffle the prompt order each epoch (seeded by ``run.seed`` and the epoch)."""
     eval_n_samples_per_prompt: PositiveInt = 1
+    """Responses sampled per evaluation prompt."""
 
 
 class RolloutConfig(Section):
     reward_fn: str = "miles_events.rl.rewards.exact_match"
     """Dotted path to ``fn(prompt, response, label) -> float``."""
     temperature: NonNegativeFloat = 1.0
+    """Sampling temperature of rollouts; 0: greedy."""
     top_p: Probability = 1.0
+    """Nucleus sampling: the smallest set of tokens whose probabilities reach this."""
     max_new_tokens: PositiveInt = 16
+    """Longest response, in tokens."""
     stop: list[str] = []
     """Stop strings; the tokenizer's EOS token always stops."""
     max_batch_size: PositiveInt = 256
@@ -129,6 +156,7 @@ class RolloutConfig(Section):
     generator and end rows by the same rules; ``static`` and ``cuda_graph`` attend over a
     padded cache, so in bf16 an occasional near-tie resolves differently from ``eager``."""
     eval_temperature: NonNegativeFloat = 0.0
+    """Sampling temperature of evaluations; 0: greedy."""
     num_threads: NonNegativeInt = 0
     """torch threads of each engine while it generates; 0: the cores of the Generator's
     process, shared by its engines (the Trainer is idle meanwhile in the synchronous loop)."""
@@ -174,6 +202,8 @@ class SglangConfig(Section):
     tp_size: PositiveInt = 1
     """GPUs per server (for the command line a server is started with)."""
     mem_fraction_static: Annotated[float, msgspec.Meta(gt=0, lt=1)] | None = None
+    """The server's ``--mem-fraction-static`` (GPU memory for weights and KV cache); unset:
+    SGLang's default."""
     extra_args: list[str] = []
     """Further ``sglang.launch_server`` arguments, as they are."""
 
@@ -220,22 +250,31 @@ class TrainerConfig(Section):
     backend: str = "torch"
     """The trainer backend: ``torch`` (PyTorch in the Trainer's process, CPU or one GPU)."""
     lr: PositiveFloat = 1e-3
+    """AdamW's learning rate (constant)."""
     weight_decay: NonNegativeFloat = 0.0
+    """AdamW's decoupled weight decay."""
     adam_beta1: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.9
     adam_beta2: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.999
     adam_eps: PositiveFloat = 1e-8
+    """AdamW's betas and epsilon: ``adam_beta1``, ``adam_beta2``, ``adam_eps``."""
     clip_grad: NonNegativeFloat = 1.0
     """Max gradient norm; 0 disables clipping."""
     global_batch_size: PositiveInt | None = None
     """Samples per optimizer step; unset: the whole rollout in one step."""
     micro_batch_size: PositiveInt = 16
+    """Samples per forward and backward pass; an optimizer step accumulates its micro-batches."""
     eps_clip: PositiveFloat = 0.2
+    """PPO's clip range of the probability ratio (lower side, and upper unless ``eps_clip_high``)."""
     eps_clip_high: PositiveFloat | None = None
     """Upper clip range (DAPO clip-higher); unset: same as eps_clip."""
     use_kl_loss: bool = False
+    """Add a KL penalty against the reference model (``run.ref_load``, else the base model)
+    to the loss, weighted by ``kl_loss_coef``, estimated as ``kl_loss_type`` (Schulman's k1
+    or k3)."""
     kl_loss_coef: NonNegativeFloat = 0.0
     kl_loss_type: Literal["k1", "k3"] = "k3"
     entropy_coef: float = 0.0
+    """Weight of the entropy bonus (subtracted from the loss)."""
     normalize_advantage_std: bool = True
     """GRPO divides by the group's reward std; Dr.GRPO does not."""
     on_non_finite: Literal["fail", "skip_sample", "skip_step"] = "fail"
@@ -254,13 +293,14 @@ class TrainerConfig(Section):
     """torch threads while a rollout is trained; 0: the cores of the Trainer's process (the
     Generator is idle meanwhile in the synchronous loop)."""
     save_staging: Literal["auto", "inline", "background"] = "auto"
-    """How a save's train state is staged for the Saver. ``inline``: copied to the host and
-    serialised before the trainer handles its next event (the publication asked for after
-    the save waits for it); ``background``: copied where it lives (weights into one bucket
-    per dtype, optimizer state tensor by tensor), which is quick on a GPU, then moved to the
-    host, serialised and staged in a thread while the trainer publishes and trains on,
-    holding one more copy of the train state on the device meanwhile; ``auto``:
-    ``background`` when the weights are on a GPU, else ``inline``."""
+    """How a save's train state is staged for the Saver. ``inline``: copied to the host
+    before the trainer handles its next event (the publication asked for after the save
+    waits for it); ``background``: copied where it lives (weights into one bucket per dtype,
+    optimizer state tensor by tensor), which is quick on a GPU, then moved to the host on a
+    copy stream of its own into pinned memory (pinned at the first save, reused by the next)
+    and staged in a thread while the trainer publishes and trains on, holding one more copy
+    of the train state on the device meanwhile; ``auto``: ``background`` when the weights
+    are on a GPU, else ``inline``."""
 
 
 class PublisherConfig(Section):
@@ -271,13 +311,17 @@ class PublisherConfig(Section):
     handles (slime's colocated path; the trainer's weights on CUDA, the engines embedded),
     everything else as ``shm``."""
     stage_timeout: PositiveFloat = 120.0
+    """Seconds the trainer's staging of a publication may take (``load_timeout``: each engine's load)."""
     load_timeout: PositiveFloat = 120.0
     """Seconds each phase may take before the publication fails."""
 
 
 class VerifierConfig(Section):
     enabled: bool = True
+    """Verify every publication: the digests every engine computes of what it serves must
+    equal the trainer's of what it published."""
     continue_on_mismatch: bool = False
+    """A mismatch is logged and the run goes on; unset, it stops the run naming the tensor."""
     skip_tensor_list: list[str] = []
     """Substrings of tensor names left out of the comparison."""
     check_weight_update_equal: bool = False
@@ -286,6 +330,8 @@ class VerifierConfig(Section):
     its snapshot again (skipped on a resumed run, whose weights are not the bootstrap's:
     there the reset alone makes the digest comparison prove the write)."""
     check_weight_update_selector: Literal["all", "target", "draft"] = "all"
+    """Which of an engine's models the check covers (the seed's selector: ``draft`` is a
+    speculative-decoding draft model)."""
     check_weight_update_skip_list: list[str] = []
     """Substrings of tensor names the check leaves alone."""
     check_weight_update_allow_quant_error: bool = False
@@ -306,13 +352,16 @@ class SaverConfig(Section):
     keep_last: NonNegativeInt = 0
     """Complete checkpoints to keep; 0 keeps all."""
     fsync: bool = True
+    """Sync every file and directory of a checkpoint to disk before it is installed."""
 
 
 class BusConfig(Section):
     mailbox_size: PositiveInt = 4096
+    """Events a subscriber's mailbox holds; a publisher to a full one waits."""
     max_batch: PositiveInt = 512
     """Events per cross-process delivery at most."""
     stall_warning_seconds: PositiveFloat = 30.0
+    """A full mailbox that has not moved for this long is logged, naming its subscriber."""
 
 
 class RayConfig(Section):
@@ -322,10 +371,13 @@ class RayConfig(Section):
     """Logical CPUs of the local cluster; unset: the host's CPU count, or more if the
     actors' bundles need more."""
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK"] = "PACK"
+    """The strategy of the run's Ray placement groups."""
     colocate: bool = False
     """Place the rollout and the actor (trainer) roles in one placement group, rank by rank,
     sharing its bundles (the seed's colocated mode)."""
     actor_start_timeout: PositiveFloat = 120.0
+    """Seconds the remote actors may take to start (their models loaded) before the run
+    fails, naming the actor."""
     agents: Literal["stand_in", "ray"] = "stand_in"
     """What the run's own cluster runs as the raylet's two per-node agents (dashboard and
     runtime environments). ``stand_in``: an idle placeholder process for each, so that Ray's
@@ -344,6 +396,7 @@ class MetricsConfig(Section):
     """The Prometheus exporter: a bus subscriber serving ``/metrics``."""
 
     enabled: bool = True
+    """Serve the run's Prometheus metrics at ``http://<host>:<port>/metrics``."""
     host: str = "127.0.0.1"
     port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 9464
     """0 picks a free port; the CLI prints the metrics URL at start (not in quiet mode)."""
@@ -363,9 +416,11 @@ class TrackingConfig(Section):
     """Optional experiment-tracking sinks, each a bus subscriber."""
 
     tensorboard: bool = False
+    """Write the run's metrics as TensorBoard scalars."""
     tensorboard_dir: str | None = None
     """Unset: ``<run.dir>/tensorboard``."""
     wandb: bool = False
+    """Log the run's metrics to Weights & Biases (``wandb_mode``, ``wandb_project``, ``wandb_group``)."""
     wandb_mode: Literal["online", "offline", "disabled"] = "offline"
     wandb_project: str = "miles-events"
     wandb_group: str | None = None
