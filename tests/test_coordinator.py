@@ -148,6 +148,35 @@ async def test_a_save_due_while_the_one_before_is_being_written_waits_for_it_and
     assert kinds(out) == [("RunFinished", "failed")]
 
 
+def saved(rollout_id: int) -> CheckpointSaved:
+    return CheckpointSaved(rollout_id=rollout_id, path="p", weight_version=str(rollout_id + 1), num_bytes=1)
+
+
+async def test_a_stop_or_the_last_rollout_while_a_save_waits_finishes_only_once_both_saves_are_written():
+    for stop in (True, False):
+        c = make(num_rollout=2 if not stop else 5, save_interval=1)
+        await feed(c, started(c), verified(1, None), trained(0), verified(2, 0))
+        assert kinds(await feed(c, trained(1))) == []
+        if stop:
+            assert kinds(await feed(c, StopRequested(reason="signal"))) == []
+        assert kinds(await feed(c, saved(0))) == [("SaveRequested", 1), ("PublishRequested", 1)]
+        assert kinds(await feed(c, verified(3, 1))) == []  # the step's own save is still being written
+        assert kinds(await feed(c, saved(1))) == [("RunFinished", "stopped" if stop else "completed")]
+
+
+async def test_a_sentinel_touched_while_a_save_is_written_is_one_save_asked_for_once_that_one_is_done(tmp_path):
+    sentinel = tmp_path / "save-now"
+    c = make(num_rollout=5, save_trigger_sentinel=str(sentinel))
+    sentinel.touch()
+    await feed(c, started(c), verified(1, None))
+    assert kinds(await feed(c, trained(0))) == [("SaveRequested", 0), ("PublishRequested", 0)]
+    await feed(c, verified(2, 0))
+    sentinel.touch()
+    assert kinds(await feed(c, trained(1))) == []
+    assert not sentinel.exists(), "taken as soon as its step ends"
+    assert kinds(await feed(c, saved(0))) == [("SaveRequested", 1), ("PublishRequested", 1)]
+
+
 async def test_one_touch_of_the_sentinel_file_is_one_save(tmp_path):
     sentinel = tmp_path / "save-now"
     sentinel.touch()
