@@ -125,3 +125,13 @@ def test_the_raylets_agents_are_stood_in_for_unless_rays_own_are_asked_for(agent
     rays_own = [c for c in commands if c.startswith((b"ray::DashboardAgent", b"ray::RuntimeEnvAgent"))]
     assert len(rays_own) == (2 if agents == "ray" else 0)
     assert not ray.is_initialized() and not ray_processes()
+
+
+def test_the_agents_are_stood_in_for_only_while_ray_gives_them_the_raylets_pipe(monkeypatch, caplog):
+    from miles_events.runtime.ray_cluster import AGENT_PIPE_SETTING, stands_in_for_agents
+
+    monkeypatch.delenv(AGENT_PIPE_SETTING, raising=False)
+    assert stands_in_for_agents(RayConfig()) and not stands_in_for_agents(RayConfig(agents="ray"))
+    monkeypatch.setenv(AGENT_PIPE_SETTING, "false")
+    assert not stands_in_for_agents(RayConfig())
+    assert AGENT_PIPE_SETTING in caplog.text

@@ -52,6 +52,20 @@ the raylet starts, in the files the raylet waits for."""
 
 AGENT_COMMAND_FLAGS = ("--dashboard_agent_command=", "--runtime_env_agent_command=")
 
+AGENT_PIPE_SETTING = "RAY_enable_pipe_based_agent_to_parent_health_check"
+"""Ray's setting that gives each agent the raylet's pipe as its stdin (on by default); the
+stand-in lives on that pipe, so with it off Ray's own agents run."""
+
+
+def stands_in_for_agents(ray_config: RayConfig) -> bool:
+    """Whether the run's own cluster runs ``AGENT_STAND_IN`` for the raylet's agents."""
+    if ray_config.agents != "stand_in":
+        return False
+    if os.environ.get(AGENT_PIPE_SETTING, "1").strip().lower() in ("0", "false"):
+        logger.warning("%s is off: the raylet's agents are Ray's own (ray.agents = \"stand_in\" needs it)", AGENT_PIPE_SETTING)
+        return False
+    return True
+
 
 def _agents_stood_in(command: list[str]) -> list[str]:
     """The raylet's ``command`` with its agents replaced by ``AGENT_STAND_IN``, their ports
@@ -250,7 +264,7 @@ class RayCluster:
 
         ray_constants.ENABLE_RAY_CLUSTER = False
         began = time.monotonic()
-        with _lean_head(self.ray_config.agents == "stand_in"), _cluster_environment():
+        with _lean_head(stands_in_for_agents(self.ray_config)), _cluster_environment():
             ray.init(**kwargs)
         self.started_here = True
         logger.info("local ray cluster (%d CPUs) up in %.1fs", self.num_cpus, time.monotonic() - began)
