@@ -56,3 +56,11 @@ async def drive_sink(
     await host.join()
     await sink.close()
     return host
+
+
+def cmdline(pid: int) -> bytes:
+    """The command line of process ``pid``; empty once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""

@@ -25,6 +25,7 @@ from miles_events.app.session import Session
 from miles_events.bus.event_log import read_events
 from miles_events.rl.checkpoint import latest_checkpoint, read_checkpoint
 from miles_events.rl.probe import PROBE_TENSOR
+from miles_events.runtime.leftovers import descendants
 from schemas.events import (
     ActorFailed,
     CheckpointSaved,
@@ -40,6 +41,7 @@ from schemas.events import (
     WeightsPublished,
     WeightsStaged,
 )
+from tests.support import cmdline
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "examples" / "tiny.toml"
@@ -231,7 +233,13 @@ def test_sigterm_while_ray_starts_aborts_with_exit_130(tmp_path):
     args = [sys.executable, "-m", "miles_events.run", str(TINY), "--set", f'run.dir="{tmp_path}"', "--set", "metrics.port=0"]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
-    time.sleep(4)  # the built-in model is made and Ray starts: the loop has not begun
+    # As soon as Ray's raylet is up: the actors' processes have yet to import torch and
+    # start, so the run's loop has not taken the signals over (a fixed sleep raced a
+    # cluster that comes up in under a second).
+    deadline = time.monotonic() + 60
+    while not any(b"raylet" in cmdline(pid) for pid, _ in descendants(process.pid)):
+        assert process.poll() is None and time.monotonic() < deadline, "Ray never started"
+        time.sleep(0.02)
     process.send_signal(signal.SIGTERM)
     _, err = process.communicate(timeout=120)
     assert process.returncode == 130, err[-2000:]

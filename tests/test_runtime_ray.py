@@ -22,6 +22,7 @@ from schemas.config import Config, RayConfig, RunConfig
 from schemas.events import ActorFailed, EvalRequested, Event, RolloutRequested, StopRequested
 from schemas.plan import RunPlan
 from tests.ray_actors import PREPARED, Echo, Learner, Model, Ranked, fill_the_disk, write_pid
+from tests.support import cmdline
 
 pytestmark = pytest.mark.slow
 
@@ -36,13 +37,6 @@ async def start(
     runtime = RayRuntime(RunContext("ray-test", config, tmp_path, "shm", plan, prepare=prepare), ShmTransport("ray-test"))
     await runtime.start(bus, actors or [Echo])
     return bus, runtime
-
-
-def cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
 
 
 def running(process: Process) -> bool:
