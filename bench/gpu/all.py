@@ -1,11 +1,13 @@
-"""The GPU benchmark set in one command: publication, fingerprint and engine decoding.
+"""The GPU benchmark set in one command: publication, fingerprint, engine decoding, saves.
 
     python bench/gpu/all.py
 
-Runs ``publication.py``, ``fingerprint.py --quick`` and ``engine.py`` one after the other
-(each in its own process, so none inherits another's allocations), streams their tables,
+Runs ``publication.py``, ``fingerprint.py --quick``, ``engine.py`` and ``save_overlap.py``
+one after the other (each in its own process, so none inherits another's allocations),
+streams their tables,
 and ends with their ``RESULT`` lines together. Each bench reports its ratios against a
-baseline it measures in the same run: a copy of the same bytes, HF ``generate``.
+baseline it measures in the same run: a copy of the same bytes, HF ``generate``, the loop
+without a save beside it.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BENCHES = (["publication.py"], ["fingerprint.py", "--quick"], ["engine.py"])
+BENCHES = (["publication.py"], ["fingerprint.py", "--quick"], ["engine.py"], ["save_overlap.py", "--iterations", "150"])
 
 
 def main() -> int:
