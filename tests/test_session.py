@@ -4,6 +4,7 @@ sinks that cannot start."""
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import pytest
 
@@ -174,3 +175,23 @@ def test_the_models_transformers_module_is_named_from_its_files_without_importin
         (tmp_path / "config.json").write_text(written)
         assert modeling_module(ModelConfig(path=str(tmp_path))) is None, written
     assert modeling_module(ModelConfig(path=str(tmp_path / "missing"))) is None
+
+
+class FreezeProbe(Actor):
+    """Records how many objects the collector leaves out when the loop begins."""
+
+    name = "trainer"
+    frozen_when_the_loop_began = -1
+
+    @handles(PublishRequested, emits=())
+    async def on_publish(self, event: PublishRequested) -> None:
+        FreezeProbe.frozen_when_the_loop_began = gc.get_freeze_count()
+        raise RuntimeError("enough")
+
+
+async def test_what_start_up_built_is_left_out_of_full_collections_while_the_run_goes_on(tmp_path):
+    config = Config(run=RunConfig(dir=str(tmp_path), runtime="local", num_rollout=1))
+    assert gc.get_freeze_count() == 0
+    await Session(config, [FreezeProbe, Coordinator]).run()
+    assert FreezeProbe.frozen_when_the_loop_began > 10_000, "the imports and the actors' objects"
+    assert gc.get_freeze_count() == 0, "given back once the run is over"

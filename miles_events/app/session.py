@@ -24,6 +24,7 @@ from miles_events.bus.clock import SYSTEM_CLOCK, Clock
 from miles_events.bus.errors import describe_error
 from miles_events.bus.event_bus import EventBus, Mailbox
 from miles_events.runtime.base import ActorStartError, RunContext, Runtime
+from miles_events.runtime.heap import freeze_start_up, thaw
 from miles_events.runtime.leftovers import claim, clean_dead_run, remove_dead_owners
 from miles_events.runtime.local import LocalRuntime
 from miles_events.runtime.ray_cluster import RayCluster
@@ -131,6 +132,7 @@ class Session:
         opened: list[Sink] = []
         signals: StopOnSignal | None = None
         dumps: asyncio.Task[None] | None = None
+        frozen = False
         try:
             await self._start_sinks(bus, opened, hosts)
             try:
@@ -140,6 +142,8 @@ class Session:
                 detail = str(error) if isinstance(error, ActorStartError) else describe_error(error)
                 finished = await self._fail(f"an actor failed to start: {detail}")
             else:
+                freeze_start_up()
+                frozen = True
                 signals = StopOnSignal(bus)
                 dumps = self._start_pyspy(runtime)
                 finished = await self._wait_finished(watch)
@@ -151,6 +155,8 @@ class Session:
                 signals.remove()
             bus.close()
             await self._shutdown(runtime, hosts, opened, transport)
+            if frozen:
+                thaw()
         return RunResult(self.run_id, finished, self.run_dir, time.monotonic() - started)
 
     def _give_back(self) -> None:

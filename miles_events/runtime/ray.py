@@ -34,6 +34,7 @@ from miles_events.bus.errors import describe_error
 from miles_events.bus.event_bus import BusClosed, EventBus, Mailbox
 from miles_events.bus.host import ActorHost
 from miles_events.runtime.base import ActorStartError, InProcessHosts, Preparation, RunContext, host_context
+from miles_events.runtime.heap import freeze_start_up
 from miles_events.runtime.leftovers import forget_processes, record_processes
 from miles_events.runtime.ray_cluster import ARENAS_MARK, RayCluster
 from miles_events.runtime.ray_workers import start_ray_workers
@@ -100,6 +101,7 @@ class RemoteActorHost:
         await actor.start()
         inbox = Mailbox(name, 1, tuple(actor.handlers()))
         self.host = ActorHost(actor, inbox, context.publish)
+        freeze_start_up()  # the process is the actor's alone, for the rest of its life
         return os.getpid()
 
     async def ready(self) -> None:

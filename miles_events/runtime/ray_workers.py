@@ -23,6 +23,7 @@ from miles_events.bus.workers import (
     build_in_process,
     gather_workers,
 )
+from miles_events.runtime.heap import freeze_start_up
 from miles_events.runtime.ray_cluster import ARENAS_MARK
 from miles_events.transport.base import Transport, open_transport
 from schemas.config import Config
@@ -48,6 +49,7 @@ class RankHost:
             self.target = factory(config, open_transport(transport, run_id, Path(run_dir)), place)
         except Exception as error:
             self.failure = error
+        freeze_start_up()  # the process is this rank's alone, for the rest of its life
 
     def started(self) -> int:
         """The rank's pid, once built; its build's exception otherwise."""
