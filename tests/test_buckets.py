@@ -3,7 +3,6 @@ fused segment kernel bit-identical to the CPU reference, modules moved into buck
 
 from __future__ import annotations
 
-import io
 import os
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from miles_events.rl.finite import NonFiniteError, require_finite_buckets
 from miles_events.rl.hf_model import load_model, prepare_base_model
 from miles_events.rl.host_copy import PinnedPool, capture_point, copy_to_host
 from schemas.config import BuiltinModelConfig, ModelConfig
+from tests.support import torch_save_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -210,12 +210,6 @@ def test_each_host_copy_owns_its_memory_so_a_saved_state_holds_its_own_bytes_alo
     assert exp_avg.untyped_storage().nbytes() == exp_avg.numel() * exp_avg.element_size()
     carved = {"state": {0: {"exp_avg": exp_avg.copy_(optimizer["state"][0]["exp_avg"]), "step": torch.tensor(2.0)}}}
     assert len(torch_save_bytes(carved)) == len(torch_save_bytes(optimizer))
-
-
-def torch_save_bytes(obj: object) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
 
 
 @pytest.mark.gpu

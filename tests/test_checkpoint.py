@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import os
 import random
 import subprocess
@@ -32,6 +31,7 @@ from schemas.checkpoint import DataCursor, TrainerState
 from schemas.config import Config, ModelConfig, SaverConfig
 from schemas.data import DataRef
 from schemas.events import CheckpointFailed, CheckpointSaved, DataReleased, Event, TrainStateStaged
+from tests.support import torch_save_bytes
 
 # --- building blocks -------------------------------------------------------------------
 
@@ -50,12 +50,6 @@ def _state(rollout_id: int, weight_version: str = "3") -> TrainerState:
         seed=1234,
         run_id="run-test",
     )
-
-
-def _torch_bytes(obj: object) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
 
 
 def _trained(base_dir: Path) -> tuple[torch.nn.Module, dict, dict]:
@@ -106,7 +100,7 @@ def test_round_trip_gives_identical_weights_optimizer_rng_and_state(base_dir: Pa
     assert path == tmp_path / "checkpoints" / "rollout_000005"
     assert loaded.weights.keys() == weights.keys()
     assert all(torch.equal(loaded.weights[k], weights[k]) for k in weights)
-    assert _torch_bytes(loaded.optimizer) == _torch_bytes(optimizer)
+    assert torch_save_bytes(loaded.optimizer) == torch_save_bytes(optimizer)
     assert torch.equal(loaded.rng["torch"], rng["torch"])
     assert loaded.rng["python"] == rng["python"]
     assert loaded.trainer_state == _state(5)
@@ -234,7 +228,7 @@ def test_a_crafted_pickle_with_a_matching_manifest_is_refused_and_never_run(
     the load must still run nothing."""
     marker = tmp_path / "code-ran"
     crafted = tmp_path / "staged.pt"  # a staged file is copied as it is
-    crafted.write_bytes(_torch_bytes({"torch": torch.get_rng_state(), "python": _RunsCode(marker)}))
+    crafted.write_bytes(torch_save_bytes({"torch": torch.get_rng_state(), "python": _RunsCode(marker)}))
     rng = crafted if file_name == "rng.pt" else {"torch": torch.get_rng_state()}
     optimizer = crafted if file_name == "optimizer.pt" else {"state": {}}
     path = write_checkpoint(tmp_path / "run", base_dir, 0, _small_weights(1.0), optimizer, rng, _state(0), fsync=False)

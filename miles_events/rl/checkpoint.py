@@ -129,16 +129,30 @@ def _write_weights(path: Path, weights: dict[str, torch.Tensor] | Path) -> None:
     keep(path)  # safetensors creates 0600; kept files follow one rule
 
 
+def save_state(state: Any, path: Path) -> None:
+    """A state (an optimizer's or the RNG's: tensors, numbers, strings in dicts and lists)
+    ``torch.save``d into the file ``path``: how a checkpoint and a transport keep one."""
+    import torch
+
+    torch.save(state, path)
+
+
+def load_state(path: Path) -> Any:
+    """A state written by ``save_state``: tensors, numbers, strings and containers only
+    (``weights_only``: loading runs no code), on the CPU."""
+    import torch
+
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
 def _write_state(path: Path, state: Path | Any) -> None:
-    """A ``torch.save`` file of ``state``, or the file ``state`` copied."""
+    """A ``save_state`` file of ``state``, or the file ``state`` copied."""
     if isinstance(state, bytes | bytearray):
         raise TypeError(f"{path.name}: a state or the path of its torch.save file, not bytes")
     if isinstance(state, Path):
         shutil.copyfile(state, path)
     else:
-        import torch
-
-        torch.save(state, path)
+        save_state(state, path)
     keep(path)
 
 
@@ -369,10 +383,8 @@ def _torch_load(path: Path) -> Any:
     manifest, so the hashes prove integrity, not trust, and nothing loaded may run code. A
     file that needs more than that is refused, naming it.
     """
-    import torch
-
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return load_state(path)
     except pickle.UnpicklingError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(

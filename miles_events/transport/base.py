@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from miles_events.rl.checkpoint import load_state, save_state
 from miles_events.rl.file_modes import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE
 from miles_events.rl.registry import registered
 from schemas.data import DataRef
@@ -188,21 +189,6 @@ def _state_bytes(state: Any) -> int:
     sizes: list[int] = []
     map_tensors(state, lambda t: sizes.append(t.numel() * t.element_size()) or t)
     return sum(sizes)
-
-
-def save_state(state: Any, path: Path) -> None:
-    """``torch.save`` of ``state`` into the file ``path``."""
-    import torch
-
-    torch.save(state, path)
-
-
-def load_state(path: Path) -> Any:
-    """A state written by ``save_state``: tensors, numbers, strings and containers only
-    (``weights_only``: loading runs no code), on the CPU."""
-    import torch
-
-    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 TENSORS_METADATA = {"format": "pt"}

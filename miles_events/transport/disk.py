@@ -14,7 +14,8 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from miles_events.transport.base import TENSORS_METADATA, Transport, _safetensors, load_state, save_state
+from miles_events.rl.checkpoint import load_state, save_state
+from miles_events.transport.base import TENSORS_METADATA, Transport, _safetensors
 from schemas.data import DataRef
 
 if TYPE_CHECKING:  # torch is imported by what puts or gets tensors, not by every reader of events
