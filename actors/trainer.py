@@ -26,7 +26,7 @@ import msgspec
 from actors.trainer_backend import backend_module, build_backend
 from actors.trainer_backend.base import TrainerBackend
 from miles_events.bus.actor import Actor, ActorContext, WorkerGroup, handles
-from miles_events.rl.buckets import Buckets, fingerprint_buckets
+from miles_events.rl.buckets import Buckets, fingerprint_buckets, plan_layouts
 from miles_events.rl.canary import CANARY_TENSOR, canary_fingerprint, publication_canary
 from miles_events.rl.cancel import Cancellation, Cancelled
 from miles_events.rl.checkpoint import read_checkpoint
@@ -41,11 +41,12 @@ from miles_events.rl.hf_model import modeling_module, torch_dtype
 from miles_events.rl.host_copy import PinnedArena, PinnedPool, capture_point, copy_to_host, map_tensors
 from miles_events.rl.probe import probe_batch, probe_vocab_size
 from miles_events.rl.prompts import data_cursor, load_prompts
+from miles_events.rl.staging import StagingPool
 from miles_events.rl.threads import phase_threads
 from miles_events.rl.versions import next_version, version_number
 from schemas.checkpoint import TrainerState
 from schemas.config import Config
-from schemas.data import DataRef
+from schemas.data import BucketLayout, DataRef
 from schemas.events import (
     DataReleased,
     ProbeBatch,
@@ -94,6 +95,8 @@ class Trainer(Actor):
         self._manifests: dict[str, str] = {}
         """Weight version -> the checksum manifest written for it, until it is verified."""
         self._num_saves = 0
+        self._staging = StagingPool()
+        """The publications' staging buckets, allocated once and reused once released."""
         self._pinned = PinnedPool()
         """Pinned host memory for saves staged in the background, pinned once, reused."""
         self._arenas: dict[str, tuple[PinnedArena, set[str]]] = {}
@@ -156,6 +159,7 @@ class Trainer(Actor):
         if self._published is not None:
             self._free(self._published)
             self._published = None
+        self._staging.clear()
 
     def _free(self, ref: DataRef) -> None:
         self.context.transport.free(ref)
@@ -236,28 +240,49 @@ class Trainer(Actor):
         # The payload also carries this publication's canary, which only a load that
         # applies it can show (miles_events.rl.canary); it is in no digest. It has a bucket
         # of its own (uint8), after the weights' buckets.
-        canary = publication_canary(self.context.run_id, version)
-        weights = self._weights_copy(dtype)
-        canary_bucket = Buckets.of({CANARY_TENSOR: canary}, device=weights.device)
-        buckets = Buckets(weights.layouts + canary_bucket.layouts, weights.buffers + canary_bucket.buffers)
-        require_finite_buckets(buckets, f"weight version {version}")
-        # The skip list applies here as on the engines: digests are compared whole.
-        checksums = fingerprint_buckets(buckets, [*self.config.verifier.skip_tensor_list, CANARY_TENSOR])
-        ref = self.context.transport.put_buckets(f"weights-v{version}", buckets, owner=self.name)
+        canary = {CANARY_TENSOR: publication_canary(self.context.run_id, version)}
+        key = f"weights-v{version}"
+        buckets = self._weights_copy(dtype, extra=plan_layouts(canary), pool=self._staging)
+        self._staging.lend(key, buckets)
+        try:
+            Buckets(buckets.layouts[-1:], buckets.buffers[-1:]).pack(canary)
+            require_finite_buckets(buckets, f"weight version {version}")
+            # The skip list applies here as on the engines: digests are compared whole.
+            checksums = fingerprint_buckets(buckets, [*self.config.verifier.skip_tensor_list, CANARY_TENSOR])
+            ref = self.context.transport.put_buckets(key, buckets, owner=self.name)
+        except BaseException:
+            self._staging.give_back(key)  # nobody has read it
+            raise
         digest, manifest = write_manifest(self.context.run_dir, checksums)
-        return ref, digest, manifest, len(checksums), buckets.tensor_bytes, canary_fingerprint(canary)
+        return ref, digest, manifest, len(checksums), buckets.tensor_bytes, canary_fingerprint(canary[CANARY_TENSOR])
 
-    def _weights_copy(self, dtype: torch.dtype | None = None) -> Buckets:
+    def _weights_copy(
+        self, dtype: torch.dtype | None = None, extra: tuple[BucketLayout, ...] = (), pool: StagingPool | None = None
+    ) -> Buckets:
         """A copy of the weights (``named_weights``), converted to ``dtype``, in flat buckets
-        on their device: one copy per bucket where the backend trains them in buckets of that
-        dtype already, else packed by one ``torch.cat`` per dtype (``Buckets.of``)."""
+        on their device, followed by empty buckets laid out as ``extra`` (the caller fills
+        them): one copy per bucket where the backend trains them in buckets of that dtype
+        already, else packed by one ``torch.cat`` per dtype. Into buckets of ``pool`` where
+        given (staged before and given back), else new ones."""
         import torch
 
         own = self.backend.weight_buckets()
-        if own is not None and all(dtype in (None, buffer.dtype) for buffer in own.buffers):
-            with torch.no_grad():
-                return Buckets(own.layouts, tuple(buffer.clone() for buffer in own.buffers))
-        return Buckets.of(self.backend.named_weights(dtype))
+        with torch.no_grad():
+            if own is not None and all(dtype in (None, buffer.dtype) for buffer in own.buffers):
+                layouts, device, weights = own.layouts, own.device, None
+            else:
+                weights = self.backend.named_weights(dtype)
+                layouts = plan_layouts(weights)
+                device = next(iter(weights.values())).device if weights else torch.device("cpu")
+            every = layouts + tuple(extra)
+            copy = pool.take(every, device) if pool is not None else Buckets.allocate(every, device)
+            part = Buckets(layouts, copy.buffers[: len(layouts)])
+            if weights is None:
+                assert own is not None
+                part.copy_from(own)
+            else:
+                part.pack(weights)
+        return copy
 
     @handles(PublishRequested, emits=(WeightsStaged,))
     async def on_publish_requested(self, event: PublishRequested) -> None:
@@ -269,7 +294,8 @@ class Trainer(Actor):
         )
         probe = await anyio.to_thread.run_sync(self._probe)
         previous, self._published = self._published, ref
-        if previous is not None:
+        if previous is not None:  # its readers have not said they are done: not reused
+            self._staging.forget(previous.key)
             self._free(previous)
         self.weight_version = version
         self._manifests[version] = manifest
@@ -307,6 +333,7 @@ class Trainer(Actor):
     async def on_data_released(self, event: DataReleased) -> None:
         if event.ref.owner != self.name:
             return
+        self._staging.give_back(event.ref.key)
         self._free(event.ref)
         for prefix, (arena, unreleased) in list(self._arenas.items()):
             unreleased.discard(event.ref.key)

@@ -487,6 +487,35 @@ async def test_staging_the_next_version_frees_the_previous_one(base_model: Path,
         context.transport.get_tensors(second.weights)
 
 
+async def test_a_released_publications_buffers_stage_a_later_one_and_an_unreleased_ones_are_not_written_again(
+    base_model: Path, tmp_path: Path
+) -> None:
+    trainer, context = await started_trainer(make_config(base_model, tmp_path), tmp_path)
+
+    async def publish() -> tuple[WeightsStaged, tuple[torch.Tensor, ...]]:
+        await trainer.handle(PublishRequested(rollout_id=None))
+        event = context.of_type(WeightsStaged)[-1]
+        staged = context.transport.get_buckets(event.weights)
+        assert staged is not None
+        assert per_gpu_checksum(fingerprints(split_canary(staged.tensors())[0])) == event.digest
+        return event, staged.buffers
+
+    first, first_buffers = await publish()
+    await trainer.handle(DataReleased(ref=first.weights))  # every engine loaded it
+    await trainer.handle(rollout_event(context, 0, two_group_samples()))
+    second, second_buffers = await publish()
+    assert second.digest != first.digest
+    assert [b.data_ptr() for b in second_buffers] == [b.data_ptr() for b in first_buffers]
+    kept = [b.clone() for b in second_buffers]
+    # The next publication is staged before anyone released the second: a reader may still be
+    # reading it, so it is left as it is and the third goes into new buffers.
+    await trainer.handle(rollout_event(context, 1, two_group_samples()))
+    _third, third_buffers = await publish()
+    assert not {b.data_ptr() for b in third_buffers} & {b.data_ptr() for b in second_buffers}
+    assert all(torch.equal(a, b) for a, b in zip(second_buffers, kept, strict=True))
+    assert trainer._staging.num_allocated == 2
+
+
 async def test_tied_embeddings_are_published_once(tmp_path: Path) -> None:
     tied = prepare_base_model(
         ModelConfig(builtin=BuiltinModelConfig(tie_word_embeddings=True)), tmp_path, SEED

@@ -169,3 +169,52 @@ def test_cuda_ipc_shares_gpu_buckets_with_another_process_without_a_copy(tmp_pat
     plane.free(ref)
     assert plane.get_buckets(ref) is None
     plane.close()
+
+
+READER = """
+import sys, torch
+from miles_events.rl.buckets import fingerprint_buckets
+from miles_events.transport.cuda_ipc import CudaIpcTransport
+from schemas.data import DataRef
+opened = []  # every handle this process maps (torch's own mapping call, counted)
+new_shared_cuda = torch.UntypedStorage._new_shared_cuda
+torch.UntypedStorage._new_shared_cuda = lambda *a, **k: opened.append(a) or new_shared_cuda(*a, **k)
+plane = CudaIpcTransport(sys.argv[1])
+for key in sys.stdin:
+    buckets = plane.get_buckets(DataRef("cuda_ipc", key.strip(), "trainer"))
+    print(len(opened), sorted(fingerprint_buckets(buckets).items()), flush=True)
+    del buckets  # as an engine does once loaded: the transport keeps the mapping
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_reader_keeps_the_buffers_it_mapped_and_reads_what_was_staged_into_them_later(tmp_path: Path):
+    import subprocess
+    import sys
+
+    from miles_events.rl.buckets import fingerprint_buckets
+
+    plane = open_transport("cuda_ipc", "run-ipc-reuse", tmp_path)
+    buckets = bucketed().to("cuda")
+    root = Path(__file__).resolve().parent.parent
+    reader = subprocess.Popen(
+        [sys.executable, "-c", READER, "run-ipc-reuse"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        cwd=root, env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))},
+    )  # fmt: skip
+    assert reader.stdin is not None and reader.stdout is not None
+    seen = []
+    for version in (1, 2):
+        if version == 2:
+            buckets.buffers[0].mul_(3)  # staged again into the same buffers, once the reader was done
+        ref = plane.put_buckets(f"weights-v{version}", buckets, owner="trainer")
+        reader.stdin.write(ref.key + "\n")
+        reader.stdin.flush()
+        opened, fingerprints = reader.stdout.readline().split(" ", 1)
+        assert fingerprints.strip() == str(sorted(fingerprint_buckets(buckets).items()))
+        seen.append(int(opened))
+        plane.free(ref)
+    reader.stdin.close()
+    assert reader.wait(60) == 0
+    assert seen == [2, 2]  # each bucket's handle mapped once, by the first read
+    plane.close()

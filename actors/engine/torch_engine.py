@@ -382,6 +382,11 @@ class TorchEngine(Engine):
             self._buckets.copy_from(Buckets(self._buckets.layouts, tuple(staged.buffers[i] for i in model)))
             if canary:
                 self._canary.copy_(staged.buffers[canary[0]][:CANARY_BYTES])
+        if staged.device.type == "cuda":
+            # The load is reported once it returns, and the trainer then stages a later
+            # publication into the same buffers (miles_events.rl.staging): the copies must
+            # be done, not just queued.
+            torch.cuda.current_stream(staged.device).synchronize()
         self._canary_loaded = self._canary_loaded or bool(canary)
         self._weight_version = str(weight_version)
         return True

@@ -19,7 +19,10 @@ the same GPU. Times (CUDA-synchronised, medians of ``--reps``):
 - buckets, across processes: the same staging, shared with an engine process on the same
   GPU by the ``cuda_ipc`` transport (a record under /dev/shm naming each buffer's IPC
   handle), the engine opening it and copying into its buckets, timed from the start of the
-  packing to the engine's answer over a pipe.
+  staging to the engine's answer over a pipe. Twice: staged into new buffers each time
+  (every publication a new handle the engine maps), and staged as the trainer does, into
+  the buffers of a publication the engine said it was done with (``StagingPool``: the
+  engine finds them mapped already).
 
 Prints a table with each rate against the copy's (bytes read + written) and a ``RESULT``
 line. Goals: in process < 5 ms, across processes < 20 ms, >= 70% of the copy rate.
@@ -32,6 +35,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import torch
@@ -46,6 +50,7 @@ from miles_events.rl.buckets import Buckets, bucket_parameters, fingerprint_buck
 from miles_events.rl.checksum import K1, K2, K3, fingerprints  # noqa: E402
 from miles_events.rl.checksum_triton import segment_sums  # noqa: E402
 from miles_events.rl.hf_model import load_model  # noqa: E402
+from miles_events.rl.staging import StagingPool  # noqa: E402
 from miles_events.rl.weights import split_tied  # noqa: E402
 from miles_events.transport.cuda_ipc import CudaIpcTransport  # noqa: E402
 from schemas.data import DataRef  # noqa: E402
@@ -65,22 +70,50 @@ def timed(fn: Callable[[], object], reps: int) -> float:
     return statistics.median(times)
 
 
-def engine_process(model_dir: str, run_id: str, requests: mp.Queue, answers: mp.Queue) -> None:
+def engine_process(model_dir: str, run_id: str, pipe: Connection) -> None:
     """An engine on the same GPU in a process of its own: loads each publication named on
-    ``requests`` from the cuda_ipc transport into its buckets, answers with its time."""
+    ``pipe`` from the cuda_ipc transport into its buckets (as ``TorchEngine`` does: one copy
+    a bucket, done before it answers), answers with its time."""
     model = load_model(model_dir, "bfloat16").cuda()
     served, _ = split_tied(model.state_dict())
     own = bucket_parameters(model, served)
     plane = CudaIpcTransport(run_id)
-    answers.put("ready")
-    while (key := requests.get()) is not None:
+    pipe.send("ready")
+    while (key := pipe.recv()) is not None:
         start = time.perf_counter()
         staged = plane.get_buckets(DataRef("cuda_ipc", key, "trainer"))
         assert staged is not None and staged.layouts == own.layouts
         own.copy_from(staged)
         torch.cuda.synchronize()
-        del staged  # the mapping goes once no tensor of it is left
-        answers.put(time.perf_counter() - start)
+        del staged
+        pipe.send(time.perf_counter() - start)
+    plane.close()
+
+
+def across_processes(
+    plane: CudaIpcTransport, pipe: Connection, stage: Callable[[Buckets], None], layouts, reps: int, reuse: bool
+) -> tuple[float, float, int]:
+    """Median seconds of a publication across processes (stage, share, the engine's open and
+    load, its answer) and of the engine's part, and the staging buffers allocated: into the
+    buffers of a publication the engine said it was done with (``StagingPool``, as the
+    trainer does) when ``reuse``, else into new ones each time."""
+    pool = StagingPool()
+    whole, engine = [], []
+    for rep in range(reps + 2):
+        key = f"weights-{'reused' if reuse else 'fresh'}-v{rep}"
+        start = time.perf_counter()
+        buckets = pool.take(layouts, torch.device("cuda")) if reuse else Buckets.allocate(layouts, "cuda")
+        stage(buckets)
+        pool.lend(key, buckets)
+        ref = plane.put_buckets(key, buckets, owner="trainer")
+        pipe.send(ref.key)
+        engine_s = pipe.recv()
+        if rep >= 2:
+            whole.append(time.perf_counter() - start)
+            engine.append(engine_s)
+        pool.give_back(key)  # the engine's load is done: the Publisher's DataReleased
+        plane.free(ref)
+    return statistics.median(whole), statistics.median(engine), pool.num_allocated
 
 
 def main() -> None:
@@ -138,27 +171,21 @@ def main() -> None:
     run_id = f"bench-{int(time.time())}"
     plane = CudaIpcTransport(run_id)
     ctx = mp.get_context("spawn")
-    requests, answers = ctx.Queue(), ctx.Queue()
-    child = ctx.Process(target=engine_process, args=(model_dir, run_id, requests, answers))
+    ours, theirs = ctx.Pipe()
+    child = ctx.Process(target=engine_process, args=(model_dir, run_id, theirs))
     child.start()
-    assert answers.get(timeout=300) == "ready"
-    cross, opened = [], []
-    previous: DataRef | None = None
-    for rep in range(args.reps + 2):
-        start = time.perf_counter()
-        ref = plane.put_buckets(f"weights-v{rep}", stage(), owner="trainer")
-        requests.put(ref.key)
-        child_s = answers.get(timeout=120)
-        if rep >= 2:
-            cross.append(time.perf_counter() - start)
-            opened.append(child_s)
-        if previous is not None:
-            plane.free(previous)
-        previous = ref
-    requests.put(None)
+    assert ours.poll(300) and ours.recv() == "ready"
+
+    def stage_into(buckets: Buckets) -> None:
+        buckets.copy_from(trainer_buckets)
+
+    fresh_s, fresh_child_s, _ = across_processes(
+        plane, ours, stage_into, trainer_buckets.layouts, args.reps, reuse=False
+    )
+    cross_s, child_s, allocated = across_processes(plane, ours, stage_into, trainer_buckets.layouts, args.reps, reuse=True)
+    ours.send(None)
     child.join(60)
     plane.close()
-    cross_s, child_s = statistics.median(cross), statistics.median(opened)
 
     def rate(seconds: float, moved: int = 2 * num_bytes) -> float:
         return moved / seconds / 1e9
@@ -172,8 +199,12 @@ def main() -> None:
         ("buckets: load into the engine (copy)", load_s, rate(load_s)),
         ("buckets: publish in process (stage + load)", publish_s, rate(publish_s, 4 * num_bytes)),
         ("buckets: fingerprint every tensor (one side)", fingerprint_s, rate(fingerprint_s, num_bytes)),
-        ("cuda_ipc: publish across processes (stage + share + open + load)", cross_s, rate(cross_s, 4 * num_bytes)),
-        ("cuda_ipc: the engine's part (open + load)", child_s, rate(child_s)),
+        ("cuda_ipc, new buffers each time: publish across processes (stage + share + open + load)", fresh_s,
+         rate(fresh_s, 4 * num_bytes)),
+        ("cuda_ipc, new buffers each time: the engine's part (open + load)", fresh_child_s, rate(fresh_child_s)),
+        ("cuda_ipc, staging reused: publish across processes (stage + share + open + load)", cross_s,
+         rate(cross_s, 4 * num_bytes)),
+        ("cuda_ipc, staging reused: the engine's part (open + load)", child_s, rate(child_s)),
     ]
     print("\n| step | ms | GB/s (read + write) | / copy rate |\n|---|---|---|---|")
     for name, seconds, gbps in rows:
@@ -186,6 +217,8 @@ def main() -> None:
         f"RESULT bytes={num_bytes} copy_ms={copy_s * 1e3:.3f} per_tensor_ms={per_tensor_s * 1e3:.2f} "
         f"publish_ms={publish_s * 1e3:.3f} publish_vs_copy={rate(publish_s, 4 * num_bytes) / copy_rate:.2f} "
         f"cross_process_ms={cross_s * 1e3:.3f} cross_vs_copy={rate(cross_s, 4 * num_bytes) / copy_rate:.2f} "
+        f"cross_engine_vs_copy={rate(child_s) / copy_rate:.2f} cross_fresh_ms={fresh_s * 1e3:.3f} "
+        f"cross_fresh_vs_copy={rate(fresh_s, 4 * num_bytes) / copy_rate:.2f} staging_allocated={allocated} "
         f"fingerprint_ms={fingerprint_s * 1e3:.3f} fingerprint_gbps={rate(fingerprint_s, num_bytes):.0f} "
         f"speedup_vs_per_tensor={per_tensor_s / (publish_s + 2 * fingerprint_s):.1f}"
     )

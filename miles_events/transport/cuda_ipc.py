@@ -7,13 +7,21 @@ each buffer's layout and the handle torch's own reduction of a CUDA tensor gives
 (``torch.multiprocessing.reductions``). A reader opens the buffers from that record and
 copies what it needs; the producer frees them when the reference is freed (the next
 publication, ``DataReleased`` or the run's end), and torch's IPC reference counting keeps
-the memory from being reused while a reader still maps it. Everything that is not a set of
+the memory from being reused while a reader still maps it.
+
+Opening a handle maps the producer's memory into the reader (~0.5 ms for 716 MB on an
+H200, more than the copy that follows) and the mapping goes when the last tensor of it
+does. The trainer stages each publication into the buffers of an earlier one, once its
+readers are done (``miles_events.rl.staging``), so a reader keeps the buffers it opened last
+(``OPEN_BUFFERS``): the next publication's record names the same handles, and torch's cache
+of opened handles hands back the mapping. Everything that is not a set of
 GPU buckets (rollout batches, train state for the Saver, CPU weights) goes through shared
 memory files exactly as ``ShmTransport``.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,6 +39,10 @@ RECORD_SUFFIX = ".cuda-ipc"
 """The record of key ``k`` is the shared-memory file ``k.cuda-ipc``."""
 
 _DECODER = msgspec.msgpack.Decoder(CudaIpcRecord)
+
+OPEN_BUFFERS = 8
+"""Buffers a reader keeps mapped after its last read of them, the least recently read
+unmapped first: the buckets (one per dtype, and the canary's) of a few publications."""
 
 
 def share(buffer: torch.Tensor, layout: BucketLayout) -> CudaIpcBuffer:
@@ -86,6 +98,8 @@ class CudaIpcTransport(ShmTransport):
         super().__init__(run_id, root)
         self._held: dict[str, Buckets] = {}
         """The buckets this process staged, by key, alive until freed."""
+        self._opened: OrderedDict[tuple[bytes, int], torch.Tensor] = OrderedDict()
+        """Buffers of other processes this one read, kept mapped, by (handle, offset)."""
 
     def put_buckets(self, key: str, buckets: Buckets, owner: str) -> DataRef:
         if buckets.device.type != "cuda":
@@ -111,7 +125,17 @@ class CudaIpcTransport(ShmTransport):
             record = _DECODER.decode(path.read_bytes())
         except FileNotFoundError:
             return None
-        return Buckets(tuple(b.layout for b in record.buffers), tuple(open_shared(b) for b in record.buffers))
+        return Buckets(tuple(b.layout for b in record.buffers), tuple(self._open(b) for b in record.buffers))
+
+    def _open(self, shared: CudaIpcBuffer) -> torch.Tensor:
+        """``open_shared``, keeping the mapping for later reads of the same buffer."""
+        buffer = open_shared(shared)
+        key = (shared.handle, shared.storage_offset_bytes)
+        self._opened[key] = buffer
+        self._opened.move_to_end(key)
+        while len(self._opened) > OPEN_BUFFERS:
+            self._opened.popitem(last=False)
+        return buffer
 
     def get_tensors(self, ref: DataRef) -> dict[str, torch.Tensor]:
         buckets = self.get_buckets(ref)
@@ -124,4 +148,5 @@ class CudaIpcTransport(ShmTransport):
 
     def close(self) -> None:
         self._held.clear()
+        self._opened.clear()
         super().close()

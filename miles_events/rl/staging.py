@@ -1,0 +1,79 @@
+"""Staging buffers of publications, allocated once and reused.
+
+Each publication stages a copy of the weights (flat buckets, ``miles_events.rl.buckets``)
+that the engines read while the trainer trains on. Allocated afresh each time, the copy
+would cost an allocation, and, shared across processes by CUDA IPC
+(``miles_events.transport.cuda_ipc``), a new handle that every engine process opens (maps)
+and closes again: on a GPU, most of a publication's time. Reused, the staging is one copy
+per bucket into memory the engines already map.
+
+A staging buffer is reused only once every reader has said it is done with it: the
+Publisher's ``DataReleased``, after every engine reported its load (an engine reports a
+load once its copy has completed). A buffer freed without that word (the next publication
+is staged while an engine has still not answered) is never written again: the transport
+keeps it alive for whoever still reads it, and the next publication takes a new one.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from miles_events.rl.buckets import Buckets
+from schemas.data import BucketLayout
+
+if TYPE_CHECKING:
+    import torch
+
+IDLE_PER_LAYOUT = 2
+"""Idle staging buffers kept for one layout and device; more are dropped when given back."""
+
+
+class StagingPool:
+    """``take`` buckets for a publication (an idle set of the same layouts and device, else
+    new ones), ``lend`` them under the publication's key, then ``give_back`` the key once its
+    readers are done (idle again) or ``forget`` it when it is freed before they said so
+    (never reused)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # taken on the staging thread and on the event loop
+        self._idle: dict[tuple[tuple[BucketLayout, ...], str], list[Buckets]] = {}
+        self._lent: dict[str, Buckets] = {}
+        self.num_allocated = 0
+        """Sets of buckets allocated so far (each a new mapping for every engine process)."""
+
+    def take(self, layouts: Sequence[BucketLayout], device: torch.device) -> Buckets:
+        """Buckets laid out as ``layouts`` on ``device``: their tensors' bytes are whatever was
+        staged in them last (the caller writes every one), the gaps between them zero."""
+        signature = (tuple(layouts), str(device))
+        with self._lock:
+            idle = self._idle.get(signature)
+            if idle:
+                return idle.pop()
+            self.num_allocated += 1
+        return Buckets.allocate(layouts, device)
+
+    def lend(self, key: str, buckets: Buckets) -> None:
+        with self._lock:
+            self._lent[key] = buckets
+
+    def give_back(self, key: str) -> None:
+        """Every reader of ``key`` is done: its buckets are written again by a later staging."""
+        with self._lock:
+            buckets = self._lent.pop(key, None)
+            if buckets is None:
+                return
+            idle = self._idle.setdefault((buckets.layouts, str(buckets.device)), [])
+            if len(idle) < IDLE_PER_LAYOUT:
+                idle.append(buckets)
+
+    def forget(self, key: str) -> None:
+        """``key`` is freed while a reader may still read it: its buckets are not reused."""
+        with self._lock:
+            self._lent.pop(key, None)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._idle.clear()
+            self._lent.clear()

@@ -1,0 +1,44 @@
+"""The staging pool: a publication's buckets are reused once its readers are done, never before."""
+
+from __future__ import annotations
+
+import torch
+
+from miles_events.rl.buckets import Buckets, plan_layouts
+from miles_events.rl.staging import IDLE_PER_LAYOUT, StagingPool
+
+LAYOUTS = plan_layouts({"w": torch.zeros(3, 4), "b": torch.zeros(5, dtype=torch.bfloat16)})
+CPU = torch.device("cpu")
+
+
+def test_buckets_given_back_are_taken_again_for_the_same_layouts_and_device() -> None:
+    pool = StagingPool()
+    first = pool.take(LAYOUTS, CPU)
+    pool.lend("weights-v1", first)
+    pool.give_back("weights-v1")
+    again = pool.take(LAYOUTS, CPU)
+    assert again is first and pool.num_allocated == 1
+    other = pool.take(plan_layouts({"w": torch.zeros(2)}), CPU)
+    assert other is not first and pool.num_allocated == 2
+
+
+def test_buckets_lent_or_forgotten_are_never_taken() -> None:
+    pool = StagingPool()
+    lent = pool.take(LAYOUTS, CPU)
+    pool.lend("weights-v1", lent)
+    assert pool.take(LAYOUTS, CPU) is not lent  # its readers have not said they are done
+    pool.forget("weights-v1")
+    pool.give_back("weights-v1")  # a late release of what was forgotten changes nothing
+    assert pool.num_allocated == 2 and pool.take(LAYOUTS, CPU) is not lent
+
+
+def test_gaps_between_tensors_are_zero_and_few_idle_buckets_are_kept() -> None:
+    pool = StagingPool()
+    taken = [pool.take(LAYOUTS, CPU) for _ in range(IDLE_PER_LAYOUT + 1)]
+    for number, buckets in enumerate(taken):
+        assert isinstance(buckets, Buckets) and all(not gap.any() for gap in buckets._gaps())
+        pool.lend(f"weights-v{number}", buckets)
+    for number in range(len(taken)):
+        pool.give_back(f"weights-v{number}")
+    kept = {id(pool.take(LAYOUTS, CPU)) for _ in range(IDLE_PER_LAYOUT + 1)}
+    assert len(kept & {id(b) for b in taken}) == IDLE_PER_LAYOUT
