@@ -33,6 +33,8 @@ BLOCK = 4096
 """int64 words per tile."""
 PROGRAMS_PER_SM = 4
 NUM_WARPS = 16
+STAGES = 3
+"""Triton's ``num_stages`` for the loop over tiles (its software pipelining; 3 is its default)."""
 
 
 @triton.jit
@@ -77,8 +79,9 @@ def _persistent_programs(work: int, device: torch.device, programs_per_sm: int) 
     return max(1, min(work, _multiprocessors(device.index or 0) * programs_per_sm))
 
 
-def mix_sum(
+def launch_mix_sum(
     words: torch.Tensor,
+    out: torch.Tensor,
     k1: int,
     k2: int,
     k3: int,
@@ -86,16 +89,24 @@ def mix_sum(
     block: int = BLOCK,
     programs_per_sm: int = PROGRAMS_PER_SM,
     num_warps: int = NUM_WARPS,
-) -> int:
-    """The wrapped int64 sum of the mixed ``words`` (a contiguous int64 CUDA tensor)."""
-    out = torch.zeros(1, dtype=torch.int64, device=words.device)
+    stages: int = STAGES,
+) -> None:
+    """Queue the kernel that adds the mixed sum of ``words`` (a contiguous int64 CUDA
+    tensor) into ``out[0]`` (int64, on the same device), without waiting for it."""
     n = words.numel()
     if n:
         full_tiles = n // block
         programs = _persistent_programs(full_tiles, words.device, programs_per_sm)
         _mix_sum_kernel[(programs,)](
-            words, out, n, full_tiles, full_tiles * block, k1, k2, k3, BLOCK=block, num_warps=num_warps
+            words, out, n, full_tiles, full_tiles * block, k1, k2, k3, BLOCK=block, num_warps=num_warps, num_stages=stages
         )
+
+
+def mix_sum(words: torch.Tensor, k1: int, k2: int, k3: int, **settings: int) -> int:
+    """The wrapped int64 sum of the mixed ``words`` (a contiguous int64 CUDA tensor):
+    ``launch_mix_sum`` and the host's wait for it."""
+    out = torch.zeros(1, dtype=torch.int64, device=words.device)
+    launch_mix_sum(words, out, k1, k2, k3, **settings)
     return int(out.item())
 
 
