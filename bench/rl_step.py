@@ -20,7 +20,7 @@ Runs the embedded default with a save after every rollout, then reads the run's 
   the device the run used, packed in buckets as the run packs them) plus the Verifier's
   comparison (``PublicationVerified.verify_seconds``),
 - save: ``CheckpointSaved.save_seconds`` (runs beside the publication, not in series).
-Medians over the rollouts after the first (warm-up).
+Medians over the rollouts after the first (warm-up), then every step and train step.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from schemas.events import (
     PublicationVerified,
     RolloutGenerated,
     RolloutRequested,
+    SaveRequested,
     TrainStepFinished,
     WeightsLoaded,
     WeightsPublished,
@@ -138,6 +139,11 @@ def main() -> None:
     print(f"{'phase':16}{'ms':>10}{'% of step':>12}")
     for name, seconds in rows.items():
         print(f"{name:16}{seconds * 1000:10.2f}{100 * seconds / step:11.1f}%")
+    saved = {e.rollout_id for e in log if isinstance(e, SaveRequested)}
+    print("each step, ms (* after a rollout with a save): " + ", ".join(
+        f"{seconds * 1000:.0f}{'*' if rollout in saved else ''}" for rollout, seconds in enumerate(steps)
+    ))
+    print("each train step, ms: " + ", ".join(f"{seconds * 1000:.0f}" for seconds in train))
     fraction = rows["verify"] / step
     print(f"verification is {100 * fraction:.2f}% of a step (goal < 5%)")
     print(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from miles_events.rl.buckets import Buckets, plan_layouts
@@ -42,3 +43,13 @@ def test_gaps_between_tensors_are_zero_and_few_idle_buckets_are_kept() -> None:
         pool.give_back(f"weights-v{number}")
     kept = {id(pool.take(LAYOUTS, CPU)) for _ in range(IDLE_PER_LAYOUT + 1)}
     assert len(kept & {id(b) for b in taken}) == IDLE_PER_LAYOUT
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_buckets_asked_for_on_cuda_are_taken_again_on_its_current_device() -> None:
+    pool = StagingPool()
+    first = pool.take(LAYOUTS, "cuda")
+    pool.lend("weights-v1", first)
+    pool.give_back("weights-v1")  # the buffers say cuda:0
+    assert pool.take(LAYOUTS, torch.device("cuda")) is first and pool.num_allocated == 1

@@ -92,28 +92,36 @@ def engine_process(model_dir: str, run_id: str, pipe: Connection) -> None:
 
 def across_processes(
     plane: CudaIpcTransport, pipe: Connection, stage: Callable[[Buckets], None], layouts, reps: int, reuse: bool
-) -> tuple[float, float, int]:
-    """Median seconds of a publication across processes (stage, share, the engine's open and
-    load, its answer) and of the engine's part, and the staging buffers allocated: into the
-    buffers of a publication the engine said it was done with (``StagingPool``, as the
-    trainer does) when ``reuse``, else into new ones each time."""
+) -> dict[str, float]:
+    """Medians, in seconds, of a publication across processes (``whole``: stage, share, the
+    engine's open and load, its answer) and of its parts (``stage``: the copy, waited for;
+    ``share``: ``put_buckets``; ``engine``: the engine's open and load, as it times them),
+    and the staging buffers allocated (``allocated``): into the buffers of a publication the
+    engine said it was done with (``StagingPool``, as the trainer does) when ``reuse``, else
+    into new ones each time."""
     pool = StagingPool()
-    whole, engine = [], []
+    times: dict[str, list[float]] = {"whole": [], "stage": [], "share": [], "engine": []}
     for rep in range(reps + 2):
         key = f"weights-{'reused' if reuse else 'fresh'}-v{rep}"
         start = time.perf_counter()
-        buckets = pool.take(layouts, torch.device("cuda")) if reuse else Buckets.allocate(layouts, "cuda")
+        buckets = pool.take(layouts, "cuda") if reuse else Buckets.allocate(layouts, "cuda")
         stage(buckets)
+        torch.cuda.synchronize()
+        staged = time.perf_counter()
         pool.lend(key, buckets)
         ref = plane.put_buckets(key, buckets, owner="trainer")
+        shared = time.perf_counter()
         pipe.send(ref.key)
         engine_s = pipe.recv()
         if rep >= 2:
-            whole.append(time.perf_counter() - start)
-            engine.append(engine_s)
+            for name, seconds in (
+                ("whole", time.perf_counter() - start), ("stage", staged - start), ("share", shared - staged),
+                ("engine", engine_s),
+            ):
+                times[name].append(seconds)
         pool.give_back(key)  # the engine's load is done: the Publisher's DataReleased
         plane.free(ref)
-    return statistics.median(whole), statistics.median(engine), pool.num_allocated
+    return {name: statistics.median(values) for name, values in times.items()} | {"allocated": pool.num_allocated}
 
 
 def main() -> None:
@@ -179,10 +187,8 @@ def main() -> None:
     def stage_into(buckets: Buckets) -> None:
         buckets.copy_from(trainer_buckets)
 
-    fresh_s, fresh_child_s, _ = across_processes(
-        plane, ours, stage_into, trainer_buckets.layouts, args.reps, reuse=False
-    )
-    cross_s, child_s, allocated = across_processes(plane, ours, stage_into, trainer_buckets.layouts, args.reps, reuse=True)
+    fresh = across_processes(plane, ours, stage_into, trainer_buckets.layouts, args.reps, reuse=False)
+    reused = across_processes(plane, ours, stage_into, trainer_buckets.layouts, args.reps, reuse=True)
     ours.send(None)
     child.join(60)
     plane.close()
@@ -199,12 +205,17 @@ def main() -> None:
         ("buckets: load into the engine (copy)", load_s, rate(load_s)),
         ("buckets: publish in process (stage + load)", publish_s, rate(publish_s, 4 * num_bytes)),
         ("buckets: fingerprint every tensor (one side)", fingerprint_s, rate(fingerprint_s, num_bytes)),
-        ("cuda_ipc, new buffers each time: publish across processes (stage + share + open + load)", fresh_s,
-         rate(fresh_s, 4 * num_bytes)),
-        ("cuda_ipc, new buffers each time: the engine's part (open + load)", fresh_child_s, rate(fresh_child_s)),
-        ("cuda_ipc, staging reused: publish across processes (stage + share + open + load)", cross_s,
-         rate(cross_s, 4 * num_bytes)),
-        ("cuda_ipc, staging reused: the engine's part (open + load)", child_s, rate(child_s)),
+        *(
+            row
+            for label, cross in (("new buffers each time", fresh), ("staging reused", reused))
+            for row in (
+                (f"cuda_ipc, {label}: publish across processes (stage + share + open + load)", cross["whole"],
+                 rate(cross["whole"], 4 * num_bytes)),
+                (f"cuda_ipc, {label}: of which the staging (copy)", cross["stage"], rate(cross["stage"])),
+                (f"cuda_ipc, {label}: of which the sharing (put_buckets)", cross["share"], None),
+                (f"cuda_ipc, {label}: of which the engine's part (open + load)", cross["engine"], rate(cross["engine"])),
+            )
+        ),
     ]
     print("\n| step | ms | GB/s (read + write) | / copy rate |\n|---|---|---|---|")
     for name, seconds, gbps in rows:
@@ -216,9 +227,10 @@ def main() -> None:
     print(
         f"RESULT bytes={num_bytes} copy_ms={copy_s * 1e3:.3f} per_tensor_ms={per_tensor_s * 1e3:.2f} "
         f"publish_ms={publish_s * 1e3:.3f} publish_vs_copy={rate(publish_s, 4 * num_bytes) / copy_rate:.2f} "
-        f"cross_process_ms={cross_s * 1e3:.3f} cross_vs_copy={rate(cross_s, 4 * num_bytes) / copy_rate:.2f} "
-        f"cross_engine_vs_copy={rate(child_s) / copy_rate:.2f} cross_fresh_ms={fresh_s * 1e3:.3f} "
-        f"cross_fresh_vs_copy={rate(fresh_s, 4 * num_bytes) / copy_rate:.2f} staging_allocated={allocated} "
+        f"cross_process_ms={reused['whole'] * 1e3:.3f} cross_vs_copy={rate(reused['whole'], 4 * num_bytes) / copy_rate:.2f} "
+        f"cross_engine_vs_copy={rate(reused['engine']) / copy_rate:.2f} cross_fresh_ms={fresh['whole'] * 1e3:.3f} "
+        f"cross_fresh_vs_copy={rate(fresh['whole'], 4 * num_bytes) / copy_rate:.2f} "
+        f"staging_allocated={reused['allocated']:.0f} "
         f"fingerprint_ms={fingerprint_s * 1e3:.3f} fingerprint_gbps={rate(fingerprint_s, num_bytes):.0f} "
         f"speedup_vs_per_tensor={per_tensor_s / (publish_s + 2 * fingerprint_s):.1f}"
     )

@@ -43,10 +43,10 @@ class StagingPool:
         self.num_allocated = 0
         """Sets of buckets allocated so far (each a new mapping for every engine process)."""
 
-    def take(self, layouts: Sequence[BucketLayout], device: torch.device) -> Buckets:
+    def take(self, layouts: Sequence[BucketLayout], device: torch.device | str) -> Buckets:
         """Buckets laid out as ``layouts`` on ``device``: their tensors' bytes are whatever was
         staged in them last (the caller writes every one), the gaps between them zero."""
-        signature = (tuple(layouts), str(device))
+        signature = (tuple(layouts), _device_name(device))
         with self._lock:
             idle = self._idle.get(signature)
             if idle:
@@ -64,7 +64,7 @@ class StagingPool:
             buckets = self._lent.pop(key, None)
             if buckets is None:
                 return
-            idle = self._idle.setdefault((buckets.layouts, str(buckets.device)), [])
+            idle = self._idle.setdefault((buckets.layouts, _device_name(buckets.device)), [])
             if len(idle) < IDLE_PER_LAYOUT:
                 idle.append(buckets)
 
@@ -77,3 +77,13 @@ class StagingPool:
         with self._lock:
             self._idle.clear()
             self._lent.clear()
+
+
+def _device_name(device: torch.device | str) -> str:
+    """``device`` as a tensor on it names it: ``cuda`` is the current CUDA device's index."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return str(device)
