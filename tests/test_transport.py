@@ -203,11 +203,12 @@ def test_a_reader_keeps_the_buffers_it_mapped_and_reads_what_was_staged_into_the
         cwd=root, env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))},
     )  # fmt: skip
     assert reader.stdin is not None and reader.stdout is not None
-    seen = []
+    seen, records = [], []
     for version in (1, 2):
         if version == 2:
             buckets.buffers[0].mul_(3)  # staged again into the same buffers, once the reader was done
         ref = plane.put_buckets(f"weights-v{version}", buckets, owner="trainer")
+        records.append(plane._path(ref.key + ".cuda-ipc").read_bytes())
         reader.stdin.write(ref.key + "\n")
         reader.stdin.flush()
         opened, fingerprints = reader.stdout.readline().split(" ", 1)
@@ -217,4 +218,5 @@ def test_a_reader_keeps_the_buffers_it_mapped_and_reads_what_was_staged_into_the
     reader.stdin.close()
     assert reader.wait(60) == 0
     assert seen == [2, 2]  # each bucket's handle mapped once, by the first read
+    assert records[0] == records[1]  # the same buffers, shared once
     plane.close()

@@ -12,15 +12,18 @@ the memory from being reused while a reader still maps it.
 Opening a handle maps the producer's memory into the reader (~0.5 ms for 716 MB on an
 H200, more than the copy that follows) and the mapping goes when the last tensor of it
 does. The trainer stages each publication into the buffers of an earlier one, once its
-readers are done (``miles_events.rl.staging``), so a reader keeps the buffers it opened last
-(``OPEN_BUFFERS``): the next publication's record names the same handles, and torch's cache
-of opened handles hands back the mapping. Everything that is not a set of
+readers are done (``miles_events.rl.staging``), so the producer shares each buffer once,
+while it lives, and a reader keeps the buffers it opened last (``OPEN_BUFFERS``): the next
+publication's record names the same handles, and the reader copies from the mapping it has.
+Torch counts a reader per share; a buffer shared anew that a reader has mapped already is
+released by it at once, as torch's own rebuild of a cached handle does. Everything that is not a set of
 GPU buckets (rollout batches, train state for the Saver, CPU weights) goes through shared
 memory files exactly as ``ShmTransport``.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -91,6 +94,13 @@ def open_shared(shared: CudaIpcBuffer) -> torch.Tensor:
     )
 
 
+def _release_counter(shared: CudaIpcBuffer) -> None:
+    """Tell the producer this process holds no reference from ``shared``'s share."""
+    import torch
+
+    torch.UntypedStorage._release_ipc_counter_cuda(shared.ref_counter_handle, shared.ref_counter_offset)
+
+
 class CudaIpcTransport(ShmTransport):
     name = "cuda_ipc"
 
@@ -98,8 +108,11 @@ class CudaIpcTransport(ShmTransport):
         super().__init__(run_id, root)
         self._held: dict[str, Buckets] = {}
         """The buckets this process staged, by key, alive until freed."""
-        self._opened: OrderedDict[tuple[bytes, int], torch.Tensor] = OrderedDict()
-        """Buffers of other processes this one read, kept mapped, by (handle, offset)."""
+        self._shared: dict[int, tuple[weakref.ref[torch.Tensor], CudaIpcBuffer]] = {}
+        """How each buffer this process shared was shared, by ``id`` while it lives."""
+        self._opened: OrderedDict[tuple[bytes, int, int], tuple[torch.Tensor, tuple[bytes, int]]] = OrderedDict()
+        """Buffers of other processes this one read, kept mapped, by (handle, offset, bytes),
+        with the reference counter of the share they were opened from."""
 
     def put_buckets(self, key: str, buckets: Buckets, owner: str) -> DataRef:
         if buckets.device.type != "cuda":
@@ -108,7 +121,9 @@ class CudaIpcTransport(ShmTransport):
 
         # Readers copy from these buffers as soon as they hear of them: the packing must be done.
         torch.cuda.current_stream(buckets.device).synchronize()
-        record = CudaIpcRecord(tuple(share(b, layout) for layout, b in zip(buckets.layouts, buckets.buffers, strict=True)))
+        record = CudaIpcRecord(
+            tuple(self._share(b, layout) for layout, b in zip(buckets.layouts, buckets.buffers, strict=True))
+        )
         self._held[key] = buckets
         data = msgspec.msgpack.encode(record)
         self._publish(key + RECORD_SUFFIX, lambda p: p.write_bytes(data))
@@ -127,11 +142,34 @@ class CudaIpcTransport(ShmTransport):
             return None
         return Buckets(tuple(b.layout for b in record.buffers), tuple(self._open(b) for b in record.buffers))
 
+    def _share(self, buffer: torch.Tensor, layout: BucketLayout) -> CudaIpcBuffer:
+        """``share``, once per buffer while it lives: a buffer staged again (the staging pool
+        reuses them) is named by the same record, which its readers have open already."""
+        known = self._shared.get(id(buffer))
+        if known is None or known[0]() is not buffer:
+            known = (weakref.ref(buffer), share(buffer, layout))
+            self._shared[id(buffer)] = known
+            weakref.finalize(buffer, self._shared.pop, id(buffer), None)
+        return known[1] if known[1].layout == layout else msgspec.structs.replace(known[1], layout=layout)
+
     def _open(self, shared: CudaIpcBuffer) -> torch.Tensor:
-        """``open_shared``, keeping the mapping for later reads of the same buffer."""
-        buffer = open_shared(shared)
-        key = (shared.handle, shared.storage_offset_bytes)
-        self._opened[key] = buffer
+        """The buffer ``shared`` names, mapped by ``open_shared`` at its first read and kept
+        for later reads (the mapping costs more than a copy of the bytes)."""
+        key = (shared.handle, shared.storage_offset_bytes, shared.storage_size_bytes)
+        counter = (shared.ref_counter_handle, shared.ref_counter_offset)
+        known = self._opened.get(key)
+        if known is None:
+            buffer = open_shared(shared)
+        else:
+            buffer, opened_from = known
+            if tuple(buffer.shape) != (shared.layout.numel,) or str(buffer.dtype) != f"torch.{shared.layout.dtype}":
+                buffer = open_shared(shared)  # another view of the same memory (torch counts the share)
+            elif counter != opened_from:
+                # Shared again by its producer: torch counts a reader per share, and this
+                # one is done with the new share at once (torch's own rebuild does the same).
+                _release_counter(shared)
+            counter = opened_from
+        self._opened[key] = (buffer, counter)
         self._opened.move_to_end(key)
         while len(self._opened) > OPEN_BUFFERS:
             self._opened.popitem(last=False)
@@ -148,5 +186,6 @@ class CudaIpcTransport(ShmTransport):
 
     def close(self) -> None:
         self._held.clear()
+        self._shared.clear()
         self._opened.clear()
         super().close()
