@@ -52,6 +52,7 @@ from miles_events.rl.checksum_triton import segment_sums  # noqa: E402
 from miles_events.rl.hf_model import load_model  # noqa: E402
 from miles_events.rl.staging import StagingPool  # noqa: E402
 from miles_events.rl.weights import split_tied  # noqa: E402
+from miles_events.runtime.heap import freeze_start_up  # noqa: E402
 from miles_events.transport.cuda_ipc import CudaIpcTransport  # noqa: E402
 from schemas.data import DataRef  # noqa: E402
 
@@ -78,6 +79,7 @@ def engine_process(model_dir: str, run_id: str, pipe: Connection) -> None:
     served, _ = split_tied(model.state_dict())
     own = bucket_parameters(model, served)
     plane = CudaIpcTransport(run_id)
+    freeze_start_up()  # as every process of a run does once its actors have started
     pipe.send("ready")
     while (key := pipe.recv()) is not None:
         start = time.perf_counter()
@@ -183,6 +185,7 @@ def main() -> None:
     child = ctx.Process(target=engine_process, args=(model_dir, run_id, theirs))
     child.start()
     assert ours.poll(300) and ours.recv() == "ready"
+    freeze_start_up()
 
     def stage_into(buckets: Buckets) -> None:
         buckets.copy_from(trainer_buckets)

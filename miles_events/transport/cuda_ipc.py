@@ -46,6 +46,8 @@ _DECODER = msgspec.msgpack.Decoder(CudaIpcRecord)
 OPEN_BUFFERS = 8
 """Buffers a reader keeps mapped after its last read of them, the least recently read
 unmapped first: the buckets (one per dtype, and the canary's) of a few publications."""
+OPEN_RECORDS = 2
+"""Records a reader keeps read (and their buffers mapped) after its last read of them."""
 
 
 def share(buffer: torch.Tensor, layout: BucketLayout) -> CudaIpcBuffer:
@@ -108,6 +110,8 @@ class CudaIpcTransport(ShmTransport):
         super().__init__(run_id, root)
         self._held: dict[str, Buckets] = {}
         """The buckets this process staged, by key, alive until freed."""
+        self._records: OrderedDict[bytes, Buckets] = OrderedDict()
+        """The buckets of the last records read, by the record's bytes."""
         self._shared: dict[int, tuple[weakref.ref[torch.Tensor], CudaIpcBuffer]] = {}
         """How each buffer this process shared was shared, by ``id`` while it lives."""
         self._opened: OrderedDict[tuple[bytes, int, int], tuple[torch.Tensor, tuple[bytes, int]]] = OrderedDict()
@@ -137,10 +141,20 @@ class CudaIpcTransport(ShmTransport):
             return held
         path = self._path(ref.key + RECORD_SUFFIX)
         try:
-            record = _DECODER.decode(path.read_bytes())
+            data = path.read_bytes()
         except FileNotFoundError:
             return None
-        return Buckets(tuple(b.layout for b in record.buffers), tuple(self._open(b) for b in record.buffers))
+        # A publication staged into buffers shared before has the same record as theirs:
+        # the buckets read then (decoding the layouts of a few hundred tensors costs more
+        # than the rest of the read).
+        buckets = self._records.pop(data, None)
+        if buckets is None:
+            record = _DECODER.decode(data)
+            buckets = Buckets(tuple(b.layout for b in record.buffers), tuple(self._open(b) for b in record.buffers))
+        self._records[data] = buckets
+        while len(self._records) > OPEN_RECORDS:
+            self._records.popitem(last=False)
+        return buckets
 
     def _share(self, buffer: torch.Tensor, layout: BucketLayout) -> CudaIpcBuffer:
         """``share``, once per buffer while it lives: a buffer staged again (the staging pool
@@ -187,5 +201,6 @@ class CudaIpcTransport(ShmTransport):
     def close(self) -> None:
         self._held.clear()
         self._shared.clear()
+        self._records.clear()
         self._opened.clear()
         super().close()
