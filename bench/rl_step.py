@@ -21,6 +21,8 @@ Runs the embedded default with a save after every rollout, then reads the run's 
   comparison (``PublicationVerified.verify_seconds``),
 - save: ``CheckpointSaved.save_seconds`` (runs beside the publication, not in series).
 Medians over the rollouts after the first (warm-up), then every step and train step.
+``--watch-interpreter`` also reports the gaps over 20 ms of a thread that ticks every
+millisecond beside a local run: whether another thread held the interpreter.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import asyncio
 import itertools
 import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -77,13 +80,31 @@ def fingerprint_seconds(model_path: str, dtype: str, repeats: int = 20) -> float
     return (time.perf_counter() - start) / repeats
 
 
+def tick(ticks: list[tuple[float, float]]) -> None:
+    """Sleep a millisecond at a time, recording (when, how long) each sleep took: a long one
+    is the interpreter held by another thread (or the process not running)."""
+    last = time.time()
+    while True:
+        time.sleep(0.001)
+        now = time.time()
+        ticks.append((last, now - last))
+        last = now
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", default=str(ROOT / "examples" / "tiny.toml"))
     parser.add_argument("--runtime", default="local", choices=["local", "ray"])
     parser.add_argument("--rollouts", type=int, default=12)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override")
+    parser.add_argument(
+        "--watch-interpreter", action="store_true",
+        help="a thread ticks every ms beside the run (local runtime): reports the gaps over 20 ms in the loop",
+    )  # fmt: skip
     args = parser.parse_args()
+    ticks: list[tuple[float, float]] = []
+    if args.watch_interpreter:
+        threading.Thread(target=tick, args=(ticks,), daemon=True).start()
     run_dir = Path(tempfile.mkdtemp(prefix="rl-step-"))
     config = load_config(
         args.config,
@@ -144,6 +165,13 @@ def main() -> None:
         f"{seconds * 1000:.0f}{'*' if rollout in saved else ''}" for rollout, seconds in enumerate(steps)
     ))
     print("each train step, ms: " + ", ".join(f"{seconds * 1000:.0f}" for seconds in train))
+    if args.watch_interpreter:
+        inside = [(t, gap) for t, gap in list(ticks) if requested[0] <= t <= requested[-1]]
+        long = [(t - requested[0], gap) for t, gap in inside if gap > 0.02]
+        print(
+            f"interpreter: {len(long)} gaps over 20 ms in the loop ({requested[-1] - requested[0]:.1f} s)"
+            + "".join(f", {gap * 1000:.0f} ms at {t:.1f} s" for t, gap in long)
+        )
     fraction = rows["verify"] / step
     print(f"verification is {100 * fraction:.2f}% of a step (goal < 5%)")
     print(
