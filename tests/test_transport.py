@@ -220,3 +220,35 @@ def test_a_reader_keeps_the_buffers_it_mapped_and_reads_what_was_staged_into_the
     assert seen == [2, 2]  # each bucket's handle mapped once, by the first read
     assert records[0] == records[1]  # the same buffers, shared once
     plane.close()
+
+
+def test_a_cuda_ipc_reader_maps_a_buffer_once_and_reads_a_record_seen_before_without_decoding(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """The reader's bookkeeping, on the CPU: torch's mapping of a handle is stood in for by a
+    CPU tensor (the GPU test above maps for real)."""
+    import msgspec
+
+    from miles_events.rl.buckets import plan_layouts
+    from miles_events.transport import cuda_ipc
+    from schemas.data import CudaIpcBuffer, CudaIpcRecord, DataRef
+
+    mapped, released = [], []
+    monkeypatch.setattr(cuda_ipc, "open_shared", lambda shared: mapped.append(shared.handle) or torch.zeros(shared.layout.numel))
+    monkeypatch.setattr(cuda_ipc, "_release_counter", lambda shared: released.append(shared.ref_counter_offset))
+    (layout,) = plan_layouts({"w": torch.zeros(3, 4)})
+    plane = cuda_ipc.CudaIpcTransport("run-ipc-reader", tmp_path)
+
+    def record(key: str, counter: int) -> DataRef:
+        shared = CudaIpcBuffer(layout, 0, b"handle", 1 << 20, 0, 0, b"counter", counter, None, False)
+        data = msgspec.msgpack.encode(CudaIpcRecord((shared,)))
+        plane._publish(key + cuda_ipc.RECORD_SUFFIX, lambda p: p.write_bytes(data))
+        return DataRef("cuda_ipc", key, "trainer")
+
+    first = plane.get_buckets(record("weights-v1", counter=0))
+    again = plane.get_buckets(record("weights-v2", counter=0))  # the same buffers, shared once
+    assert again is first and mapped == [b"handle"] and released == []
+    later = plane.get_buckets(record("weights-v3", counter=8))  # shared anew: released at once
+    assert later is not None and later.buffers[0] is first.buffers[0]
+    assert mapped == [b"handle"] and released == [8]
+    plane.close()
