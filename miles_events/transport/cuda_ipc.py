@@ -9,9 +9,10 @@ copies what it needs; the producer frees them when the reference is freed (the n
 publication, ``DataReleased`` or the run's end), and torch's IPC reference counting keeps
 the memory from being reused while a reader still maps it.
 
-Opening a handle maps the producer's memory into the reader (~0.5 ms for 716 MB on an
-H200, more than the copy that follows) and the mapping goes when the last tensor of it
-does. The trainer stages each publication into the buffers of an earlier one, once its
+Opening a handle maps the producer's memory into the reader, and the mapping goes when the
+last tensor of it does; decoding a record's layouts (a few hundred tensors) costs about as
+much again. On a GPU each is a sizeable part of the copy that follows (716 MB copy in
+~0.35 ms on an H200). The trainer stages each publication into the buffers of an earlier one, once its
 readers are done (``miles_events.rl.staging``), so the producer shares each buffer once,
 while it lives, and a reader keeps the buffers it opened last (``OPEN_BUFFERS``): the next
 publication's record names the same handles, and the reader copies from the mapping it has.
