@@ -12,14 +12,15 @@ the memory from being reused while a reader still maps it.
 Opening a handle maps the producer's memory into the reader, and the mapping goes when the
 last tensor of it does; decoding a record's layouts (a few hundred tensors) costs about as
 much again. On a GPU each is a sizeable part of the copy that follows (716 MB copy in
-~0.35 ms on an H200). The trainer stages each publication into the buffers of an earlier one, once its
-readers are done (``miles_events.rl.staging``), so the producer shares each buffer once,
-while it lives, and a reader keeps the buffers it opened last (``OPEN_BUFFERS``): the next
-publication's record names the same handles, and the reader copies from the mapping it has.
+~0.35 ms on an H200). The trainer stages each publication into the buffers of an earlier
+one, once its readers are done (``miles_events.rl.staging``), so the producer shares each
+buffer once, while it lives, and a reader keeps the buffers it opened last
+(``OPEN_BUFFERS``) and the buckets of the records it read last (``OPEN_RECORDS``): the next
+publication's record is the same bytes, and the reader copies from the mapping it has.
 Torch counts a reader per share; a buffer shared anew that a reader has mapped already is
-released by it at once, as torch's own rebuild of a cached handle does. Everything that is not a set of
-GPU buckets (rollout batches, train state for the Saver, CPU weights) goes through shared
-memory files exactly as ``ShmTransport``.
+released by it at once, as torch's own rebuild of a cached handle does. Everything that is
+not a set of GPU buckets (rollout batches, train state for the Saver, CPU weights) goes
+through shared memory files exactly as ``ShmTransport``.
 """
 
 from __future__ import annotations
@@ -104,6 +105,14 @@ def _release_counter(shared: CudaIpcBuffer) -> None:
     torch.UntypedStorage._release_ipc_counter_cuda(shared.ref_counter_handle, shared.ref_counter_offset)
 
 
+def _keep_recent(cache: OrderedDict, key: object, value: object, limit: int) -> None:  # type: ignore[type-arg]
+    """``cache[key] = value`` as its most recent entry, dropping the least recent beyond ``limit``."""
+    cache[key] = value
+    cache.move_to_end(key)
+    while len(cache) > limit:
+        cache.popitem(last=False)
+
+
 class CudaIpcTransport(ShmTransport):
     name = "cuda_ipc"
 
@@ -148,13 +157,11 @@ class CudaIpcTransport(ShmTransport):
         # A publication staged into buffers shared before has the same record as theirs:
         # the buckets read then (decoding the layouts of a few hundred tensors costs more
         # than the rest of the read).
-        buckets = self._records.pop(data, None)
+        buckets = self._records.get(data)
         if buckets is None:
             record = _DECODER.decode(data)
             buckets = Buckets(tuple(b.layout for b in record.buffers), tuple(self._open(b) for b in record.buffers))
-        self._records[data] = buckets
-        while len(self._records) > OPEN_RECORDS:
-            self._records.popitem(last=False)
+        _keep_recent(self._records, data, buckets, OPEN_RECORDS)
         return buckets
 
     def _share(self, buffer: torch.Tensor, layout: BucketLayout) -> CudaIpcBuffer:
@@ -169,7 +176,7 @@ class CudaIpcTransport(ShmTransport):
 
     def _open(self, shared: CudaIpcBuffer) -> torch.Tensor:
         """The buffer ``shared`` names, mapped by ``open_shared`` at its first read and kept
-        for later reads (the mapping costs more than a copy of the bytes)."""
+        for later reads (a mapping costs a sizeable part of a copy of the bytes)."""
         key = (shared.handle, shared.storage_offset_bytes, shared.storage_size_bytes)
         counter = (shared.ref_counter_handle, shared.ref_counter_offset)
         known = self._opened.get(key)
@@ -184,10 +191,7 @@ class CudaIpcTransport(ShmTransport):
                 # one is done with the new share at once (torch's own rebuild does the same).
                 _release_counter(shared)
             counter = opened_from
-        self._opened[key] = (buffer, counter)
-        self._opened.move_to_end(key)
-        while len(self._opened) > OPEN_BUFFERS:
-            self._opened.popitem(last=False)
+        _keep_recent(self._opened, key, (buffer, counter), OPEN_BUFFERS)
         return buffer
 
     def get_tensors(self, ref: DataRef) -> dict[str, torch.Tensor]:
