@@ -77,7 +77,7 @@ def main() -> None:
     print(f"copy (clone, read + write): {copy_ms:.3f} ms, {copy:.0f} GB/s; read (sum): {read_ms:.3f} ms, {read:.0f} GB/s")
 
     # The kernels are timed as ``sum()`` is: queued, with no host wait inside the timed call
-    # (``mix_sum`` also waits for its answer, a host round trip of ~10-20 us, timed beside).
+    # (``mix_sum`` also waits for its answer, a host round trip of tens of us, timed beside).
     out = torch.zeros(1, dtype=torch.int64, device="cuda")
 
     def launch(**settings: int) -> None:

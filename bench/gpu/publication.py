@@ -114,6 +114,8 @@ def across_processes(
         ref = plane.put_buckets(key, buckets, owner="trainer")
         shared = time.perf_counter()
         pipe.send(ref.key)
+        if not pipe.poll(120):
+            raise TimeoutError("the engine process did not answer within 120 s")
         engine_s = pipe.recv()
         if rep >= 2:
             for name, seconds in (
