@@ -19,7 +19,8 @@ Runs the embedded default with a save after every rollout, then reads the run's 
   trainer and on every engine (measured here on the same weights, in the run's dtype, on
   the device the run used, packed in buckets as the run packs them) plus the Verifier's
   comparison (``PublicationVerified.verify_seconds``),
-- save: ``CheckpointSaved.save_seconds`` (runs beside the publication, not in series).
+- save: ``CheckpointSaved.save_seconds`` (runs beside the publication, not in series),
+  and for each save when its train state was staged and its checkpoint written.
 Medians over the rollouts after the first (warm-up), then every step and train step.
 ``--watch-interpreter`` also reports the gaps over 20 ms of a thread that ticks every
 millisecond beside a local run: whether another thread held the interpreter.
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import shutil
 import statistics
 import tempfile
 import threading
@@ -51,6 +53,7 @@ from schemas.events import (
     RolloutGenerated,
     RolloutRequested,
     SaveRequested,
+    TrainStateStaged,
     TrainStepFinished,
     WeightsLoaded,
     WeightsPublished,
@@ -97,6 +100,7 @@ def main() -> None:
     parser.add_argument("--runtime", default="local", choices=["local", "ray"])
     parser.add_argument("--rollouts", type=int, default=12)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override")
+    parser.add_argument("--keep-log", default=None, metavar="PATH", help="copy the run's event log to PATH")
     parser.add_argument(
         "--watch-interpreter", action="store_true",
         help="a thread ticks every ms beside the run (local runtime): reports the gaps over 20 ms in the loop",
@@ -122,6 +126,8 @@ def main() -> None:
     result = asyncio.run(session.run())
     assert result.finished.status == "completed", result.finished
     log = list(read_events(run_dir / "events.log"))
+    if args.keep_log:
+        shutil.copyfile(run_dir / "events.log", args.keep_log)
 
     requested = [e.time for e in log if isinstance(e, RolloutRequested)]
     steps = [b - a for a, b in itertools.pairwise(requested)]
@@ -165,6 +171,13 @@ def main() -> None:
         f"{seconds * 1000:.0f}{'*' if rollout in saved else ''}" for rollout, seconds in enumerate(steps)
     ))
     print("each train step, ms: " + ", ".join(f"{seconds * 1000:.0f}" for seconds in train))
+    staged = {e.rollout_id: e.time for e in log if isinstance(e, TrainStateStaged)}
+    written = {e.rollout_id: e.time for e in log if isinstance(e, CheckpointSaved)}
+    asked = {e.rollout_id: e.time for e in log if isinstance(e, SaveRequested)}
+    if asked:
+        print("each save, s after it was asked for (staged, written): " + ", ".join(
+            f"rollout {r}: {staged.get(r, t) - t:.2f}, {written.get(r, t) - t:.2f}" for r, t in sorted(asked.items())
+        ))
     if args.watch_interpreter:
         inside = [(t, gap) for t, gap in list(ticks) if requested[0] <= t <= requested[-1]]
         long = [(t - requested[0], gap) for t, gap in inside if gap > 0.02]

@@ -22,7 +22,8 @@ the same GPU. Times (CUDA-synchronised, medians of ``--reps``):
   staging to the engine's answer over a pipe. Twice: staged into new buffers each time
   (every publication a new handle the engine maps), and staged as the trainer does, into
   the buffers of a publication the engine said it was done with (``StagingPool``: the
-  engine finds them mapped already).
+  engine finds them mapped already). Each side's copy is also timed on the GPU (CUDA
+  events around it): what the wall-clock parts spend beyond it is the host's.
 
 Prints a table with each rate against the copy's (bytes read + written) and a ``RESULT``
 line. Goals: in process < 5 ms, across processes < 20 ms, >= 70% of the copy rate.
@@ -81,14 +82,17 @@ def engine_process(model_dir: str, run_id: str, pipe: Connection) -> None:
     plane = CudaIpcTransport(run_id)
     freeze_start_up()  # as every process of a run does once its actors have started
     pipe.send("ready")
+    began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     while (key := pipe.recv()) is not None:
         start = time.perf_counter()
         staged = plane.get_buckets(DataRef("cuda_ipc", key, "trainer"))
         assert staged is not None and staged.layouts == own.layouts
+        began.record()
         own.copy_from(staged)
+        ended.record()
         torch.cuda.synchronize()
         del staged
-        pipe.send(time.perf_counter() - start)
+        pipe.send((time.perf_counter() - start, began.elapsed_time(ended) / 1e3))
     plane.close()
 
 
@@ -97,17 +101,23 @@ def across_processes(
 ) -> dict[str, float]:
     """Medians, in seconds, of a publication across processes (``whole``: stage, share, the
     engine's open and load, its answer) and of its parts (``stage``: the copy, waited for;
-    ``share``: ``put_buckets``; ``engine``: the engine's open and load, as it times them),
+    ``share``: ``put_buckets``; ``engine``: the engine's open and load, as it times them;
+    ``stage_gpu``, ``engine_gpu``: each side's copy as the GPU times it),
     and the staging buffers allocated (``allocated``): into the buffers of a publication the
     engine said it was done with (``StagingPool``, as the trainer does) when ``reuse``, else
     into new ones each time."""
     pool = StagingPool()
-    times: dict[str, list[float]] = {"whole": [], "stage": [], "share": [], "engine": []}
+    times: dict[str, list[float]] = {
+        "whole": [], "stage": [], "share": [], "engine": [], "stage_gpu": [], "engine_gpu": [],
+    }  # fmt: skip
+    began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for rep in range(reps + 2):
         key = f"weights-{'reused' if reuse else 'fresh'}-v{rep}"
         start = time.perf_counter()
         buckets = pool.take(layouts, "cuda") if reuse else Buckets.allocate(layouts, "cuda")
+        began.record()
         stage(buckets)
+        ended.record()
         torch.cuda.synchronize()
         staged = time.perf_counter()
         pool.lend(key, buckets)
@@ -116,11 +126,11 @@ def across_processes(
         pipe.send(ref.key)
         if not pipe.poll(120):
             raise TimeoutError("the engine process did not answer within 120 s")
-        engine_s = pipe.recv()
+        engine_s, engine_gpu_s = pipe.recv()
         if rep >= 2:
             for name, seconds in (
                 ("whole", time.perf_counter() - start), ("stage", staged - start), ("share", shared - staged),
-                ("engine", engine_s),
+                ("engine", engine_s), ("stage_gpu", began.elapsed_time(ended) / 1e3), ("engine_gpu", engine_gpu_s),
             ):
                 times[name].append(seconds)
         pool.give_back(key)  # the engine's load is done: the Publisher's DataReleased
@@ -217,8 +227,10 @@ def main() -> None:
                 (f"cuda_ipc, {label}: publish across processes (stage + share + open + load)", cross["whole"],
                  rate(cross["whole"], 4 * num_bytes)),
                 (f"cuda_ipc, {label}: of which the staging (copy)", cross["stage"], rate(cross["stage"])),
+                (f"cuda_ipc, {label}: the staging's copy on the GPU", cross["stage_gpu"], rate(cross["stage_gpu"])),
                 (f"cuda_ipc, {label}: of which the sharing (put_buckets)", cross["share"], None),
                 (f"cuda_ipc, {label}: of which the engine's part (open + load)", cross["engine"], rate(cross["engine"])),
+                (f"cuda_ipc, {label}: the engine's copy on the GPU", cross["engine_gpu"], rate(cross["engine_gpu"])),
             )
         ),
     ]

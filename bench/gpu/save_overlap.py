@@ -3,7 +3,8 @@ main thread, and on a thread beside it one way of taking a train state off the G
 writing it), repeated for as long as the loop runs. Reported: the loop's slowdown, and what
 each save cost it (the loop's extra time over the number of saves it overlapped).
 
-    python bench/gpu/save_overlap.py [--state-gb 2.1] [--iterations 300]
+    python bench/gpu/save_overlap.py [--state-gb 2.1] [--iterations 300] [--ways checkpoint,...]
+        [--dir DIR]
 
 The train state: bf16 tensors of a Qwen2-0.5B-shaped model's sizes, three times over (the
 weights and AdamW's two moments: 2.1 GB). The loop: 24 small matmul layers on a batch of 64
@@ -14,23 +15,44 @@ way is timed against the loop alone in the same run; the ratio is the loop's slo
   caching host allocator emptied first, so each save pins afresh, as saves that overlap
   each other do once the cache is held by the ones still being written),
 - ``pin_reused``: the same copies into pinned memory the first save pinned,
+- ``host_copy``: the trainer's own ``copy_to_host`` into memory of a ``PinnedPool`` pinned
+  before: the same copies queued a chunk at a time (``CHUNK_BYTES``), so that the loop's
+  host syncs wait for a chunk, not for the whole state,
 - ``pageable``: into ordinary host memory on a copy stream,
 - ``torch_save``: ``torch.save`` of a host copy into a file under /dev/shm (a Saver's write),
-- ``safetensors``: ``safetensors.torch.save_file`` of the same (the weights' write).
+- ``safetensors``: ``safetensors.torch.save_file`` of the same (the weights' write),
+- ``checkpoint``: the Saver's own write (``write_checkpoint``: the first third as the
+  weights, the rest as the optimizer state, each file fsynced and hashed) of the pinned
+  copy into a directory on disk (``--dir``, default the system's temporary directory),
+- ``checkpoint_unhashed``: the same without the manifest's hashing (isolates it),
+- ``checkpoint_process``: the same write in another process, with a copy of the state of
+  its own (what the host's memory and disk cost the loop, without this process's
+  interpreter, allocator or threads).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
+import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 from pathlib import Path
+from unittest import mock
 
 import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from miles_events.rl import checkpoint
+from miles_events.rl.host_copy import PinnedPool, capture_point, copy_to_host
+from schemas.checkpoint import DataCursor, TrainerState
 
 QWEN_SHAPES = [(151936, 896)] + 24 * [(896, 896), (128, 896), (128, 896), (896, 896), (4864, 896), (4864, 896), (896, 4864)]
 
@@ -65,10 +87,46 @@ def copy_to(hosts: list[torch.Tensor], tensors: list[torch.Tensor], stream: torc
     stream.synchronize()
 
 
+TRAINER_STATE = TrainerState(
+    rollout_id=0,
+    weight_version="1",
+    num_optimizer_steps=1,
+    data=DataCursor(next_rollout_id=1, epoch=0, offset=0),
+    seed=0,
+    run_id="save-overlap",
+)
+
+
+def write_checkpoint(state: list[torch.Tensor], run_dir: Path, base_dir: Path) -> None:
+    """The Saver's write of ``state``: its first third as the weights, the rest as the
+    optimizer's state, over the previous one (as a run saving the same rollout again)."""
+    third = len(state) // 3
+    checkpoint.write_checkpoint(
+        run_dir=run_dir,
+        base_model_dir=base_dir,
+        rollout_id=0,
+        weights={f"w{i}": t for i, t in enumerate(state[:third])},
+        optimizer={"state": dict(enumerate(state[third:]))},
+        rng={},
+        trainer_state=TRAINER_STATE,
+    )
+
+
+def checkpoint_process(state_file: str, run_dir: str, base_dir: str, pipe: Connection) -> None:
+    """Writes a checkpoint of the state in ``state_file`` each time ``pipe`` asks."""
+    state = torch.load(state_file)
+    pipe.send("ready")
+    while pipe.recv() is not None:
+        write_checkpoint(state, Path(run_dir), Path(base_dir))
+        pipe.send("done")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--state-gb", type=float, default=2.1)
     parser.add_argument("--iterations", type=int, default=300)
+    parser.add_argument("--ways", default="", help="comma-separated ways to run (default: all)")
+    parser.add_argument("--dir", default=None, help="where checkpoints are written (default: the temporary dir)")
     args = parser.parse_args()
     tensors = state_tensors(args.state_gb)
     num_bytes = sum(t.numel() * t.element_size() for t in tensors)
@@ -91,13 +149,58 @@ def main() -> None:
 
         save_file({str(i): t for i, t in enumerate(host)}, str(shm / "state.safetensors"))
 
+    disk = Path(tempfile.mkdtemp(prefix="save-overlap-", dir=args.dir))
+    base = disk / "base"
+    base.mkdir()
+    (base / "config.json").write_text("{}")
+    copy_to(reused, tensors, stream)
+
+    pool = PinnedPool()
+
+    def host_copy() -> None:
+        _, arena = copy_to_host(tensors, capture_point(tensors[0].device), pool)
+        assert arena is not None
+        pool.give_back(arena)
+
+    def checkpoint_unhashed() -> None:
+        with mock.patch.object(checkpoint, "_sha256", lambda path: ""):
+            write_checkpoint(reused, disk / "in-process", base)
+
+    child = None
+
+    def in_child() -> None:
+        nonlocal child
+        if child is None:
+            torch.save(host, shm / "child-state.pt")
+            ours, theirs = mp.get_context("spawn").Pipe()
+            proc = mp.get_context("spawn").Process(
+                target=checkpoint_process, args=(str(shm / "child-state.pt"), str(disk / "child"), str(base), theirs)
+            )
+            proc.start()
+            if not ours.poll(300) or ours.recv() != "ready":
+                raise TimeoutError("the checkpoint process did not start within 300 s")
+            child = (proc, ours)
+        child[1].send(1)
+        if not child[1].poll(300):
+            raise TimeoutError("the checkpoint process did not answer within 300 s")
+        child[1].recv()
+
     ways: dict[str, Callable[[], None]] = {
         "pin_new": pin_new,
         "pin_reused": lambda: copy_to(reused, tensors, stream),
+        "host_copy": host_copy,
         "pageable": lambda: copy_to([torch.empty(t.shape, dtype=t.dtype) for t in tensors], tensors, stream),
         "torch_save": torch_save,
         "safetensors": safetensors_save,
+        "checkpoint": lambda: write_checkpoint(reused, disk / "in-process", base),
+        "checkpoint_unhashed": checkpoint_unhashed,
+        "checkpoint_process": in_child,
     }
+    if args.ways:
+        unknown = set(args.ways.split(",")) - set(ways)
+        if unknown:
+            parser.error(f"--ways: unknown {', '.join(sorted(unknown))}; known: {', '.join(ways)}")
+        ways = {name: way for name, way in ways.items() if name in args.ways.split(",")}
     loop(layers, x, 20)  # warm-up
     for way in ways.values():
         way()
@@ -130,9 +233,11 @@ def main() -> None:
             f"{name:12}{during * 1e3:10.3f}{alone * 1e3:10.3f}{ratio:9.2f}x{save:9.2f}"
             f"{num_bytes / save / 1e9:7.1f}{stall * 1e3:15.1f}"
         )
-    for file in shm.iterdir():
-        file.unlink()
-    shm.rmdir()
+    if child is not None:
+        child[1].send(None)
+        child[0].join(60)
+    shutil.rmtree(shm, ignore_errors=True)
+    shutil.rmtree(disk, ignore_errors=True)
     print("RESULT loop_slowdown,stall_per_save " + " ".join(results))
 
 
