@@ -189,7 +189,13 @@ for key in sys.stdin:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_a_reader_keeps_the_buffers_it_mapped_and_reads_what_was_staged_into_them_later(tmp_path: Path):
+@pytest.mark.parametrize("num_readers", [1, 2])
+def test_a_reader_keeps_the_buffers_it_mapped_and_reads_what_was_staged_into_them_later(
+    tmp_path: Path, num_readers: int
+):
+    """Engines on one GPU (each a process) read each publication: twice staged into the same
+    buffers, then into new ones once the old are freed (the allocator may hand out their
+    memory again, under the handle a reader has mapped)."""
     import subprocess
     import sys
 
@@ -198,26 +204,38 @@ def test_a_reader_keeps_the_buffers_it_mapped_and_reads_what_was_staged_into_the
     plane = open_transport("cuda_ipc", "run-ipc-reuse", tmp_path)
     buckets = bucketed().to("cuda")
     root = Path(__file__).resolve().parent.parent
-    reader = subprocess.Popen(
-        [sys.executable, "-c", READER, "run-ipc-reuse"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        cwd=root, env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))},
-    )  # fmt: skip
-    assert reader.stdin is not None and reader.stdout is not None
-    seen, records = [], []
-    for version in (1, 2):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    command = [sys.executable, "-c", READER, "run-ipc-reuse"]
+    readers = [
+        subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=root, env=env)
+        for _ in range(num_readers)
+    ]
+    seen: list[list[int]] = [[] for _ in readers]
+    records = []
+    for version in (1, 2, 3):
         if version == 2:
-            buckets.buffers[0].mul_(3)  # staged again into the same buffers, once the reader was done
+            buckets.buffers[0].mul_(3)  # staged again into the same buffers, once the readers were done
+        if version == 3:
+            del buckets  # freed: new buffers, perhaps in the same memory
+            buckets = bucketed().to("cuda")
+            buckets.buffers[0].add_(5)
         ref = plane.put_buckets(f"weights-v{version}", buckets, owner="trainer")
         records.append(plane._path(ref.key + ".cuda-ipc").read_bytes())
-        reader.stdin.write(ref.key + "\n")
-        reader.stdin.flush()
-        opened, fingerprints = reader.stdout.readline().split(" ", 1)
-        assert fingerprints.strip() == str(sorted(fingerprint_buckets(buckets).items()))
-        seen.append(int(opened))
+        for reader in readers:
+            assert reader.stdin is not None
+            reader.stdin.write(ref.key + "\n")
+            reader.stdin.flush()
+        for reader, opened in zip(readers, seen, strict=True):
+            assert reader.stdout is not None
+            count, fingerprints = reader.stdout.readline().split(" ", 1)
+            assert fingerprints.strip() == str(sorted(fingerprint_buckets(buckets).items())), version
+            opened.append(int(count))
         plane.free(ref)
-    reader.stdin.close()
-    assert reader.wait(60) == 0
-    assert seen == [2, 2]  # each bucket's handle mapped once, by the first read
+    for reader in readers:
+        assert reader.stdin is not None
+        reader.stdin.close()
+        assert reader.wait(60) == 0
+    assert all(opened[:2] == [2, 2] for opened in seen)  # each bucket's handle mapped once, by the first read
     assert records[0] == records[1]  # the same buffers, shared once
     plane.close()
 
