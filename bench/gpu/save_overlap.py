@@ -1,6 +1,7 @@
 """What a save staged beside training costs the training: a launch-bound GPU loop in the
 main thread, and on a thread beside it one way of taking a train state off the GPU (or of
-writing it), repeated for as long as the loop runs. Reported: the loop's slowdown, and what
+writing it), repeated for as long as the loop runs. ``--loop-sync stream`` ends each of the
+loop's iterations with a wait for its stream instead of reading a number back. Reported: the loop's slowdown, and what
 each save cost it (the loop's extra time over the number of saves it overlapped).
 
     python bench/gpu/save_overlap.py [--state-gb 2.1] [--iterations 300] [--ways checkpoint,...]
@@ -15,6 +16,9 @@ way is timed against the loop alone in the same run; the ratio is the loop's slo
   caching host allocator emptied first, so each save pins afresh, as saves that overlap
   each other do once the cache is held by the ones still being written),
 - ``pin_reused``: the same copies into pinned memory the first save pinned,
+- ``pin_polled``, ``pin_chunked``, ``pin_chunked_polled``: the same, waited for by polling
+  an event rather than a blocking wait, queued 32 MB at a time, or both (what a save's copy
+  holds back: the copy engine's queue, or the waiting),
 - ``host_copy``: the trainer's own ``copy_to_host`` into memory of a ``PinnedPool`` pinned
   before: the same copies queued a chunk at a time (``CHUNK_BYTES``), so that the loop's
   host syncs wait for a chunk, not for the whole state,
@@ -69,22 +73,51 @@ def state_tensors(gigabytes: float) -> list[torch.Tensor]:
     return tensors
 
 
-def loop(layers: list[torch.Tensor], x: torch.Tensor, iterations: int) -> float:
-    """Seconds per iteration of the launch-bound loop."""
+def loop(layers: list[torch.Tensor], x: torch.Tensor, iterations: int, sync: str = "item") -> float:
+    """Seconds per iteration of the launch-bound loop; each iteration ends reading a number
+    back (``item``: a transfer to the host and a wait) or waiting for its stream (``stream``:
+    no transfer)."""
     began = time.perf_counter()
     for _ in range(iterations):
         h = x
         for w in layers:
             h = torch.nn.functional.silu(h @ w)
-        h.sum().item()
+        if sync == "item":
+            h.sum().item()
+        else:
+            h.sum()
+            torch.cuda.current_stream().synchronize()
     return (time.perf_counter() - began) / iterations
 
 
-def copy_to(hosts: list[torch.Tensor], tensors: list[torch.Tensor], stream: torch.cuda.Stream) -> None:
+def copy_to(
+    hosts: list[torch.Tensor], tensors: list[torch.Tensor], stream: torch.cuda.Stream, poll: bool = False,
+    chunk_bytes: int | None = None,
+) -> None:
+    """Each tensor copied into its host tensor on ``stream``, waited for by a blocking
+    synchronisation, or by polling an event (``poll``); queued all at once, or
+    ``chunk_bytes`` at a time (each chunk waited for before the one after next is queued)."""
+    pending: list[torch.cuda.Event] = []
+
+    def wait(event: torch.cuda.Event) -> None:
+        while poll and not event.query():
+            time.sleep(0.0002)
+        event.synchronize()
+
+    queued = 0
     with torch.cuda.stream(stream):
         for host, tensor in zip(hosts, tensors, strict=True):
-            host.copy_(tensor, non_blocking=True)
-    stream.synchronize()
+            flat_host, flat = host.view(-1), tensor.view(-1)
+            step = flat.numel() if chunk_bytes is None else max(1, chunk_bytes // flat.element_size())
+            for start in range(0, flat.numel(), step):
+                flat_host[start : start + step].copy_(flat[start : start + step], non_blocking=True)
+                queued += min(step, flat.numel() - start) * flat.element_size()
+                if chunk_bytes is not None and queued >= chunk_bytes:
+                    queued = 0
+                    pending.append(stream.record_event())
+                    if len(pending) > 1:
+                        wait(pending.pop(0))
+    wait(stream.record_event())
 
 
 TRAINER_STATE = TrainerState(
@@ -127,6 +160,7 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=300)
     parser.add_argument("--ways", default="", help="comma-separated ways to run (default: all)")
     parser.add_argument("--dir", default=None, help="where checkpoints are written (default: the temporary dir)")
+    parser.add_argument("--loop-sync", default="item", choices=["item", "stream"], help="how each loop iteration waits")
     args = parser.parse_args()
     tensors = state_tensors(args.state_gb)
     num_bytes = sum(t.numel() * t.element_size() for t in tensors)
@@ -188,6 +222,9 @@ def main() -> None:
     ways: dict[str, Callable[[], None]] = {
         "pin_new": pin_new,
         "pin_reused": lambda: copy_to(reused, tensors, stream),
+        "pin_polled": lambda: copy_to(reused, tensors, stream, poll=True),
+        "pin_chunked": lambda: copy_to(reused, tensors, stream, chunk_bytes=32 << 20),
+        "pin_chunked_polled": lambda: copy_to(reused, tensors, stream, poll=True, chunk_bytes=32 << 20),
         "host_copy": host_copy,
         "pageable": lambda: copy_to([torch.empty(t.shape, dtype=t.dtype) for t in tensors], tensors, stream),
         "torch_save": torch_save,
@@ -208,7 +245,7 @@ def main() -> None:
     print(f"{'way':12}{'loop ms':>10}{'alone ms':>10}{'slowdown':>10}{'save s':>9}{'GB/s':>7}{'stall/save ms':>15}")
     results = []
     for name, way in ways.items():
-        alone = statistics.median(loop(layers, x, args.iterations // 3) for _ in range(3))
+        alone = statistics.median(loop(layers, x, args.iterations // 3, args.loop_sync) for _ in range(3))
         stop = threading.Event()
         times: list[float] = []
 
@@ -221,7 +258,7 @@ def main() -> None:
         thread = threading.Thread(target=beside)
         thread.start()
         time.sleep(0.05)
-        during = loop(layers, x, args.iterations)
+        during = loop(layers, x, args.iterations, args.loop_sync)
         stop.set()
         thread.join()
         save = statistics.median(times)
