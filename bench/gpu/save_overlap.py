@@ -1,7 +1,7 @@
 """What a save staged beside training costs the training: a launch-bound GPU loop in the
 main thread, and on a thread beside it one way of taking a train state off the GPU (or of
-writing it), repeated for as long as the loop runs. ``--loop-sync stream`` ends each of the
-loop's iterations with a wait for its stream instead of reading a number back. Reported: the loop's slowdown, and what
+writing it), repeated for as long as the loop runs. ``--loop-sync pinned`` reads each of the
+loop's numbers back into pinned memory, ``stream`` only waits for its stream (no read). Reported: the loop's slowdown, and what
 each save cost it (the loop's extra time over the number of saves it overlapped).
 
     python bench/gpu/save_overlap.py [--state-gb 2.1] [--iterations 300] [--ways checkpoint,...]
@@ -75,8 +75,10 @@ def state_tensors(gigabytes: float) -> list[torch.Tensor]:
 
 def loop(layers: list[torch.Tensor], x: torch.Tensor, iterations: int, sync: str = "item") -> float:
     """Seconds per iteration of the launch-bound loop; each iteration ends reading a number
-    back (``item``: a transfer to the host and a wait) or waiting for its stream (``stream``:
+    back (``item``: a transfer to pageable host memory and a wait; ``pinned``: a transfer into
+    pinned memory, then a wait for an event after it) or waiting for its stream (``stream``:
     no transfer)."""
+    into = torch.empty((), dtype=x.dtype, pin_memory=True)
     began = time.perf_counter()
     for _ in range(iterations):
         h = x
@@ -84,6 +86,9 @@ def loop(layers: list[torch.Tensor], x: torch.Tensor, iterations: int, sync: str
             h = torch.nn.functional.silu(h @ w)
         if sync == "item":
             h.sum().item()
+        elif sync == "pinned":
+            into.copy_(h.sum(), non_blocking=True)
+            torch.cuda.current_stream().record_event().synchronize()
         else:
             h.sum()
             torch.cuda.current_stream().synchronize()
@@ -160,7 +165,7 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=300)
     parser.add_argument("--ways", default="", help="comma-separated ways to run (default: all)")
     parser.add_argument("--dir", default=None, help="where checkpoints are written (default: the temporary dir)")
-    parser.add_argument("--loop-sync", default="item", choices=["item", "stream"], help="how each loop iteration waits")
+    parser.add_argument("--loop-sync", default="item", choices=["item", "pinned", "stream"], help="how each loop iteration waits")
     args = parser.parse_args()
     tensors = state_tensors(args.state_gb)
     num_bytes = sum(t.numel() * t.element_size() for t in tensors)
