@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from miles_events.rl import host_copy
 from miles_events.rl.buckets import ALIGN_BYTES, Buckets, bucket_parameters, fingerprint_buckets, plan_layouts
 from miles_events.rl.checksum import fingerprints
 from miles_events.rl.finite import NonFiniteError, require_finite_buckets
 from miles_events.rl.hf_model import load_model, prepare_base_model
-from miles_events.rl.host_copy import PinnedPool, capture_point, copy_to_host
+from miles_events.rl.host_copy import PinnedPool, capture_point, copy_to_host, plan_chunks
 from schemas.config import BuiltinModelConfig, ModelConfig
 from tests.support import torch_save_bytes
 
@@ -210,6 +211,36 @@ def test_each_host_copy_owns_its_memory_so_a_saved_state_holds_its_own_bytes_alo
     assert exp_avg.untyped_storage().nbytes() == exp_avg.numel() * exp_avg.element_size()
     carved = {"state": {0: {"exp_avg": exp_avg.copy_(optimizer["state"][0]["exp_avg"]), "step": torch.tensor(2.0)}}}
     assert len(torch_save_bytes(carved)) == len(torch_save_bytes(optimizer))
+
+
+def test_a_host_copy_is_queued_in_chunks_of_at_most_the_chunk_size_in_order() -> None:
+    # (elements, bytes an element): 10 floats, 3 bf16, nothing, 1 piece of 40 bytes.
+    chunks = plan_chunks([(10, 4), (3, 2), (0, 2), (1, 40)], chunk_bytes=16)
+    assert chunks == [
+        [(0, 0, 4)],
+        [(0, 4, 8)],
+        [(0, 8, 10), (1, 0, 3)],  # 8 + 6 bytes: no room left for a 40-byte piece
+        [(3, 0, 1)],  # larger than a chunk: one chunk of its own
+    ]
+    covered = {i: [] for i in range(4)}
+    for chunk in chunks:
+        for index, start, end in chunk:
+            covered[index].append((start, end))
+    assert covered == {0: [(0, 4), (4, 8), (8, 10)], 1: [(0, 3)], 2: [], 3: [(0, 1)]}
+    assert plan_chunks([(5, 4)], chunk_bytes=1 << 20) == [[(0, 0, 5)]]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_host_copy_in_chunks_copies_every_byte_of_large_and_strided_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(host_copy, "CHUNK_BYTES", 1 << 16)
+    big = torch.randn(1 << 20, device="cuda")  # 4 MB: 64 chunks
+    strided = torch.randn(300, 200, device="cuda").t()  # copied whole
+    state = {"big": big, "strided": strided, "small": torch.arange(7, device="cuda", dtype=torch.bfloat16)}
+    copied, arena = copy_to_host(state, capture_point(big.device), PinnedPool())
+    assert arena is not None
+    for name, tensor in state.items():
+        assert copied[name].is_pinned() and torch.equal(copied[name], tensor.cpu()), name
 
 
 @pytest.mark.gpu

@@ -17,11 +17,12 @@ way is timed against the loop alone in the same run; the ratio is the loop's slo
   each other do once the cache is held by the ones still being written),
 - ``pin_reused``: the same copies into pinned memory the first save pinned,
 - ``pin_polled``, ``pin_chunked``, ``pin_chunked_polled``: the same, waited for by polling
-  an event rather than a blocking wait, queued 32 MB at a time, or both (what a save's copy
-  holds back: the copy engine's queue, or the waiting),
+  an event rather than a blocking wait, queued 32 MB at a time two chunks in flight, or
+  both (what a save's copy holds back: the copy engine's queue, or the waiting),
+- ``pin_paced_8mb``, ``_32mb``, ``_128mb``: queued that much at a time, each chunk waited
+  for before the next is queued (the copy stream drained between chunks),
 - ``host_copy``: the trainer's own ``copy_to_host`` into memory of a ``PinnedPool`` pinned
-  before: the same copies queued a chunk at a time (``CHUNK_BYTES``), so that the loop's
-  host syncs wait for a chunk, not for the whole state,
+  before (queued ``CHUNK_BYTES`` at a time, each waited for before the next),
 - ``pageable``: into ordinary host memory on a copy stream,
 - ``torch_save``: ``torch.save`` of a host copy into a file under /dev/shm (a Saver's write),
 - ``safetensors``: ``safetensors.torch.save_file`` of the same (the weights' write),
@@ -97,11 +98,11 @@ def loop(layers: list[torch.Tensor], x: torch.Tensor, iterations: int, sync: str
 
 def copy_to(
     hosts: list[torch.Tensor], tensors: list[torch.Tensor], stream: torch.cuda.Stream, poll: bool = False,
-    chunk_bytes: int | None = None,
+    chunk_bytes: int | None = None, in_flight: int = 2,
 ) -> None:
     """Each tensor copied into its host tensor on ``stream``, waited for by a blocking
     synchronisation, or by polling an event (``poll``); queued all at once, or
-    ``chunk_bytes`` at a time (each chunk waited for before the one after next is queued)."""
+    ``chunk_bytes`` at a time, at most ``in_flight`` chunks queued."""
     pending: list[torch.cuda.Event] = []
 
     def wait(event: torch.cuda.Event) -> None:
@@ -120,7 +121,7 @@ def copy_to(
                 if chunk_bytes is not None and queued >= chunk_bytes:
                     queued = 0
                     pending.append(stream.record_event())
-                    if len(pending) > 1:
+                    if len(pending) >= in_flight:
                         wait(pending.pop(0))
     wait(stream.record_event())
 
@@ -230,6 +231,10 @@ def main() -> None:
         "pin_polled": lambda: copy_to(reused, tensors, stream, poll=True),
         "pin_chunked": lambda: copy_to(reused, tensors, stream, chunk_bytes=32 << 20),
         "pin_chunked_polled": lambda: copy_to(reused, tensors, stream, poll=True, chunk_bytes=32 << 20),
+        **{
+            f"pin_paced_{mb}mb": lambda mb=mb: copy_to(reused, tensors, stream, chunk_bytes=mb << 20, in_flight=1)
+            for mb in (8, 32, 128)
+        },
         "host_copy": host_copy,
         "pageable": lambda: copy_to([torch.empty(t.shape, dtype=t.dtype) for t in tensors], tensors, stream),
         "torch_save": torch_save,
