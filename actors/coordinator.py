@@ -469,7 +469,7 @@ class Coordinator(Actor):
 
     async def _save_then_publish(self, rollout_id: int, reason: str | None) -> None:
         if reason is not None:
-            await self._save(rollout_id, reason)
+            await self._save(rollout_id, reason, publication_follows=True)
         await self.publish(PublishRequested(rollout_id=rollout_id))
 
     async def _stop_now(self) -> None:
@@ -480,10 +480,12 @@ class Coordinator(Actor):
             await self._save(last, "stop")
         await self._finish("stopped", self._stop or "stopped")
 
-    async def _save(self, rollout_id: int, reason: str) -> None:
+    async def _save(self, rollout_id: int, reason: str, publication_follows: bool = False) -> None:
         self._saved.add(rollout_id)
         self._pending_saves.add(rollout_id)
-        await self.publish(SaveRequested(rollout_id=rollout_id, reason=reason))  # type: ignore[arg-type]
+        await self.publish(
+            SaveRequested(rollout_id=rollout_id, reason=reason, publication_follows=publication_follows)  # type: ignore[arg-type]
+        )
 
     @handles(CheckpointSaved, emits=(RunFinished, SaveRequested, PublishRequested))
     async def on_checkpoint_saved(self, event: CheckpointSaved) -> None:

@@ -69,6 +69,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+PUBLICATION_WAIT_SECONDS = 60.0
+"""How long a save staged in the background waits for the publication asked for with it
+to be staged before it stages anyway (that publication always comes right behind it)."""
+
 
 def staleness_max(trainer_version: str, sample_versions: list[str]) -> int:
     """How many publications the oldest sample's weights lag behind the trainer's."""
@@ -98,6 +102,8 @@ class Trainer(Actor):
         self._staging = StagingPool()
         """The publications' staging buckets, allocated once and reused once released."""
         self._pinned = PinnedPool()
+        self._publication_staged: dict[int, anyio.Event] = {}
+        """Rollout id -> set once the publication asked for with its save is staged."""
         """Pinned host memory for saves staged in the background, pinned once, reused."""
         self._arenas: dict[str, tuple[PinnedArena, set[str]]] = {}
         """A staged save's pinned arena and the keys of its data the Saver has yet to
@@ -286,6 +292,14 @@ class Trainer(Actor):
 
     @handles(PublishRequested, emits=(WeightsStaged,))
     async def on_publish_requested(self, event: PublishRequested) -> None:
+        try:
+            await self._publish_weights(event)
+        finally:  # staged or failed: a save waiting for it goes on
+            staged = self._publication_staged.pop(event.rollout_id, None) if event.rollout_id is not None else None
+            if staged is not None:
+                staged.set()
+
+    async def _publish_weights(self, event: PublishRequested) -> None:
         started = time.perf_counter()
         version = next_version(self.weight_version)
         engine_dtype = torch_dtype(self.config.model.dtype)
@@ -396,16 +410,37 @@ class Trainer(Actor):
         snapshot = await anyio.to_thread.run_sync(self._snapshot_train_state, prefix)
         trainer_state = self._trainer_state(event.rollout_id)
         if snapshot.background:
-            # The host copy, serialisation and staging go on beside the next events (the
-            # publication asked for after this save among them); the Saver hears of the
-            # state when it is staged.
-            self.spawn(self._stage_and_announce(event, prefix, snapshot, trainer_state), emits=(TrainStateStaged,))
+            # The host copy, serialisation and staging go on beside the next events; the
+            # Saver hears of the state when it is staged. They start once the publication
+            # asked for with this save is staged: beside them, its reads of its fingerprints
+            # waited for the copy to the host and its staging for the serialisation's
+            # interpreter (0.12-0.2 s on the ray runtime, against 7 ms alone).
+            staged = None
+            if event.publication_follows:
+                staged = self._publication_staged.setdefault(event.rollout_id, anyio.Event())
+            self.spawn(
+                self._stage_and_announce(event, prefix, snapshot, trainer_state, after=staged), emits=(TrainStateStaged,)
+            )
         else:
             await self._stage_and_announce(event, prefix, snapshot, trainer_state)
 
     async def _stage_and_announce(
-        self, event: SaveRequested, prefix: str, snapshot: TrainStateSnapshot, trainer_state: TrainerState
+        self,
+        event: SaveRequested,
+        prefix: str,
+        snapshot: TrainStateSnapshot,
+        trainer_state: TrainerState,
+        after: anyio.Event | None = None,
     ) -> None:
+        if after is not None:
+            with anyio.move_on_after(PUBLICATION_WAIT_SECONDS) as waited:
+                await after.wait()
+            if waited.cancelled_caught:
+                logger.warning(
+                    "the publication asked for with the save of rollout %d was not staged within %gs: staging the save",
+                    event.rollout_id,
+                    PUBLICATION_WAIT_SECONDS,
+                )
         weights, optimizer, rng = await anyio.to_thread.run_sync(self._stage_train_state, prefix, snapshot)
         await self.publish(
             TrainStateStaged(

@@ -20,7 +20,7 @@ them, never the per-tensor map itself (``miles_events.rl.checksum_manifest``).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import msgspec
 
@@ -37,6 +37,10 @@ class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag=Tru
     seq: int = 0
     time: float = 0.0
     source: str = ""
+
+    advisory_fields: ClassVar[tuple[str, ...]] = ()
+    """Fields that tell the receiver how to schedule its work, not what happens: a replay
+    does not compare them (a log written before one existed could not say it)."""
 
 
 # --- run lifecycle -------------------------------------------------------------------
@@ -348,6 +352,12 @@ class PublicationEvidenceFailed(Event, frozen=True, kw_only=True):
 class SaveRequested(Event, frozen=True, kw_only=True):
     rollout_id: int
     reason: Literal["interval", "last", "sentinel", "request", "stop"] = "interval"
+    publication_follows: bool = False
+    """The Coordinator asks for the publication of the same rollout right after (the
+    seed's save, then update_weights): a trainer staging the save in the background starts
+    its host copy once that publication is staged, which then shares nothing with it."""
+
+    advisory_fields: ClassVar[tuple[str, ...]] = ("publication_follows",)
 
 
 class TrainStateStaged(Event, frozen=True, kw_only=True):

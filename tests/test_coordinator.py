@@ -120,9 +120,11 @@ async def test_periodic_save_and_forced_save_on_the_last_rollout():
     await feed(c, verified(2, 0))
     saves = await feed(c, trained(1))
     assert kinds(saves) == [("SaveRequested", 1), ("PublishRequested", 1)]
+    assert saves[0].publication_follows  # the trainer may stage the save behind that publication
     await feed(c, verified(3, 1), CheckpointSaved(rollout_id=1, path="p", weight_version="2", num_bytes=1), trained(2))
     last = c.context.published[-2]
     assert isinstance(last, SaveRequested) and last.rollout_id == 2 and last.reason == "last"
+    assert last.publication_follows
 
 
 async def test_a_completed_run_waits_for_its_pending_checkpoint():
@@ -273,6 +275,7 @@ async def test_a_stop_saves_the_step_it_ends_after_unless_it_was_saved():
     await feed(c, trained(1), StopRequested(reason="interrupted by signal"))
     out = await feed(c, verified(3, 1))
     assert kinds(out) == [("SaveRequested", 1)] and out[0].reason == "stop"
+    assert not out[0].publication_follows  # nothing comes after it: staged at once
     done = await feed(c, CheckpointSaved(rollout_id=1, path="p", weight_version="2", num_bytes=1))
     assert kinds(done) == [("RunFinished", "stopped")] and done[0].last_rollout_id == 1
 

@@ -11,11 +11,11 @@ import msgspec
 import pytest
 
 from miles_events.app.config import load_config
-from miles_events.app.redrive import build_actor, redrive, split_runs
+from miles_events.app.redrive import build_actor, decision, redrive, split_runs
 from miles_events.app.replay import main as replay_main
 from miles_events.bus.event_log import FRAME_SIZE, LogReader, read_events
 from miles_events.rl.checksum_manifest import read_manifest, write_manifest
-from schemas.events import PublicationMismatch, PublicationVerified, WeightsLoaded
+from schemas.events import PublicationMismatch, PublicationVerified, SaveRequested, WeightsLoaded
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tiny_run"
 
@@ -139,3 +139,11 @@ def test_the_replay_cli_redrives_the_complete_part_of_a_torn_log_with_a_warning(
         f"replay: warning: {log}: torn record at byte {last}: short payload (12 of {length} bytes); "
         "re-driving the 59 records before it"
     ]
+
+
+def test_a_decision_is_what_happens_not_the_header_timings_or_scheduling_advice():
+    asked = SaveRequested(rollout_id=4, reason="interval", publication_follows=True, seq=9, time=1.5, source="coordinator")
+    assert decision(asked) == ("SaveRequested", {"rollout_id": 4, "reason": "interval"})
+    # A log written before the advice existed records the same decision.
+    assert decision(asked) == decision(SaveRequested(rollout_id=4, reason="interval"))
+    assert decision(asked) != decision(SaveRequested(rollout_id=4, reason="stop"))

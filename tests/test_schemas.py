@@ -171,7 +171,7 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     "PublicationEvidenceRequested": dict(path="/tmp/evidence.json", evidence=EVIDENCE),
     "PublicationEvidenceWritten": dict(path="/tmp/evidence.json", served_digest="ef" * 32),
     "PublicationEvidenceFailed": dict(path="/tmp/evidence.json", reason="exists already"),
-    "SaveRequested": dict(rollout_id=3, reason="sentinel"),
+    "SaveRequested": dict(rollout_id=3, reason="sentinel", publication_follows=True),
     "TrainStateStaged": dict(
         rollout_id=3,
         weights=REF,

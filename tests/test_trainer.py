@@ -602,6 +602,48 @@ async def test_a_background_save_stages_the_state_as_it_was_when_asked_while_tra
         assert all(torch.equal(optimizer["state"][key][k], v) for k, v in state.items() if isinstance(v, torch.Tensor))
 
 
+async def test_a_background_save_with_a_publication_behind_it_is_staged_once_that_publication_is(
+    base_model: Path, tmp_path: Path
+) -> None:
+    trainer, context = await started_trainer(make_config(base_model, tmp_path, save_staging="background"), tmp_path)
+    await trainer.handle(rollout_event(context, 0, two_group_samples()))
+    asked = {n: t.clone() for n, t in trainer.backend.named_weights().items()}
+    await trainer.handle(SaveRequested(rollout_id=0, reason="interval", publication_follows=True))
+    for _ in range(20):
+        await asyncio.sleep(0.01)
+    assert not context.of_type(TrainStateStaged), "staged before the publication asked for with it"
+    await trainer.handle(PublishRequested(rollout_id=0))
+    for _ in range(200):
+        if context.of_type(TrainStateStaged):
+            break
+        await asyncio.sleep(0.01)
+    order = [type(e).__name__ for e in context.events if isinstance(e, WeightsStaged | TrainStateStaged)]
+    assert order == ["WeightsStaged", "TrainStateStaged"]
+    staged = context.of_type(TrainStateStaged)[0]
+    weights = context.transport.get_tensors(staged.weights)
+    assert all(torch.equal(weights[n], t) for n, t in asked.items())  # the state as it was when asked
+
+
+async def test_a_background_save_waits_for_its_publication_even_when_that_fails_to_stage(
+    base_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trainer, context = await started_trainer(make_config(base_model, tmp_path, save_staging="background"), tmp_path)
+    await trainer.handle(rollout_event(context, 0, two_group_samples()))
+    await trainer.handle(SaveRequested(rollout_id=0, reason="interval", publication_follows=True))
+
+    def broken(*args: Any) -> None:
+        raise RuntimeError("staging failed")
+
+    monkeypatch.setattr(trainer, "_stage_weights", broken)
+    with pytest.raises(RuntimeError, match="staging failed"):
+        await trainer.handle(PublishRequested(rollout_id=0))
+    for _ in range(200):
+        if context.of_type(TrainStateStaged):
+            break
+        await asyncio.sleep(0.01)
+    assert context.of_type(TrainStateStaged), "the save went on once its publication was over"
+
+
 async def test_a_background_saves_pinned_memory_is_reused_once_the_saver_released_what_it_staged(
     base_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -2,8 +2,9 @@
 
 The actor gets, in log order, every recorded event of a type it handles; what it publishes
 is compared with what it published in the recorded run (events from its ``source`` whose
-types it does not itself handle). Header fields (``run_id``, ``seq``, ``time``, ``source``)
-and measured durations (fields ending in ``_seconds``) are not decisions and are ignored.
+types it does not itself handle). Header fields (``run_id``, ``seq``, ``time``, ``source``),
+measured durations (fields ending in ``_seconds``) and an event's ``advisory_fields`` (how
+to schedule, not what happens) are not decisions and are ignored.
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ HEADER = ("run_id", "seq", "time", "source")
 
 
 def decision(event: Event) -> tuple[str, dict[str, Any]]:
-    """What an event decides: its type and its fields, without header and timings."""
+    """What an event decides: its type and its fields, without header, timings and advice."""
     fields = msgspec.structs.asdict(event)
-    body = {k: v for k, v in fields.items() if k not in HEADER and not k.endswith("_seconds")}
+    ignored = (*HEADER, *event.advisory_fields)
+    body = {k: v for k, v in fields.items() if k not in ignored and not k.endswith("_seconds")}
     return type(event).__name__, msgspec.to_builtins(body)
 
 
