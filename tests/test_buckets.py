@@ -17,7 +17,7 @@ from miles_events.rl.buckets import ALIGN_BYTES, Buckets, bucket_parameters, fin
 from miles_events.rl.checksum import fingerprints
 from miles_events.rl.finite import NonFiniteError, require_finite_buckets
 from miles_events.rl.hf_model import load_model, prepare_base_model
-from miles_events.rl.host_copy import PinnedPool, capture_point, copy_to_host, plan_chunks
+from miles_events.rl.host_copy import DeviceArenaPool, PinnedPool, capture_point, copy_to_host, plan_chunks
 from schemas.config import BuiltinModelConfig, ModelConfig
 from tests.support import torch_save_bytes
 
@@ -197,6 +197,16 @@ def test_a_pinned_pool_pins_an_arena_once_and_every_later_save_of_the_same_state
     assert again.carve(state[0]).data_ptr() == hosts[0].data_ptr(), "carving starts over"
     pool.give_back(again)
     assert pool.take([torch.ones(3, 5)]) is not arena, "an arena serves a state of its own shapes only"
+
+
+def test_a_device_arena_pool_makes_its_arenas_on_its_device_and_reuses_them() -> None:
+    pool = DeviceArenaPool(torch.device("cpu"))  # the bookkeeping; on a GPU, CUDA memory
+    state = [torch.ones(3, 5), torch.zeros(7, dtype=torch.bfloat16)]
+    arena = pool.take(state)
+    assert [(t.device.type, t.shape, t.dtype) for t in arena.tensors] == [("cpu", t.shape, t.dtype) for t in state]
+    assert not arena.tensors[0].is_pinned()
+    pool.give_back(arena)
+    assert pool.take(state) is arena and pool.num_pinned == 1
 
 
 def test_each_host_copy_owns_its_memory_so_a_saved_state_holds_its_own_bytes_alone() -> None:

@@ -644,6 +644,37 @@ async def test_a_background_save_waits_for_its_publication_even_when_that_fails_
     assert context.of_type(TrainStateStaged), "the save went on once its publication was over"
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+async def test_on_a_gpu_each_background_save_copies_the_state_into_the_device_memory_of_the_last(
+    base_model: Path, tmp_path: Path
+) -> None:
+    trainer, context = await started_trainer(make_config(base_model, tmp_path, save_staging="background"), tmp_path)
+    pointers = []
+    for rollout_id in (0, 1):
+        await trainer.handle(rollout_event(context, rollout_id, two_group_samples()))
+        asked = {n: t.detach().cpu() for n, t in trainer.backend.named_weights().items()}
+        optimizer_asked = copy.deepcopy(trainer.backend.optimizer_state_dict())
+        await trainer.handle(SaveRequested(rollout_id=rollout_id, reason="interval"))
+        for _ in range(500):
+            if [e for e in context.of_type(TrainStateStaged) if e.rollout_id == rollout_id]:
+                break
+            await asyncio.sleep(0.01)
+        staged = next(e for e in context.of_type(TrainStateStaged) if e.rollout_id == rollout_id)
+        weights = context.transport.get_tensors(staged.weights)
+        assert all(torch.equal(weights[n], t) for n, t in asked.items())
+        optimizer = context.transport.get_state(staged.optimizer)
+        for key, state in optimizer_asked["state"].items():
+            for k, v in state.items():
+                if isinstance(v, torch.Tensor):
+                    assert torch.equal(optimizer["state"][key][k], v.cpu()), (key, k)
+        arenas = trainer._snapshot_arenas
+        assert arenas is not None
+        pointers.append(sorted(t.data_ptr() for arena in arenas._idle for t in arena.tensors))
+    assert pointers[0] == pointers[1] and arenas.num_pinned == 1  # made once, then reused
+    assert trainer._snapshot_buckets.num_allocated == 1  # the weights' buckets likewise
+
+
 async def test_a_background_saves_pinned_memory_is_reused_once_the_saver_released_what_it_staged(
     base_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
