@@ -5,6 +5,7 @@ elsewhere."""
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,43 @@ def test_bytes_round_trip_and_free_removes_them(tmp_path: Path):
     disk.free(ref)  # twice is allowed
     with pytest.raises(KeyError, match="rollout-0"):
         disk.get_bytes(ref)
+
+
+@pytest.mark.parametrize("name", ["shm", "disk"])
+def test_freed_data_is_gone_at_once_and_its_bytes_are_removed_off_the_callers_thread(
+    tmp_path: Path, name: str, monkeypatch: pytest.MonkeyPatch
+):
+    from miles_events.transport import reaper
+
+    plane = open_transport(name, f"run-free-{name}", tmp_path)
+    root = plane.root
+    started, release = threading.Event(), threading.Event()
+    unlink = Path.unlink
+
+    def slow_unlink(self: Path, missing_ok: bool = False) -> None:  # a large file's pages
+        started.set()
+        release.wait(10)
+        unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", slow_unlink)
+    try:
+        tensors = plane.put_tensors("weights-v1", {"w": torch.ones(4)}, owner="trainer")
+        state = plane.put_state("train-state-1", optimizer_state(), owner="trainer")
+        plane.free(state)  # returns while its removal is held up
+        plane.free(tensors)
+        assert started.wait(10)
+        with pytest.raises((KeyError, FileNotFoundError)):
+            plane.get_state(state)
+        again = plane.put_state("train-state-1", {"step": 2}, owner="trainer")  # the key is free again
+        assert plane.get_state(again) == {"step": 2}
+        assert any(p.name.startswith(reaper.FREED_PREFIX) for p in root.iterdir())
+    finally:
+        release.set()
+    assert reaper.wait_removed(10)
+    assert not [p.name for p in root.iterdir() if p.name.startswith(reaper.FREED_PREFIX)]
+    plane.free(again)
+    plane.close()
+    assert reaper.wait_removed(10) and not root.exists()
 
 
 def optimizer_state() -> dict:

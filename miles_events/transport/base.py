@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from miles_events.rl.checkpoint import load_state, save_state
 from miles_events.rl.file_modes import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE
 from miles_events.rl.registry import registered
+from miles_events.transport.reaper import remove_later
 from schemas.data import DataRef
 
 if TYPE_CHECKING:  # torch is imported by what puts or gets tensors, not by every reader of events
@@ -262,7 +263,9 @@ class ShmTransport(Transport):
         return self._path(ref.key)
 
     def free(self, ref: DataRef) -> None:
-        self._path(ref.key).unlink(missing_ok=True)
+        # Gone for readers now; its pages are freed off this thread (a save's staged
+        # optimizer state is gigabytes: seconds of an event loop's time).
+        remove_later(self._path(ref.key))
 
     def close(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)

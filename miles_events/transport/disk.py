@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from miles_events.rl.checkpoint import load_state, save_state
 from miles_events.transport.base import TENSORS_METADATA, Transport, _safetensors
+from miles_events.transport.reaper import remove_later
 from schemas.data import DataRef
 
 if TYPE_CHECKING:  # torch is imported by what puts or gets tensors, not by every reader of events
@@ -57,10 +58,7 @@ class DiskTransport(Transport):
 
     @staticmethod
     def _remove(path: Path) -> None:
-        if path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink(missing_ok=True)
+        remove_later(path)  # gone now; its bytes are freed off this thread
 
     def put_tensors(self, key: str, tensors: dict[str, torch.Tensor], owner: str) -> DataRef:
         partial = self._path(key).with_name(f".{key}.partial")

@@ -1,0 +1,78 @@
+"""Files and directories removed off the caller's thread.
+
+Removing a large file frees its pages there and then: in shared memory, 0.11 s for 0.7 GB
+and 0.40 s for 2.9 GB on a 2-core development machine. A transport's ``free`` runs on an
+actor's event loop, where that time holds back every event behind it (on an H200, the
+publication asked for with each save after the first waited 0.13-0.24 s before the trainer
+took it up, right behind the release of the last save's 3.6 GB of staged state; with
+nothing released before it, the first waited 0.02 s). ``remove_later`` renames the path out
+of the way at once (its key can be written again, and a reader finds it gone, as after a
+removal) and a daemon thread removes it. A process that exits first leaves the renamed
+path in its run's directory, which the run's end removes with the rest.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import shutil
+import threading
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+FREED_PREFIX = ".freed-"
+"""A path being removed is renamed ``.freed-<pid>-<n>-<name>`` in its directory: hidden, so
+never a transport's key."""
+
+_pending: queue.SimpleQueue[Path] = queue.SimpleQueue()
+_counter = itertools.count()
+_lock = threading.Lock()
+_thread: threading.Thread | None = None
+_idle = threading.Condition(_lock)
+_unfinished = 0
+
+
+def remove_later(path: Path) -> None:
+    """Rename ``path`` (a file or a directory) aside now and remove it on the reaper's
+    thread; nothing happens where it does not exist."""
+    global _thread, _unfinished
+    doomed = path.with_name(f"{FREED_PREFIX}{os.getpid()}-{next(_counter)}-{path.name}")
+    try:
+        os.rename(path, doomed)
+    except FileNotFoundError:
+        return
+    with _lock:
+        _unfinished += 1
+        if _thread is None or not _thread.is_alive():
+            _thread = threading.Thread(target=_reap, name="transport-reaper", daemon=True)
+            _thread.start()
+    _pending.put(doomed)
+
+
+def wait_removed(timeout: float | None = None) -> bool:
+    """Block until every path handed to ``remove_later`` so far is removed (False on
+    ``timeout``)."""
+    with _idle:
+        return _idle.wait_for(lambda: _unfinished == 0, timeout)
+
+
+def _reap() -> None:
+    global _unfinished
+    while True:
+        path = _pending.get()
+        try:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
+        except FileNotFoundError:
+            pass  # the run's end removed its directory first
+        except OSError as exc:
+            log.warning("could not remove freed data %s: %s", path, exc)
+        finally:
+            with _idle:
+                _unfinished -= 1
+                _idle.notify_all()
