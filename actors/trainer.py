@@ -111,14 +111,18 @@ class Trainer(Actor):
         self._staging = StagingPool()
         """The publications' staging buckets, allocated once and reused once released."""
         self._pinned = PinnedPool()
+        """Pinned host memory for saves staged in the background, pinned once, reused."""
         self._snapshot_buckets = StagingPool()
         """On a GPU, the buckets a background save copies the weights into, until they are
         on the host; then the next save's."""
         self._snapshot_arenas: DeviceArenaPool | None = None
         """On a GPU, the same for the optimizer's tensors."""
+        self._snapshot_lent: dict[str, PinnedArena | None] = {}
+        """Saves whose copies on the GPU are not on the host yet: prefix -> the arena."""
         self._publication_staged: dict[int, anyio.Event] = {}
         """Rollout id -> set once the publication asked for with its save is staged."""
-        """Pinned host memory for saves staged in the background, pinned once, reused."""
+        self._last_publication: int | None = None
+        """The rollout of the last publication taken up (staged or failed)."""
         self._arenas: dict[str, tuple[PinnedArena, set[str]]] = {}
         """A staged save's pinned arena and the keys of its data the Saver has yet to
         release, by save."""
@@ -180,6 +184,8 @@ class Trainer(Actor):
             self._free(self._published)
             self._published = None
         self._staging.clear()
+        self._snapshot_buckets.clear()
+        self._snapshot_arenas = None
 
     def _free(self, ref: DataRef) -> None:
         self.context.transport.free(ref)
@@ -309,9 +315,11 @@ class Trainer(Actor):
         try:
             await self._publish_weights(event)
         finally:  # staged or failed: a save waiting for it goes on
-            staged = self._publication_staged.pop(event.rollout_id, None) if event.rollout_id is not None else None
-            if staged is not None:
-                staged.set()
+            if event.rollout_id is not None:
+                self._last_publication = event.rollout_id
+                staged = self._publication_staged.pop(event.rollout_id, None)
+                if staged is not None:
+                    staged.set()
 
     async def _publish_weights(self, event: PublishRequested) -> None:
         started = time.perf_counter()
@@ -379,37 +387,41 @@ class Trainer(Actor):
         they live; the optimizer state, copied where it lives when it is staged in the
         background (training goes on meanwhile), as it is when staged inline; the RNG state."""
         own = self.backend.weight_buckets()
-        on_gpu = own is not None and own.device.type == "cuda"
         mode = self.config.trainer.save_staging
-        background = mode == "background" or (mode == "auto" and on_gpu)
         # On a GPU in the background, into the copies of an earlier save, once on the host.
-        reused = background and on_gpu
+        reused = mode in ("background", "auto") and own is not None and own.device.type == "cuda"
         weights = self._weights_copy(pool=self._snapshot_buckets if reused else None)
+        background = mode == "background" or (mode == "auto" and weights.device.type == "cuda")
         if reused:
             self._snapshot_buckets.lend(prefix, weights)
-        arena = None
+            self._snapshot_lent[prefix] = None
         try:
             require_finite_buckets(weights, f"checkpoint {prefix}")
             optimizer = self.backend.optimizer_state_dict()
             if reused:
                 if self._snapshot_arenas is None:
                     self._snapshot_arenas = DeviceArenaPool(weights.device)
-                arena = self._snapshot_arenas.take([t for t in tensors_of(optimizer) if t.is_cuda])
-                optimizer = map_tensors(optimizer, partial(_copy_into, arena))
+                arenas = self._snapshot_arenas
+                arena = arenas.take([t for t in tensors_of(optimizer) if t.device == arenas.device])
+                self._snapshot_lent[prefix] = arena
+                optimizer = map_tensors(optimizer, partial(_copy_into, arena, arenas.device))
             elif background:  # copied where it lives: training goes on meanwhile
                 optimizer = map_tensors(optimizer, lambda tensor: tensor.detach().clone())
             else:  # to the host now: what is staged is handed over, never written again
                 optimizer = map_tensors(optimizer, lambda tensor: tensor.detach().to("cpu", copy=True))
+            # On a GPU, the host copy waits for this point only, not for the steps after it.
+            ready = capture_point(weights.device) if background else None
+            return TrainStateSnapshot(weights, optimizer, self.backend.rng_state(), background, ready)
         except BaseException:
-            self._snapshot_given_back(prefix, arena)
+            self._snapshot_given_back(prefix)
             raise
-        # On a GPU, the host copy waits for this point only, not for the steps after it.
-        ready = capture_point(weights.device) if background else None
-        return TrainStateSnapshot(weights, optimizer, self.backend.rng_state(), background, ready, arena)
 
-    def _snapshot_given_back(self, prefix: str, arena: PinnedArena | None) -> None:
-        """A background save's copies on the GPU are on the host, or not to be: the next
-        save copies into them."""
+    def _snapshot_given_back(self, prefix: str) -> None:
+        """A background save's copies on the GPU are on the host, or never will be: the
+        next save copies into them (once: later calls do nothing)."""
+        if prefix not in self._snapshot_lent:
+            return
+        arena = self._snapshot_lent.pop(prefix)
         self._snapshot_buckets.give_back(prefix)
         if arena is not None and self._snapshot_arenas is not None:
             self._snapshot_arenas.give_back(arena)
@@ -424,9 +436,8 @@ class Trainer(Actor):
                 (host_weights, host_optimizer), arena = copy_to_host(
                     (snapshot.weights, snapshot.optimizer), snapshot.ready, self._pinned
                 )
-            finally:
-                if snapshot.device_arena is not None:  # copied to the host (or failed): free
-                    self._snapshot_given_back(prefix, snapshot.device_arena)
+            finally:  # copied to the host (or failed): the next save copies into them
+                self._snapshot_given_back(prefix)
         staged: list[DataRef] = []
         try:
             staged.append(transport.put_buckets(f"{prefix}-weights", host_weights, owner=self.name))
@@ -472,16 +483,22 @@ class Trainer(Actor):
         trainer_state: TrainerState,
         after: anyio.Event | None = None,
     ) -> None:
-        if after is not None:
-            with anyio.move_on_after(PUBLICATION_WAIT_SECONDS) as waited:
-                await after.wait()
-            if waited.cancelled_caught:
-                logger.warning(
-                    "the publication asked for with the save of rollout %d was not staged within %gs: staging the save",
-                    event.rollout_id,
-                    PUBLICATION_WAIT_SECONDS,
-                )
-        weights, optimizer, rng = await anyio.to_thread.run_sync(self._stage_train_state, prefix, snapshot)
+        try:
+            if after is not None and (self._last_publication is None or self._last_publication < event.rollout_id):
+                with anyio.move_on_after(PUBLICATION_WAIT_SECONDS) as waited:
+                    await after.wait()
+                if waited.cancelled_caught:
+                    logger.warning(
+                        "the publication asked for with the save of rollout %d was not staged within %gs: "
+                        "staging the save",
+                        event.rollout_id,
+                        PUBLICATION_WAIT_SECONDS,
+                    )
+            weights, optimizer, rng = await anyio.to_thread.run_sync(self._stage_train_state, prefix, snapshot)
+        finally:
+            if after is not None and self._publication_staged.get(event.rollout_id) is after:
+                del self._publication_staged[event.rollout_id]
+            self._snapshot_given_back(prefix)  # staged, failed or cancelled: not read again
         await self.publish(
             TrainStateStaged(
                 rollout_id=event.rollout_id,
@@ -522,13 +539,11 @@ class TrainStateSnapshot:
     background: bool
     ready: Any = None
     """On a GPU, a CUDA event where the copies were taken: what the host copy waits for."""
-    device_arena: PinnedArena | None = None
-    """On a GPU in the background, the reused arena the optimizer's tensors were copied
-    into (the weights' buckets are the trainer's too): given back once on the host."""
 
 
-def _copy_into(arena: PinnedArena, tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` copied into the arena's next tensor where it is on a GPU, cloned where not."""
-    if not tensor.is_cuda:
+def _copy_into(arena: PinnedArena, device: torch.device, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` copied into the arena's next tensor where it is on ``device`` (the arena
+    was taken for those tensors, in this order), cloned where not."""
+    if tensor.device != device:
         return tensor.detach().clone()
     return arena.carve(tensor).copy_(tensor.detach())

@@ -207,6 +207,10 @@ def test_a_device_arena_pool_makes_its_arenas_on_its_device_and_reuses_them() ->
     assert not arena.tensors[0].is_pinned()
     pool.give_back(arena)
     assert pool.take(state) is arena and pool.num_pinned == 1
+    other = pool.take(state)  # two saves at once: a second arena
+    pool.give_back(arena)
+    pool.give_back(other)
+    assert pool.take(state) is other and pool.take(state) is not arena, "one arena kept idle, not both"
 
 
 def test_each_host_copy_owns_its_memory_so_a_saved_state_holds_its_own_bytes_alone() -> None:

@@ -624,6 +624,21 @@ async def test_a_background_save_with_a_publication_behind_it_is_staged_once_tha
     assert all(torch.equal(weights[n], t) for n, t in asked.items())  # the state as it was when asked
 
 
+async def test_a_background_save_asked_for_after_its_publication_does_not_wait_for_it(
+    base_model: Path, tmp_path: Path
+) -> None:
+    trainer, context = await started_trainer(make_config(base_model, tmp_path, save_staging="background"), tmp_path)
+    await trainer.handle(rollout_event(context, 0, two_group_samples()))
+    await trainer.handle(PublishRequested(rollout_id=0))
+    await trainer.handle(SaveRequested(rollout_id=0, reason="interval", publication_follows=True))
+    for _ in range(200):
+        if context.of_type(TrainStateStaged):
+            break
+        await asyncio.sleep(0.01)
+    assert context.of_type(TrainStateStaged), "waited for a publication already staged"
+    assert trainer._publication_staged == {}
+
+
 async def test_a_background_save_waits_for_its_publication_even_when_that_fails_to_stage(
     base_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -124,6 +124,12 @@ class DeviceArenaPool(PinnedPool):
         super().__init__(pin=False)
         self.device = device
 
+    def give_back(self, arena: PinnedArena) -> None:
+        """Kept for the next save, as the only idle arena: device memory is not held for
+        saves that overlapped or for a state's earlier shapes."""
+        with self._lock:
+            self._idle = [arena]
+
     def _allocate(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         import torch
 
@@ -168,18 +174,22 @@ def copy_to_host(obj: Any, after: torch.cuda.Event | None = None, pool: PinnedPo
     pieces = [
         (s.numel(), s.element_size()) if s.is_contiguous() else (1, s.numel() * s.element_size()) for _, s in pairs
     ]
-    for chunk in plan_chunks(pieces, CHUNK_BYTES):
-        used = set()
-        for index, start, end in chunk:
-            host, source = pairs[index]
-            with torch.cuda.stream(streams[source.device]):
-                if source.is_contiguous():
-                    host.view(-1)[start:end].copy_(source.view(-1)[start:end], non_blocking=True)
-                else:
-                    host.copy_(source, non_blocking=True)
-            used.add(source.device)
-        for device in used:  # the copy stream drained: other transfers go before the next chunk
-            streams[device].synchronize()
+    try:
+        for chunk in plan_chunks(pieces, CHUNK_BYTES):
+            used = set()
+            for index, start, end in chunk:
+                host, source = pairs[index]
+                with torch.cuda.stream(streams[source.device]):
+                    if source.is_contiguous():
+                        host.view(-1)[start:end].copy_(source.view(-1)[start:end], non_blocking=True)
+                    else:
+                        host.copy_(source, non_blocking=True)
+                used.add(source.device)
+            for device in used:  # the copy stream drained: other transfers go before the next chunk
+                streams[device].synchronize()
+    finally:  # nothing queued still reads the sources when this returns or raises
+        for stream in streams.values():
+            stream.synchronize()
     return copied, arena
 
 

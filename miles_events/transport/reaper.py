@@ -24,8 +24,8 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 FREED_PREFIX = ".freed-"
-"""A path being removed is renamed ``.freed-<pid>-<n>-<name>`` in its directory: hidden, so
-never a transport's key."""
+"""A path being removed is renamed ``.freed-<pid>-<n>`` in its directory: hidden, so never
+a transport's key."""
 
 _pending: queue.SimpleQueue[Path] = queue.SimpleQueue()
 _counter = itertools.count()
@@ -39,17 +39,22 @@ def remove_later(path: Path) -> None:
     """Rename ``path`` (a file or a directory) aside now and remove it on the reaper's
     thread; nothing happens where it does not exist."""
     global _thread, _unfinished
-    doomed = path.with_name(f"{FREED_PREFIX}{os.getpid()}-{next(_counter)}-{path.name}")
+    doomed = path.with_name(f"{FREED_PREFIX}{os.getpid()}-{next(_counter)}")
+    with _lock:  # counted before it is renamed: ``wait_removed`` never misses it
+        _unfinished += 1
     try:
         os.rename(path, doomed)
     except FileNotFoundError:
-        return
+        _done()
+        return  # nothing to remove (freed before)
+    except BaseException:
+        _done()
+        raise
+    _pending.put(doomed)
     with _lock:
-        _unfinished += 1
         if _thread is None or not _thread.is_alive():
             _thread = threading.Thread(target=_reap, name="transport-reaper", daemon=True)
             _thread.start()
-    _pending.put(doomed)
 
 
 def wait_removed(timeout: float | None = None) -> bool:
@@ -60,7 +65,6 @@ def wait_removed(timeout: float | None = None) -> bool:
 
 
 def _reap() -> None:
-    global _unfinished
     while True:
         path = _pending.get()
         try:
@@ -73,6 +77,11 @@ def _reap() -> None:
         except OSError as exc:
             log.warning("could not remove freed data %s: %s", path, exc)
         finally:
-            with _idle:
-                _unfinished -= 1
-                _idle.notify_all()
+            _done()
+
+
+def _done() -> None:
+    global _unfinished
+    with _idle:
+        _unfinished -= 1
+        _idle.notify_all()
