@@ -386,10 +386,8 @@ class Trainer(Actor):
         resumed run continues from exactly these bytes), packed in one bucket per dtype where
         they live; the optimizer state, copied where it lives when it is staged in the
         background (training goes on meanwhile), as it is when staged inline; the RNG state."""
-        own = self.backend.weight_buckets()
         mode = self.config.trainer.save_staging
-        # On a GPU in the background, into the copies of an earlier save, once on the host.
-        reused = mode in ("background", "auto") and own is not None and own.device.type == "cuda"
+        reused = self._reuses_snapshot_copies()
         weights = self._weights_copy(pool=self._snapshot_buckets if reused else None)
         background = mode == "background" or (mode == "auto" and weights.device.type == "cuda")
         if reused:
@@ -415,6 +413,13 @@ class Trainer(Actor):
         except BaseException:
             self._snapshot_given_back(prefix)
             raise
+
+    def _reuses_snapshot_copies(self) -> bool:
+        """Whether a save's copies go into those of an earlier save: on a GPU, in the
+        background, where ``copy_to_host`` copies them to the host before they are reused."""
+        own = self.backend.weight_buckets()
+        mode = self.config.trainer.save_staging
+        return mode in ("background", "auto") and own is not None and own.device.type == "cuda"
 
     def _snapshot_given_back(self, prefix: str) -> None:
         """A background save's copies on the GPU are on the host, or never will be: the

@@ -659,6 +659,40 @@ async def test_a_background_save_waits_for_its_publication_even_when_that_fails_
     assert context.of_type(TrainStateStaged), "the save went on once its publication was over"
 
 
+async def test_each_background_save_copies_into_the_copies_of_the_last_once_they_are_on_the_host(
+    base_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The GPU's path on the CPU: the reused copies, and a host copy that copies (as on a GPU).
+    from miles_events.rl.host_copy import map_tensors
+
+    def copy_to_the_host(obj: Any, after: Any = None, pool: Any = None) -> tuple[Any, Any]:
+        return map_tensors(obj, lambda t: t.clone()), pool.take([])
+
+    monkeypatch.setattr("actors.trainer.copy_to_host", copy_to_the_host)
+    monkeypatch.setattr(Trainer, "_reuses_snapshot_copies", lambda self: True)
+    trainer, context = await started_trainer(make_config(base_model, tmp_path, save_staging="background"), tmp_path)
+    trainer._pinned.pin = False
+    for rollout_id in (0, 1):
+        await trainer.handle(rollout_event(context, rollout_id, two_group_samples()))
+        asked = {n: t.clone() for n, t in trainer.backend.named_weights().items()}
+        moments = {k: v["exp_avg"].clone() for k, v in trainer.backend.optimizer_state_dict()["state"].items()}
+        await trainer.handle(SaveRequested(rollout_id=rollout_id, reason="interval"))
+        for _ in range(200):
+            if [e for e in context.of_type(TrainStateStaged) if e.rollout_id == rollout_id]:
+                break
+            await asyncio.sleep(0.01)
+        staged = next(e for e in context.of_type(TrainStateStaged) if e.rollout_id == rollout_id)
+        weights = context.transport.get_tensors(staged.weights)
+        assert all(torch.equal(weights[n], t) for n, t in asked.items())
+        optimizer = context.transport.get_state(staged.optimizer)
+        assert all(torch.equal(optimizer["state"][k]["exp_avg"], v) for k, v in moments.items())
+    assert trainer._snapshot_lent == {}, "every save's copies given back once on the host"
+    assert trainer._snapshot_arenas is not None and trainer._snapshot_arenas.num_pinned == 1
+    assert trainer._snapshot_buckets.num_allocated == 1
+    await trainer.stop()
+    assert trainer._snapshot_arenas is None
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 async def test_on_a_gpu_each_background_save_copies_the_state_into_the_device_memory_of_the_last(
