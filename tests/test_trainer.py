@@ -79,6 +79,17 @@ class FakeContext:
         return [e for e in self.events if isinstance(e, event_type)]
 
 
+async def staged_train_state(context: FakeContext, rollout_id: int, seconds: float = 5.0) -> TrainStateStaged:
+    """The ``TrainStateStaged`` of ``rollout_id``, once a save staged in the background has
+    published it (an AssertionError after ``seconds``)."""
+    for _ in range(int(seconds / 0.01)):
+        done = [e for e in context.of_type(TrainStateStaged) if e.rollout_id == rollout_id]
+        if done:
+            return done[0]
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"the train state of rollout {rollout_id} was not staged within {seconds}s")
+
+
 @pytest.fixture(scope="module")
 def base_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return prepare_base_model(ModelConfig(), tmp_path_factory.mktemp("model"), SEED)
@@ -587,11 +598,7 @@ async def test_a_background_save_stages_the_state_as_it_was_when_asked_while_tra
     optimizer_asked = copy.deepcopy(trainer.backend.optimizer_state_dict())
     await trainer.handle(SaveRequested(rollout_id=0, reason="interval"))
     await trainer.handle(rollout_event(context, 1, two_group_samples()))  # the next step, before it is staged
-    for _ in range(200):
-        if context.of_type(TrainStateStaged):
-            break
-        await asyncio.sleep(0.01)
-    staged = context.of_type(TrainStateStaged)[0]
+    staged = await staged_train_state(context, 0)
     assert staged.trainer_state.rollout_id == 0 and staged.trainer_state.num_optimizer_steps == 1
     weights = context.transport.get_tensors(staged.weights)
     assert weights.keys() == asked.keys() and all(torch.equal(weights[n], t) for n, t in asked.items())
@@ -613,10 +620,7 @@ async def test_a_background_save_with_a_publication_behind_it_is_staged_once_tha
         await asyncio.sleep(0.01)
     assert not context.of_type(TrainStateStaged), "staged before the publication asked for with it"
     await trainer.handle(PublishRequested(rollout_id=0))
-    for _ in range(200):
-        if context.of_type(TrainStateStaged):
-            break
-        await asyncio.sleep(0.01)
+    await staged_train_state(context, 0)
     order = [type(e).__name__ for e in context.events if isinstance(e, WeightsStaged | TrainStateStaged)]
     assert order == ["WeightsStaged", "TrainStateStaged"]
     staged = context.of_type(TrainStateStaged)[0]
@@ -631,11 +635,7 @@ async def test_a_background_save_asked_for_after_its_publication_does_not_wait_f
     await trainer.handle(rollout_event(context, 0, two_group_samples()))
     await trainer.handle(PublishRequested(rollout_id=0))
     await trainer.handle(SaveRequested(rollout_id=0, reason="interval", publication_follows=True))
-    for _ in range(200):
-        if context.of_type(TrainStateStaged):
-            break
-        await asyncio.sleep(0.01)
-    assert context.of_type(TrainStateStaged), "waited for a publication already staged"
+    await staged_train_state(context, 0)  # at once: no wait for a publication already staged
     assert trainer._publication_staged == {}
 
 
@@ -652,11 +652,7 @@ async def test_a_background_save_waits_for_its_publication_even_when_that_fails_
     monkeypatch.setattr(trainer, "_stage_weights", broken)
     with pytest.raises(RuntimeError, match="staging failed"):
         await trainer.handle(PublishRequested(rollout_id=0))
-    for _ in range(200):
-        if context.of_type(TrainStateStaged):
-            break
-        await asyncio.sleep(0.01)
-    assert context.of_type(TrainStateStaged), "the save went on once its publication was over"
+    await staged_train_state(context, 0)  # once its publication was over, though it failed
 
 
 async def test_each_background_save_copies_into_the_copies_of_the_last_once_they_are_on_the_host(
@@ -677,11 +673,7 @@ async def test_each_background_save_copies_into_the_copies_of_the_last_once_they
         asked = {n: t.clone() for n, t in trainer.backend.named_weights().items()}
         moments = {k: v["exp_avg"].clone() for k, v in trainer.backend.optimizer_state_dict()["state"].items()}
         await trainer.handle(SaveRequested(rollout_id=rollout_id, reason="interval"))
-        for _ in range(200):
-            if [e for e in context.of_type(TrainStateStaged) if e.rollout_id == rollout_id]:
-                break
-            await asyncio.sleep(0.01)
-        staged = next(e for e in context.of_type(TrainStateStaged) if e.rollout_id == rollout_id)
+        staged = await staged_train_state(context, rollout_id)
         weights = context.transport.get_tensors(staged.weights)
         assert all(torch.equal(weights[n], t) for n, t in asked.items())
         optimizer = context.transport.get_state(staged.optimizer)
@@ -705,11 +697,7 @@ async def test_on_a_gpu_each_background_save_copies_the_state_into_the_device_me
         asked = {n: t.detach().cpu() for n, t in trainer.backend.named_weights().items()}
         optimizer_asked = copy.deepcopy(trainer.backend.optimizer_state_dict())
         await trainer.handle(SaveRequested(rollout_id=rollout_id, reason="interval"))
-        for _ in range(500):
-            if [e for e in context.of_type(TrainStateStaged) if e.rollout_id == rollout_id]:
-                break
-            await asyncio.sleep(0.01)
-        staged = next(e for e in context.of_type(TrainStateStaged) if e.rollout_id == rollout_id)
+        staged = await staged_train_state(context, rollout_id)
         weights = context.transport.get_tensors(staged.weights)
         assert all(torch.equal(weights[n], t) for n, t in asked.items())
         optimizer = context.transport.get_state(staged.optimizer)
@@ -741,12 +729,7 @@ async def test_a_background_saves_pinned_memory_is_reused_once_the_saver_release
 
     async def staged_save(rollout_id: int) -> TrainStateStaged:
         await trainer.handle(SaveRequested(rollout_id=rollout_id, reason="interval"))
-        for _ in range(200):
-            done = [e for e in context.of_type(TrainStateStaged) if e.rollout_id == rollout_id]
-            if done:
-                return done[0]
-            await asyncio.sleep(0.01)
-        raise AssertionError("not staged")
+        return await staged_train_state(context, rollout_id)
 
     first = await staged_save(0)
     await staged_save(1)  # the first is still being written: a second arena
