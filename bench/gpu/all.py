@@ -17,7 +17,12 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BENCHES = (["publication.py"], ["fingerprint.py", "--quick"], ["engine.py"], ["save_overlap.py", "--iterations", "150"])
+BENCHES = (
+    ["publication.py"],
+    ["fingerprint.py", "--quick"],
+    ["engine.py"],
+    ["save_overlap.py", "--iterations", "150", "--ways", "pin_new,pin_reused,host_copy,torch_save,checkpoint,checkpoint_process"],
+)
 
 
 def main() -> int:
