@@ -20,7 +20,8 @@ Runs the embedded default with a save after every rollout, then reads the run's 
   the device the run used, packed in buckets as the run packs them) plus the Verifier's
   comparison (``PublicationVerified.verify_seconds``),
 - save: ``CheckpointSaved.save_seconds`` (runs beside the publication, not in series),
-  and for each save when its train state was staged and its checkpoint written.
+  and for each save when its train state was staged and its checkpoint written, and how
+  long the publication asked for with it waited before the trainer took it up.
 Medians over the rollouts after the first (warm-up), then every step and train step.
 ``--watch-interpreter`` also reports the gaps over 20 ms of a thread that ticks every
 millisecond beside a local run: whether another thread held the interpreter.
@@ -50,6 +51,7 @@ from miles_events.rl.weights import split_tied
 from schemas.events import (
     CheckpointSaved,
     PublicationVerified,
+    PublishRequested,
     RolloutGenerated,
     RolloutRequested,
     SaveRequested,
@@ -177,6 +179,17 @@ def main() -> None:
     if asked:
         print("each save, s after it was asked for (staged, written): " + ", ".join(
             f"rollout {r}: {staged.get(r, t) - t:.2f}, {written.get(r, t) - t:.2f}" for r, t in sorted(asked.items())
+        ))
+        # The publication asked for with a save: how long it waited before the trainer took
+        # it up (behind the save's snapshot and whatever else the trainer was doing).
+        publish_asked = {e.rollout_id: e.time for e in log if isinstance(e, PublishRequested)}
+        waited = [
+            (e.rollout_id, e.time - e.stage_seconds - publish_asked[e.rollout_id], e.stage_seconds)
+            for e in log
+            if isinstance(e, WeightsStaged) and e.rollout_id in asked and e.rollout_id in publish_asked
+        ]
+        print("each save's publication, ms before the trainer took it up (its own staging): " + ", ".join(
+            f"rollout {r}: {before * 1000:.0f} ({own * 1000:.0f})" for r, before, own in waited
         ))
     if args.watch_interpreter:
         inside = [(t, gap) for t, gap in list(ticks) if requested[0] <= t <= requested[-1]]
