@@ -29,9 +29,9 @@ a transport's key."""
 
 _pending: queue.SimpleQueue[Path] = queue.SimpleQueue()
 _counter = itertools.count()
-_lock = threading.Lock()
 _thread: threading.Thread | None = None
-_idle = threading.Condition(_lock)
+_idle = threading.Condition()
+"""Guards ``_thread`` and ``_unfinished``; notified as each path is removed."""
 _unfinished = 0
 
 
@@ -40,7 +40,7 @@ def remove_later(path: Path) -> None:
     thread; nothing happens where it does not exist."""
     global _thread, _unfinished
     doomed = path.with_name(f"{FREED_PREFIX}{os.getpid()}-{next(_counter)}")
-    with _lock:  # counted before it is renamed: ``wait_removed`` never misses it
+    with _idle:  # counted before it is renamed: ``wait_removed`` never misses it
         _unfinished += 1
     try:
         os.rename(path, doomed)
@@ -51,7 +51,7 @@ def remove_later(path: Path) -> None:
         _done()
         raise
     _pending.put(doomed)
-    with _lock:
+    with _idle:
         if _thread is None or not _thread.is_alive():
             _thread = threading.Thread(target=_reap, name="transport-reaper", daemon=True)
             _thread.start()
