@@ -58,3 +58,7 @@ class CudaIpcRecord(msgspec.Struct, frozen=True):
     bucket. The producer keeps the buffers alive until the reference is freed."""
 
     buffers: tuple[CudaIpcBuffer, ...]
+    ready_event: bytes | None = None
+    """The IPC handle of an interprocess CUDA event the producer records on its stream once
+    the buffers are written: a reader's stream waits for it before reading them, so neither
+    side waits on the host. None: the buffers were written before the record was."""

@@ -278,6 +278,56 @@ def test_a_reader_keeps_the_buffers_it_mapped_and_reads_what_was_staged_into_the
     plane.close()
 
 
+WAITING_READER = """
+import sys, torch
+from miles_events.rl.buckets import fingerprint_buckets
+from miles_events.transport.cuda_ipc import CudaIpcTransport
+from schemas.data import DataRef
+plane = CudaIpcTransport(sys.argv[1])
+torch.zeros(1, device="cuda")  # CUDA up before the producer stages
+print("ready", flush=True)
+buckets = plane.get_buckets(DataRef("cuda_ipc", sys.stdin.readline().strip(), "trainer"))
+print(sorted(fingerprint_buckets(buckets).items()), flush=True)
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_ipc_reader_waits_on_the_gpu_for_a_staging_the_producer_did_not_wait_for(tmp_path: Path):
+    """``put_buckets`` returns with the staging still queued (no host sync); a reader in
+    another process that reads at once sees the staged values: its stream waits for the
+    producer's event."""
+    import subprocess
+    import sys
+
+    from miles_events.rl.buckets import fingerprint_buckets
+
+    plane = open_transport("cuda_ipc", "run-ipc-ready", tmp_path)
+    buckets = bucketed().to("cuda")
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    reader = subprocess.Popen(
+        [sys.executable, "-c", WAITING_READER, "run-ipc-ready"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=root, env=env,
+    )  # fmt: skip
+    assert reader.stdin is not None and reader.stdout is not None
+    assert reader.stdout.readline().strip() == "ready"
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # about a second of GPU time before the staging runs
+    buckets.buffers[0].mul_(3)
+    ref = plane.put_buckets("weights-v1", buckets, owner="trainer")
+    assert not torch.cuda.current_stream().query()  # the staging is still queued
+    reader.stdin.write(ref.key + "\n")
+    reader.stdin.flush()
+    expected = bucketed()
+    expected.buffers[0].mul_(3)
+    assert reader.stdout.readline().strip() == str(sorted(fingerprint_buckets(expected).items()))
+    reader.stdin.close()
+    assert reader.wait(60) == 0
+    plane.free(ref)
+    plane.close()
+
+
 def test_a_cuda_ipc_reader_maps_a_buffer_once_and_reads_a_record_seen_before_without_decoding(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
@@ -307,4 +357,37 @@ def test_a_cuda_ipc_reader_maps_a_buffer_once_and_reads_a_record_seen_before_wit
     later = plane.get_buckets(record("weights-v3", counter=8))  # shared anew: released at once
     assert later is not None and later.buffers[0] is first.buffers[0]
     assert mapped == [b"handle"] and released == [8]
+    plane.close()
+
+
+def test_a_cuda_ipc_reader_waits_for_the_producers_ready_event_at_every_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """The reader's side of the ready event, on the CPU: the event a record names is opened
+    once and waited for at each read of it, a record seen before included; a record without
+    one (written after its buffers were) is waited for by nothing."""
+    import msgspec
+
+    from miles_events.rl.buckets import plan_layouts
+    from miles_events.transport import cuda_ipc
+    from schemas.data import CudaIpcBuffer, CudaIpcRecord, DataRef
+
+    opened, waited = [], []
+    monkeypatch.setattr(cuda_ipc, "open_shared", lambda shared: torch.zeros(shared.layout.numel))
+    monkeypatch.setattr(cuda_ipc.CudaIpcTransport, "_open_event", lambda self, handle, device: opened.append(handle) or handle)
+    monkeypatch.setattr(cuda_ipc.CudaIpcTransport, "_wait_ready", staticmethod(lambda event, device: waited.append(event)))
+    (layout,) = plan_layouts({"w": torch.zeros(3, 4)})
+    plane = cuda_ipc.CudaIpcTransport("run-ipc-ready-cpu", tmp_path)
+
+    def record(key: str, ready_event: bytes | None) -> DataRef:
+        shared = CudaIpcBuffer(layout, 0, b"handle", 1 << 20, 0, 0, b"counter", 0, None, False)
+        data = msgspec.msgpack.encode(CudaIpcRecord((shared,), ready_event=ready_event))
+        plane._publish(key + cuda_ipc.RECORD_SUFFIX, lambda p: p.write_bytes(data))
+        return DataRef("cuda_ipc", key, "trainer")
+
+    plane.get_buckets(record("weights-v1", b"event"))
+    plane.get_buckets(record("weights-v2", b"event"))  # the same record: not decoded again
+    assert opened == [b"event"] and waited == [b"event", b"event"]
+    plane.get_buckets(record("weights-v3", None))
+    assert waited == [b"event", b"event"]
     plane.close()

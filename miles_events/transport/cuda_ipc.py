@@ -17,7 +17,11 @@ one, once its readers are done (``miles_events.rl.staging``), so the producer sh
 buffer once, while it lives, and a reader keeps the buffers it opened last
 (``OPEN_BUFFERS``) and the buckets of the records it read last (``OPEN_RECORDS``): the next
 publication's record is the same bytes, and the reader copies from the mapping it has.
-Torch counts a reader per share; a buffer shared anew that a reader has mapped already is
+Neither side waits on the host for the other's copies: ``put_buckets`` records an
+interprocess CUDA event behind the staging on the producer's stream and names it in the
+record, and ``get_buckets`` makes the reader's current stream wait for it, so the reader's
+copy is queued at once and runs on the GPU right behind the staging (a host sync there cost
+about a third of a 716 MB publication's wall-clock time). Torch counts a reader per share; a buffer shared anew that a reader has mapped already is
 released by it at once, as torch's own rebuild of a cached handle does. Everything that is
 not a set of GPU buckets (rollout batches, train state for the Saver, CPU weights) goes
 through shared memory files exactly as ``ShmTransport``.
@@ -120,8 +124,15 @@ class CudaIpcTransport(ShmTransport):
         super().__init__(run_id, root)
         self._held: dict[str, Buckets] = {}
         """The buckets this process staged, by key, alive until freed."""
-        self._records: OrderedDict[bytes, Buckets] = OrderedDict()
-        """The buckets of the last records read, by the record's bytes."""
+        self._records: OrderedDict[bytes, tuple[Buckets, torch.cuda.Event | None]] = OrderedDict()
+        """The buckets (and the producer's ready event) of the last records read, by the
+        record's bytes."""
+        self._ready: dict[int | None, torch.cuda.Event] = {}
+        """This process's ready event, by device index (``_ready_event``)."""
+        self._ready_handles: dict[int | None, bytes] = {}
+        """Their IPC handles, by device index."""
+        self._opened_events: OrderedDict[bytes, torch.cuda.Event] = OrderedDict()
+        """Other processes' ready events this one opened, by handle."""
         self._shared: dict[int, tuple[weakref.ref[torch.Tensor], CudaIpcBuffer]] = {}
         """How each buffer this process shared was shared, by ``id`` while it lives."""
         self._opened: OrderedDict[tuple[bytes, int, int], tuple[torch.Tensor, tuple[bytes, int]]] = OrderedDict()
@@ -133,10 +144,12 @@ class CudaIpcTransport(ShmTransport):
             return super().put_buckets(key, buckets, owner)
         import torch
 
-        # Readers copy from these buffers as soon as they hear of them: the packing must be done.
-        torch.cuda.current_stream(buckets.device).synchronize()
+        # Readers copy from these buffers as soon as they hear of them, after the packing:
+        # their streams wait for this event, recorded behind it on ours (no host sync).
+        self._ready_event(buckets.device).record(torch.cuda.current_stream(buckets.device))
         record = CudaIpcRecord(
-            tuple(self._share(b, layout) for layout, b in zip(buckets.layouts, buckets.buffers, strict=True))
+            tuple(self._share(b, layout) for layout, b in zip(buckets.layouts, buckets.buffers, strict=True)),
+            ready_event=self._ready_handles[buckets.device.index],
         )
         self._held[key] = buckets
         data = msgspec.msgpack.encode(record)
@@ -148,6 +161,7 @@ class CudaIpcTransport(ShmTransport):
 
         held = self._held.get(ref.key)
         if held is not None:  # the producer's own process cannot open its own handles
+            self._wait_ready(self._ready_event(held.device), held.device)
             return held
         path = self._path(ref.key + RECORD_SUFFIX)
         try:
@@ -157,12 +171,49 @@ class CudaIpcTransport(ShmTransport):
         # A publication staged into buffers shared before has the same record as theirs:
         # the buckets read then (decoding the layouts of a few hundred tensors costs more
         # than the rest of the read).
-        buckets = self._records.get(data)
-        if buckets is None:
+        known = self._records.get(data)
+        if known is None:
             record = _DECODER.decode(data)
             buckets = Buckets(tuple(b.layout for b in record.buffers), tuple(self._open(b) for b in record.buffers))
-        _keep_recent(self._records, data, buckets, OPEN_RECORDS)
+            ready = None if record.ready_event is None else self._open_event(record.ready_event, buckets.device)
+            known = (buckets, ready)
+        _keep_recent(self._records, data, known, OPEN_RECORDS)
+        buckets, ready = known
+        if ready is not None:
+            self._wait_ready(ready, buckets.device)
         return buckets
+
+    def _ready_event(self, device: torch.device) -> torch.cuda.Event:
+        """This process's interprocess event on ``device``, recorded behind each staging
+        (one for all publications: a reader of an older one waits for the later staging too,
+        which is only stricter)."""
+        import torch
+
+        event = self._ready.get(device.index)
+        if event is None:
+            with torch.cuda.device(device):
+                event = torch.cuda.Event(interprocess=True)
+                event.record(torch.cuda.current_stream(device))  # created by its first record
+                self._ready_handles[device.index] = bytes(event.ipc_handle())
+            self._ready[device.index] = event
+        return event
+
+    def _open_event(self, handle: bytes, device: torch.device) -> torch.cuda.Event:
+        """The producer's event ``handle`` names, opened once."""
+        import torch
+
+        event = self._opened_events.get(handle)
+        if event is None:
+            event = torch.cuda.Event.from_ipc_handle(device, handle)
+            _keep_recent(self._opened_events, handle, event, OPEN_RECORDS)
+        return event
+
+    @staticmethod
+    def _wait_ready(event: torch.cuda.Event, device: torch.device) -> None:
+        """Make this thread's stream on ``device`` wait, on the GPU, for ``event``."""
+        import torch
+
+        torch.cuda.current_stream(device).wait_event(event)
 
     def _share(self, buffer: torch.Tensor, layout: BucketLayout) -> CudaIpcBuffer:
         """``share``, once per buffer while it lives: a buffer staged again (the staging pool
@@ -206,6 +257,7 @@ class CudaIpcTransport(ShmTransport):
     def close(self) -> None:
         self._held.clear()
         self._shared.clear()
+        self._opened_events.clear()
         self._records.clear()
         self._opened.clear()
         super().close()
