@@ -26,7 +26,7 @@ class TensorSlot(msgspec.Struct, frozen=True, array_like=True):
     numel: int
 
 
-class BucketLayout(msgspec.Struct, frozen=True):
+class BucketLayout(msgspec.Struct, frozen=True, cache_hash=True):
     """One flat buffer of one dtype (``"bfloat16"``, torch's name without ``torch.``)
     holding ``slots`` in order, each starting at a 256-byte boundary; the bytes between
     slots are zero."""

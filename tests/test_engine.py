@@ -477,6 +477,29 @@ def test_weights_staged_in_buckets_of_the_served_layout_load_bucket_by_bucket(
     plane.close()
 
 
+def test_buckets_staged_again_load_their_new_values_and_a_later_layout_is_checked_again(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A transport hands the same buckets (and layouts) over at each publication staged into
+    them: the engine works out once that they are its own, and still copies every load; other
+    layouts are compared again and loaded tensor by tensor."""
+    plane = open_transport("inprocess", "run-restaged", tmp_path)
+    engine = TorchEngine.from_pretrained(model_dir, transport=plane)
+    staged = Buckets.of({**perturbed_state(engine, seed=3), CANARY_TENSOR: publication_canary("run-restaged", "1")})
+    engine.load_weights(plane.put_buckets("weights-v1", staged, owner="trainer"), "1")
+    state = perturbed_state(engine, seed=4)
+    canary = publication_canary("run-restaged", "2")
+    staged.pack({**state, CANARY_TENSOR: canary})  # staged again into the same buckets
+    engine.load_weights(plane.put_buckets("weights-v2", staged, owner="trainer"), "2")
+    assert served_checksums(engine) == fingerprints(state) and engine.served_canary() == canary_fingerprint(canary)
+    by_tensor = []
+    monkeypatch.setattr(engine, "load_tensors", lambda tensors, version: by_tensor.append(version))
+    reordered = Buckets.of(dict(reversed(list(state.items()))))
+    engine.load_weights(plane.put_buckets("weights-v3", reordered, owner="trainer"), "3")
+    assert by_tensor == ["3"]
+    plane.close()
+
+
 def test_weights_staged_in_buckets_of_another_layout_load_tensor_by_tensor(model_dir: Path, tmp_path: Path) -> None:
     plane = open_transport("inprocess", "run-reordered", tmp_path)
     engine = TorchEngine.from_pretrained(model_dir, transport=plane)

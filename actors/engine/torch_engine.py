@@ -62,7 +62,7 @@ from miles_events.rl.weights import split_tied
 from miles_events.transport.base import Transport
 from schemas.checksums import EngineChecksumReport, WeightsCheckResult
 from schemas.config import Config
-from schemas.data import DataRef
+from schemas.data import BucketLayout, DataRef
 
 DECODE_MODES = ("auto", "eager", "static", "cuda_graph")
 """``eager``: a growing KV cache and a host look at every token (any model, any device);
@@ -98,6 +98,8 @@ class TorchEngine(Engine):
         self._canary_loaded = False
         served, self._aliases = split_tied(model.state_dict())
         self._buckets = bucket_parameters(model, served)
+        self._last_plan: tuple[tuple[BucketLayout, ...], tuple[list[int], list[int]] | None] | None = None
+        """The staged layouts ``_bucket_plan`` saw last, and its answer."""
         """The served tensors, each now a view of its dtype's flat bucket."""
         self._served = self._buckets.tensors()
         self._snapshot: dict[str, torch.Tensor] | None = None
@@ -374,10 +376,10 @@ class TorchEngine(Engine):
         """Load ``staged`` bucket by bucket when its model buckets are laid out exactly as
         the served ones (same names, shapes, dtypes and offsets: nothing to check tensor by
         tensor) and the canary has a bucket of its own; False, loading nothing, otherwise."""
-        canary = [i for i, layout in enumerate(staged.layouts) if [s.name for s in layout.slots] == [CANARY_TENSOR]]
-        model = [i for i in range(len(staged.layouts)) if i not in canary]
-        if len(canary) > 1 or tuple(staged.layouts[i] for i in model) != self._buckets.layouts:
+        plan = self._bucket_plan(staged.layouts)
+        if plan is None:
             return False
+        model, canary = plan
         with torch.no_grad():
             self._buckets.copy_from(Buckets(self._buckets.layouts, tuple(staged.buffers[i] for i in model)))
             if canary:
@@ -390,6 +392,19 @@ class TorchEngine(Engine):
         self._canary_loaded = self._canary_loaded or bool(canary)
         self._weight_version = str(weight_version)
         return True
+
+    def _bucket_plan(self, layouts: tuple[BucketLayout, ...]) -> tuple[list[int], list[int]] | None:
+        """(the model's buckets, the canary's) among ``layouts`` where they can be loaded
+        bucket by bucket, else None; worked out once for the layouts a transport hands over
+        again at each publication (comparing a few hundred slots costs about as much as the
+        host's part of the rest of a load)."""
+        if self._last_plan is not None and self._last_plan[0] is layouts:
+            return self._last_plan[1]
+        canary = [i for i, layout in enumerate(layouts) if [s.name for s in layout.slots] == [CANARY_TENSOR]]
+        model = [i for i in range(len(layouts)) if i not in canary]
+        plan = None if len(canary) > 1 or tuple(layouts[i] for i in model) != self._buckets.layouts else (model, canary)
+        self._last_plan = (layouts, plan)
+        return plan
 
     holds_canary = True
 

@@ -133,6 +133,8 @@ class CudaIpcTransport(ShmTransport):
         """Their IPC handles, by device index."""
         self._opened_events: OrderedDict[bytes, torch.cuda.Event] = OrderedDict()
         """Other processes' ready events this one opened, by handle."""
+        self._encoded: OrderedDict[tuple[CudaIpcBuffer, ...], bytes] = OrderedDict()
+        """The last records this process wrote, by what they share."""
         self._shared: dict[int, tuple[weakref.ref[torch.Tensor], CudaIpcBuffer]] = {}
         """How each buffer this process shared was shared, by ``id`` while it lives."""
         self._opened: OrderedDict[tuple[bytes, int, int], tuple[torch.Tensor, tuple[bytes, int]]] = OrderedDict()
@@ -147,12 +149,12 @@ class CudaIpcTransport(ShmTransport):
         # Readers copy from these buffers as soon as they hear of them, after the packing:
         # their streams wait for this event, recorded behind it on ours (no host sync).
         self._ready_event(buckets.device).record(torch.cuda.current_stream(buckets.device))
-        record = CudaIpcRecord(
-            tuple(self._share(b, layout) for layout, b in zip(buckets.layouts, buckets.buffers, strict=True)),
-            ready_event=self._ready_handles[buckets.device.index],
-        )
+        shared = tuple(self._share(b, layout) for layout, b in zip(buckets.layouts, buckets.buffers, strict=True))
+        data = self._encoded.get(shared)
+        if data is None:  # buffers staged into again are named by the record written for them before
+            data = msgspec.msgpack.encode(CudaIpcRecord(shared, ready_event=self._ready_handles[buckets.device.index]))
+            _keep_recent(self._encoded, shared, data, OPEN_RECORDS)
         self._held[key] = buckets
-        data = msgspec.msgpack.encode(record)
         self._publish(key + RECORD_SUFFIX, lambda p: p.write_bytes(data))
         return DataRef(self.name, key, owner, buckets.num_bytes)
 
@@ -258,6 +260,7 @@ class CudaIpcTransport(ShmTransport):
         self._held.clear()
         self._shared.clear()
         self._opened_events.clear()
+        self._encoded.clear()
         self._records.clear()
         self._opened.clear()
         super().close()
