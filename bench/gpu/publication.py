@@ -26,7 +26,8 @@ the same GPU. Times (CUDA-synchronised, medians of ``--reps``):
   engine said it was done with (``StagingPool``: the engine finds them mapped already);
   and so, with the producer waiting on the host for its staging before it shares (what a
   producer without the ready event must do). Each side's copy is also timed on the GPU
-  (CUDA events around it): what the wall-clock parts spend beyond it is the host's.
+  (CUDA events around it): what the wall-clock parts spend beyond it is the host's; the
+  pipe's round trip with no work at all is timed beside.
 
 Prints a table with each rate against the copy's (bytes read + written) and a ``RESULT``
 line. Goals: in process < 5 ms, across processes < 20 ms, >= 70% of the copy rate.
@@ -75,6 +76,22 @@ def timed(fn: Callable[[], object], reps: int) -> float:
     return statistics.median(times)
 
 
+PING = "ping"
+"""Asks the engine process to answer at once: the pipe's round trip, the host's floor."""
+
+
+def round_trip(pipe: Connection, reps: int) -> float:
+    """Median seconds of a ``PING`` to the engine process and its answer, after two warm-ups."""
+    times = []
+    for rep in range(reps + 2):
+        start = time.perf_counter()
+        pipe.send(PING)
+        assert pipe.recv() == PING
+        if rep >= 2:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def engine_process(model_dir: str, run_id: str, pipe: Connection) -> None:
     """An engine on the same GPU in a process of its own: loads each publication named on
     ``pipe`` from the cuda_ipc transport into its buckets (as ``TorchEngine`` does: one copy
@@ -88,6 +105,9 @@ def engine_process(model_dir: str, run_id: str, pipe: Connection) -> None:
     began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     matched = None  # the staged layouts found to be the engine's (TorchEngine compares them once too)
     while (key := pipe.recv()) is not None:
+        if key == PING:
+            pipe.send(PING)
+            continue
         start = time.perf_counter()
         staged = plane.get_buckets(DataRef("cuda_ipc", key, "trainer"))
         assert staged is not None
@@ -223,6 +243,7 @@ def main() -> None:
     fresh = across_processes(plane, ours, stage_into, trainer_buckets.layouts, args.reps, reuse=False)
     reused = across_processes(plane, ours, stage_into, trainer_buckets.layouts, args.reps, reuse=True)
     synced = across_processes(plane, ours, stage_into, trainer_buckets.layouts, args.reps, reuse=True, host_sync=True)
+    ping_s = round_trip(ours, args.reps)
     ours.send(None)
     child.join(60)
     plane.close()
@@ -260,6 +281,7 @@ def main() -> None:
     for name, seconds, gbps in rows:
         shown = f"{gbps:.0f} | {gbps / copy_rate:.2f}" if gbps is not None else "- | -"
         print(f"| {name} | {seconds * 1e3:.3f} | {shown} |")
+    print(f"| the pipe's round trip to the engine process, no work (the host's floor) | {ping_s * 1e3:.3f} | - | - |")
     print("\nbucket fingerprint by tiles per job: " + ", ".join(
         f"{p}: {s * 1e3:.3f} ms ({rate(s, num_bytes):.0f} GB/s)" for p, s in sweep.items()
     ))
@@ -269,7 +291,7 @@ def main() -> None:
         f"cross_process_ms={reused['whole'] * 1e3:.3f} cross_vs_copy={rate(reused['whole'], 4 * num_bytes) / copy_rate:.2f} "
         f"cross_engine_vs_copy={rate(reused['engine']) / copy_rate:.2f} cross_fresh_ms={fresh['whole'] * 1e3:.3f} "
         f"cross_fresh_vs_copy={rate(fresh['whole'], 4 * num_bytes) / copy_rate:.2f} "
-        f"cross_host_sync_ms={synced['whole'] * 1e3:.3f} "
+        f"cross_host_sync_ms={synced['whole'] * 1e3:.3f} round_trip_ms={ping_s * 1e3:.3f} "
         f"cross_host_sync_vs_copy={rate(synced['whole'], 4 * num_bytes) / copy_rate:.2f} "
         f"staging_allocated={reused['allocated']:.0f} "
         f"fingerprint_ms={fingerprint_s * 1e3:.3f} fingerprint_gbps={rate(fingerprint_s, num_bytes):.0f} "
