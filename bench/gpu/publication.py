@@ -80,13 +80,24 @@ PING = "ping"
 """Asks the engine process to answer at once: the pipe's round trip, the host's floor."""
 
 
-def round_trip(pipe: Connection, reps: int) -> float:
-    """Median seconds of a ``PING`` to the engine process and its answer, after two warm-ups."""
+GPU_PING = "gpu-ping"
+"""Asks the engine process to answer once a one-element kernel of its own has run, right
+after one of the producer's: the round trip with each process's GPU work waited for."""
+
+
+def round_trip(pipe: Connection, reps: int, gpu: bool = False) -> float:
+    """Median seconds of a ``PING`` (a ``GPU_PING`` after a kernel of this process, waited
+    for, when ``gpu``) to the engine process and its answer, after two warm-ups."""
     times = []
+    tiny = torch.zeros(1, device="cuda")
     for rep in range(reps + 2):
         start = time.perf_counter()
-        pipe.send(PING)
-        assert pipe.recv() == PING
+        if gpu:
+            tiny.add_(1)
+        pipe.send(GPU_PING if gpu else PING)
+        assert pipe.recv() == (GPU_PING if gpu else PING)
+        if gpu:
+            torch.cuda.synchronize()
         if rep >= 2:
             times.append(time.perf_counter() - start)
     return statistics.median(times)
@@ -101,12 +112,16 @@ def engine_process(model_dir: str, run_id: str, pipe: Connection) -> None:
     own = bucket_parameters(model, served)
     plane = CudaIpcTransport(run_id)
     freeze_start_up()  # as every process of a run does once its actors have started
+    tiny = torch.zeros(1, device="cuda")
     pipe.send("ready")
     began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     matched = None  # the staged layouts found to be the engine's (TorchEngine compares them once too)
     while (key := pipe.recv()) is not None:
-        if key == PING:
-            pipe.send(PING)
+        if key in (PING, GPU_PING):
+            if key == GPU_PING:
+                tiny.add_(1)
+                torch.cuda.synchronize()
+            pipe.send(key)
             continue
         start = time.perf_counter()
         staged = plane.get_buckets(DataRef("cuda_ipc", key, "trainer"))
@@ -117,9 +132,10 @@ def engine_process(model_dir: str, run_id: str, pipe: Connection) -> None:
         began.record()
         own.copy_from(Buckets(own.layouts, staged.buffers))
         ended.record()
+        queued = time.perf_counter()
         torch.cuda.synchronize()
         del staged
-        pipe.send((time.perf_counter() - start, began.elapsed_time(ended) / 1e3))
+        pipe.send((time.perf_counter() - start, queued - start, began.elapsed_time(ended) / 1e3))
     plane.close()
 
 
@@ -135,7 +151,7 @@ def across_processes(
     """Medians, in seconds, of a publication across processes (``whole``: stage, share, the
     engine's open and load, its answer) and of its parts (``stage``: the copy queued, or
     waited for when ``host_sync``; ``share``: ``put_buckets``; ``engine``: the engine's open
-    and load, as it times them; ``stage_gpu``, ``engine_gpu``: each side's copy as the GPU
+    and load, as it times them, and ``engine_host`` its part until the copy is queued; ``stage_gpu``, ``engine_gpu``: each side's copy as the GPU
     times it), and the staging buffers allocated (``allocated``): into the buffers of a
     publication the engine said it was done with (``StagingPool``, as the trainer does) when
     ``reuse``, else into new ones each time. Without ``host_sync`` the producer shares the
@@ -143,7 +159,7 @@ def across_processes(
     (the transport's ready event)."""
     pool = StagingPool()
     times: dict[str, list[float]] = {
-        "whole": [], "stage": [], "share": [], "engine": [], "stage_gpu": [], "engine_gpu": [],
+        "whole": [], "stage": [], "share": [], "engine": [], "engine_host": [], "stage_gpu": [], "engine_gpu": [],
     }  # fmt: skip
     began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for rep in range(reps + 2):
@@ -162,13 +178,13 @@ def across_processes(
         pipe.send(ref.key)
         if not pipe.poll(120):
             raise TimeoutError("the engine process did not answer within 120 s")
-        engine_s, engine_gpu_s = pipe.recv()
+        engine_s, engine_host_s, engine_gpu_s = pipe.recv()
         whole = time.perf_counter() - start
         ended.synchronize()  # done already (the engine's copy waited for it): for its time
         if rep >= 2:
             for name, seconds in (
                 ("whole", whole), ("stage", staged - start), ("share", shared - staged),
-                ("engine", engine_s), ("stage_gpu", began.elapsed_time(ended) / 1e3), ("engine_gpu", engine_gpu_s),
+                ("engine", engine_s), ("engine_host", engine_host_s), ("stage_gpu", began.elapsed_time(ended) / 1e3), ("engine_gpu", engine_gpu_s),
             ):
                 times[name].append(seconds)
         pool.give_back(key)  # the engine's load is done: the Publisher's DataReleased
@@ -244,6 +260,7 @@ def main() -> None:
     reused = across_processes(plane, ours, stage_into, trainer_buckets.layouts, args.reps, reuse=True)
     synced = across_processes(plane, ours, stage_into, trainer_buckets.layouts, args.reps, reuse=True, host_sync=True)
     ping_s = round_trip(ours, args.reps)
+    gpu_ping_s = round_trip(ours, args.reps, gpu=True)
     ours.send(None)
     child.join(60)
     plane.close()
@@ -273,6 +290,7 @@ def main() -> None:
                 (f"cuda_ipc, {label}: the staging's copy on the GPU", cross["stage_gpu"], rate(cross["stage_gpu"])),
                 (f"cuda_ipc, {label}: of which the sharing (put_buckets)", cross["share"], None),
                 (f"cuda_ipc, {label}: of which the engine's part (open + load)", cross["engine"], rate(cross["engine"])),
+                (f"cuda_ipc, {label}: of which the engine's host work until its copy is queued", cross["engine_host"], None),
                 (f"cuda_ipc, {label}: the engine's copy on the GPU", cross["engine_gpu"], rate(cross["engine_gpu"])),
             )
         ),
@@ -282,6 +300,7 @@ def main() -> None:
         shown = f"{gbps:.0f} | {gbps / copy_rate:.2f}" if gbps is not None else "- | -"
         print(f"| {name} | {seconds * 1e3:.3f} | {shown} |")
     print(f"| the pipe's round trip to the engine process, no work (the host's floor) | {ping_s * 1e3:.3f} | - | - |")
+    print(f"| the same with a one-element kernel on each side, waited for | {gpu_ping_s * 1e3:.3f} | - | - |")
     print("\nbucket fingerprint by tiles per job: " + ", ".join(
         f"{p}: {s * 1e3:.3f} ms ({rate(s, num_bytes):.0f} GB/s)" for p, s in sweep.items()
     ))
@@ -291,7 +310,7 @@ def main() -> None:
         f"cross_process_ms={reused['whole'] * 1e3:.3f} cross_vs_copy={rate(reused['whole'], 4 * num_bytes) / copy_rate:.2f} "
         f"cross_engine_vs_copy={rate(reused['engine']) / copy_rate:.2f} cross_fresh_ms={fresh['whole'] * 1e3:.3f} "
         f"cross_fresh_vs_copy={rate(fresh['whole'], 4 * num_bytes) / copy_rate:.2f} "
-        f"cross_host_sync_ms={synced['whole'] * 1e3:.3f} round_trip_ms={ping_s * 1e3:.3f} "
+        f"cross_host_sync_ms={synced['whole'] * 1e3:.3f} round_trip_ms={ping_s * 1e3:.3f} gpu_round_trip_ms={gpu_ping_s * 1e3:.3f} "
         f"cross_host_sync_vs_copy={rate(synced['whole'], 4 * num_bytes) / copy_rate:.2f} "
         f"staging_allocated={reused['allocated']:.0f} "
         f"fingerprint_ms={fingerprint_s * 1e3:.3f} fingerprint_gbps={rate(fingerprint_s, num_bytes):.0f} "
