@@ -2,12 +2,12 @@
 
     python bench/gpu/all.py
 
-Runs ``publication.py``, ``fingerprint.py --quick``, ``engine.py`` and ``save_overlap.py``
+Runs ``publication.py``, ``fingerprint.py --quick``, ``engine.py``, ``pinning.py`` and ``save_overlap.py``
 one after the other (each in its own process, so none inherits another's allocations),
 streams their tables,
 and ends with their ``RESULT`` lines together. Each bench reports its ratios against a
 baseline it measures in the same run: a copy of the same bytes, HF ``generate``, the loop
-without a save beside it.
+without a save (or a pinning) beside it.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ BENCHES = (
     ["publication.py"],
     ["fingerprint.py", "--quick"],
     ["engine.py"],
+    ["pinning.py"],
     ["save_overlap.py", "--iterations", "150", "--ways", "pin_new,pin_reused,host_copy,torch_save,checkpoint,checkpoint_process"],
 )
 

@@ -21,11 +21,6 @@ way is timed against the loop alone in the same run; the ratio is the loop's slo
   both (what a save's copy holds back: the copy engine's queue, or the waiting),
 - ``pin_paced_8mb``, ``_32mb``, ``_128mb``: queued that much at a time, each chunk waited
   for before the next is queued (the copy stream drained between chunks),
-- ``pin_alloc``: pinning alone, host memory for each tensor of the state pinned afresh by
-  ``cudaHostAlloc`` (``pin_memory=True``, the caching host allocator emptied first): what a
-  first save's pinning was,
-- ``pin_block``: pinning alone, a new ``PinnedPool`` arena (one block, its pages allocated
-  in a file under /dev/shm, then registered with CUDA): what a first save's pinning is,
 - ``host_copy``: the trainer's own ``copy_to_host`` into memory of a ``PinnedPool`` pinned
   before (queued ``CHUNK_BYTES`` at a time, each waited for before the next),
 - ``pageable``: into ordinary host memory on a copy stream,
@@ -186,15 +181,6 @@ def main() -> None:
         torch._C._host_emptyCache()
         copy_to([torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors], tensors, stream)
 
-    def pin_alloc() -> None:
-        torch._C._host_emptyCache()
-        pinned = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
-        del pinned
-
-    def pin_block() -> None:
-        arena = PinnedPool().take(tensors)
-        del arena  # unregistered as it goes
-
     def torch_save() -> None:
         torch.save(host, shm / "state.pt")
 
@@ -241,8 +227,6 @@ def main() -> None:
 
     ways: dict[str, Callable[[], None]] = {
         "pin_new": pin_new,
-        "pin_alloc": pin_alloc,
-        "pin_block": pin_block,
         "pin_reused": lambda: copy_to(reused, tensors, stream),
         "pin_polled": lambda: copy_to(reused, tensors, stream, poll=True),
         "pin_chunked": lambda: copy_to(reused, tensors, stream, chunk_bytes=32 << 20),

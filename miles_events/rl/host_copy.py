@@ -11,12 +11,13 @@ The pinned memory is pinned once and reused (``PinnedPool``): pinning stalls eve
 call of the process for as long as it takes (a loop of small kernels beside the pinning of
 2.25 GB ran 770x slower, ~1.8 s a save; into memory pinned before, the copy cost it ~40 ms,
 the copy's own time: ``bench/gpu/save_overlap.py``). Copies into pageable memory stall the
-loop as long, at a fraction of the rate. Most of pinning is the kernel allocating and
-zeroing the pages, page by page as the driver faults them in: an arena's memory is one
-block (``HostBlock``) whose pages the kernel allocates first, in a file under /dev/shm
-outside this process's address space, then mapped and registered with CUDA; the CUDA calls
-beside wait for the registration alone (3.6 GB on an H200: 0.42 s registered against 2.3 s
-by ``cudaHostAlloc``).
+loop as long, at a fraction of the rate. Most of pinning is allocating and zeroing the
+pages, faulted in one by one: an arena's memory is one block (``HostBlock``) whose pages
+the kernel allocates first, in a file under /dev/shm outside this process's address space,
+then mapped and registered with CUDA. On an H200, registering 3.6 GB whose pages existed
+took 0.42 s, against 2.3 s for ``cudaHostAlloc`` of the same bytes and 1.5 s for
+registering untouched memory, each stalling a loop of small kernels beside it throughout;
+``bench/gpu/pinning.py`` measures what the loop loses to the whole block.
 
 While a save's copy to the host runs, any other transfer to the host on the same GPU (a
 loss read with ``.item()``, a fingerprint's result) waits until the copy's stream has
