@@ -199,31 +199,32 @@ def test_a_pinned_pool_pins_an_arena_once_and_every_later_save_of_the_same_state
     assert pool.take([torch.ones(3, 5)]) is not arena, "an arena serves a state of its own shapes only"
 
 
-@pytest.mark.parametrize("shm", ["dev-shm", "missing"])
+@pytest.mark.parametrize("memory", ["memory file", "out of memory for it", "no memory files"])
 def test_an_arena_is_one_zeroed_block_its_tensors_aligned_in_it_and_alive_without_it(
-    shm: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    memory: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Its pages allocated in a file under /dev/shm (unlinked at once), or anonymous memory
-    where there is none; each tensor at an aligned offset of the one mapping, zeroed."""
+    """Its pages allocated up front in a memory file, or anonymous memory where that fails;
+    each tensor at an aligned offset of the one mapping, zeroed."""
+    import errno
     import gc
+    import os
 
     from miles_events.rl import host_copy
 
-    if shm == "missing":
-        monkeypatch.setattr(host_copy, "SHM_DIR", tmp_path / "no-such-dir")
-    elif not host_copy.SHM_DIR.is_dir():
-        pytest.skip("no /dev/shm")
-    before = set(host_copy.SHM_DIR.glob(".host-block-*")) if shm == "dev-shm" else set()
+    def no_room(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    if memory == "out of memory for it":
+        monkeypatch.setattr(os, "posix_fallocate", no_room)
+    if memory == "no memory files":
+        monkeypatch.delattr(os, "memfd_create", raising=False)
     state = [torch.ones(3, 5), torch.zeros(7, dtype=torch.bfloat16), torch.ones(0), torch.ones(1000, dtype=torch.float64)]
     offsets, num_bytes = host_copy.block_offsets([(tuple(t.shape), t.dtype) for t in state])
     assert offsets == [0, 4096, 8192, 8192] and num_bytes == 8192 + 8192
     arena = PinnedPool(pin=False).take(state)
     assert arena.block is not None and arena.block.num_bytes == num_bytes
-    base = torch.frombuffer(arena.block.map, dtype=torch.uint8).data_ptr()
-    assert [t.data_ptr() - base for t in arena.tensors if t.numel()] == [0, 4096, 8192]
+    assert [t.data_ptr() - arena.block.address for t in arena.tensors if t.numel()] == [0, 4096, 8192]
     assert all(not t.any() for t in arena.tensors)
-    if shm == "dev-shm":
-        assert set(host_copy.SHM_DIR.glob(".host-block-*")) == before, "the file is unlinked once mapped"
     last = arena.carve(state[0]).fill_(2)
     del arena
     gc.collect()

@@ -286,8 +286,9 @@ from schemas.data import DataRef
 plane = CudaIpcTransport(sys.argv[1])
 torch.zeros(1, device="cuda")  # CUDA up before the producer stages
 print("ready", flush=True)
-buckets = plane.get_buckets(DataRef("cuda_ipc", sys.stdin.readline().strip(), "trainer"))
-print(sorted(fingerprint_buckets(buckets).items()), flush=True)
+for key in sys.stdin:
+    buckets = plane.get_buckets(DataRef("cuda_ipc", key.strip(), "trainer"))
+    print(sorted(fingerprint_buckets(buckets).items()), flush=True)
 """
 
 
@@ -296,7 +297,8 @@ print(sorted(fingerprint_buckets(buckets).items()), flush=True)
 def test_a_cuda_ipc_reader_waits_on_the_gpu_for_a_staging_the_producer_did_not_wait_for(tmp_path: Path):
     """``put_buckets`` returns with the staging still queued (no host sync); a reader in
     another process that reads at once sees the staged values: its stream waits for the
-    producer's event."""
+    producer's event. So again for a publication staged into the same buffers (the same
+    record, the event recorded again)."""
     import subprocess
     import sys
 
@@ -312,19 +314,23 @@ def test_a_cuda_ipc_reader_waits_on_the_gpu_for_a_staging_the_producer_did_not_w
     )  # fmt: skip
     assert reader.stdin is not None and reader.stdout is not None
     assert reader.stdout.readline().strip() == "ready"
-    torch.cuda.synchronize()
-    torch.cuda._sleep(2_000_000_000)  # about a second of GPU time before the staging runs
-    buckets.buffers[0].mul_(3)
-    ref = plane.put_buckets("weights-v1", buckets, owner="trainer")
-    assert not torch.cuda.current_stream().query()  # the staging is still queued
-    reader.stdin.write(ref.key + "\n")
-    reader.stdin.flush()
     expected = bucketed()
-    expected.buffers[0].mul_(3)
-    assert reader.stdout.readline().strip() == str(sorted(fingerprint_buckets(expected).items()))
+    records = []
+    for version, factor in ((1, 3), (2, 5)):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(2_000_000_000)  # about a second of GPU time before the staging runs
+        buckets.buffers[0].mul_(factor)
+        expected.buffers[0].mul_(factor)
+        ref = plane.put_buckets(f"weights-v{version}", buckets, owner="trainer")
+        assert not torch.cuda.current_stream().query()  # the staging is still queued
+        records.append(plane._path(ref.key + ".cuda-ipc").read_bytes())
+        reader.stdin.write(ref.key + "\n")
+        reader.stdin.flush()
+        assert reader.stdout.readline().strip() == str(sorted(fingerprint_buckets(expected).items())), version
+        plane.free(ref)
+    assert records[0] == records[1]
     reader.stdin.close()
     assert reader.wait(60) == 0
-    plane.free(ref)
     plane.close()
 
 

@@ -13,8 +13,8 @@ call of the process for as long as it takes (a loop of small kernels beside the 
 the copy's own time: ``bench/gpu/save_overlap.py``). Copies into pageable memory stall the
 loop as long, at a fraction of the rate. Most of pinning is allocating and zeroing the
 pages, faulted in one by one: an arena's memory is one block (``HostBlock``) whose pages
-the kernel allocates first, in a file under /dev/shm outside this process's address space,
-then mapped and registered with CUDA. On an H200, registering 3.6 GB whose pages existed
+the kernel allocates first, in a memory file outside this process's address space, then
+mapped and registered with CUDA. On an H200, registering 3.6 GB whose pages existed
 took 0.42 s, against 2.3 s for ``cudaHostAlloc`` of the same bytes and 1.5 s for
 registering untouched memory, each stalling a loop of small kernels beside it throughout;
 ``bench/gpu/pinning.py`` measures what the loop loses to the whole block.
@@ -33,11 +33,9 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-import tempfile
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from miles_events.rl.buckets import Buckets
@@ -52,8 +50,6 @@ the next is queued (~0.6 ms of copying at the 54 GB/s of an H200's host link).""
 
 logger = logging.getLogger(__name__)
 
-SHM_DIR = Path("/dev/shm")
-"""Where a ``HostBlock``'s pages are allocated, in a file unlinked at once."""
 ALIGN = 4096
 """Where each tensor of a block starts: a multiple of this many bytes."""
 
@@ -71,25 +67,31 @@ def capture_point(device: torch.device) -> torch.cuda.Event | None:
 
 
 def _mapped(num_bytes: int) -> mmap.mmap:
-    """``num_bytes`` of zeroed memory, mapped: a file under ``SHM_DIR`` given its pages by
-    ``posix_fallocate`` (the kernel allocates and zeroes them without touching this
-    process's address space), unlinked at once (the mapping keeps them), mapped with its
-    page tables filled; anonymous memory, faulted in as it is touched, where that fails (no
-    /dev/shm, or too small)."""
+    """``num_bytes`` of zeroed memory, mapped: an anonymous memory file (``memfd_create``,
+    not counted against /dev/shm's size) given its pages by ``posix_fallocate`` (the kernel
+    allocates and zeroes them without touching this process's address space), mapped with
+    its page tables filled and not inherited by a forked child (as the driver's own pinned
+    memory is not); anonymous memory, faulted in as it is touched, where that fails."""
     try:
-        fd, name = tempfile.mkstemp(dir=SHM_DIR, prefix=".host-block-")
-    except OSError as error:
-        logger.debug("host memory mapped anonymously: %s", error)
+        fd = os.memfd_create("host-block", os.MFD_CLOEXEC)
+    except (AttributeError, OSError) as error:  # not Linux
+        logger.info("a save's host memory is allocated as it is first written (%s)", error)
         return mmap.mmap(-1, num_bytes)
     try:
-        os.unlink(name)
         os.posix_fallocate(fd, 0, num_bytes)
-        return mmap.mmap(fd, num_bytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-    except OSError as error:
-        logger.debug("host memory mapped anonymously: %s", error)
+        mapped = mmap.mmap(fd, num_bytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+    except OSError as error:  # out of memory for it
+        logger.info("a save's host memory is allocated as it is first written (%s)", error)
         return mmap.mmap(-1, num_bytes)
     finally:
         os.close(fd)
+    if hasattr(mmap, "MADV_DONTFORK"):
+        mapped.madvise(mmap.MADV_DONTFORK)
+    return mapped
+
+
+HOST_REGISTER_PORTABLE = 1
+"""``cudaHostRegisterPortable``: the memory is pinned for every device's copies."""
 
 
 def _unregister(address: int) -> None:
@@ -101,21 +103,22 @@ def _unregister(address: int) -> None:
 class HostBlock:
     """Zeroed host memory for the tensors of an arena, one mapping (``_mapped``), registered
     with CUDA (pinned) when ``pin`` until this object is collected; each tensor a storage of
-    its own within it (``tensor``), which keeps the mapping alive."""
+    its own within it (``tensor``), which keeps the mapping alive. The mapping is never
+    closed by hand: it goes when the block and its last tensor do."""
 
     def __init__(self, num_bytes: int, pin: bool) -> None:
         import torch
 
         self.num_bytes = max(num_bytes, 1)
-        self.map = _mapped(self.num_bytes)
+        self._map = _mapped(self.num_bytes)
+        self.address = torch.frombuffer(self._map, dtype=torch.uint8).data_ptr()
         if pin:
-            address = torch.frombuffer(self.map, dtype=torch.uint8).data_ptr()
-            error = torch.cuda.cudart().cudaHostRegister(address, self.num_bytes, 0)
-            if int(error) != 0:
-                raise RuntimeError(f"pinning {self.num_bytes} bytes of host memory failed: CUDA error {int(error)}")
-            # Unpinned before the mapping can go: tensors of it that outlive this object
-            # stay valid, as ordinary memory.
-            weakref.finalize(self, _unregister, address).atexit = False  # the process's end frees it
+            error = int(torch.cuda.cudart().cudaHostRegister(self.address, self.num_bytes, HOST_REGISTER_PORTABLE))
+            if error != 0:
+                raise RuntimeError(f"pinning {self.num_bytes} bytes of host memory failed: CUDA error {error}")
+            # Unpinned before the mapping can go: tensors of it that outlive this object stay
+            # valid, as ordinary memory. The process's end frees it either way.
+            weakref.finalize(self, _unregister, self.address).atexit = False
 
     def tensor(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         import torch
@@ -125,7 +128,7 @@ class HostBlock:
             numel *= size
         if numel == 0:
             return torch.empty(shape, dtype=dtype)
-        return torch.frombuffer(self.map, dtype=dtype, count=numel, offset=offset).view(shape)
+        return torch.frombuffer(self._map, dtype=dtype, count=numel, offset=offset).view(shape)
 
 
 def block_offsets(signature: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> tuple[list[int], int]:
