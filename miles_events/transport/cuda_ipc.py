@@ -17,16 +17,20 @@ one, once its readers are done (``miles_events.rl.staging``), so the producer sh
 buffer once, while it lives, and a reader keeps the buffers it opened last
 (``OPEN_BUFFERS``) and the buckets of the records it read last (``OPEN_RECORDS``): the next
 publication's record is the same bytes, and the reader copies from the mapping it has.
-Neither side waits on the host for the other's copies: ``put_buckets`` records an
-interprocess CUDA event behind the staging on the producer's stream and names it in the
-record, and ``get_buckets`` makes the reader's current stream wait for it, so the reader's
-copy is queued at once and runs on the GPU right behind the staging (for a producer that
-shares its staging at once, as ``bench/gpu/publication.py`` does: 1.1 ms instead of 1.3-1.4
-for 716 MB; the trainer reads its staging's fingerprints and finiteness back first, so it
-has waited for it anyway). Torch counts a reader per share; a buffer shared anew that a reader has mapped already is
-released by it at once, as torch's own rebuild of a cached handle does. Everything that is
-not a set of GPU buckets (rollout batches, train state for the Saver, CPU weights) goes
-through shared memory files exactly as ``ShmTransport``.
+Torch counts a reader per share; a buffer shared anew that a reader has mapped already is
+released by it at once, as torch's own rebuild of a cached handle does.
+
+The producer need not wait on the host for its staging before it shares it:
+``put_buckets`` records an interprocess CUDA event behind the staging on the producer's
+stream and names it in the record, and ``get_buckets`` makes the reader's current stream
+wait for it, so the reader's copy is queued at once and runs on the GPU right behind the
+staging (``bench/gpu/publication.py``, whose producer shares at once: 1.1 ms instead of
+1.3-1.4 for 716 MB; the trainer reads its staging's fingerprints and finiteness back
+before it shares, so it has waited for the staging anyway). A reader still waits for its
+own copies before it says it is done with the buffers.
+
+Everything that is not a set of GPU buckets (rollout batches, train state for the Saver,
+CPU weights) goes through shared memory files exactly as ``ShmTransport``.
 """
 
 from __future__ import annotations
