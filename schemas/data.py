@@ -60,5 +60,5 @@ class CudaIpcRecord(msgspec.Struct, frozen=True):
     buffers: tuple[CudaIpcBuffer, ...]
     ready_event: bytes | None = None
     """The IPC handle of an interprocess CUDA event the producer records on its stream once
-    the buffers are written: a reader's stream waits for it before reading them, so neither
-    side waits on the host. None: the buffers were written before the record was."""
+    the buffers are written: a reader's stream waits for it before reading them, so the
+    producer need not wait on the host. None: the buffers were written before the record was."""

@@ -98,9 +98,9 @@ class TorchEngine(Engine):
         self._canary_loaded = False
         served, self._aliases = split_tied(model.state_dict())
         self._buckets = bucket_parameters(model, served)
+        """The served tensors, each now a view of its dtype's flat bucket."""
         self._last_plan: tuple[tuple[BucketLayout, ...], tuple[list[int], list[int]] | None] | None = None
         """The staged layouts ``_bucket_plan`` saw last, and its answer."""
-        """The served tensors, each now a view of its dtype's flat bucket."""
         self._served = self._buckets.tensors()
         self._snapshot: dict[str, torch.Tensor] | None = None
         self._eos_ids = _eos_token_ids(model, tokenizer)

@@ -31,6 +31,7 @@ waited for before the next is queued: between two chunks the other transfers go.
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 import os
 import threading
@@ -75,19 +76,22 @@ def _mapped(num_bytes: int) -> mmap.mmap:
     try:
         fd = os.memfd_create("host-block", os.MFD_CLOEXEC)
     except (AttributeError, OSError) as error:  # not Linux
-        logger.info("a save's host memory is allocated as it is first written (%s)", error)
-        return mmap.mmap(-1, num_bytes)
+        return _anonymous(num_bytes, error)
     try:
         os.posix_fallocate(fd, 0, num_bytes)
         mapped = mmap.mmap(fd, num_bytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
     except OSError as error:  # out of memory for it
-        logger.info("a save's host memory is allocated as it is first written (%s)", error)
-        return mmap.mmap(-1, num_bytes)
+        return _anonymous(num_bytes, error)
     finally:
         os.close(fd)
     if hasattr(mmap, "MADV_DONTFORK"):
         mapped.madvise(mmap.MADV_DONTFORK)
     return mapped
+
+
+def _anonymous(num_bytes: int, why: BaseException) -> mmap.mmap:
+    logger.info("a save's host memory is allocated as it is first written (%s)", why)
+    return mmap.mmap(-1, num_bytes)
 
 
 HOST_REGISTER_PORTABLE = 1
@@ -123,9 +127,7 @@ class HostBlock:
     def tensor(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         import torch
 
-        numel = 1
-        for size in shape:
-            numel *= size
+        numel = math.prod(shape)
         if numel == 0:
             return torch.empty(shape, dtype=dtype)
         return torch.frombuffer(self._map, dtype=dtype, count=numel, offset=offset).view(shape)
@@ -137,10 +139,7 @@ def block_offsets(signature: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> t
     offsets, end = [], 0
     for shape, dtype in signature:
         offsets.append(end)
-        numel = 1
-        for size in shape:
-            numel *= size
-        end += -(-numel * dtype.itemsize // ALIGN) * ALIGN
+        end += -(-math.prod(shape) * dtype.itemsize // ALIGN) * ALIGN
     return offsets, end
 
 

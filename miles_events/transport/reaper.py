@@ -7,8 +7,8 @@ and 0.61 s for 2.9 GB on a 2-core development machine (``bench/free.py``). A tra
 before the trainer took it up, right behind the release of the last save's 3.6 GB of
 staged state; with nothing released before it, the first waited 0.02 s). ``remove_later``
 renames the path out of the way at once (its key can be written again, and a reader finds
-it gone, as after a removal) and a daemon thread removes it. A process that exits first leaves the renamed
-path in its run's directory, which the run's end removes with the rest.
+it gone, as after a removal) and a daemon thread removes it. A process that exits first
+leaves the renamed path in its run's directory, which the run's end removes with the rest.
 """
 
 from __future__ import annotations
