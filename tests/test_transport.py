@@ -366,6 +366,51 @@ def test_a_cuda_ipc_reader_maps_a_buffer_once_and_reads_a_record_seen_before_wit
     plane.close()
 
 
+def test_a_cuda_ipc_producer_names_buffers_shared_before_by_a_link_to_their_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """The producer's side, on the CPU (torch's share of a CUDA buffer stood in for; the GPU
+    tests share for real): a publication of buffers shared before is a link to the record
+    written for them, the same bytes; a key put again is replaced; records of buffers no
+    longer among the last shared are removed, and nothing is left after ``close``."""
+    from types import SimpleNamespace
+
+    from miles_events.rl.buckets import plan_layouts
+    from miles_events.transport import cuda_ipc
+    from schemas.data import CudaIpcBuffer
+
+    monkeypatch.setattr(cuda_ipc.CudaIpcTransport, "_record_ready", lambda self, device: b"event")
+    monkeypatch.setattr(
+        cuda_ipc, "share", lambda buffer, layout: CudaIpcBuffer(layout, 0, bytes([buffer.numel()]), 1 << 20, 0, 0, b"c", 0, None, False)
+    )
+    (layout,) = plan_layouts({"w": torch.zeros(3, 4)})
+    plane = cuda_ipc.CudaIpcTransport("run-ipc-producer", tmp_path)
+
+    def staged(numel: int) -> SimpleNamespace:
+        return SimpleNamespace(device=torch.device("cuda", 0), layouts=(layout,), buffers=(torch.zeros(numel),), num_bytes=4 * numel)
+
+    def record(key: str) -> Path:
+        return plane._path(key + cuda_ipc.RECORD_SUFFIX)
+
+    first = staged(16)
+    plane.put_buckets("weights-v1", first, owner="trainer")
+    plane.put_buckets("weights-v2", first, owner="trainer")
+    assert record("weights-v1").read_bytes() == record("weights-v2").read_bytes()
+    assert record("weights-v1").stat().st_ino == record("weights-v2").stat().st_ino  # one file, linked
+    assert record("weights-v2").stat().st_mode & 0o077 == 0
+    plane.put_buckets("weights-v2", staged(32), owner="trainer")  # put again: the new buffers
+    assert record("weights-v2").read_bytes() != record("weights-v1").read_bytes()
+    hidden = lambda: sorted(p.name for p in plane.root.iterdir() if p.name.startswith("."))  # noqa: E731
+    assert len(hidden()) == 2
+    later = [staged(n) for n in (48, 64)]
+    for version, buckets in enumerate(later, start=3):
+        plane.put_buckets(f"weights-v{version}", buckets, owner="trainer")
+    assert len(hidden()) == cuda_ipc.OPEN_RECORDS  # the first two buffers' records dropped
+    assert record("weights-v1").exists()  # a publication's own record stays until it is freed
+    plane.close()
+    assert not plane.root.exists()
+
+
 def test_a_cuda_ipc_reader_waits_for_the_producers_ready_event_at_every_read(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):

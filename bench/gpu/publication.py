@@ -116,26 +116,29 @@ def engine_process(model_dir: str, run_id: str, pipe: Connection) -> None:
     pipe.send("ready")
     began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     matched = None  # the staged layouts found to be the engine's (TorchEngine compares them once too)
-    while (key := pipe.recv()) is not None:
-        if key in (PING, GPU_PING):
-            if key == GPU_PING:
+    while (asked := pipe.recv()) is not None:
+        if asked in (PING, GPU_PING):
+            if asked == GPU_PING:
                 tiny.add_(1)
                 torch.cuda.synchronize()
-            pipe.send(key)
+            pipe.send(asked)
             continue
+        key, gpu_timed = asked
         start = time.perf_counter()
         staged = plane.get_buckets(DataRef("cuda_ipc", key, "trainer"))
         assert staged is not None
         if staged.layouts is not matched:
             assert staged.layouts == own.layouts
             matched = staged.layouts
-        began.record()
+        if gpu_timed:
+            began.record()
         own.copy_from(Buckets(own.layouts, staged.buffers))
-        ended.record()
+        if gpu_timed:
+            ended.record()
         queued = time.perf_counter()
         torch.cuda.synchronize()
         del staged
-        pipe.send((time.perf_counter() - start, queued - start, began.elapsed_time(ended) / 1e3))
+        pipe.send((time.perf_counter() - start, queued - start, began.elapsed_time(ended) / 1e3 if gpu_timed else None))
     plane.close()
 
 
@@ -156,35 +159,45 @@ def across_processes(
     publication the engine said it was done with (``StagingPool``, as the trainer does) when
     ``reuse``, else into new ones each time. Without ``host_sync`` the producer shares the
     buckets with the staging still queued, and the engine's stream waits for it on the GPU
-    (the transport's ready event)."""
+    (the transport's ready event). Reps alternate: the GPU times come from reps with CUDA
+    events around each side's copy, the wall-clock times from reps without (each event
+    recorded is a call of the host's on the publication's path)."""
     pool = StagingPool()
     times: dict[str, list[float]] = {
         "whole": [], "stage": [], "share": [], "engine": [], "engine_host": [], "stage_gpu": [], "engine_gpu": [],
     }  # fmt: skip
     began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for rep in range(reps + 2):
+    for rep in range(2 * reps + 2):
+        gpu_timed = rep % 2 == 1
         key = f"weights-{'reused' if reuse else 'fresh'}-v{rep}"
         start = time.perf_counter()
         buckets = pool.take(layouts, "cuda") if reuse else Buckets.allocate(layouts, "cuda")
-        began.record()
+        if gpu_timed:
+            began.record()
         stage(buckets)
-        ended.record()
+        if gpu_timed:
+            ended.record()
         if host_sync:
             torch.cuda.synchronize()
         staged = time.perf_counter()
         pool.lend(key, buckets)
         ref = plane.put_buckets(key, buckets, owner="trainer")
         shared = time.perf_counter()
-        pipe.send(ref.key)
+        pipe.send((ref.key, gpu_timed))
         if not pipe.poll(120):
             raise TimeoutError("the engine process did not answer within 120 s")
         engine_s, engine_host_s, engine_gpu_s = pipe.recv()
         whole = time.perf_counter() - start
-        ended.synchronize()  # done already (the engine's copy waited for it): for its time
-        if rep >= 2:
+        if rep < 2:
+            pass
+        elif gpu_timed:
+            ended.synchronize()  # done already (the engine's copy waited for it): for its time
+            times["stage_gpu"].append(began.elapsed_time(ended) / 1e3)
+            times["engine_gpu"].append(engine_gpu_s)
+        else:
             for name, seconds in (
                 ("whole", whole), ("stage", staged - start), ("share", shared - staged),
-                ("engine", engine_s), ("engine_host", engine_host_s), ("stage_gpu", began.elapsed_time(ended) / 1e3), ("engine_gpu", engine_gpu_s),
+                ("engine", engine_s), ("engine_host", engine_host_s),
             ):
                 times[name].append(seconds)
         pool.give_back(key)  # the engine's load is done: the Publisher's DataReleased

@@ -16,7 +16,8 @@ much again. On a GPU each is a sizeable part of the copy that follows (716 MB co
 one, once its readers are done (``miles_events.rl.staging``), so the producer shares each
 buffer once, while it lives, and a reader keeps the buffers it opened last
 (``OPEN_BUFFERS``) and the buckets of the records it read last (``OPEN_RECORDS``): the next
-publication's record is the same bytes, and the reader copies from the mapping it has.
+publication's record is the same bytes (the producer links the file it wrote for those
+buffers under the new key: one call), and the reader copies from the mapping it has.
 Torch counts a reader per share; a buffer shared anew that a reader has mapped already is
 released by it at once, as torch's own rebuild of a cached handle does.
 
@@ -35,6 +36,8 @@ CPU weights) goes through shared memory files exactly as ``ShmTransport``.
 
 from __future__ import annotations
 
+import itertools
+import os
 import threading
 import weakref
 from collections import OrderedDict
@@ -43,6 +46,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from miles_events.rl.file_modes import PRIVATE_FILE_MODE
 from miles_events.transport.base import ShmTransport
 from schemas.data import BucketLayout, CudaIpcBuffer, CudaIpcRecord, DataRef
 
@@ -116,12 +120,15 @@ def _release_counter(shared: CudaIpcBuffer) -> None:
     torch.UntypedStorage._release_ipc_counter_cuda(shared.ref_counter_handle, shared.ref_counter_offset)
 
 
-def _keep_recent(cache: OrderedDict, key: object, value: object, limit: int) -> None:  # type: ignore[type-arg]
-    """``cache[key] = value`` as its most recent entry, dropping the least recent beyond ``limit``."""
+def _keep_recent(cache: OrderedDict, key: object, value: object, limit: int) -> list:  # type: ignore[type-arg]
+    """``cache[key] = value`` as its most recent entry, dropping the least recent beyond
+    ``limit``; the values dropped."""
     cache[key] = value
     cache.move_to_end(key)
+    dropped = []
     while len(cache) > limit:
-        cache.popitem(last=False)
+        dropped.append(cache.popitem(last=False)[1])
+    return dropped
 
 
 class CudaIpcTransport(ShmTransport):
@@ -139,8 +146,11 @@ class CudaIpcTransport(ShmTransport):
         self._ready_lock = threading.Lock()
         self._opened_events: OrderedDict[bytes, torch.cuda.Event] = OrderedDict()
         """Other processes' ready events this one opened, by handle."""
-        self._encoded: OrderedDict[tuple[CudaIpcBuffer, ...], bytes] = OrderedDict()
-        """The last records this process wrote, by what they share."""
+        self._written: OrderedDict[tuple[CudaIpcBuffer, ...], Path] = OrderedDict()
+        """The last records this process wrote, by what they share: each a hidden file of
+        the run's directory, linked under the key of every publication that shares the same
+        buffers (readers find the bytes they read before)."""
+        self._record_numbers = itertools.count()
         self._shared: dict[int, tuple[weakref.ref[torch.Tensor], CudaIpcBuffer]] = {}
         """How each buffer this process shared was shared, by ``id`` while it lives."""
         self._opened: OrderedDict[tuple[bytes, int, int], tuple[torch.Tensor, tuple[bytes, int]]] = OrderedDict()
@@ -150,19 +160,21 @@ class CudaIpcTransport(ShmTransport):
     def put_buckets(self, key: str, buckets: Buckets, owner: str) -> DataRef:
         if buckets.device.type != "cuda":
             return super().put_buckets(key, buckets, owner)
-        import torch
-
-        # Readers copy from these buffers as soon as they hear of them, after the packing:
-        # their streams wait for this event, recorded behind it on ours (no host sync).
-        ready, handle = self._ready_event(buckets.device)
-        ready.record(torch.cuda.current_stream(buckets.device))
+        ready_event = self._record_ready(buckets.device)
         shared = tuple(self._share(b, layout) for layout, b in zip(buckets.layouts, buckets.buffers, strict=True))
-        data = self._encoded.get(shared)
-        if data is None:  # buffers staged into again are named by the record written for them before
-            data = msgspec.msgpack.encode(CudaIpcRecord(shared, ready_event=handle))
-            _keep_recent(self._encoded, shared, data, OPEN_RECORDS)
+        written = self._written.get(shared)
+        if written is None:  # buffers staged into again are named by the record written for them before
+            written = self.root / f".record-{next(self._record_numbers)}{RECORD_SUFFIX}"
+            written.write_bytes(msgspec.msgpack.encode(CudaIpcRecord(shared, ready_event=ready_event)))
+            os.chmod(written, PRIVATE_FILE_MODE)
+        for dropped in _keep_recent(self._written, shared, written, OPEN_RECORDS):
+            dropped.unlink(missing_ok=True)
         self._held[key] = buckets
-        self._publish(key + RECORD_SUFFIX, lambda p: p.write_bytes(data))
+        final = self._path(key + RECORD_SUFFIX)
+        try:
+            os.link(written, final)  # one call, where writing a file anew is five
+        except FileExistsError:  # a key put again: replaced, as by every transport
+            self._publish(key + RECORD_SUFFIX, lambda p: os.link(written, p))
         return DataRef(self.name, key, owner, buckets.num_bytes)
 
     def get_buckets(self, ref: DataRef) -> Buckets | None:
@@ -191,6 +203,16 @@ class CudaIpcTransport(ShmTransport):
         if ready is not None:
             self._wait_ready(ready, buckets.device)
         return buckets
+
+    def _record_ready(self, device: torch.device) -> bytes:
+        """Record this process's ready event behind what is queued on ``device``'s current
+        stream (the staging), and return its IPC handle: readers copy from the buffers as
+        soon as they hear of them, their streams waiting for it (no host sync)."""
+        import torch
+
+        ready, handle = self._ready_event(device)
+        ready.record(torch.cuda.current_stream(device))
+        return handle
 
     def _ready_event(self, device: torch.device) -> tuple[torch.cuda.Event, bytes]:
         """This process's interprocess event on ``device`` and its IPC handle. One for all
@@ -269,7 +291,7 @@ class CudaIpcTransport(ShmTransport):
         self._held.clear()
         self._shared.clear()
         self._opened_events.clear()
-        self._encoded.clear()
+        self._written.clear()
         self._records.clear()
         self._opened.clear()
         super().close()
