@@ -231,6 +231,30 @@ def test_an_arena_is_one_zeroed_block_its_tensors_aligned_in_it_and_alive_withou
     assert torch.equal(last, torch.full((3, 5), 2.0)), "a tensor keeps its block's memory"
 
 
+@pytest.mark.parametrize("advice", ["populate", "unknown to the kernel"])
+def test_a_blocks_page_tables_are_filled_range_by_range(advice: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mapped without MAP_POPULATE, whose one call holds the process's memory-map lock
+    throughout: its pages are mapped a range at a time (the mapping's resident set is the
+    whole block); where the kernel knows no such advice, the block still works."""
+    from miles_events.rl import host_copy
+
+    monkeypatch.setattr(host_copy, "POPULATE_BYTES", 1 << 20)
+    if advice == "unknown to the kernel":
+        monkeypatch.setattr(host_copy, "MADV_POPULATE_WRITE", 10_000)
+    block = host_copy.HostBlock((5 << 20) + 4096, pin=False)
+
+    def resident_kib() -> int:
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+        start = next(i for i, line in enumerate(lines) if line.startswith(f"{block.address:x}-"))
+        return next(int(line.split()[1]) for line in lines[start + 1 :] if line.startswith("Rss:"))
+
+    assert resident_kib() == (block.num_bytes >> 10 if advice == "populate" else 0)
+    tensor = block.tensor(0, (block.num_bytes,), torch.uint8)
+    assert not tensor.any()
+    tensor.fill_(7)
+    assert resident_kib() == block.num_bytes >> 10
+
+
 def test_a_device_arena_pool_makes_its_arenas_on_its_device_and_reuses_them() -> None:
     pool = DeviceArenaPool(torch.device("cpu"))  # the bookkeeping; on a GPU, CUDA memory
     state = [torch.ones(3, 5), torch.zeros(7, dtype=torch.bfloat16)]
