@@ -14,10 +14,9 @@ the copy's own time: ``bench/gpu/save_overlap.py``). Copies into pageable memory
 loop as long, at a fraction of the rate. Most of pinning is allocating and zeroing the
 pages, faulted in one by one: an arena's memory is one block (``HostBlock``) whose pages
 the kernel allocates first, in a memory file outside this process's address space, then
-mapped and registered with CUDA. On an H200, registering 3.6 GB whose pages existed
-took 0.42 s, against 2.3 s for ``cudaHostAlloc`` of the same bytes and 1.5 s for
-registering untouched memory, each stalling a loop of small kernels beside it throughout;
-``bench/gpu/pinning.py`` measures what the loop loses to the whole block.
+mapped (``_populate``) and registered with CUDA. On an H200, a loop of small kernels
+beside lost 94-519 ms to a 3.6 GB block, most of it the registration's 0.14 s, against all
+of ``cudaHostAlloc``'s 2.5-4.4 s (``bench/gpu/pinning.py``).
 
 While a save's copy to the host runs, any other transfer to the host on the same GPU (a
 loss read with ``.item()``, a fingerprint's result) waits until the copy's stream has
