@@ -123,7 +123,10 @@ def engine_process(model_dir: str, run_id: str, pipe: Connection) -> None:
                 torch.cuda.synchronize()
             pipe.send(asked)
             continue
-        key, gpu_timed = asked
+        key, gpu_timed, host_wait = asked
+        # The engine waits for the producer's ready event on its stream (the transport's
+        # way), or, when ``host_wait``, on the host before it queues its copy.
+        plane._wait_ready = (lambda event, device: event.synchronize()) if host_wait else CudaIpcTransport._wait_ready
         start = time.perf_counter()
         staged = plane.get_buckets(DataRef("cuda_ipc", key, "trainer"))
         assert staged is not None
@@ -150,6 +153,7 @@ def across_processes(
     reps: int,
     reuse: bool,
     host_sync: bool = False,
+    host_wait: bool = False,
 ) -> dict[str, float]:
     """Medians, in seconds, of a publication across processes (``whole``: stage, share, the
     engine's open and load, its answer) and of its parts (``stage``: the copy queued, or
@@ -159,7 +163,7 @@ def across_processes(
     publication the engine said it was done with (``StagingPool``, as the trainer does) when
     ``reuse``, else into new ones each time. Without ``host_sync`` the producer shares the
     buckets with the staging still queued, and the engine's stream waits for it on the GPU
-    (the transport's ready event). Reps alternate: the GPU times come from reps with CUDA
+    (the transport's ready event), or, when ``host_wait``, on the host. Reps alternate: the GPU times come from reps with CUDA
     events around each side's copy, the wall-clock times from reps without (each event
     recorded is a call of the host's on the publication's path)."""
     pool = StagingPool()
@@ -183,7 +187,7 @@ def across_processes(
         pool.lend(key, buckets)
         ref = plane.put_buckets(key, buckets, owner="trainer")
         shared = time.perf_counter()
-        pipe.send((ref.key, gpu_timed))
+        pipe.send((ref.key, gpu_timed, host_wait))
         if not pipe.poll(120):
             raise TimeoutError("the engine process did not answer within 120 s")
         engine_s, engine_host_s, engine_gpu_s = pipe.recv()
@@ -272,6 +276,7 @@ def main() -> None:
     fresh = across_processes(plane, ours, stage_into, trainer_buckets.layouts, args.reps, reuse=False)
     reused = across_processes(plane, ours, stage_into, trainer_buckets.layouts, args.reps, reuse=True)
     synced = across_processes(plane, ours, stage_into, trainer_buckets.layouts, args.reps, reuse=True, host_sync=True)
+    host_waited = across_processes(plane, ours, stage_into, trainer_buckets.layouts, args.reps, reuse=True, host_wait=True)
     ping_s = round_trip(ours, args.reps)
     gpu_ping_s = round_trip(ours, args.reps, gpu=True)
     ours.send(None)
@@ -295,6 +300,7 @@ def main() -> None:
             for label, cross in (
                 ("new buffers each time", fresh), ("staging reused", reused),
                 ("staging reused, waited for on the host before sharing", synced),
+                ("staging reused, the engine waiting on the host for the ready event", host_waited),
             )
             for row in (
                 (f"cuda_ipc, {label}: publish across processes (stage + share + open + load)", cross["whole"],
@@ -325,6 +331,8 @@ def main() -> None:
         f"cross_fresh_vs_copy={rate(fresh['whole'], 4 * num_bytes) / copy_rate:.2f} "
         f"cross_host_sync_ms={synced['whole'] * 1e3:.3f} round_trip_ms={ping_s * 1e3:.3f} gpu_round_trip_ms={gpu_ping_s * 1e3:.3f} "
         f"cross_host_sync_vs_copy={rate(synced['whole'], 4 * num_bytes) / copy_rate:.2f} "
+        f"cross_engine_host_wait_ms={host_waited['whole'] * 1e3:.3f} "
+        f"cross_engine_host_wait_vs_copy={rate(host_waited['whole'], 4 * num_bytes) / copy_rate:.2f} "
         f"staging_allocated={reused['allocated']:.0f} "
         f"fingerprint_ms={fingerprint_s * 1e3:.3f} fingerprint_gbps={rate(fingerprint_s, num_bytes):.0f} "
         f"speedup_vs_per_tensor={per_tensor_s / (publish_s + 2 * fingerprint_s):.1f}"
