@@ -369,25 +369,13 @@ def test_a_cuda_ipc_reader_maps_a_buffer_once_and_reads_a_record_seen_before_wit
 def test_a_cuda_ipc_producer_names_buffers_shared_before_by_a_link_to_their_record(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
-    """The producer's side, on the CPU (torch's share of a CUDA buffer stood in for; the GPU
-    tests share for real): a publication of buffers shared before is a link to the record
-    written for them, the same bytes; a key put again is replaced; records of buffers no
-    longer among the last shared are removed, and nothing is left after ``close``."""
-    from types import SimpleNamespace
-
-    from miles_events.rl.buckets import plan_layouts
+    """The producer's side, on the CPU: a publication of buffers shared before is a link to
+    the record written for them, the same bytes; a key put again is replaced; records of
+    buffers no longer among the last shared are removed, and nothing is left after
+    ``close``."""
     from miles_events.transport import cuda_ipc
-    from schemas.data import CudaIpcBuffer
 
-    monkeypatch.setattr(cuda_ipc.CudaIpcTransport, "_record_ready", lambda self, device: b"event")
-    monkeypatch.setattr(
-        cuda_ipc, "share", lambda buffer, layout: CudaIpcBuffer(layout, 0, bytes([buffer.numel()]), 1 << 20, 0, 0, b"c", 0, None, False)
-    )
-    (layout,) = plan_layouts({"w": torch.zeros(3, 4)})
-    plane = cuda_ipc.CudaIpcTransport("run-ipc-producer", tmp_path)
-
-    def staged(numel: int) -> SimpleNamespace:
-        return SimpleNamespace(device=torch.device("cuda", 0), layouts=(layout,), buffers=(torch.zeros(numel),), num_bytes=4 * numel)
+    plane, staged = _cuda_ipc_producer(tmp_path, monkeypatch, "run-ipc-producer")
 
     def record(key: str) -> Path:
         return plane._path(key + cuda_ipc.RECORD_SUFFIX)
@@ -409,6 +397,104 @@ def test_a_cuda_ipc_producer_names_buffers_shared_before_by_a_link_to_their_reco
     assert record("weights-v1").exists()  # a publication's own record stays until it is freed
     plane.close()
     assert not plane.root.exists()
+
+
+def _cuda_ipc_producer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, run_id: str):
+    """A cuda_ipc transport whose share of a CUDA buffer and ready event are stood in for
+    (the GPU tests share for real), and a maker of staged buckets of ``numel`` floats."""
+    from types import SimpleNamespace
+
+    from miles_events.rl.buckets import plan_layouts
+    from miles_events.transport import cuda_ipc
+    from schemas.data import CudaIpcBuffer
+
+    monkeypatch.setattr(cuda_ipc.CudaIpcTransport, "_record_ready", lambda self, device: b"event")
+    monkeypatch.setattr(
+        cuda_ipc, "share", lambda buffer, layout: CudaIpcBuffer(layout, 0, bytes([buffer.numel()]), 1 << 20, 0, 0, b"c", 0, None, False)
+    )
+    (layout,) = plan_layouts({"w": torch.zeros(3, 4)})
+
+    def staged(numel: int) -> SimpleNamespace:
+        return SimpleNamespace(device=torch.device("cuda", 0), layouts=(layout,), buffers=(torch.zeros(numel),), num_bytes=4 * numel)
+
+    return cuda_ipc.CudaIpcTransport(run_id, tmp_path), staged
+
+
+def test_a_cuda_ipc_key_put_again_with_the_same_buffers_keeps_one_record_and_no_partial(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """The same key put three times with the same buffers (a retried publication): its
+    record is the one written for those buffers, and no half-published file is left."""
+    from miles_events.transport import cuda_ipc
+
+    plane, staged = _cuda_ipc_producer(tmp_path, monkeypatch, "run-ipc-same-key")
+    buckets = staged(16)
+    for _ in range(3):
+        plane.put_buckets("weights-v1", buckets, owner="trainer")
+    assert not [p.name for p in plane.root.iterdir() if p.name.endswith(".partial")]
+    assert len([p for p in plane.root.iterdir() if p.name.startswith(".record-")]) == 1
+    assert plane._path("weights-v1" + cuda_ipc.RECORD_SUFFIX).read_bytes()
+    plane.close()
+
+
+def test_a_cuda_ipc_producer_never_rewrites_a_record_file_it_did_not_create(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Records are created, never opened for writing again: a file of the same hidden name
+    (another producer's, linked under its keys) keeps its bytes, and the new record takes
+    another name."""
+    from miles_events.transport import cuda_ipc
+
+    plane, staged = _cuda_ipc_producer(tmp_path, monkeypatch, "run-ipc-exclusive")
+    names = iter(["taken", "free"])
+    monkeypatch.setattr(cuda_ipc, "_record_name", lambda: f".record-{next(names)}{cuda_ipc.RECORD_SUFFIX}")
+    plane.root.mkdir(parents=True, exist_ok=True)
+    other = plane.root / f".record-taken{cuda_ipc.RECORD_SUFFIX}"
+    other.write_bytes(b"another producer's record")
+    plane.put_buckets("weights-v1", staged(16), owner="trainer")
+    assert other.read_bytes() == b"another producer's record"
+    assert plane._path("weights-v1" + cuda_ipc.RECORD_SUFFIX).samefile(plane.root / f".record-free{cuda_ipc.RECORD_SUFFIX}")
+    plane.close()
+
+
+def test_a_cuda_ipc_record_removed_under_the_producer_is_written_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The record of buffers shared before, gone from the directory (removed by hand, or by
+    a cleaner of the run's directory): the next publication of those buffers writes it
+    again instead of failing for ever."""
+    from miles_events.transport import cuda_ipc
+
+    plane, staged = _cuda_ipc_producer(tmp_path, monkeypatch, "run-ipc-rewrite")
+    buckets = staged(16)
+    plane.put_buckets("weights-v1", buckets, owner="trainer")
+    first = plane._path("weights-v1" + cuda_ipc.RECORD_SUFFIX).read_bytes()
+    for hidden in plane.root.glob(".record-*"):
+        hidden.unlink()
+    plane.put_buckets("weights-v2", buckets, owner="trainer")
+    assert plane._path("weights-v2" + cuda_ipc.RECORD_SUFFIX).read_bytes() == first
+    plane.close()
+
+
+def test_a_cuda_ipc_producer_on_a_filesystem_without_hard_links_writes_each_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Where the run's directory refuses hard links, each publication's record is written
+    as a file of its own, with the same bytes."""
+    from miles_events.transport import cuda_ipc
+
+    plane, staged = _cuda_ipc_producer(tmp_path, monkeypatch, "run-ipc-no-links")
+
+    def refuse(src: object, dst: object) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(cuda_ipc.os, "link", refuse)
+    buckets = staged(16)
+    plane.put_buckets("weights-v1", buckets, owner="trainer")
+    plane.put_buckets("weights-v2", buckets, owner="trainer")
+    plane.put_buckets("weights-v2", buckets, owner="trainer")
+    v1, v2 = (plane._path(f"weights-v{n}" + cuda_ipc.RECORD_SUFFIX) for n in (1, 2))
+    assert v1.read_bytes() == v2.read_bytes() and v2.stat().st_mode & 0o077 == 0
+    assert not [p.name for p in plane.root.iterdir() if p.name.endswith(".partial")]
+    plane.close()
 
 
 def test_a_cuda_ipc_reader_waits_for_the_producers_ready_event_at_every_read(

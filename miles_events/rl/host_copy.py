@@ -15,8 +15,9 @@ loop as long, at a fraction of the rate. Most of pinning is allocating and zeroi
 pages, faulted in one by one: an arena's memory is one block (``HostBlock``) whose pages
 the kernel allocates first, in a memory file outside this process's address space, then
 mapped (``_populate``) and registered with CUDA. On an H200, a loop of small kernels
-beside lost 94-519 ms to a 3.6 GB block, most of it the registration's 0.14 s, against all
-of ``cudaHostAlloc``'s 2.5-4.4 s (``bench/gpu/pinning.py``).
+beside lost 94-519 ms to a 3.6 GB block against all of ``cudaHostAlloc``'s 2.5-4.4 s
+(measured alone, the registration's 0.14 s all lost, the mapping 79-106 ms:
+``bench/gpu/pinning.py``).
 
 While a save's copy to the host runs, any other transfer to the host on the same GPU (a
 loss read with ``.item()``, a fingerprint's result) waits until the copy's stream has
@@ -102,19 +103,24 @@ def _mapped(num_bytes: int) -> mmap.mmap:
 def _populate(mapped: mmap.mmap, num_bytes: int) -> None:
     """Fill the page tables of ``mapped`` a ``POPULATE_BYTES`` range at a time, through
     libc's ``madvise`` called by ctypes, which lets go of the GIL meanwhile (``mmap.madvise``
-    holds it: on an H200 host a loop of small kernels beside a 3.6 GB block lost 0.8-0.9 s
-    so, against 0.24 s in one call). Filled in one call (``MAP_POPULATE``), they hold the
-    process's memory-map lock for the whole block, and every other thread that maps or
-    unmaps memory (Python's allocator, the CUDA driver) waits that long: on the H200 the
-    loop's longest iteration was 0.2 s. Where the kernel has no such advice, the
+    holds it: on an H200 host a loop of small kernels beside the mapping of a 3.6 GB block
+    lost 0.8-0.9 s so, against 0.24 s in one call). Filled in one call (``MAP_POPULATE``),
+    they hold the process's memory-map lock for the whole block, and every other thread that
+    maps or unmaps memory (Python's allocator, the CUDA driver) waits that long: on the H200
+    the loop's longest iteration was 0.2 s. Where the kernel has no such advice, the
     registration with CUDA fills them instead."""
     madvise = _libc().madvise
     address = ctypes.addressof(ctypes.c_char.from_buffer(mapped))
     for start in range(0, num_bytes, POPULATE_BYTES):
         if madvise(address + start, min(POPULATE_BYTES, num_bytes - start), MADV_POPULATE_WRITE) != 0:
-            error = ctypes.get_errno()
-            logger.info("a save's host memory is mapped as it is first touched (%s)", os.strerror(error))
+            _say_unpopulated(os.strerror(ctypes.get_errno()))
             return
+
+
+@functools.cache
+def _say_unpopulated(why: str) -> None:
+    """Log, once a process for each reason, that blocks are mapped as first touched."""
+    logger.info("a save's host memory is mapped as it is first touched (%s)", why)
 
 
 @functools.cache

@@ -36,8 +36,8 @@ CPU weights) goes through shared memory files exactly as ``ShmTransport``.
 
 from __future__ import annotations
 
-import itertools
 import os
+import secrets
 import threading
 import weakref
 from collections import OrderedDict
@@ -120,6 +120,23 @@ def _release_counter(shared: CudaIpcBuffer) -> None:
     torch.UntypedStorage._release_ipc_counter_cuda(shared.ref_counter_handle, shared.ref_counter_offset)
 
 
+def _record_name() -> str:
+    """A hidden name for a record file that no other producer of the run's directory picks."""
+    return f".record-{os.getpid()}-{secrets.token_hex(8)}{RECORD_SUFFIX}"
+
+
+def _link_or_copy(record: Path, path: Path) -> None:
+    """``path`` made a link to ``record``, or a copy of its bytes where the filesystem has no
+    hard links."""
+    path.unlink(missing_ok=True)  # left by an earlier attempt that failed
+    try:
+        os.link(record, path)
+    except FileNotFoundError:
+        raise
+    except OSError:
+        path.write_bytes(record.read_bytes())
+
+
 def _keep_recent(cache: OrderedDict, key: object, value: object, limit: int) -> list:  # type: ignore[type-arg]
     """``cache[key] = value`` as its most recent entry, dropping the least recent beyond
     ``limit``; the values dropped."""
@@ -150,7 +167,7 @@ class CudaIpcTransport(ShmTransport):
         """The last records this process wrote, by what they share: each a hidden file of
         the run's directory, linked under the key of every publication that shares the same
         buffers (readers find the bytes they read before)."""
-        self._record_numbers = itertools.count()
+        self._written_lock = threading.Lock()
         self._shared: dict[int, tuple[weakref.ref[torch.Tensor], CudaIpcBuffer]] = {}
         """How each buffer this process shared was shared, by ``id`` while it lives."""
         self._opened: OrderedDict[tuple[bytes, int, int], tuple[torch.Tensor, tuple[bytes, int]]] = OrderedDict()
@@ -162,20 +179,55 @@ class CudaIpcTransport(ShmTransport):
             return super().put_buckets(key, buckets, owner)
         ready_event = self._record_ready(buckets.device)
         shared = tuple(self._share(b, layout) for layout, b in zip(buckets.layouts, buckets.buffers, strict=True))
-        written = self._written.get(shared)
-        if written is None:  # buffers staged into again are named by the record written for them before
-            written = self.root / f".record-{next(self._record_numbers)}{RECORD_SUFFIX}"
-            written.write_bytes(msgspec.msgpack.encode(CudaIpcRecord(shared, ready_event=ready_event)))
-            os.chmod(written, PRIVATE_FILE_MODE)
-        for dropped in _keep_recent(self._written, shared, written, OPEN_RECORDS):
-            dropped.unlink(missing_ok=True)
+        with self._written_lock:  # a record is not dropped between its lookup and its link
+            written = self._written.get(shared)
+            if written is None:  # buffers staged into again are named by the record written for them before
+                written = self._write_record(msgspec.msgpack.encode(CudaIpcRecord(shared, ready_event=ready_event)))
+            for dropped in _keep_recent(self._written, shared, written, OPEN_RECORDS):
+                dropped.unlink(missing_ok=True)
+            try:
+                self._link_record(written, key + RECORD_SUFFIX)
+            except FileNotFoundError:  # removed under this process: written again
+                self._written.pop(shared)
+                written = self._write_record(msgspec.msgpack.encode(CudaIpcRecord(shared, ready_event=ready_event)))
+                self._written[shared] = written
+                self._link_record(written, key + RECORD_SUFFIX)
         self._held[key] = buckets
-        final = self._path(key + RECORD_SUFFIX)
-        try:
-            os.link(written, final)  # one call, where writing a file anew is five
-        except FileExistsError:  # a key put again: replaced, as by every transport
-            self._publish(key + RECORD_SUFFIX, lambda p: os.link(written, p))
         return DataRef(self.name, key, owner, buckets.num_bytes)
+
+    def _write_record(self, data: bytes) -> Path:
+        """A new hidden file of the run's directory holding ``data``, private to its user,
+        under a name no other file has (created, never opened for writing again: other keys
+        link to it)."""
+        while True:
+            path = self.root / _record_name()
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, PRIVATE_FILE_MODE)
+            except FileExistsError:
+                continue
+            try:
+                with os.fdopen(fd, "wb") as file:
+                    file.write(data)
+            except BaseException:
+                path.unlink(missing_ok=True)
+                raise
+            return path
+
+    def _link_record(self, written: Path, name: str) -> None:
+        """Publish the record ``written`` under ``name``: a link to it (one call, where
+        writing a file anew is five), replacing what the name held."""
+        final = self._path(name)
+        try:
+            os.link(written, final)
+            return
+        except FileExistsError:
+            if os.path.samefile(written, final):  # the same record put again under the same key
+                return
+        except FileNotFoundError:
+            raise
+        except OSError:  # no hard links on this filesystem
+            pass
+        self._publish(name, lambda partial: _link_or_copy(written, partial))
 
     def get_buckets(self, ref: DataRef) -> Buckets | None:
         from miles_events.rl.buckets import Buckets
