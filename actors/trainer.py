@@ -112,6 +112,8 @@ class Trainer(Actor):
         """The publications' staging buckets, allocated once and reused once released."""
         self._pinned = PinnedPool()
         """Pinned host memory for saves staged in the background, pinned once, reused."""
+        self._save_memory_prepared = False
+        """Whether the first periodic save's pinned memory was asked for ahead of it."""
         self._snapshot_buckets = StagingPool()
         """On a GPU, the buckets a background save copies the weights into, until they are
         on the host; then the next save's."""
@@ -314,6 +316,7 @@ class Trainer(Actor):
     async def on_publish_requested(self, event: PublishRequested) -> None:
         try:
             await self._publish_weights(event)
+            self._prepare_save_memory_soon()
         finally:  # staged or failed: a save waiting for it goes on
             if event.rollout_id is not None:
                 self._last_publication = event.rollout_id
@@ -413,6 +416,33 @@ class Trainer(Actor):
         except BaseException:
             self._snapshot_given_back(prefix)
             raise
+
+    def _prepare_save_memory_soon(self) -> None:
+        """Once trained weights are published, with periodic saves to come that are staged
+        in the background on a GPU: pin the first save's host memory beside the rollout that
+        follows, when the GPU has nothing of this process's to do, rather than beside the
+        train step that save is asked for after (pinning stalls every CUDA call of the
+        process: ``PinnedPool.prepare``)."""
+        if self._save_memory_prepared or self._last_trained is None or self.config.run.save_interval is None:
+            return
+        if not self._reuses_snapshot_copies():
+            return
+        self._save_memory_prepared = True
+        tensors = self._save_copies_to_host()
+        if tensors:
+            self.spawn(self._prepare_save_memory(tensors), emits=())
+
+    async def _prepare_save_memory(self, tensors: list[torch.Tensor]) -> None:
+        try:
+            await anyio.to_thread.run_sync(self._pinned.prepare, tensors)
+        except Exception as error:  # the first save pins it then, and fails there if it must
+            logger.warning("the first save's host memory could not be pinned ahead of it: %s", error)
+
+    def _save_copies_to_host(self) -> list[torch.Tensor]:
+        """The tensors a background save copies to the host (``copy_to_host``), as their
+        shapes and dtypes go: the weights' buckets, then the optimizer's tensors on the GPU."""
+        state = (self.backend.weight_buckets(), self.backend.optimizer_state_dict())
+        return [tensor for tensor in tensors_of(state) if tensor.is_cuda]
 
     def _reuses_snapshot_copies(self) -> bool:
         """Whether a save's copies go into those of an earlier save: on a GPU, in the

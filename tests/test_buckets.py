@@ -10,6 +10,7 @@ import sys
 import textwrap
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -199,6 +200,64 @@ def test_a_pinned_pool_pins_an_arena_once_and_every_later_save_of_the_same_state
     assert again.carve(state[0]).data_ptr() == hosts[0].data_ptr(), "carving starts over"
     pool.give_back(again)
     assert pool.take([torch.ones(3, 5)]) is not arena, "an arena serves a state of its own shapes only"
+
+
+def test_a_pinned_pool_prepares_an_arena_ahead_that_the_save_of_that_state_takes() -> None:
+    pool = PinnedPool(pin=False)
+    state = [torch.ones(3, 5), torch.zeros(7, dtype=torch.bfloat16)]
+    pool.prepare(state)
+    pool.prepare(state)  # one idle already: nothing more pinned
+    assert pool.num_pinned == 1
+    arena = pool.take(state)
+    assert pool.num_pinned == 1 and arena.signature == (((3, 5), torch.float32), ((7,), torch.bfloat16))
+    pool.give_back(arena)
+    other = pool.take([torch.ones(4)])  # the state's shapes changed: the idle arena goes
+    assert pool.num_pinned == 2 and pool._idle == []
+    pool.give_back(other)
+
+
+def test_a_save_taking_an_arena_while_it_is_prepared_waits_for_it_rather_than_pinning_another(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import threading
+
+    pool = PinnedPool(pin=False)
+    state = [torch.ones(3, 5)]
+    pinning, finish = threading.Event(), threading.Event()
+    make = pool._arena
+
+    def slow(signature: Any) -> Any:
+        pinning.set()
+        assert finish.wait(10)
+        return make(signature)
+
+    monkeypatch.setattr(pool, "_arena", slow)
+    preparing = threading.Thread(target=pool.prepare, args=(state,))
+    preparing.start()
+    assert pinning.wait(10)
+    taken: list[Any] = []
+    taking = threading.Thread(target=lambda: taken.append(pool.take(state)))
+    taking.start()
+    taking.join(0.2)
+    assert taking.is_alive(), "the save waits for the arena being pinned"
+    finish.set()
+    preparing.join(10)
+    taking.join(10)
+    assert len(taken) == 1 and pool.num_pinned == 1 and pool._idle == []
+
+
+def test_an_arena_that_fails_to_be_prepared_is_pinned_by_the_save(monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = PinnedPool(pin=False)
+    make = pool._arena
+
+    def refused(signature: Any) -> Any:
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(pool, "_arena", refused)
+    with pytest.raises(OSError, match="allocate"):
+        pool.prepare([torch.ones(2)])
+    monkeypatch.setattr(pool, "_arena", make)
+    assert pool.take([torch.ones(2)]).signature == (((2,), torch.float32),) and pool.num_pinned == 1
 
 
 @pytest.mark.parametrize("memory", ["memory file", "out of memory for it", "no memory files"])

@@ -685,6 +685,80 @@ async def test_each_background_save_copies_into_the_copies_of_the_last_once_they
     assert trainer._snapshot_arenas is None
 
 
+def with_save_interval(config: Config, save_interval: int) -> Config:
+    return msgspec.structs.replace(config, run=msgspec.structs.replace(config.run, save_interval=save_interval))
+
+
+async def prepared_arenas(trainer: Trainer, count: int, seconds: float = 10.0) -> None:
+    """Wait until the trainer's pinned pool holds ``count`` idle arenas."""
+    for _ in range(int(seconds / 0.01)):
+        if len(trainer._pinned._idle) == count:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{len(trainer._pinned._idle)} idle arenas after {seconds}s, expected {count}")
+
+
+async def test_the_first_saves_host_memory_is_pinned_once_trained_weights_are_published(
+    base_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The GPU's path on the CPU (every tensor taken as one the save copies to the host):
+    with periodic saves staged in the background, the first publication after a train step
+    has the first save's arena pinned beside the rollout that follows, and that save takes
+    it; a publication before any training, or a run without periodic saves, pins nothing."""
+    from miles_events.rl.host_copy import map_tensors, tensors_of
+
+    def copy_to_the_host(obj: Any, after: Any = None, pool: Any = None) -> tuple[Any, Any]:
+        return map_tensors(obj, lambda t: t.clone()), pool.take(tensors_of(obj))
+
+    def every_tensor(self: Trainer) -> list[torch.Tensor]:
+        return tensors_of((self.backend.weight_buckets(), self.backend.optimizer_state_dict()))
+
+    monkeypatch.setattr("actors.trainer.copy_to_host", copy_to_the_host)
+    monkeypatch.setattr(Trainer, "_reuses_snapshot_copies", lambda self: True)
+    monkeypatch.setattr(Trainer, "_save_copies_to_host", every_tensor)
+    config = make_config(base_model, tmp_path, save_staging="background")
+    unsaved, context = await started_trainer(config, tmp_path / "unsaved")
+    await unsaved.handle(rollout_event(context, 0, two_group_samples()))
+    await unsaved.handle(PublishRequested(rollout_id=0))
+    await asyncio.sleep(0.1)
+    assert unsaved._pinned.num_pinned == 0, "no periodic saves: nothing pinned ahead"
+    await unsaved.stop()
+
+    trainer, context = await started_trainer(with_save_interval(config, 2), tmp_path)
+    trainer._pinned.pin = False
+    await trainer.handle(PublishRequested(rollout_id=None))
+    await asyncio.sleep(0.1)
+    assert trainer._pinned.num_pinned == 0, "no optimizer state before the first train step"
+    await trainer.handle(rollout_event(context, 0, two_group_samples()))
+    await trainer.handle(PublishRequested(rollout_id=0))
+    await prepared_arenas(trainer, 1)
+    prepared = trainer._pinned._idle[0]
+    await trainer.handle(rollout_event(context, 1, two_group_samples()))
+    await trainer.handle(PublishRequested(rollout_id=1))
+    await trainer.handle(SaveRequested(rollout_id=1, reason="interval"))
+    staged = await staged_train_state(context, 1)
+    assert trainer._arenas[staged.weights.key.rsplit("-weights", 1)[0]][0] is prepared
+    assert trainer._pinned.num_pinned == 1, "the save took the arena pinned ahead"
+    await trainer.stop()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+async def test_on_a_gpu_the_first_save_takes_the_pinned_memory_prepared_for_it(base_model: Path, tmp_path: Path) -> None:
+    config = with_save_interval(make_config(base_model, tmp_path, save_staging="background"), 2)
+    trainer, context = await started_trainer(config, tmp_path)
+    await trainer.handle(rollout_event(context, 0, two_group_samples()))
+    await trainer.handle(PublishRequested(rollout_id=0))
+    await prepared_arenas(trainer, 1)
+    prepared = trainer._pinned._idle[0]
+    assert prepared.block is not None and prepared.tensors[0].is_pinned()
+    await trainer.handle(SaveRequested(rollout_id=0, reason="interval"))
+    staged = await staged_train_state(context, 0)
+    assert trainer._arenas[staged.weights.key.rsplit("-weights", 1)[0]][0] is prepared
+    assert trainer._pinned.num_pinned == 1
+    await trainer.stop()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 async def test_on_a_gpu_each_background_save_copies_the_state_into_the_device_memory_of_the_last(

@@ -220,23 +220,57 @@ class PinnedPool:
     """Pinned arenas, each pinned once, for as many saves as are staged at a time: ``take``
     one for the tensors (an idle one of the same shapes and dtypes, else a new one, pinned
     now), ``give_back`` it when what was copied into it has been written (the Saver
-    released it)."""
+    released it). ``prepare`` pins one ahead of the save that takes it."""
 
     def __init__(self, pin: bool = True) -> None:
         self.pin = pin
-        self._lock = threading.Lock()  # taken on a staging thread, given back on the loop
+        self._lock = threading.Condition()  # taken on a staging thread, given back on the loop
         self._idle: list[PinnedArena] = []
+        self._preparing: set[tuple[tuple[tuple[int, ...], torch.dtype], ...]] = set()
+        """The signatures of the arenas ``prepare`` is pinning now."""
         self.num_pinned = 0
         """Arenas pinned so far (each a stall of the GPU while it was pinned)."""
+
+    def prepare(self, tensors: list[torch.Tensor]) -> None:
+        """Pin an arena for tensors of these shapes and dtypes now, idle until a ``take``
+        asks for it: pinning stalls every CUDA call of the process (``HostBlock``), so the
+        trainer pins the first save's memory while the GPU has nothing of its to do rather
+        than beside the train step the save is asked for after. Nothing where one is idle
+        or being pinned already; a ``take`` meanwhile waits for it."""
+        signature = _signature(tensors)
+        with self._lock:
+            if signature in self._preparing or any(arena.signature == signature for arena in self._idle):
+                return
+            self._preparing.add(signature)
+            self.num_pinned += 1
+        try:
+            arena = self._arena(signature)
+        except BaseException:
+            with self._lock:
+                self.num_pinned -= 1
+                self._preparing.discard(signature)
+                self._lock.notify_all()
+            raise
+        with self._lock:
+            self._preparing.discard(signature)
+            self._idle.append(arena)
+            self._lock.notify_all()
 
     def take(self, tensors: list[torch.Tensor]) -> PinnedArena:
         signature = _signature(tensors)
         with self._lock:
-            for arena in self._idle:
-                if arena.signature == signature:
-                    self._idle.remove(arena)
-                    arena.reset()
-                    return arena
+            while True:
+                for arena in self._idle:
+                    if arena.signature == signature:
+                        self._idle.remove(arena)
+                        arena.reset()
+                        return arena
+                if signature not in self._preparing:
+                    break
+                self._lock.wait()
+            # The state's shapes changed (or were foreseen wrong): idle arenas of others are
+            # not taken again, and their memory goes with them.
+            self._idle.clear()
             self.num_pinned += 1
         return self._arena(signature)
 
