@@ -14,6 +14,7 @@ the end of the run drops whatever is left).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ from miles_events.rl.host_copy import (
     DeviceArenaPool,
     PinnedArena,
     PinnedPool,
+    Signature,
     capture_point,
     copy_to_host,
     map_tensors,
@@ -82,6 +84,10 @@ PUBLICATION_WAIT_SECONDS = 60.0
 """How long a save staged in the background waits for the publication asked for with it
 to be staged before it stages anyway (that publication always comes right behind it)."""
 
+PIN_WAIT_SECONDS = 60.0
+"""How long the trainer's stop waits for the pinning of a save's host memory under way
+(``PinnedPool.prepare``: seconds for a large state) before it closes the pool anyway."""
+
 
 def staleness_max(trainer_version: str, sample_versions: list[str]) -> int:
     """How many publications the oldest sample's weights lag behind the trainer's."""
@@ -114,6 +120,7 @@ class Trainer(Actor):
         """Pinned host memory for saves staged in the background, pinned once, reused."""
         self._save_memory_prepared = False
         """Whether the first periodic save's pinned memory was asked for ahead of it."""
+        self._preparing_save_memory: asyncio.Task[None] | None = None
         self._snapshot_buckets = StagingPool()
         """On a GPU, the buckets a background save copies the weights into, until they are
         on the host; then the next save's."""
@@ -182,6 +189,9 @@ class Trainer(Actor):
         self.backend.load_reference(read_checkpoint(path, verify=False).weights)
 
     async def stop(self) -> None:
+        if self._preparing_save_memory is not None:  # a pinning under way ends before the pool closes
+            await asyncio.wait({self._preparing_save_memory}, timeout=PIN_WAIT_SECONDS)
+        self._pinned.close()
         if self._published is not None:
             self._free(self._published)
             self._published = None
@@ -420,29 +430,40 @@ class Trainer(Actor):
     def _prepare_save_memory_soon(self) -> None:
         """Once trained weights are published, with periodic saves to come that are staged
         in the background on a GPU: pin the first save's host memory beside the rollout that
-        follows, when the GPU has nothing of this process's to do, rather than beside the
-        train step that save is asked for after (pinning stalls every CUDA call of the
-        process: ``PinnedPool.prepare``)."""
-        if self._save_memory_prepared or self._last_trained is None or self.config.run.save_interval is None:
+        follows rather than beside the train step that save is asked for after (pinning
+        stalls every CUDA call of the process: ``PinnedPool.reserve``). On the ray runtime
+        the trainer's process has nothing on the GPU then; on the local one the engine's
+        decoding shares the stall instead."""
+        if self._save_memory_prepared or self._num_saves > 0 or self.config.run.save_interval is None:
             return
-        if not self._reuses_snapshot_copies():
-            return
-        self._save_memory_prepared = True
-        tensors = self._save_copies_to_host()
-        if tensors:
-            self.spawn(self._prepare_save_memory(tensors), emits=())
-
-    async def _prepare_save_memory(self, tensors: list[torch.Tensor]) -> None:
         try:
-            await anyio.to_thread.run_sync(self._pinned.prepare, tensors)
+            if not self._reuses_snapshot_copies():
+                return
+            tensors = self._save_copies_to_host()
+            if tensors is None:  # no step taken yet: the state a save copies is not known
+                return
+            self._save_memory_prepared = True
+            signature = self._pinned.reserve(tensors)
+        except Exception as error:  # the first save pins its memory then, as without this
+            logger.warning("the first save's host memory could not be pinned ahead of it: %s", error)
+            return
+        if signature is not None:
+            self._preparing_save_memory = self.spawn(self._prepare_save_memory(signature), emits=())
+
+    async def _prepare_save_memory(self, signature: Signature) -> None:
+        try:
+            await anyio.to_thread.run_sync(self._pinned.prepare, signature)
         except Exception as error:  # the first save pins it then, and fails there if it must
             logger.warning("the first save's host memory could not be pinned ahead of it: %s", error)
 
-    def _save_copies_to_host(self) -> list[torch.Tensor]:
+    def _save_copies_to_host(self) -> list[torch.Tensor] | None:
         """The tensors a background save copies to the host (``copy_to_host``), as their
-        shapes and dtypes go: the weights' buckets, then the optimizer's tensors on the GPU."""
-        state = (self.backend.weight_buckets(), self.backend.optimizer_state_dict())
-        return [tensor for tensor in tensors_of(state) if tensor.is_cuda]
+        shapes and dtypes go: the weights' buckets, then the optimizer's tensors on the GPU;
+        None while the optimizer holds none."""
+        optimizer = [tensor for tensor in tensors_of(self.backend.optimizer_state_dict()) if tensor.is_cuda]
+        if not optimizer:
+            return None
+        return [tensor for tensor in tensors_of(self.backend.weight_buckets()) if tensor.is_cuda] + optimizer
 
     def _reuses_snapshot_copies(self) -> bool:
         """Whether a save's copies go into those of an earlier save: on a GPU, in the

@@ -297,7 +297,8 @@ class TrainerConfig(Section):
     before the trainer handles its next event (the publication asked for after the save
     waits for it); ``background``: copied where it lives (weights into one bucket per dtype,
     optimizer state tensor by tensor), which is quick on a GPU, then moved to the host on a
-    copy stream of its own into pinned memory (pinned at the first save, reused by the next)
+    copy stream of its own into pinned memory (pinned once, as soon as trained weights are
+    published where saves are periodic, else at the first save; reused by the next)
     and staged in a thread while the trainer publishes and trains on, holding one more copy
     of the train state on the device meanwhile; ``auto``: ``background`` when the weights
     are on a GPU, else ``inline``."""

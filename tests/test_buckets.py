@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -205,15 +206,17 @@ def test_a_pinned_pool_pins_an_arena_once_and_every_later_save_of_the_same_state
 def test_a_pinned_pool_prepares_an_arena_ahead_that_the_save_of_that_state_takes() -> None:
     pool = PinnedPool(pin=False)
     state = [torch.ones(3, 5), torch.zeros(7, dtype=torch.bfloat16)]
-    pool.prepare(state)
-    pool.prepare(state)  # one idle already: nothing more pinned
-    assert pool.num_pinned == 1
+    signature = pool.reserve(state)
+    assert signature is not None and pool.reserve(state) is None, "claimed already"
+    pool.prepare(signature)
+    assert pool.reserve(state) is None and pool.num_pinned == 1, "one idle already"
     arena = pool.take(state)
     assert pool.num_pinned == 1 and arena.signature == (((3, 5), torch.float32), ((7,), torch.bfloat16))
     pool.give_back(arena)
     other = pool.take([torch.ones(4)])  # the state's shapes changed: the idle arena goes
     assert pool.num_pinned == 2 and pool._idle == []
     pool.give_back(other)
+    assert pool.reserve(state) is None, "a state was taken already: saves pin their own"
 
 
 def test_a_save_taking_an_arena_while_it_is_prepared_waits_for_it_rather_than_pinning_another(
@@ -223,27 +226,40 @@ def test_a_save_taking_an_arena_while_it_is_prepared_waits_for_it_rather_than_pi
 
     pool = PinnedPool(pin=False)
     state = [torch.ones(3, 5)]
-    pinning, finish = threading.Event(), threading.Event()
+    finish = threading.Event()
     make = pool._arena
-
-    def slow(signature: Any) -> Any:
-        pinning.set()
-        assert finish.wait(10)
-        return make(signature)
-
-    monkeypatch.setattr(pool, "_arena", slow)
-    preparing = threading.Thread(target=pool.prepare, args=(state,))
-    preparing.start()
-    assert pinning.wait(10)
+    monkeypatch.setattr(pool, "_arena", lambda signature: finish.wait(10) and make(signature))
+    signature = pool.reserve(state)  # on the caller's thread: a take from now on waits
+    assert signature is not None
     taken: list[Any] = []
     taking = threading.Thread(target=lambda: taken.append(pool.take(state)))
     taking.start()
-    taking.join(0.2)
-    assert taking.is_alive(), "the save waits for the arena being pinned"
+    for _ in range(1000):
+        if pool._lock._waiters:  # type: ignore[attr-defined]
+            break
+        time.sleep(0.01)
+    assert pool._lock._waiters, "the save waits for the arena claimed"  # type: ignore[attr-defined]
+    preparing = threading.Thread(target=pool.prepare, args=(signature,))
+    preparing.start()
     finish.set()
     preparing.join(10)
     taking.join(10)
     assert len(taken) == 1 and pool.num_pinned == 1 and pool._idle == []
+
+
+def test_an_arena_prepared_for_shapes_no_longer_taken_or_after_the_pool_closed_is_dropped() -> None:
+    pool = PinnedPool(pin=False)
+    old = pool.reserve([torch.ones(2)])
+    assert old is not None
+    pool.take([torch.ones(3)])  # a save of other shapes came first: it pinned its own
+    pool.prepare(old)
+    assert pool._idle == []
+    closed = PinnedPool(pin=False)
+    signature = closed.reserve([torch.ones(2)])
+    assert signature is not None
+    closed.close()
+    closed.prepare(signature)
+    assert closed._idle == [] and closed.reserve([torch.ones(2)]) is None
 
 
 def test_an_arena_that_fails_to_be_prepared_is_pinned_by_the_save(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -254,8 +270,10 @@ def test_an_arena_that_fails_to_be_prepared_is_pinned_by_the_save(monkeypatch: p
         raise OSError(12, "Cannot allocate memory")
 
     monkeypatch.setattr(pool, "_arena", refused)
+    signature = pool.reserve([torch.ones(2)])
+    assert signature is not None
     with pytest.raises(OSError, match="allocate"):
-        pool.prepare([torch.ones(2)])
+        pool.prepare(signature)
     monkeypatch.setattr(pool, "_arena", make)
     assert pool.take([torch.ones(2)]).signature == (((2,), torch.float32),) and pool.num_pinned == 1
 

@@ -698,47 +698,74 @@ async def prepared_arenas(trainer: Trainer, count: int, seconds: float = 10.0) -
     raise AssertionError(f"{len(trainer._pinned._idle)} idle arenas after {seconds}s, expected {count}")
 
 
-async def test_the_first_saves_host_memory_is_pinned_once_trained_weights_are_published(
-    base_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The GPU's path on the CPU (every tensor taken as one the save copies to the host):
-    with periodic saves staged in the background, the first publication after a train step
-    has the first save's arena pinned beside the rollout that follows, and that save takes
-    it; a publication before any training, or a run without periodic saves, pins nothing."""
+@pytest.fixture
+def save_memory_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU's path of a background save on the CPU: its copies reused, every tensor of
+    the state taken as one it copies to the host, and a host copy that copies into an arena
+    of the trainer's pool (as on a GPU)."""
     from miles_events.rl.host_copy import map_tensors, tensors_of
 
     def copy_to_the_host(obj: Any, after: Any = None, pool: Any = None) -> tuple[Any, Any]:
         return map_tensors(obj, lambda t: t.clone()), pool.take(tensors_of(obj))
 
-    def every_tensor(self: Trainer) -> list[torch.Tensor]:
-        return tensors_of((self.backend.weight_buckets(), self.backend.optimizer_state_dict()))
+    def every_tensor(self: Trainer) -> list[torch.Tensor] | None:
+        optimizer = tensors_of(self.backend.optimizer_state_dict())
+        return tensors_of(self.backend.weight_buckets()) + optimizer if optimizer else None
 
     monkeypatch.setattr("actors.trainer.copy_to_host", copy_to_the_host)
     monkeypatch.setattr(Trainer, "_reuses_snapshot_copies", lambda self: True)
     monkeypatch.setattr(Trainer, "_save_copies_to_host", every_tensor)
-    config = make_config(base_model, tmp_path, save_staging="background")
+
+
+@pytest.mark.usefixtures("save_memory_on_the_cpu")
+async def test_the_first_saves_host_memory_is_pinned_once_trained_weights_are_published(
+    base_model: Path, tmp_path: Path
+) -> None:
+    """With periodic saves staged in the background, the first publication after a step
+    that trained has the first save's arena pinned beside the rollout that follows, and
+    that save takes it; a publication before any step, or after one that trained nothing,
+    pins nothing, nor does a run without periodic saves."""
+    config = make_config(base_model, tmp_path, save_staging="background", on_non_finite="skip_step")
     unsaved, context = await started_trainer(config, tmp_path / "unsaved")
+    unsaved._pinned.pin = False
     await unsaved.handle(rollout_event(context, 0, two_group_samples()))
     await unsaved.handle(PublishRequested(rollout_id=0))
-    await asyncio.sleep(0.1)
-    assert unsaved._pinned.num_pinned == 0, "no periodic saves: nothing pinned ahead"
+    assert not unsaved._save_memory_prepared and unsaved._pinned.num_pinned == 0, "no periodic saves"
     await unsaved.stop()
 
     trainer, context = await started_trainer(with_save_interval(config, 2), tmp_path)
     trainer._pinned.pin = False
     await trainer.handle(PublishRequested(rollout_id=None))
-    await asyncio.sleep(0.1)
-    assert trainer._pinned.num_pinned == 0, "no optimizer state before the first train step"
-    await trainer.handle(rollout_event(context, 0, two_group_samples()))
+    assert not trainer._save_memory_prepared, "no optimizer state before the first step"
+    await trainer.handle(rollout_event(context, 0, with_nan_reward()))
     await trainer.handle(PublishRequested(rollout_id=0))
-    await prepared_arenas(trainer, 1)
-    prepared = trainer._pinned._idle[0]
+    assert not trainer._save_memory_prepared, "a step that trained nothing made no optimizer state"
     await trainer.handle(rollout_event(context, 1, two_group_samples()))
     await trainer.handle(PublishRequested(rollout_id=1))
-    await trainer.handle(SaveRequested(rollout_id=1, reason="interval"))
-    staged = await staged_train_state(context, 1)
+    await prepared_arenas(trainer, 1)
+    prepared = trainer._pinned._idle[0]
+    await trainer.handle(rollout_event(context, 2, two_group_samples()))
+    await trainer.handle(SaveRequested(rollout_id=2, reason="interval"))
+    staged = await staged_train_state(context, 2)
     assert trainer._arenas[staged.weights.key.rsplit("-weights", 1)[0]][0] is prepared
     assert trainer._pinned.num_pinned == 1, "the save took the arena pinned ahead"
+    await trainer.stop()
+
+
+@pytest.mark.usefixtures("save_memory_on_the_cpu")
+async def test_a_save_asked_for_before_the_first_publication_pins_its_own_memory_alone(
+    base_model: Path, tmp_path: Path
+) -> None:
+    """A save asked for with the first publication after training (a save every rollout):
+    it pins its memory itself, and nothing is pinned ahead beside it."""
+    config = with_save_interval(make_config(base_model, tmp_path, save_staging="background"), 1)
+    trainer, context = await started_trainer(config, tmp_path)
+    trainer._pinned.pin = False
+    await trainer.handle(rollout_event(context, 0, two_group_samples()))
+    await trainer.handle(SaveRequested(rollout_id=0, reason="interval", publication_follows=True))
+    await trainer.handle(PublishRequested(rollout_id=0))
+    await staged_train_state(context, 0)
+    assert not trainer._save_memory_prepared and trainer._pinned.num_pinned == 1
     await trainer.stop()
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -483,10 +484,14 @@ def test_a_cuda_ipc_producer_on_a_filesystem_without_hard_links_writes_each_reco
 
     plane, staged = _cuda_ipc_producer(tmp_path, monkeypatch, "run-ipc-no-links")
 
-    def refuse(src: object, dst: object) -> None:
-        raise PermissionError(1, "Operation not permitted")
+    link = os.link
 
-    monkeypatch.setattr(cuda_ipc.os, "link", refuse)
+    def refuse(src: Any, dst: Any, **kwargs: Any) -> None:
+        if Path(dst).parent == plane.root:
+            raise PermissionError(1, "Operation not permitted")
+        link(src, dst, **kwargs)
+
+    monkeypatch.setattr(os, "link", refuse)
     buckets = staged(16)
     plane.put_buckets("weights-v1", buckets, owner="trainer")
     plane.put_buckets("weights-v2", buckets, owner="trainer")

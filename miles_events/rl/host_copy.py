@@ -185,6 +185,10 @@ def block_offsets(signature: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> t
     return offsets, end
 
 
+Signature = tuple[tuple[tuple[int, ...], "torch.dtype"], ...]
+"""An arena's tensors' shapes and dtypes, in order."""
+
+
 class PinnedArena:
     """Host memory for one save's copies: a pinned tensor for each tensor copied, handed out
     in the order they are asked for (``carve``). Each is a storage of its own: ``torch.save``
@@ -198,7 +202,7 @@ class PinnedArena:
         self._next = 0
 
     @property
-    def signature(self) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
+    def signature(self) -> Signature:
         return _signature(self.tensors)
 
     def carve(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -220,29 +224,39 @@ class PinnedPool:
     """Pinned arenas, each pinned once, for as many saves as are staged at a time: ``take``
     one for the tensors (an idle one of the same shapes and dtypes, else a new one, pinned
     now), ``give_back`` it when what was copied into it has been written (the Saver
-    released it). ``prepare`` pins one ahead of the save that takes it."""
+    released it). ``reserve`` and ``prepare`` pin one ahead of the save that takes it; a
+    ``take`` meanwhile waits for it. Once a state of other shapes is taken (its shapes
+    changed), the idle arenas of the old ones are dropped, and their memory with them."""
 
     def __init__(self, pin: bool = True) -> None:
         self.pin = pin
         self._lock = threading.Condition()  # taken on a staging thread, given back on the loop
         self._idle: list[PinnedArena] = []
-        self._preparing: set[tuple[tuple[tuple[int, ...], torch.dtype], ...]] = set()
-        """The signatures of the arenas ``prepare`` is pinning now."""
+        self._preparing: set[Signature] = set()
+        """The signatures of the arenas reserved and not yet pinned (``prepare``)."""
+        self._last_taken: Signature | None = None
+        self._closed = False
         self.num_pinned = 0
         """Arenas pinned so far (each a stall of the GPU while it was pinned)."""
 
-    def prepare(self, tensors: list[torch.Tensor]) -> None:
-        """Pin an arena for tensors of these shapes and dtypes now, idle until a ``take``
-        asks for it: pinning stalls every CUDA call of the process (``HostBlock``), so the
-        trainer pins the first save's memory while the GPU has nothing of its to do rather
-        than beside the train step the save is asked for after. Nothing where one is idle
-        or being pinned already; a ``take`` meanwhile waits for it."""
+    def reserve(self, tensors: list[torch.Tensor]) -> Signature | None:
+        """Claim an arena for tensors of these shapes and dtypes, to be pinned by ``prepare``
+        (on another thread: pinning stalls every CUDA call of the process, ``HostBlock``); a
+        ``take`` of them from now on waits for it. None where one is idle or claimed
+        already, or where a state was taken already (the saves pin their own)."""
         signature = _signature(tensors)
         with self._lock:
-            if signature in self._preparing or any(arena.signature == signature for arena in self._idle):
-                return
+            if self._closed or self._last_taken is not None or signature in self._preparing:
+                return None
+            if any(arena.signature == signature for arena in self._idle):
+                return None
             self._preparing.add(signature)
             self.num_pinned += 1
+        return signature
+
+    def prepare(self, signature: Signature) -> None:
+        """Pin the arena ``reserve`` claimed, idle until a ``take`` asks for it; dropped
+        where the pool was closed, or a state of other shapes was taken, meanwhile."""
         try:
             arena = self._arena(signature)
         except BaseException:
@@ -253,12 +267,14 @@ class PinnedPool:
             raise
         with self._lock:
             self._preparing.discard(signature)
-            self._idle.append(arena)
+            if not self._closed and self._last_taken in (None, signature):
+                self._idle.append(arena)
             self._lock.notify_all()
 
     def take(self, tensors: list[torch.Tensor]) -> PinnedArena:
         signature = _signature(tensors)
         with self._lock:
+            self._last_taken = signature
             while True:
                 for arena in self._idle:
                     if arena.signature == signature:
@@ -268,17 +284,21 @@ class PinnedPool:
                 if signature not in self._preparing:
                     break
                 self._lock.wait()
-            # The state's shapes changed (or were foreseen wrong): idle arenas of others are
-            # not taken again, and their memory goes with them.
-            self._idle.clear()
+            self._idle.clear()  # of other shapes: not taken again
             self.num_pinned += 1
         return self._arena(signature)
+
+    def close(self) -> None:
+        """Drop the idle arenas; one being prepared is dropped once pinned."""
+        with self._lock:
+            self._closed = True
+            self._idle.clear()
 
     def give_back(self, arena: PinnedArena) -> None:
         with self._lock:
             self._idle.append(arena)
 
-    def _arena(self, signature: tuple[tuple[tuple[int, ...], torch.dtype], ...]) -> PinnedArena:
+    def _arena(self, signature: Signature) -> PinnedArena:
         """A new arena for tensors of ``signature``: one host block, pinned when ``pin``."""
         offsets, num_bytes = block_offsets(signature)
         block = HostBlock(num_bytes, self.pin)
@@ -305,13 +325,13 @@ class DeviceArenaPool(PinnedPool):
         with self._lock:
             self._idle = [arena]
 
-    def _arena(self, signature: tuple[tuple[tuple[int, ...], torch.dtype], ...]) -> PinnedArena:
+    def _arena(self, signature: Signature) -> PinnedArena:
         import torch
 
         return PinnedArena([torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in signature])
 
 
-def _signature(tensors: list[torch.Tensor]) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
+def _signature(tensors: list[torch.Tensor]) -> Signature:
     return tuple((tuple(t.shape), t.dtype) for t in tensors)
 
 

@@ -189,6 +189,7 @@ class CudaIpcTransport(ShmTransport):
                 self._link_record(written, key + RECORD_SUFFIX)
             except FileNotFoundError:  # removed under this process: written again
                 self._written.pop(shared)
+                written.unlink(missing_ok=True)  # where the key's file was what went
                 written = self._write_record(msgspec.msgpack.encode(CudaIpcRecord(shared, ready_event=ready_event)))
                 self._written[shared] = written
                 self._link_record(written, key + RECORD_SUFFIX)
