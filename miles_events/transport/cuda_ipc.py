@@ -180,19 +180,19 @@ class CudaIpcTransport(ShmTransport):
         ready_event = self._record_ready(buckets.device)
         shared = tuple(self._share(b, layout) for layout, b in zip(buckets.layouts, buckets.buffers, strict=True))
         with self._written_lock:  # a record is not dropped between its lookup and its link
-            written = self._written.get(shared)
-            if written is None:  # buffers staged into again are named by the record written for them before
+            # Buffers staged into again are named by the record written for them before.
+            written = self._written.pop(shared, None)
+            if written is not None:
+                try:
+                    self._link_record(written, key + RECORD_SUFFIX)
+                except FileNotFoundError:  # removed under this process: written again
+                    written.unlink(missing_ok=True)  # where the key's file was what went
+                    written = None
+            if written is None:
                 written = self._write_record(msgspec.msgpack.encode(CudaIpcRecord(shared, ready_event=ready_event)))
+                self._link_record(written, key + RECORD_SUFFIX)
             for dropped in _keep_recent(self._written, shared, written, OPEN_RECORDS):
                 dropped.unlink(missing_ok=True)
-            try:
-                self._link_record(written, key + RECORD_SUFFIX)
-            except FileNotFoundError:  # removed under this process: written again
-                self._written.pop(shared)
-                written.unlink(missing_ok=True)  # where the key's file was what went
-                written = self._write_record(msgspec.msgpack.encode(CudaIpcRecord(shared, ready_event=ready_event)))
-                self._written[shared] = written
-                self._link_record(written, key + RECORD_SUFFIX)
         self._held[key] = buckets
         return DataRef(self.name, key, owner, buckets.num_bytes)
 
