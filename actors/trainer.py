@@ -448,13 +448,20 @@ class Trainer(Actor):
             logger.warning("the first save's host memory could not be pinned ahead of it: %s", error)
             return
         if signature is not None:
-            self._preparing_save_memory = self.spawn(self._prepare_save_memory(signature), emits=())
+            num_bytes = sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+            self._preparing_save_memory = self.spawn(self._prepare_save_memory(signature, num_bytes), emits=())
 
-    async def _prepare_save_memory(self, signature: Signature) -> None:
+    async def _prepare_save_memory(self, signature: Signature, num_bytes: int) -> None:
+        began = time.perf_counter()
         try:
             await anyio.to_thread.run_sync(self._pinned.prepare, signature)
         except Exception as error:  # the first save pins it then, and fails there if it must
             logger.warning("the first save's host memory could not be pinned ahead of it: %s", error)
+            return
+        logger.info(
+            "the first save's host memory pinned ahead of it: %.2f GB in %.2f s",
+            num_bytes / 1e9, time.perf_counter() - began,
+        )
 
     def _save_copies_to_host(self) -> list[torch.Tensor] | None:
         """The tensors a background save copies to the host (``copy_to_host``), as their

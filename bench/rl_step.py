@@ -172,6 +172,9 @@ def main() -> None:
     print("each step, ms (* after a rollout with a save): " + ", ".join(
         f"{seconds * 1000:.0f}{'*' if rollout in saved else ''}" for rollout, seconds in enumerate(steps)
     ))
+    print("each rollout, ms generating (response tokens): " + ", ".join(
+        f"{e.generate_seconds * 1000:.0f} ({e.response_tokens})" for e in log if isinstance(e, RolloutGenerated)
+    ))
     print("each train step, ms: " + ", ".join(f"{seconds * 1000:.0f}" for seconds in train))
     staged = {e.rollout_id: e.time for e in log if isinstance(e, TrainStateStaged)}
     written = {e.rollout_id: e.time for e in log if isinstance(e, CheckpointSaved)}
