@@ -27,7 +27,10 @@ the same GPU. Times (CUDA-synchronised, medians of ``--reps``):
   and so, with the producer waiting on the host for its staging before it shares (what a
   producer without the ready event must do). Each side's copy is also timed on the GPU
   (CUDA events around it): what the wall-clock parts spend beyond it is the host's; the
-  pipe's round trip with no work at all is timed beside.
+  pipe's round trip with no work at all is timed beside. The same reps read the GPU's
+  global timer (``%globaltimer``, one clock for every process on the GPU) on each side's
+  stream around its copy: how long the GPU spent between the end of the producer's staging
+  and the start of the engine's copy.
 
 Prints a table with each rate against the copy's (bytes read + written) and a ``RESULT``
 line. Goals: in process < 5 ms, across processes < 20 ms, >= 70% of the copy rate.
@@ -45,6 +48,8 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+import triton
+import triton.language as tl
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -74,6 +79,20 @@ def timed(fn: Callable[[], object], reps: int) -> float:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+@triton.jit
+def _stamp_kernel(clock_ptr, slot):
+    now = tl.inline_asm_elementwise(
+        "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
+    )
+    tl.store(clock_ptr + slot, now)
+
+
+def stamp(clock: torch.Tensor, slot: int) -> None:
+    """Write the GPU's global timer (ns) into ``clock[slot]`` once the work queued before it
+    on the current stream has run: the same clock for every process on the GPU."""
+    _stamp_kernel[(1,)](clock, slot)
 
 
 PING = "ping"
@@ -115,6 +134,7 @@ def engine_process(model_dir: str, run_id: str, pipe: Connection) -> None:
     tiny = torch.zeros(1, device="cuda")
     pipe.send("ready")
     began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    clock = torch.zeros(2, dtype=torch.int64, device="cuda")
     matched = None  # the staged layouts found to be the engine's (TorchEngine compares them once too)
     while (asked := pipe.recv()) is not None:
         if asked in (PING, GPU_PING):
@@ -134,14 +154,17 @@ def engine_process(model_dir: str, run_id: str, pipe: Connection) -> None:
             assert staged.layouts == own.layouts
             matched = staged.layouts
         if gpu_timed:
+            stamp(clock, 0)
             began.record()
         own.copy_from(Buckets(own.layouts, staged.buffers))
         if gpu_timed:
             ended.record()
+            stamp(clock, 1)
         queued = time.perf_counter()
         torch.cuda.synchronize()
         del staged
-        pipe.send((time.perf_counter() - start, queued - start, began.elapsed_time(ended) / 1e3 if gpu_timed else None))
+        gpu = (began.elapsed_time(ended) / 1e3, clock.tolist()) if gpu_timed else (None, None)
+        pipe.send((time.perf_counter() - start, queued - start, *gpu))
     plane.close()
 
 
@@ -158,8 +181,9 @@ def across_processes(
     """Medians, in seconds, of a publication across processes (``whole``: stage, share, the
     engine's open and load, its answer) and of its parts (``stage``: the copy queued, or
     waited for when ``host_sync``; ``share``: ``put_buckets``; ``engine``: the engine's open
-    and load, as it times them, and ``engine_host`` its part until the copy is queued; ``stage_gpu``, ``engine_gpu``: each side's copy as the GPU
-    times it), and the staging buffers allocated (``allocated``): into the buffers of a
+    and load, as it times them, and ``engine_host`` its part until the copy is queued;
+    ``stage_gpu``, ``engine_gpu``: each side's copy as the GPU times it; ``gap``: the GPU's
+    global timer from the end of the staging to the start of the engine's copy), and the staging buffers allocated (``allocated``): into the buffers of a
     publication the engine said it was done with (``StagingPool``, as the trainer does) when
     ``reuse``, else into new ones each time. Without ``host_sync`` the producer shares the
     buckets with the staging still queued, and the engine's stream waits for it on the GPU
@@ -169,7 +193,9 @@ def across_processes(
     pool = StagingPool()
     times: dict[str, list[float]] = {
         "whole": [], "stage": [], "share": [], "engine": [], "engine_host": [], "stage_gpu": [], "engine_gpu": [],
+        "gap": [],
     }  # fmt: skip
+    clock = torch.zeros(2, dtype=torch.int64, device="cuda")
     began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for rep in range(2 * reps + 2):
         gpu_timed = rep % 2 == 1
@@ -177,10 +203,12 @@ def across_processes(
         start = time.perf_counter()
         buckets = pool.take(layouts, "cuda") if reuse else Buckets.allocate(layouts, "cuda")
         if gpu_timed:
+            stamp(clock, 0)
             began.record()
         stage(buckets)
         if gpu_timed:
             ended.record()
+            stamp(clock, 1)
         if host_sync:
             torch.cuda.synchronize()
         staged = time.perf_counter()
@@ -190,7 +218,7 @@ def across_processes(
         pipe.send((ref.key, gpu_timed, host_wait))
         if not pipe.poll(120):
             raise TimeoutError("the engine process did not answer within 120 s")
-        engine_s, engine_host_s, engine_gpu_s = pipe.recv()
+        engine_s, engine_host_s, engine_gpu_s, engine_clock = pipe.recv()
         whole = time.perf_counter() - start
         if rep < 2:
             pass
@@ -198,6 +226,7 @@ def across_processes(
             ended.synchronize()  # done already (the engine's copy waited for it): for its time
             times["stage_gpu"].append(began.elapsed_time(ended) / 1e3)
             times["engine_gpu"].append(engine_gpu_s)
+            times["gap"].append((engine_clock[0] - clock[1].item()) / 1e9)
         else:
             for name, seconds in (
                 ("whole", whole), ("stage", staged - start), ("share", shared - staged),
@@ -311,6 +340,7 @@ def main() -> None:
                 (f"cuda_ipc, {label}: of which the engine's part (open + load)", cross["engine"], rate(cross["engine"])),
                 (f"cuda_ipc, {label}: of which the engine's host work until its copy is queued", cross["engine_host"], None),
                 (f"cuda_ipc, {label}: the engine's copy on the GPU", cross["engine_gpu"], rate(cross["engine_gpu"])),
+                (f"cuda_ipc, {label}: the GPU from the staging's end to the engine's copy's start", cross["gap"], None),
             )
         ),
     ]
@@ -327,7 +357,8 @@ def main() -> None:
         f"RESULT bytes={num_bytes} copy_ms={copy_s * 1e3:.3f} per_tensor_ms={per_tensor_s * 1e3:.2f} "
         f"publish_ms={publish_s * 1e3:.3f} publish_vs_copy={rate(publish_s, 4 * num_bytes) / copy_rate:.2f} "
         f"cross_process_ms={reused['whole'] * 1e3:.3f} cross_vs_copy={rate(reused['whole'], 4 * num_bytes) / copy_rate:.2f} "
-        f"cross_engine_vs_copy={rate(reused['engine']) / copy_rate:.2f} cross_fresh_ms={fresh['whole'] * 1e3:.3f} "
+        f"cross_engine_vs_copy={rate(reused['engine']) / copy_rate:.2f} cross_gap_ms={reused['gap'] * 1e3:.3f} "
+        f"cross_fresh_ms={fresh['whole'] * 1e3:.3f} "
         f"cross_fresh_vs_copy={rate(fresh['whole'], 4 * num_bytes) / copy_rate:.2f} "
         f"cross_host_sync_ms={synced['whole'] * 1e3:.3f} round_trip_ms={ping_s * 1e3:.3f} gpu_round_trip_ms={gpu_ping_s * 1e3:.3f} "
         f"cross_host_sync_vs_copy={rate(synced['whole'], 4 * num_bytes) / copy_rate:.2f} "
