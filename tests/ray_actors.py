@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -39,8 +40,9 @@ class Echo(Actor):
 
 class Model(Actor):
     """Stands for a model actor (role rollout: a process of its own, always): answers each
-    EvalRequested with a StopRequested naming its process, the id and the
-    ``MALLOC_ARENA_MAX`` a process it started would get; writes ``model.stopped`` when it
+    EvalRequested with a StopRequested naming its process, the id, the
+    ``MALLOC_ARENA_MAX`` a process it started would get, and its process's logging (the root
+    logger's level / its number of handlers); writes ``model.stopped`` when it
     stops."""
 
     name = "model"
@@ -59,7 +61,7 @@ class Model(Actor):
     @handles(EvalRequested, emits=(StopRequested,))
     async def on_eval(self, event: EvalRequested) -> None:
         arenas = os.environ.get("MALLOC_ARENA_MAX", "")
-        await self.publish(StopRequested(reason=f"{os.getpid()}:{event.rollout_id}:{arenas}"))
+        await self.publish(StopRequested(reason=f"{os.getpid()}:{event.rollout_id}:{arenas}:{process_logging()}"))
 
 
 class Learner(Model):
@@ -71,6 +73,12 @@ class Learner(Model):
     @classmethod
     def resources(cls, config):  # type: ignore[no-untyped-def]
         return WorkerGroup(role="actor", cpus_per_rank=0.5)
+
+
+def process_logging() -> str:
+    """This process's logging: its root logger's level / how many handlers it has."""
+    root = logging.getLogger()
+    return f"{logging.getLevelName(root.getEffectiveLevel())}/{len(root.handlers)}"
 
 
 PREPARED = "prepared-by"
@@ -92,8 +100,8 @@ class RankProbe:
         self.place = place
         self.notified: list[str] = []
 
-    def where(self) -> tuple[int, int, int]:
-        return self.place.rank, os.getpid(), self.place.ranks_sharing_cores
+    def where(self) -> tuple[int, int, int, str]:
+        return self.place.rank, os.getpid(), self.place.ranks_sharing_cores, process_logging()
 
     def fail(self) -> None:
         raise KeyError(f"rank {self.place.rank} was asked to fail")
@@ -116,7 +124,7 @@ def rank_probe(config, transport, place: RankPlace) -> RankProbe:  # type: ignor
 
 class Ranked(Actor):
     """A model actor with a worker group of two ranks: on EvalRequested, answers with a
-    StopRequested per rank (``rank:pid:ranks_sharing_cores``); on RolloutRequested, asks rank 1
+    StopRequested per rank (``rank:pid:ranks_sharing_cores:actor pid:notes:logging``); on RolloutRequested, asks rank 1
     to fail and answers with the error it got."""
 
     name = "ranked"
@@ -135,9 +143,9 @@ class Ranked(Actor):
     async def on_eval(self, event: EvalRequested) -> None:
         for worker in self.workers:
             worker.notify("note", f"eval {event.rollout_id}")
-            rank, pid, sharing = await worker.call("where")
+            rank, pid, sharing, logs = await worker.call("where")
             notes = await worker.call("notes")
-            await self.publish(StopRequested(reason=f"{rank}:{pid}:{sharing}:{os.getpid()}:{'|'.join(notes)}"))
+            await self.publish(StopRequested(reason=f"{rank}:{pid}:{sharing}:{os.getpid()}:{'|'.join(notes)}:{logs}"))
 
     @handles(RolloutRequested, emits=(StopRequested,))
     async def on_rollout(self, event: RolloutRequested) -> None:

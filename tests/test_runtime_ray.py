@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import os
 import time
 from pathlib import Path
@@ -145,7 +146,7 @@ async def test_the_cluster_is_lean_and_its_stop_runs_every_stop_then_ends_it_at_
     try:
         replies = bus.subscribe("replies", (StopRequested,))
         await bus.publish(EvalRequested(rollout_id=3))
-        pid, _, arenas = (await collect(replies, 1))[0].reason.split(":")
+        pid, _, arenas, _ = (await collect(replies, 1))[0].reason.split(":")
         # The cluster's processes start with few malloc arenas; the driver keeps its own
         # environment, and what an actor starts gets glibc's default again.
         assert b"MALLOC_ARENA_MAX=2" in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
@@ -168,6 +169,31 @@ async def test_the_cluster_is_lean_and_its_stop_runs_every_stop_then_ends_it_at_
     assert not [p for p in cluster if running(p)], "nothing of the cluster outlives the stop"
     assert not (tmp_path / PROCESSES_FILE).exists()
     assert took < 10, f"stopping took {took:.1f}s"
+
+
+async def test_an_actors_process_logs_at_the_drivers_level(tmp_path):
+    # ``python -m miles_events.run --log-level info`` sets the driver's root logger: an
+    # actor's INFO lines must reach the terminal from its own process too.
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.INFO)
+    try:
+        bus, runtime = await start(tmp_path, [Model, Ranked], RayConfig())
+    finally:
+        root.setLevel(level)
+    try:
+        replies = bus.subscribe("replies", (StopRequested,))
+        await bus.publish(EvalRequested(rollout_id=4))
+        answers = {e.source: e.reason.split(":") for e in await collect(replies, 3)}  # ranked's rank 1 last
+        model_pid, _, _, model_logs = answers["model"]
+        rank, rank_pid, _, actor_pid, _, rank_logs = answers["ranked"]
+        assert (int(rank), len({int(model_pid), int(rank_pid), int(actor_pid), os.getpid()})) == (1, 4)
+        # The root logger at the driver's level, with a handler to stderr (Ray forwards it).
+        assert model_logs == rank_logs == "INFO/1", "an actor's process and a rank's process log at the driver's level"
+    finally:
+        bus.close()
+        await runtime.stop()
+        ShmTransport("ray-test").close()
 
 
 async def test_without_an_actor_for_each_cpu_no_worker_is_prestarted(tmp_path):

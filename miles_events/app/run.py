@@ -20,6 +20,7 @@ from miles_events.app.config import ConfigError, dump_config
 from miles_events.app.preflight import INPUT_ERRORS, load_and_check
 from miles_events.rl.checkpoint import CheckpointError
 from miles_events.rl.prompts import DataError
+from miles_events.runtime.base import LOG_FORMAT
 from miles_events.runtime.malloc import cap_this_process
 from miles_events.sinks.base import Sink, SinkContext
 from miles_events.sinks.metrics import MetricsError, MetricsExporter, metrics_exporter
@@ -47,7 +48,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--log-level",
         default=os.environ.get("MILES_LOG_LEVEL", "WARNING"),
-        help="Python logging level of the driver's log (default: $MILES_LOG_LEVEL, else WARNING)",
+        help="Python logging level of the run's log, the driver's and each actor process's (default: $MILES_LOG_LEVEL, else WARNING)",
     )
     return parser.parse_args(argv)
 
@@ -64,7 +65,7 @@ def error_line(error: BaseException) -> str:
 
 
 def configure_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=level.upper(), format=LOG_FORMAT)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

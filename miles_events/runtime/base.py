@@ -23,6 +23,20 @@ from schemas.plan import RunPlan
 
 logger = logging.getLogger(__name__)
 
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+"""The format of every line a run logs, the driver's and each actor process's."""
+
+
+def log_at(level: int) -> None:
+    """This process logs at ``level`` in ``LOG_FORMAT`` to stderr (where the root logger has
+    no handler yet: a Ray worker's has none, and its stderr is forwarded to the driver's)."""
+    root = logging.getLogger()
+    root.setLevel(level)
+    if not root.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(LOG_FORMAT))
+        root.addHandler(handler)
+
 
 @dataclass(frozen=True)
 class Preparation:

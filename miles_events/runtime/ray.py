@@ -33,7 +33,14 @@ from miles_events.bus.codec import decode_batch, encode_batch
 from miles_events.bus.errors import describe_error
 from miles_events.bus.event_bus import BusClosed, EventBus, Mailbox
 from miles_events.bus.host import ActorHost
-from miles_events.runtime.base import ActorStartError, InProcessHosts, Preparation, RunContext, host_context
+from miles_events.runtime.base import (
+    ActorStartError,
+    InProcessHosts,
+    Preparation,
+    RunContext,
+    host_context,
+    log_at,
+)
 from miles_events.runtime.heap import freeze_start_up
 from miles_events.runtime.leftovers import forget_processes, record_processes
 from miles_events.runtime.ray_cluster import ARENAS_MARK, RayCluster
@@ -60,7 +67,9 @@ class RemoteActorHost:
         transport: str,
         outbox_size: int,
         first_bundle: int = 0,
+        log_level: int = logging.WARNING,
     ) -> None:
+        log_at(log_level)  # the driver's
         if os.environ.pop(ARENAS_MARK, None):
             os.environ.pop("MALLOC_ARENA_MAX", None)  # this process has it; its children need not
         self.actor_cls = actor_cls
@@ -477,6 +486,7 @@ class RayRuntime:
                     self.run.transport,
                     config.bus.mailbox_size,
                     first,
+                    logging.getLogger().getEffectiveLevel(),
                 )
                 self._handles.append(handle)
                 remote.append((cls, handle))

@@ -8,6 +8,7 @@ runs while a ``call`` of the same rank is in progress.
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from miles_events.bus.workers import (
     build_in_process,
     gather_workers,
 )
+from miles_events.runtime.base import log_at
 from miles_events.runtime.heap import freeze_start_up
 from miles_events.runtime.ray_cluster import ARENAS_MARK
 from miles_events.transport.base import Transport, open_transport
@@ -36,8 +38,16 @@ class RankHost:
     """Lives in a rank's Ray actor process: builds the rank's object, runs calls on it."""
 
     def __init__(
-        self, factory: WorkerFactory, config_json: bytes, run_id: str, run_dir: str, transport: str, place: RankPlace
+        self,
+        factory: WorkerFactory,
+        config_json: bytes,
+        run_id: str,
+        run_dir: str,
+        transport: str,
+        place: RankPlace,
+        log_level: int = logging.WARNING,
     ) -> None:
+        log_at(log_level)  # its actor's, the driver's
         if os.environ.pop(ARENAS_MARK, None):
             os.environ.pop("MALLOC_ARENA_MAX", None)
         config = msgspec.json.decode(config_json, type=Config)
@@ -121,7 +131,15 @@ async def start_ray_workers(
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=placement, placement_group_bundle_index=first_bundle + rank
             ),
-        ).remote(factory, config_json, run_id, str(run_dir), transport.name, RankPlace(rank, ranks, run_dir, run_id))
+        ).remote(
+            factory,
+            config_json,
+            run_id,
+            str(run_dir),
+            transport.name,
+            RankPlace(rank, ranks, run_dir, run_id),
+            logging.getLogger().getEffectiveLevel(),
+        )
         try:
             pid = await wait_for(handle.started.remote(), timeout, SYSTEM_CLOCK)
         except TimeoutError:
