@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import logging
 import shutil
 import statistics
 import tempfile
@@ -48,6 +49,7 @@ from miles_events.bus.event_log import read_events
 from miles_events.rl.buckets import Buckets, fingerprint_buckets
 from miles_events.rl.hf_model import load_model
 from miles_events.rl.weights import split_tied
+from miles_events.runtime.base import LOG_FORMAT
 from schemas.events import (
     CheckpointSaved,
     PublicationVerified,
@@ -104,10 +106,14 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override")
     parser.add_argument("--keep-log", default=None, metavar="PATH", help="copy the run's event log to PATH")
     parser.add_argument(
+        "--log-level", default="WARNING", help="of the run's processes, as python -m miles_events.run's (e.g. info)"
+    )
+    parser.add_argument(
         "--watch-interpreter", action="store_true",
         help="a thread ticks every ms beside the run (local runtime): reports the gaps over 20 ms in the loop",
     )  # fmt: skip
     args = parser.parse_args()
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     ticks: list[tuple[float, float]] = []
     if args.watch_interpreter:
         threading.Thread(target=tick, args=(ticks,), daemon=True).start()
@@ -176,6 +182,9 @@ def main() -> None:
         f"{e.generate_seconds * 1000:.0f} ({e.response_tokens})" for e in log if isinstance(e, RolloutGenerated)
     ))
     print("each train step, ms: " + ", ".join(f"{seconds * 1000:.0f}" for seconds in train))
+    print("each rollout asked for at (to read beside the log's lines): " + ", ".join(
+        time.strftime("%H:%M:%S", time.localtime(t)) + f".{int(t % 1 * 1000):03d}" for t in requested
+    ))
     staged = {e.rollout_id: e.time for e in log if isinstance(e, TrainStateStaged)}
     written = {e.rollout_id: e.time for e in log if isinstance(e, CheckpointSaved)}
     asked = {e.rollout_id: e.time for e in log if isinstance(e, SaveRequested)}
