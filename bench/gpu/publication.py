@@ -27,10 +27,12 @@ the same GPU. Times (CUDA-synchronised, medians of ``--reps``):
   and so, with the producer waiting on the host for its staging before it shares (what a
   producer without the ready event must do). Each side's copy is also timed on the GPU
   (CUDA events around it): what the wall-clock parts spend beyond it is the host's; the
-  pipe's round trip with no work at all is timed beside. The same reps read the GPU's
-  global timer (``%globaltimer``, one clock for every process on the GPU) on each side's
-  stream around its copy: how long the GPU spent between the end of the producer's staging
-  and the start of the engine's copy.
+  pipe's round trip with no work at all is timed beside. Other reps are traced: each side
+  reads the GPU's global timer (``%globaltimer``, one clock for every process on the GPU)
+  on its stream before and after its copy, and the host's clock at each step of its own;
+  the GPU's timer, read on the host's clock (``clock_offset``), puts both on one timeline
+  (printed for the staging reused): where the host waits for the GPU, and where the GPU
+  for the host or for the switch between the two processes.
 
 Prints a table with each rate against the copy's (bytes read + written) and a ``RESULT``
 line. Goals: in process < 5 ms, across processes < 20 ms, >= 70% of the copy rate.
@@ -39,6 +41,7 @@ line. Goals: in process < 5 ms, across processes < 20 ms, >= 70% of the copy rat
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -95,6 +98,32 @@ def stamp(clock: torch.Tensor, slot: int) -> None:
     _stamp_kernel[(1,)](clock, slot)
 
 
+def clock_offset(clock: torch.Tensor, reps: int = 50) -> tuple[int, int]:
+    """What to add to the GPU's global timer to read it on the host's monotonic clock
+    (``time.perf_counter_ns``, one for every process), and the reading's uncertainty (ns):
+    from the tightest of ``reps`` brackets of a stamp on the idle GPU between the host's
+    time before its launch and after its sync."""
+    best = None
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        before = time.perf_counter_ns()
+        stamp(clock, 0)
+        torch.cuda.synchronize()
+        after = time.perf_counter_ns()
+        if best is None or after - before < best[1] - best[0]:
+            best = (before, after, clock[0].item())
+    before, after, gpu = best
+    return (before + after) // 2 - gpu, (after - before) // 2
+
+
+TIMELINE = (
+    "staging starts (GPU)", "staging queued", "shared (put_buckets)", "the engine has the key",
+    "the engine's copy queued", "staging ends (GPU)", "the engine's copy starts (GPU)",
+    "the engine's copy ends (GPU)", "the engine's wait for it returns", "the producer has the answer",
+)  # fmt: skip
+"""The marks of a traced publication across processes, in the order they come."""
+
+
 PING = "ping"
 """Asks the engine process to answer at once: the pipe's round trip, the host's floor."""
 
@@ -135,6 +164,8 @@ def engine_process(model_dir: str, run_id: str, pipe: Connection) -> None:
     pipe.send("ready")
     began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     clock = torch.zeros(2, dtype=torch.int64, device="cuda")
+    offset, uncertainty = clock_offset(clock)
+    pipe.send(("clock", offset, uncertainty))
     matched = None  # the staged layouts found to be the engine's (TorchEngine compares them once too)
     while (asked := pipe.recv()) is not None:
         if asked in (PING, GPU_PING):
@@ -143,28 +174,40 @@ def engine_process(model_dir: str, run_id: str, pipe: Connection) -> None:
                 torch.cuda.synchronize()
             pipe.send(asked)
             continue
-        key, gpu_timed, host_wait = asked
+        key, kind, host_wait = asked
+        gpu_timed, traced = kind == "gpu", kind == "traced"
         # The engine waits for the producer's ready event on its stream (the transport's
         # way), or, when ``host_wait``, on the host before it queues its copy.
         plane._wait_ready = (lambda event, device: event.synchronize()) if host_wait else CudaIpcTransport._wait_ready
-        start = time.perf_counter()
+        start, got = time.perf_counter(), time.perf_counter_ns()
         staged = plane.get_buckets(DataRef("cuda_ipc", key, "trainer"))
         assert staged is not None
         if staged.layouts is not matched:
             assert staged.layouts == own.layouts
             matched = staged.layouts
         if gpu_timed:
-            stamp(clock, 0)
             began.record()
+        if traced:
+            stamp(clock, 0)
         own.copy_from(Buckets(own.layouts, staged.buffers))
         if gpu_timed:
             ended.record()
+        if traced:
             stamp(clock, 1)
-        queued = time.perf_counter()
+        queued, queued_ns = time.perf_counter(), time.perf_counter_ns()
         torch.cuda.synchronize()
+        synced = time.perf_counter_ns()
         del staged
-        gpu = (began.elapsed_time(ended) / 1e3, clock.tolist()) if gpu_timed else (None, None)
-        pipe.send((time.perf_counter() - start, queued - start, *gpu))
+        marks = None
+        if traced:
+            copy_start, copy_end = (t + offset for t in clock.tolist())
+            marks = {
+                "the engine has the key": got, "the engine's copy queued": queued_ns,
+                "the engine's copy starts (GPU)": copy_start, "the engine's copy ends (GPU)": copy_end,
+                "the engine's wait for it returns": synced,
+            }  # fmt: skip
+        gpu_s = began.elapsed_time(ended) / 1e3 if gpu_timed else None
+        pipe.send((time.perf_counter() - start, queued - start, gpu_s, marks))
     plane.close()
 
 
@@ -177,56 +220,70 @@ def across_processes(
     reuse: bool,
     host_sync: bool = False,
     host_wait: bool = False,
+    offset: int = 0,
 ) -> dict[str, float]:
     """Medians, in seconds, of a publication across processes (``whole``: stage, share, the
     engine's open and load, its answer) and of its parts (``stage``: the copy queued, or
     waited for when ``host_sync``; ``share``: ``put_buckets``; ``engine``: the engine's open
     and load, as it times them, and ``engine_host`` its part until the copy is queued;
-    ``stage_gpu``, ``engine_gpu``: each side's copy as the GPU times it; ``gap``: the GPU's
-    global timer from the end of the staging to the start of the engine's copy), and the staging buffers allocated (``allocated``): into the buffers of a
+    ``stage_gpu``, ``engine_gpu``: each side's copy as the GPU times it; each of ``TIMELINE``,
+    from the start, read on the host's clock, or on the GPU's global timer (``offset`` adds
+    to it the host's clock, ``clock_offset``)), and the staging buffers allocated
+    (``allocated``): into the buffers of a
     publication the engine said it was done with (``StagingPool``, as the trainer does) when
     ``reuse``, else into new ones each time. Without ``host_sync`` the producer shares the
     buckets with the staging still queued, and the engine's stream waits for it on the GPU
-    (the transport's ready event), or, when ``host_wait``, on the host. Reps alternate: the GPU times come from reps with CUDA
-    events around each side's copy, the wall-clock times from reps without (each event
-    recorded is a call of the host's on the publication's path)."""
+    (the transport's ready event), or, when ``host_wait``, on the host. Reps take turns: the
+    wall-clock times come from reps with nothing added, the GPU times from reps with CUDA
+    events around each side's copy, the timeline from reps with a stamp of the GPU's timer
+    before and after each side's copy (each a launch of the host's, ~20 us, on the
+    publication's path)."""
     pool = StagingPool()
     times: dict[str, list[float]] = {
         "whole": [], "stage": [], "share": [], "engine": [], "engine_host": [], "stage_gpu": [], "engine_gpu": [],
-        "gap": [],
-    }  # fmt: skip
+    } | {mark: [] for mark in TIMELINE}  # fmt: skip
     clock = torch.zeros(2, dtype=torch.int64, device="cuda")
     began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for rep in range(2 * reps + 2):
-        gpu_timed = rep % 2 == 1
+    kinds = ("wall", "gpu", "traced")
+    for rep in range(len(kinds) * (reps + 1)):
+        kind = kinds[rep % len(kinds)]
         key = f"weights-{'reused' if reuse else 'fresh'}-v{rep}"
-        start = time.perf_counter()
+        start, start_ns = time.perf_counter(), time.perf_counter_ns()
         buckets = pool.take(layouts, "cuda") if reuse else Buckets.allocate(layouts, "cuda")
-        if gpu_timed:
-            stamp(clock, 0)
+        if kind == "gpu":
             began.record()
+        if kind == "traced":
+            stamp(clock, 0)
         stage(buckets)
-        if gpu_timed:
+        if kind == "gpu":
             ended.record()
+        if kind == "traced":
             stamp(clock, 1)
         if host_sync:
             torch.cuda.synchronize()
-        staged = time.perf_counter()
+        staged, staged_ns = time.perf_counter(), time.perf_counter_ns()
         pool.lend(key, buckets)
         ref = plane.put_buckets(key, buckets, owner="trainer")
-        shared = time.perf_counter()
-        pipe.send((ref.key, gpu_timed, host_wait))
+        shared, shared_ns = time.perf_counter(), time.perf_counter_ns()
+        pipe.send((ref.key, kind, host_wait))
         if not pipe.poll(120):
             raise TimeoutError("the engine process did not answer within 120 s")
-        engine_s, engine_host_s, engine_gpu_s, engine_clock = pipe.recv()
-        whole = time.perf_counter() - start
-        if rep < 2:
+        engine_s, engine_host_s, engine_gpu_s, engine_marks = pipe.recv()
+        whole, answered_ns = time.perf_counter() - start, time.perf_counter_ns()
+        if rep < len(kinds):
             pass
-        elif gpu_timed:
+        elif kind == "gpu":
             ended.synchronize()  # done already (the engine's copy waited for it): for its time
             times["stage_gpu"].append(began.elapsed_time(ended) / 1e3)
             times["engine_gpu"].append(engine_gpu_s)
-            times["gap"].append((engine_clock[0] - clock[1].item()) / 1e9)
+        elif kind == "traced":
+            stage_start, stage_end = (t + offset for t in clock.tolist())
+            marks = engine_marks | {
+                "staging starts (GPU)": stage_start, "staging queued": staged_ns, "shared (put_buckets)": shared_ns,
+                "staging ends (GPU)": stage_end, "the producer has the answer": answered_ns,
+            }  # fmt: skip
+            for mark, ns in marks.items():
+                times[mark].append((ns - start_ns) / 1e9)
         else:
             for name, seconds in (
                 ("whole", whole), ("stage", staged - start), ("share", shared - staged),
@@ -297,15 +354,19 @@ def main() -> None:
     child = ctx.Process(target=engine_process, args=(model_dir, run_id, theirs))
     child.start()
     assert ours.poll(300) and ours.recv() == "ready"
+    assert ours.poll(300)
+    _, engine_offset, engine_uncertainty = ours.recv()
+    offset, uncertainty = clock_offset(torch.zeros(1, dtype=torch.int64, device="cuda"))
     freeze_start_up()
 
     def stage_into(buckets: Buckets) -> None:
         buckets.copy_from(trainer_buckets)
 
-    fresh = across_processes(plane, ours, stage_into, trainer_buckets.layouts, args.reps, reuse=False)
-    reused = across_processes(plane, ours, stage_into, trainer_buckets.layouts, args.reps, reuse=True)
-    synced = across_processes(plane, ours, stage_into, trainer_buckets.layouts, args.reps, reuse=True, host_sync=True)
-    host_waited = across_processes(plane, ours, stage_into, trainer_buckets.layouts, args.reps, reuse=True, host_wait=True)
+    across = functools.partial(across_processes, plane, ours, stage_into, trainer_buckets.layouts, args.reps, offset=offset)
+    fresh = across(reuse=False)
+    reused = across(reuse=True)
+    synced = across(reuse=True, host_sync=True)
+    host_waited = across(reuse=True, host_wait=True)
     ping_s = round_trip(ours, args.reps)
     gpu_ping_s = round_trip(ours, args.reps, gpu=True)
     ours.send(None)
@@ -340,7 +401,6 @@ def main() -> None:
                 (f"cuda_ipc, {label}: of which the engine's part (open + load)", cross["engine"], rate(cross["engine"])),
                 (f"cuda_ipc, {label}: of which the engine's host work until its copy is queued", cross["engine_host"], None),
                 (f"cuda_ipc, {label}: the engine's copy on the GPU", cross["engine_gpu"], rate(cross["engine_gpu"])),
-                (f"cuda_ipc, {label}: the GPU from the staging's end to the engine's copy's start", cross["gap"], None),
             )
         ),
     ]
@@ -350,6 +410,15 @@ def main() -> None:
         print(f"| {name} | {seconds * 1e3:.3f} | {shown} |")
     print(f"| the pipe's round trip to the engine process, no work (the host's floor) | {ping_s * 1e3:.3f} | - | - |")
     print(f"| the same with a one-element kernel on each side, waited for | {gpu_ping_s * 1e3:.3f} | - | - |")
+    print(
+        f"\nA publication across processes (staging reused), traced: each mark's median, ms from its start. The GPU's "
+        f"timer read on the host's clock to +-{uncertainty / 1e3:.1f} us here, +-{engine_uncertainty / 1e3:.1f} us in the "
+        f"engine's process (the two readings differ by {abs(offset - engine_offset) / 1e3:.1f} us)."
+    )
+    print("\n| mark | ms |\n|---|---|")
+    for mark in sorted(TIMELINE, key=lambda m: reused[m]):
+        print(f"| {mark} | {reused[mark] * 1e3:.3f} |")
+    gap = reused["the engine's copy starts (GPU)"] - reused["staging ends (GPU)"]
     print("\nbucket fingerprint by tiles per job: " + ", ".join(
         f"{p}: {s * 1e3:.3f} ms ({rate(s, num_bytes):.0f} GB/s)" for p, s in sweep.items()
     ))
@@ -357,7 +426,7 @@ def main() -> None:
         f"RESULT bytes={num_bytes} copy_ms={copy_s * 1e3:.3f} per_tensor_ms={per_tensor_s * 1e3:.2f} "
         f"publish_ms={publish_s * 1e3:.3f} publish_vs_copy={rate(publish_s, 4 * num_bytes) / copy_rate:.2f} "
         f"cross_process_ms={reused['whole'] * 1e3:.3f} cross_vs_copy={rate(reused['whole'], 4 * num_bytes) / copy_rate:.2f} "
-        f"cross_engine_vs_copy={rate(reused['engine']) / copy_rate:.2f} cross_gap_ms={reused['gap'] * 1e3:.3f} "
+        f"cross_engine_vs_copy={rate(reused['engine']) / copy_rate:.2f} cross_gap_ms={gap * 1e3:.3f} "
         f"cross_fresh_ms={fresh['whole'] * 1e3:.3f} "
         f"cross_fresh_vs_copy={rate(fresh['whole'], 4 * num_bytes) / copy_rate:.2f} "
         f"cross_host_sync_ms={synced['whole'] * 1e3:.3f} round_trip_ms={ping_s * 1e3:.3f} gpu_round_trip_ms={gpu_ping_s * 1e3:.3f} "
