@@ -133,6 +133,25 @@ GPU_PING = "gpu-ping"
 after one of the producer's: the round trip with each process's GPU work waited for."""
 
 
+SPIN = "spin"
+"""``(SPIN, True)`` asks the engine process to wait for each message by polling the pipe
+without sleeping (``receive``), ``(SPIN, False)`` to sleep in the wait again."""
+
+
+def receive(pipe: Connection, spin: bool, timeout: float = 120.0) -> object:
+    """The next message on ``pipe``: waited for asleep in the kernel, or when ``spin`` by
+    polling without sleeping (a process woken from its sleep takes up to ~0.1 ms to run).
+    Raises TimeoutError after ``timeout`` seconds."""
+    if spin:
+        deadline = time.monotonic() + timeout
+        while not pipe.poll(0):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no answer on the pipe within {timeout:g} s")
+    elif not pipe.poll(timeout):
+        raise TimeoutError(f"no answer on the pipe within {timeout:g} s")
+    return pipe.recv()
+
+
 def round_trip(pipe: Connection, reps: int, gpu: bool = False) -> float:
     """Median seconds of a ``PING`` (a ``GPU_PING`` after a kernel of this process, waited
     for, when ``gpu``) to the engine process and its answer, after two warm-ups."""
@@ -167,7 +186,11 @@ def engine_process(model_dir: str, run_id: str, pipe: Connection) -> None:
     offset, uncertainty = clock_offset(clock)
     pipe.send(("clock", offset, uncertainty))
     matched = None  # the staged layouts found to be the engine's (TorchEngine compares them once too)
-    while (asked := pipe.recv()) is not None:
+    spin = False
+    while (asked := receive(pipe, spin)) is not None:
+        if isinstance(asked, tuple) and asked[0] == SPIN:
+            spin = asked[1]
+            continue
         if asked in (PING, GPU_PING):
             if asked == GPU_PING:
                 tiny.add_(1)
@@ -220,6 +243,7 @@ def across_processes(
     reuse: bool,
     host_sync: bool = False,
     host_wait: bool = False,
+    spin: bool = False,
     offset: int = 0,
 ) -> dict[str, float]:
     """Medians, in seconds, of a publication across processes (``whole``: stage, share, the
@@ -233,7 +257,8 @@ def across_processes(
     publication the engine said it was done with (``StagingPool``, as the trainer does) when
     ``reuse``, else into new ones each time. Without ``host_sync`` the producer shares the
     buckets with the staging still queued, and the engine's stream waits for it on the GPU
-    (the transport's ready event), or, when ``host_wait``, on the host. Reps take turns: the
+    (the transport's ready event), or, when ``host_wait``, on the host. With ``spin`` each
+    process waits for the other's message without sleeping (``receive``). Reps take turns: the
     wall-clock times come from reps with nothing added, the GPU times from reps with CUDA
     events around each side's copy, the timeline from reps with a stamp of the GPU's timer
     before and after each side's copy (each a launch of the host's, ~20 us, on the
@@ -245,6 +270,7 @@ def across_processes(
     clock = torch.zeros(2, dtype=torch.int64, device="cuda")
     began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     kinds = ("wall", "gpu", "traced")
+    pipe.send((SPIN, spin))
     for rep in range(len(kinds) * (reps + 1)):
         kind = kinds[rep % len(kinds)]
         key = f"weights-{'reused' if reuse else 'fresh'}-v{rep}"
@@ -266,9 +292,7 @@ def across_processes(
         ref = plane.put_buckets(key, buckets, owner="trainer")
         shared, shared_ns = time.perf_counter(), time.perf_counter_ns()
         pipe.send((ref.key, kind, host_wait))
-        if not pipe.poll(120):
-            raise TimeoutError("the engine process did not answer within 120 s")
-        engine_s, engine_host_s, engine_gpu_s, engine_marks = pipe.recv()
+        engine_s, engine_host_s, engine_gpu_s, engine_marks = receive(pipe, spin)
         whole, answered_ns = time.perf_counter() - start, time.perf_counter_ns()
         if rep < len(kinds):
             pass
@@ -292,6 +316,7 @@ def across_processes(
                 times[name].append(seconds)
         pool.give_back(key)  # the engine's load is done: the Publisher's DataReleased
         plane.free(ref)
+    pipe.send((SPIN, False))
     return {name: statistics.median(values) for name, values in times.items()} | {"allocated": pool.num_allocated}
 
 
@@ -367,6 +392,7 @@ def main() -> None:
     reused = across(reuse=True)
     synced = across(reuse=True, host_sync=True)
     host_waited = across(reuse=True, host_wait=True)
+    spun = across(reuse=True, spin=True)
     ping_s = round_trip(ours, args.reps)
     gpu_ping_s = round_trip(ours, args.reps, gpu=True)
     ours.send(None)
@@ -391,6 +417,7 @@ def main() -> None:
                 ("new buffers each time", fresh), ("staging reused", reused),
                 ("staging reused, waited for on the host before sharing", synced),
                 ("staging reused, the engine waiting on the host for the ready event", host_waited),
+                ("staging reused, each process waiting for the other's message without sleeping", spun),
             )
             for row in (
                 (f"cuda_ipc, {label}: publish across processes (stage + share + open + load)", cross["whole"],
@@ -415,10 +442,11 @@ def main() -> None:
         f"timer read on the host's clock to +-{uncertainty / 1e3:.1f} us here, +-{engine_uncertainty / 1e3:.1f} us in the "
         f"engine's process (the two readings differ by {abs(offset - engine_offset) / 1e3:.1f} us)."
     )
-    print("\n| mark | ms |\n|---|---|")
+    print("\n| mark | ms | same, waiting without sleeping |\n|---|---|---|")
     for mark in sorted(TIMELINE, key=lambda m: reused[m]):
-        print(f"| {mark} | {reused[mark] * 1e3:.3f} |")
+        print(f"| {mark} | {reused[mark] * 1e3:.3f} | {spun[mark] * 1e3:.3f} |")
     gap = reused["the engine's copy starts (GPU)"] - reused["staging ends (GPU)"]
+    span = reused["the engine's copy ends (GPU)"] - reused["staging starts (GPU)"]
     print("\nbucket fingerprint by tiles per job: " + ", ".join(
         f"{p}: {s * 1e3:.3f} ms ({rate(s, num_bytes):.0f} GB/s)" for p, s in sweep.items()
     ))
@@ -427,6 +455,8 @@ def main() -> None:
         f"publish_ms={publish_s * 1e3:.3f} publish_vs_copy={rate(publish_s, 4 * num_bytes) / copy_rate:.2f} "
         f"cross_process_ms={reused['whole'] * 1e3:.3f} cross_vs_copy={rate(reused['whole'], 4 * num_bytes) / copy_rate:.2f} "
         f"cross_engine_vs_copy={rate(reused['engine']) / copy_rate:.2f} cross_gap_ms={gap * 1e3:.3f} "
+        f"cross_gpu_span_ms={span * 1e3:.3f} cross_gpu_span_vs_copy={rate(span, 4 * num_bytes) / copy_rate:.2f} "
+        f"cross_spin_ms={spun['whole'] * 1e3:.3f} cross_spin_vs_copy={rate(spun['whole'], 4 * num_bytes) / copy_rate:.2f} "
         f"cross_fresh_ms={fresh['whole'] * 1e3:.3f} "
         f"cross_fresh_vs_copy={rate(fresh['whole'], 4 * num_bytes) / copy_rate:.2f} "
         f"cross_host_sync_ms={synced['whole'] * 1e3:.3f} round_trip_ms={ping_s * 1e3:.3f} gpu_round_trip_ms={gpu_ping_s * 1e3:.3f} "
