@@ -244,15 +244,17 @@ def across_processes(
     host_sync: bool = False,
     host_wait: bool = False,
     spin: bool = False,
-    offset: int = 0,
+    *,
+    offset: int,
 ) -> dict[str, float]:
     """Medians, in seconds, of a publication across processes (``whole``: stage, share, the
     engine's open and load, its answer) and of its parts (``stage``: the copy queued, or
     waited for when ``host_sync``; ``share``: ``put_buckets``; ``engine``: the engine's open
     and load, as it times them, and ``engine_host`` its part until the copy is queued;
     ``stage_gpu``, ``engine_gpu``: each side's copy as the GPU times it; each of ``TIMELINE``,
-    from the start, read on the host's clock, or on the GPU's global timer (``offset`` adds
-    to it the host's clock, ``clock_offset``)), and the staging buffers allocated
+    from the start, on the host's clock: the host's steps as read, the GPU's global timer
+    put on it by adding ``offset``, this process's ``clock_offset``, the engine process's
+    by its own), and the staging buffers allocated
     (``allocated``): into the buffers of a
     publication the engine said it was done with (``StagingPool``, as the trainer does) when
     ``reuse``, else into new ones each time. Without ``host_sync`` the producer shares the
@@ -378,9 +380,9 @@ def main() -> None:
     ours, theirs = ctx.Pipe()
     child = ctx.Process(target=engine_process, args=(model_dir, run_id, theirs))
     child.start()
-    assert ours.poll(300) and ours.recv() == "ready"
-    assert ours.poll(300)
-    _, engine_offset, engine_uncertainty = ours.recv()
+    if not ours.poll(300) or ours.recv() != "ready":
+        raise RuntimeError("the engine process did not start within 300 s")
+    _, engine_offset, engine_uncertainty = receive(ours, spin=False)
     offset, uncertainty = clock_offset(torch.zeros(1, dtype=torch.int64, device="cuda"))
     freeze_start_up()
 
