@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import logging
 import shutil
 import statistics
 import tempfile
@@ -44,12 +43,12 @@ import msgspec
 
 from miles_events.app.config import load_config
 from miles_events.app.roster import ACTORS
+from miles_events.app.run import configure_logging
 from miles_events.app.session import Session
 from miles_events.bus.event_log import read_events
 from miles_events.rl.buckets import Buckets, fingerprint_buckets
 from miles_events.rl.hf_model import load_model
 from miles_events.rl.weights import split_tied
-from miles_events.runtime.base import LOG_FORMAT
 from schemas.events import (
     CheckpointSaved,
     PublicationVerified,
@@ -113,7 +112,7 @@ def main() -> None:
         help="a thread ticks every ms beside the run (local runtime): reports the gaps over 20 ms in the loop",
     )  # fmt: skip
     args = parser.parse_args()
-    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
+    configure_logging(args.log_level)
     ticks: list[tuple[float, float]] = []
     if args.watch_interpreter:
         threading.Thread(target=tick, args=(ticks,), daemon=True).start()

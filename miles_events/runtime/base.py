@@ -30,12 +30,8 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 def log_at(level: int) -> None:
     """This process logs at ``level`` in ``LOG_FORMAT`` to stderr (where the root logger has
     no handler yet: a Ray worker's has none, and its stderr is forwarded to the driver's)."""
-    root = logging.getLogger()
-    root.setLevel(level)
-    if not root.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter(LOG_FORMAT))
-        root.addHandler(handler)
+    logging.basicConfig(format=LOG_FORMAT)
+    logging.getLogger().setLevel(level)
 
 
 @dataclass(frozen=True)
