@@ -382,7 +382,8 @@ class Trainer(Actor):
     async def on_data_released(self, event: DataReleased) -> None:
         if event.ref.owner != self.name:
             return
-        self._staging.give_back(event.ref.key)
+        # Every engine is done with it, though its copies may still be running on the GPU.
+        self._staging.give_back(event.ref.key, self.context.transport.reads_of(event.ref))
         self._free(event.ref)
         for prefix, (arena, unreleased) in list(self._arenas.items()):
             unreleased.discard(event.ref.key)

@@ -451,8 +451,11 @@ def test_load_weights_resolves_a_data_plane_handle(model_dir: Path, tmp_path: Pa
     engine = TorchEngine.from_pretrained(model_dir, transport=plane)
     state = perturbed_state(engine)
     ref = plane.put_tensors("weights-v1", state, owner="trainer")
+    done = []
+    plane.done_reading = lambda ref, device: done.append((ref, device))  # type: ignore[method-assign]
     assert engine.load_weights(ref, "1") == sum(t.numel() * t.element_size() for t in state.values())
     assert engine.weight_version == "1" and served_checksums(engine) == fingerprints(state)
+    assert done == [(ref, engine.device)]  # the engine tells the transport it is done reading
     plane.close()
 
 
@@ -469,7 +472,10 @@ def test_weights_staged_in_buckets_of_the_served_layout_load_bucket_by_bucket(
         raise AssertionError("the buckets' layout is the engine's: no tensor-by-tensor load")
 
     monkeypatch.setattr(engine, "load_tensors", tensor_by_tensor)
+    done = []
+    monkeypatch.setattr(plane, "done_reading", lambda ref, device: done.append((ref, device)))
     assert engine.load_weights(ref, "1") == sum(t.numel() * t.element_size() for t in state.values()) + 16
+    assert done == [(ref, engine.device)]
     assert engine.weight_version == "1" and served_checksums(engine) == fingerprints(state)
     assert engine.served_canary() == canary_fingerprint(canary)
     served = engine.served_tensors()

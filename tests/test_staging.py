@@ -53,3 +53,37 @@ def test_buckets_asked_for_on_cuda_are_taken_again_on_its_current_device() -> No
     pool.lend("weights-v1", first)
     pool.give_back("weights-v1")  # the buffers say cuda:0
     assert pool.take(LAYOUTS, torch.device("cuda")) is first and pool.num_allocated == 1
+
+
+class Read:
+    """A reader's event as the pool asks it: ``query``, or raising where its process is gone."""
+
+    def __init__(self, done: bool | None) -> None:
+        self.done = done
+
+    def query(self) -> bool:
+        if self.done is None:
+            raise RuntimeError("CUDA error: invalid resource handle")
+        return self.done
+
+
+def test_buckets_given_back_with_reads_still_running_are_taken_only_once_those_have_run() -> None:
+    pool = StagingPool()
+    first = pool.take(LAYOUTS, CPU)
+    pool.lend("weights-v1", first)
+    read = Read(done=False)
+    pool.give_back("weights-v1", [Read(done=True), read])
+    assert pool.take(LAYOUTS, CPU) is not first and pool.num_allocated == 2
+    read.done = True
+    assert pool.take(LAYOUTS, CPU) is first and pool.num_allocated == 2
+
+
+def test_buckets_whose_read_cannot_be_asked_are_never_taken_again() -> None:
+    pool = StagingPool()
+    first = pool.take(LAYOUTS, CPU)
+    pool.lend("weights-v1", first)
+    read = Read(done=None)
+    pool.give_back("weights-v1", [read])
+    assert pool.take(LAYOUTS, CPU) is not first
+    read.done = True
+    assert pool.take(LAYOUTS, CPU) is not first and pool.num_allocated == 3

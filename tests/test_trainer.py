@@ -527,6 +527,44 @@ async def test_a_released_publications_buffers_stage_a_later_one_and_an_unreleas
     assert trainer._staging.num_allocated == 2
 
 
+async def test_a_released_publications_buffers_wait_for_the_engines_copies_the_transport_says_may_still_run(
+    base_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Engines say they are done with their copies queued: the trainer gives the buffers
+    back with the reads the transport names (``reads_of``), and stages into them again only
+    once those have run."""
+    trainer, context = await started_trainer(make_config(base_model, tmp_path), tmp_path)
+
+    class Read:
+        done = False
+
+        def query(self) -> bool:
+            return self.done
+
+    read = Read()
+    asked = []
+    monkeypatch.setattr(context.transport, "reads_of", lambda ref: asked.append(ref) or (read,))
+
+    async def publish() -> tuple[WeightsStaged, set[int]]:
+        await trainer.handle(PublishRequested(rollout_id=None))
+        event = context.of_type(WeightsStaged)[-1]
+        staged = context.transport.get_buckets(event.weights)
+        assert staged is not None
+        return event, {b.data_ptr() for b in staged.buffers}
+
+    first, first_buffers = await publish()
+    await trainer.handle(DataReleased(ref=first.weights))
+    assert asked == [first.weights]
+    await trainer.handle(rollout_event(context, 0, two_group_samples()))
+    second, second_buffers = await publish()  # the engine's copy of the first has not run
+    assert not second_buffers & first_buffers
+    await trainer.handle(DataReleased(ref=second.weights))
+    read.done = True
+    await trainer.handle(rollout_event(context, 1, two_group_samples()))
+    _third, third_buffers = await publish()
+    assert third_buffers in (first_buffers, second_buffers) and trainer._staging.num_allocated == 2
+
+
 async def test_tied_embeddings_are_published_once(tmp_path: Path) -> None:
     tied = prepare_base_model(
         ModelConfig(builtin=BuiltinModelConfig(tie_word_embeddings=True)), tmp_path, SEED

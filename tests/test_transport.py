@@ -533,3 +533,118 @@ def test_a_cuda_ipc_reader_waits_for_the_producers_ready_event_at_every_read(
     plane.get_buckets(record("weights-v3", None))
     assert waited == [b"event", b"event"]
     plane.close()
+
+
+def test_a_cuda_ipc_reader_done_reading_leaves_the_producer_a_receipt_of_its_read_event(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """The receipts, on the CPU: a reader done with a key it read from another process
+    records its read event on its stream (no host sync) and links a receipt naming it
+    beside the key's record; the producer opens the event of each receipt once
+    (``reads_of``), and freeing the key removes them. A key not read from another process
+    is waited for on the host, as every transport does."""
+    import types
+
+    import msgspec
+
+    from miles_events.rl.buckets import plan_layouts
+    from miles_events.transport import cuda_ipc
+    from schemas.data import CudaIpcBuffer, CudaIpcRecord, DataRef
+
+    recorded, synced, opened = [], [], []
+    stream = types.SimpleNamespace(synchronize=lambda: synced.append(True))
+    event = types.SimpleNamespace(record=recorded.append)
+    monkeypatch.setattr(cuda_ipc, "open_shared", lambda shared: torch.zeros(shared.layout.numel))
+    monkeypatch.setattr(cuda_ipc.CudaIpcTransport, "_own_event", lambda self, events, device: (event, b"read-handle"))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    monkeypatch.setattr(torch.cuda.Event, "from_ipc_handle", lambda device, handle: opened.append(handle) or handle)
+    (layout,) = plan_layouts({"w": torch.zeros(3, 4)})
+    reader = cuda_ipc.CudaIpcTransport("run-ipc-receipts", tmp_path)
+    shared = CudaIpcBuffer(layout, 0, b"handle", 1 << 20, 0, 0, b"counter", 0, None, False)
+    data = msgspec.msgpack.encode(CudaIpcRecord((shared,)))
+    reader._publish("weights-v1" + cuda_ipc.RECORD_SUFFIX, lambda p: p.write_bytes(data))
+    ref = DataRef("cuda_ipc", "weights-v1", "trainer")
+    gpu = torch.device("cuda", 0)
+
+    assert reader.get_buckets(ref) is not None
+    reader.done_reading(ref, gpu)
+    assert recorded == [stream] and not synced
+    receipts = [p for p in reader.root.iterdir() if ".read-" in p.name]
+    assert [p.name for p in receipts] == [f"weights-v1.cuda-ipc.read-{os.getpid()}-0"]
+    assert receipts[0].read_bytes() == b"read-handle" and receipts[0].stat().st_mode & 0o077 == 0
+
+    reader.done_reading(DataRef("cuda_ipc", "weights-v9", "trainer"), gpu)  # never read from another process
+    assert recorded == [stream] and synced == [True]
+
+    producer = cuda_ipc.CudaIpcTransport("run-ipc-receipts", tmp_path)
+    producer._held["weights-v1"] = types.SimpleNamespace(device=gpu)  # as put_buckets keeps it
+    assert producer.reads_of(ref) == producer.reads_of(ref) == (b"read-handle",)
+    assert opened == [b"read-handle"]  # opened once
+    producer.free(ref)
+    assert not [p for p in producer.root.iterdir() if ".read-" in p.name]
+    assert producer.reads_of(ref) == ()
+    producer.close()
+
+
+LATE_READER = """
+import sys, torch
+from miles_events.rl.buckets import fingerprint_buckets
+from miles_events.transport.cuda_ipc import CudaIpcTransport
+from schemas.data import DataRef
+plane = CudaIpcTransport(sys.argv[1])
+torch.zeros(1, device="cuda")
+print("ready", flush=True)
+for key in sys.stdin:
+    ref = DataRef("cuda_ipc", key.strip(), "trainer")
+    staged = plane.get_buckets(ref)
+    torch.cuda._sleep(2_000_000_000)  # about a second of GPU time before the copy runs
+    own = [buffer.clone() for buffer in staged.buffers]
+    plane.done_reading(ref, torch.device("cuda", 0))
+    print("queued", flush=True)  # answered with the copy still queued
+    print(sorted(fingerprint_buckets(type(staged)(staged.layouts, tuple(own))).items()), flush=True)
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_staging_buffer_is_taken_again_only_once_the_readers_copies_have_run(tmp_path: Path):
+    """A reader in another process says it is done with its copy still queued; the
+    producer's pool, given the buffers back with the reader's read events, takes new ones
+    while that copy has not run, and the same ones once it has. The reader copied what was
+    staged."""
+    import subprocess
+    import sys
+
+    from miles_events.rl.buckets import fingerprint_buckets
+    from miles_events.rl.staging import StagingPool
+
+    plane = open_transport("cuda_ipc", "run-ipc-reads", tmp_path)
+    pool = StagingPool()
+    layouts = bucketed().layouts
+    buckets = pool.take(layouts, "cuda")
+    buckets.copy_from(bucketed().to("cuda"))
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    reader = subprocess.Popen(
+        [sys.executable, "-c", LATE_READER, "run-ipc-reads"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=root, env=env,
+    )  # fmt: skip
+    assert reader.stdin is not None and reader.stdout is not None
+    assert reader.stdout.readline().strip() == "ready"
+    expected = str(sorted(fingerprint_buckets(bucketed()).items()))
+    pool.lend("weights-v1", buckets)
+    ref = plane.put_buckets("weights-v1", buckets, owner="trainer")
+    reader.stdin.write(ref.key + "\n")
+    reader.stdin.flush()
+    assert reader.stdout.readline().strip() == "queued"
+    reads = plane.reads_of(ref)
+    assert len(reads) == 1 and not reads[0].query()  # the reader's copy is still to run
+    pool.give_back(ref.key, reads)
+    plane.free(ref)
+    other = pool.take(layouts, "cuda")
+    assert other is not buckets and pool.num_allocated == 2
+    assert reader.stdout.readline().strip() == expected  # the reader waited for its copy
+    assert reads[0].query() and pool.take(layouts, "cuda") is buckets
+    reader.stdin.close()
+    assert reader.wait(60) == 0
+    plane.close()

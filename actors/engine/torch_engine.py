@@ -357,7 +357,10 @@ class TorchEngine(Engine):
 
     def load_weights(self, weights: DataRef, weight_version: str) -> int:
         """Read the tensors behind ``weights`` from this engine's transport and load them
-        (``load_tensors``); returns the bytes read."""
+        (``load_tensors``); returns the bytes read. The copies may still be running on the
+        GPU when it returns: what this engine runs next runs behind them on its stream, and
+        the transport tells the producer when it may write its buffers again
+        (``Transport.done_reading``)."""
         if self.transport is None:
             raise ValueError(f"engine {self.name} has no transport to read {weights.transport}:{weights.key} from")
         if weights.transport != self.transport.name:
@@ -367,10 +370,13 @@ class TorchEngine(Engine):
             )
         staged = self.transport.get_buckets(weights)
         if staged is not None and self._load_buckets(staged, weight_version):
-            return staged.tensor_bytes
-        payload = self.transport.get_tensors(weights)
-        self.load_tensors(payload, weight_version)
-        return sum(t.numel() * t.element_size() for t in payload.values())
+            num_bytes = staged.tensor_bytes
+        else:
+            payload = self.transport.get_tensors(weights)
+            self.load_tensors(payload, weight_version)
+            num_bytes = sum(t.numel() * t.element_size() for t in payload.values())
+        self.transport.done_reading(weights, self.device)
+        return num_bytes
 
     def _load_buckets(self, staged: Buckets, weight_version: str) -> bool:
         """Load ``staged`` bucket by bucket when its model buckets are laid out exactly as
@@ -384,11 +390,6 @@ class TorchEngine(Engine):
             self._buckets.copy_from(Buckets(self._buckets.layouts, tuple(staged.buffers[i] for i in model)))
             if canary:
                 self._canary.copy_(staged.buffers[canary[0]][:CANARY_BYTES])
-        if staged.device.type == "cuda":
-            # The load is reported once it returns, and the trainer then stages a later
-            # publication into the same buffers (miles_events.rl.staging): the copies must
-            # be done, not just queued.
-            torch.cuda.current_stream(staged.device).synchronize()
         self._canary_loaded = self._canary_loaded or bool(canary)
         self._weight_version = str(weight_version)
         return True

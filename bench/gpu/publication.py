@@ -25,7 +25,11 @@ the same GPU. Times (CUDA-synchronised, medians of ``--reps``):
   the engine maps); staged as the trainer does, into the buffers of a publication the
   engine said it was done with (``StagingPool``: the engine finds them mapped already);
   and so, with the producer waiting on the host for its staging before it shares (what a
-  producer without the ready event must do). Each side's copy is also timed on the GPU
+  producer without the ready event must do). Then, as ``TorchEngine`` does, with the engine
+  answering as soon as its copy is queued (``done_reading``: the transport's read event
+  recorded behind it) and the producer waiting on the host for that event (``reads_of``):
+  the publication's end as the producer sees it, with no host sync and answer between the
+  engine's copy and the producer. Each side's copy is also timed on the GPU
   (CUDA events around it): what the wall-clock parts spend beyond it is the host's; the
   pipe's round trip with no work at all is timed beside. Other reps are traced: each side
   reads the GPU's global timer (``%globaltimer``, one clock for every process on the GPU)
@@ -197,13 +201,14 @@ def engine_process(model_dir: str, run_id: str, pipe: Connection) -> None:
                 torch.cuda.synchronize()
             pipe.send(asked)
             continue
-        key, kind, host_wait = asked
+        key, kind, host_wait, early = asked
         gpu_timed, traced = kind == "gpu", kind == "traced"
         # The engine waits for the producer's ready event on its stream (the transport's
         # way), or, when ``host_wait``, on the host before it queues its copy.
         plane._wait_ready = (lambda event, device: event.synchronize()) if host_wait else CudaIpcTransport._wait_ready
         got = time.perf_counter_ns()
-        staged = plane.get_buckets(DataRef("cuda_ipc", key, "trainer"))
+        ref = DataRef("cuda_ipc", key, "trainer")
+        staged = plane.get_buckets(ref)
         assert staged is not None
         if staged.layouts is not matched:
             assert staged.layouts == own.layouts
@@ -217,7 +222,11 @@ def engine_process(model_dir: str, run_id: str, pipe: Connection) -> None:
             ended.record()
         if traced:
             stamp(clock, 1)
+        if early:  # the transport's read event behind the copy, and a receipt naming it
+            plane.done_reading(ref, staged.device)
         queued = time.perf_counter_ns()
+        if early:  # answered with the copy queued: the producer waits for the read event
+            pipe.send(((queued - got) / 1e9, (queued - got) / 1e9, None, None))
         torch.cuda.synchronize()
         synced = time.perf_counter_ns()
         del staged
@@ -244,6 +253,8 @@ def across_processes(
     host_sync: bool = False,
     host_wait: bool = False,
     spin: bool = False,
+    early: bool = False,
+    after_own_work: bool = False,
     *,
     offset: int,
 ) -> dict[str, float]:
@@ -260,7 +271,15 @@ def across_processes(
     ``reuse``, else into new ones each time. Without ``host_sync`` the producer shares the
     buckets with the staging still queued, and the engine's stream waits for it on the GPU
     (the transport's ready event), or, when ``host_wait``, on the host. With ``spin`` each
-    process waits for the other's message without sleeping (``receive``). Reps take turns: the
+    process waits for the other's message without sleeping (``receive``). With ``early`` the
+    engine answers as soon as its copy is queued (``done_reading``: its read event recorded
+    behind it, a receipt naming it), as ``TorchEngine`` does, and the producer waits on the
+    host for the events of the key's receipts (``reads_of``): the publication is over when
+    the engine's copy is, as the producer sees it. Otherwise the engine waits for its copy on
+    the host before it answers. With ``after_own_work`` each publication starts right after
+    a kernel of the producer's, waited for, as a run's starts right after its train step:
+    the GPU runs the producer's context when it starts, where otherwise the last work on
+    it was the engine's (its copy of the publication before). Reps take turns: the
     wall-clock times come from reps with nothing added, the GPU times from reps with CUDA
     events around each side's copy, the timeline from reps with a stamp of the GPU's timer
     before and after each side's copy (each a launch of the host's, ~20 us, on the
@@ -272,10 +291,14 @@ def across_processes(
     clock = torch.zeros(2, dtype=torch.int64, device="cuda")
     began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     kinds = ("wall", "gpu", "traced")
+    own_work = torch.zeros(1, device="cuda")
     pipe.send((SPIN, spin))
     for rep in range(len(kinds) * (reps + 1)):
         kind = kinds[rep % len(kinds)]
         key = f"weights-{'reused' if reuse else 'fresh'}-v{rep}"
+        if after_own_work:
+            own_work.add_(1)
+            torch.cuda.synchronize()
         start = time.perf_counter_ns()
         buckets = pool.take(layouts, "cuda") if reuse else Buckets.allocate(layouts, "cuda")
         if kind == "gpu":
@@ -293,9 +316,17 @@ def across_processes(
         pool.lend(key, buckets)
         ref = plane.put_buckets(key, buckets, owner="trainer")
         shared = time.perf_counter_ns()
-        pipe.send((ref.key, kind, host_wait))
+        pipe.send((ref.key, kind, host_wait, early))
+        reads = ()
+        if early:
+            receive(pipe, spin)  # the engine's copy is queued, its read event behind it
+            reads = plane.reads_of(ref)
+            assert len(reads) == 1
+            reads[0].synchronize()
+            answered = time.perf_counter_ns()
         engine_s, engine_host_s, engine_gpu_s, engine_marks = receive(pipe, spin)
-        answered = time.perf_counter_ns()
+        if not early:
+            answered = time.perf_counter_ns()
         if rep < len(kinds):
             pass
         elif kind == "gpu":
@@ -316,7 +347,7 @@ def across_processes(
                 ("engine", engine_s), ("engine_host", engine_host_s),
             ):
                 times[name].append(seconds)
-        pool.give_back(key)  # the engine's load is done: the Publisher's DataReleased
+        pool.give_back(key, reads)  # the engine's load is done: the Publisher's DataReleased
         plane.free(ref)
     pipe.send((SPIN, False))
     return {name: statistics.median(values) for name, values in times.items()} | {"allocated": pool.num_allocated}
@@ -395,6 +426,11 @@ def main() -> None:
     synced = across(reuse=True, host_sync=True)
     host_waited = across(reuse=True, host_wait=True)
     spun = across(reuse=True, spin=True)
+    early = across(reuse=True, early=True)
+    early_spun = across(reuse=True, spin=True, early=True)
+    reused_after = across(reuse=True, after_own_work=True)
+    early_after = across(reuse=True, early=True, after_own_work=True)
+    early_spun_after = across(reuse=True, spin=True, early=True, after_own_work=True)
     ping_s = round_trip(ours, args.reps)
     gpu_ping_s = round_trip(ours, args.reps, gpu=True)
     ours.send(None)
@@ -420,6 +456,11 @@ def main() -> None:
                 ("staging reused, waited for on the host before sharing", synced),
                 ("staging reused, the engine waiting on the host for the ready event", host_waited),
                 ("staging reused, each process waiting for the other's message without sleeping", spun),
+                ("staging reused, the engine answering with its copy queued and the producer waiting for its read event", early),
+                ("the same, each process waiting for the other's message without sleeping", early_spun),
+                ("staging reused, right after the producer's own GPU work (as after a train step)", reused_after),
+                ("the same, the engine answering with its copy queued", early_after),
+                ("the same, each process waiting for the other's message without sleeping", early_spun_after),
             )
             for row in (
                 (f"cuda_ipc, {label}: publish across processes (stage + share + open + load)", cross["whole"],
@@ -444,9 +485,16 @@ def main() -> None:
         f"timer read on the host's clock to +-{uncertainty / 1e3:.1f} us here, +-{engine_uncertainty / 1e3:.1f} us in the "
         f"engine's process (the two readings differ by {abs(offset - engine_offset) / 1e3:.1f} us)."
     )
-    print("\n| mark | ms | same, waiting without sleeping |\n|---|---|---|")
+    print(
+        "\n| mark | ms | same, waiting without sleeping | the engine answering with its copy queued "
+        "(the producer has the answer: its read event seen done) | the same, right after the producer's own GPU work "
+        "|\n|---|---|---|---|---|"
+    )
     for mark in sorted(TIMELINE, key=lambda m: reused[m]):
-        print(f"| {mark} | {reused[mark] * 1e3:.3f} | {spun[mark] * 1e3:.3f} |")
+        print(
+            f"| {mark} | {reused[mark] * 1e3:.3f} | {spun[mark] * 1e3:.3f} | {early[mark] * 1e3:.3f} "
+            f"| {early_after[mark] * 1e3:.3f} |"
+        )
     gap = reused["the engine's copy starts (GPU)"] - reused["staging ends (GPU)"]
     span = reused["the engine's copy ends (GPU)"] - reused["staging starts (GPU)"]
     print("\nbucket fingerprint by tiles per job: " + ", ".join(
@@ -459,6 +507,16 @@ def main() -> None:
         f"cross_engine_vs_copy={rate(reused['engine']) / copy_rate:.2f} cross_gap_ms={gap * 1e3:.3f} "
         f"cross_gpu_span_ms={span * 1e3:.3f} cross_gpu_span_vs_copy={rate(span, 4 * num_bytes) / copy_rate:.2f} "
         f"cross_spin_ms={spun['whole'] * 1e3:.3f} cross_spin_vs_copy={rate(spun['whole'], 4 * num_bytes) / copy_rate:.2f} "
+        f"cross_read_event_ms={early['whole'] * 1e3:.3f} "
+        f"cross_read_event_vs_copy={rate(early['whole'], 4 * num_bytes) / copy_rate:.2f} "
+        f"cross_read_event_spin_ms={early_spun['whole'] * 1e3:.3f} "
+        f"cross_read_event_spin_vs_copy={rate(early_spun['whole'], 4 * num_bytes) / copy_rate:.2f} "
+        f"cross_after_own_ms={reused_after['whole'] * 1e3:.3f} "
+        f"cross_after_own_vs_copy={rate(reused_after['whole'], 4 * num_bytes) / copy_rate:.2f} "
+        f"cross_read_event_after_own_ms={early_after['whole'] * 1e3:.3f} "
+        f"cross_read_event_after_own_vs_copy={rate(early_after['whole'], 4 * num_bytes) / copy_rate:.2f} "
+        f"cross_read_event_spin_after_own_ms={early_spun_after['whole'] * 1e3:.3f} "
+        f"cross_read_event_spin_after_own_vs_copy={rate(early_spun_after['whole'], 4 * num_bytes) / copy_rate:.2f} "
         f"cross_fresh_ms={fresh['whole'] * 1e3:.3f} "
         f"cross_fresh_vs_copy={rate(fresh['whole'], 4 * num_bytes) / copy_rate:.2f} "
         f"cross_host_sync_ms={synced['whole'] * 1e3:.3f} round_trip_ms={ping_s * 1e3:.3f} gpu_round_trip_ms={gpu_ping_s * 1e3:.3f} "

@@ -8,17 +8,20 @@ and closes again: on a GPU, most of a publication's time. Reused, the staging is
 per bucket into memory the engines already map.
 
 A staging buffer is reused only once every reader has said it is done with it: the
-Publisher's ``DataReleased``, after every engine reported its load (an engine reports a
-load once its copy has completed). A buffer freed without that word (the next publication
-is staged while an engine has still not answered) is never written again: the transport
-keeps it alive for whoever still reads it, and the next publication takes a new one.
+Publisher's ``DataReleased``, after every engine reported its load. An engine reports a
+load once its copy is queued (``Transport.done_reading``); where that copy may still be
+running on the GPU, the buffer is given back with the readers' events
+(``Transport.reads_of``), and it is taken again only once each has run. A buffer freed
+without that word (the next publication is staged while an engine has still not answered)
+is never written again: the transport keeps it alive for whoever still reads it, and the
+next publication takes a new one.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from miles_events.rl.buckets import Buckets
 from schemas.data import BucketLayout
@@ -31,14 +34,15 @@ IDLE_PER_LAYOUT = 2
 
 
 class StagingPool:
-    """``take`` buckets for a publication (an idle set of the same layouts and device, else
-    new ones), ``lend`` them under the publication's key, then ``give_back`` the key once its
-    readers are done (idle again) or ``forget`` it when it is freed before they said so
-    (never reused)."""
+    """``take`` buckets for a publication (an idle set of the same layouts and device whose
+    readers' reads have run, else new ones), ``lend`` them under the publication's key, then
+    ``give_back`` the key once its readers are done (idle again) or ``forget`` it when it is
+    freed before they said so (never reused)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()  # taken on the staging thread and on the event loop
-        self._idle: dict[tuple[tuple[BucketLayout, ...], str], list[Buckets]] = {}
+        self._idle: dict[tuple[tuple[BucketLayout, ...], str], list[tuple[Buckets, tuple[Any, ...]]]] = {}
+        """Buckets given back, each with the events of reads that may still be running."""
         self._lent: dict[str, Buckets] = {}
         self.num_allocated = 0
         """Sets of buckets allocated so far (each a new mapping for every engine process)."""
@@ -48,9 +52,13 @@ class StagingPool:
         staged in them last (the caller writes every one), the gaps between them zero."""
         signature = (tuple(layouts), _device_name(device))
         with self._lock:
-            idle = self._idle.get(signature)
-            if idle:
-                return idle.pop()
+            idle = self._idle.get(signature, [])
+            for index in reversed(range(len(idle))):  # the last given back first
+                done = _reads_done(idle[index][1])
+                if done is not False:
+                    buckets, _ = idle.pop(index)
+                    if done:
+                        return buckets
             self.num_allocated += 1
         return Buckets.allocate(layouts, device)
 
@@ -58,15 +66,17 @@ class StagingPool:
         with self._lock:
             self._lent[key] = buckets
 
-    def give_back(self, key: str) -> None:
-        """Every reader of ``key`` is done: its buckets are written again by a later staging."""
+    def give_back(self, key: str, reads: Sequence[Any] = ()) -> None:
+        """Every reader of ``key`` is done: its buckets are written again by a later staging,
+        once each of ``reads`` (events of the readers' copies, ``Transport.reads_of``) has
+        run."""
         with self._lock:
             buckets = self._lent.pop(key, None)
             if buckets is None:
                 return
             idle = self._idle.setdefault((buckets.layouts, _device_name(buckets.device)), [])
             if len(idle) < IDLE_PER_LAYOUT:
-                idle.append(buckets)
+                idle.append((buckets, tuple(reads)))
 
     def forget(self, key: str) -> None:
         """``key`` is freed while a reader may still read it: its buckets are not reused."""
@@ -77,6 +87,15 @@ class StagingPool:
         with self._lock:
             self._idle.clear()
             self._lent.clear()
+
+
+def _reads_done(reads: Sequence[Any]) -> bool | None:
+    """Whether every one of ``reads`` (CUDA events) has run; None where one cannot say (its
+    reader's process is gone with its context): buckets it read are never written again."""
+    try:
+        return all(read.query() for read in reads)
+    except RuntimeError:
+        return None
 
 
 def _device_name(device: torch.device | str) -> str:

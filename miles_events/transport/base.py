@@ -72,6 +72,23 @@ class Transport(ABC):
         copy); None where it does not."""
         return None
 
+    def done_reading(self, ref: DataRef, device: torch.device) -> None:
+        """Every read of ``ref``'s data by this process is queued on ``device``'s current
+        stream (a GPU's copies may still be running): its producer may write the data's
+        buffers again once those have run. Here, where a producer cannot see a reader's
+        GPU work, this waits for it; a transport whose producer can (``cuda_ipc``) leaves it
+        queued and tells the producer what to wait for (``reads_of``)."""
+        if device.type == "cuda":
+            import torch
+
+            torch.cuda.current_stream(device).synchronize()
+
+    def reads_of(self, ref: DataRef) -> tuple[Any, ...]:
+        """What the readers of ``ref`` (its producer's own buffers, not freed yet) said they
+        queued (``done_reading``) and may still be running: events to ``query`` before the
+        buffers are written again. None here: every reader waited for its reads."""
+        return ()
+
     def tensors_file(self, ref: DataRef) -> Path | None:
         """The one safetensors file holding ``ref``'s tensors, where this transport keeps
         them in one (a reader that only copies them, as the Saver, needs no torch then);

@@ -27,8 +27,15 @@ stream and names it in the record, and ``get_buckets`` makes the reader's curren
 wait for it, so the reader's copy is queued at once and runs on the GPU right behind the
 staging (``bench/gpu/publication.py``, whose producer shares at once: 1.1 ms instead of
 1.3-1.4 for 716 MB; the trainer reads its staging's fingerprints and finiteness back
-before it shares, so it has waited for the staging anyway). A reader still waits for its
-own copies before it says it is done with the buffers.
+before it shares, so it has waited for the staging anyway).
+
+Nor need a reader wait on the host for its copies before it says it is done with the
+buffers: ``done_reading`` records the reader's own interprocess event behind them and
+links a receipt naming it beside the record (``<key>.cuda-ipc.read-<pid>-<device>``), and
+the producer, told the reader is done, gets the events of every receipt of the key
+(``reads_of``) and writes the buffers again only once they have run
+(``miles_events.rl.staging``). The reader answers with its copy still queued, and its next
+work (generation, a fingerprint of what it loaded) runs behind it on its stream.
 
 Everything that is not a set of GPU buckets (rollout batches, train state for the Saver,
 CPU weights) goes through shared memory files exactly as ``ShmTransport``.
@@ -65,6 +72,14 @@ OPEN_BUFFERS = 8
 unmapped first: the buckets (one per dtype, and the canary's) of a few publications."""
 OPEN_RECORDS = 2
 """Records a reader keeps read (and their buffers mapped) after its last read of them."""
+READ_SUFFIX = ".read-"
+"""A reader's receipt for key ``k`` is ``k.cuda-ipc.read-<pid>-<device>``: the IPC handle of
+its read event, recorded behind its copies (``done_reading``)."""
+READING = 16
+"""Keys a reader remembers reading until it says it is done (a key forgotten is waited for
+on the host by ``done_reading``)."""
+OPEN_READ_EVENTS = 64
+"""Readers' events a producer keeps open (one per reader process and device)."""
 
 
 def share(buffer: torch.Tensor, layout: BucketLayout) -> CudaIpcBuffer:
@@ -160,9 +175,18 @@ class CudaIpcTransport(ShmTransport):
         record's bytes."""
         self._ready: dict[int | None, tuple[torch.cuda.Event, bytes]] = {}
         """This process's ready event and its IPC handle, by device index (``_ready_event``)."""
-        self._ready_lock = threading.Lock()
+        self._reads: dict[int | None, tuple[torch.cuda.Event, bytes]] = {}
+        """This process's read event and its IPC handle, by device index (``done_reading``)."""
+        self._ready_lock = threading.Lock()  # guards both
+        self._read_handles: dict[int | None, Path] = {}
+        """The hidden file holding each read event's handle, linked as every receipt."""
+        self._reading: OrderedDict[str, torch.device] = OrderedDict()
+        """The last keys this process read from another's buffers and is not done reading
+        (``READING``), and the buffers' device."""
         self._opened_events: OrderedDict[bytes, torch.cuda.Event] = OrderedDict()
         """Other processes' ready events this one opened, by handle."""
+        self._opened_reads: OrderedDict[bytes, torch.cuda.Event] = OrderedDict()
+        """Readers' read events this process opened, by handle."""
         self._written: OrderedDict[tuple[CudaIpcBuffer, ...], Path] = OrderedDict()
         """The last records this process wrote, by what they share: each a hidden file of
         the run's directory, linked under the key of every publication that shares the same
@@ -255,7 +279,62 @@ class CudaIpcTransport(ShmTransport):
         buckets, ready = known
         if ready is not None:
             self._wait_ready(ready, buckets.device)
+        _keep_recent(self._reading, ref.key, buckets.device, READING)
         return buckets
+
+    def done_reading(self, ref: DataRef, device: torch.device) -> None:
+        """Record this process's read event behind the copies queued on ``device``'s current
+        stream and link a receipt naming it beside the key's record, for the producer
+        (``reads_of``); no host sync. The producer's own process, and a reader of anything
+        but another process's GPU buckets, waits as every transport does."""
+        import torch
+
+        if self._reading.pop(ref.key, None) is None or device.type != "cuda":
+            super().done_reading(ref, device)
+            return
+        read, handle = self._own_event(self._reads, device)
+        read.record(torch.cuda.current_stream(device))
+        hidden = self._read_handles.get(device.index)
+        if hidden is None:
+            hidden = self._read_handles[device.index] = self._write_record(handle)
+        receipt = self._path(f"{ref.key}{RECORD_SUFFIX}{READ_SUFFIX}{os.getpid()}-{device.index}")
+        try:
+            _link_or_copy(hidden, receipt)
+        except FileNotFoundError:  # the run's directory emptied under this process
+            torch.cuda.current_stream(device).synchronize()
+
+    def reads_of(self, ref: DataRef) -> tuple[torch.cuda.Event, ...]:
+        """The read events of every receipt of ``ref`` (a key this process staged and holds),
+        opened once each."""
+        import torch
+
+        held = self._held.get(ref.key)
+        if held is None or held.device.type != "cuda":
+            return ()
+        events = []
+        for receipt in self._receipts(ref.key):
+            try:
+                handle = receipt.read_bytes()
+            except FileNotFoundError:
+                continue
+            event = self._opened_reads.get(handle)
+            if event is None:
+                try:
+                    event = torch.cuda.Event.from_ipc_handle(held.device, handle)
+                except RuntimeError:  # its reader's process is gone: its copies with it
+                    continue
+            _keep_recent(self._opened_reads, handle, event, OPEN_READ_EVENTS)
+            events.append(event)
+        return tuple(events)
+
+    def _receipts(self, key: str) -> list[Path]:
+        """The readers' receipts for ``key`` in the run's directory."""
+        prefix = f"{key}{RECORD_SUFFIX}{READ_SUFFIX}"
+        try:
+            with os.scandir(self.root) as entries:
+                return [Path(entry.path) for entry in entries if entry.name.startswith(prefix)]
+        except FileNotFoundError:
+            return []
 
     def _record_ready(self, device: torch.device) -> bytes:
         """Record this process's ready event behind what is queued on ``device``'s current
@@ -268,20 +347,28 @@ class CudaIpcTransport(ShmTransport):
         return handle
 
     def _ready_event(self, device: torch.device) -> tuple[torch.cuda.Event, bytes]:
-        """This process's interprocess event on ``device`` and its IPC handle. One for all
+        """This process's ready event on ``device`` and its IPC handle. One for all
         publications, recorded behind each staging: a reader of an earlier one waits for the
         latest staging, which is only stricter as long as every staging on the device is
-        queued on one stream (the trainer's: its current stream)."""
+        queued on one stream (the trainer's: its current stream). So for the read event,
+        recorded behind each read's copies."""
+        return self._own_event(self._ready, device)
+
+    def _own_event(
+        self, events: dict[int | None, tuple[torch.cuda.Event, bytes]], device: torch.device
+    ) -> tuple[torch.cuda.Event, bytes]:
+        """``events``' interprocess event on ``device`` and its IPC handle, created at the first
+        call."""
         import torch
 
         with self._ready_lock:
-            known = self._ready.get(device.index)
+            known = events.get(device.index)
             if known is None:
                 with torch.cuda.device(device):
                     event = torch.cuda.Event(interprocess=True)
                     event.record(torch.cuda.current_stream(device))  # created by its first record
                     known = (event, bytes(event.ipc_handle()))
-                self._ready[device.index] = known
+                events[device.index] = known
         return known
 
     def _open_event(self, handle: bytes, device: torch.device) -> torch.cuda.Event:
@@ -338,12 +425,17 @@ class CudaIpcTransport(ShmTransport):
     def free(self, ref: DataRef) -> None:
         self._held.pop(ref.key, None)
         self._path(ref.key + RECORD_SUFFIX).unlink(missing_ok=True)
+        for receipt in self._receipts(ref.key):
+            receipt.unlink(missing_ok=True)
         super().free(ref)
 
     def close(self) -> None:
         self._held.clear()
         self._shared.clear()
         self._opened_events.clear()
+        self._opened_reads.clear()
+        self._reading.clear()
+        self._read_handles.clear()
         self._written.clear()
         self._records.clear()
         self._opened.clear()
