@@ -87,3 +87,15 @@ def test_buckets_whose_read_cannot_be_asked_are_never_taken_again() -> None:
     assert pool.take(LAYOUTS, CPU) is not first
     read.done = True
     assert pool.take(LAYOUTS, CPU) is not first and pool.num_allocated == 3
+
+
+def test_buckets_whose_reads_never_end_give_way_to_those_given_back_after_them() -> None:
+    pool = StagingPool()
+    sets = [pool.take(LAYOUTS, CPU) for _ in range(IDLE_PER_LAYOUT + 1)]
+    for number, buckets in enumerate(sets):
+        pool.lend(f"weights-v{number}", buckets)
+    pool.give_back("weights-v0", [Read(done=False)])  # a reader that never gets to run its copy
+    for number in range(1, len(sets)):
+        pool.give_back(f"weights-v{number}")
+    taken = [pool.take(LAYOUTS, CPU) for _ in range(IDLE_PER_LAYOUT)]
+    assert taken == sets[:0:-1] and pool.num_allocated == len(sets)

@@ -580,6 +580,23 @@ def test_a_cuda_ipc_reader_done_reading_leaves_the_producer_a_receipt_of_its_rea
     producer._held["weights-v1"] = types.SimpleNamespace(device=gpu)  # as put_buckets keeps it
     assert producer.reads_of(ref) == producer.reads_of(ref) == (b"read-handle",)
     assert opened == [b"read-handle"]  # opened once
+
+    # A receipt whose event cannot be opened: nobody can say whether its copies ran.
+    (producer.root / "weights-v1.cuda-ipc.read-99-0").write_bytes(b"stale-handle")
+
+    def from_ipc_handle(device: torch.device, handle: bytes) -> bytes:
+        if handle == b"stale-handle":
+            raise RuntimeError("CUDA error: invalid resource handle")
+        return handle
+
+    monkeypatch.setattr(torch.cuda.Event, "from_ipc_handle", from_ipc_handle)
+    unknown, known = sorted(producer.reads_of(ref), key=lambda read: isinstance(read, bytes))
+    assert isinstance(unknown, cuda_ipc.UnknownRead) and known == b"read-handle"
+    with pytest.raises(RuntimeError, match="could not be opened"):
+        unknown.query()
+
+    # A receipt linked after its key was freed goes with the next key freed.
+    (producer.root / "weights-v0.cuda-ipc.read-98-0").write_bytes(b"late")
     producer.free(ref)
     assert not [p for p in producer.root.iterdir() if ".read-" in p.name]
     assert producer.reads_of(ref) == ()

@@ -93,7 +93,7 @@ class TorchEngine(Engine):
         """Where ``load_weights`` reads published weights from."""
         self.device = next(model.parameters()).device
         self._weight_version = "default"
-        self._canary = torch.zeros(CANARY_BYTES, dtype=torch.uint8)
+        self._canary = torch.zeros(CANARY_BYTES, dtype=torch.uint8, device=self.device)
         """The publication canary of the payload loaded last (``miles_events.rl.canary``)."""
         self._canary_loaded = False
         served, self._aliases = split_tied(model.state_dict())
@@ -357,10 +357,10 @@ class TorchEngine(Engine):
 
     def load_weights(self, weights: DataRef, weight_version: str) -> int:
         """Read the tensors behind ``weights`` from this engine's transport and load them
-        (``load_tensors``); returns the bytes read. The copies may still be running on the
-        GPU when it returns: what this engine runs next runs behind them on its stream, and
-        the transport tells the producer when it may write its buffers again
-        (``Transport.done_reading``)."""
+        (``load_tensors``); returns the bytes read. On a GPU it returns with the copies
+        queued: what this engine runs next (the fingerprints of what it serves, generation)
+        runs behind them on its stream, and the transport tells the producer when it may
+        write its buffers again (``Transport.done_reading``)."""
         if self.transport is None:
             raise ValueError(f"engine {self.name} has no transport to read {weights.transport}:{weights.key} from")
         if weights.transport != self.transport.name:

@@ -25,8 +25,8 @@ the same GPU. Times (CUDA-synchronised, medians of ``--reps``):
   the engine maps); staged as the trainer does, into the buffers of a publication the
   engine said it was done with (``StagingPool``: the engine finds them mapped already);
   and so, with the producer waiting on the host for its staging before it shares (what a
-  producer without the ready event must do). Then, as ``TorchEngine`` does, with the engine
-  answering as soon as its copy is queued (``done_reading``: the transport's read event
+  producer without the ready event must do). Then with the engine answering as soon as its
+  copy is queued (as ``TorchEngine.load_weights`` returns) (``done_reading``: the transport's read event
   recorded behind it) and the producer waiting on the host for that event (``reads_of``):
   the publication's end as the producer sees it, with no host sync and answer between the
   engine's copy and the producer. Each side's copy is also timed on the GPU
@@ -273,8 +273,8 @@ def across_processes(
     (the transport's ready event), or, when ``host_wait``, on the host. With ``spin`` each
     process waits for the other's message without sleeping (``receive``). With ``early`` the
     engine answers as soon as its copy is queued (``done_reading``: its read event recorded
-    behind it, a receipt naming it), as ``TorchEngine`` does, and the producer waits on the
-    host for the events of the key's receipts (``reads_of``): the publication is over when
+    behind it, a receipt naming it), as ``TorchEngine.load_weights`` returns, and the producer
+    waits on the host for the events of the key's receipts (``reads_of``): the publication is over when
     the engine's copy is, as the producer sees it. Otherwise the engine waits for its copy on
     the host before it answers. With ``after_own_work`` each publication starts right after
     a kernel of the producer's, waited for, as a run's starts right after its train step:

@@ -9,9 +9,11 @@ per bucket into memory the engines already map.
 
 A staging buffer is reused only once every reader has said it is done with it: the
 Publisher's ``DataReleased``, after every engine reported its load. An engine reports a
-load once its copy is queued (``Transport.done_reading``); where that copy may still be
-running on the GPU, the buffer is given back with the readers' events
-(``Transport.reads_of``), and it is taken again only once each has run. A buffer freed
+load once it has read what it loaded back (its fingerprints), so its copies have run; a
+reader that reads nothing back may say it is done with its copies still queued
+(``Transport.done_reading``), and where they may still be running on the GPU the buffer is
+given back with the readers' events (``Transport.reads_of``) and taken again only once
+each has run, never where one cannot say. A buffer freed
 without that word (the next publication is staged while an engine has still not answered)
 is never written again: the transport keeps it alive for whoever still reads it, and the
 next publication takes a new one.
@@ -30,7 +32,8 @@ if TYPE_CHECKING:
     import torch
 
 IDLE_PER_LAYOUT = 2
-"""Idle staging buffers kept for one layout and device; more are dropped when given back."""
+"""Idle staging buffers kept for one layout and device; when more are given back, the
+oldest are dropped."""
 
 
 class StagingPool:
@@ -75,8 +78,9 @@ class StagingPool:
             if buckets is None:
                 return
             idle = self._idle.setdefault((buckets.layouts, _device_name(buckets.device)), [])
-            if len(idle) < IDLE_PER_LAYOUT:
-                idle.append((buckets, tuple(reads)))
+            if len(idle) >= IDLE_PER_LAYOUT:  # the oldest dropped: one whose reads never end goes
+                idle.pop(0)
+            idle.append((buckets, tuple(reads)))
 
     def forget(self, key: str) -> None:
         """``key`` is freed while a reader may still read it: its buckets are not reused."""

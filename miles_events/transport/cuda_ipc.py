@@ -34,8 +34,11 @@ buffers: ``done_reading`` records the reader's own interprocess event behind the
 links a receipt naming it beside the record (``<key>.cuda-ipc.read-<pid>-<device>``), and
 the producer, told the reader is done, gets the events of every receipt of the key
 (``reads_of``) and writes the buffers again only once they have run
-(``miles_events.rl.staging``). The reader answers with its copy still queued, and its next
-work (generation, a fingerprint of what it loaded) runs behind it on its stream.
+(``miles_events.rl.staging``), never where an event cannot be opened (``UnknownRead``).
+``TorchEngine.load_weights`` returns with its copies queued, and what the engine runs next
+runs behind them on its stream; in a run the engine reports the load once it has read back
+the fingerprints of what it serves, so its copies have run by then anyway. The receipts of
+a key go when it is freed, with those of keys freed before a reader linked its receipt.
 
 Everything that is not a set of GPU buckets (rollout batches, train state for the Saver,
 CPU weights) goes through shared memory files exactly as ``ShmTransport``.
@@ -128,6 +131,17 @@ def open_shared(shared: CudaIpcBuffer) -> torch.Tensor:
     )
 
 
+class UnknownRead:
+    """A reader's read event that could not be opened (``reads_of``): whether its copies ran
+    cannot be told, so ``query`` raises and the buffers are never written again."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+    def query(self) -> bool:
+        raise RuntimeError(f"a reader's read event could not be opened: {self.why}")
+
+
 def _release_counter(shared: CudaIpcBuffer) -> None:
     """Tell the producer this process holds no reference from ``shared``'s share."""
     import torch
@@ -180,9 +194,10 @@ class CudaIpcTransport(ShmTransport):
         self._ready_lock = threading.Lock()  # guards both
         self._read_handles: dict[int | None, Path] = {}
         """The hidden file holding each read event's handle, linked as every receipt."""
-        self._reading: OrderedDict[str, torch.device] = OrderedDict()
+        self._reading: OrderedDict[str, None] = OrderedDict()
         """The last keys this process read from another's buffers and is not done reading
-        (``READING``), and the buffers' device."""
+        (``READING``)."""
+        self._reading_lock = threading.Lock()  # guards it and _read_handles
         self._opened_events: OrderedDict[bytes, torch.cuda.Event] = OrderedDict()
         """Other processes' ready events this one opened, by handle."""
         self._opened_reads: OrderedDict[bytes, torch.cuda.Event] = OrderedDict()
@@ -279,28 +294,38 @@ class CudaIpcTransport(ShmTransport):
         buckets, ready = known
         if ready is not None:
             self._wait_ready(ready, buckets.device)
-        _keep_recent(self._reading, ref.key, buckets.device, READING)
+        with self._reading_lock:  # engines of one process may load on threads of their own
+            _keep_recent(self._reading, ref.key, None, READING)
         return buckets
 
     def done_reading(self, ref: DataRef, device: torch.device) -> None:
         """Record this process's read event behind the copies queued on ``device``'s current
         stream and link a receipt naming it beside the key's record, for the producer
         (``reads_of``); no host sync. The producer's own process, and a reader of anything
-        but another process's GPU buckets, waits as every transport does."""
+        but another process's GPU buckets, waits as every transport does, and so does a
+        reader whose receipt cannot be written."""
         import torch
 
-        if self._reading.pop(ref.key, None) is None or device.type != "cuda":
+        with self._reading_lock:
+            read_here = self._reading.pop(ref.key, False) is None
+        if not read_here or device.type != "cuda":
             super().done_reading(ref, device)
             return
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         read, handle = self._own_event(self._reads, device)
         read.record(torch.cuda.current_stream(device))
-        hidden = self._read_handles.get(device.index)
-        if hidden is None:
-            hidden = self._read_handles[device.index] = self._write_record(handle)
-        receipt = self._path(f"{ref.key}{RECORD_SUFFIX}{READ_SUFFIX}{os.getpid()}-{device.index}")
         try:
-            _link_or_copy(hidden, receipt)
-        except FileNotFoundError:  # the run's directory emptied under this process
+            with self._reading_lock:
+                hidden = self._read_handles.get(device.index)
+                if hidden is None:
+                    hidden = self._read_handles[device.index] = self._write_record(handle)
+            # Linked under a partial name and renamed: a key read again keeps a receipt.
+            self._publish(
+                f"{ref.key}{RECORD_SUFFIX}{READ_SUFFIX}{os.getpid()}-{device.index}",
+                lambda partial: _link_or_copy(hidden, partial),
+            )
+        except OSError:  # the run's directory emptied under this process, or full
             torch.cuda.current_stream(device).synchronize()
 
     def reads_of(self, ref: DataRef) -> tuple[torch.cuda.Event, ...]:
@@ -321,7 +346,8 @@ class CudaIpcTransport(ShmTransport):
             if event is None:
                 try:
                     event = torch.cuda.Event.from_ipc_handle(held.device, handle)
-                except RuntimeError:  # its reader's process is gone: its copies with it
+                except RuntimeError as error:  # nobody can say whether its copies ran
+                    events.append(UnknownRead(str(error)))
                     continue
             _keep_recent(self._opened_reads, handle, event, OPEN_READ_EVENTS)
             events.append(event)
@@ -425,9 +451,23 @@ class CudaIpcTransport(ShmTransport):
     def free(self, ref: DataRef) -> None:
         self._held.pop(ref.key, None)
         self._path(ref.key + RECORD_SUFFIX).unlink(missing_ok=True)
-        for receipt in self._receipts(ref.key):
-            receipt.unlink(missing_ok=True)
+        self._remove_receipts(ref.key)
         super().free(ref)
+
+    def _remove_receipts(self, key: str) -> None:
+        """Remove ``key``'s receipts, and those of keys whose record is gone (a reader's
+        receipt linked after its key was freed)."""
+        marker = f"{RECORD_SUFFIX}{READ_SUFFIX}"
+        try:
+            with os.scandir(self.root) as entries:
+                names = [entry.name for entry in entries]
+        except FileNotFoundError:
+            return
+        present = set(names)
+        for name in names:
+            owner, found, _ = name.partition(marker)
+            if found and not name.startswith(".") and (owner == key or owner + RECORD_SUFFIX not in present):
+                (self.root / name).unlink(missing_ok=True)
 
     def close(self) -> None:
         self._held.clear()
