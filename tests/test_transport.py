@@ -5,6 +5,8 @@ elsewhere."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -188,9 +190,6 @@ torch.cuda.synchronize()
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_ipc_shares_gpu_buckets_with_another_process_without_a_copy(tmp_path: Path):
-    import subprocess
-    import sys
-
     from miles_events.rl.buckets import fingerprint_buckets
 
     plane = open_transport("cuda_ipc", "run-ipc", tmp_path)
@@ -235,9 +234,6 @@ def test_a_reader_keeps_the_buffers_it_mapped_and_reads_what_was_staged_into_the
     """Engines on one GPU (each a process) read each publication: twice staged into the same
     buffers, then into new ones once the old are freed (the allocator may hand out their
     memory again, under the handle a reader has mapped)."""
-    import subprocess
-    import sys
-
     from miles_events.rl.buckets import fingerprint_buckets
 
     plane = open_transport("cuda_ipc", "run-ipc-reuse", tmp_path)
@@ -292,6 +288,19 @@ for key in sys.stdin:
     print(sorted(fingerprint_buckets(buckets).items()), flush=True)
 """
 
+def started_reader(script: str, run_id: str) -> subprocess.Popen[str]:
+    """``script`` run as a reader process of run ``run_id`` (lines in, lines out), once it
+    says it is ready."""
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    reader = subprocess.Popen(
+        [sys.executable, "-c", script, run_id],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=root, env=env,
+    )  # fmt: skip
+    assert reader.stdin is not None and reader.stdout is not None
+    assert reader.stdout.readline().strip() == "ready"
+    return reader
+
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -300,21 +309,12 @@ def test_a_cuda_ipc_reader_waits_on_the_gpu_for_a_staging_the_producer_did_not_w
     another process that reads at once sees the staged values: its stream waits for the
     producer's event. So again for a publication staged into the same buffers (the same
     record, the event recorded again)."""
-    import subprocess
-    import sys
 
     from miles_events.rl.buckets import fingerprint_buckets
 
     plane = open_transport("cuda_ipc", "run-ipc-ready", tmp_path)
     buckets = bucketed().to("cuda")
-    root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    reader = subprocess.Popen(
-        [sys.executable, "-c", WAITING_READER, "run-ipc-ready"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=root, env=env,
-    )  # fmt: skip
-    assert reader.stdin is not None and reader.stdout is not None
-    assert reader.stdout.readline().strip() == "ready"
+    reader = started_reader(WAITING_READER, "run-ipc-ready")
     expected = bucketed()
     records = []
     for version, factor in ((1, 3), (2, 5)):
@@ -629,8 +629,6 @@ def test_a_staging_buffer_is_taken_again_only_once_the_readers_copies_have_run(t
     producer's pool, given the buffers back with the reader's read events, takes new ones
     while that copy has not run, and the same ones once it has. The reader copied what was
     staged."""
-    import subprocess
-    import sys
 
     from miles_events.rl.buckets import fingerprint_buckets
     from miles_events.rl.staging import StagingPool
@@ -640,14 +638,7 @@ def test_a_staging_buffer_is_taken_again_only_once_the_readers_copies_have_run(t
     layouts = bucketed().layouts
     buckets = pool.take(layouts, "cuda")
     buckets.copy_from(bucketed().to("cuda"))
-    root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    reader = subprocess.Popen(
-        [sys.executable, "-c", LATE_READER, "run-ipc-reads"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=root, env=env,
-    )  # fmt: skip
-    assert reader.stdin is not None and reader.stdout is not None
-    assert reader.stdout.readline().strip() == "ready"
+    reader = started_reader(LATE_READER, "run-ipc-reads")
     expected = str(sorted(fingerprint_buckets(bucketed()).items()))
     pool.lend("weights-v1", buckets)
     ref = plane.put_buckets("weights-v1", buckets, owner="trainer")
