@@ -57,7 +57,8 @@ class RunConfig(Section):
     save_trigger_sentinel: str | None = None
     """A file whose existence triggers one save after the current rollout; it is removed when
     that save is asked for. A relative path is resolved against the config file's directory,
-    like every path here (the seed resolves it against the working directory)."""
+    like every path here (one given with ``--set``, and the seed's, against the working
+    directory)."""
     debug_exit_after_rollout: PositiveInt | None = None
     """Finish (completed) after this many rollouts of this run, counted from where it started."""
     stop_grace_seconds: PositiveFloat | None = 60.0
@@ -94,7 +95,9 @@ class BuiltinModelConfig(Section):
     hidden_size: PositiveInt = 64
     """The model's width (its Hugging Face config's ``hidden_size``, as the keys below are)."""
     intermediate_size: PositiveInt = 128
+    """The width of each MLP's hidden layer."""
     num_hidden_layers: PositiveInt = 2
+    """Transformer blocks."""
     num_attention_heads: PositiveInt = 4
     """Must divide ``hidden_size`` into an even head dimension (rotary embeddings)."""
     num_key_value_heads: PositiveInt = 2
@@ -254,9 +257,11 @@ class TrainerConfig(Section):
     weight_decay: NonNegativeFloat = 0.0
     """AdamW's decoupled weight decay."""
     adam_beta1: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.9
+    """AdamW's first-moment decay (beta1)."""
     adam_beta2: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.999
+    """AdamW's second-moment decay (beta2)."""
     adam_eps: PositiveFloat = 1e-8
-    """AdamW's betas and epsilon: ``adam_beta1``, ``adam_beta2``, ``adam_eps``."""
+    """AdamW's epsilon."""
     clip_grad: NonNegativeFloat = 1.0
     """Max gradient norm; 0 disables clipping."""
     global_batch_size: PositiveInt | None = None
@@ -272,7 +277,9 @@ class TrainerConfig(Section):
     to the loss, weighted by ``kl_loss_coef``, estimated as ``kl_loss_type`` (Schulman's k1
     or k3)."""
     kl_loss_coef: NonNegativeFloat = 0.0
+    """Weight of the KL term in the loss (``use_kl_loss``)."""
     kl_loss_type: Literal["k1", "k3"] = "k3"
+    """The KL estimator: Schulman's ``k1`` (log ratio) or ``k3`` (low-variance, non-negative)."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus (subtracted from the loss)."""
     normalize_advantage_std: bool = True
@@ -312,9 +319,9 @@ class PublisherConfig(Section):
     handles (slime's colocated path; the trainer's weights on CUDA, the engines embedded),
     everything else as ``shm``."""
     stage_timeout: PositiveFloat = 120.0
-    """Seconds the trainer's staging of a publication may take (``load_timeout``: each engine's load)."""
+    """Seconds the trainer's staging of a publication may take before the publication fails."""
     load_timeout: PositiveFloat = 120.0
-    """Seconds each phase may take before the publication fails."""
+    """Seconds each engine's load of a publication may take before the publication fails."""
 
 
 class VerifierConfig(Section):

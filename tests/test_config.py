@@ -256,8 +256,26 @@ def test_a_float_that_is_not_finite_is_refused_naming_the_key(tmp_path: Path, ke
 
 
 @pytest.mark.parametrize("value", ["nan", "-inf"])
-def test_a_bounded_float_refuses_nan_and_minus_inf_by_its_bound(tmp_path: Path, value: str) -> None:
-    assert error_of(write_config(tmp_path, BASE), [f"trainer.lr={value}"]).endswith("trainer.lr: must be > 0.0")
+def test_a_bounded_float_refuses_nan_and_minus_inf_as_not_finite_not_by_its_bound(tmp_path: Path, value: str) -> None:
+    message = error_of(write_config(tmp_path, BASE), [f"trainer.lr={value}"])
+    assert message.endswith(f"trainer.lr: must be a finite number, got {value}")
+    path = write_config(tmp_path, BASE + f"[trainer]\nclip_grad = {value}\n")
+    assert error_of(path) == f"{path}:6: trainer.clip_grad: must be a finite number, got {value}"
+
+
+def test_resume_and_overwrite_together_are_refused(tmp_path: Path) -> None:
+    message = error_of(write_config(tmp_path, BASE), ["run.resume=true", "run.overwrite=true"])
+    assert "run.overwrite: cannot be set with run.resume" in message
+
+
+@pytest.mark.parametrize(("runtime", "refused"), [("ray", True), ("local", False)])
+def test_the_in_process_transport_needs_the_local_runtime(tmp_path: Path, runtime: str, refused: bool) -> None:
+    path = write_config(tmp_path, BASE)
+    overrides = ['publisher.transport="inprocess"', f'run.runtime="{runtime}"']
+    if refused:
+        assert 'publisher.transport: "inprocess" keeps data in one process' in error_of(path, overrides)
+    else:
+        assert load_config(path, overrides).publisher.transport == "inprocess"
 
 
 def test_a_float_that_is_not_finite_in_the_file_is_located(tmp_path: Path) -> None:

@@ -216,6 +216,19 @@ _HEADER = re.compile(r"^\s*\[\[?\s*(?P<name>[^\]]+?)\s*\]\]?\s*(?:#.*)?$")
 _KEY = re.compile(r"""^\s*(?P<key>[A-Za-z0-9_\-."' ]+?)\s*=""")
 
 
+def _value_at(data: Any, key_path: Sequence[str]) -> Any:
+    """The value at ``key_path`` of parsed TOML ``data`` (list indices as ``[n]``), or None."""
+    for part in key_path:
+        if isinstance(data, dict):
+            data = data.get(part)
+        elif isinstance(data, list) and part.startswith("[") and part.endswith("]") and part[1:-1].isdigit():
+            index = int(part[1:-1])
+            data = data[index] if index < len(data) else None
+        else:
+            return None
+    return data
+
+
 def _split_key(key: str) -> list[str]:
     return [part.strip().strip("\"'") for part in key.split(".")]
 
@@ -299,6 +312,9 @@ def load_config_text(
         config = msgspec.convert(data, Config)
     except msgspec.ValidationError as error:
         key_path, what = _describe(error)
+        value = _value_at(data, key_path)
+        if isinstance(value, float) and not math.isfinite(value):  # not "must be > 0" for a nan
+            what = f"must be a finite number, got {_toml_value(value)}"
         raise _located(name, text, key_path, what, overridden) from None
     config = resolve_paths(config, Path(base_dir), {k for k in overridden if len(k) == 2})
     if check:
@@ -363,7 +379,14 @@ def validate(config: Config) -> None:
     _validate_seed(config)
     _validate_builtin_model(config)
     _validate_own_process(config)
+    _validate_transport(config)
     run, data, trainer = config.run, config.data, config.trainer
+    if run.resume and run.overwrite:
+        raise ConfigError(
+            "run.overwrite: cannot be set with run.resume (a resumed run continues from the checkpoints "
+            "that overwrite would move aside)",
+            key="run.overwrite",
+        )
     if run.num_rollout != 0:
         needed = "run.num_rollout is unset" if run.num_rollout is None else f"run.num_rollout = {run.num_rollout}"
         if not data.prompt_data:
@@ -485,6 +508,16 @@ def _validate_own_process(config: Config) -> None:
                 f"{', '.join(light)} (the generator and the trainer always have one, the coordinator never)",
                 key="ray.own_process",
             )
+
+
+def _validate_transport(config: Config) -> None:
+    """``publisher.transport = "inprocess"`` keeps data in one process: the local runtime's."""
+    if config.publisher.transport == "inprocess" and config.run.runtime != "local":
+        raise ConfigError(
+            f'publisher.transport: "inprocess" keeps data in one process, which needs run.runtime = "local" '
+            f'(not "{config.run.runtime}"); on ray use "shm", "disk" or "cuda_ipc" (or "auto")',
+            key="publisher.transport",
+        )
 
 
 def _validate_loading(config: Config) -> None:

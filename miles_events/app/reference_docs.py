@@ -90,7 +90,8 @@ def config_reference() -> str:
         "Generated from `schemas/config.py` by `python -m miles_events.app.reference_docs`; a test",
         "checks it is current. Every section is strict: an unknown key or a wrong type stops",
         "the run with one line naming the key path. Relative paths are resolved against the",
-        "directory of the config file. Override any key with `--set section.key=value`.",
+        "directory of the config file; a path given with `--set` against the current directory.",
+        "Override any key with `--set section.key=value`.",
         "A float must be finite: TOML's `nan`, `inf` and `-inf` are refused.",
         "",
     ]
