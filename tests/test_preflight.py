@@ -175,3 +175,33 @@ def test_a_gpu_is_seen_without_torch_where_the_driver_lists_one_in_this_containe
     control.unlink()
     (tmp_path / "kfd").touch()
     assert memory.cuda_present(), "ROCm"
+
+
+@pytest.mark.parametrize(
+    ("runtime", "address", "present", "refused"),
+    [
+        ("ray", None, False, True),
+        ("local", None, False, True),
+        ("local", "ray://head:10001", False, True),  # the local runtime runs its engines here
+        ("ray", "ray://head:10001", False, False),  # a joined cluster's hosts are not asked
+        ("ray", None, True, False),
+    ],
+)
+def test_cuda_graph_decoding_needs_a_gpu_where_the_engines_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, runtime: str, address: str | None, present: bool, refused: bool
+) -> None:
+    import msgspec
+
+    from schemas.config import RayConfig, RolloutConfig
+
+    monkeypatch.setattr(preflight, "cuda_present", lambda: present)
+    config = msgspec.structs.replace(
+        data_config(tmp_path, runtime=runtime), rollout=RolloutConfig(decode="cuda_graph"), ray=RayConfig(address=address)
+    )
+    if refused:
+        with pytest.raises(ConfigError, match='rollout.decode: "cuda_graph" needs a CUDA GPU') as caught:
+            preflight.check_device(config)
+        assert caught.value.key == "rollout.decode"
+    else:
+        preflight.check_device(config)
+    preflight.check_device(msgspec.structs.replace(config, rollout=RolloutConfig(decode="auto")))

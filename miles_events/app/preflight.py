@@ -13,6 +13,8 @@ of one line that names the key (the CLI's exit 2). What is checked here and not 
 - A rollout's estimated memory (``miles_events.rl.memory``: the batch, the engine's decode
   batch and the trainer's micro-batch, counted against host memory; on CUDA only the batch is) must fit
   in the memory available now.
+- ``rollout.decode = "cuda_graph"``: a GPU visible on this host (``cuda_present``), unless
+  the run joins a cluster at ``ray.address``.
 - The built-in model (``model.path`` unset): its parameters, in the float32 it is built in,
   must fit in the memory available now (``available_memory``). Only the weights are
   counted, so this refuses a shape that can never be built; a run takes several times that
@@ -110,8 +112,23 @@ def check_rollout_fits(config: Config, available: int | None, longest_prompt: in
         )
 
 
+def check_device(config: Config) -> None:
+    """``rollout.decode = "cuda_graph"`` needs a GPU where the engines run: this host, unless
+    the run joins a cluster (``ray.address``), whose hosts are not asked."""
+    if config.rollout.decode != "cuda_graph" or (config.ray.address is not None and config.run.runtime == "ray"):
+        return
+    if not cuda_present():
+        raise ConfigError(
+            'rollout.decode: "cuda_graph" needs a CUDA GPU, and this host has none visible; use "auto", '
+            '"static" or "eager"',
+            key="rollout.decode",
+        )
+
+
 def check_input(config: Config) -> None:
-    """The checks beyond ``validate``: the built-in model's memory, then the data files."""
+    """The checks beyond ``validate``: the engines' device, the built-in model's memory, then
+    the data files."""
+    check_device(config)
     available = available_memory()
     check_builtin_fits(config, available)
     check_rollout_fits(config, available, check_data(config))
