@@ -380,6 +380,9 @@ class CheckpointSaved(Event, frozen=True, kw_only=True):
     rollout_id: int
     path: str
     weight_version: str
+    """The version the saved weights were trained from (the trainer's when the rollout's
+    batch reached it); they are published as the next, and a run resumed from them
+    publishes them under that same next number."""
     num_bytes: int
     save_seconds: float = 0.0
 

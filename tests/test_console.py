@@ -89,7 +89,7 @@ async def test_plain_prints_start_publication_evals_checkpoints_and_end_in_event
         "initial publication v1 verified",
     ]
     assert lines[3].startswith("eval at rollout 0: accuracy=0.000 ")
-    assert lines[6] == "checkpoint rollout 1 (version 2) -> /tmp/fx/checkpoints/rollout_000001 in 0.05s"
+    assert lines[6] == "checkpoint rollout 1 (trained from version 2) -> /tmp/fx/checkpoints/rollout_000001 in 0.05s"
     assert lines[-1] == "run completed after rollout 3/3 at weight version 4 in 0.9s"
     assert len(lines) == 12
 
@@ -203,7 +203,7 @@ async def test_rich_leaves_a_summary_with_reward_versions_and_verification():
     assert "trainer 4  engine-0 4  engine-1 4" in summary
     assert "v4 verified (27 tensors)" in summary
     assert "gen 0.06s  train 0.12s  pub 0.04s  verify 0.00s  save 0.08s" in summary
-    assert "rollout 2 (version 3) -> /tmp/fx/checkpoints/rollout_000002" in summary
+    assert "rollout 2 (trained from version 3) -> /tmp/fx/checkpoints/rollout_000002" in summary
     assert "run completed after rollout 3/3 at weight version 4" in summary
 
 

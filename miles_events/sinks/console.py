@@ -332,7 +332,7 @@ class PlainProgress(ConsoleSink):
     @handles(CheckpointSaved)
     def _checkpoint_saved(self, event: CheckpointSaved) -> None:
         self._line(
-            f"checkpoint rollout {event.rollout_id} (version {event.weight_version}) -> {event.path} "
+            f"checkpoint rollout {event.rollout_id} (trained from version {event.weight_version}) -> {event.path} "
             f"in {event.save_seconds:.2f}s"
         )
 
@@ -428,7 +428,7 @@ def render_progress(progress: RunProgress, *, final: bool = False) -> Panel:
         rows.add_row("checkpoint", Text(p.checkpoint_problem, style="bold red"))
     elif p.checkpoint is not None:
         c = p.checkpoint
-        rows.add_row("checkpoint", Text(f"rollout {c.rollout_id} (version {c.weight_version}) -> {c.path}"))
+        rows.add_row("checkpoint", Text(f"rollout {c.rollout_id} (trained from version {c.weight_version}) -> {c.path}"))
     if p.eval is not None:
         scores = " ".join(f"{metric_name(k)}={v:.4g}" for k, v in sorted(p.eval.metrics.items()))
         rows.add_row("eval", Text(f"rollout {p.eval.rollout_id}: {scores}"))
