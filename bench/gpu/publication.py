@@ -26,8 +26,8 @@ the same GPU. Times (CUDA-synchronised, medians of ``--reps``):
   engine said it was done with (``StagingPool``: the engine finds them mapped already);
   and so, with the producer waiting on the host for its staging before it shares (what a
   producer without the ready event must do). Then with the engine answering as soon as its
-  copy is queued (as ``TorchEngine.load_weights`` returns) (``done_reading``: the transport's read event
-  recorded behind it) and the producer waiting on the host for that event (``reads_of``):
+  copy is queued, as ``TorchEngine.load_weights`` returns (``done_reading``: the transport's
+  read event recorded behind it), and the producer waiting on the host for that event (``reads_of``):
   the publication's end as the producer sees it, with no host sync and answer between the
   engine's copy and the producer. Each side's copy is also timed on the GPU
   (CUDA events around it): what the wall-clock parts spend beyond it is the host's; the
@@ -500,29 +500,22 @@ def main() -> None:
     print("\nbucket fingerprint by tiles per job: " + ", ".join(
         f"{p}: {s * 1e3:.3f} ms ({rate(s, num_bytes):.0f} GB/s)" for p, s in sweep.items()
     ))
+    variants = " ".join(
+        f"cross_{name}_ms={cross['whole'] * 1e3:.3f} "
+        f"cross_{name}_vs_copy={rate(cross['whole'], 4 * num_bytes) / copy_rate:.2f}"
+        for name, cross in (
+            ("spin", spun), ("read_event", early), ("read_event_spin", early_spun), ("after_own", reused_after),
+            ("read_event_after_own", early_after), ("read_event_spin_after_own", early_spun_after),
+            ("fresh", fresh), ("host_sync", synced), ("engine_host_wait", host_waited),
+        )
+    )  # fmt: skip
     print(
         f"RESULT bytes={num_bytes} copy_ms={copy_s * 1e3:.3f} per_tensor_ms={per_tensor_s * 1e3:.2f} "
         f"publish_ms={publish_s * 1e3:.3f} publish_vs_copy={rate(publish_s, 4 * num_bytes) / copy_rate:.2f} "
         f"cross_process_ms={reused['whole'] * 1e3:.3f} cross_vs_copy={rate(reused['whole'], 4 * num_bytes) / copy_rate:.2f} "
         f"cross_engine_vs_copy={rate(reused['engine']) / copy_rate:.2f} cross_gap_ms={gap * 1e3:.3f} "
         f"cross_gpu_span_ms={span * 1e3:.3f} cross_gpu_span_vs_copy={rate(span, 4 * num_bytes) / copy_rate:.2f} "
-        f"cross_spin_ms={spun['whole'] * 1e3:.3f} cross_spin_vs_copy={rate(spun['whole'], 4 * num_bytes) / copy_rate:.2f} "
-        f"cross_read_event_ms={early['whole'] * 1e3:.3f} "
-        f"cross_read_event_vs_copy={rate(early['whole'], 4 * num_bytes) / copy_rate:.2f} "
-        f"cross_read_event_spin_ms={early_spun['whole'] * 1e3:.3f} "
-        f"cross_read_event_spin_vs_copy={rate(early_spun['whole'], 4 * num_bytes) / copy_rate:.2f} "
-        f"cross_after_own_ms={reused_after['whole'] * 1e3:.3f} "
-        f"cross_after_own_vs_copy={rate(reused_after['whole'], 4 * num_bytes) / copy_rate:.2f} "
-        f"cross_read_event_after_own_ms={early_after['whole'] * 1e3:.3f} "
-        f"cross_read_event_after_own_vs_copy={rate(early_after['whole'], 4 * num_bytes) / copy_rate:.2f} "
-        f"cross_read_event_spin_after_own_ms={early_spun_after['whole'] * 1e3:.3f} "
-        f"cross_read_event_spin_after_own_vs_copy={rate(early_spun_after['whole'], 4 * num_bytes) / copy_rate:.2f} "
-        f"cross_fresh_ms={fresh['whole'] * 1e3:.3f} "
-        f"cross_fresh_vs_copy={rate(fresh['whole'], 4 * num_bytes) / copy_rate:.2f} "
-        f"cross_host_sync_ms={synced['whole'] * 1e3:.3f} round_trip_ms={ping_s * 1e3:.3f} gpu_round_trip_ms={gpu_ping_s * 1e3:.3f} "
-        f"cross_host_sync_vs_copy={rate(synced['whole'], 4 * num_bytes) / copy_rate:.2f} "
-        f"cross_engine_host_wait_ms={host_waited['whole'] * 1e3:.3f} "
-        f"cross_engine_host_wait_vs_copy={rate(host_waited['whole'], 4 * num_bytes) / copy_rate:.2f} "
+        f"{variants} round_trip_ms={ping_s * 1e3:.3f} gpu_round_trip_ms={gpu_ping_s * 1e3:.3f} "
         f"staging_allocated={reused['allocated']:.0f} "
         f"fingerprint_ms={fingerprint_s * 1e3:.3f} fingerprint_gbps={rate(fingerprint_s, num_bytes):.0f} "
         f"speedup_vs_per_tensor={per_tensor_s / (publish_s + 2 * fingerprint_s):.1f}"

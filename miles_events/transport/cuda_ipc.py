@@ -142,6 +142,11 @@ class UnknownRead:
         raise RuntimeError(f"a reader's read event could not be opened: {self.why}")
 
 
+def _receipt_prefix(key: str) -> str:
+    """What the name of every reader's receipt for ``key`` starts with."""
+    return f"{key}{RECORD_SUFFIX}{READ_SUFFIX}"
+
+
 def _release_counter(shared: CudaIpcBuffer) -> None:
     """Tell the producer this process holds no reference from ``shared``'s share."""
     import torch
@@ -194,7 +199,7 @@ class CudaIpcTransport(ShmTransport):
         self._ready_lock = threading.Lock()  # guards both
         self._read_handles: dict[int | None, Path] = {}
         """The hidden file holding each read event's handle, linked as every receipt."""
-        self._reading: OrderedDict[str, None] = OrderedDict()
+        self._reading: OrderedDict[str, bool] = OrderedDict()
         """The last keys this process read from another's buffers and is not done reading
         (``READING``)."""
         self._reading_lock = threading.Lock()  # guards it and _read_handles
@@ -295,7 +300,7 @@ class CudaIpcTransport(ShmTransport):
         if ready is not None:
             self._wait_ready(ready, buckets.device)
         with self._reading_lock:  # engines of one process may load on threads of their own
-            _keep_recent(self._reading, ref.key, None, READING)
+            _keep_recent(self._reading, ref.key, True, READING)
         return buckets
 
     def done_reading(self, ref: DataRef, device: torch.device) -> None:
@@ -307,7 +312,7 @@ class CudaIpcTransport(ShmTransport):
         import torch
 
         with self._reading_lock:
-            read_here = self._reading.pop(ref.key, False) is None
+            read_here = self._reading.pop(ref.key, False)
         if not read_here or device.type != "cuda":
             super().done_reading(ref, device)
             return
@@ -321,10 +326,8 @@ class CudaIpcTransport(ShmTransport):
                 if hidden is None:
                     hidden = self._read_handles[device.index] = self._write_record(handle)
             # Linked under a partial name and renamed: a key read again keeps a receipt.
-            self._publish(
-                f"{ref.key}{RECORD_SUFFIX}{READ_SUFFIX}{os.getpid()}-{device.index}",
-                lambda partial: _link_or_copy(hidden, partial),
-            )
+            receipt = _receipt_prefix(ref.key) + f"{os.getpid()}-{device.index}"
+            self._publish(receipt, lambda partial: _link_or_copy(hidden, partial))
         except OSError:  # the run's directory emptied under this process, or full
             torch.cuda.current_stream(device).synchronize()
 
@@ -355,7 +358,7 @@ class CudaIpcTransport(ShmTransport):
 
     def _receipts(self, key: str) -> list[Path]:
         """The readers' receipts for ``key`` in the run's directory."""
-        prefix = f"{key}{RECORD_SUFFIX}{READ_SUFFIX}"
+        prefix = _receipt_prefix(key)
         try:
             with os.scandir(self.root) as entries:
                 return [Path(entry.path) for entry in entries if entry.name.startswith(prefix)]
@@ -457,7 +460,7 @@ class CudaIpcTransport(ShmTransport):
     def _remove_receipts(self, key: str) -> None:
         """Remove ``key``'s receipts, and those of keys whose record is gone (a reader's
         receipt linked after its key was freed)."""
-        marker = f"{RECORD_SUFFIX}{READ_SUFFIX}"
+        marker = _receipt_prefix("")
         try:
             with os.scandir(self.root) as entries:
                 names = [entry.name for entry in entries]
