@@ -401,7 +401,7 @@ def test_a_checkpoint_of_the_bootstrap_weights_is_refused_with_the_seeds_message
 
 def test_run_load_starts_a_training_run_from_another_runs_checkpoint(trained, tmp_path):
     config = config_with(tmp_path, f'run.load="{trained / "checkpoints"}"', "run.num_rollout=4")
-    plan = make_plan(config, "local")
+    plan = make_plan(config, "local").plan
     assert plan.load_checkpoint == str(trained / "checkpoints" / "rollout_000001")
     assert (plan.start_rollout_id, plan.resumed, plan.weight_version, plan.rollout_only) == (2, True, "2", False)
     assert plan.checkpoint_iteration == 1 and plan.reference_checkpoint is None
@@ -410,7 +410,7 @@ def test_run_load_starts_a_training_run_from_another_runs_checkpoint(trained, tm
         tmp_path, f'run.ref_load="{trained / "checkpoints"}"', "run.num_rollout=4", "run.rollout_only_from_checkpoint=true",
         f'run.rollout_only_publication_evidence="{tmp_path / "e.json"}"', "trainer.use_kl_loss=true",
     )  # fmt: skip
-    plan = make_plan(only, "local")
+    plan = make_plan(only, "local").plan
     # Rollout-only: the checkpoint's weights are published as version "1", as in miles.
     assert (plan.start_rollout_id, plan.resumed, plan.weight_version, plan.rollout_only) == (2, False, "default", True)
     assert plan.reference_checkpoint == plan.load_checkpoint == str(trained / "checkpoints" / "rollout_000001")

@@ -4,12 +4,14 @@ written (``--dry-run`` checks the same input)."""
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 import pytest
 
 from miles_events.app.config import ConfigError
 from miles_events.app.run import error_line, main
+from miles_events.bus.event_log import MAGIC, EventLogWriter
 
 GOOD = '{"input": "1+1=", "label": "2"}\n'
 
@@ -73,3 +75,128 @@ def test_a_dry_run_refuses_a_run_dir_holding_another_runs_checkpoints_as_the_run
     assert err.startswith(f"error: run.dir {tmp_path / 'run'} holds another run's checkpoints (rollout_000004)")
     assert main([str(config), "--dry-run", "--set", "run.overwrite=true"]) == 0
     assert checkpoint.is_dir(), "a dry run moves nothing"
+
+
+# --- nothing written before every start-up check has passed; --dry-run makes the same checks ---
+
+
+def run_dir_contents(run_dir: Path) -> dict[str, bytes | None]:
+    """Every path under ``run_dir`` with its bytes (None for a directory)."""
+    return {str(p.relative_to(run_dir)): (None if p.is_dir() else p.read_bytes()) for p in sorted(run_dir.rglob("*"))}
+
+
+def earlier_run(tmp_path: Path) -> Path:
+    """A run directory as an earlier run left it: an event log and a checkpoint."""
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints" / "rollout_000004").mkdir(parents=True)
+    (run_dir / "checkpoints" / "rollout_000004" / "trainer_state.json").write_text("{}")
+    (run_dir / "events.log").write_bytes(MAGIC)
+    return run_dir
+
+
+@pytest.mark.parametrize("flags", [[], ["--dry-run"]])
+def test_a_busy_metrics_port_is_exit_2_with_nothing_moved_created_or_appended(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str]
+) -> None:
+    run_dir = earlier_run(tmp_path)
+    before = run_dir_contents(run_dir)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code = main([str(write_run(tmp_path, GOOD.encode())), *flags, "--set", "run.overwrite=true",
+                     "--set", "metrics.enabled=true", "--set", f"metrics.port={port}"])  # fmt: skip
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith(f"error: metrics: cannot serve on 127.0.0.1:{port}: Address already in use")
+    assert run_dir_contents(run_dir) == before, "the checkpoints stay, no config is written, the log is not appended"
+
+
+@pytest.mark.parametrize("flags", [[], ["--dry-run"]])
+def test_online_wandb_without_credentials_is_exit_2_before_anything_is_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, flags: list[str]
+) -> None:
+    for name in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    config = write_run(tmp_path, GOOD.encode())
+    code = main([str(config), *flags, "--set", "tracking.wandb=true", "--set", 'tracking.wandb_mode="online"'])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith('error: tracking.wandb_mode = "online" needs a wandb API key for https://api.wandb.ai')
+    assert not (tmp_path / "run").exists()
+
+
+def test_online_wandb_with_a_netrc_entry_passes_the_check(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    netrc = tmp_path / "netrc"
+    netrc.write_text("machine api.wandb.ai\n  login user\n  password " + "k" * 40 + "\n")
+    netrc.chmod(0o600)
+    monkeypatch.setenv("NETRC", str(netrc))
+    config = write_run(tmp_path, GOOD.encode())
+    assert main([str(config), "--dry-run", "--set", "tracking.wandb=true", "--set", 'tracking.wandb_mode="online"']) == 0
+
+
+@pytest.mark.parametrize("flags", [[], ["--dry-run"]])
+def test_a_run_dir_that_cannot_be_written_is_exit_2_for_the_run_and_the_dry_run_alike(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str]
+) -> None:
+    (tmp_path / "a-file").write_text("")
+    config = write_run(tmp_path, GOOD.encode())
+    assert main([str(config), *flags, "--set", f'run.dir="{tmp_path / "a-file" / "run"}"']) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == f"error: run.dir {tmp_path / 'a-file' / 'run'}: cannot write there: {tmp_path / 'a-file'} is not a directory\n"
+    if os.access("/proc/sys", os.W_OK):
+        pytest.skip("/proc/sys is writable here: no directory this process cannot write into to try")
+    assert main([str(config), *flags, "--set", 'run.dir="/proc/sys/miles-run"']) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == "error: run.dir /proc/sys/miles-run: cannot write there: /proc/sys is not writable\n"
+
+
+@pytest.mark.parametrize("flags", [[], ["--dry-run"]])
+def test_a_resume_where_no_checkpoint_verifies_is_exit_2_for_the_run_and_the_dry_run_alike(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str]
+) -> None:
+    run_dir = earlier_run(tmp_path)
+    before = run_dir_contents(run_dir)
+    assert main([str(write_run(tmp_path, GOOD.encode())), *flags, "--set", "run.resume=true"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert err.startswith(f"error: run.resume: no checkpoint under {run_dir / 'checkpoints'} can be resumed from (rollout_000004: ")
+    assert run_dir_contents(run_dir) == before
+
+
+def test_a_dry_run_accepts_what_the_run_accepts_a_resume_in_a_run_dir_with_checkpoints(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An existing run directory whose run would continue (``run.resume``) is no reason for
+    the dry run to refuse; nor is one with only an event log in it."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "events.log").write_bytes(MAGIC)
+    config = write_run(tmp_path, GOOD.encode())
+    assert main([str(config), "--dry-run"]) == 0
+    assert main([str(config), "--dry-run", "--set", "run.resume=true"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_an_event_log_that_another_run_holds_is_exit_2_for_the_dry_run_too(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = write_run(tmp_path, GOOD.encode())
+    with EventLogWriter(tmp_path / "run" / "events.log"):
+        assert main([str(config), "--dry-run"]) == 2
+    assert capsys.readouterr().err.startswith(f"error: run.dir {tmp_path / 'run'} is in use by another run")
+
+
+def test_an_empty_run_dir_is_refused_rather_than_writing_into_the_working_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    config = write_run(tmp_path, GOOD.encode())
+    for flags in ([], ["--dry-run"]):
+        assert main([str(config), *flags, "--set", 'run.dir=""']) == 2
+        err = capsys.readouterr().err
+        assert err.endswith('--set run.dir="": run.dir: must name a directory (it is empty)\n') and err.count("\n") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eval.jsonl", "prompts.jsonl", "run.toml"]

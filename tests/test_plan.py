@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from miles_events.app.plan import make_plan
+from miles_events.app.plan import make_plan, set_aside_all
 from miles_events.rl.checkpoint import CheckpointError, write_checkpoint
 from miles_events.rl.prompts import DataError
 from schemas.checkpoint import DataCursor, TrainerState
@@ -31,12 +31,12 @@ def prompts(tmp_path: Path, n: int) -> Path:
 def test_a_given_num_rollout_has_no_epoch_boundary(tmp_path):
     """The embedded default: 55 prompts, batches of 64, num_rollout = 50. In miles the rollouts
     per epoch are None then, so intervals alone trigger evals and saves."""
-    plan = make_plan(config(tmp_path, num_rollout=50), "local")
+    plan = make_plan(config(tmp_path, num_rollout=50), "local").plan
     assert plan.num_rollout == 50 and plan.num_rollout_per_epoch is None
 
 
 def test_an_unset_num_rollout_is_epochs_of_whole_batches(tmp_path):
-    plan = make_plan(config(tmp_path, prompts(tmp_path, 200), num_epoch=3), "local")
+    plan = make_plan(config(tmp_path, prompts(tmp_path, 200), num_epoch=3), "local").plan
     assert plan.num_rollout_per_epoch == 3 and plan.num_rollout == 9
 
 
@@ -46,13 +46,13 @@ def test_an_unset_num_rollout_with_fewer_prompts_than_a_batch_is_one_clear_error
 
 
 def test_a_fresh_plan_starts_at_rollout_zero_with_default_weights(tmp_path):
-    plan = make_plan(config(tmp_path, num_rollout=3, resume=True), "ray")
+    plan = make_plan(config(tmp_path, num_rollout=3, resume=True), "ray").plan
     assert (plan.start_rollout_id, plan.weight_version, plan.resumed, plan.load_checkpoint) == (0, "default", False, None)
     assert plan.engines == ("engine-0",) and plan.runtime == "ray"
 
 
 def test_start_rollout_id_overrides_the_start(tmp_path):
-    assert make_plan(config(tmp_path, num_rollout=9, start_rollout_id=4), "local").start_rollout_id == 4
+    assert make_plan(config(tmp_path, num_rollout=9, start_rollout_id=4), "local").plan.start_rollout_id == 4
 
 
 # --- resume: a verified checkpoint of this lineage, or a one-line refusal ----------------------
@@ -102,9 +102,12 @@ def test_resume_falls_back_and_sets_the_unreadable_newer_checkpoint_aside(tmp_pa
     run_dir = tmp_path / "run"
     save(run_dir, base, 0)
     corrupt(save(run_dir, base, 1))
-    plan = make_plan(config(run_dir, num_rollout=3, resume=True), "local", run_id="run-b")
+    planned = make_plan(config(run_dir, num_rollout=3, resume=True), "local", run_id="run-b")
+    plan = planned.plan
     assert plan.load_checkpoint == str(run_dir / "checkpoints" / "rollout_000000")
     assert (plan.start_rollout_id, plan.lineage) == (1, "run-a")
+    assert (run_dir / "checkpoints" / "rollout_000001").is_dir(), "planning moves nothing"
+    set_aside_all(planned.moves)
     # A later save of rollout 1 cannot replace what could not be read: it is kept aside.
     assert not (run_dir / "checkpoints" / "rollout_000001").exists()
     assert (run_dir / "checkpoints" / "rollout_000001.unreadable" / "model.safetensors").is_file()
@@ -123,8 +126,11 @@ def test_a_fresh_run_is_refused_where_another_run_saved_unless_it_overwrites(tmp
     save(run_dir, base, 0)
     with pytest.raises(CheckpointError, match="holds another run's checkpoints .*rollout_000000.*run.overwrite = true"):
         make_plan(config(run_dir, num_rollout=3), "local", run_id="run-b")
-    plan = make_plan(config(run_dir, num_rollout=3, overwrite=True), "local", run_id="run-b")
+    planned = make_plan(config(run_dir, num_rollout=3, overwrite=True), "local", run_id="run-b")
+    plan = planned.plan
     assert (plan.start_rollout_id, plan.resumed, plan.lineage) == (0, False, "run-b")
+    assert (run_dir / "checkpoints" / "rollout_000000").is_dir(), "planning moves nothing"
+    set_aside_all(planned.moves)
     (moved,) = [p for p in run_dir.iterdir() if p.name.startswith("checkpoints.replaced-")]
     assert (moved / "rollout_000000" / "model.safetensors").is_file()
     assert not (run_dir / "checkpoints").exists()
@@ -134,7 +140,22 @@ def test_resume_sets_aside_every_checkpoint_of_another_lineage_so_nothing_prunes
     run_dir = tmp_path / "run"
     save(run_dir, base, 0, lineage="run-old")
     save(run_dir, base, 1, lineage="run-new")
-    plan = make_plan(config(run_dir, num_rollout=3, resume=True), "local")
+    planned = make_plan(config(run_dir, num_rollout=3, resume=True), "local")
+    plan = planned.plan
     assert plan.load_checkpoint == str(run_dir / "checkpoints" / "rollout_000001") and plan.lineage == "run-new"
+    set_aside_all(planned.moves)
     assert not (run_dir / "checkpoints" / "rollout_000000").exists()
     assert (run_dir / "checkpoints" / "rollout_000000.other-lineage" / "model.safetensors").is_file()
+
+
+def test_a_resume_that_finds_only_checkpoints_an_overwrite_moved_aside_says_where_they_are(tmp_path, base):
+    """An overwriting run that ended before its first save leaves no checkpoint to resume:
+    a resume there must not start from rollout 0 as if nothing had been trained."""
+    run_dir = tmp_path / "run"
+    save(run_dir, base, 3)
+    set_aside_all(make_plan(config(run_dir, num_rollout=3, overwrite=True), "local", run_id="run-b").moves)
+    with pytest.raises(CheckpointError) as caught:
+        make_plan(config(run_dir, num_rollout=3, resume=True), "local")
+    message = str(caught.value)
+    assert "\n" not in message and "run.overwrite moved an earlier run's checkpoints to" in message
+    assert "checkpoints.replaced-" in message and "run.resume = false" in message

@@ -3,7 +3,6 @@ model, and given back whenever the run stops before its actors start."""
 
 from __future__ import annotations
 
-import concurrent.futures
 from pathlib import Path
 
 import msgspec
@@ -64,15 +63,7 @@ def ray_config(tmp_path) -> Config:
 
 
 @pytest.mark.slow
-def test_ray_starts_while_the_model_is_prepared_and_a_failed_preparation_gives_it_back(tmp_path, monkeypatch):
-    seen: dict[str, int] = {}
-
-    def prepare(config: Config) -> Config:
-        # Ray is coming up meanwhile, on its own thread.
-        concurrent.futures.wait([session_cluster()], timeout=60)
-        seen["ray processes"] = len(ray_processes())
-        raise CheckpointError("model.safetensors does not match its sha256")
-
+def test_a_run_that_cannot_be_planned_starts_no_ray_and_writes_nothing(tmp_path, monkeypatch):
     started: list[RayCluster] = []
     real = RayCluster.start
 
@@ -80,29 +71,28 @@ def test_ray_starts_while_the_model_is_prepared_and_a_failed_preparation_gives_i
         started.append(self)
         return real(self)
 
-    def session_cluster() -> concurrent.futures.Future[None]:
-        return started[0].up
+    def refuse(*args: object) -> None:
+        raise CheckpointError("checkpoint rollout_000003: model.safetensors does not match its sha256")
 
     monkeypatch.setattr(RayCluster, "start", start)
-    monkeypatch.setattr("miles_events.app.session.resolve", prepare)
+    monkeypatch.setattr("miles_events.app.start_checks.make_plan", refuse)
+    run_dir = tmp_path / "run"
+    config = msgspec.structs.replace(ray_config(tmp_path), run=RunConfig(dir=str(run_dir), runtime="ray", num_rollout=1))
     with pytest.raises(CheckpointError):
-        Session(ray_config(tmp_path), [Coordinator, Trainer])
-    assert seen["ray processes"] > 0, "the cluster was up while the model was being prepared"
-    import ray
-
-    assert not ray.is_initialized() and not ray_processes(), "the failed session gave Ray back"
+        Session(config, [Coordinator, Trainer])
+    assert not started and not run_dir.exists()
 
 
 @pytest.mark.slow
-async def test_a_run_that_cannot_be_planned_gives_ray_back(tmp_path, monkeypatch):
+async def test_a_run_that_fails_after_ray_started_gives_ray_back(tmp_path, monkeypatch):
     session = Session(ray_config(tmp_path), [Coordinator, Trainer])
     assert session.cluster is not None
 
     def refuse(*args: object) -> None:
-        raise CheckpointError("checkpoint rollout_000003: model.safetensors does not match its sha256")
+        raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("miles_events.app.session.make_plan", refuse)
-    with pytest.raises(CheckpointError):
+    monkeypatch.setattr("miles_events.app.session.open_transport", refuse)
+    with pytest.raises(OSError):
         await session.run()
     import ray
 

@@ -19,6 +19,7 @@ from miles_events.rl.checkpoint import CheckpointError
 from miles_events.rl.hf_model import BaseModelMismatch, modeling_module, prepare_base_model
 from miles_events.sinks.base import Sink, SinkContext, SinkHost
 from miles_events.sinks.event_log import EventLogSink
+from miles_events.sinks.metrics import MetricsError
 from miles_events.sinks.tracking import TrackingError
 from schemas.config import BuiltinModelConfig, Config, ModelConfig, RunConfig
 from schemas.events import Event, PublishRequested, RolloutRequested, RunFinished
@@ -134,18 +135,45 @@ async def test_a_sink_failing_to_start_stops_the_run_and_closes_the_sinks_starte
     assert finished.status == "failed" and "sink second failed to start" in finished.reason
 
 
-async def test_a_resume_that_cannot_be_planned_gives_the_run_directory_back(tmp_path, monkeypatch):
-    config = Config(run=RunConfig(dir=str(tmp_path), runtime="local", num_rollout=1))
-    session = Session(config, [Coordinator])
+def test_a_run_that_cannot_be_planned_writes_nothing(tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    config = Config(run=RunConfig(dir=str(run_dir), runtime="local", num_rollout=1))
 
     def refuse(*args: object) -> None:
         raise CheckpointError("checkpoint rollout_000003: model.safetensors does not match its sha256")
 
-    monkeypatch.setattr("miles_events.app.session.make_plan", refuse)
+    monkeypatch.setattr("miles_events.app.start_checks.make_plan", refuse)
     with pytest.raises(CheckpointError):
-        await session.run()
-    assert session.log_writer.closed
-    open_event_log(tmp_path).close()  # not held by the failed session
+        Session(config, [Coordinator])
+    assert not run_dir.exists()
+
+
+class Held(Sink):
+    """A sink whose ``prepare`` takes something (as the metrics exporter takes its port)."""
+
+    def __init__(self, name: str, refuse: bool = False) -> None:
+        self.name = name  # type: ignore[misc]
+        self.refuse = refuse
+        self.held = False
+
+    def prepare(self, config: Config) -> None:
+        if self.refuse:
+            raise MetricsError(f"{self.name}: cannot serve on 127.0.0.1:9464: Address already in use")
+        self.held = True
+
+    def release(self) -> None:
+        self.held = False
+
+
+def test_a_sink_refusing_its_checks_ends_the_start_with_nothing_written_and_every_hold_given_back(tmp_path):
+    """A busy metrics port or tracking without credentials: one error, before the run
+    directory, its event log or its configs exist, and a later run there starts cleanly."""
+    run_dir = tmp_path / "run"
+    config = Config(run=RunConfig(dir=str(run_dir), runtime="local", num_rollout=1))
+    first, refusing = Held("first"), Held("second", refuse=True)
+    with pytest.raises(MetricsError, match="second: cannot serve"):
+        Session(config, [Coordinator], sinks=[first, refusing])
+    assert not first.held and not run_dir.exists()
 
 
 class Boom(Actor):

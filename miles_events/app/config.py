@@ -381,6 +381,8 @@ def validate(config: Config) -> None:
     _validate_own_process(config)
     _validate_transport(config)
     run, data, trainer = config.run, config.data, config.trainer
+    if not run.dir.strip():
+        raise ConfigError("run.dir: must name a directory (it is empty)", key="run.dir")
     if run.resume and run.overwrite:
         raise ConfigError(
             "run.overwrite: cannot be set with run.resume (a resumed run continues from the checkpoints "

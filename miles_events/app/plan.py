@@ -3,6 +3,11 @@
 The plan fixes the loop's bounds and the one checkpoint the trainer starts from (this
 run's latest on resume, else the one ``run.load`` or ``run.ref_load`` names): chosen and
 verified here, once, and handed to the trainer through the plan.
+
+Planning only reads. What the plan needs changed on disk (checkpoints a resume passes over
+and a later save would replace, another run's checkpoints that ``run.overwrite`` replaces)
+comes back as ``SetAside`` steps that the session carries out with ``set_aside_all`` once
+every start-up check has passed.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -59,9 +65,36 @@ def base_model_preparation(config: Config) -> Preparation | None:
     return Preparation("building the built-in base model", build)
 
 
-def make_plan(config: Config, runtime: str, run_id: str = "") -> RunPlan:
-    """The loop's bounds, and where a resumed run picks up; ``run_id`` is the new run's (the
-    lineage of a fresh run)."""
+@dataclass(frozen=True)
+class SetAside:
+    """A checkpoint directory (or the whole ``checkpoints/``) to rename out of the way."""
+
+    path: Path
+    why: str
+    """The suffix it gets (``set_aside``)."""
+    reason: str
+    """Logged when it is done: what it is and why it goes."""
+
+
+@dataclass(frozen=True)
+class PlannedRun:
+    plan: RunPlan
+    moves: tuple[SetAside, ...] = ()
+    """What the run moves out of the way before it starts (``set_aside_all``)."""
+
+
+def set_aside_all(steps: tuple[SetAside, ...]) -> None:
+    """Carry out the planned ``SetAside`` steps, in order, each logged as a warning."""
+    for step in steps:
+        moved = set_aside(step.path, step.why)
+        logger.warning("%s; set aside as %s", step.reason, moved)
+
+
+def make_plan(config: Config, runtime: str, run_id: str = "") -> PlannedRun:
+    """The loop's bounds, where a resumed run picks up, and what must be set aside first;
+    ``run_id`` is the new run's (the lineage of a fresh run). Reads only: a plan that cannot
+    be made (a resume with nothing to resume from, another run's checkpoints without
+    ``run.overwrite``) raises ``CheckpointError`` with nothing changed."""
     data = config.data
     per_epoch: int | None = None
     if config.run.num_rollout is not None:
@@ -76,13 +109,14 @@ def make_plan(config: Config, runtime: str, run_id: str = "") -> RunPlan:
     checkpoint: Path | None = None
     iteration: int | None = None
     lineage = run_id
+    moves: tuple[SetAside, ...] = ()
     if run.resume and not run.rollout_only_from_checkpoint:
-        checkpoint, resumed_lineage = _resume_checkpoint(Path(run.dir))
+        checkpoint, resumed_lineage, moves = _resume_checkpoint(Path(run.dir))
         lineage = resumed_lineage or lineage
         if checkpoint is None:
             logger.info("run.resume: no checkpoint under %s", run.dir)
     elif not run.rollout_only_from_checkpoint:
-        _refuse_another_runs_checkpoints(config)
+        moves = _replace_another_runs_checkpoints(config)
     load = run.load or run.ref_load
     loaded_ref = False
     if checkpoint is None and load is not None:
@@ -103,7 +137,7 @@ def make_plan(config: Config, runtime: str, run_id: str = "") -> RunPlan:
         reference = checkpoint if loaded_ref else marked_checkpoint(Path(run.ref_load))[0]
     if run.start_rollout_id is not None:
         start = run.start_rollout_id
-    return RunPlan(
+    plan = RunPlan(
         start_rollout_id=start,
         num_rollout=num_rollout,
         num_rollout_per_epoch=per_epoch,
@@ -119,6 +153,7 @@ def make_plan(config: Config, runtime: str, run_id: str = "") -> RunPlan:
         lineage=lineage,
         probe=probe_publications(config),
     )
+    return PlannedRun(plan, moves)
 
 
 def probe_publications(config: Config) -> bool:
@@ -130,10 +165,11 @@ def probe_publications(config: Config) -> bool:
     return probe == "on" and config.verifier.enabled
 
 
-def _resume_checkpoint(run_dir: Path) -> tuple[Path | None, str]:
-    """The checkpoint ``run.resume`` continues from, and its lineage. Checkpoints passed
-    over that a later save would replace are set aside first (renamed, never deleted);
-    with checkpoints there but none to resume from, ``CheckpointError`` names each."""
+def _resume_checkpoint(run_dir: Path) -> tuple[Path | None, str, tuple[SetAside, ...]]:
+    """The checkpoint ``run.resume`` continues from, its lineage, and the checkpoints passed
+    over that a later save would replace (to be set aside: renamed, never deleted). With
+    checkpoints there but none to resume from, or none there but an earlier run's moved aside
+    by ``run.overwrite``, ``CheckpointError`` says so."""
     choice = choose_resume_checkpoint(run_dir)
     if choice.checkpoint is None:
         if choice.found:
@@ -143,21 +179,39 @@ def _resume_checkpoint(run_dir: Path) -> tuple[Path | None, str]:
                 f"run.resume: no checkpoint under {run_dir / 'checkpoints'} can be resumed from ({listed}); "
                 "nothing was changed: repair or move them, or start in another run.dir"
             )
-        return None, ""
+        replaced = replaced_checkpoints(run_dir)
+        if replaced:
+            raise CheckpointError(
+                f"run.resume: no checkpoint under {run_dir / 'checkpoints'}, but run.overwrite moved an earlier "
+                f"run's checkpoints to {replaced[-1]}: move them back to checkpoints/ to resume them, or set "
+                "run.resume = false to start over"
+            )
+        return None, "", ()
     chosen = checkpoint_rollout_id(choice.checkpoint) or 0
+    moves: list[SetAside] = []
     for path, reason in choice.skipped:
         if (checkpoint_rollout_id(path) or 0) > chosen:
             why = "other-lineage" if reason.startswith("another run's") else "unreadable"
-            moved = set_aside(path, why)
-            logger.warning("run.resume: %s: %s; set aside as %s", path.name, reason, moved.name)
+            moves.append(SetAside(path, why, f"run.resume: {path.name}: {reason}"))
     # Another run's checkpoints are never this run's to replace or to prune, wherever they lie.
     examined = {path for path, _ in choice.skipped} | {choice.checkpoint}
     for path in choice.found:
         lineage = saved_lineage(path)
         if path not in examined and lineage and choice.lineage and lineage != choice.lineage:
-            moved = set_aside(path, "other-lineage")
-            logger.warning("run.resume: %s is another run's (lineage %s); set aside as %s", path.name, lineage, moved.name)
-    return choice.checkpoint, choice.lineage
+            moves.append(SetAside(path, "other-lineage", f"run.resume: {path.name} is another run's (lineage {lineage})"))
+    return choice.checkpoint, choice.lineage, tuple(moves)
+
+
+REPLACED_PREFIX = "checkpoints.replaced-"
+"""How ``run.overwrite`` renames the ``checkpoints/`` it replaces (then a time)."""
+
+
+def replaced_checkpoints(run_dir: Path) -> list[Path]:
+    """The ``checkpoints/`` directories ``run.overwrite`` moved aside in ``run_dir``, oldest
+    first."""
+    if not run_dir.is_dir():
+        return []
+    return sorted(p for p in run_dir.iterdir() if p.name.startswith(REPLACED_PREFIX) and p.is_dir())
 
 
 def check_run_dir(config: Config) -> None:
@@ -177,12 +231,12 @@ def check_run_dir(config: Config) -> None:
         )
 
 
-def _refuse_another_runs_checkpoints(config: Config) -> None:
-    """``check_run_dir``; with ``run.overwrite``, another run's checkpoints are moved aside
-    whole."""
+def _replace_another_runs_checkpoints(config: Config) -> tuple[SetAside, ...]:
+    """``check_run_dir``; with ``run.overwrite``, another run's checkpoints are to be moved
+    aside whole."""
     check_run_dir(config)
     run_dir = Path(config.run.dir)
     if config.run.overwrite and checkpoint_dirs(run_dir):
-        moved = set_aside(run_dir / "checkpoints", "replaced-" + time.strftime("%Y%m%d-%H%M%S"))
-        logger.warning("run.overwrite: moved the previous run's checkpoints to %s", moved)
-
+        why = REPLACED_PREFIX.removeprefix("checkpoints.") + time.strftime("%Y%m%d-%H%M%S")
+        return (SetAside(run_dir / "checkpoints", why, "run.overwrite: the previous run's checkpoints"),)
+    return ()

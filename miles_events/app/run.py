@@ -1,9 +1,11 @@
 """python -m miles_events.run cfg.toml [--set a.b=value ...] [--dry-run]
 
 Exit codes: 0 the run completed (or was stopped on request), 1 the run failed, 2 the input
-(config, data, a run.dir holding another run's checkpoints) is wrong. A user's mistake gets
-one line naming what is wrong, no traceback; the input is checked
-(miles_events.app.preflight) before anything is written, and --dry-run checks it as well.
+(config, data, model, a run.dir holding another run's checkpoints, a busy metrics port) is
+wrong. A user's mistake gets one line naming what is wrong, no traceback; the input
+(miles_events.app.preflight) and everything else a start can fail on
+(miles_events.app.start_checks) are checked before anything is written, and --dry-run makes
+exactly those checks.
 """
 
 from __future__ import annotations
@@ -16,14 +18,13 @@ import re
 import signal
 import sys
 
-from miles_events.app.config import ConfigError, dump_config
+from miles_events.app.config import dump_config
 from miles_events.app.preflight import INPUT_ERRORS, load_and_check
-from miles_events.rl.checkpoint import CheckpointError
-from miles_events.rl.prompts import DataError
 from miles_events.runtime.base import LOG_FORMAT
 from miles_events.runtime.malloc import cap_this_process
 from miles_events.sinks.base import Sink, SinkContext
-from miles_events.sinks.metrics import MetricsError, MetricsExporter, metrics_exporter
+from miles_events.sinks.metrics import MetricsExporter, metrics_exporter
+from schemas.config import Config
 
 
 class ShowMetricsUrl(Sink):
@@ -92,45 +93,47 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def make_sinks(config: Config) -> list[Sink]:
+    """The run's sinks besides the event log: tracking, the metrics exporter (and where it
+    serves), the console."""
+    from miles_events.sinks.console import make_console
+    from miles_events.sinks.tracking import make_tracking
+
+    # Tracking first: a tracking error must not leave a live display on the screen.
+    sinks: list[Sink] = [*make_tracking(config)]
+    exporter = metrics_exporter(config)
+    if exporter is not None:
+        sinks.append(exporter)
+        if config.console.mode != "quiet":
+            sinks.append(ShowMetricsUrl(exporter))
+    sinks.append(make_console(config))
+    return sinks
+
+
 def _run(args: argparse.Namespace) -> int:
+    from miles_events.app.start_checks import START_ERRORS, check_start
+
     try:
         config = load_and_check(args.config, args.overrides)
-    except INPUT_ERRORS as error:
+        if args.dry_run:
+            # The run's own start-up checks, then nothing: what they hold is given back.
+            check_start(config, make_sinks(config), run_id="dry-run").release()
+            sys.stdout.write(dump_config(config))
+            return 0
+    except (*INPUT_ERRORS, *START_ERRORS) as error:
         print(error_line(error), file=sys.stderr)
         return 2
-    if args.dry_run:
-        from miles_events.app.plan import check_run_dir
 
-        try:
-            check_run_dir(config)
-        except CheckpointError as error:
-            print(error_line(error), file=sys.stderr)
-            return 2
-        sys.stdout.write(dump_config(config))
-        return 0
-
-    from miles_events.app.pyspy import PySpyError
     from miles_events.app.roster import ACTORS
-    from miles_events.app.run_dir import RunDirError, event_log_path
+    from miles_events.app.run_dir import event_log_path
     from miles_events.app.session import Session
-    from miles_events.rl.hf_model import BaseModelMismatch
-    from miles_events.sinks.console import make_console
-    from miles_events.sinks.tracking import TrackingError, make_tracking
 
     try:
-        # Tracking first: a tracking error must not leave a live display on the screen.
-        sinks: list[Sink] = [*make_tracking(config)]  # fails fast, before the model is prepared
-        exporter = metrics_exporter(config)
-        if exporter is not None:
-            sinks.append(exporter)
-            if config.console.mode != "quiet":
-                sinks.append(ShowMetricsUrl(exporter))
-        sinks.append(make_console(config))
-        session = Session(config, list(ACTORS), sinks=sinks)
+        session = Session(config, list(ACTORS), sinks=make_sinks(config))
+        # A sink that passed its checks can still fail to start (wandb's server unreachable):
+        # the run is recorded as failed, and the same one line is printed.
         result = asyncio.run(session.run())
-    except (
-        ConfigError, DataError, CheckpointError, MetricsError, TrackingError, RunDirError, BaseModelMismatch, PySpyError
-    ) as error:
+    except START_ERRORS as error:
         print(error_line(error), file=sys.stderr)
         return 2
     finished = result.finished
@@ -140,4 +143,3 @@ def _run(args: argparse.Namespace) -> int:
         print(f"error: run failed: {finished.reason}", file=sys.stderr)
         return 1
     return 0
-

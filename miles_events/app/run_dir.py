@@ -13,7 +13,8 @@ import time
 import uuid
 from pathlib import Path
 
-from miles_events.bus.event_log import EventLogWriter
+from miles_events.bus.event_log import EventLogWriter, check_appendable
+from miles_events.rl.file_modes import why_unwritable
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +36,22 @@ def run_config_path(run_dir: Path, run_id: str) -> Path:
 
 def new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]
+
+
+def check_usable(run_dir: Path) -> None:
+    """What ``open_event_log`` would refuse, asked without writing anything: a directory that
+    cannot be created or written, an ``events.log`` that is not one, or one another run holds."""
+    reason = why_unwritable(run_dir)
+    if reason is not None:
+        raise RunDirError(f"run.dir {run_dir}: cannot write there: {reason}")
+    try:
+        check_appendable(event_log_path(run_dir))
+    except OSError as error:
+        raise RunDirError(f"run.dir {run_dir}: {error.filename or event_log_path(run_dir)}: {error.strerror or error}") from None
+    except RuntimeError as error:  # the log's lock is held
+        raise RunDirError(f"run.dir {run_dir} is in use by another run ({error})") from None
+    except ValueError as error:  # not an event log
+        raise RunDirError(f"run.dir {run_dir}: {error}") from None
 
 
 def open_event_log(run_dir: Path) -> EventLogWriter:

@@ -15,10 +15,11 @@ from pathlib import Path
 
 from actors.coordinator import Coordinator
 from miles_events.app.config import dump_config
-from miles_events.app.plan import base_model_preparation, make_plan, resolve
-from miles_events.app.pyspy import PeriodicPySpyDump, interval_from_env
+from miles_events.app.plan import base_model_preparation, set_aside_all
+from miles_events.app.pyspy import PeriodicPySpyDump
 from miles_events.app.run_dir import new_run_id, open_event_log, run_config_path
 from miles_events.app.signals import StopOnSignal
+from miles_events.app.start_checks import check_start
 from miles_events.bus.actor import Actor
 from miles_events.bus.clock import SYSTEM_CLOCK, Clock
 from miles_events.bus.errors import describe_error
@@ -80,33 +81,45 @@ class Session:
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         """``actor_classes`` must include the Coordinator (the loop); ``sinks`` observe the
-        run beside the event log: each is started before any actor, in order, and closed at
-        the end."""
-        self.pyspy_interval = interval_from_env()  # a bad value fails before anything is built
+        run beside the event log: each is prepared among the start-up checks, started
+        before any actor, in order, and closed at the end. Every start-up check
+        (``check_start``) passes before the run directory is touched: one that fails raises
+        with nothing written."""
         if Coordinator not in actor_classes:
             raise ValueError("a run needs the Coordinator among its actors: nothing else runs the loop")
-        self.log_writer = open_event_log(Path(config.run.dir).resolve())
-        # The directory is this run's now: kill what a run whose driver died left running.
-        clean_dead_run(Path(config.run.dir).resolve())
-        self.cluster = start_cluster(config, actor_classes)
+        self.run_id = run_id or new_run_id()
+        checked = check_start(config, sinks or [], self.run_id)
+        self.config = checked.config
+        self.plan = checked.planned.plan
+        self.pyspy_interval = checked.pyspy_interval
+        self.run_dir = Path(self.config.run.dir)
+        self.cluster: RayCluster | None = None
         try:
-            self.config = resolve(config)
+            self.log_writer = open_event_log(self.run_dir)
+        except BaseException:
+            checked.release()
+            raise
+        try:
+            # The directory is this run's now: kill what a run whose driver died left running,
+            # then move aside what the plan replaces.
+            clean_dead_run(self.run_dir)
+            set_aside_all(checked.planned.moves)
+            self.cluster = start_cluster(self.config, actor_classes)
             self.preparation = base_model_preparation(config)
         except BaseException:
+            checked.release()
             self._give_back()
             raise
         self.actor_classes = actor_classes
-        self.sinks = [EventLogSink(self.log_writer), *(sinks or [])]
-        self.run_id = run_id or new_run_id()
-        self.run_dir = Path(self.config.run.dir)
+        self.sinks = [EventLogSink(self.log_writer), *checked.sinks]
         self.clock = clock
         self.bus: EventBus | None = None
 
     async def run(self) -> RunResult:
         started = time.monotonic()
         config = self.config
+        plan = self.plan
         try:
-            plan = make_plan(config, config.run.runtime, self.run_id)
             # The resolved config of every run beside the log, so the log can be re-driven.
             config_path = run_config_path(self.run_dir, self.run_id)
             config_path.parent.mkdir(parents=True, exist_ok=True)
@@ -118,7 +131,9 @@ class Session:
             if isinstance(transport, ShmTransport):
                 claim(transport.root)
         except BaseException:
-            # No actor has started: give the run directory and Ray back.
+            # No actor has started: give the run directory, the sinks' holds and Ray back.
+            for sink in self.sinks:
+                sink.release()
             self._give_back()
             raise
         bus = self.bus = EventBus(

@@ -346,6 +346,32 @@ def _valid_frame(payload: bytes, stored_crc: int) -> bool:
     return True
 
 
+def check_appendable(path: str | os.PathLike[str]) -> None:
+    """What ``EventLogWriter(path, repair=True)`` would refuse, asked without writing: an
+    existing file that is not an event log (``NotAnEventLogError``), one this process may not
+    read and write (``PermissionError``), or one another writer holds (``RuntimeError``). A
+    missing file is fine (the writer creates it)."""
+    path = Path(path)
+    if not path.exists():
+        return
+    if not path.is_file():
+        raise NotAnEventLogError(f"{path}: not a regular file")
+    if not os.access(path, os.R_OK | os.W_OK):
+        raise PermissionError(errno.EACCES, "the event log is not readable and writable", str(path))
+    with open(path, "rb") as file:
+        head = file.read(HEADER_SIZE)
+        if head:
+            try:
+                _check_magic(head, path)
+            except TornRecordError:
+                pass  # a header cut short by a crash: the writer repairs it
+        if fcntl is not None:
+            try:
+                fcntl.flock(file.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise RuntimeError(f"{path}: event log is already open by another writer") from None
+
+
 class EventLogWriter:
     """Appends events to a log; every ``append``/``append_many`` is one ``write`` system
     call, so what it appended is in the OS before it returns (a crash of the process

@@ -30,3 +30,19 @@ def keep(path: Path) -> Path:
     """Give a kept file the rule's mode (for files a library created with its own)."""
     os.chmod(path, KEPT_FILE_MODE)
     return path
+
+
+def why_unwritable(path: Path) -> str | None:
+    """Why a run could not create or write the directory ``path``, asking without writing:
+    it, or the nearest part of it that exists, must be a directory this process may write
+    into (a read-only file system says no here, even to root). None when it can."""
+    existing = Path(os.path.abspath(path))
+    while not existing.exists() and not existing.is_symlink():
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        if os.statvfs(existing).f_flag & os.ST_RDONLY:
+            return f"{existing} is on a read-only file system"
+        return f"{existing} is not writable"
+    return None

@@ -3,8 +3,10 @@
 A sink handles events with the same ``@handles`` tables as actors, but synchronously and
 without publishing: it folds what it sees into a display, a metrics registry, a tracking
 run or the event log. Its lifecycle is the session's (as aiohttp's ``on_startup`` /
-``on_cleanup``): ``start`` before any actor starts, events in bus order, ``flush`` after
-each batch the bus delivered, ``close`` once the bus is closed and drained.
+``on_cleanup``): ``prepare`` among the start-up checks, before anything of the run is
+written; ``start`` before any actor starts, events in bus order, ``flush`` after each batch
+the bus delivered, ``close`` once the bus is closed and drained (``release`` instead, when
+the run never started).
 
 A sink must never hold up the run: a handler that raises is logged once and the sink
 keeps draining (a stalled mailbox would hold up every publisher through backpressure).
@@ -45,6 +47,16 @@ class Sink(HandlerTable):
     name: ClassVar[str] = ""
     mailbox_size: ClassVar[int | None] = None
     """Mailbox capacity; None: the bus's default."""
+
+    def prepare(self, config: Config) -> None:
+        """Check, and hold, what ``start`` will need (a port, credentials, a writable
+        directory) before anything of the run is written; ``config`` is resolved (absolute
+        paths). Raises a one-line input error when it cannot (the run exits with 2, having
+        written nothing). Writes nothing."""
+
+    def release(self) -> None:
+        """Give back what ``prepare`` holds, when the run does not start (a later check
+        failed, or a dry run)."""
 
     async def start(self, context: SinkContext) -> None:
         """Open what the sink writes to (a server, a file, a tracking run)."""

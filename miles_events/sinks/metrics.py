@@ -369,9 +369,19 @@ class MetricsExporter(RunMetrics):
         self.requested_port = port
         self.server: MetricsServer | None = None
 
+    def prepare(self, config: Config) -> None:
+        """Take the port now: a busy one is refused before the run writes anything."""
+        if self.server is None:
+            self.server = MetricsServer(self.registry, self.host, self.requested_port)
+
+    def release(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+
     async def start(self, context: SinkContext) -> None:
         self.attach_bus(context.bus)
-        self.server = MetricsServer(self.registry, self.host, self.requested_port)
+        self.prepare(context.config)
         logger.info("metrics at %s", self.url)
 
     @property

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import netrc
 import os
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,7 @@ import anyio
 import msgspec
 
 from miles_events.bus.handlers import handles
+from miles_events.rl.file_modes import why_unwritable
 from miles_events.sinks.base import Sink, SinkContext
 from schemas.config import Config
 from schemas.events import (
@@ -151,6 +154,10 @@ class TensorBoardSink(TrackingSink):
         super().__init__()
         self.writer = writer
 
+    def prepare(self, config: Config) -> None:
+        if self.writer is None:
+            check_writable("tracking.tensorboard_dir", tensorboard_root(config))
+
     async def start(self, context: SinkContext) -> None:
         if self.writer is None:
             self.writer = open_tensorboard(tensorboard_dir(context))
@@ -178,6 +185,11 @@ class WandbSink(TrackingSink):
     def __init__(self, run: Any = None) -> None:
         super().__init__()
         self.run = run
+
+    def prepare(self, config: Config) -> None:
+        if self.run is None:
+            check_writable("tracking.wandb_dir", wandb_root(config))
+            check_wandb_credentials(config)
 
     async def start(self, context: SinkContext) -> None:
         if self.run is None:
@@ -213,10 +225,59 @@ def check_tracking(config: Config) -> None:
         raise _missing("wandb", "tracking.wandb")
 
 
+def check_writable(key: str, path: Path) -> None:
+    """``TrackingError`` naming ``key`` when ``path`` cannot be created or written."""
+    reason = why_unwritable(path)
+    if reason is not None:
+        raise TrackingError(f"{key}: cannot write to {path}: {reason}")
+
+
+def tensorboard_root(config: Config) -> Path:
+    """``tracking.tensorboard_dir``, else ``<run.dir>/tensorboard``."""
+    configured = config.tracking.tensorboard_dir
+    return Path(configured).resolve() if configured else Path(config.run.dir).resolve() / "tensorboard"
+
+
 def tensorboard_dir(run: SinkContext) -> Path:
     """``tracking.tensorboard_dir``, else ``<run.dir>/tensorboard/<run_id>``."""
     configured = run.config.tracking.tensorboard_dir
     return Path(configured).resolve() if configured else run.run_dir / "tensorboard" / run.run_id
+
+
+def wandb_root(config: Config) -> Path:
+    """``tracking.wandb_dir``, else the run dir (wandb adds its ``wandb/`` folder)."""
+    configured = config.tracking.wandb_dir
+    return Path(configured).resolve() if configured else Path(config.run.dir).resolve()
+
+
+WANDB_HOST = "https://api.wandb.ai"
+
+
+def check_wandb_credentials(config: Config) -> None:
+    """An online wandb run needs credentials: ``WANDB_API_KEY``, ``WANDB_IDENTITY_TOKEN_FILE``
+    or a netrc entry for the server (``WANDB_BASE_URL``), where ``wandb login`` keeps them.
+    Without them ``wandb.init`` fails only once the run has started."""
+    if config.tracking.wandb_mode != "online":
+        return
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return
+    host = os.environ.get("WANDB_BASE_URL") or WANDB_HOST
+    if _netrc_has(urllib.parse.urlparse(host).hostname or host):
+        return
+    raise TrackingError(
+        f'tracking.wandb_mode = "online" needs a wandb API key for {host}, and none is set: run `wandb login`, '
+        'set WANDB_API_KEY, or use tracking.wandb_mode = "offline"'
+    )
+
+
+def _netrc_has(hostname: str) -> bool:
+    """Whether the user's netrc (``NETRC``, else ``~/.netrc``) has a password for ``hostname``."""
+    path = os.environ.get("NETRC") or os.path.expanduser("~/.netrc")
+    try:
+        entry = netrc.netrc(path).authenticators(hostname)
+    except (OSError, netrc.NetrcParseError):
+        return False
+    return entry is not None and bool(entry[2])
 
 
 def open_tensorboard(log_dir: Path) -> Any:
@@ -242,7 +303,7 @@ def start_wandb(run: SinkContext) -> Any:
     except ImportError:
         raise _missing("wandb", "tracking.wandb") from None
     # wandb puts its files in a "wandb" folder under ``dir``: <run.dir>/wandb/offline-run-*.
-    root = Path(tracking.wandb_dir).resolve() if tracking.wandb_dir else run.run_dir
+    root = wandb_root(run.config)
     root.mkdir(parents=True, exist_ok=True)
     try:
         return wandb.init(
