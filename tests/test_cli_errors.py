@@ -4,6 +4,7 @@ written (``--dry-run`` checks the same input)."""
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 from pathlib import Path
 
@@ -200,3 +201,20 @@ def test_an_empty_run_dir_is_refused_rather_than_writing_into_the_working_direct
         err = capsys.readouterr().err
         assert err.endswith('--set run.dir="": run.dir: must name a directory (it is empty)\n') and err.count("\n") == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["eval.jsonl", "prompts.jsonl", "run.toml"]
+
+
+@pytest.mark.parametrize("flags", [[], ["--dry-run"]])
+def test_a_disk_without_room_for_one_checkpoint_is_exit_2_before_anything_is_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, flags: list[str]
+) -> None:
+    """The file system's free space is the one thing a test cannot make small: it is asked
+    of ``shutil.disk_usage``, which is made to answer 1 MiB here."""
+    real = shutil.disk_usage
+    monkeypatch.setattr(
+        "miles_events.app.start_checks.shutil.disk_usage", lambda path: real(path)._replace(free=2**20)
+    )
+    assert main([str(write_run(tmp_path, GOOD.encode())), *flags]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert err.startswith(f"error: run.dir {tmp_path / 'run'}: its file system has 0.00 GiB free, and the run needs about ")
+    assert not (tmp_path / "run").exists()
