@@ -14,7 +14,19 @@ from miles_events.app.replay import format_event, main
 from miles_events.bus.codec import encode_event
 from miles_events.bus.event_log import FRAME_SIZE, HEADER_SIZE, EventLogWriter, TornRecordError
 from schemas.data import DataRef
-from schemas.events import Event, RolloutGenerated, RolloutRequested, TrainMetrics, TrainStepFinished
+from schemas.events import (
+    ActorFailed,
+    Event,
+    PublicationMismatch,
+    RolloutGenerated,
+    RolloutRequested,
+    RunFinished,
+    TensorMismatch,
+    TrainMetrics,
+    TrainStepFinished,
+    WeightsCheckFinished,
+    WeightsStaged,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -224,3 +236,94 @@ def test_redrive_of_a_log_torn_before_its_first_record_exits_1_naming_the_tear(
     assert captured.err.splitlines() == [
         f"replay: {log}: torn record at byte {HEADER_SIZE}: short header (5 of 8 bytes)"
     ]
+
+
+# --- what a user needs to diagnose a failure is printed whole ---------------------------------
+
+LONG_REASON = (
+    "sink metrics failed to start: cannot listen on 127.0.0.1:9464 ([Errno 98] Address already in use); "
+    "choose another metrics.port (0 picks one) or set metrics.enabled = false"
+)
+TRACEBACK = (
+    "Traceback (most recent call last):\n"
+    '  File "/src/actors/trainer.py", line 412, in on_rollout_generated\n'
+    "    loss = self.backend.train(batch)\n"
+    '  File "/src/actors/trainer_backend/torch_backend.py", line 88, in train\n'
+    "    raise RuntimeError(message)\n"
+    "RuntimeError: CUDA out of memory. Tried to allocate 20.00 GiB (GPU 0; 139.81 GiB total capacity)\n"
+)
+
+
+def test_a_long_failure_reason_is_printed_whole() -> None:
+    line = format_event(RunFinished(status="failed", reason=LONG_REASON, last_rollout_id=3, seq=9, source="coordinator"))
+    assert f"reason={LONG_REASON!r}" in line
+    assert "..." not in line
+
+
+def test_a_long_actor_error_is_printed_whole() -> None:
+    error = "RuntimeError: CUDA out of memory. Tried to allocate 20.00 GiB (at torch_backend.py:88)"
+    line = format_event(ActorFailed(actor="trainer", error=error, seq=9, source="trainer"))
+    assert f"error={error!r}" in line
+
+
+def test_a_traceback_is_printed_whole_indented_under_its_event() -> None:
+    failed = ActorFailed(
+        actor="trainer",
+        error="RuntimeError: CUDA out of memory",
+        event_type="RolloutGenerated",
+        event_seq=12,
+        traceback=TRACEBACK,
+        seq=13,
+        source="trainer",
+    )
+    first, label, *body = format_event(failed).splitlines()
+    assert "ActorFailed" in first and "event_seq=12" in first and "traceback" not in first
+    assert label == "        traceback:"
+    assert body == ["          " + line for line in TRACEBACK.splitlines()]
+
+
+def test_a_publication_mismatch_names_every_tensor_and_digest_whole() -> None:
+    mismatches = [
+        TensorMismatch(engine="engine-1", tensor=f"model.layers.{i}.mlp.down_proj.weight", expected="a" * 16, actual="b" * 16)
+        for i in range(6)
+    ]
+    event = PublicationMismatch(
+        weight_version="3",
+        mismatches=mismatches,
+        expected_digest="c" * 64,
+        engine_digests={"engine-0": "c" * 64, "engine-1": "d" * 64},
+        rollout_id=1,
+        seq=30,
+        source="verifier",
+    )
+    first, label, *body = format_event(event).splitlines()
+    assert f"expected_digest={'c' * 64}" in first and f"engine-1:{'d' * 64}" in first
+    assert label == "        mismatches (6):"
+    assert body == [
+        f"          engine=engine-1 tensor={m.tensor} expected={'a' * 16} actual={'b' * 16} reason=''" for m in mismatches
+    ]
+
+
+def test_a_failed_weight_check_message_is_printed_whole() -> None:
+    message = "12 tensors differ from the snapshot: model.embed_tokens.weight, model.layers.0.self_attn.q_proj.weight, ..."
+    line = format_event(WeightsCheckFinished(engine="engine-0", action="compare", success=False, message=message))
+    assert f"message={message!r}" in line
+
+
+def test_other_long_fields_stay_abbreviated() -> None:
+    line = format_event(sample_events()[0])
+    staged = format_event(
+        WeightsStaged(weight_version="2", weights=DataRef("inprocess", "w", "trainer"), digest="e" * 64, num_tensors=1, num_bytes=4)
+    )
+    assert line.startswith("     1 ")
+    assert "digest=" + "e" * 45 + "..." in staged
+
+
+def test_json_keeps_a_traceback_and_a_long_reason_whole(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "events.log"
+    with EventLogWriter(path) as writer:
+        writer.append(ActorFailed(actor="trainer", error="RuntimeError: x", traceback=TRACEBACK, seq=1))
+        writer.append(RunFinished(status="failed", reason=LONG_REASON, seq=2))
+    assert main([str(path), "--json"]) == 0
+    failed, finished = (json.loads(line) for line in capsys.readouterr().out.splitlines())
+    assert failed["traceback"] == TRACEBACK and finished["reason"] == LONG_REASON

@@ -1,7 +1,10 @@
 """Print a run's event log: ``python -m miles_events.replay LOG [options]``.
 
 One line per event: ``seq  time  source  type  key=value ...`` (``--json``: one JSON object
-per line, its type under ``"type"``). Filters combine with AND; a filter given several
+per line, its type under ``"type"``). Long values are abbreviated, except what says why
+something failed (reasons, errors, messages, tracebacks, and every field of an event that
+reports a failure), which is printed whole: a traceback, and a mismatch's list of tensors,
+on lines of their own indented under the event. Filters combine with AND; a filter given several
 times (or with commas) matches any of its values. ``LOG`` may also be a run directory
 holding ``events.log``.
 
@@ -41,6 +44,13 @@ from schemas.events import EVENT_TYPES_BY_NAME, Event
 
 _HEADER_FIELDS = frozenset(("run_id", "seq", "time", "source"))
 _MAX_TEXT = 48
+_WHOLE_FIELDS = frozenset(("reason", "error", "traceback", "message"))
+"""Text that says why something failed: never cut, in any event and at any depth."""
+_FAILURES = frozenset(
+    ("ActorFailed", "PublicationFailed", "PublicationMismatch", "PublicationEvidenceFailed", "CheckpointFailed")
+)
+"""Events that report a failure: every field printed whole (no text cut, nothing counted)."""
+_BLOCK_INDENT = " " * 8
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -128,39 +138,74 @@ def _format_time(seconds: float) -> str:
     return stamp.strftime("%Y-%m-%d %H:%M:%S.") + f"{stamp.microsecond // 1000:03d}"
 
 
-def _format_value(value: Any) -> str:
-    """A short rendering: big collections are counted, long text is cut."""
+def _format_value(value: Any, whole: bool = False) -> str:
+    """A short rendering: big collections are counted, long text is cut; ``whole``: neither,
+    and a text field in ``_WHOLE_FIELDS`` is never cut at any depth."""
     if isinstance(value, float):
         return f"{value:.6g}"
     if isinstance(value, str):
-        text = value if len(value) <= _MAX_TEXT else value[: _MAX_TEXT - 3] + "..."
-        return repr(text) if (not text or " " in text or "=" in text) else text
+        text = value if whole or len(value) <= _MAX_TEXT else value[: _MAX_TEXT - 3] + "..."
+        return repr(text) if (not text or " " in text or "=" in text or "\n" in text) else text
     if isinstance(value, dict):
-        if len(value) > 4:
+        if len(value) > 4 and not whole:
             return f"<{len(value)} entries>"
-        return "{" + ",".join(f"{k}:{_format_value(v)}" for k, v in value.items()) + "}"
+        return "{" + ",".join(f"{k}:{_format_field(str(k), v, whole)}" for k, v in value.items()) + "}"
     if isinstance(value, list | tuple):
-        if len(value) > 4:
+        if len(value) > 4 and not whole:
             return f"<{len(value)} items>"
-        return "[" + ",".join(_format_value(v) for v in value) + "]"
+        return "[" + ",".join(_format_value(v, whole) for v in value) + "]"
     if isinstance(value, msgspec.Struct):
         fields = msgspec.structs.asdict(value)
         if {"transport", "key"} <= fields.keys():
             # A DataRef: where the bulk data lives is what a reader wants.
             return f"{fields['transport']}:{fields['key']}"
-        return "{" + ",".join(f"{k}:{_format_value(v)}" for k, v in fields.items()) + "}"
+        return "{" + ",".join(f"{k}:{_format_field(k, v, whole)}" for k, v in fields.items()) + "}"
     return str(value)
 
 
-def format_event(event: Event) -> str:
-    """One human-readable line: seq, UTC time, source, type, then the event's own fields."""
-    parts = [
-        f"{name}={_format_value(value)}"
-        for name, value in zip(event.__struct_fields__, msgspec.structs.astuple(event), strict=True)
-        if name not in _HEADER_FIELDS and value is not None
+def _format_field(name: str, value: Any, whole: bool) -> str:
+    return _format_value(value, whole or name in _WHOLE_FIELDS)
+
+
+def _is_block(value: Any, whole: bool) -> bool:
+    """Printed below the event's line: text of several lines that is printed whole, and, in
+    an event that reports a failure, a list of records (one a line)."""
+    if isinstance(value, str):
+        return whole and "\n" in value.rstrip("\n")
+    return whole and isinstance(value, list) and bool(value) and all(isinstance(v, msgspec.Struct) for v in value)
+
+
+def _format_block(name: str, value: str | list[msgspec.Struct]) -> list[str]:
+    inner = _BLOCK_INDENT + "  "
+    if isinstance(value, str):
+        return [f"{_BLOCK_INDENT}{name}:", *(inner + line for line in value.splitlines())]
+    rows = [
+        " ".join(f"{k}={_format_value(v, True)}" for k, v in msgspec.structs.asdict(item).items()) for item in value
     ]
+    return [f"{_BLOCK_INDENT}{name} ({len(value)}):", *(inner + row for row in rows)]
+
+
+def format_event(event: Event) -> str:
+    """A human-readable line: seq, UTC time, source, type, then the event's own fields.
+
+    What says why something failed is never cut: text fields named ``reason``, ``error``,
+    ``traceback`` or ``message``, and every field of an event that reports a failure
+    (``_FAILURES``). Such text of several lines (a traceback), and the list of records of a
+    failure (a mismatch's tensors), follow on lines of their own, indented under the event.
+    """
+    failure = type(event).__name__ in _FAILURES
+    parts: list[str] = []
+    blocks: list[str] = []
+    for name, value in zip(event.__struct_fields__, msgspec.structs.astuple(event), strict=True):
+        if name in _HEADER_FIELDS or value is None:
+            continue
+        whole = failure or name in _WHOLE_FIELDS
+        if _is_block(value, whole):
+            blocks.extend(_format_block(name, value))
+        else:
+            parts.append(f"{name}={_format_value(value, whole)}")
     head = f"{event.seq:>6} {_format_time(event.time)} {event.source or '-':<12} {type(event).__name__:<21}"
-    return f"{head} {' '.join(parts)}".rstrip()
+    return "\n".join([f"{head} {' '.join(parts)}".rstrip(), *blocks])
 
 
 def _resolve_log(log: str) -> Path:
