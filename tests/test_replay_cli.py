@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -327,3 +329,68 @@ def test_json_keeps_a_traceback_and_a_long_reason_whole(tmp_path: Path, capsys: 
     assert main([str(path), "--json"]) == 0
     failed, finished = (json.loads(line) for line in capsys.readouterr().out.splitlines())
     assert failed["traceback"] == TRACEBACK and finished["reason"] == LONG_REASON
+
+
+# --- a path that is not an event log: one line, exit 2, never a hang ----------------------------
+
+
+def run_replay(*args: str, preexec_fn=None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "miles_events.replay", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        preexec_fn=preexec_fn,
+    )
+
+
+def without_root_file_access() -> None:
+    """In a child about to exec: drop root's right to read any file (CAP_DAC_OVERRIDE and
+    CAP_DAC_READ_SEARCH leave the bounding set, so the exec'd program lacks them)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    for capability in (1, 2):
+        if libc.prctl(24, capability, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+def test_a_directory_without_an_event_log_is_named_as_such_with_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([str(tmp_path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == f"replay: {tmp_path} is a directory without events.log\n"
+
+
+def test_a_fifo_is_refused_at_once_with_one_line(tmp_path: Path) -> None:
+    fifo = tmp_path / "events.log"
+    os.mkfifo(fifo)
+    result = run_replay(str(fifo))
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == f"replay: {fifo} is not a regular file (a FIFO)\n"
+
+
+def test_a_run_directory_whose_event_log_is_a_fifo_is_refused_with_one_line(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "events.log")
+    result = run_replay(str(tmp_path))
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == f"replay: {tmp_path / 'events.log'} is not a regular file (a FIFO)\n"
+
+
+def test_a_config_that_is_a_fifo_is_refused_with_one_line(log: Path, tmp_path: Path) -> None:
+    fifo = tmp_path / "run.toml"
+    os.mkfifo(fifo)
+    result = run_replay(str(log), "--redrive", "coordinator", "--config", str(fifo))
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == f"replay: --config {fifo} is not a regular file (a FIFO)\n"
+
+
+def test_an_unreadable_log_is_one_line_with_exit_2(log: Path) -> None:
+    log.chmod(0)
+    try:
+        result = run_replay(str(log), preexec_fn=without_root_file_access if os.geteuid() == 0 else None)
+    except subprocess.SubprocessError as error:
+        pytest.skip(f"cannot drop root's file access here ({error})")
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == f"replay: {log}: cannot read it (Permission denied)\n"

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import os
+import stat
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -208,11 +209,51 @@ def format_event(event: Event) -> str:
     return "\n".join([f"{head} {' '.join(parts)}".rstrip(), *blocks])
 
 
-def _resolve_log(log: str) -> Path:
-    path = Path(log)
-    if path.is_dir():
-        return event_log_path(path)
+class _Unusable(Exception):
+    """A path the command cannot use; the message is the one line that says why."""
+
+
+_NOT_REGULAR = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
+
+
+def _file_mode(path: Path, shown: str) -> int | None:
+    """``path``'s mode, None when it does not exist; ``_Unusable`` when it cannot be looked at."""
+    try:
+        return path.stat().st_mode
+    except FileNotFoundError:
+        return None
+    except OSError as error:
+        raise _Unusable(f"{shown}: cannot read it ({error.strerror or error})") from None
+
+
+def _regular_file(path: Path, shown: str) -> Path:
+    """``path`` when it is a regular file (reading anything else could block: a FIFO),
+    else ``_Unusable`` naming what it is."""
+    mode = _file_mode(path, shown)
+    if mode is None:
+        raise _Unusable(f"{shown}: no such file")
+    for test, kind in _NOT_REGULAR:
+        if test(mode):
+            raise _Unusable(f"{shown} is not a regular file ({kind})")
     return path
+
+
+def _resolve_log(log: str) -> Path:
+    """The event log ``log`` names: the file itself, or a run directory's ``events.log``."""
+    path = Path(log)
+    mode = _file_mode(path, log)
+    if mode is not None and stat.S_ISDIR(mode):
+        inside = event_log_path(path)
+        if _file_mode(inside, str(inside)) is None:
+            raise _Unusable(f"{log} is a directory without {EVENT_LOG}")
+        return _regular_file(inside, str(inside))
+    return _regular_file(path, log)
 
 
 def _print_events(events: Iterable[Event], as_json: bool, out: TextIO) -> None:
@@ -252,16 +293,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         # argparse exits on --help and on bad arguments; callers of main() get a status.
         return exit_request.code if isinstance(exit_request.code, int) else 2
 
-    path = _resolve_log(args.log)
     out, err = sys.stdout, sys.stderr
     try:
+        path = _resolve_log(args.log)
+        if args.config is not None:
+            _regular_file(Path(args.config), f"--config {args.config}")
         events = read_events(path, on_damage=_damage_warning(args.log, out, err))
-    except FileNotFoundError:
+    except _Unusable as error:
+        err.write(f"replay: {error}\n")
+        return 2
+    except FileNotFoundError:  # gone since it was looked at
         err.write(f"replay: {args.log}: no such file\n")
         return 2
-    except (NotAnEventLogError, IsADirectoryError, PermissionError) as error:
+    except NotAnEventLogError as error:
         reason = str(error).removeprefix(f"{path}: ")
         err.write(f"replay: {args.log}: {reason}\n")
+        return 2
+    except OSError as error:
+        err.write(f"replay: {args.log}: cannot read it ({error.strerror or error})\n")
         return 2
     except TornRecordError as torn:
         err.write(f"replay: {args.log}: torn record at byte {torn.offset}: {torn.reason}\n")
@@ -318,8 +367,10 @@ def _redrive(
     for run_id, recorded in runs.items():
         config_path = Path(config) if config else run_config_path(path.parent, run_id)
         try:
+            if config_path.exists():
+                _regular_file(config_path, str(config_path))
             run_config = load_config(config_path, check=False, recorded=True)
-        except ConfigError as error:
+        except (ConfigError, _Unusable) as error:
             err.write(f"replay: run {run_id}: {error}\n")
             return 2
         for name in names:
