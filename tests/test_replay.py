@@ -147,3 +147,14 @@ def test_a_decision_is_what_happens_not_the_header_timings_or_scheduling_advice(
     # A log written before the advice existed records the same decision.
     assert decision(asked) == decision(SaveRequested(rollout_id=4, reason="interval"))
     assert decision(asked) != decision(SaveRequested(rollout_id=4, reason="stop"))
+
+
+@pytest.mark.parametrize(("rollout_id", "first", "last"), [(0, 9, 21), (1, 22, 40), (2, 41, 59)])
+def test_a_rollout_filter_follows_the_rollout_into_its_publication_save_and_eval(rollout_id, first, last, capsys):
+    """Every event of the rollout: its eval, generation and train step, the publication it
+    triggered (staged, each engine's load, published, verified), its save, and the release
+    of each data reference those events made; the initial publication and the run's start
+    and end belong to no rollout."""
+    assert replay_main([str(FIXTURE), "--json", "--rollout-id", str(rollout_id)]) == 0
+    seqs = [msgspec.json.decode(line)["seq"] for line in capsys.readouterr().out.splitlines()]
+    assert seqs == list(range(first, last + 1))

@@ -394,3 +394,62 @@ def test_an_unreadable_log_is_one_line_with_exit_2(log: Path) -> None:
         pytest.skip(f"cannot drop root's file access here ({error})")
     assert (result.returncode, result.stdout) == (2, "")
     assert result.stderr == f"replay: {log}: cannot read it (Permission denied)\n"
+
+
+# --- filters that cannot match ---------------------------------------------------------------
+
+
+def test_a_source_no_event_comes_from_is_one_line_with_exit_2(log: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([str(log), "--source", "trainer,nobody"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (
+        f"replay: --source nobody: no event in {log} comes from it (its sources: coordinator, generator, trainer)\n"
+    )
+
+
+def test_a_negative_rollout_id_is_one_line_with_exit_2(log: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([str(log), "--rollout-id", "-3"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == "replay: --rollout-id -3: a rollout id is 0 or more\n"
+
+
+def test_a_bad_argument_is_one_line_with_exit_2(log: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([str(log), "--rollout-id", "two"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == "replay: argument --rollout-id: invalid int value: 'two' (see --help)\n"
+
+
+def test_a_rollout_without_events_gets_a_one_line_note_and_exit_0(
+    log: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([str(log), "--rollout-id", "7"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == f"replay: no event of rollout 7 in {log} (its rollouts: 0..2)\n"
+
+
+def test_filters_that_select_nothing_get_a_one_line_note_and_exit_0(
+    log: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([str(log), "--type", "RolloutRequested", "--source", "trainer"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == f"replay: no event in {log} matches the filters\n"
+
+
+def test_an_actor_failure_belongs_to_the_rollout_of_the_event_it_failed_on(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    events = sample_events(2)
+    generated = events[4]  # RolloutGenerated of rollout 1
+    failed = ActorFailed(actor="trainer", error="RuntimeError: x", event_type="RolloutGenerated", event_seq=generated.seq)
+    other = ActorFailed(actor="saver", error="OSError: y")
+    path = tmp_path / "events.log"
+    with EventLogWriter(path) as writer:
+        writer.append_many([*events, msgspec.structs.replace(failed, seq=7), msgspec.structs.replace(other, seq=8)])
+    assert main([str(path), "--json", "--rollout-id", "1"]) == 0
+    seqs = [json.loads(line)["seq"] for line in capsys.readouterr().out.splitlines()]
+    assert seqs == [4, 5, 6, 7]

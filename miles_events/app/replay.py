@@ -5,8 +5,11 @@ per line, its type under ``"type"``). Long values are abbreviated, except what s
 something failed (reasons, errors, messages, tracebacks, and every field of an event that
 reports a failure), which is printed whole: a traceback, and a mismatch's list of tensors,
 on lines of their own indented under the event. Filters combine with AND; a filter given several
-times (or with commas) matches any of its values. ``LOG`` may also be a run directory
-holding ``events.log``.
+times (or with commas) matches any of its values. ``--rollout-id N`` selects every event of
+rollout N, those that answer its events included (``RolloutTracker``). A ``--source`` that
+no event of the log comes from, and a negative ``--rollout-id``, are errors; filters that
+select nothing (a rollout the log does not reach) print a one-line note on stderr, status 0.
+``LOG`` may also be a run directory holding ``events.log``.
 
 Damage in the middle of the log (valid records after it) is skipped: every readable record
 is printed, and one warning line per damaged byte range goes to stderr (``replay: warning:
@@ -14,8 +17,9 @@ LOG: bytes START..END damaged, skipped (REASON)``, END exclusive).
 
 Exit status: 0 when the log was read to its end (damaged ranges skipped included); 1 when
 it ends in a torn record (every readable record before it is printed first, then one line
-on stderr names its byte offset); 2 for a missing file, a file that is not an event log, or
-bad arguments. ``--redrive`` re-drives what is readable: a torn tail is a warning there, and
+on stderr names its byte offset); 2 for a missing file, a directory without ``events.log``,
+a file that is not an event log or cannot be read, or bad arguments (each one line on
+stderr). ``--redrive`` re-drives what is readable: a torn tail is a warning there, and
 its status is 0 when every decision matches, 1 when one differs or nothing was readable.
 """
 
@@ -28,7 +32,7 @@ import stat
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, NoReturn, TextIO
 
 import msgspec
 
@@ -41,7 +45,8 @@ from miles_events.bus.event_log import (
     TornRecordError,
     read_events,
 )
-from schemas.events import EVENT_TYPES_BY_NAME, Event
+from schemas.data import DataRef
+from schemas.events import EVENT_TYPES_BY_NAME, ActorFailed, DataReleased, Event, WeightsLoaded, WeightsStaged
 
 _HEADER_FIELDS = frozenset(("run_id", "seq", "time", "source"))
 _MAX_TEXT = 48
@@ -54,11 +59,23 @@ _FAILURES = frozenset(
 _BLOCK_INDENT = " " * 8
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line on stderr (``replay: ... (see --help)``), exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        sys.stderr.write(f"replay: {message} (see --help)\n")
+        raise SystemExit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The replay command line (kept separate so that more options can join it)."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="python -m miles_events.replay",
         description="Print the events of a miles-events event log.",
+        epilog="A --source that no event of the log comes from, or a negative --rollout-id, is an "
+        "error; filters that select nothing (a rollout the log does not reach) print a note on "
+        "stderr. Exit status: 0 read to the end, 1 the log ends in a torn record (or --redrive "
+        "found a different decision), 2 a path or argument that cannot be used.",
     )
     parser.add_argument("log", metavar="LOG", help=f"an event log, or a run directory with {EVENT_LOG}")
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
@@ -79,7 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="only events from this actor (repeatable, or comma-separated)",
     )
     parser.add_argument(
-        "--rollout-id", type=int, default=None, metavar="N", help="only events about rollout N"
+        "--rollout-id",
+        type=int,
+        default=None,
+        metavar="N",
+        help="only the events of rollout N: its eval, generation and train step, the publication "
+        "and save it triggered (each engine's load included), and the data releases and actor failures that follow them",
     )
     parser.add_argument(
         "--redrive",
@@ -113,23 +135,88 @@ def _split(values: Iterable[str]) -> set[str]:
     return {part.strip() for value in values for part in value.split(",") if part.strip()}
 
 
+class RolloutTracker:
+    """Which rollout each event of a log belongs to, fed the log's events in order.
+
+    An event with a ``rollout_id`` belongs to that rollout. The others follow what they
+    answer: an engine's ``WeightsLoaded`` belongs to the rollout whose publication staged
+    that weight version, a ``DataReleased`` to the rollout of the event that carried the
+    released reference, an ``ActorFailed`` to the rollout of the event it failed on. The
+    rest (the run's start and end, the initial publication, weight checks) belong to none.
+    """
+
+    def __init__(self) -> None:
+        self.seen: set[int] = set()
+        """Every rollout id an event named, so far."""
+        self._by_version: dict[tuple[str, str], int] = {}
+        self._by_ref: dict[tuple[str, str, str], int] = {}
+        self._by_seq: dict[tuple[str, int], int] = {}
+
+    def rollout_of(self, event: Event) -> int | None:
+        run = event.run_id
+        rollout = getattr(event, "rollout_id", None)
+        if rollout is not None:
+            self.seen.add(rollout)
+            if isinstance(event, WeightsStaged):
+                self._by_version[run, event.weight_version] = rollout
+            for value in msgspec.structs.astuple(event):
+                if isinstance(value, DataRef):
+                    self._by_ref[run, value.transport, value.key] = rollout
+        elif isinstance(event, WeightsLoaded):
+            rollout = self._by_version.get((run, event.weight_version))
+        elif isinstance(event, DataReleased):
+            rollout = self._by_ref.get((run, event.ref.transport, event.ref.key))
+        elif isinstance(event, ActorFailed):
+            rollout = self._by_seq.get((run, event.event_seq))
+        if rollout is not None:
+            self._by_seq[run, event.seq] = rollout
+        return rollout
+
+
 def filter_events(
     events: Iterable[Event],
     *,
     types: Iterable[str] = (),
     sources: Iterable[str] = (),
     rollout_id: int | None = None,
+    tracker: RolloutTracker | None = None,
 ) -> Iterator[Event]:
-    """The events matching every given filter (an empty filter matches everything)."""
+    """The events matching every given filter (an empty filter matches everything); a
+    rollout's events are those ``tracker`` (a new one by default) assigns to it."""
     type_set, source_set = set(types), set(sources)
+    if rollout_id is not None and tracker is None:
+        tracker = RolloutTracker()
     for event in events:
+        # The tracker sees every event: what ties an event to its rollout may be filtered out.
+        if tracker is not None and tracker.rollout_of(event) != rollout_id:
+            continue
         if type_set and type(event).__name__ not in type_set:
             continue
         if source_set and event.source not in source_set:
             continue
-        if rollout_id is not None and getattr(event, "rollout_id", None) != rollout_id:
-            continue
         yield event
+
+
+def _log_sources(path: Path) -> set[str]:
+    """The sources of every readable event of the log (damage skipped quietly)."""
+    sources: set[str] = set()
+    try:
+        for event in read_events(path, on_damage=lambda damage: None):
+            sources.add(event.source)
+    except TornRecordError:
+        pass
+    return sources
+
+
+def _ranges(numbers: Iterable[int]) -> str:
+    """``0..2, 5, 7..9``: sorted, runs of consecutive numbers joined."""
+    spans: list[list[int]] = []
+    for number in sorted(numbers):
+        if spans and number == spans[-1][1] + 1:
+            spans[-1][1] = number
+        else:
+            spans.append([number, number])
+    return ", ".join(str(a) if a == b else f"{a}..{b}" for a, b in spans) or "none"
 
 
 def _format_time(seconds: float) -> str:
@@ -256,14 +343,19 @@ def _resolve_log(log: str) -> Path:
     return _regular_file(path, log)
 
 
-def _print_events(events: Iterable[Event], as_json: bool, out: TextIO) -> None:
+def _print_events(events: Iterable[Event], as_json: bool, out: TextIO) -> int:
+    """Writes each event; returns how many."""
     write = out.write
+    count = 0
     if as_json:
         for event in events:
             write(event_to_json_bytes(event).decode() + "\n")
+            count += 1
     else:
         for event in events:
             write(format_event(event) + "\n")
+            count += 1
+    return count
 
 
 def _damage_warning(log: str, out: TextIO, err: TextIO) -> OnDamage:
@@ -289,6 +381,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if unknown:
             known = ", ".join(sorted(EVENT_TYPES_BY_NAME))
             parser.error(f"unknown event type {', '.join(unknown)} (known: {known})")
+        if args.rollout_id is not None and args.rollout_id < 0:
+            sys.stderr.write(f"replay: --rollout-id {args.rollout_id}: a rollout id is 0 or more\n")
+            return 2
     except SystemExit as exit_request:
         # argparse exits on --help and on bad arguments; callers of main() get a status.
         return exit_request.code if isinstance(exit_request.code, int) else 2
@@ -320,10 +415,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _serve_metrics(events, args.log, args.host, args.serve_metrics, out, err)
     if args.redrive:
         return _redrive(path, events, sorted(_split(args.redrive)), args.config, out, err)
-    selected = filter_events(events, types=types, sources=_split(args.sources), rollout_id=args.rollout_id)
+    sources = _split(args.sources)
+    if sources:
+        in_log = _log_sources(path)
+        absent = sorted(sources - in_log)
+        if absent:
+            known = ", ".join(sorted(in_log)) or "none"
+            named = ",".join(absent)
+            err.write(f"replay: --source {named}: no event in {args.log} comes from it (its sources: {known})\n")
+            return 2
+    tracker = RolloutTracker() if args.rollout_id is not None else None
+    selected = filter_events(
+        events, types=types, sources=sources, rollout_id=args.rollout_id, tracker=tracker
+    )
     try:
-        _print_events(selected, args.json, out)
+        printed = _print_events(selected, args.json, out)
         out.flush()
+        if not printed and (types or sources or tracker is not None):
+            if tracker is not None and args.rollout_id not in tracker.seen:
+                err.write(
+                    f"replay: no event of rollout {args.rollout_id} in {args.log} (its rollouts: {_ranges(tracker.seen)})\n"
+                )
+            else:
+                err.write(f"replay: no event in {args.log} matches the filters\n")
     except TornRecordError as torn:
         out.flush()
         err.write(f"replay: {args.log}: torn record at byte {torn.offset}: {torn.reason}\n")
