@@ -21,6 +21,9 @@ on stderr names its byte offset); 2 for a missing file, a directory without ``ev
 a file that is not an event log or cannot be read, or bad arguments (each one line on
 stderr). ``--redrive`` re-drives what is readable: a torn tail is a warning there, and
 its status is 0 when every decision matches, 1 when one differs or nothing was readable.
+For each run it first names the config used and, when that is not the run's recorded
+``configs/<run_id>.toml``, the keys in which the two differ (recorded -> used); then one
+verdict line per actor.
 """
 
 from __future__ import annotations
@@ -45,8 +48,17 @@ from miles_events.bus.event_log import (
     TornRecordError,
     read_events,
 )
+from schemas.config import Config
 from schemas.data import DataRef
-from schemas.events import EVENT_TYPES_BY_NAME, ActorFailed, DataReleased, Event, WeightsLoaded, WeightsStaged
+from schemas.events import (
+    EVENT_TYPES_BY_NAME,
+    ActorFailed,
+    DataReleased,
+    Event,
+    RunStarted,
+    WeightsLoaded,
+    WeightsStaged,
+)
 
 _HEADER_FIELDS = frozenset(("run_id", "seq", "time", "source"))
 _MAX_TEXT = 48
@@ -101,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="N",
         help="only the events of rollout N: its eval, generation and train step, the publication "
-        "and save it triggered (each engine's load included), and the data releases and actor failures that follow them",
+        "and save it triggered (each engine's load included), and the data releases and actor "
+        "failures that follow them",
     )
     parser.add_argument(
         "--redrive",
@@ -115,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--config",
         default=None,
         metavar="TOML",
-        help="the run's config for --redrive (default: configs/<run_id>.toml beside the log)",
+        help="the run's config for --redrive (default: configs/<run_id>.toml beside the log); "
+        "the keys in which it differs from that recorded one are named before the verdicts",
     )
     parser.add_argument(
         "--serve-metrics",
@@ -479,7 +493,8 @@ def _redrive(
     runs = split_runs(readable)
     status = 0
     for run_id, recorded in runs.items():
-        config_path = Path(config) if config else run_config_path(path.parent, run_id)
+        recorded_path = run_config_path(path.parent, run_id)
+        config_path = Path(config) if config else recorded_path
         try:
             if config_path.exists():
                 _regular_file(config_path, str(config_path))
@@ -487,6 +502,8 @@ def _redrive(
         except (ConfigError, _Unusable) as error:
             err.write(f"replay: run {run_id}: {error}\n")
             return 2
+        started = next((e for e in recorded if isinstance(e, RunStarted)), None)
+        out.write(f"run {run_id}: {_describe_config(config_path, run_config, recorded_path, started)}\n")
         for name in names:
             try:
                 actor = build_actor(name, run_config, recorded, run_dir=path.parent)
@@ -498,6 +515,48 @@ def _redrive(
             out.write(f"{name:12} run {run_id}: {result.inputs} events in, {len(result.produced)} decisions: {verdict}\n")
             status = status or (0 if result.matches else 1)
     return status
+
+
+_MAX_DIFFERENCES = 8
+_MAX_VALUE = 40
+
+
+def _describe_config(used_path: Path, used: Config, recorded_path: Path, started: RunStarted | None) -> str:
+    """Which config a re-drive uses and, when it is not the run's recorded config file, how
+    it differs from it: the keys, each with the recorded value and the one used."""
+    from miles_events.app.config import ConfigError, config_digest, load_config
+    from miles_events.app.redrive import config_differences
+
+    head = f"config {used_path}"
+    if used_path == recorded_path or (recorded_path.exists() and used_path.resolve() == recorded_path.resolve()):
+        return f"{head}, the one recorded for the run"
+    if not recorded_path.exists():
+        # The digest alone says "the same" only while the config schema has not grown since.
+        if started is not None and config_digest(used) == started.config_digest:
+            return f"{head}, whose digest is the one the run recorded ({recorded_path} is missing)"
+        return f"{head}; the recorded {recorded_path} is missing: not compared"
+    try:
+        _regular_file(recorded_path, str(recorded_path))
+        recorded = load_config(recorded_path, check=False, recorded=True)
+    except (ConfigError, _Unusable) as error:
+        return f"{head}; the recorded {recorded_path} cannot be read ({error}): not compared"
+    differences = config_differences(recorded, used)
+    if not differences:
+        return f"{head}, the same as the recorded {recorded_path}"
+    named = ", ".join(
+        f"{key} ({_config_value(before)} -> {_config_value(after)})"
+        for key, before, after in differences[:_MAX_DIFFERENCES]
+    )
+    if len(differences) > _MAX_DIFFERENCES:
+        named += f" and {len(differences) - _MAX_DIFFERENCES} more"
+    return f"{head} differs from the recorded {recorded_path} in {named}"
+
+
+def _config_value(value: Any) -> str:
+    if value is None:
+        return "unset"
+    text = msgspec.json.encode(value).decode()
+    return text if len(text) <= _MAX_VALUE else text[: _MAX_VALUE - 3] + "..."
 
 
 def _serve_metrics(events: Iterable[Event], log: str, host: str, port: int, out: TextIO, err: TextIO) -> int:
