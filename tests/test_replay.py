@@ -147,3 +147,73 @@ def test_a_decision_is_what_happens_not_the_header_timings_or_scheduling_advice(
     # A log written before the advice existed records the same decision.
     assert decision(asked) == decision(SaveRequested(rollout_id=4, reason="interval"))
     assert decision(asked) != decision(SaveRequested(rollout_id=4, reason="stop"))
+
+
+@pytest.mark.parametrize(("rollout_id", "first", "last"), [(0, 9, 21), (1, 22, 40), (2, 41, 59)])
+def test_a_rollout_filter_follows_the_rollout_into_its_publication_save_and_eval(rollout_id, first, last, capsys):
+    """Every event of the rollout: its eval, generation and train step, the publication it
+    triggered (staged, each engine's load, published, verified), its save, and the release
+    of each data reference those events made; the initial publication and the run's start
+    and end belong to no rollout."""
+    assert replay_main([str(FIXTURE), "--json", "--rollout-id", str(rollout_id)]) == 0
+    seqs = [msgspec.json.decode(line)["seq"] for line in capsys.readouterr().out.splitlines()]
+    assert seqs == list(range(first, last + 1))
+
+
+def recorded_config_path(events) -> Path:
+    return FIXTURE / "configs" / f"{events[0].run_id}.toml"
+
+
+def test_redrive_names_the_recorded_config_it_used_before_the_verdicts(recorded, capsys):
+    events, _config = recorded
+    assert replay_main([str(FIXTURE / "events.log"), "--redrive", "coordinator,verifier"]) == 0
+    config_line, *verdicts = capsys.readouterr().out.splitlines()
+    assert config_line == f"run {events[0].run_id}: config {recorded_config_path(events)}, the one recorded for the run"
+    assert [line.split()[0] for line in verdicts] == ["coordinator", "verifier"]
+
+
+def test_redrive_names_the_keys_a_given_config_changes_before_the_verdict(tmp_path, capsys, recorded):
+    events, _config = recorded
+    changed = tmp_path / "changed.toml"
+    text = recorded_config_path(events).read_text()
+    changed.write_text(text.replace("save_interval = 2", "save_interval = 1").replace("lr = 0.003", "lr = 0.01"))
+    assert replay_main([str(FIXTURE / "events.log"), "--redrive", "coordinator", "--config", str(changed)]) == 1
+    config_line, verdict = capsys.readouterr().out.splitlines()
+    assert config_line == (
+        f"run {events[0].run_id}: config {changed} differs from the recorded {recorded_config_path(events)} "
+        "in run.save_interval (2 -> 1), trainer.lr (0.003 -> 0.01)"
+    )
+    assert verdict.startswith("coordinator") and "DIFFERENT" in verdict
+
+
+def test_redrive_with_a_changed_config_that_decides_the_same_still_names_the_change(tmp_path, capsys, recorded):
+    events, _config = recorded
+    changed = tmp_path / "changed.toml"
+    changed.write_text(recorded_config_path(events).read_text().replace("lr = 0.003", "lr = 0.01"))
+    assert replay_main([str(FIXTURE / "events.log"), "--redrive", "coordinator", "--config", str(changed)]) == 0
+    config_line, verdict = capsys.readouterr().out.splitlines()
+    assert config_line.endswith(f"differs from the recorded {recorded_config_path(events)} in trainer.lr (0.003 -> 0.01)")
+    assert verdict.endswith("same decisions")
+
+
+def test_redrive_with_a_copy_of_the_recorded_config_says_it_is_the_same(tmp_path, capsys, recorded):
+    events, _config = recorded
+    copy = tmp_path / "copy.toml"
+    shutil.copy(recorded_config_path(events), copy)
+    assert replay_main([str(FIXTURE / "events.log"), "--redrive", "coordinator", "--config", str(copy)]) == 0
+    config_line, _verdict = capsys.readouterr().out.splitlines()
+    assert config_line == (
+        f"run {events[0].run_id}: config {copy}, the same as the recorded {recorded_config_path(events)}"
+    )
+
+
+def test_redrive_says_when_no_recorded_config_is_there_to_compare_with(tmp_path, capsys, recorded):
+    events, _config = recorded
+    shutil.copy(FIXTURE / "events.log", tmp_path / "events.log")
+    given = recorded_config_path(events)
+    assert replay_main([str(tmp_path / "events.log"), "--redrive", "coordinator", "--config", str(given)]) == 0
+    config_line, _verdict = capsys.readouterr().out.splitlines()
+    missing = tmp_path / "configs" / f"{events[0].run_id}.toml"
+    assert config_line == (
+        f"run {events[0].run_id}: config {given}; the recorded {missing} is missing: not compared"
+    )

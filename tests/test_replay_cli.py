@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +16,19 @@ from miles_events.app.replay import format_event, main
 from miles_events.bus.codec import encode_event
 from miles_events.bus.event_log import FRAME_SIZE, HEADER_SIZE, EventLogWriter, TornRecordError
 from schemas.data import DataRef
-from schemas.events import Event, RolloutGenerated, RolloutRequested, TrainMetrics, TrainStepFinished
+from schemas.events import (
+    ActorFailed,
+    Event,
+    PublicationMismatch,
+    RolloutGenerated,
+    RolloutRequested,
+    RunFinished,
+    TensorMismatch,
+    TrainMetrics,
+    TrainStepFinished,
+    WeightsCheckFinished,
+    WeightsStaged,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -224,3 +238,218 @@ def test_redrive_of_a_log_torn_before_its_first_record_exits_1_naming_the_tear(
     assert captured.err.splitlines() == [
         f"replay: {log}: torn record at byte {HEADER_SIZE}: short header (5 of 8 bytes)"
     ]
+
+
+# --- what a user needs to diagnose a failure is printed whole ---------------------------------
+
+LONG_REASON = (
+    "sink metrics failed to start: cannot listen on 127.0.0.1:9464 ([Errno 98] Address already in use); "
+    "choose another metrics.port (0 picks one) or set metrics.enabled = false"
+)
+TRACEBACK = (
+    "Traceback (most recent call last):\n"
+    '  File "/src/actors/trainer.py", line 412, in on_rollout_generated\n'
+    "    loss = self.backend.train(batch)\n"
+    '  File "/src/actors/trainer_backend/torch_backend.py", line 88, in train\n'
+    "    raise RuntimeError(message)\n"
+    "RuntimeError: CUDA out of memory. Tried to allocate 20.00 GiB (GPU 0; 139.81 GiB total capacity)\n"
+)
+
+
+def test_a_long_failure_reason_is_printed_whole() -> None:
+    line = format_event(RunFinished(status="failed", reason=LONG_REASON, last_rollout_id=3, seq=9, source="coordinator"))
+    assert f"reason={LONG_REASON!r}" in line
+    assert "..." not in line
+
+
+def test_a_long_actor_error_is_printed_whole() -> None:
+    error = "RuntimeError: CUDA out of memory. Tried to allocate 20.00 GiB (at torch_backend.py:88)"
+    line = format_event(ActorFailed(actor="trainer", error=error, seq=9, source="trainer"))
+    assert f"error={error!r}" in line
+
+
+def test_a_traceback_is_printed_whole_indented_under_its_event() -> None:
+    failed = ActorFailed(
+        actor="trainer",
+        error="RuntimeError: CUDA out of memory",
+        event_type="RolloutGenerated",
+        event_seq=12,
+        traceback=TRACEBACK,
+        seq=13,
+        source="trainer",
+    )
+    first, label, *body = format_event(failed).splitlines()
+    assert "ActorFailed" in first and "event_seq=12" in first and "traceback" not in first
+    assert label == "        traceback:"
+    assert body == ["          " + line for line in TRACEBACK.splitlines()]
+
+
+def test_a_publication_mismatch_names_every_tensor_and_digest_whole() -> None:
+    mismatches = [
+        TensorMismatch(engine="engine-1", tensor=f"model.layers.{i}.mlp.down_proj.weight", expected="a" * 16, actual="b" * 16)
+        for i in range(6)
+    ]
+    event = PublicationMismatch(
+        weight_version="3",
+        mismatches=mismatches,
+        expected_digest="c" * 64,
+        engine_digests={"engine-0": "c" * 64, "engine-1": "d" * 64},
+        rollout_id=1,
+        seq=30,
+        source="verifier",
+    )
+    first, label, *body = format_event(event).splitlines()
+    assert f"expected_digest={'c' * 64}" in first and f"engine-1:{'d' * 64}" in first
+    assert label == "        mismatches (6):"
+    assert body == [
+        f"          engine=engine-1 tensor={m.tensor} expected={'a' * 16} actual={'b' * 16} reason=''" for m in mismatches
+    ]
+
+
+def test_a_failed_weight_check_message_is_printed_whole() -> None:
+    message = "12 tensors differ from the snapshot: model.embed_tokens.weight, model.layers.0.self_attn.q_proj.weight, ..."
+    line = format_event(WeightsCheckFinished(engine="engine-0", action="compare", success=False, message=message))
+    assert f"message={message!r}" in line
+
+
+def test_other_long_fields_stay_abbreviated() -> None:
+    line = format_event(sample_events()[0])
+    staged = format_event(
+        WeightsStaged(weight_version="2", weights=DataRef("inprocess", "w", "trainer"), digest="e" * 64, num_tensors=1, num_bytes=4)
+    )
+    assert line.startswith("     1 ")
+    assert "digest=" + "e" * 45 + "..." in staged
+
+
+def test_json_keeps_a_traceback_and_a_long_reason_whole(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "events.log"
+    with EventLogWriter(path) as writer:
+        writer.append(ActorFailed(actor="trainer", error="RuntimeError: x", traceback=TRACEBACK, seq=1))
+        writer.append(RunFinished(status="failed", reason=LONG_REASON, seq=2))
+    assert main([str(path), "--json"]) == 0
+    failed, finished = (json.loads(line) for line in capsys.readouterr().out.splitlines())
+    assert failed["traceback"] == TRACEBACK and finished["reason"] == LONG_REASON
+
+
+# --- a path that is not an event log: one line, exit 2, never a hang ----------------------------
+
+
+def run_replay(*args: str, preexec_fn=None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "miles_events.replay", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        preexec_fn=preexec_fn,
+    )
+
+
+def without_root_file_access() -> None:
+    """In a child about to exec: drop root's right to read any file (CAP_DAC_OVERRIDE and
+    CAP_DAC_READ_SEARCH leave the bounding set, so the exec'd program lacks them)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    for capability in (1, 2):
+        if libc.prctl(24, capability, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+def test_a_directory_without_an_event_log_is_named_as_such_with_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([str(tmp_path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == f"replay: {tmp_path} is a directory without events.log\n"
+
+
+def test_a_fifo_is_refused_at_once_with_one_line(tmp_path: Path) -> None:
+    fifo = tmp_path / "events.log"
+    os.mkfifo(fifo)
+    result = run_replay(str(fifo))
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == f"replay: {fifo} is not a regular file (a FIFO)\n"
+
+
+def test_a_run_directory_whose_event_log_is_a_fifo_is_refused_with_one_line(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "events.log")
+    result = run_replay(str(tmp_path))
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == f"replay: {tmp_path / 'events.log'} is not a regular file (a FIFO)\n"
+
+
+def test_a_config_that_is_a_fifo_is_refused_with_one_line(log: Path, tmp_path: Path) -> None:
+    fifo = tmp_path / "run.toml"
+    os.mkfifo(fifo)
+    result = run_replay(str(log), "--redrive", "coordinator", "--config", str(fifo))
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == f"replay: --config {fifo} is not a regular file (a FIFO)\n"
+
+
+def test_an_unreadable_log_is_one_line_with_exit_2(log: Path) -> None:
+    log.chmod(0)
+    try:
+        result = run_replay(str(log), preexec_fn=without_root_file_access if os.geteuid() == 0 else None)
+    except subprocess.SubprocessError as error:
+        pytest.skip(f"cannot drop root's file access here ({error})")
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == f"replay: {log}: cannot read it (Permission denied)\n"
+
+
+# --- filters that cannot match ---------------------------------------------------------------
+
+
+def test_a_source_no_event_comes_from_is_one_line_with_exit_2(log: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([str(log), "--source", "trainer,nobody"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (
+        f"replay: --source nobody: no event in {log} comes from it (its sources: coordinator, generator, trainer)\n"
+    )
+
+
+def test_a_negative_rollout_id_is_one_line_with_exit_2(log: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([str(log), "--rollout-id", "-3"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == "replay: --rollout-id -3: a rollout id is 0 or more\n"
+
+
+def test_a_bad_argument_is_one_line_with_exit_2(log: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([str(log), "--rollout-id", "two"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == "replay: argument --rollout-id: invalid int value: 'two' (see --help)\n"
+
+
+def test_a_rollout_without_events_gets_a_one_line_note_and_exit_0(
+    log: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([str(log), "--rollout-id", "7"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == f"replay: no event of rollout 7 in {log} (its rollouts: 0..2)\n"
+
+
+def test_filters_that_select_nothing_get_a_one_line_note_and_exit_0(
+    log: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([str(log), "--type", "RolloutRequested", "--source", "trainer"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == f"replay: no event in {log} matches the filters\n"
+
+
+def test_an_actor_failure_belongs_to_the_rollout_of_the_event_it_failed_on(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    events = sample_events(2)
+    generated = events[4]  # RolloutGenerated of rollout 1
+    failed = ActorFailed(actor="trainer", error="RuntimeError: x", event_type="RolloutGenerated", event_seq=generated.seq)
+    other = ActorFailed(actor="saver", error="OSError: y")
+    path = tmp_path / "events.log"
+    with EventLogWriter(path) as writer:
+        writer.append_many([*events, msgspec.structs.replace(failed, seq=7), msgspec.structs.replace(other, seq=8)])
+    assert main([str(path), "--json", "--rollout-id", "1"]) == 0
+    seqs = [json.loads(line)["seq"] for line in capsys.readouterr().out.splitlines()]
+    assert seqs == [4, 5, 6, 7]

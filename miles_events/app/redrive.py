@@ -104,6 +104,24 @@ def split_runs(recorded: Iterable[Event]) -> dict[str, list[Event]]:
     return runs
 
 
+def config_differences(recorded: Config, used: Config) -> list[tuple[str, Any, Any]]:
+    """The keys (dotted, in the config's order) whose values differ, each with the recorded
+    value and the one used (None: unset)."""
+    before, after = _flatten(recorded), _flatten(used)
+    return [(key, before[key], after[key]) for key in before if before[key] != after[key]]
+
+
+def _flatten(table: msgspec.Struct, prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for name in table.__struct_fields__:
+        value = getattr(table, name)
+        if isinstance(value, msgspec.Struct):
+            flat.update(_flatten(value, f"{prefix}{name}."))
+        else:
+            flat[prefix + name] = msgspec.to_builtins(value)
+    return flat
+
+
 def build_actor(name: str, config: Config, recorded: Sequence[Event], run_dir: Path | None = None) -> Actor:
     """The actor ``name`` as it was at the start of the recorded run; ``run_dir`` is where
     the run's files (the checksum manifests the Verifier reads) lie, by default the current

@@ -1,9 +1,15 @@
 """Print a run's event log: ``python -m miles_events.replay LOG [options]``.
 
 One line per event: ``seq  time  source  type  key=value ...`` (``--json``: one JSON object
-per line, its type under ``"type"``). Filters combine with AND; a filter given several
-times (or with commas) matches any of its values. ``LOG`` may also be a run directory
-holding ``events.log``.
+per line, its type under ``"type"``). Long values are abbreviated, except what says why
+something failed (reasons, errors, messages, tracebacks, and every field of an event that
+reports a failure), which is printed whole: a traceback, and a mismatch's list of tensors,
+on lines of their own indented under the event. Filters combine with AND; a filter given several
+times (or with commas) matches any of its values. ``--rollout-id N`` selects every event of
+rollout N, those that answer its events included (``RolloutTracker``). A ``--source`` that
+no event of the log comes from, and a negative ``--rollout-id``, are errors; filters that
+select nothing (a rollout the log does not reach) print a one-line note on stderr, status 0.
+``LOG`` may also be a run directory holding ``events.log``.
 
 Damage in the middle of the log (valid records after it) is skipped: every readable record
 is printed, and one warning line per damaged byte range goes to stderr (``replay: warning:
@@ -11,9 +17,13 @@ LOG: bytes START..END damaged, skipped (REASON)``, END exclusive).
 
 Exit status: 0 when the log was read to its end (damaged ranges skipped included); 1 when
 it ends in a torn record (every readable record before it is printed first, then one line
-on stderr names its byte offset); 2 for a missing file, a file that is not an event log, or
-bad arguments. ``--redrive`` re-drives what is readable: a torn tail is a warning there, and
+on stderr names its byte offset); 2 for a missing file, a directory without ``events.log``,
+a file that is not an event log or cannot be read, or bad arguments (each one line on
+stderr). ``--redrive`` re-drives what is readable: a torn tail is a warning there, and
 its status is 0 when every decision matches, 1 when one differs or nothing was readable.
+For each run it first names the config used and, when that is not the run's recorded
+``configs/<run_id>.toml``, the keys in which the two differ (recorded -> used); then one
+verdict line per actor.
 """
 
 from __future__ import annotations
@@ -21,10 +31,11 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import os
+import stat
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, NoReturn, TextIO
 
 import msgspec
 
@@ -37,17 +48,46 @@ from miles_events.bus.event_log import (
     TornRecordError,
     read_events,
 )
-from schemas.events import EVENT_TYPES_BY_NAME, Event
+from schemas.config import Config
+from schemas.data import DataRef
+from schemas.events import (
+    EVENT_TYPES_BY_NAME,
+    ActorFailed,
+    DataReleased,
+    Event,
+    RunStarted,
+    WeightsLoaded,
+    WeightsStaged,
+)
 
 _HEADER_FIELDS = frozenset(("run_id", "seq", "time", "source"))
 _MAX_TEXT = 48
+_WHOLE_FIELDS = frozenset(("reason", "error", "traceback", "message"))
+"""Text that says why something failed: never cut, in any event and at any depth."""
+_FAILURES = frozenset(
+    ("ActorFailed", "PublicationFailed", "PublicationMismatch", "PublicationEvidenceFailed", "CheckpointFailed")
+)
+"""Events that report a failure: every field printed whole (no text cut, nothing counted)."""
+_BLOCK_INDENT = " " * 8
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line on stderr (``replay: ... (see --help)``), exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        sys.stderr.write(f"replay: {message} (see --help)\n")
+        raise SystemExit(2)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The replay command line (kept separate so that more options can join it)."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="python -m miles_events.replay",
         description="Print the events of a miles-events event log.",
+        epilog="A --source that no event of the log comes from, or a negative --rollout-id, is an "
+        "error; filters that select nothing (a rollout the log does not reach) print a note on "
+        "stderr. Exit status: 0 read to the end, 1 the log ends in a torn record (or --redrive "
+        "found a different decision), 2 a path or argument that cannot be used.",
     )
     parser.add_argument("log", metavar="LOG", help=f"an event log, or a run directory with {EVENT_LOG}")
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
@@ -68,7 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="only events from this actor (repeatable, or comma-separated)",
     )
     parser.add_argument(
-        "--rollout-id", type=int, default=None, metavar="N", help="only events about rollout N"
+        "--rollout-id",
+        type=int,
+        default=None,
+        metavar="N",
+        help="only the events of rollout N: its eval, generation and train step, the publication "
+        "and save it triggered (each engine's load included), and the data releases and actor "
+        "failures that follow them",
     )
     parser.add_argument(
         "--redrive",
@@ -82,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--config",
         default=None,
         metavar="TOML",
-        help="the run's config for --redrive (default: configs/<run_id>.toml beside the log)",
+        help="the run's config for --redrive (default: configs/<run_id>.toml beside the log); "
+        "the keys in which it differs from that recorded one are named before the verdicts",
     )
     parser.add_argument(
         "--serve-metrics",
@@ -102,23 +149,88 @@ def _split(values: Iterable[str]) -> set[str]:
     return {part.strip() for value in values for part in value.split(",") if part.strip()}
 
 
+class RolloutTracker:
+    """Which rollout each event of a log belongs to, fed the log's events in order.
+
+    An event with a ``rollout_id`` belongs to that rollout. The others follow what they
+    answer: an engine's ``WeightsLoaded`` belongs to the rollout whose publication staged
+    that weight version, a ``DataReleased`` to the rollout of the event that carried the
+    released reference, an ``ActorFailed`` to the rollout of the event it failed on. The
+    rest (the run's start and end, the initial publication, weight checks) belong to none.
+    """
+
+    def __init__(self) -> None:
+        self.seen: set[int] = set()
+        """Every rollout id an event named, so far."""
+        self._by_version: dict[tuple[str, str], int] = {}
+        self._by_ref: dict[tuple[str, str, str], int] = {}
+        self._by_seq: dict[tuple[str, int], int] = {}
+
+    def rollout_of(self, event: Event) -> int | None:
+        run = event.run_id
+        rollout = getattr(event, "rollout_id", None)
+        if rollout is not None:
+            self.seen.add(rollout)
+            if isinstance(event, WeightsStaged):
+                self._by_version[run, event.weight_version] = rollout
+            for value in msgspec.structs.astuple(event):
+                if isinstance(value, DataRef):
+                    self._by_ref[run, value.transport, value.key] = rollout
+        elif isinstance(event, WeightsLoaded):
+            rollout = self._by_version.get((run, event.weight_version))
+        elif isinstance(event, DataReleased):
+            rollout = self._by_ref.get((run, event.ref.transport, event.ref.key))
+        elif isinstance(event, ActorFailed):
+            rollout = self._by_seq.get((run, event.event_seq))
+        if rollout is not None:
+            self._by_seq[run, event.seq] = rollout
+        return rollout
+
+
 def filter_events(
     events: Iterable[Event],
     *,
     types: Iterable[str] = (),
     sources: Iterable[str] = (),
     rollout_id: int | None = None,
+    tracker: RolloutTracker | None = None,
 ) -> Iterator[Event]:
-    """The events matching every given filter (an empty filter matches everything)."""
+    """The events matching every given filter (an empty filter matches everything); a
+    rollout's events are those ``tracker`` (a new one by default) assigns to it."""
     type_set, source_set = set(types), set(sources)
+    if rollout_id is not None and tracker is None:
+        tracker = RolloutTracker()
     for event in events:
+        # The tracker sees every event: what ties an event to its rollout may be filtered out.
+        if tracker is not None and tracker.rollout_of(event) != rollout_id:
+            continue
         if type_set and type(event).__name__ not in type_set:
             continue
         if source_set and event.source not in source_set:
             continue
-        if rollout_id is not None and getattr(event, "rollout_id", None) != rollout_id:
-            continue
         yield event
+
+
+def _log_sources(path: Path) -> set[str]:
+    """The sources of every readable event of the log (damage skipped quietly)."""
+    sources: set[str] = set()
+    try:
+        for event in read_events(path, on_damage=lambda damage: None):
+            sources.add(event.source)
+    except TornRecordError:
+        pass
+    return sources
+
+
+def _ranges(numbers: Iterable[int]) -> str:
+    """``0..2, 5, 7..9``: sorted, runs of consecutive numbers joined."""
+    spans: list[list[int]] = []
+    for number in sorted(numbers):
+        if spans and number == spans[-1][1] + 1:
+            spans[-1][1] = number
+        else:
+            spans.append([number, number])
+    return ", ".join(str(a) if a == b else f"{a}..{b}" for a, b in spans) or "none"
 
 
 def _format_time(seconds: float) -> str:
@@ -128,56 +240,136 @@ def _format_time(seconds: float) -> str:
     return stamp.strftime("%Y-%m-%d %H:%M:%S.") + f"{stamp.microsecond // 1000:03d}"
 
 
-def _format_value(value: Any) -> str:
-    """A short rendering: big collections are counted, long text is cut."""
+def _format_value(value: Any, whole: bool = False) -> str:
+    """A short rendering: big collections are counted, long text is cut; ``whole``: neither,
+    and a text field in ``_WHOLE_FIELDS`` is never cut at any depth."""
     if isinstance(value, float):
         return f"{value:.6g}"
     if isinstance(value, str):
-        text = value if len(value) <= _MAX_TEXT else value[: _MAX_TEXT - 3] + "..."
-        return repr(text) if (not text or " " in text or "=" in text) else text
+        text = value if whole or len(value) <= _MAX_TEXT else value[: _MAX_TEXT - 3] + "..."
+        return repr(text) if (not text or " " in text or "=" in text or "\n" in text) else text
     if isinstance(value, dict):
-        if len(value) > 4:
+        if len(value) > 4 and not whole:
             return f"<{len(value)} entries>"
-        return "{" + ",".join(f"{k}:{_format_value(v)}" for k, v in value.items()) + "}"
+        return "{" + ",".join(f"{k}:{_format_field(str(k), v, whole)}" for k, v in value.items()) + "}"
     if isinstance(value, list | tuple):
-        if len(value) > 4:
+        if len(value) > 4 and not whole:
             return f"<{len(value)} items>"
-        return "[" + ",".join(_format_value(v) for v in value) + "]"
+        return "[" + ",".join(_format_value(v, whole) for v in value) + "]"
     if isinstance(value, msgspec.Struct):
         fields = msgspec.structs.asdict(value)
         if {"transport", "key"} <= fields.keys():
             # A DataRef: where the bulk data lives is what a reader wants.
             return f"{fields['transport']}:{fields['key']}"
-        return "{" + ",".join(f"{k}:{_format_value(v)}" for k, v in fields.items()) + "}"
+        return "{" + ",".join(f"{k}:{_format_field(k, v, whole)}" for k, v in fields.items()) + "}"
     return str(value)
 
 
-def format_event(event: Event) -> str:
-    """One human-readable line: seq, UTC time, source, type, then the event's own fields."""
-    parts = [
-        f"{name}={_format_value(value)}"
-        for name, value in zip(event.__struct_fields__, msgspec.structs.astuple(event), strict=True)
-        if name not in _HEADER_FIELDS and value is not None
+def _format_field(name: str, value: Any, whole: bool) -> str:
+    return _format_value(value, whole or name in _WHOLE_FIELDS)
+
+
+def _is_block(value: Any, whole: bool) -> bool:
+    """Printed below the event's line: text of several lines that is printed whole, and, in
+    an event that reports a failure, a list of records (one a line)."""
+    if isinstance(value, str):
+        return whole and "\n" in value.rstrip("\n")
+    return whole and isinstance(value, list) and bool(value) and all(isinstance(v, msgspec.Struct) for v in value)
+
+
+def _format_block(name: str, value: str | list[msgspec.Struct]) -> list[str]:
+    inner = _BLOCK_INDENT + "  "
+    if isinstance(value, str):
+        return [f"{_BLOCK_INDENT}{name}:", *(inner + line for line in value.splitlines())]
+    rows = [
+        " ".join(f"{k}={_format_value(v, True)}" for k, v in msgspec.structs.asdict(item).items()) for item in value
     ]
+    return [f"{_BLOCK_INDENT}{name} ({len(value)}):", *(inner + row for row in rows)]
+
+
+def format_event(event: Event) -> str:
+    """A human-readable line: seq, UTC time, source, type, then the event's own fields.
+
+    What says why something failed is never cut: text fields named ``reason``, ``error``,
+    ``traceback`` or ``message``, and every field of an event that reports a failure
+    (``_FAILURES``). Such text of several lines (a traceback), and the list of records of a
+    failure (a mismatch's tensors), follow on lines of their own, indented under the event.
+    """
+    failure = type(event).__name__ in _FAILURES
+    parts: list[str] = []
+    blocks: list[str] = []
+    for name, value in zip(event.__struct_fields__, msgspec.structs.astuple(event), strict=True):
+        if name in _HEADER_FIELDS or value is None:
+            continue
+        whole = failure or name in _WHOLE_FIELDS
+        if _is_block(value, whole):
+            blocks.extend(_format_block(name, value))
+        else:
+            parts.append(f"{name}={_format_value(value, whole)}")
     head = f"{event.seq:>6} {_format_time(event.time)} {event.source or '-':<12} {type(event).__name__:<21}"
-    return f"{head} {' '.join(parts)}".rstrip()
+    return "\n".join([f"{head} {' '.join(parts)}".rstrip(), *blocks])
 
 
-def _resolve_log(log: str) -> Path:
-    path = Path(log)
-    if path.is_dir():
-        return event_log_path(path)
+class _Unusable(Exception):
+    """A path the command cannot use; the message is the one line that says why."""
+
+
+_NOT_REGULAR = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
+
+
+def _file_mode(path: Path, shown: str) -> int | None:
+    """``path``'s mode, None when it does not exist; ``_Unusable`` when it cannot be looked at."""
+    try:
+        return path.stat().st_mode
+    except FileNotFoundError:
+        return None
+    except OSError as error:
+        raise _Unusable(f"{shown}: cannot read it ({error.strerror or error})") from None
+
+
+def _regular_file(path: Path, shown: str) -> Path:
+    """``path`` when it is a regular file (reading anything else could block: a FIFO),
+    else ``_Unusable`` naming what it is."""
+    mode = _file_mode(path, shown)
+    if mode is None:
+        raise _Unusable(f"{shown}: no such file")
+    for test, kind in _NOT_REGULAR:
+        if test(mode):
+            raise _Unusable(f"{shown} is not a regular file ({kind})")
     return path
 
 
-def _print_events(events: Iterable[Event], as_json: bool, out: TextIO) -> None:
+def _resolve_log(log: str) -> Path:
+    """The event log ``log`` names: the file itself, or a run directory's ``events.log``."""
+    path = Path(log)
+    mode = _file_mode(path, log)
+    if mode is not None and stat.S_ISDIR(mode):
+        inside = event_log_path(path)
+        if _file_mode(inside, str(inside)) is None:
+            raise _Unusable(f"{log} is a directory without {EVENT_LOG}")
+        return _regular_file(inside, str(inside))
+    return _regular_file(path, log)
+
+
+def _print_events(events: Iterable[Event], as_json: bool, out: TextIO) -> int:
+    """Writes each event; returns how many."""
     write = out.write
+    count = 0
     if as_json:
         for event in events:
             write(event_to_json_bytes(event).decode() + "\n")
+            count += 1
     else:
         for event in events:
             write(format_event(event) + "\n")
+            count += 1
+    return count
 
 
 def _damage_warning(log: str, out: TextIO, err: TextIO) -> OnDamage:
@@ -203,20 +395,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         if unknown:
             known = ", ".join(sorted(EVENT_TYPES_BY_NAME))
             parser.error(f"unknown event type {', '.join(unknown)} (known: {known})")
+        if args.rollout_id is not None and args.rollout_id < 0:
+            sys.stderr.write(f"replay: --rollout-id {args.rollout_id}: a rollout id is 0 or more\n")
+            return 2
     except SystemExit as exit_request:
         # argparse exits on --help and on bad arguments; callers of main() get a status.
         return exit_request.code if isinstance(exit_request.code, int) else 2
 
-    path = _resolve_log(args.log)
     out, err = sys.stdout, sys.stderr
     try:
+        path = _resolve_log(args.log)
+        if args.config is not None:
+            _regular_file(Path(args.config), f"--config {args.config}")
         events = read_events(path, on_damage=_damage_warning(args.log, out, err))
-    except FileNotFoundError:
+    except _Unusable as error:
+        err.write(f"replay: {error}\n")
+        return 2
+    except FileNotFoundError:  # gone since it was looked at
         err.write(f"replay: {args.log}: no such file\n")
         return 2
-    except (NotAnEventLogError, IsADirectoryError, PermissionError) as error:
+    except NotAnEventLogError as error:
         reason = str(error).removeprefix(f"{path}: ")
         err.write(f"replay: {args.log}: {reason}\n")
+        return 2
+    except OSError as error:
+        err.write(f"replay: {args.log}: cannot read it ({error.strerror or error})\n")
         return 2
     except TornRecordError as torn:
         err.write(f"replay: {args.log}: torn record at byte {torn.offset}: {torn.reason}\n")
@@ -226,10 +429,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _serve_metrics(events, args.log, args.host, args.serve_metrics, out, err)
     if args.redrive:
         return _redrive(path, events, sorted(_split(args.redrive)), args.config, out, err)
-    selected = filter_events(events, types=types, sources=_split(args.sources), rollout_id=args.rollout_id)
+    sources = _split(args.sources)
+    if sources:
+        in_log = _log_sources(path)
+        absent = sorted(sources - in_log)
+        if absent:
+            known = ", ".join(sorted(in_log)) or "none"
+            named = ",".join(absent)
+            err.write(f"replay: --source {named}: no event in {args.log} comes from it (its sources: {known})\n")
+            return 2
+    tracker = RolloutTracker() if args.rollout_id is not None else None
+    selected = filter_events(
+        events, types=types, sources=sources, rollout_id=args.rollout_id, tracker=tracker
+    )
     try:
-        _print_events(selected, args.json, out)
+        printed = _print_events(selected, args.json, out)
         out.flush()
+        if not printed and (types or sources or tracker is not None):
+            if tracker is not None and args.rollout_id not in tracker.seen:
+                err.write(
+                    f"replay: no event of rollout {args.rollout_id} in {args.log} (its rollouts: {_ranges(tracker.seen)})\n"
+                )
+            else:
+                err.write(f"replay: no event in {args.log} matches the filters\n")
     except TornRecordError as torn:
         out.flush()
         err.write(f"replay: {args.log}: torn record at byte {torn.offset}: {torn.reason}\n")
@@ -271,12 +493,17 @@ def _redrive(
     runs = split_runs(readable)
     status = 0
     for run_id, recorded in runs.items():
-        config_path = Path(config) if config else run_config_path(path.parent, run_id)
+        recorded_path = run_config_path(path.parent, run_id)
+        config_path = Path(config) if config else recorded_path
         try:
+            if config_path.exists():
+                _regular_file(config_path, str(config_path))
             run_config = load_config(config_path, check=False, recorded=True)
-        except ConfigError as error:
+        except (ConfigError, _Unusable) as error:
             err.write(f"replay: run {run_id}: {error}\n")
             return 2
+        started = next((e for e in recorded if isinstance(e, RunStarted)), None)
+        out.write(f"run {run_id}: {_describe_config(config_path, run_config, recorded_path, started)}\n")
         for name in names:
             try:
                 actor = build_actor(name, run_config, recorded, run_dir=path.parent)
@@ -288,6 +515,48 @@ def _redrive(
             out.write(f"{name:12} run {run_id}: {result.inputs} events in, {len(result.produced)} decisions: {verdict}\n")
             status = status or (0 if result.matches else 1)
     return status
+
+
+_MAX_DIFFERENCES = 8
+_MAX_VALUE = 40
+
+
+def _describe_config(used_path: Path, used: Config, recorded_path: Path, started: RunStarted | None) -> str:
+    """Which config a re-drive uses and, when it is not the run's recorded config file, how
+    it differs from it: the keys, each with the recorded value and the one used."""
+    from miles_events.app.config import ConfigError, config_digest, load_config
+    from miles_events.app.redrive import config_differences
+
+    head = f"config {used_path}"
+    if used_path == recorded_path or (recorded_path.exists() and used_path.resolve() == recorded_path.resolve()):
+        return f"{head}, the one recorded for the run"
+    if not recorded_path.exists():
+        # The digest alone says "the same" only while the config schema has not grown since.
+        if started is not None and config_digest(used) == started.config_digest:
+            return f"{head}, whose digest is the one the run recorded ({recorded_path} is missing)"
+        return f"{head}; the recorded {recorded_path} is missing: not compared"
+    try:
+        _regular_file(recorded_path, str(recorded_path))
+        recorded = load_config(recorded_path, check=False, recorded=True)
+    except (ConfigError, _Unusable) as error:
+        return f"{head}; the recorded {recorded_path} cannot be read ({error}): not compared"
+    differences = config_differences(recorded, used)
+    if not differences:
+        return f"{head}, the same as the recorded {recorded_path}"
+    named = ", ".join(
+        f"{key} ({_config_value(before)} -> {_config_value(after)})"
+        for key, before, after in differences[:_MAX_DIFFERENCES]
+    )
+    if len(differences) > _MAX_DIFFERENCES:
+        named += f" and {len(differences) - _MAX_DIFFERENCES} more"
+    return f"{head} differs from the recorded {recorded_path} in {named}"
+
+
+def _config_value(value: Any) -> str:
+    if value is None:
+        return "unset"
+    text = msgspec.json.encode(value).decode()
+    return text if len(text) <= _MAX_VALUE else text[: _MAX_VALUE - 3] + "..."
 
 
 def _serve_metrics(events: Iterable[Event], log: str, host: str, port: int, out: TextIO, err: TextIO) -> int:
