@@ -321,6 +321,7 @@ class Generator(Actor):
                 load_seconds=time.perf_counter() - started,
                 canary=loaded.canary,
                 probe_logprobs=loaded.probe_logprobs,
+                checksum_error=loaded.checksum_error,
             )
 
         await self._on_every_engine(load)

@@ -11,7 +11,9 @@ where the tensors live, at memory bandwidth, and here only digests are compared.
 The per-tensor checksums are read from the checksum manifests (``<run_dir>/checksums/``)
 only to name the tensors of a mismatch. A manifest that cannot be read then makes that
 engine's mismatch one entry, ``tensor="*"``, whose ``reason`` says why. Differences in
-tensors of ``verifier.skip_tensor_list`` are not mismatches.
+tensors of ``verifier.skip_tensor_list`` are not mismatches. An engine whose checksum reply
+could not be used (``WeightsLoaded.checksum_error``) is one such entry too, its reason that
+error.
 
 Digests agree whether or not a load wrote anything when the published weights equal what
 the engine served already. So each engine must also show the publication's canary
@@ -35,7 +37,7 @@ import anyio
 
 from miles_events.bus.actor import Actor, ActorContext, WorkerGroup, handles
 from miles_events.rl.canary import CANARY_TENSOR
-from miles_events.rl.checksum import is_skipped
+from miles_events.rl.checksum import checksum_order, is_skipped
 from miles_events.rl.checksum_manifest import ManifestError, read_manifest
 from miles_events.rl.probe import PROBE_TENSOR, max_difference, probe_tolerance
 from miles_events.rl.versions import version_number
@@ -54,9 +56,10 @@ from schemas.events import (
 def compare_checksums(
     engine: str, expected: dict[str, str], actual: dict[str, str], skip_tensor_list: list[str]
 ) -> list[TensorMismatch]:
-    """Every tensor whose fingerprint differs, that the engine lacks, or that it has extra."""
+    """Every tensor whose fingerprint differs, that the engine lacks, or that it has extra
+    (an engine's ``rank{r}/`` names in rank order)."""
     mismatches = []
-    for name in sorted(set(expected) | set(actual)):
+    for name in sorted(set(expected) | set(actual), key=checksum_order):
         if is_skipped(name, skip_tensor_list):
             continue
         want, got = expected.get(name, ""), actual.get(name, "")
@@ -89,28 +92,37 @@ class Verifier(Actor):
         self, staged: WeightsStaged | None, differing: dict[str, WeightsLoaded | None]
     ) -> list[TensorMismatch]:
         """The tensors behind the digests that differ, from their manifests (read off the
-        event loop; the trainer's once)."""
+        event loop; the trainer's once), in engine order; an engine whose checksum reply
+        could not be used is one entry giving why."""
         run_dir, skip = self.context.run_dir, list(self.config.verifier.skip_tensor_list)
 
-        def unreadable(engine: str, loaded: WeightsLoaded | None, error: ManifestError) -> TensorMismatch:
+        def unnamed(engine: str, loaded: WeightsLoaded | None, reason: str) -> TensorMismatch:
             return TensorMismatch(
                 engine=engine,
                 tensor="*",
                 expected=staged.digest if staged else "",
                 actual=loaded.digest if loaded else "",
-                reason=str(error),
+                reason=reason,
             )
 
-        try:
-            expected = read_manifest(run_dir, staged.checksums_manifest, staged.digest) if staged else {}
-        except ManifestError as error:
-            return [unreadable(engine, loaded, error) for engine, loaded in differing.items()]
+        expected: dict[str, str] | ManifestError = {}
+        if staged is not None and any(loaded is None or not loaded.checksum_error for loaded in differing.values()):
+            try:
+                expected = read_manifest(run_dir, staged.checksums_manifest, staged.digest)
+            except ManifestError as error:
+                expected = error
         mismatches: list[TensorMismatch] = []
         for engine, loaded in differing.items():
+            if loaded is not None and loaded.checksum_error:
+                mismatches.append(unnamed(engine, loaded, loaded.checksum_error))
+                continue
+            if isinstance(expected, ManifestError):
+                mismatches.append(unnamed(engine, loaded, str(expected)))
+                continue
             try:
                 actual = read_manifest(run_dir, loaded.checksums_manifest, loaded.digest) if loaded else {}
             except ManifestError as error:
-                mismatches.append(unreadable(engine, loaded, error))
+                mismatches.append(unnamed(engine, loaded, str(error)))
                 continue
             # Empty when the digests differ only in skipped tensors.
             mismatches.extend(compare_checksums(engine, expected, actual, skip))
@@ -145,7 +157,10 @@ class Verifier(Actor):
         differing: dict[str, WeightsLoaded | None] = {
             engine: loaded.get(engine)
             for engine in event.engines
-            if staged is None or engine not in loaded or loaded[engine].digest != staged.digest
+            if staged is None
+            or engine not in loaded
+            or loaded[engine].digest != staged.digest
+            or loaded[engine].checksum_error
         }
         if not self.config.verifier.enabled:
             return

@@ -30,13 +30,15 @@ class RankChecksums(msgspec.Struct, frozen=True, kw_only=True):
     """One rank's tensors: name -> 16-hex-digit fingerprint, and their SGLang digest."""
 
     checksums: dict[str, str]
-    per_gpu_checksum: str
+    per_gpu_checksum: str = ""
+    """SGLang's digest of ``checksums``; "" where a reply leaves it out (miles reads none)."""
     parallelism_info: ParallelismInfo | list[ParallelismInfo] = msgspec.field(default_factory=ParallelismInfo)
     """A dict in some SGLang versions, a list of dicts with a ``role`` in others."""
 
 
 class EngineChecksumReport(msgspec.Struct, frozen=True, kw_only=True):
-    """The ``checksum`` action's reply: every rank of one engine, in TP-rank order."""
+    """The ``checksum`` action's reply: every rank of one engine (``ordered_ranks`` in
+    ``miles_events.rl.checksum`` checks them and puts them in rank order)."""
 
     success: bool
     message: str = ""

@@ -231,6 +231,10 @@ class WeightsLoaded(Event, frozen=True, kw_only=True):
     """Bytes the engine loaded."""
     checksums_manifest: str = ""
     """The checksum manifest of those tensors, relative to the run directory."""
+    checksum_error: str = ""
+    """Why the engine's checksum reply after this load cannot be used (one line naming the
+    engine and, where it lies there, the rank); ``digest`` is then "" and the Verifier
+    reports a mismatch with this reason. "" when the reply was usable."""
     load_seconds: float = 0.0
     canary: str | None = None
     """The fingerprint of the publication canary the engine holds after this load ("" for

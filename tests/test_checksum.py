@@ -6,12 +6,16 @@ import msgspec
 import pytest
 import torch
 
+from actors.engine.vllm_engine import worker_checksums
 from miles_events.rl import checksum
 from miles_events.rl.checksum import (
+    ChecksumReplyError,
+    checksum_order,
     fingerprints,
     per_engine_checksum,
     per_gpu_checksum,
     rank_of,
+    ranked_checksums,
     report_checksums,
     tensor_fingerprint,
 )
@@ -143,5 +147,88 @@ def test_one_rank_keeps_plain_names_and_a_failed_reply_is_an_error():
     two_ranks = RankChecksums(
         checksums={}, per_gpu_checksum="", parallelism_info=[ParallelismInfo(rank=0), ParallelismInfo(rank=1)]
     )
-    with pytest.raises(ValueError, match="2 GPU ranks"):
+    with pytest.raises(ValueError, match=r"2 GPU ranks \(\[0, 1\]\) across its roles, expected one GPU rank"):
         rank_of(two_ranks)
+
+
+def ranked_report(*ranks: tuple[int, dict[str, str]]) -> EngineChecksumReport:
+    """A successful reply of ranks (GPU rank, checksums), in the order given."""
+    return EngineChecksumReport(
+        success=True,
+        ranks=[
+            RankChecksums(checksums=sums, per_gpu_checksum=per_gpu_checksum(sums), parallelism_info=ParallelismInfo(rank=gpu))
+            for gpu, sums in ranks
+        ],
+    )
+
+
+@pytest.mark.parametrize("parse", [report_checksums, ranked_checksums])
+@pytest.mark.parametrize(
+    "second", [{"w": "1" * 16}, {"w": "2" * 16}, {"v": "1" * 16}], ids=["same tensors", "other checksums", "other tensors"]
+)
+def test_a_report_that_repeats_a_rank_is_refused(parse, second):
+    with pytest.raises(ChecksumReplyError, match="^the checksum reply reports rank 0 twice$"):
+        parse(ranked_report((0, {"w": "1" * 16}), (1, {"w": "3" * 16}), (0, second)))
+
+
+@pytest.mark.parametrize("parse", [report_checksums, ranked_checksums])
+@pytest.mark.parametrize("ranks", [[(0, {})], [(0, {"w": "1" * 16}), (1, {})]], ids=["its only rank", "one of two"])
+def test_a_report_rank_without_tensors_is_refused(parse, ranks):
+    gpu = ranks[-1][0]
+    with pytest.raises(ChecksumReplyError, match=f"^rank {gpu} of the checksum reply has no tensors$"):
+        parse(ranked_report(*ranks))
+
+
+@pytest.mark.parametrize("parse", [report_checksums, ranked_checksums])
+def test_a_failed_or_rankless_report_is_a_checksum_reply_error(parse):
+    with pytest.raises(ChecksumReplyError, match="^the checksum action failed: busy$"):
+        parse(EngineChecksumReport(success=False, message="busy"))
+    with pytest.raises(ChecksumReplyError, match="^the checksum reply has no ranks$"):
+        parse(EngineChecksumReport(success=True))
+
+
+def test_a_rank_whose_roles_disagree_is_refused_naming_its_entry():
+    roles = RankChecksums(
+        checksums={"w": "1" * 16}, per_gpu_checksum="", parallelism_info=[ParallelismInfo(rank=1), ParallelismInfo(rank=2)]
+    )
+    report = EngineChecksumReport(success=True, ranks=[*ranked_report((0, {"w": "1" * 16})).ranks, roles])
+    with pytest.raises(ChecksumReplyError, match=r"^rank entry 1 of the checksum reply: parallelism_info names 2 GPU ranks"):
+        ranked_checksums(report)
+
+
+@pytest.mark.parametrize("parse", [report_checksums, ranked_checksums])
+def test_ranks_that_arrive_out_of_order_are_flattened_in_rank_order(parse):
+    order = [3, 10, 0, 2, 11, 1]
+    flattened = parse(ranked_report(*((gpu, {"w": f"{gpu:016x}"}) for gpu in order)))
+    assert list(flattened) == [f"rank{gpu}/w" for gpu in sorted(order)]
+
+
+def test_checksum_order_puts_ranks_in_numeric_order_and_other_names_by_name():
+    names = ["rank10/a", "rank2/b", "rank2/a", "rank0/z"]
+    assert sorted(names, key=checksum_order) == ["rank0/z", "rank2/a", "rank2/b", "rank10/a"]
+    assert sorted(["b", "a", "c"], key=checksum_order) == ["a", "b", "c"]
+
+
+# --- vLLM: the worker extension's answer to ``miles_checksums`` over ``/collective_rpc`` ----------
+
+
+def test_the_vllm_workers_checksum_answer_is_its_readable_and_unreadable_tensors():
+    answer = [{"checksums": {"w": "1" * 16}, "unreadable": ["proj.weight"]}]
+    assert worker_checksums(answer) == ({"w": "1" * 16}, ["proj.weight"])
+
+
+@pytest.mark.parametrize(
+    ("results", "message"),
+    [
+        ([], "the worker extension gave no checksums (0 answers)"),
+        ([{"checksums": {"w": "1" * 16}, "unreadable": []}] * 2, "the worker extension answered from 2 workers, one was expected"),
+        (["oops"], "the worker extension's checksum answer is malformed: Expected `object`, got `str`"),
+        ([{"checksums": {"w": 1}, "unreadable": []}], "the worker extension's checksum answer is malformed: Expected `str`, got `int` - at `$.checksums[...]`"),
+        ([{"checksums": {"w": "1" * 16}}], "the worker extension's checksum answer is malformed: Object missing required field `unreadable`"),
+    ],
+    ids=["none", "two workers", "not an object", "not a fingerprint", "no unreadable list"],
+)
+def test_a_vllm_workers_checksum_answer_that_cannot_be_used_is_refused(results, message):
+    with pytest.raises(ChecksumReplyError) as raised:
+        worker_checksums(results)
+    assert str(raised.value) == message

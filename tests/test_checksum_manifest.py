@@ -25,6 +25,14 @@ def test_a_manifest_is_named_by_its_digest_under_checksums(tmp_path: Path):
     assert read_manifest(tmp_path, relative, digest) == CHECKSUMS
 
 
+def test_a_manifest_of_ranked_names_lists_its_ranks_in_rank_order(tmp_path: Path):
+    ranked = {f"rank{gpu}/{name}": f"{gpu:016x}" for gpu in (11, 2, 10, 0, 1) for name in ("w", "b")}
+    digest, relative = write_manifest(tmp_path, ranked)
+    manifest = msgspec.msgpack.decode((tmp_path / relative).read_bytes(), type=ChecksumManifest)
+    assert list(manifest.checksums) == [f"rank{gpu}/{name}" for gpu in (0, 1, 2, 10, 11) for name in ("b", "w")]
+    assert read_manifest(tmp_path, relative, digest) == ranked
+
+
 def test_an_existing_manifest_is_not_rewritten_and_no_partial_file_is_left(tmp_path: Path):
     digest, relative = write_manifest(tmp_path, CHECKSUMS)
     path = tmp_path / relative

@@ -428,6 +428,51 @@ def test_the_probe_catches_a_corruption_the_digests_leave_out(tmp_path):
     assert result.finished.status == "failed"
 
 
+def rank_repeating_engine(config, transport, place):  # type: ignore[no-untyped-def]
+    """Its last engine answers the checksum action after loading version 2 with its rank 0
+    reported twice (a reply whose second copy could hide what the first says)."""
+    worker = engine_worker(config, transport, place)
+    if place.rank == config.generator.num_engines - 1:
+        engine = worker.engine
+        real = engine.checksums
+
+        def checksums(skip_tensor_list=(), selector="all"):  # type: ignore[no-untyped-def]
+            report = real(skip_tensor_list, selector)
+            if engine.weight_version != "2":
+                return report
+            return msgspec.structs.replace(report, ranks=[*report.ranks, *report.ranks])
+
+        engine.checksums = checksums  # type: ignore[method-assign]
+    return worker
+
+
+class RankRepeatingGenerator(Generator):
+    build_worker = staticmethod(rank_repeating_engine)
+
+
+def test_a_checksum_reply_that_repeats_a_rank_fails_the_publication_as_a_mismatch(tmp_path):
+    from actors.coordinator import Coordinator
+    from actors.publisher import Publisher
+    from actors.saver import Saver
+    from actors.trainer import Trainer
+    from actors.verifier import Verifier
+
+    config = load_config(TINY, [
+        *SMALL, f'run.dir="{tmp_path}"', "metrics.port=0", 'run.runtime="local"', "run.num_rollout=3",
+        "generator.num_engines=2",
+    ])  # fmt: skip
+    session = Session(config, [RankRepeatingGenerator, Trainer, Publisher, Verifier, Saver, Coordinator])
+    result = asyncio.run(session.run())
+    log = events(tmp_path)
+    assert not [e for e in log if isinstance(e, ActorFailed)]
+    assert [e.weight_version for e in log if isinstance(e, PublicationVerified)] == ["1"]
+    (mismatch,) = [e for e in log if isinstance(e, PublicationMismatch)]
+    assert mismatch.weight_version == "2"
+    why = "engine-1: the checksum reply reports rank 0 twice"
+    assert [(m.engine, m.tensor, m.reason) for m in mismatch.mismatches] == [("engine-1", "*", why)]
+    assert result.finished.status == "failed" and why in result.finished.reason
+
+
 def no_op_load_engine(config, transport, place):  # type: ignore[no-untyped-def]
     """An engine whose load bumps the version and writes nothing (the bug class of a
     version bump without a transfer)."""

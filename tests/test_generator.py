@@ -20,6 +20,7 @@ from miles_events.rl.checksum_manifest import read_manifest, write_manifest
 from miles_events.rl.hf_model import load_model, prepare_base_model
 from miles_events.rl.prompts import load_prompts, rollout_prompts
 from miles_events.transport.base import InProcessTransport, Transport
+from schemas.checksums import EngineChecksumReport
 from schemas.config import (
     Config,
     DataConfig,
@@ -358,6 +359,63 @@ async def test_checksum_check_reports_each_engines_served_checksums(
         assert manifest_of(context, event) == expected and event.digest == per_gpu_checksum(expected)
         assert event.num_tensors == len(expected)
         assert event.weight_version == "default"
+
+
+def repeating_rank_zero(engine) -> None:  # type: ignore[no-untyped-def]
+    """``engine`` answers the checksum action with its rank 0 reported twice (a test double
+    of an engine's reply, inside this unit test of the Generator)."""
+    real = engine.checksums
+
+    def checksums(skip_tensor_list=(), selector="all"):  # type: ignore[no-untyped-def]
+        report = real(skip_tensor_list, selector)
+        return msgspec.structs.replace(report, ranks=[*report.ranks, *report.ranks])
+
+    engine.checksums = checksums
+
+
+async def test_a_load_whose_checksum_reply_repeats_a_rank_reports_it_in_weights_loaded(
+    actor: Started, model_dir: Path
+) -> None:
+    generator, context = actor
+    repeating_rank_zero(served_engines(generator)[1])
+    await generator.handle(weights_staged(context, staged_weights(model_dir, 0.01), "1"))
+    good, bad = context.of(WeightsLoaded)
+    assert (good.engine, good.checksum_error) == ("engine-0", "") and good.digest
+    assert bad.engine == "engine-1" and bad.weight_version == "1"
+    assert bad.checksum_error == "engine-1: the checksum reply reports rank 0 twice"
+    assert (bad.digest, bad.checksums_manifest, bad.num_tensors) == ("", "", 0)
+
+
+async def test_a_load_whose_checksum_action_failed_reports_it_in_weights_loaded(
+    actor: Started, model_dir: Path
+) -> None:
+    generator, context = actor
+    engine = served_engines(generator)[0]
+    engine.checksums = lambda *args: EngineChecksumReport(success=False, message="out of memory")
+    await generator.handle(weights_staged(context, staged_weights(model_dir, 0.01), "1"))
+    bad = context.of(WeightsLoaded)[0]
+    assert bad.checksum_error == "engine-0: the checksum action failed: out of memory" and bad.digest == ""
+
+
+async def test_a_checksum_check_whose_reply_repeats_a_rank_is_an_unsuccessful_check_naming_the_engine(
+    actor: Started,
+) -> None:
+    generator, context = actor
+    repeating_rank_zero(served_engines(generator)[1])
+    await generator.handle(WeightsCheckRequested(action="checksum", request_id="r1"))
+    good, bad = context.of(WeightsCheckFinished)
+    assert good.success and good.digest
+    assert (bad.engine, bad.success) == ("engine-1", False)
+    assert bad.message == "engine-1: the checksum reply reports rank 0 twice"
+    assert (bad.digest, bad.checksums_manifest, bad.num_tensors) == ("", "", 0)
+
+
+async def test_a_checksum_check_without_ranks_is_an_unsuccessful_check(actor: Started) -> None:
+    generator, context = actor
+    served_engines(generator)[0].checksums = lambda *args: EngineChecksumReport(success=True)
+    await generator.handle(WeightsCheckRequested(action="checksum"))
+    bad = context.of(WeightsCheckFinished)[0]
+    assert not bad.success and bad.message == "engine-0: the checksum reply has no ranks"
 
 
 async def test_compare_check_fails_after_reset_and_passes_after_republication(

@@ -199,6 +199,39 @@ async def test_an_engine_that_sent_no_checksums_is_a_mismatch(tmp_path):
     assert [(m.engine, m.tensor) for m in out[0].mismatches] == [("engine-1", "a")]
 
 
+async def test_an_engine_whose_checksum_reply_was_unusable_is_a_mismatch_naming_why(tmp_path):
+    v = verifier(tmp_path)
+    bad = WeightsLoaded(engine="engine-1", weight_version="1", previous_version="default", digest="",
+                        checksum_error="engine-1: the checksum reply reports rank 0 twice")
+    out = await feed(v, staged("1", {"a": "1"}, tmp_path), loaded("engine-0", "1", "default", {"a": "1"}, tmp_path),
+                     bad, published("1"))
+    [mismatch] = out[0].mismatches
+    assert isinstance(out[0], PublicationMismatch)
+    assert (mismatch.engine, mismatch.tensor) == ("engine-1", "*")
+    assert (mismatch.expected, mismatch.actual) == (per_gpu_checksum({"a": "1"}), "")
+    assert mismatch.reason == "engine-1: the checksum reply reports rank 0 twice"
+
+
+async def test_an_unusable_checksum_reply_is_a_mismatch_even_when_its_digest_agrees(tmp_path):
+    v = verifier(tmp_path)
+    bad = msgspec.structs.replace(loaded("engine-0", "1", "default", {"a": "1"}, tmp_path),
+                                  checksum_error="engine-0: rank 1 of the checksum reply has no tensors")
+    out = await feed(v, staged("1", {"a": "1"}, tmp_path), bad, published("1", engines=("engine-0",)))
+    assert isinstance(out[0], PublicationMismatch)
+    assert [(m.engine, m.tensor, m.reason) for m in out[0].mismatches] == [
+        ("engine-0", "*", "engine-0: rank 1 of the checksum reply has no tensors")
+    ]
+
+
+async def test_the_mismatches_of_ranked_tensors_are_named_in_rank_order(tmp_path):
+    v = verifier(tmp_path)
+    expected = {f"rank{gpu}/w": "01" for gpu in range(12)}
+    served = {f"rank{gpu}/w": "02" for gpu in range(12)}
+    out = await feed(v, staged("1", expected, tmp_path), loaded("engine-0", "1", "default", served, tmp_path),
+                     published("1", engines=("engine-0",)))
+    assert [m.tensor for m in out[0].mismatches] == [f"rank{gpu}/w" for gpu in range(12)]
+
+
 @pytest.mark.parametrize(
     ("damage", "reason"),
     [

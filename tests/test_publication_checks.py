@@ -69,7 +69,7 @@ def test_an_empty_reply_is_the_seeds_error():
 def test_a_failed_or_rankless_checksum_body_is_refused():
     with pytest.raises(RuntimeError, match="did not succeed"):
         flatten_inference_engine_checksums([[body(rank({"a": "01"}, 0), success=False)]])
-    with pytest.raises(RuntimeError, match="did not succeed"):
+    with pytest.raises(RuntimeError, match="has no ranks"):
         flatten_inference_engine_checksums([[body()]])
 
 
@@ -106,3 +106,108 @@ def test_weight_versions_and_their_transitions():
     require_version_increment(("1", "1"), ("2", "2"), action="checkpoint republication")
     with pytest.raises(RuntimeError, match=r"^checkpoint republication did not increment every inference weight version exactly once"):
         require_version_increment(("1", "1"), ("2", "3"), action="checkpoint republication")
+
+
+# --- miles' own cases (tests/fast/utils/test_checksum_utils.py), over miles' body shapes ---------
+# miles' bodies carry no ``per_gpu_checksum`` and a ``parallelism_info`` list of roles.
+
+
+def miles_body(*, success: bool, ranks: list[dict] | None) -> dict:
+    reply: dict = {"success": success, "message": "ok"}
+    if ranks is not None:
+        reply["ranks"] = ranks
+    return reply
+
+
+def miles_rank(gpu: int, checksums: dict[str, str]) -> dict:
+    return {"checksums": checksums, "parallelism_info": [{"role": "target", "rank": gpu}]}
+
+
+def test_one_engine_of_one_rank_flattens_to_its_prefixed_checksums():
+    reply = [[miles_body(success=True, ranks=[miles_rank(0, {"w": "aaa"})])]]
+    assert flatten_inference_engine_checksums(reply) == [{"rank0/w": "aaa"}]
+
+
+def test_engines_of_every_server_group_flatten_into_one_list_in_order():
+    reply = [
+        [miles_body(success=True, ranks=[miles_rank(0, {"w": "e0"})])],
+        [miles_body(success=True, ranks=[miles_rank(0, {"w": "e1"})])],
+    ]
+    assert flatten_inference_engine_checksums(reply) == [{"rank0/w": "e0"}, {"rank0/w": "e1"}]
+
+
+def test_none_bodies_of_non_first_nodes_are_dropped():
+    reply = [[miles_body(success=True, ranks=[miles_rank(0, {"w": "e0"})]), None]]
+    assert flatten_inference_engine_checksums(reply) == [{"rank0/w": "e0"}]
+
+
+def test_a_reply_of_none_bodies_only_is_refused():
+    with pytest.raises(RuntimeError, match="^inference weight checksum response was empty$"):
+        flatten_inference_engine_checksums([[None, None]])
+
+
+def test_the_ranks_of_one_engine_merge_under_their_rank_prefix():
+    reply = [[miles_body(success=True, ranks=[miles_rank(0, {"w": "r0"}), miles_rank(1, {"w": "r1"})])]]
+    assert flatten_inference_engine_checksums(reply) == [{"rank0/w": "r0", "rank1/w": "r1"}]
+
+
+def test_ranks_that_arrive_out_of_order_flatten_in_rank_order():
+    out_of_order = [[miles_body(success=True, ranks=[miles_rank(1, {"w": "r1"}), miles_rank(0, {"w": "r0"})])]]
+    in_order = [[miles_body(success=True, ranks=[miles_rank(0, {"w": "r0"}), miles_rank(1, {"w": "r1"})])]]
+    [flattened] = flatten_inference_engine_checksums(out_of_order)
+    assert list(flattened) == ["rank0/w", "rank1/w"]
+    assert [flattened] == flatten_inference_engine_checksums(in_order)
+
+
+def test_an_engine_that_reports_failure_is_refused():
+    reply = [[miles_body(success=False, ranks=[miles_rank(0, {"w": "aaa"})])]]
+    with pytest.raises(RuntimeError, match="^inference weight checksum did not succeed on server group 0 engine 0: ok$"):
+        flatten_inference_engine_checksums(reply)
+
+
+@pytest.mark.parametrize("ranks", [None, []], ids=["absent", "empty"])
+def test_an_engine_without_ranks_is_refused(ranks):
+    reply = [[miles_body(success=True, ranks=ranks)]]
+    with pytest.raises(RuntimeError, match="^inference weight checksum of server group 0 engine 0: the checksum reply has no ranks$"):
+        flatten_inference_engine_checksums(reply)
+
+
+def test_roles_that_share_a_gpu_rank_count_as_that_rank():
+    rank_info = {"checksums": {"w": "aaa"}, "parallelism_info": [{"role": "target", "rank": 0}, {"role": "draft", "rank": 0}]}
+    assert flatten_inference_engine_checksums([[miles_body(success=True, ranks=[rank_info])]]) == [{"rank0/w": "aaa"}]
+
+
+def test_roles_that_name_different_gpu_ranks_are_refused():
+    rank_info = {"checksums": {"w": "aaa"}, "parallelism_info": [{"role": "target", "rank": 0}, {"role": "draft", "rank": 1}]}
+    with pytest.raises(RuntimeError, match="^inference weight checksum of server group 0 engine 0: rank entry 0 .*expected one GPU rank"):
+        flatten_inference_engine_checksums([[miles_body(success=True, ranks=[rank_info])]])
+
+
+# --- what a rank prefix must not hide ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "second", [{"w": "r0"}, {"w": "other"}, {"v": "r0"}], ids=["same tensors", "other checksums", "other tensors"]
+)
+def test_a_reply_that_repeats_a_rank_is_refused(second):
+    reply = [[None], [miles_body(success=True, ranks=[miles_rank(0, {"w": "r0"}), miles_rank(0, second)])]]
+    with pytest.raises(RuntimeError, match="^inference weight checksum of server group 1 engine 0: the checksum reply reports rank 0 twice$"):
+        flatten_inference_engine_checksums(reply)
+
+
+def test_a_rank_without_tensors_is_refused():
+    reply = [[miles_body(success=True, ranks=[miles_rank(0, {"w": "r0"}), miles_rank(1, {})])]]
+    with pytest.raises(RuntimeError, match="^inference weight checksum of server group 0 engine 0: rank 1 of the checksum reply has no tensors$"):
+        flatten_inference_engine_checksums(reply)
+
+
+@pytest.mark.parametrize("entry", ["ok", 1, ["ranks"]], ids=["string", "number", "list"])
+def test_an_engine_body_that_is_not_an_object_is_refused(entry):
+    with pytest.raises(RuntimeError, match="^inference weight checksum reply of server group 0 engine 0 is malformed: Expected `object`"):
+        flatten_inference_engine_checksums([[entry]])
+
+
+def test_more_than_ten_ranks_flatten_in_numeric_rank_order():
+    ranks = [miles_rank(gpu, {"w": f"{gpu:02x}"}) for gpu in reversed(range(12))]
+    [flattened] = flatten_inference_engine_checksums([[miles_body(success=True, ranks=ranks)]])
+    assert list(flattened) == [f"rank{gpu}/w" for gpu in range(12)]

@@ -121,6 +121,7 @@ EXAMPLES: dict[str, dict[str, Any]] = {
         num_tensors=2,
         num_bytes=1 << 20,
         checksums_manifest=MANIFEST,
+        checksum_error="",
         load_seconds=0.25,
         canary="0f" * 8,
         probe_logprobs=[[-0.5]],

@@ -10,7 +10,13 @@ import msgspec
 import pytest
 
 from actors.engine import sglang_api as api
-from miles_events.rl.checksum import per_engine_checksum, per_gpu_checksum, ranked_checksums
+from miles_events.rl.checksum import (
+    ChecksumReplyError,
+    per_engine_checksum,
+    per_gpu_checksum,
+    rank_of,
+    ranked_checksums,
+)
 
 MiB = 1024**2
 
@@ -274,6 +280,48 @@ def test_a_checksum_reply_parses_with_either_parallelism_info_shape(listed):
         "rank1/w": "0" * 15 + "1",
         "rank1/b": "00000000000000ff",
     }
+
+
+def _checksum_body(*ranks: dict) -> bytes:
+    return json.dumps({"success": True, "message": "", "ranks": list(ranks), "per_engine_checksum": "e" * 64}).encode()
+
+
+def test_a_checksum_reply_whose_ranks_arrive_out_of_order_is_parsed_in_rank_order():
+    report = api.parse_checksum_reply(200, _checksum_body(_rank(1, True), _rank(0, False)))
+    assert [rank_of(rank) for rank in report.ranks] == [0, 1]
+    assert list(ranked_checksums(report)) == ["rank0/w", "rank0/b", "rank1/w", "rank1/b"]
+
+
+def test_a_checksum_reply_that_repeats_a_rank_is_refused():
+    with pytest.raises(ChecksumReplyError, match="^the checksum reply reports rank 1 twice$"):
+        api.parse_checksum_reply(200, _checksum_body(_rank(0, False), _rank(1, False), _rank(1, True)))
+
+
+def test_a_checksum_reply_with_a_rank_without_tensors_is_refused():
+    empty = {**_rank(1, False), "checksums": {}}
+    with pytest.raises(ChecksumReplyError, match="^rank 1 of the checksum reply has no tensors$"):
+        api.parse_checksum_reply(200, _checksum_body(_rank(0, False), empty))
+
+
+@pytest.mark.parametrize(
+    ("body", "why"),
+    [
+        (b"<html>502</html>", "JSON is malformed"),
+        (b'{"success": true, "ranks": "all"}', "Expected `array`, got `str` - at `$.ranks`"),
+        (b'{"success": true, "ranks": [null]}', "Expected `object`, got `null` - at `$.ranks[0]`"),
+        (b'{"success": true, "ranks": [{"parallelism_info": {"rank": 0}}]}', "missing required field `checksums`"),
+    ],
+    ids=["not json", "ranks not a list", "rank not an object", "rank without checksums"],
+)
+def test_a_checksum_reply_that_does_not_decode_is_refused_in_one_line(body, why):
+    with pytest.raises(ChecksumReplyError, match="^the checksum reply is malformed: ") as raised:
+        api.parse_checksum_reply(200, body)
+    assert why in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_an_unsuccessful_checksum_reply_is_returned_as_it_is():
+    report = api.parse_checksum_reply(200, b'{"success": false, "message": "busy", "ranks": []}')
+    assert (report.success, report.message) == (False, "busy")
 
 
 def test_a_failed_checker_call_is_an_unsuccessful_result_with_the_servers_message():

@@ -137,7 +137,9 @@ class Engine(ABC):
     @abstractmethod
     def checksums(self, skip_tensor_list: Iterable[str] = (), selector: Selector = "all") -> EngineChecksumReport:
         """SGLang's ``checksum`` action: the fingerprint of every served tensor not skipped,
-        per rank, with the per-GPU and per-engine digests."""
+        per rank, with the per-GPU and per-engine digests. An engine that reads the reply
+        from elsewhere (a server) raises ``ChecksumReplyError`` for one it cannot use; the
+        worker turns that into a failed check or publication naming the engine."""
 
     @abstractmethod
     def weights_check(

@@ -29,6 +29,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from miles_events.rl.checksum import ChecksumReplyError, ordered_ranks
 from schemas.checksums import EngineChecksumReport, WeightsCheckResult
 
 # --- endpoints ----------------------------------------------------------------------------------
@@ -603,11 +604,22 @@ _checksum_reply = msgspec.json.Decoder(EngineChecksumReport)
 
 
 def parse_checksum_reply(status: int, body: bytes) -> EngineChecksumReport:
-    """The ``checksum`` action's reply (either ``parallelism_info`` shape); a failed call is
-    an unsuccessful report carrying the server's message."""
+    """The ``checksum`` action's reply (either ``parallelism_info`` shape), its ranks in rank
+    order; a failed call is an unsuccessful report carrying the server's message.
+
+    Raises ``ChecksumReplyError`` for a body that does not decode as the reply, and for a
+    successful one whose ranks ``ordered_ranks`` refuses (a rank reported twice, a rank
+    without tensors, roles naming different GPU ranks, no ranks at all).
+    """
     if status != 200:
         return EngineChecksumReport(success=False, message=error_message(status, body))
-    return _checksum_reply.decode(body)
+    try:
+        report = _checksum_reply.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as error:
+        raise ChecksumReplyError(f"the checksum reply is malformed: {' '.join(str(error).split())}") from None
+    if not report.success:
+        return report
+    return msgspec.structs.replace(report, ranks=[rank for _, rank in ordered_ranks(report)])
 
 
 def parse_check_reply(

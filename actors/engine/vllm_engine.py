@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import torch
 from safetensors import safe_open
 from safetensors.torch import save, save_file
@@ -69,7 +70,7 @@ from actors.engine.base import (
 from actors.engine.server_process import HOST, ServerProcess, ServerStartError, log_gist, start_on_a_port
 from miles_events.rl.canary import CANARY_TENSOR, split_canary
 from miles_events.rl.cancel import Cancellation, Cancelled
-from miles_events.rl.checksum import is_skipped
+from miles_events.rl.checksum import ChecksumReplyError, is_skipped
 from miles_events.rl.hf_model import load_tokenizer
 from miles_events.transport.base import Transport
 from schemas.checksums import EngineChecksumReport, WeightsCheckResult
@@ -152,6 +153,32 @@ def base_model_tensors(model_path: str | Path) -> dict[str, tuple[int, ...]]:
             for name in handle.keys():
                 shapes[name] = tuple(handle.get_slice(name).get_shape())
     return shapes
+
+
+class _WorkerChecksums(msgspec.Struct, frozen=True):
+    """The worker extension's answer to ``miles_checksums`` (one per worker)."""
+
+    checksums: dict[str, str]
+    unreadable: list[str]
+
+
+def worker_checksums(results: list[Any]) -> tuple[dict[str, str], list[str]]:
+    """The readable tensors' fingerprints and the unreadable tensors' names, from the
+    ``/collective_rpc`` results of ``miles_checksums``: the answer of the server's one worker.
+
+    Raises ``ChecksumReplyError`` when no worker answered, more than one did (the engine
+    reports one rank: a second worker's tensors would go unchecked), or the answer is not
+    that shape.
+    """
+    if not results:
+        raise ChecksumReplyError("the worker extension gave no checksums (0 answers)")
+    if len(results) > 1:
+        raise ChecksumReplyError(f"the worker extension answered from {len(results)} workers, one was expected")
+    try:
+        answer = msgspec.convert(results[0], _WorkerChecksums)
+    except msgspec.ValidationError as error:
+        raise ChecksumReplyError(f"the worker extension's checksum answer is malformed: {error}") from None
+    return dict(answer.checksums), list(answer.unreadable)
 
 
 class VllmEngine(Engine):
@@ -529,14 +556,14 @@ class VllmEngine(Engine):
 
     def readable_checksums(self) -> tuple[dict[str, str], list[str]]:
         """Fingerprints of the base model's tensors the server holds in the Hugging Face
-        layout, and the names of those it does not (repacked or fused on this backend)."""
+        layout, and the names of those it does not (repacked or fused on this backend).
+        Raises ``ChecksumReplyError`` for an answer ``worker_checksums`` refuses."""
         names = {n: list(shape) for n, shape in self._tensor_shapes.items()}
         results = self.collective_rpc("miles_checksums", json.dumps(names))
-        if not results or not isinstance(results[0], dict):
-            raise VllmError(
-                f"{self.name}: the worker extension gave no checksums ({results!r}){self._log_hint()}"
-            )
-        return dict(results[0]["checksums"]), list(results[0]["unreadable"])
+        try:
+            return worker_checksums(results)
+        except ChecksumReplyError as error:
+            raise ChecksumReplyError(f"{error}{self._log_hint()}") from None
 
     def checksums(
         self, skip_tensor_list: Iterable[str] = (), selector: Selector = "all"
@@ -575,8 +602,12 @@ class VllmEngine(Engine):
             return self._result(action, True, f"{action}: no draft model, nothing selected")
         if action == "reset_tensors":
             return self._reset_tensors(list(skip_tensor_list))
-        report = self.checksums(skip_tensor_list, selector)
-        current = dict(report.ranks[0].checksums)
+        try:
+            readable, _ = self.readable_checksums()
+        except ChecksumReplyError as error:
+            return self._result(action, False, f"{action}: {error}")
+        skip = list(skip_tensor_list)
+        current = {n: c for n, c in readable.items() if not is_skipped(n, skip)}
         if action == "snapshot":
             self._snapshot = current
             return self._result(

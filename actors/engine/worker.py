@@ -28,7 +28,7 @@ from actors.engine.base import (
 from actors.engine.scrape_target import remove_target, write_target
 from miles_events.bus.actor import RankPlace
 from miles_events.rl.cancel import Cancellation
-from miles_events.rl.checksum import ranked_checksums, report_checksums
+from miles_events.rl.checksum import ChecksumReplyError, ranked_checksums, report_checksums
 from miles_events.rl.checksum_manifest import write_manifest
 from miles_events.rl.threads import phase_threads
 from miles_events.rl.versions import engine_names
@@ -51,6 +51,9 @@ class Loaded:
     num_tensors: int
     canary: str | None
     probe_logprobs: list[list[float]] | None = None
+    checksum_error: str = ""
+    """Why the engine's checksum reply cannot be used, naming the engine; digest, manifest
+    and count are then empty, and the Verifier reports the publication a mismatch."""
 
 
 @dataclass(frozen=True)
@@ -119,35 +122,49 @@ class EngineWorker:
         probe: ProbeBatch | None = None,
     ) -> Loaded:
         """Serve ``weights`` as ``weight_version``, then fingerprint what is served now and,
-        with a ``probe``, answer it with the served weights."""
+        with a ``probe``, answer it with the served weights. A checksum reply that cannot be
+        used is not a failure of the load: it is reported in ``checksum_error``, for the
+        Verifier to fail the publication with."""
         previous = self.engine.weight_version
         num_bytes = self.engine.load_weights(weights, weight_version)
-        checksums = report_checksums(self.engine.checksums(list(skip_tensor_list)))
-        digest, manifest = write_manifest(self.place.run_dir, checksums)
+        digest = manifest = error = ""
+        num_tensors = 0
+        try:
+            checksums = report_checksums(self.engine.checksums(list(skip_tensor_list)))
+        except ChecksumReplyError as unusable:
+            error = f"{self.name}: {unusable}"
+        else:
+            digest, manifest = write_manifest(self.place.run_dir, checksums)
+            num_tensors = len(checksums)
         return Loaded(
             weight_version=self.engine.weight_version,
             previous_version=previous,
             num_bytes=num_bytes,
             digest=digest,
             checksums_manifest=manifest,
-            num_tensors=len(checksums),
+            num_tensors=num_tensors,
             canary=self.engine.served_canary() if self.engine.holds_canary else None,
             probe_logprobs=(
                 self.engine.probe_logprobs(probe.prompt_ids, probe.response_ids) if probe is not None else None
             ),
+            checksum_error=error,
         )
 
     def checksum_check(self, skip_tensor_list: Sequence[str], selector: Selector) -> Checked:
-        """SGLang's ``checksum`` action, flattened as miles does (``rank{r}/{name}``) so that
-        checks compare as the seed's."""
-        report = self.engine.checksums(list(skip_tensor_list), selector)
-        digest = manifest = ""
-        num_tensors = 0
-        if report.success and report.ranks:
+        """SGLang's ``checksum`` action, flattened as miles does (``rank{r}/{name}``, in rank
+        order) so that checks compare as the seed's. An unsuccessful reply keeps the
+        engine's message; one that cannot be used is unsuccessful, saying why and naming
+        the engine."""
+        version = self.engine.weight_version
+        try:
+            report = self.engine.checksums(list(skip_tensor_list), selector)
+            if not report.success:
+                return Checked(False, report.message, "", "", 0, version)
             checksums = ranked_checksums(report)
-            digest, manifest = write_manifest(self.place.run_dir, checksums)
-            num_tensors = len(checksums)
-        return Checked(report.success, report.message, digest, manifest, num_tensors, self.engine.weight_version)
+        except ChecksumReplyError as unusable:
+            return Checked(False, f"{self.name}: {unusable}", "", "", 0, version)
+        digest, manifest = write_manifest(self.place.run_dir, checksums)
+        return Checked(True, report.message, digest, manifest, len(checksums), self.engine.weight_version)
 
     def weights_check(
         self, action: TensorCheckAction, selector: Selector, skip_tensor_list: Sequence[str], allow_quant_error: bool

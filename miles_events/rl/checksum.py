@@ -12,6 +12,7 @@ the digest of an engine's ranks its ``per_engine_checksum``: one definition each
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
@@ -156,35 +157,80 @@ def per_engine_checksum(per_gpu_checksums: Iterable[str]) -> str:
     return hashlib.sha256("".join(per_gpu_checksums).encode()).hexdigest()
 
 
+class ChecksumReplyError(ValueError):
+    """An engine's ``checksum`` reply that cannot serve as evidence of what it serves; the
+    message (one line, without the engine's name) says what is wrong, naming the rank."""
+
+
 def rank_of(rank: RankChecksums) -> int:
     """A rank's GPU rank: the one distinct ``rank`` across its ``parallelism_info``."""
     infos = rank.parallelism_info if isinstance(rank.parallelism_info, list) else [rank.parallelism_info]
     ranks = {info.rank for info in infos}
     if len(ranks) != 1:
-        raise ValueError(f"parallelism_info names {len(ranks)} GPU ranks ({sorted(ranks)}), expected one")
+        raise ValueError(
+            f"parallelism_info names {len(ranks)} GPU ranks ({sorted(ranks)}) across its roles, expected one GPU rank"
+        )
     return ranks.pop()
+
+
+def ordered_ranks(report: EngineChecksumReport) -> list[tuple[int, RankChecksums]]:
+    """The ranks of a ``checksum`` reply with their GPU ranks, in rank order (replies list
+    them in the order they were gathered).
+
+    Raises ``ChecksumReplyError`` for an unsuccessful reply, one without ranks, a rank whose
+    roles name different GPU ranks, a GPU rank reported twice (its evidence would overwrite
+    or hide the other's), or a rank without tensors (it would drop out of the comparison).
+    """
+    if not report.success:
+        raise ChecksumReplyError(f"the checksum action failed: {report.message or 'no message'}")
+    if not report.ranks:
+        raise ChecksumReplyError("the checksum reply has no ranks")
+    by_rank: dict[int, RankChecksums] = {}
+    for entry, rank in enumerate(report.ranks):
+        try:
+            gpu = rank_of(rank)
+        except ValueError as error:
+            raise ChecksumReplyError(f"rank entry {entry} of the checksum reply: {error}") from None
+        if gpu in by_rank:
+            raise ChecksumReplyError(f"the checksum reply reports rank {gpu} twice")
+        if not rank.checksums:
+            raise ChecksumReplyError(f"rank {gpu} of the checksum reply has no tensors")
+        by_rank[gpu] = rank
+    return sorted(by_rank.items(), key=lambda item: item[0])
 
 
 def report_checksums(report: EngineChecksumReport) -> dict[str, str]:
     """One engine's checksums by name, from its ``checksum`` reply: a single rank's as they
-    are; with several ranks ``rank{r}/{name}`` (miles' ``flatten_inference_engine_checksums``).
+    are; with several ranks ``rank{r}/{name}`` in rank order (miles'
+    ``flatten_inference_engine_checksums``).
 
-    Raises ``ValueError`` for an unsuccessful reply or one without ranks.
+    Raises ``ChecksumReplyError`` as ``ordered_ranks`` does.
     """
-    if not report.success:
-        raise ValueError(f"the checksum action failed: {report.message or 'no message'}")
-    if not report.ranks:
-        raise ValueError("the checksum reply has no ranks")
-    if len(report.ranks) == 1:
-        return dict(report.ranks[0].checksums)
-    return {f"rank{rank_of(rank)}/{name}": value for rank in report.ranks for name, value in rank.checksums.items()}
+    ranks = ordered_ranks(report)
+    if len(ranks) == 1:
+        return dict(ranks[0][1].checksums)
+    return _prefixed(ranks)
 
 
 def ranked_checksums(report: EngineChecksumReport) -> dict[str, str]:
     """One engine's checksums as miles flattens them, whatever its rank count:
-    ``rank{r}/{name}`` for every rank (the names the seed's canonical checksums use).
+    ``rank{r}/{name}`` for every rank, in rank order (the names the seed's canonical
+    checksums use).
 
-    Raises ``ValueError`` as ``report_checksums`` does.
+    Raises ``ChecksumReplyError`` as ``ordered_ranks`` does.
     """
-    report_checksums(report)  # the same refusals
-    return {f"rank{rank_of(rank)}/{name}": value for rank in report.ranks for name, value in rank.checksums.items()}
+    return _prefixed(ordered_ranks(report))
+
+
+def _prefixed(ranks: list[tuple[int, RankChecksums]]) -> dict[str, str]:
+    return {f"rank{gpu}/{name}": value for gpu, rank in ranks for name, value in rank.checksums.items()}
+
+
+_RANK_PREFIX = re.compile(r"rank(\d+)/")
+
+
+def checksum_order(name: str) -> tuple[int, str]:
+    """Sort key of checksum names: ``rank{r}/{name}`` by rank number, then name (``rank10``
+    after ``rank9``); names without a rank prefix by name, before any ranked one."""
+    match = _RANK_PREFIX.match(name)
+    return (int(match.group(1)), name[match.end() :]) if match else (-1, name)

@@ -21,7 +21,7 @@ from pathlib import Path, PurePosixPath
 
 import msgspec
 
-from miles_events.rl.checksum import per_gpu_checksum
+from miles_events.rl.checksum import checksum_order, per_gpu_checksum
 from schemas.checksums import ChecksumManifest
 
 MANIFEST_DIR = "checksums"
@@ -38,14 +38,15 @@ def manifest_path(digest: str) -> str:
 
 def write_manifest(run_dir: str | os.PathLike[str], checksums: Mapping[str, str]) -> tuple[str, str]:
     """Keep ``checksums`` under the run directory; returns (their digest, the manifest's path
-    relative to ``run_dir``). A manifest that exists already is left as it is."""
+    relative to ``run_dir``). A manifest that exists already is left as it is. Names are kept
+    in ``checksum_order``: by name, an engine's ``rank{r}/`` names by rank number first."""
     digest = per_gpu_checksum(checksums)
     relative = manifest_path(digest)
     final = Path(run_dir) / relative
     if final.exists():
         return digest, relative
     final.parent.mkdir(parents=True, exist_ok=True)
-    data = msgspec.msgpack.encode(ChecksumManifest(digest=digest, checksums=dict(sorted(checksums.items()))))
+    data = msgspec.msgpack.encode(ChecksumManifest(digest=digest, checksums=dict(sorted(checksums.items(), key=lambda item: checksum_order(item[0])))))
     partial = final.with_name(f".{final.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.partial")
     try:
         with open(partial, "xb") as f:

@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from miles_events.rl.checksum import rank_of
+from miles_events.rl.checksum import ChecksumReplyError, ranked_checksums
 from schemas.checksums import EngineChecksumReport
 
 CanonicalChecksums = tuple[tuple[tuple[str, str], ...], ...]
@@ -32,25 +32,33 @@ def engine_bodies(raw: Any, action: str) -> list[Any]:
 
 
 def flatten_inference_engine_checksums(raw: Any) -> list[dict[str, str]]:
-    """Per engine, ``{f"rank{r}/{name}": checksum}`` over all its ranks (miles' flattening):
-    every body must have succeeded and name at least one rank; a rank's GPU rank is the one
-    distinct ``rank`` of its ``parallelism_info`` (a dict, or a list of dicts with roles)."""
+    """Per engine, ``{f"rank{r}/{name}": checksum}`` over all its ranks in rank order (miles'
+    flattening): at least one body must not be ``None``; every body must have succeeded, and
+    its ranks pass ``ordered_ranks`` (some ranks, each with tensors and one GPU rank, the one
+    distinct ``rank`` of its ``parallelism_info``, a dict or a list of dicts with roles, no
+    GPU rank twice). Each error names the body: its server group and its place there."""
+    try:
+        located = [(group, place, body) for group, bodies in enumerate(raw) for place, body in enumerate(bodies)]
+    except TypeError as error:
+        raise RuntimeError("inference weight check 'checksum' returned a malformed response") from error
     flattened = []
-    for body in engine_bodies(raw, "checksum"):
+    for group, place, body in located:
+        if body is None:
+            continue
+        where = f"server group {group} engine {place}"
         try:
             report = msgspec.convert(body, EngineChecksumReport)
         except msgspec.ValidationError as error:
-            raise RuntimeError(f"inference weight checksum reply is malformed: {error}") from None
-        if not report.success or not report.ranks:
-            raise RuntimeError(f"inference weight checksum did not succeed: {report.message or 'no ranks'}")
-        engine: dict[str, str] = {}
-        for rank in report.ranks:
-            try:
-                gpu = rank_of(rank)
-            except ValueError as error:
-                raise RuntimeError(f"inference weight checksum reply is malformed: {error}") from None
-            engine.update({f"rank{gpu}/{name}": checksum for name, checksum in rank.checksums.items()})
-        flattened.append(engine)
+            raise RuntimeError(f"inference weight checksum reply of {where} is malformed: {error}") from None
+        if not report.success:
+            raise RuntimeError(f"inference weight checksum did not succeed on {where}: {report.message or 'no message'}")
+        try:
+            flattened.append(ranked_checksums(report))
+        except ChecksumReplyError as error:
+            raise RuntimeError(f"inference weight checksum of {where}: {error}") from None
+    if not flattened:
+        # Only None bodies: the checksum action reached no engine.
+        raise RuntimeError("inference weight checksum response was empty")
     return flattened
 
 
