@@ -537,6 +537,10 @@ class VllmEngine(Engine):
             )
         return dict(results[0]["checksums"]), list(results[0]["unreadable"])
 
+    def unreadable_tensors(self) -> list[str]:
+        """The base model's tensors the server holds repacked or fused (``readable_checksums``)."""
+        return sorted(self.readable_checksums()[1])
+
     def checksums(
         self, skip_tensor_list: Iterable[str] = (), selector: Selector = "all"
     ) -> EngineChecksumReport:
