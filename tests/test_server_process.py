@@ -272,3 +272,16 @@ def test_the_gist_of_a_server_whose_engine_died_quotes_its_error_lines_not_a_war
         "AsyncLLM output_handler failed. vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an "
         "issue. See stack trace (above) for the root cause."
     )
+
+
+def test_the_gist_of_a_pydantic_error_adds_what_failed_from_the_indented_line_after_it(tmp_path):
+    log = tmp_path / "s.log"
+    log.write_text(
+        "pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig\n"
+        "  Value error, Unrecognized model in /m. Should have a `model_type` key in its config.json.\n"
+        "    For further information visit https://errors.pydantic.dev/2.14/v/value_error\n"
+    )
+    assert log_gist(log) == (
+        "pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig: Value error, "
+        "Unrecognized model in /m. Should have a `model_type` key in its config.json."
+    )

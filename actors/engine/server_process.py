@@ -131,24 +131,26 @@ def _why(lines: list[_Line]) -> str | None:
     points at a root cause the log does not hold, the error line it came with and it; else
     the last error line. Lines logged below ERROR, traceback frames and access lines are
     never quoted."""
-    said = [line for line in lines if line.level not in _QUIET_LEVELS and not line.frame]
-    said = [line for line in said if not _ACCESS.search(line.text)]
-    texts = [line.text for line in said]
-    exceptions = [i for i, text in enumerate(texts) if _EXCEPTION_LINE.search(text)]
-    causes = [i for i in exceptions if not _WRAPPER.search(texts[i])]
+    said = [
+        i
+        for i, line in enumerate(lines)
+        if line.level not in _QUIET_LEVELS and not line.frame and not _ACCESS.search(line.text)
+    ]
+    exceptions = [i for i in said if _EXCEPTION_LINE.search(lines[i].text)]
+    causes = [i for i in exceptions if not _WRAPPER.search(lines[i].text)]
     if causes:
         at = causes[-1]
-        gist = texts[at]
-        if "validation error" in gist and at + 1 < len(texts):
-            gist = f"{gist}: {texts[at + 1]}"  # pydantic puts what failed on the next line
+        gist = lines[at].text
+        if "validation error" in gist and at + 1 < len(lines):
+            gist = f"{gist}: {lines[at + 1].text}"  # pydantic puts what failed on the next line
         return gist
     if exceptions:
         at = exceptions[-1]
-        before = said[at - 1] if at > 0 else None
-        if before is not None and before.level in ("ERROR", "CRITICAL") and at - 1 not in exceptions:
-            return f"{before.text} {texts[at]}"
-        return texts[at]
-    errors = [text for text in texts if _ERROR_LINE.search(text)]
+        before = [i for i in said if i < at]
+        if before and lines[before[-1]].level in ("ERROR", "CRITICAL") and before[-1] not in exceptions:
+            return f"{lines[before[-1]].text} {lines[at].text}"
+        return lines[at].text
+    errors = [lines[i].text for i in said if _ERROR_LINE.search(lines[i].text)]
     return errors[-1] if errors else None
 
 
