@@ -13,6 +13,7 @@ import pytest
 from miles_events.app.config import ConfigError
 from miles_events.app.run import error_line, main
 from miles_events.bus.event_log import MAGIC, EventLogWriter
+from miles_events.rl.memory import cuda_present
 
 GOOD = '{"input": "1+1=", "label": "2"}\n'
 
@@ -217,4 +218,37 @@ def test_a_disk_without_room_for_one_checkpoint_is_exit_2_before_anything_is_wri
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1
     assert err.startswith(f"error: run.dir {tmp_path / 'run'}: its file system has 0.00 GiB free, and the run needs about ")
+def write_config(tmp_path: Path, extra: str) -> Path:
+    config = write_run(tmp_path, GOOD.encode())
+    config.write_text(config.read_text() + extra)
+    return config
+
+
+@pytest.mark.skipif(cuda_present(), reason="this host has a GPU: cuda_ipc is served")
+@pytest.mark.parametrize("flags", [[], ["--dry-run"]])
+def test_the_cuda_ipc_transport_on_a_host_without_a_gpu_is_exit_2_with_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str]
+) -> None:
+    config = write_config(tmp_path, '[publisher]\ntransport = "cuda_ipc"\n')
+    assert main([str(config), *flags]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert err.startswith('error: publisher.transport: "cuda_ipc" needs a CUDA GPU, and this host has none visible')
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("flags", [[], ["--dry-run"]])
+def test_a_head_dimension_vllm_cannot_serve_is_exit_2_with_one_line_naming_the_fix(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str]
+) -> None:
+    config = write_config(
+        tmp_path,
+        '[generator]\nengine = "vllm"\n[model.builtin]\nhidden_size = 128\nnum_attention_heads = 8\n'
+        "num_key_value_heads = 4\n",
+    )
+    assert main([str(config), *flags]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert err.startswith("error: model.builtin.num_attention_heads: a head dimension of 16"), err
+    assert "set model.builtin.num_attention_heads = 4 (head dimension 32)" in err
     assert not (tmp_path / "run").exists()

@@ -354,3 +354,35 @@ def test_an_unknown_key_with_a_line_break_is_an_unknown_key(tmp_path: Path) -> N
     path = write_config(tmp_path, BASE + '[run]\n"a\\nb" = 1\n')
     with pytest.raises(ConfigError, match=r"run\.a\nb: unknown key \(known: dir, "):
         load_config(path)
+
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+VLLM_EXAMPLE_CHANGES = {
+    "run.dir": str(EXAMPLES.parent / "runs" / "vllm"),
+    "run.runtime": "local",
+    "model.builtin.num_attention_heads": 4,
+    "model.builtin.num_key_value_heads": 2,
+    "generator.engine": "vllm",
+    "vllm.publication": "push",
+    "verifier.skip_tensor_list": ["proj.weight"],
+}
+"""What ``examples/vllm.toml`` changes of ``examples/tiny.toml``: vLLM on CPU's head size and
+unreadable linears (``tests/test_vllm_run.py`` runs it)."""
+
+
+def _flat(value: object, prefix: str = "") -> dict[str, object]:
+    if isinstance(value, dict):
+        return {k: v for key, item in value.items() for k, v in _flat(item, f"{prefix}{key}.").items()}
+    return {prefix.rstrip("."): value}
+
+
+def test_the_vllm_example_passes_the_input_checks_and_is_tiny_with_what_vllm_on_cpu_needs() -> None:
+    import msgspec
+
+    from miles_events.app.preflight import load_and_check
+
+    vllm = _flat(msgspec.to_builtins(load_and_check(EXAMPLES / "vllm.toml")))
+    tiny = _flat(msgspec.to_builtins(load_config(EXAMPLES / "tiny.toml")))
+    changed = {key: vllm[key] for key in vllm if vllm[key] != tiny.get(key)}
+    assert changed == VLLM_EXAMPLE_CHANGES

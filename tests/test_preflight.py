@@ -205,3 +205,106 @@ def test_cuda_graph_decoding_needs_a_gpu_where_the_engines_run(
     else:
         preflight.check_device(config)
     preflight.check_device(msgspec.structs.replace(config, rollout=RolloutConfig(decode="auto")))
+
+
+@pytest.mark.parametrize(
+    ("runtime", "address", "present", "refused"),
+    [
+        ("ray", None, False, True),
+        ("local", None, False, True),
+        ("local", "ray://head:10001", False, True),  # the local runtime runs its actors here
+        ("ray", "ray://head:10001", False, False),  # a joined cluster's hosts are not asked
+        ("ray", None, True, False),
+    ],
+)
+def test_the_cuda_ipc_transport_needs_a_gpu_where_the_actors_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, runtime: str, address: str | None, present: bool, refused: bool
+) -> None:
+    import msgspec
+
+    from schemas.config import PublisherConfig, RayConfig
+
+    monkeypatch.setattr(preflight, "cuda_present", lambda: present)
+    config = msgspec.structs.replace(
+        data_config(tmp_path, runtime=runtime),
+        publisher=PublisherConfig(transport="cuda_ipc"),
+        ray=RayConfig(address=address),
+    )
+    if refused:
+        with pytest.raises(ConfigError, match='publisher.transport: "cuda_ipc" needs a CUDA GPU') as caught:
+            preflight.check_transport_device(config)
+        assert caught.value.key == "publisher.transport"
+        assert "\n" not in str(caught.value)
+    else:
+        preflight.check_transport_device(config)
+    preflight.check_transport_device(msgspec.structs.replace(config, publisher=PublisherConfig(transport="shm")))
+
+
+def vllm_config(tmp_path: Path, **builtin: int) -> Config:
+    import msgspec
+
+    from schemas.config import GeneratorConfig
+
+    return msgspec.structs.replace(
+        data_config(tmp_path),
+        generator=GeneratorConfig(engine="vllm"),
+        model=ModelConfig(builtin=BuiltinModelConfig(**builtin)),  # type: ignore[arg-type]
+    )
+
+
+@pytest.mark.parametrize(
+    ("builtin", "fix"),
+    [
+        ({"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2}, "num_attention_heads = 2"),
+        ({"hidden_size": 128, "num_attention_heads": 8, "num_key_value_heads": 4}, "num_attention_heads = 4"),
+        (
+            {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4},
+            "num_attention_heads = 2 and model.builtin.num_key_value_heads = 2",
+        ),
+    ],
+)
+def test_a_builtin_head_dimension_below_32_is_refused_for_vllm_naming_the_keys_and_the_fix(
+    tmp_path: Path, builtin: dict[str, int], fix: str
+) -> None:
+    config = vllm_config(tmp_path, **builtin)
+    head_dim = builtin["hidden_size"] // builtin["num_attention_heads"]
+    with pytest.raises(ConfigError) as caught:
+        preflight.check_vllm_head_size(config)
+    message = str(caught.value)
+    assert message.startswith(
+        f"model.builtin.num_attention_heads: a head dimension of {head_dim} (model.builtin.hidden_size "
+        f"{builtin['hidden_size']} / model.builtin.num_attention_heads {builtin['num_attention_heads']}) "
+    ), message
+    assert 'generator.engine = "vllm"' in message and f"set model.builtin.{fix} (head dimension 32)" in message
+    assert caught.value.key == "model.builtin.num_attention_heads" and "\n" not in message
+
+
+def test_a_head_dimension_vllm_serves_passes_and_other_engines_are_not_asked(tmp_path: Path) -> None:
+    import msgspec
+
+    from schemas.config import GeneratorConfig
+
+    preflight.check_vllm_head_size(vllm_config(tmp_path, hidden_size=128, num_attention_heads=4, num_key_value_heads=2))
+    small = vllm_config(tmp_path, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+    preflight.check_vllm_head_size(msgspec.structs.replace(small, generator=GeneratorConfig(engine="torch")))
+
+
+def test_a_model_directory_whose_head_dimension_vllm_cannot_serve_is_refused(tmp_path: Path) -> None:
+    import json
+
+    import msgspec
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"hidden_size": 256, "num_attention_heads": 4, "head_dim": 16}))
+    config = vllm_config(tmp_path)
+    config = msgspec.structs.replace(config, model=ModelConfig(path=str(model)))
+    with pytest.raises(ConfigError) as caught:
+        preflight.check_vllm_head_size(config)
+    message = str(caught.value)
+    assert message.startswith(f"model.path: {model / 'config.json'} gives a head dimension of 16 (head_dim)"), message
+    assert caught.value.key == "model.path" and "\n" not in message
+    (model / "config.json").write_text(json.dumps({"hidden_size": 256, "num_attention_heads": 4}))
+    preflight.check_vllm_head_size(config)  # 64
+    (model / "config.json").write_text("{")
+    preflight.check_vllm_head_size(config)  # unreadable: the server says what it cannot read

@@ -180,3 +180,108 @@ def test_a_configured_port_that_is_taken_is_not_replaced(tmp_path):
         port = taken.getsockname()[1]
         with pytest.raises(PortTaken, match=f"port {port} on 127.0.0.1 is taken"):
             start_on_a_port("engine-0", lambda p: [*HTTP_SERVER, str(p)], port=port, log_path=tmp_path / "s.log")
+
+
+ULIMIT_WARNING = (
+    "(APIServer pid=7) WARNING 12-03 22:44:20 [system_utils.py:256] Found ulimit of 1024 and failed to "
+    "automatically increase with error current limit exceeds maximum limit. This can cause fd limit errors "
+    "like `OSError: [Errno 24] Too many open files`. Consider increasing with ulimit -n"
+)
+"""What vLLM logs at every start here: a warning that reads like an error."""
+
+DYING_SERVER = r'''
+import os, signal, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+print(sys.argv[2], flush=True)
+
+class Handler(BaseHTTPRequestHandler):
+    def do_GET(self):
+        if self.path == "/die":
+            print("(APIServer pid=7) ERROR 12-03 22:48:37 [api_server.py:1] Traceback (most recent call last):")
+            print('(APIServer pid=7) ERROR 12-03 22:48:37 [api_server.py:1]   File "model.py", line 3, in forward')
+            print("(APIServer pid=7) ERROR 12-03 22:48:37 [api_server.py:1] RuntimeError: CPU out of memory "
+                  "allocating 2048 MiB", flush=True)
+            os._exit(1)
+        if self.path == "/kill":
+            print("(APIServer pid=7) INFO 12-03 22:48:37 [loggers.py:1] Engine 000: Running: 0 reqs", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b"ok")
+
+    def log_message(self, format, *args):
+        print(f'INFO:     127.0.0.1:1 - "{self.requestline}" 200 OK', flush=True)
+
+HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+'''
+
+
+def _dying_server(tmp_path) -> ServerProcess:
+    port = free_port()
+    command = [sys.executable, "-c", DYING_SERVER, str(port), ULIMIT_WARNING]
+    return ServerProcess.start("engine-0", command, port=port, log_path=tmp_path / "s.log", health_path="/", timeout=30)
+
+
+def _request(server: ServerProcess, path: str) -> None:
+    import httpx
+
+    with pytest.raises(httpx.TransportError):
+        httpx.get(server.url + path, timeout=10)
+
+
+def test_a_server_that_dies_mid_run_is_reported_with_the_last_lines_of_its_traceback(tmp_path):
+    server = _dying_server(tmp_path)
+    try:
+        _request(server, "/die")
+        note = server.exit_note()
+    finally:
+        server.close()
+    assert note == (
+        ", the server process has exited (exit code 1): RuntimeError: CPU out of memory allocating 2048 MiB"
+    ), note
+
+
+def test_a_server_killed_mid_run_whose_log_says_nothing_is_reported_by_the_signal_alone(tmp_path):
+    server = _dying_server(tmp_path)
+    try:
+        _request(server, "/kill")
+        note = server.exit_note()
+    finally:
+        server.close()
+    assert note == ", the server process has exited (killed by SIGKILL)", note
+
+
+def test_the_gist_of_a_server_whose_engine_died_quotes_its_error_lines_not_a_warning(tmp_path):
+    log = tmp_path / "s.log"
+    log.write_text(
+        ULIMIT_WARNING + "\n"
+        'INFO:     127.0.0.1:51926 - "POST /inference/v1/generate HTTP/1.1" 200 OK\n'
+        "(APIServer pid=7) WARNING 12-03 22:48:37 [core_client.py:817] [shutdown] MPClient: engine core exited "
+        "unexpectedly; starting cleanup\n"
+        "(APIServer pid=7) ERROR 12-03 22:48:37 [async_llm.py:906] AsyncLLM output_handler failed.\n"
+        "(APIServer pid=7) ERROR 12-03 22:48:37 [async_llm.py:906] Traceback (most recent call last):\n"
+        '(APIServer pid=7) ERROR 12-03 22:48:37 [async_llm.py:906]   File "core_client.py", line 1235, in get\n'
+        "(APIServer pid=7) ERROR 12-03 22:48:37 [async_llm.py:906]     raise self._format_exception(outputs)\n"
+        "(APIServer pid=7) ERROR 12-03 22:48:37 [async_llm.py:906] vllm.v1.engine.exceptions.EngineDeadError: "
+        "EngineCore encountered an issue. See stack trace (above) for the root cause.\n"
+        "INFO:     Shutting down\n"
+        "(APIServer pid=7) INFO 12-03 22:48:40 [loggers.py:335] Engine 000: Avg prompt throughput: 0.0 tokens/s\n"
+    )
+    assert log_gist(log) == (
+        "AsyncLLM output_handler failed. vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an "
+        "issue. See stack trace (above) for the root cause."
+    )
+
+
+def test_the_gist_of_a_pydantic_error_adds_what_failed_from_the_indented_line_after_it(tmp_path):
+    log = tmp_path / "s.log"
+    log.write_text(
+        "pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig\n"
+        "  Value error, Unrecognized model in /m. Should have a `model_type` key in its config.json.\n"
+        "    For further information visit https://errors.pydantic.dev/2.14/v/value_error\n"
+    )
+    assert log_gist(log) == (
+        "pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig: Value error, "
+        "Unrecognized model in /m. Should have a `model_type` key in its config.json."
+    )

@@ -1,6 +1,7 @@
-"""Whole runs on the vllm engine, through the CLI: two servers train and every publication
-reaches both verified; one run verifies by the canary; a server killed mid-run ends the run
-with one line (slow: real vLLM servers; needs ``.venv-vllm``, see ``tests/test_vllm_engine.py``)."""
+"""Whole runs of ``examples/vllm.toml``, through the CLI: two servers train and every
+publication reaches both verified; a run that leaves the linears vLLM cannot read back in
+the digests stops once the server is up, naming them and the setting; a server killed
+mid-run ends the run with one line (slow: real vLLM servers; needs ``.venv-vllm``, see ``tests/test_vllm_engine.py``)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,13 @@ from pathlib import Path
 import pytest
 
 from miles_events.bus.event_log import read_events
-from schemas.events import PublicationMismatch, PublicationVerified, RolloutGenerated, WeightsLoaded
+from schemas.events import (
+    PublicationMismatch,
+    PublicationVerified,
+    RolloutGenerated,
+    WeightsLoaded,
+    WeightsStaged,
+)
 from tests.vllm_env import require_vllm
 
 pytestmark = pytest.mark.slow
@@ -22,13 +29,11 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 
 
-VLLM_MODEL = (
-    # vLLM's CPU attention needs a head dimension of 32 or more (128 / 4).
-    "model.builtin.num_attention_heads=4", "model.builtin.num_key_value_heads=2",
-    # The linear weights vLLM repacks cannot be read back: the digests cover the rest.
-    'generator.engine="vllm"', 'verifier.skip_tensor_list=["proj.weight"]',
-    'console.mode="plain"', "metrics.enabled=false",
-)  # fmt: skip
+EXAMPLE = ROOT / "examples" / "vllm.toml"
+"""The vLLM settings that work on CPU (a head dimension of 32; the linear weights vLLM repacks
+left out of the digests and proven by the probe; publications pushed with their canary)."""
+
+QUIET = ('console.mode="plain"', "metrics.enabled=false")
 
 
 @pytest.fixture(autouse=True)
@@ -37,9 +42,9 @@ def needs_vllm() -> None:
 
 
 def vllm_run(run_dir: Path, *overrides: str) -> list[str]:
-    """The CLI command of a tiny run on vLLM engines, in ``run_dir``."""
-    command = [sys.executable, "-m", "miles_events.run", str(ROOT / "examples" / "tiny.toml")]
-    for override in (f'run.dir="{run_dir}"', 'run.runtime="local"', *VLLM_MODEL, *overrides):
+    """The CLI command of ``examples/vllm.toml`` with ``overrides``, in ``run_dir``."""
+    command = [sys.executable, "-m", "miles_events.run", str(EXAMPLE)]
+    for override in (f'run.dir="{run_dir}"', *QUIET, *overrides):
         command += ["--set", override]
     return command
 
@@ -64,7 +69,6 @@ def test_two_vllm_engines_learn_and_every_publication_reaches_both_verified(tmp_
         "trainer.lr=0.01",
         'rollout.reward_fn="tests.e2e_rewards.starts_with_one"',
         "generator.num_engines=2",
-        'vllm.publication="push"',
     )
     done = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -123,3 +127,31 @@ def test_a_server_that_dies_mid_run_fails_the_run_with_one_line_naming_it(tmp_pa
     assert "Traceback" not in err.read_text()
     leftover = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True)
     assert leftover.returncode == 1, leftover.stdout
+
+
+def test_a_run_that_leaves_the_unreadable_linears_in_the_digests_stops_before_any_publication(tmp_path: Path):
+    """Without ``verifier.skip_tensor_list`` no publication's digests could match: the run
+    stops as soon as the server reports what it cannot read back, with one line naming a few
+    of those tensors and the setting, before anything is published or sampled."""
+    run_dir = tmp_path / "run"
+    command = vllm_run(
+        run_dir,
+        "verifier.skip_tensor_list=[]",
+        "run.num_rollout=1",
+        "data.rollout_batch_size=8",
+        "data.n_samples_per_prompt=4",
+        "trainer.global_batch_size=32",
+        "trainer.micro_batch_size=32",
+    )
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: run failed: an actor failed to start: "), last
+    assert "engine-0 (vllm) cannot read back 7 of the tensors it serves in the trainer's layout" in last, last
+    assert "model.layers.0.mlp.down_proj.weight" in last, last
+    assert 'set verifier.skip_tensor_list = ["proj.weight"]' in last, last
+    assert "Traceback" not in done.stderr
+    log = list(read_events(run_dir / "events.log"))
+    assert not [e for e in log if isinstance(e, (WeightsStaged, RolloutGenerated, PublicationMismatch))]
+    leftover = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True)
+    assert leftover.returncode == 1, leftover.stdout  # the server's process group is gone

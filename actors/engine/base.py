@@ -152,6 +152,11 @@ class Engine(ABC):
         """SGLang's ``snapshot``, ``reset_tensors`` or ``compare`` action (``checksum`` is
         ``checksums``); an unknown action is an unsuccessful result, not an exception."""
 
+    def unreadable_tensors(self) -> list[str]:
+        """The served tensors this engine cannot read back in the trainer's layout, which its
+        ``checksums`` leave out (backends in ``PARTIAL_READBACK``); none by default."""
+        return []
+
     def probe_logprobs(
         self, prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]]
     ) -> list[list[float]]:
@@ -241,8 +246,8 @@ def tensors_match(served: torch.Tensor, snapshot: torch.Tensor, allow_quant_erro
     return bool((distance <= 1).all())
 
 
-def name_list(names: Sequence[str]) -> str:
-    """Names for a message: the first few, then how many more."""
-    shown = ", ".join(names[:MAX_NAMES_IN_MESSAGE])
-    more = len(names) - MAX_NAMES_IN_MESSAGE
+def name_list(names: Sequence[str], limit: int = MAX_NAMES_IN_MESSAGE) -> str:
+    """Names for a message: the first ``limit``, then how many more."""
+    shown = ", ".join(names[:limit])
+    more = len(names) - limit
     return f"{shown} (+{more} more)" if more > 0 else shown

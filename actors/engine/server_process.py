@@ -6,7 +6,11 @@ with stdout and stderr in one log file under the run directory, and ``start`` re
 its health URL answers 200. Every way a start can fail ends in ``ServerStartError``, one
 line that names the cause and the log: the port is taken, the process exited during start
 (with the gist of its last log lines), or the health URL did not answer in time. A start
-never hangs, and a failed start leaves no process behind. ``close`` ends the whole process
+never hangs, and a failed start leaves no process behind. A server that dies later is
+reported by ``exit_note``: how it exited, and what its log says of why after the last
+request it answered, or nothing more when it says nothing (a kill from outside). The log is
+read for errors only: lines logged as DEBUG, INFO or WARNING, traceback frames and access
+lines are never quoted. ``close`` ends the whole process
 group (a server's worker processes included): SIGTERM, then SIGKILL after a grace period.
 Servers still open when the interpreter exits are closed then.
 """
@@ -35,10 +39,20 @@ LOG_TAIL_BYTES = 64 * 1024
 _EXCEPTION_LINE = re.compile(r"\b[A-Za-z_][\w.]*(Error|Exception|Exit): \S")
 """A Python exception with its message (``RuntimeError: ...``)."""
 _ERROR_LINE = re.compile(r"(Error|Exception|error:|ERROR|No such file|not found|does not exist|Killed)")
-_WRAPPER = re.compile(r"stack trace \(above\)|^Traceback|HTTP/1\.[01]\" \d{3}")
-"""Lines that only point elsewhere: chained-exception wrappers, tracebacks, access logs."""
-_LOG_PREFIX = re.compile(r"^(\(\S+ pid=\d+\)\s+)?(\w+\s+\d\d-\d\d \d\d:\d\d:\d\d(\.\d+)?\s+\[[^\]]*\]\s*)?")
+_WRAPPER = re.compile(r"stack trace \(above\)")
+"""Exceptions that only point at another one (vLLM's ``EngineDeadError``)."""
+_ACCESS = re.compile(r"HTTP/1\.[01]\" \d{3}")
+"""An access-log line (a request and its status)."""
+_ANSWERED = re.compile(r"HTTP/1\.[01]\" 2\d\d")
+"""An access-log line of a request the server answered."""
+_TRACEBACK = re.compile(r"^(Traceback \(most recent call last\)|During handling of the above|The above exception)")
+_LOG_PREFIX = re.compile(r"^(\(\S+ pid=\d+\)\s+)?(\w+\s+\d\d-\d\d \d\d:\d\d:\d\d(\.\d+)?\s+\[[^\]]*\] ?)?")
 """vLLM's ``(Worker pid=1) ERROR 12-01 18:47:27 [file.py:12]`` line prefix."""
+_LEVEL = re.compile(r"^(\(\S+ pid=\d+\)\s+)?(DEBUG|INFO|WARNING|ERROR|CRITICAL)\b")
+"""The level of a vLLM (``INFO 12-01 ...``) or uvicorn (``INFO:     ...``) log line."""
+_QUIET_LEVELS = ("DEBUG", "INFO", "WARNING")
+"""Levels whose lines never say why a server stopped (vLLM warns at every start of a
+ulimit in words that read like an error)."""
 
 logger = logging.getLogger(__name__)
 
@@ -83,9 +97,22 @@ def port_is_free(port: int, host: str = HOST) -> bool:
     return True
 
 
-def log_gist(log_path: Path, max_chars: int = 300) -> str:
-    """One line from the end of a server log that says why it stopped: the last line that
-    reads like an error, else the last non-empty line."""
+class _Line:
+    """One line of a server log: its level (None when it has none), whether it is part of a
+    traceback (the header or a frame), and its text without the prefix, spaces collapsed."""
+
+    __slots__ = ("frame", "level", "text")
+
+    def __init__(self, raw: str) -> None:
+        level = _LEVEL.match(raw.lstrip())
+        self.level = level.group(2) if level else None
+        body = _LOG_PREFIX.sub("", raw)
+        self.frame = body[:1].isspace() or bool(_TRACEBACK.match(body))
+        self.text = " ".join(body.split())
+
+
+def _log_lines(log_path: Path) -> list[_Line] | None:
+    """The non-empty lines of the end of the log (``LOG_TAIL_BYTES``); None without a log."""
     try:
         with open(log_path, "rb") as log:
             log.seek(0, os.SEEK_END)
@@ -93,20 +120,63 @@ def log_gist(log_path: Path, max_chars: int = 300) -> str:
             log.seek(max(0, size - LOG_TAIL_BYTES))
             tail = log.read().decode("utf-8", errors="replace")
     except OSError:
+        return None
+    lines = [_Line(raw) for raw in tail.splitlines()]
+    return [line for line in lines if line.text]
+
+
+def _why(lines: list[_Line]) -> str | None:
+    """What the lines say of why the server stopped, in one line, or None when they say
+    nothing: the last exception with its message (a traceback's last line); where that only
+    points at a root cause the log does not hold, the error line it came with and it; else
+    the last error line. Lines logged below ERROR, traceback frames and access lines are
+    never quoted."""
+    said = [
+        i
+        for i, line in enumerate(lines)
+        if line.level not in _QUIET_LEVELS and not line.frame and not _ACCESS.search(line.text)
+    ]
+    exceptions = [i for i in said if _EXCEPTION_LINE.search(lines[i].text)]
+    causes = [i for i in exceptions if not _WRAPPER.search(lines[i].text)]
+    if causes:
+        at = causes[-1]
+        gist = lines[at].text
+        if "validation error" in gist and at + 1 < len(lines):
+            gist = f"{gist}: {lines[at + 1].text}"  # pydantic puts what failed on the next line
+        return gist
+    if exceptions:
+        at = exceptions[-1]
+        before = [i for i in said if i < at]
+        if before and lines[before[-1]].level in ("ERROR", "CRITICAL") and before[-1] not in exceptions:
+            return f"{lines[before[-1]].text} {lines[at].text}"
+        return lines[at].text
+    errors = [lines[i].text for i in said if _ERROR_LINE.search(lines[i].text)]
+    return errors[-1] if errors else None
+
+
+def _shorten(text: str, max_chars: int) -> str:
+    return text if len(text) <= max_chars else text[: max_chars - 3] + "..."
+
+
+def log_gist(log_path: Path, max_chars: int = 300) -> str:
+    """One line from the end of a server log that says why it stopped (``_why``), else its
+    last non-empty line."""
+    lines = _log_lines(log_path)
+    if lines is None:
         return "no log"
-    lines = [_LOG_PREFIX.sub("", " ".join(line.split())) for line in tail.splitlines()]
-    lines = [line for line in lines if line]
     if not lines:
         return "the log is empty"
-    useful = [line for line in lines if not _WRAPPER.search(line)]
-    # The last exception with its message says why, unless it only points at another one.
-    exceptions = [line for line in useful if _EXCEPTION_LINE.search(line)]
-    errors = [line for line in useful if _ERROR_LINE.search(line)]
-    gist = (exceptions or errors or useful or lines)[-1]
-    if "validation error" in gist and useful.index(gist) + 1 < len(useful):
-        # pydantic puts what failed on the line after its summary.
-        gist = f"{gist}: {useful[useful.index(gist) + 1]}"
-    return gist if len(gist) <= max_chars else gist[: max_chars - 3] + "..."
+    return _shorten(_why(lines) or lines[-1].text, max_chars)
+
+
+def death_gist(log_path: Path, max_chars: int = 300) -> str | None:
+    """Why a server that was answering requests stopped, as its log says it after the last
+    request it answered (``_why``); None when it says nothing there (a server killed from
+    outside)."""
+    lines = _log_lines(log_path) or []
+    answered = [i for i, line in enumerate(lines) if _ANSWERED.search(line.text)]
+    why = _why(lines[answered[-1] + 1 :] if answered else lines)
+    return None if why is None else _shorten(why, max_chars)
 
 
 class ServerProcess:
@@ -229,13 +299,15 @@ class ServerProcess:
 
     def exit_note(self, wait: float = 2.0) -> str:
         """For a request that failed at the transport: ", the server process has exited
-        (<how>)" once it has (waiting up to ``wait`` s for a dying process to be reaped),
-        else "" (the server lives; the failure was the connection's)."""
+        (<how>): <why>" once it has (waiting up to ``wait`` s for a dying process to be
+        reaped), the why quoted from its log (``death_gist``) when the log says it, else
+        "" (the server lives; the failure was the connection's)."""
         try:
             code = self.process.wait(timeout=wait)
         except subprocess.TimeoutExpired:
             return ""
-        return f", the server process has exited ({_exit_status(code)})"
+        why = death_gist(self.log_path)
+        return f", the server process has exited ({_exit_status(code)})" + (f": {why}" if why else "")
 
     def close(self, grace: float = 10.0) -> None:
         """End the server's whole process group: SIGTERM, then SIGKILL after ``grace`` s.

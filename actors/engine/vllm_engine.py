@@ -68,6 +68,7 @@ from actors.engine.base import (
     single_rank_report,
 )
 from actors.engine.server_process import HOST, ServerProcess, ServerStartError, log_gist, start_on_a_port
+from actors.engine.vllm_cpu import CPU_HEAD_SIZES, DEFAULT_PYTHON, REPO_ROOT, is_cpu_build, model_head_size
 from miles_events.rl.canary import CANARY_TENSOR, split_canary
 from miles_events.rl.cancel import Cancellation, Cancelled
 from miles_events.rl.checksum import ChecksumReplyError, is_skipped
@@ -77,8 +78,6 @@ from schemas.checksums import EngineChecksumReport, WeightsCheckResult
 from schemas.config import Config, VllmConfig
 from schemas.data import DataRef
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
 WORKER_EXTENSION = "actors.engine.vllm_worker_extension.MilesWorkerExtension"
 MAX_SEED = 2**31 - 1
 WEIGHTS_DIR = "vllm"
@@ -565,6 +564,10 @@ class VllmEngine(Engine):
         except ChecksumReplyError as error:
             raise ChecksumReplyError(f"{error}{self._log_hint()}") from None
 
+    def unreadable_tensors(self) -> list[str]:
+        """The base model's tensors the server holds repacked or fused (``readable_checksums``)."""
+        return sorted(self.readable_checksums()[1])
+
     def checksums(
         self, skip_tensor_list: Iterable[str] = (), selector: Selector = "all"
     ) -> EngineChecksumReport:
@@ -678,7 +681,7 @@ def launch_server(config: Config, *, index: int, name: str) -> ServerProcess:
     model_path = Path(config.model.path)
     if not model_path.is_dir():
         raise ServerStartError(f"{name}: model path {model_path} is not a directory (server not started)")
-    if _is_cpu_build(python):
+    if is_cpu_build(python):
         check_cpu_head_size(model_path, name)
     max_model_len = vllm.max_model_len or _max_positions(model_path)
     return start_on_a_port(
@@ -691,30 +694,15 @@ def launch_server(config: Config, *, index: int, name: str) -> ServerProcess:
     )
 
 
-CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-"""The attention head sizes vLLM's CPU backend has kernels for (vllm-cpu 0.32.0,
-``vllm/v1/attention/backends/cpu_attn.py``, ``CPUAttentionBackend.get_supported_head_sizes``);
-a CPU server accepts any other size at start and fails at its first request."""
-
-
-def _is_cpu_build(python: Path) -> bool:
-    """Whether ``python``'s environment holds the ``vllm-cpu`` distribution."""
-    return any(python.parent.parent.glob("lib/python*/site-packages/vllm_cpu-*.dist-info"))
-
-
 def check_cpu_head_size(model_path: Path, name: str) -> None:
     """``ServerStartError`` (one line, before any launch) for a model whose attention head
-    size a CPU vLLM server cannot serve."""
-    try:
-        config = json.loads((model_path / "config.json").read_text())
-        heads = int(config["num_attention_heads"])
-        head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
-    except (OSError, ValueError, KeyError, TypeError):
-        return  # the server says what it cannot read
-    if head_dim not in CPU_HEAD_SIZES:
+    size a CPU vLLM server cannot serve (the input checks refuse it before a run already:
+    ``miles_events.app.preflight.check_vllm_head_size``)."""
+    found = model_head_size(model_path)
+    if found is not None and found[0] not in CPU_HEAD_SIZES:
         sizes = ", ".join(map(str, CPU_HEAD_SIZES))
         raise ServerStartError(
-            f"{name}: vLLM on CPU has no attention kernel for head size {head_dim} (of {model_path}); "
+            f"{name}: vLLM on CPU has no attention kernel for head size {found[0]} (of {model_path}); "
             f"it serves {sizes} (for the built-in model: model.builtin.num_attention_heads = "
             f"hidden_size / 32) (server not started)"
         )

@@ -10,13 +10,14 @@ cancellation is a ``notify`` that sets this rank's own flag.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from actors.engine import build_engine, engine_class
+from actors.engine import build_engine, engine_class, reads_back_every_tensor
 from actors.engine.base import (
     Completion,
     Engine,
@@ -24,17 +25,18 @@ from actors.engine.base import (
     SamplingParams,
     Selector,
     TensorCheckAction,
+    name_list,
 )
 from actors.engine.scrape_target import remove_target, write_target
 from miles_events.bus.actor import RankPlace
 from miles_events.rl.cancel import Cancellation
-from miles_events.rl.checksum import ChecksumReplyError, ranked_checksums, report_checksums
+from miles_events.rl.checksum import ChecksumReplyError, is_skipped, ranked_checksums, report_checksums
 from miles_events.rl.checksum_manifest import write_manifest
 from miles_events.rl.threads import phase_threads
 from miles_events.rl.versions import engine_names
 from miles_events.transport.base import Transport
 from schemas.checksums import WeightsCheckResult
-from schemas.config import Config
+from schemas.config import Config, VerifierConfig
 from schemas.data import DataRef
 from schemas.events import ProbeBatch
 
@@ -68,10 +70,49 @@ class Checked:
     weight_version: str
 
 
+class UnverifiableTensors(ValueError):
+    """An engine serves tensors it cannot read back in the trainer's layout, and
+    ``verifier.skip_tensor_list`` leaves them in the digests: no publication could verify."""
+
+
+def check_readback(name: str, backend: str, unreadable: Sequence[str], verifier: VerifierConfig) -> None:
+    """Raise ``UnverifiableTensors`` (one line: a few of the tensors, and the
+    ``verifier.skip_tensor_list`` that leaves them out) when engine ``name`` cannot read back
+    tensors that verification would put in its digests. Skipped, they are proven by the
+    behavioural probe; where the probe is off, a warning says they are not verified at all."""
+    if not verifier.enabled or not unreadable:
+        return
+    skip = list(verifier.skip_tensor_list)
+    uncovered = sorted(n for n in unreadable if not is_skipped(n, skip))
+    if uncovered:
+        suffixes = sorted({".".join(n.split(".")[-2:]) for n in uncovered})
+        if all(suffix.endswith("proj.weight") for suffix in suffixes):
+            suffixes = ["proj.weight"]
+        setting = "[" + ", ".join(json.dumps(s) for s in [*skip, *(s for s in suffixes if s not in skip)]) + "]"
+        raise UnverifiableTensors(
+            f"{name} ({backend}) cannot read back {len(uncovered)} of the tensors it serves in the trainer's "
+            f"layout ({name_list(uncovered, limit=3)}), so no publication's digests could match; set "
+            f"verifier.skip_tensor_list = {setting} (the behavioural probe, verifier.probe = \"auto\", then "
+            "proves the skipped tensors)"
+        )
+    probed = verifier.probe == "on" or (verifier.probe == "auto" and not reads_back_every_tensor(backend))
+    if not probed:
+        logger.warning(
+            '%s: %d tensors are neither in the digests (verifier.skip_tensor_list) nor probed (verifier.probe = "%s"): '
+            "%s; their publication is not verified",
+            name,
+            len(unreadable),
+            verifier.probe,
+            name_list(sorted(unreadable), limit=3),
+        )
+
+
 class EngineWorker:
-    """Engine ``place.rank`` of the run, serving from ``model.path``."""
+    """Engine ``place.rank`` of the run, serving from ``model.path``; refused at start
+    (``check_readback``) when its digests could never match the trainer's."""
 
     def __init__(self, config: Config, engine: Engine, place: RankPlace) -> None:
+        check_readback(engine.name, config.generator.engine, engine.unreadable_tensors(), config.verifier)
         self.config = config
         self.engine = engine
         self.place = place

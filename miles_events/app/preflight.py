@@ -13,8 +13,10 @@ of one line that names the key (the CLI's exit 2). What is checked here and not 
 - A rollout's estimated memory (``miles_events.rl.memory``: the batch, the engine's decode
   batch and the trainer's micro-batch, counted against host memory; on CUDA only the batch is) must fit
   in the memory available now.
-- ``rollout.decode = "cuda_graph"``: a GPU visible on this host (``cuda_present``), unless
-  the run joins a cluster at ``ray.address``.
+- ``rollout.decode = "cuda_graph"`` and ``publisher.transport = "cuda_ipc"``: a GPU visible
+  on this host (``cuda_present``), unless the run joins a cluster at ``ray.address``.
+- ``generator.engine = "vllm"`` with servers launched from vLLM's CPU build: an attention
+  head size that build serves (``actors.engine.vllm_cpu``).
 - The built-in model (``model.path`` unset): its parameters, in the float32 it is built in,
   must fit in the memory available now (``available_memory``). Only the weights are
   counted, so this refuses a shape that can never be built; a run takes several times that
@@ -23,8 +25,10 @@ of one line that names the key (the CLI's exit 2). What is checked here and not 
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from miles_events.app.config import ConfigError, load_config
@@ -125,10 +129,75 @@ def check_device(config: Config) -> None:
         )
 
 
+def check_transport_device(config: Config) -> None:
+    """``publisher.transport = "cuda_ipc"`` shares weights staged on a GPU: this host needs
+    one, unless the run joins a cluster (``ray.address``), whose hosts are not asked.
+    Without one every publication would go through shared memory instead."""
+    if config.publisher.transport != "cuda_ipc" or (config.ray.address is not None and config.run.runtime == "ray"):
+        return
+    if not cuda_present():
+        raise ConfigError(
+            'publisher.transport: "cuda_ipc" needs a CUDA GPU, and this host has none visible (weights would '
+            'go through shared memory instead); use "auto", "shm" or "disk"',
+            key="publisher.transport",
+        )
+
+
+def check_vllm_head_size(config: Config) -> None:
+    """``generator.engine = "vllm"`` with servers launched from vLLM's CPU build
+    (``actors.engine.vllm_cpu``): the model's attention head size is one it has kernels for
+    (a CPU server accepts another at start and fails at its first request). Servers at
+    ``vllm.urls`` run a build this host does not know, and are not asked."""
+    from actors.engine.vllm_cpu import (
+        CPU_HEAD_SIZES,
+        DEFAULT_PYTHON,
+        model_head_size,
+        servable_heads,
+        serves_on_cpu,
+    )
+
+    vllm = config.vllm
+    if config.generator.engine != "vllm" or vllm.urls:
+        return
+    if not serves_on_cpu(Path(vllm.python) if vllm.python else DEFAULT_PYTHON):
+        return
+    sizes = ", ".join(map(str, CPU_HEAD_SIZES))
+    served = f'has no attention kernel in vLLM on CPU (generator.engine = "vllm"), which serves {sizes}'
+    if config.model.path is not None:
+        found = model_head_size(Path(config.model.path))
+        if found is None or found[0] in CPU_HEAD_SIZES:
+            return
+        config_json = Path(config.model.path) / "config.json"
+        raise ConfigError(
+            f"model.path: {config_json} gives a head dimension of {found[0]} ({found[1]}), which {served}; "
+            'serve another model, or use generator.engine = "torch"',
+            key="model.path",
+        )
+    builtin = config.model.builtin
+    hidden, heads, kv_heads = builtin.hidden_size, builtin.num_attention_heads, builtin.num_key_value_heads
+    if hidden // heads in CPU_HEAD_SIZES:
+        return
+    fix_heads = servable_heads(hidden, heads)
+    if fix_heads is None:
+        fix = "choose a model.builtin.hidden_size that one of them divides"
+    else:
+        fix = f"set model.builtin.num_attention_heads = {fix_heads}"
+        if fix_heads % kv_heads:
+            fix += f" and model.builtin.num_key_value_heads = {math.gcd(fix_heads, kv_heads)}"
+        fix += f" (head dimension {hidden // fix_heads})"
+    raise ConfigError(
+        f"model.builtin.num_attention_heads: a head dimension of {hidden // heads} (model.builtin.hidden_size "
+        f"{hidden} / model.builtin.num_attention_heads {heads}) {served}; {fix}",
+        key="model.builtin.num_attention_heads",
+    )
+
+
 def check_input(config: Config) -> None:
     """The checks beyond ``validate``: the engines' device, the built-in model's memory, then
     the data files."""
     check_device(config)
+    check_transport_device(config)
+    check_vllm_head_size(config)
     available = available_memory()
     check_builtin_fits(config, available)
     check_rollout_fits(config, available, check_data(config))
