@@ -47,7 +47,7 @@ def not_a_file(path: str | os.PathLike[str]) -> str | None:
     is never opened, which would wait for a writer."""
     try:
         mode = os.stat(path).st_mode
-    except (FileNotFoundError, ValueError):  # ValueError: a path holding a NUL byte
+    except (FileNotFoundError, NotADirectoryError, ValueError):  # ValueError: a path holding a NUL byte
         return "no such file"
     except OSError as error:
         return f"cannot be read ({error.strerror or error})"
