@@ -416,3 +416,31 @@ def test_one_sample_per_prompt_is_accepted_where_nothing_is_trained() -> None:
     rollout_only = RunConfig(rollout_only_from_checkpoint=True, load="/ckpt", rollout_only_publication_evidence="/e")
     preflight.check_group_size(Config(run=rollout_only, data=DataConfig(n_samples_per_prompt=1)))
     preflight.check_group_size(Config(run=RunConfig(num_rollout=0), data=DataConfig(n_samples_per_prompt=1)))
+
+
+def test_on_the_ray_runtime_the_model_checks_run_in_a_child_and_the_driver_imports_no_torch(tmp_path: Path) -> None:
+    """The driver of a ray run imports neither torch nor transformers: the checks that need
+    them run in a child process and its error is raised here as it was found there."""
+    import subprocess
+    import sys
+
+    (tmp_path / "good.jsonl").write_bytes(GOOD * 4)
+    (tmp_path / "bad.jsonl").write_bytes(GOOD + b'{"input": "abc", "label": "1"}\n')
+    code = (
+        "import sys\n"
+        "from miles_events.app.preflight import DataError, check_input\n"
+        "from schemas.config import Config, DataConfig, RunConfig\n"
+        "def config(name):\n"
+        f"    return Config(run=RunConfig(runtime='ray', num_rollout=1), data=DataConfig(prompt_data={str(tmp_path)!r} + '/' + name))\n"
+        "check_input(config('good.jsonl'))\n"
+        "try:\n"
+        "    check_input(config('bad.jsonl'))\n"
+        "except DataError as error:\n"
+        "    print(error)\n"
+        "print(','.join(m for m in ('torch', 'transformers', 'tokenizers', 'safetensors') if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert done.stdout.splitlines() == [
+        f"data.prompt_data: {tmp_path}/bad.jsonl:2: the prompt 'abc' has no tokens with the built-in model's tokenizer",
+        "",
+    ], done.stderr[-2000:]

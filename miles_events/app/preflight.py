@@ -27,9 +27,14 @@ import inspect
 import math
 import numbers
 import os
+import subprocess
+import sys
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+import msgspec
 
 from miles_events.app.config import ConfigError, load_config
 from miles_events.rl.memory import ModelShape, available_memory, cuda_present, rollout_memory
@@ -279,6 +284,70 @@ def check_device(config: Config) -> None:
         )
 
 
+MODEL_CHECK_SECONDS = 300.0
+"""How long the model directory's and the prompts' checks may take in their own process."""
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class _Outcome(msgspec.Struct):
+    """What the checks in a child process found: nothing, or the error to raise here."""
+
+    kind: Literal["config", "data"] | None = None
+    message: str = ""
+    key: str | None = None
+
+
+def check_model_and_prompts(config: Config, read: dict[str, tuple[str, list[Prompt]]]) -> None:
+    """``check_model_path`` then ``check_prompts``, which need transformers (and with it
+    torch): in this process on the local runtime, whose run imports them anyway, else in a
+    child process (the driver of a ray run imports neither), the same checks with the same
+    one-line errors."""
+    if config.run.runtime == "local":
+        check_prompts(config, read, check_model_path(config))
+        return
+    code = "from miles_events.app.preflight import model_checks_child; model_checks_child()"
+    python_path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", code],
+            input=msgspec.msgpack.encode(config),
+            capture_output=True,
+            timeout=MODEL_CHECK_SECONDS,
+            env={**os.environ, "PYTHONPATH": python_path},
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        raise DataError(
+            f"data.prompt_data: the model directory and the prompts' tokens were not checked within "
+            f"{MODEL_CHECK_SECONDS:g} s"
+        ) from None
+    lines = done.stdout.splitlines()
+    if done.returncode != 0 or not lines:
+        stderr = done.stderr.decode(errors="replace").strip().splitlines()
+        raise RuntimeError(f"the model checks' process exited {done.returncode}: {stderr[-1] if stderr else ''}")
+    outcome = msgspec.json.decode(lines[-1], type=_Outcome)
+    if outcome.kind == "config":
+        raise ConfigError(outcome.message, key=outcome.key)
+    if outcome.kind == "data":
+        raise DataError(outcome.message)
+
+
+def model_checks_child() -> None:
+    """The child process of ``check_model_and_prompts``: the config (msgpack) on stdin, the
+    ``_Outcome`` (JSON) as the last line of stdout."""
+    config = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=Config)
+    try:
+        check_prompts(config, read_data(config), check_model_path(config))
+        outcome = _Outcome()
+    except ConfigError as error:
+        outcome = _Outcome(kind="config", message=str(error), key=error.key)
+    except DataError as error:
+        outcome = _Outcome(kind="data", message=str(error))
+    sys.stdout.buffer.write(b"\n" + msgspec.json.encode(outcome) + b"\n")
+    sys.stdout.flush()
+
+
 def check_input(config: Config) -> None:
     """The checks beyond ``validate``: the engines' device, the group size, the built-in
     model's memory, the data files, the model directory, the prompts with the run's
@@ -289,8 +358,7 @@ def check_input(config: Config) -> None:
     check_builtin_fits(config, available)
     read = read_data(config)
     longest = check_data(config, read)
-    model = check_model_path(config)
-    check_prompts(config, read, model)
+    check_model_and_prompts(config, read)
     check_reward_fn(config, read)
     check_rollout_fits(config, available, longest)
 
