@@ -8,8 +8,28 @@ of one line that names the key (the CLI's exit 2). What is checked here and not 
 ``validate`` reads files or asks the host, so a recorded config can be loaded anywhere:
 
 - ``data.prompt_data`` and ``data.eval_data``, each when set, parsed as the actors will
-  parse them (UTF-8 JSONL, one object with the input and label keys a line, at least one);
-  with ``run.num_rollout`` unset, at least one whole rollout batch of prompts.
+  parse them (UTF-8 JSONL, one object with the input and label keys a line, at least one;
+  the input a string or a number, never null, a chat-message list or an object; no lone
+  surrogate in the input or the label); with ``run.num_rollout`` unset, at least one whole
+  rollout batch of prompts.
+- ``data.n_samples_per_prompt`` at least 2 where the run trains: GRPO's advantage (with or
+  without ``trainer.normalize_advantage_std``) is 0 in a group of one.
+- ``model.path``, when set, as the actors load it (``miles_events.rl.model_dir``): the
+  directory, ``config.json`` naming an architecture transformers has as a causal LM, the
+  tokenizer (tokenizer files there, ``AutoTokenizer`` from local files), and every
+  safetensors file's header, its tensors covering the file (``safe_open``). No weights are
+  loaded.
+- Every prompt encodes to at least one token with the run's tokenizer (``model.path``'s,
+  or the built-in model's as the actors load it from its directory), and
+  ``rollout.max_new_tokens`` after the longest prompt fits in the model's
+  ``max_position_embeddings``. These and the ``model.path`` checks need transformers: on
+  the local runtime they run in this process, which imports it for the run anyway; on ray
+  in a child process, as the driver of a ray run imports neither torch nor transformers.
+  The built-in tokenizer is saved with its config into a temporary directory (removed at
+  once) to load it as the actors do: nothing of the run's is written.
+- ``rollout.reward_fn`` takes ``(prompt, response, label)`` and scores the first prompt,
+  with its label as the response, as a finite real number, within
+  ``REWARD_CHECK_SECONDS``; a raising one is named with its exception.
 - A rollout's estimated memory (``miles_events.rl.memory``: the batch, the engine's decode
   batch and the trainer's micro-batch, counted against host memory; on CUDA only the batch is) must fit
   in the memory available now.
