@@ -231,7 +231,7 @@ def check_reward_fn(config: Config, read: dict[str, tuple[str, list[Prompt]]]) -
     def score() -> None:
         try:
             outcome.append(("returned", reward_fn(first.prompt, first.label, first.label)))
-        except Exception as error:
+        except BaseException as error:  # SystemExit too: this thread's end, not the process's
             outcome.append(("raised", error))
 
     thread = threading.Thread(target=score, name="reward-check", daemon=True)
