@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 from pathlib import Path
 
@@ -252,3 +253,115 @@ def test_a_head_dimension_vllm_cannot_serve_is_exit_2_with_one_line_naming_the_f
     assert err.startswith("error: model.builtin.num_attention_heads: a head dimension of 16"), err
     assert "set model.builtin.num_attention_heads = 4 (head dimension 32)" in err
     assert not (tmp_path / "run").exists()
+# --- what used to fail after the run directory was written, or pass unnoticed -------------
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from miles_events.rl.hf_model import prepare_base_model
+    from schemas.config import ModelConfig
+
+    return prepare_base_model(ModelConfig(), tmp_path_factory.mktemp("model"), seed=3)
+
+
+def truncated_model(model_dir: Path, tmp_path: Path) -> Path:
+    target = tmp_path / "model"
+    shutil.copytree(model_dir, target)
+    weights = target / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:5000])
+    return target
+
+
+def main_within(seconds: int, argv: list[str]) -> int:
+    """``main(argv)``, failing after ``seconds``: a FIFO opened for reading waits for a writer."""
+
+    def too_long(signum: int, frame: object) -> None:
+        raise TimeoutError(f"main did not return within {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, too_long)
+    signal.alarm(seconds)
+    try:
+        return main(argv)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+# (an extra prompt line or None, --set overrides with {tmp} and {model} filled in, what the error line says;
+# a config file's checks name the file and the --set first)
+BAD_INPUT = {
+    "a lone surrogate": (
+        b'{"input": "1+\\ud800", "label": "2"}\n', [],
+        "data.prompt_data: {tmp}/prompts.jsonl:5: 'input' holds a lone surrogate ('\\ud800'), which is not text",
+    ),
+    "a null input": (b'{"input": null, "label": "2"}\n', [], "data.prompt_data: {tmp}/prompts.jsonl:5: 'input' is null"),
+    "a chat-message list": (
+        b'{"input": [{"role": "user", "content": "1+1="}], "label": "2"}\n', [],
+        "data.prompt_data: {tmp}/prompts.jsonl:5: 'input' is a list: chat-message lists are not supported yet; "
+        "give the prompt as a string",
+    ),
+    "a prompt without tokens": (
+        b'{"input": "abc", "label": "2"}\n', [],
+        "data.prompt_data: {tmp}/prompts.jsonl:5: the prompt 'abc' has no tokens with the built-in model's tokenizer",
+    ),
+    "a directory as the prompts": (
+        None, ['data.prompt_data="{tmp}"'], "data.prompt_data: {tmp} is a directory, not a file"
+    ),
+    "a FIFO as the prompts": (
+        None, ['data.prompt_data="{tmp}/fifo"'], "data.prompt_data: {tmp}/fifo is not a regular file (a FIFO)"
+    ),
+    "a missing model.path": (None, ['model.path="{tmp}/absent"'], "model.path: no such directory {tmp}/absent"),
+    "truncated weights": (
+        None, ['model.path="{model}"'], "model.path: {model}/model.safetensors: 5,000 bytes where its header's tensors end at"
+    ),
+    "one sample per prompt": (
+        None, ["data.n_samples_per_prompt=1", "trainer.global_batch_size=2", "trainer.micro_batch_size=2"],
+        "data.n_samples_per_prompt: 1 sample per prompt trains nothing",
+    ),
+    "more new tokens than positions": (
+        None, ["rollout.max_new_tokens=859"],
+        "rollout.max_new_tokens: 859 after the longest prompt (4 tokens, data.prompt_data {tmp}/prompts.jsonl:1) make "
+        "863 tokens, more than the model's 64 positions (model.builtin.max_position_embeddings)",
+    ),
+    "a reward of the wrong signature": (
+        None, ['rollout.reward_fn="tests.e2e_rewards.two_arguments"'],
+        "rollout.reward_fn: tests.e2e_rewards.two_arguments takes (prompt, response), not (prompt, response, label)",
+    ),
+    "a raising reward": (
+        None, ['rollout.reward_fn="tests.e2e_rewards.broken"'],
+        "rollout.reward_fn: tests.e2e_rewards.broken raised ValueError: reward service unavailable, on the first prompt",
+    ),
+    "a reward that is not a number": (
+        None, ['rollout.reward_fn="tests.e2e_rewards.text"'],
+        "rollout.reward_fn: tests.e2e_rewards.text returned '1.0' (a str), not a number",
+    ),
+}
+
+
+@pytest.mark.parametrize("flags", [[], ["--dry-run"]])
+@pytest.mark.parametrize("case", sorted(BAD_INPUT))
+def test_bad_input_found_before_the_run_is_exit_2_with_one_line_and_nothing_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], model_dir: Path, flags: list[str], case: str
+) -> None:
+    line, overrides, expected = BAD_INPUT[case]
+    config = write_run(tmp_path, GOOD.encode())
+    if line is not None:
+        (tmp_path / "prompts.jsonl").write_bytes((GOOD * 4).encode() + line)
+    os.mkfifo(tmp_path / "fifo")
+    model = truncated_model(model_dir, tmp_path) if case == "truncated weights" else model_dir
+    sets = [arg for o in overrides for arg in ("--set", o.format(tmp=tmp_path, model=model))]
+    assert main_within(120, [str(config), *sets, *flags]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith("error: ") and expected.format(tmp=tmp_path, model=model) in err, err
+    assert err.count("\n") == 1
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_config_file_with_a_utf8_bom_runs_as_without(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """It was ``TOML syntax error: Invalid statement (at line 1, column 1)``."""
+    config = write_run(tmp_path, GOOD.encode())
+    config.write_bytes(b"\xef\xbb\xbf" + config.read_bytes())
+    assert main([str(config), "--dry-run"]) == 0
+    out, err = capsys.readouterr()
+    assert "[data]" in out and err == ""

@@ -151,6 +151,30 @@ def test_missing_prompt_data_is_an_error_unless_no_rollouts(tmp_path: Path) -> N
     assert load_config(path, ["run.num_rollout=0"]).run.num_rollout == 0
 
 
+@pytest.mark.parametrize("key", ["prompt_data", "eval_data"])
+def test_data_that_is_a_directory_is_named_as_one(tmp_path: Path, key: str) -> None:
+    (tmp_path / "data").mkdir()
+    path = write_config(tmp_path, BASE + f'{key} = "data"\n' if key == "eval_data" else BASE.replace("prompts.jsonl", "data"))
+    assert f"data.{key}: {tmp_path / 'data'} is a directory, not a file" in error_of(path)
+
+
+@pytest.mark.parametrize("key", ["prompt_data", "eval_data"])
+def test_data_that_is_a_fifo_or_a_device_is_named_for_what_it_is(tmp_path: Path, key: str) -> None:
+    os.mkfifo(tmp_path / "fifo")
+    path = write_config(tmp_path, BASE)
+    assert f"data.{key}: {tmp_path / 'fifo'} is not a regular file (a FIFO)" in error_of(path, [f'data.{key}="{tmp_path / "fifo"}"'])
+    assert f"data.{key}: /dev/null is not a regular file (a character device)" in error_of(path, [f'data.{key}="/dev/null"'])
+
+
+def test_a_config_file_that_starts_with_a_utf8_bom_loads(tmp_path: Path) -> None:
+    """Editors on Windows write one; the TOML reader took it for a statement."""
+    path = write_config(tmp_path, "")
+    path.write_bytes(b"\xef\xbb\xbf" + (BASE + "[run]\nseed = 7\n").encode())
+    assert load_config(path).run.seed == 7
+    path.write_bytes(b"\xef\xbb\xbf" + (BASE + "[run]\nsed = 7\n").encode())
+    assert error_of(path).startswith(f"{path}:6: run.sed: unknown key"), "lines are counted as before"
+
+
 def test_global_batch_must_divide_the_rollout_samples(tmp_path: Path) -> None:
     message = error_of(write_config(tmp_path, BASE), ["trainer.global_batch_size=5"])
     assert "trainer.global_batch_size" in message and "16" in message

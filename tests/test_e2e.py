@@ -211,7 +211,7 @@ def test_a_run_publishes_through_the_disk_transport(tmp_path):
 
 
 def test_a_failing_handler_stops_the_run_with_one_clear_line(tmp_path):
-    result = run_cli(tmp_path, 'run.runtime="local"', "run.num_rollout=3", 'rollout.reward_fn="tests.e2e_rewards.broken"')
+    result = run_cli(tmp_path, 'run.runtime="local"', "run.num_rollout=3", 'rollout.reward_fn="tests.e2e_rewards.broken_after_the_first_call"')
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
     error_lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]

@@ -3,8 +3,10 @@ the loop bounds they set, and whether the built-in model fits in memory."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from miles_events.app import preflight
@@ -19,7 +21,15 @@ from miles_events.app.preflight import (
 from miles_events.rl import memory
 from miles_events.rl.model_size import BUILTIN_VOCAB_SIZE, builtin_build_bytes, builtin_parameter_count
 from miles_events.rl.prompts import DataError
-from schemas.config import BuiltinModelConfig, Config, DataConfig, ModelConfig, RunConfig
+from schemas.config import (
+    BuiltinModelConfig,
+    Config,
+    DataConfig,
+    ModelConfig,
+    RolloutConfig,
+    RunConfig,
+    TrainerConfig,
+)
 
 GOOD = b'{"input": "1+1=", "label": "2"}\n'
 BAD = {
@@ -308,3 +318,230 @@ def test_a_model_directory_whose_head_dimension_vllm_cannot_serve_is_refused(tmp
     preflight.check_vllm_head_size(config)  # 64
     (model / "config.json").write_text("{")
     preflight.check_vllm_head_size(config)  # unreadable: the server says what it cannot read
+# --- the model directory (model.path) ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from miles_events.rl.hf_model import prepare_base_model
+
+    return prepare_base_model(ModelConfig(), tmp_path_factory.mktemp("model"), seed=3)
+
+
+def with_model(path: Path) -> Config:
+    return Config(model=ModelConfig(path=str(path)))
+
+
+def truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:5000])
+
+
+def set_model_type(path: Path) -> None:
+    import json
+
+    config = json.loads(path.read_text())
+    path.write_text(json.dumps({**config, "model_type": "nonsense"}))
+
+
+DAMAGE = {
+    "no directory": (lambda d: shutil.rmtree(d), "model.path: no such directory {d}"),
+    "a file": (lambda d: (shutil.rmtree(d), d.write_text("")), "model.path: {d} is not a directory"),
+    "no config.json": (lambda d: (d / "config.json").unlink(), "model.path: {d} has no config.json"),
+    "config.json not JSON": (
+        lambda d: (d / "config.json").write_text("{"), "model.path: {d}/config.json: not valid JSON"
+    ),
+    "an unknown model_type": (
+        lambda d: set_model_type(d / "config.json"),
+        "model.path: {d}/config.json: model_type 'nonsense' is not an architecture transformers",
+    ),
+    "no tokenizer": (
+        lambda d: [(d / name).unlink() for name in ("tokenizer.json", "tokenizer_config.json")],
+        "model.path: {d} has no tokenizer (none of tokenizer.json,",
+    ),
+    "no weights": (lambda d: (d / "model.safetensors").unlink(), "model.path: {d} has no *.safetensors weights"),
+    "truncated weights": (
+        lambda d: truncate(d / "model.safetensors"),
+        "model.path: {d}/model.safetensors: 5,000 bytes where its header's tensors end at ",
+    ),
+    "weights that are not safetensors": (
+        lambda d: (d / "model.safetensors").write_bytes(b"\0" * 4),
+        "model.path: {d}/model.safetensors: not a readable safetensors file (",
+    ),
+}
+
+
+def test_a_good_model_directory_passes_and_gives_its_tokenizer_and_positions(model_dir: Path) -> None:
+    checked = preflight.check_model_path(with_model(model_dir))
+    assert checked is not None and checked.max_positions == 64
+    assert checked.tokenizer("1+1=")["input_ids"] == [4, 13, 4, 16]
+    assert preflight.check_model_path(Config()) is None, "the built-in model is built, not checked"
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_a_damaged_model_directory_is_refused_naming_the_file(model_dir: Path, tmp_path: Path, damage: str) -> None:
+    """Each was an exit 1 after the run directory was written (a missing directory: Hugging
+    Face's "Repo id must be in the form ..."; no tokenizer: no tokens at the first eval)."""
+    damaged = tmp_path / "model"
+    shutil.copytree(model_dir, damaged)
+    harm, expected = DAMAGE[damage]
+    harm(damaged)
+    with pytest.raises(ConfigError) as caught:
+        preflight.check_model_path(with_model(damaged))
+    assert caught.value.key == "model.path"
+    assert str(caught.value).startswith(expected.format(d=damaged)) and "\n" not in str(caught.value)
+
+
+def test_a_sharded_model_missing_a_file_its_index_names_is_refused(model_dir: Path, tmp_path: Path) -> None:
+    damaged = tmp_path / "model"
+    shutil.copytree(model_dir, damaged)
+    (damaged / "model.safetensors.index.json").write_text(
+        '{"weight_map": {"a": "model.safetensors", "b": "model-00002-of-00002.safetensors"}}'
+    )
+    with pytest.raises(ConfigError, match=r"model.safetensors.index.json names 1 missing file\(s\): model-00002"):
+        preflight.check_model_path(with_model(damaged))
+
+
+# --- the prompts with the run's tokenizer, and the reward function ------------------------
+
+
+def test_a_prompt_the_builtin_tokenizer_finds_no_token_in_is_refused_naming_its_line(tmp_path: Path) -> None:
+    """``abc`` has no token for the built-in model (its saved tokenizer is Qwen2's byte-level
+    one over digits and signs): the first eval failed with ``prompt 'abc' has no tokens``."""
+    config = data_config(tmp_path, prompts=GOOD * 3 + b'{"input": "abc", "label": "1"}\n')
+    with pytest.raises(DataError) as caught:
+        preflight.check_prompts(config, preflight.read_data(config), None)
+    assert str(caught.value) == (
+        f"data.prompt_data: {tmp_path / 'prompts.jsonl'}:4: the prompt 'abc' has no tokens with the built-in "
+        "model's tokenizer"
+    )
+
+
+def test_a_prompt_without_tokens_is_refused_with_a_model_path(model_dir: Path, tmp_path: Path) -> None:
+    config = msgspec.structs.replace(
+        data_config(tmp_path, eval_data=b'{"input": "", "label": "1"}\n'), model=ModelConfig(path=str(model_dir))
+    )
+    checked = preflight.check_model_path(config)
+    with pytest.raises(DataError, match=r"^data.eval_data: .*eval.jsonl:1: the prompt '' has no tokens with the tokenizer of "):
+        preflight.check_prompts(config, preflight.read_data(config), checked)
+
+
+def test_new_tokens_beyond_the_models_positions_are_refused_naming_both_numbers_and_keys(tmp_path: Path) -> None:
+    """859-token responses were decoded on a 64-position model."""
+    config = data_config(tmp_path, prompts=GOOD + b'{"input": "12+34=", "label": "46"}\n' + GOOD)
+    config = msgspec.structs.replace(config, rollout=RolloutConfig(max_new_tokens=859))
+    with pytest.raises(ConfigError) as caught:
+        preflight.check_prompts(config, preflight.read_data(config), None)
+    assert caught.value.key == "rollout.max_new_tokens"
+    assert str(caught.value) == (
+        f"rollout.max_new_tokens: 859 after the longest prompt (6 tokens, data.prompt_data "
+        f"{tmp_path / 'prompts.jsonl'}:2) make 865 tokens, more than the model's 64 positions "
+        "(model.builtin.max_position_embeddings); lower rollout.max_new_tokens to 58 or less"
+    )
+    fits = msgspec.structs.replace(config, rollout=RolloutConfig(max_new_tokens=58))
+    preflight.check_prompts(fits, preflight.read_data(fits), None)
+
+
+def test_positions_are_those_of_the_model_path(model_dir: Path, tmp_path: Path) -> None:
+    config = msgspec.structs.replace(
+        data_config(tmp_path), model=ModelConfig(path=str(model_dir)), rollout=RolloutConfig(max_new_tokens=61)
+    )
+    with pytest.raises(ConfigError, match=rf"\(max_position_embeddings of {model_dir}/config.json\)"):
+        preflight.check_prompts(config, preflight.read_data(config), preflight.check_model_path(config))
+
+
+def reward_config(tmp_path: Path, reward_fn: str) -> Config:
+    return msgspec.structs.replace(data_config(tmp_path), rollout=RolloutConfig(reward_fn=reward_fn))
+
+
+@pytest.mark.parametrize(
+    ("reward_fn", "expected"),
+    [
+        (
+            "tests.e2e_rewards.two_arguments",
+            "rollout.reward_fn: tests.e2e_rewards.two_arguments takes (prompt, response), not "
+            "(prompt, response, label)",
+        ),
+        (
+            "tests.e2e_rewards.broken",
+            "rollout.reward_fn: tests.e2e_rewards.broken raised ValueError: reward service unavailable, on the "
+            "first prompt of data.prompt_data ({data}:1) with its label as the response",
+        ),
+        (
+            "tests.e2e_rewards.text",
+            "rollout.reward_fn: tests.e2e_rewards.text returned '1.0' (a str), not a number, on the first prompt "
+            "of data.prompt_data ({data}:1) with its label as the response",
+        ),
+        (
+            "tests.e2e_rewards.nan",
+            "rollout.reward_fn: tests.e2e_rewards.nan returned nan, not a finite number, on the first prompt "
+            "of data.prompt_data ({data}:1) with its label as the response",
+        ),
+    ],
+)
+def test_a_reward_function_that_cannot_score_the_first_sample_is_refused(
+    tmp_path: Path, reward_fn: str, expected: str
+) -> None:
+    """A wrong signature and a raising function failed at the first eval; a text reward was
+    accepted (``float`` reads ``"1.0"``)."""
+    config = reward_config(tmp_path, reward_fn)
+    with pytest.raises(ConfigError) as caught:
+        preflight.check_reward_fn(config, preflight.read_data(config))
+    assert caught.value.key == "rollout.reward_fn"
+    assert str(caught.value) == expected.format(data=tmp_path / "prompts.jsonl")
+
+
+@pytest.mark.parametrize("reward_fn", ["miles_events.rl.rewards.exact_match", "tests.e2e_rewards.true_when_right"])
+def test_a_reward_function_returning_a_real_number_passes(tmp_path: Path, reward_fn: str) -> None:
+    config = reward_config(tmp_path, reward_fn)
+    preflight.check_reward_fn(config, preflight.read_data(config))
+
+
+# --- the group size ------------------------------------------------------------------------
+
+
+def test_one_sample_per_prompt_is_refused_as_grpo_learns_nothing_from_it() -> None:
+    """GRPO's advantage is a sample's reward less its group's mean: 0 in a group of one."""
+    for normalize in (True, False):  # GRPO and Dr.GRPO
+        config = Config(data=DataConfig(n_samples_per_prompt=1), trainer=TrainerConfig(normalize_advantage_std=normalize))
+        with pytest.raises(ConfigError) as caught:
+            preflight.check_group_size(config)
+        assert caught.value.key == "data.n_samples_per_prompt"
+        assert str(caught.value) == (
+            "data.n_samples_per_prompt: 1 sample per prompt trains nothing: GRPO's advantage is a sample's reward "
+            "less the mean of its prompt's group, 0 in a group of one; sample at least 2"
+        )
+    preflight.check_group_size(Config(data=DataConfig(n_samples_per_prompt=2)))
+
+
+def test_one_sample_per_prompt_is_accepted_where_nothing_is_trained() -> None:
+    rollout_only = RunConfig(rollout_only_from_checkpoint=True, load="/ckpt", rollout_only_publication_evidence="/e")
+    preflight.check_group_size(Config(run=rollout_only, data=DataConfig(n_samples_per_prompt=1)))
+    preflight.check_group_size(Config(run=RunConfig(num_rollout=0), data=DataConfig(n_samples_per_prompt=1)))
+
+
+def test_on_the_ray_runtime_the_model_checks_run_in_a_child_and_the_driver_imports_no_torch(tmp_path: Path) -> None:
+    """The driver of a ray run imports neither torch nor transformers: the checks that need
+    them run in a child process and its error is raised here as it was found there."""
+    import subprocess
+    import sys
+
+    (tmp_path / "good.jsonl").write_bytes(GOOD * 4)
+    (tmp_path / "bad.jsonl").write_bytes(GOOD + b'{"input": "abc", "label": "1"}\n')
+    code = (
+        "import sys\n"
+        "from miles_events.app.preflight import DataError, check_input\n"
+        "from schemas.config import Config, DataConfig, RunConfig\n"
+        "def config(name):\n"
+        f"    return Config(run=RunConfig(runtime='ray', num_rollout=1), data=DataConfig(prompt_data={str(tmp_path)!r} + '/' + name))\n"
+        "check_input(config('good.jsonl'))\n"
+        "try:\n"
+        "    check_input(config('bad.jsonl'))\n"
+        "except DataError as error:\n"
+        "    print(error)\n"
+        "print(','.join(m for m in ('torch', 'transformers', 'tokenizers', 'safetensors') if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert done.stdout.splitlines() == [
+        f"data.prompt_data: {tmp_path}/bad.jsonl:2: the prompt 'abc' has no tokens with the built-in model's tokenizer",
+        "",
+    ], done.stderr[-2000:]

@@ -3,6 +3,7 @@ the data order is a pure function of the seed, for any seed the config takes."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -61,9 +62,58 @@ def test_a_file_without_prompts_is_an_error(tmp_path: Path, content: bytes) -> N
     assert error_of(tmp_path, content) == ": no prompts"
 
 
-def test_a_directory_cannot_be_read(tmp_path: Path) -> None:
-    with pytest.raises(DataError, match=r": cannot read: Is a directory$"):
+def test_a_directory_is_named_as_one(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match=r": is a directory, not a file$"):
         load_prompts(tmp_path, "input", "label")
+
+
+def test_a_fifo_is_named_as_one_and_never_opened(tmp_path: Path) -> None:
+    """Opening a FIFO for reading blocks until something writes to it: it is never opened."""
+    fifo = tmp_path / "prompts.jsonl"
+    os.mkfifo(fifo)
+    with pytest.raises(DataError) as caught:
+        load_prompts(fifo, "input", "label")
+    assert str(caught.value) == f"{fifo}: is not a regular file (a FIFO)"
+
+
+def test_a_device_is_named_as_one() -> None:
+    with pytest.raises(DataError) as caught:
+        load_prompts("/dev/null", "input", "label")
+    assert str(caught.value) == "/dev/null: is not a regular file (a character device)"
+
+
+@pytest.mark.parametrize("key", ["input", "label"])
+def test_a_lone_surrogate_is_refused_naming_the_line_and_key(tmp_path: Path, key: str) -> None:
+    """JSON may escape half of a UTF-16 pair on its own (``"\\ud800"``): that is no text."""
+    record = {"input": '"1+1="', "label": '"2"'} | {key: '"a\\ud800"'}
+    line = f'{{"input": {record["input"]}, "label": {record["label"]}}}\n'.encode()
+    assert error_of(tmp_path, GOOD + line) == f":2: {key!r} holds a lone surrogate ('\\ud800'), which is not text"
+
+
+@pytest.mark.parametrize("key", ["input", "label"])
+def test_a_null_input_or_label_is_refused(tmp_path: Path, key: str) -> None:
+    """It was read as the text ``'None'``."""
+    line = b'{"input": "1+1=", "label": "2"}'.replace(b'"2"' if key == "label" else b'"1+1="', b"null") + b"\n"
+    assert error_of(tmp_path, GOOD + line) == f":2: {key!r} is null; give a string"
+
+
+def test_a_chat_message_list_is_refused_as_not_supported_yet(tmp_path: Path) -> None:
+    """It was turned into the text of a Python list."""
+    line = b'{"input": [{"role": "user", "content": "1+1="}], "label": "2"}\n'
+    assert error_of(tmp_path, line) == (
+        ":1: 'input' is a list: chat-message lists are not supported yet; give the prompt as a string"
+    )
+
+
+def test_an_object_as_the_input_is_refused(tmp_path: Path) -> None:
+    line = b'{"input": {"text": "1+1="}, "label": "2"}\n'
+    assert error_of(tmp_path, line) == ":1: 'input' is an object; give the prompt as a string"
+
+
+def test_each_prompt_knows_its_line(tmp_path: Path) -> None:
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b"\n" + GOOD + b"  \n" + GOOD)
+    assert [(p.index, p.line) for p in load_prompts(path, "input", "label")] == [(0, 2), (1, 4)]
 
 
 def test_fewer_prompts_than_a_batch_is_an_error_naming_the_keys() -> None:

@@ -28,6 +28,7 @@ import msgspec
 
 from actors.engine import check_engine, check_probe
 from actors.trainer_backend import check_backend
+from miles_events.rl.prompts import not_a_file
 from miles_events.rl.registry import load_function
 from schemas.config import Config
 
@@ -272,7 +273,7 @@ def load_config(
     ``recorded``: one a run wrote beside its log, migrated from older layouts."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a leading byte order mark is no statement
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such config file") from None
     except IsADirectoryError:
@@ -393,14 +394,21 @@ def validate(config: Config) -> None:
         needed = "run.num_rollout is unset" if run.num_rollout is None else f"run.num_rollout = {run.num_rollout}"
         if not data.prompt_data:
             raise ConfigError(f"data.prompt_data: required because {needed}", key="data.prompt_data")
-        if not os.path.isfile(data.prompt_data):
+        problem = not_a_file(data.prompt_data)
+        if problem == "no such file":
             raise ConfigError(
                 f"data.prompt_data: no such file {data.prompt_data} (needed because {needed})",
                 key="data.prompt_data",
             )
+        if problem is not None:
+            raise ConfigError(f"data.prompt_data: {data.prompt_data} {problem}", key="data.prompt_data")
     _validate_loading(config)
-    if data.eval_data and not os.path.isfile(data.eval_data):
-        raise ConfigError(f"data.eval_data: no such file {data.eval_data}", key="data.eval_data")
+    if data.eval_data:
+        problem = not_a_file(data.eval_data)
+        if problem == "no such file":
+            raise ConfigError(f"data.eval_data: no such file {data.eval_data}", key="data.eval_data")
+        if problem is not None:
+            raise ConfigError(f"data.eval_data: {data.eval_data} {problem}", key="data.eval_data")
     rollout_samples = data.rollout_batch_size * data.n_samples_per_prompt
     global_batch = trainer.global_batch_size or rollout_samples
     if rollout_samples % global_batch:

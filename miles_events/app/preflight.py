@@ -8,8 +8,28 @@ of one line that names the key (the CLI's exit 2). What is checked here and not 
 ``validate`` reads files or asks the host, so a recorded config can be loaded anywhere:
 
 - ``data.prompt_data`` and ``data.eval_data``, each when set, parsed as the actors will
-  parse them (UTF-8 JSONL, one object with the input and label keys a line, at least one);
-  with ``run.num_rollout`` unset, at least one whole rollout batch of prompts.
+  parse them (UTF-8 JSONL, one object with the input and label keys a line, at least one;
+  the input a string or a number, never null, a chat-message list or an object; no lone
+  surrogate in the input or the label); with ``run.num_rollout`` unset, at least one whole
+  rollout batch of prompts.
+- ``data.n_samples_per_prompt`` at least 2 where the run trains: GRPO's advantage (with or
+  without ``trainer.normalize_advantage_std``) is 0 in a group of one.
+- ``model.path``, when set, as the actors load it (``miles_events.rl.model_dir``): the
+  directory, ``config.json`` naming an architecture transformers has as a causal LM, the
+  tokenizer (tokenizer files there, ``AutoTokenizer`` from local files), and every
+  safetensors file's header, its tensors covering the file (``safe_open``). No weights are
+  loaded.
+- Every prompt encodes to at least one token with the run's tokenizer (``model.path``'s,
+  or the built-in model's as the actors load it from its directory), and
+  ``rollout.max_new_tokens`` after the longest prompt fits in the model's
+  ``max_position_embeddings``. These and the ``model.path`` checks need transformers: on
+  the local runtime they run in this process, which imports it for the run anyway; on ray
+  in a child process, as the driver of a ray run imports neither torch nor transformers.
+  The built-in tokenizer is saved with its config into a temporary directory (removed at
+  once) to load it as the actors do: nothing of the run's is written.
+- ``rollout.reward_fn`` takes ``(prompt, response, label)`` and scores the first prompt,
+  with its label as the response, as a finite real number, within
+  ``REWARD_CHECK_SECONDS``; a raising one is named with its exception.
 - A rollout's estimated memory (``miles_events.rl.memory``: the batch, the engine's decode
   batch and the trainer's micro-batch, counted against host memory; on CUDA only the batch is) must fit
   in the memory available now.
@@ -25,16 +45,25 @@ of one line that names the key (the CLI's exit 2). What is checked here and not 
 
 from __future__ import annotations
 
+import inspect
 import math
+import numbers
 import os
+import subprocess
+import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
+
+import msgspec
 
 from miles_events.app.config import ConfigError, load_config
 from miles_events.rl.memory import ModelShape, available_memory, cuda_present, rollout_memory
+from miles_events.rl.model_dir import ModelDir, ModelDirError, inspect_model_dir
 from miles_events.rl.model_size import builtin_build_bytes, builtin_parameter_count
-from miles_events.rl.prompts import DataError, load_prompts, whole_batches_per_epoch
+from miles_events.rl.prompts import DataError, Prompt, load_prompts, whole_batches_per_epoch
+from miles_events.rl.registry import load_function
 from schemas.config import Config
 
 if TYPE_CHECKING:
@@ -64,23 +93,171 @@ def check_builtin_fits(config: Config, available: int | None) -> None:
         )
 
 
-def check_data(config: Config) -> int:
-    """Every data file the actors read, read as they read it, and the loop bounds it sets;
-    returns the UTF-8 bytes of the longest prompt (a bound on its tokens)."""
+def read_data(config: Config) -> dict[str, tuple[str, list[Prompt]]]:
+    """Every data file the actors read, read as they read it: ``{key: (path, prompts)}``."""
     data = config.data
-    counts: dict[str, int] = {}
-    longest = 1
+    read: dict[str, tuple[str, list[Prompt]]] = {}
     for key, path in (("data.prompt_data", data.prompt_data), ("data.eval_data", data.eval_data)):
         if path:
             try:
-                prompts = load_prompts(path, data.input_key, data.label_key)
+                read[key] = (path, load_prompts(path, data.input_key, data.label_key))
             except DataError as error:
                 raise DataError(f"{key}: {error}") from None
-            counts[key] = len(prompts)
-            longest = max([longest, *(len(p.prompt.encode()) for p in prompts)])
+    return read
+
+
+def check_data(config: Config, read: dict[str, tuple[str, list[Prompt]]] | None = None) -> int:
+    """Every data file the actors read (``read_data``, unless given), and the loop bounds it
+    sets; returns the UTF-8 bytes of the longest prompt (a bound on its tokens)."""
+    read = read_data(config) if read is None else read
+    longest = max([1, *(len(p.prompt.encode()) for _, prompts in read.values() for p in prompts)])
     if config.run.num_rollout is None:
-        whole_batches_per_epoch(counts.get("data.prompt_data", 0), data.rollout_batch_size)
+        num_prompts = len(read["data.prompt_data"][1]) if "data.prompt_data" in read else 0
+        whole_batches_per_epoch(num_prompts, config.data.rollout_batch_size)
     return longest
+
+
+def check_group_size(config: Config) -> None:
+    """More than one sample per prompt where the run trains: GRPO's advantage (the trainer's
+    only estimator, with or without ``trainer.normalize_advantage_std``) is a sample's reward
+    less its group's mean, always 0 in a group of one."""
+    trains = not config.run.rollout_only_from_checkpoint and config.run.num_rollout != 0
+    if trains and config.data.n_samples_per_prompt == 1:
+        raise ConfigError(
+            "data.n_samples_per_prompt: 1 sample per prompt trains nothing: GRPO's advantage is a sample's "
+            "reward less the mean of its prompt's group, 0 in a group of one; sample at least 2",
+            key="data.n_samples_per_prompt",
+        )
+
+
+def check_model_path(config: Config) -> ModelDir | None:
+    """``model.path``, when set, loads as the actors load it (``miles_events.rl.model_dir``:
+    its config, tokenizer and safetensors headers, not its weights); returns its tokenizer
+    and positions."""
+    if config.model.path is None:
+        return None
+    try:
+        return inspect_model_dir(config.model.path)
+    except ModelDirError as error:
+        raise ConfigError(f"model.path: {error}", key="model.path") from None
+
+
+def _shown(text: str, limit: int = 40) -> str:
+    return repr(text) if len(text) <= limit else repr(text[:limit]) + "..."
+
+
+def check_prompts(config: Config, read: dict[str, tuple[str, list[Prompt]]], model: ModelDir | None) -> None:
+    """Every prompt encodes to at least one token with the run's tokenizer (``model`` from
+    ``check_model_path``, else the built-in model's, as the actors load it), and the longest
+    leaves room for ``rollout.max_new_tokens`` within the model's positions."""
+    if not read:
+        return
+    if model is None:
+        from miles_events.rl.hf_model import builtin_tokenizer
+
+        tokenizer = builtin_tokenizer(config.model.builtin)
+        whose = "the built-in model's tokenizer"
+        positions: int | None = config.model.builtin.max_position_embeddings
+        positions_key = "model.builtin.max_position_embeddings"
+    else:
+        tokenizer, whose = model.tokenizer, f"the tokenizer of {config.model.path}"
+        positions = model.max_positions
+        positions_key = f"max_position_embeddings of {os.path.join(str(config.model.path), 'config.json')}"
+    longest = (0, "", "", 0)  # tokens, key, path, line
+    for key, (path, prompts) in read.items():
+        try:
+            encoded = tokenizer([p.prompt for p in prompts], add_special_tokens=True)["input_ids"]
+        except Exception as error:  # the user's text and the user's tokenizer
+            raise DataError(f"{key}: {path}: {whose} cannot encode its prompts ({type(error).__name__}: {error})") from None
+        for prompt, ids in zip(prompts, encoded, strict=True):
+            if not ids:
+                raise DataError(f"{key}: {path}:{prompt.line}: the prompt {_shown(prompt.prompt)} has no tokens with {whose}")
+            if len(ids) > longest[0]:
+                longest = (len(ids), key, path, prompt.line)
+    tokens, key, path, line = longest
+    new = config.rollout.max_new_tokens
+    if positions is not None and tokens + new > positions:
+        raise ConfigError(
+            f"rollout.max_new_tokens: {new} after the longest prompt ({tokens} tokens, {key} {path}:{line}) make "
+            f"{tokens + new} tokens, more than the model's {positions} positions ({positions_key}); "
+            + (
+                f"lower rollout.max_new_tokens to {positions - tokens} or less"
+                if tokens < positions
+                else "the prompt alone fills them"
+            ),
+            key="rollout.max_new_tokens",
+        )
+
+
+REWARD_CHECK_SECONDS = 60.0
+"""How long the reward function may take to score the first sample."""
+
+
+def _real(value: object) -> float | None:
+    """``value`` as a float where it is a real number (a bool, an int, a float, a numpy or
+    torch scalar), else None."""
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
+        item = value.item()  # type: ignore[attr-defined]
+        return float(item) if isinstance(item, numbers.Real) else None
+    return None
+
+
+def check_reward_fn(config: Config, read: dict[str, tuple[str, list[Prompt]]]) -> None:
+    """``rollout.reward_fn`` takes ``(prompt, response, label)`` and scores the first prompt
+    of the data, with its label as the response (a right answer), as a finite real number
+    within ``REWARD_CHECK_SECONDS``."""
+    if not read:
+        return
+    name = config.rollout.reward_fn
+    reward_fn = load_function(name)
+    key, (path, prompts) = next(iter(read.items()))
+    first = prompts[0]
+    try:
+        signature = inspect.signature(reward_fn)
+    except (TypeError, ValueError):  # a builtin or an object that does not say
+        signature = None
+    if signature is not None:
+        try:
+            signature.bind(first.prompt, first.label, first.label)
+        except TypeError:
+            takes = ", ".join(str(p.replace(annotation=p.empty, default=p.empty)) for p in signature.parameters.values())
+            raise ConfigError(
+                f"rollout.reward_fn: {name} takes ({takes}), not (prompt, response, label)",
+                key="rollout.reward_fn",
+            ) from None
+    where = f"on the first prompt of {key} ({path}:{first.line}) with its label as the response"
+    outcome: list[object] = []
+
+    def score() -> None:
+        try:
+            outcome.append(("returned", reward_fn(first.prompt, first.label, first.label)))
+        except BaseException as error:  # SystemExit too: this thread's end, not the process's
+            outcome.append(("raised", error))
+
+    thread = threading.Thread(target=score, name="reward-check", daemon=True)
+    thread.start()
+    thread.join(REWARD_CHECK_SECONDS)
+    if not outcome:
+        raise ConfigError(
+            f"rollout.reward_fn: {name} did not return within {REWARD_CHECK_SECONDS:g} s {where}",
+            key="rollout.reward_fn",
+        )
+    how, value = outcome[0]  # type: ignore[misc]
+    if how == "raised":
+        lines = str(value).strip().splitlines()
+        raised = f"{type(value).__name__}: {lines[0]}" if lines else type(value).__name__
+        raise ConfigError(f"rollout.reward_fn: {name} raised {raised}, {where}", key="rollout.reward_fn")
+    real = _real(value)
+    if real is None:
+        raise ConfigError(
+            f"rollout.reward_fn: {name} returned {_shown(str(value)) if isinstance(value, str) else _shown(repr(value))}"
+            f" (a {type(value).__name__}), not a number, {where}",
+            key="rollout.reward_fn",
+        )
+    if not math.isfinite(real):
+        raise ConfigError(f"rollout.reward_fn: {name} returned {real}, not a finite number, {where}", key="rollout.reward_fn")
 
 
 def check_rollout_fits(config: Config, available: int | None, longest_prompt: int) -> None:
@@ -192,15 +369,85 @@ def check_vllm_head_size(config: Config) -> None:
     )
 
 
+MODEL_CHECK_SECONDS = 300.0
+"""How long the model directory's and the prompts' checks may take in their own process."""
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class _Outcome(msgspec.Struct):
+    """What the checks in a child process found: nothing, or the error to raise here."""
+
+    kind: Literal["config", "data"] | None = None
+    message: str = ""
+    key: str | None = None
+
+
+def check_model_and_prompts(config: Config, read: dict[str, tuple[str, list[Prompt]]]) -> None:
+    """``check_model_path`` then ``check_prompts``, which need transformers (and with it
+    torch): in this process on the local runtime, whose run imports them anyway, else in a
+    child process (the driver of a ray run imports neither), the same checks with the same
+    one-line errors."""
+    if config.run.runtime == "local":
+        check_prompts(config, read, check_model_path(config))
+        return
+    code = "from miles_events.app.preflight import model_checks_child; model_checks_child()"
+    python_path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", code],
+            input=msgspec.msgpack.encode(config),
+            capture_output=True,
+            timeout=MODEL_CHECK_SECONDS,
+            env={**os.environ, "PYTHONPATH": python_path},
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        raise DataError(
+            f"data.prompt_data: the model directory and the prompts' tokens were not checked within "
+            f"{MODEL_CHECK_SECONDS:g} s"
+        ) from None
+    lines = done.stdout.splitlines()
+    if done.returncode != 0 or not lines:
+        stderr = done.stderr.decode(errors="replace").strip().splitlines()
+        raise RuntimeError(f"the model checks' process exited {done.returncode}: {stderr[-1] if stderr else ''}")
+    outcome = msgspec.json.decode(lines[-1], type=_Outcome)
+    if outcome.kind == "config":
+        raise ConfigError(outcome.message, key=outcome.key)
+    if outcome.kind == "data":
+        raise DataError(outcome.message)
+
+
+def model_checks_child() -> None:
+    """The child process of ``check_model_and_prompts``: the config (msgpack) on stdin, the
+    ``_Outcome`` (JSON) as the last line of stdout."""
+    config = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=Config)
+    try:
+        check_prompts(config, read_data(config), check_model_path(config))
+        outcome = _Outcome()
+    except ConfigError as error:
+        outcome = _Outcome(kind="config", message=str(error), key=error.key)
+    except DataError as error:
+        outcome = _Outcome(kind="data", message=str(error))
+    sys.stdout.buffer.write(b"\n" + msgspec.json.encode(outcome) + b"\n")
+    sys.stdout.flush()
+
+
 def check_input(config: Config) -> None:
-    """The checks beyond ``validate``: the engines' device, the built-in model's memory, then
-    the data files."""
+    """The checks beyond ``validate``: the engines' device, the group size, the built-in
+    model's memory, the data files, the model directory, the prompts with the run's
+    tokenizer, the reward function, then a rollout's memory."""
     check_device(config)
     check_transport_device(config)
     check_vllm_head_size(config)
+    check_group_size(config)
     available = available_memory()
     check_builtin_fits(config, available)
-    check_rollout_fits(config, available, check_data(config))
+    read = read_data(config)
+    longest = check_data(config, read)
+    check_model_and_prompts(config, read)
+    check_reward_fn(config, read)
+    check_rollout_fits(config, available, longest)
 
 
 def load_and_check(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> Config:

@@ -9,9 +9,11 @@ and tokenizer next to every checkpoint.
 
 from __future__ import annotations
 
+import functools
 import importlib.machinery
 import inspect
 import shutil
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,7 +24,7 @@ from schemas.config import BuiltinModelConfig, ModelConfig
 
 if TYPE_CHECKING:
     import torch
-    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 ARITH_SPECIAL = ["<pad>", "<eos>", "<unk>"]
 ARITH_SYMBOLS = list("0123456789+-*=?")
@@ -54,11 +56,10 @@ def build_arith_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def build_builtin(config: BuiltinModelConfig, seed: int) -> tuple[torch.nn.Module, PreTrainedTokenizerFast]:
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+def builtin_hf_config(config: BuiltinModelConfig, tokenizer: PreTrainedTokenizerFast) -> PretrainedConfig:
+    """The Hugging Face config of the built-in model (its ``config.json``)."""
+    from transformers import LlamaConfig, Qwen2Config
 
-    tokenizer = build_arith_tokenizer()
     common = dict(
         vocab_size=len(tokenizer),
         hidden_size=config.hidden_size,
@@ -72,11 +73,38 @@ def build_builtin(config: BuiltinModelConfig, seed: int) -> tuple[torch.nn.Modul
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.eos_token_id,
     )
-    hf_config = Qwen2Config(**common) if config.architecture == "qwen2" else LlamaConfig(**common)
+    return Qwen2Config(**common) if config.architecture == "qwen2" else LlamaConfig(**common)
+
+
+def build_builtin(config: BuiltinModelConfig, seed: int) -> tuple[torch.nn.Module, PreTrainedTokenizerFast]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = build_arith_tokenizer()
+    hf_config = builtin_hf_config(config, tokenizer)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     return model, tokenizer
+
+
+def builtin_tokenizer(config: BuiltinModelConfig) -> PreTrainedTokenizerBase:
+    """The built-in model's tokenizer as the actors load it from its directory, without
+    writing that directory: ``AutoTokenizer`` picks the class of the architecture that
+    ``config.json`` names, which reads the saved vocabulary its own way (Qwen2's byte-level
+    one finds no token in ``abc``), so the tokenizer and the config are saved together into
+    a temporary directory, loaded from there as the actors load theirs, and removed."""
+    return _builtin_tokenizer(msgspec.json.encode(config))
+
+
+@functools.lru_cache(maxsize=4)
+def _builtin_tokenizer(encoded: bytes) -> PreTrainedTokenizerBase:
+    config = msgspec.json.decode(encoded, type=BuiltinModelConfig)
+    tokenizer = build_arith_tokenizer()
+    with tempfile.TemporaryDirectory(prefix="miles-builtin-tokenizer-") as directory:
+        builtin_hf_config(config, tokenizer).save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
+        return load_tokenizer(directory)
 
 
 BUILTIN_RECIPE = "miles_builtin.json"

@@ -8,6 +8,8 @@ cursor saved in a checkpoint is derived from the next rollout id.
 from __future__ import annotations
 
 import json
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,13 +25,44 @@ class Prompt:
     index: int
     prompt: str
     label: str
+    line: int = 0
+    """The line of its file (from 1; 0: not from a file)."""
 
 
 class DataError(ValueError):
     """A prompt file that cannot be used; the message names the file and line."""
 
 
+_NOT_REGULAR = (
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def not_a_file(path: str | os.PathLike[str]) -> str | None:
+    """Why ``path`` is not a regular file to read (``no such file``, ``is a directory``, ``is
+    not a regular file (a FIFO)``, ...), or None when it is one. Asks ``stat`` only: a FIFO
+    is never opened, which would wait for a writer."""
+    try:
+        mode = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError, ValueError):  # ValueError: a path holding a NUL byte
+        return "no such file"
+    except OSError as error:
+        return f"cannot be read ({error.strerror or error})"
+    if stat.S_ISDIR(mode):
+        return "is a directory, not a file"
+    for test, kind in _NOT_REGULAR:
+        if test(mode):
+            return f"is not a regular file ({kind})"
+    return None if stat.S_ISREG(mode) else "is not a regular file"
+
+
 def _read_text(path: Path) -> str:
+    problem = not_a_file(path)
+    if problem is not None:
+        raise DataError(f"{path}: {problem}")
     try:
         raw = path.read_bytes()
     except OSError as error:
@@ -43,19 +76,38 @@ def _read_text(path: Path) -> str:
         ) from None
 
 
+def _text(record: dict[str, object], key: str, *, prompt: bool) -> str:
+    """``record[key]`` as the text the engines and the reward function get: a string as it
+    is, a number as it reads (a label ``7`` is ``"7"``); a ``DataError`` (less the place, which
+    the caller adds) for what would be read as something else."""
+    value = record[key]
+    if value is None:
+        raise DataError(f"{key!r} is null; give a string")
+    if prompt and isinstance(value, list):
+        raise DataError(f"{key!r} is a list: chat-message lists are not supported yet; give the prompt as a string")
+    if prompt and isinstance(value, dict):
+        raise DataError(f"{key!r} is an object; give the prompt as a string")
+    text = str(value)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:  # JSON escapes half of a UTF-16 pair on its own: "\ud800"
+        raise DataError(f"{key!r} holds a lone surrogate ({text[error.start]!r}), which is not text") from None
+    return text
+
+
 def _parse_record(path: Path, number: int, line: str, input_key: str, label_key: str) -> tuple[str, str]:
     """(input, label) of one JSONL line."""
     try:
         record = json.loads(line)
         if not isinstance(record, dict) or input_key not in record or label_key not in record:
-            raise DataError(f"{path}:{number}: needs the keys {input_key!r} and {label_key!r}")
-        return str(record[input_key]), str(record[label_key])
+            raise DataError(f"needs the keys {input_key!r} and {label_key!r}")
+        return _text(record, input_key, prompt=True), _text(record, label_key, prompt=False)
     except json.JSONDecodeError as error:
         raise DataError(f"{path}:{number}: not valid JSON ({error.msg})") from None
     except RecursionError:
         raise DataError(f"{path}:{number}: not usable JSON (nested too deeply)") from None
-    except DataError:
-        raise
+    except DataError as error:
+        raise DataError(f"{path}:{number}: {error}") from None
     except ValueError as error:  # e.g. an integer of more digits than Python converts
         reason = " ".join(str(error).split(";")[0].split())  # less its advice on raising the limit
         raise DataError(f"{path}:{number}: not usable JSON ({reason})") from None
@@ -67,7 +119,7 @@ def load_prompts(path: str | Path, input_key: str, label_key: str) -> list[Promp
     for number, line in enumerate(_read_text(path).splitlines(), start=1):
         if line.strip():
             prompt, label = _parse_record(path, number, line, input_key, label_key)
-            prompts.append(Prompt(len(prompts), prompt, label))
+            prompts.append(Prompt(len(prompts), prompt, label, number))
     if not prompts:
         raise DataError(f"{path}: no prompts")
     return prompts
