@@ -121,7 +121,7 @@ def test_a_short_run_completes_with_every_publication_verified(which, request):
     assert [e.weight_version for e in log if isinstance(e, PublicationVerified)] == ["1", "2", "3", "4"]
     assert [r[0] for r in rollouts(log)] == [0, 1, 2]
     assert [e.seq for e in log] == list(range(1, len(log) + 1))
-    assert "rollout 3/3" in result.stdout
+    assert "rollout 2 [3/3]" in result.stdout
 
 
 def test_both_runtimes_make_the_same_run(local_run, ray_run):
@@ -514,7 +514,7 @@ def test_sigint_stops_after_the_current_steps_save_and_publication(tmp_path):
     try:
         assert process.stdout is not None
         for line in process.stdout:
-            if line.startswith("rollout 1/50"):
+            if line.startswith("rollout 0 [1/50]"):
                 process.send_signal(signal.SIGINT)
                 break
         out, err = process.communicate(timeout=120)
@@ -531,7 +531,7 @@ def test_sigint_stops_after_the_current_steps_save_and_publication(tmp_path):
     assert [(e.rollout_id, e.reason) for e in log if isinstance(e, SaveRequested)] == [(last, "stop")]
     assert last in [e.rollout_id for e in log if isinstance(e, CheckpointSaved)]
     assert finished.last_rollout_id == last and finished.weight_version == str(last + 2)
-    assert f"run stopped after rollout {last + 1}/50" in out
+    assert f"run stopped after rollout {last} [{last + 1}/50]" in out
     resumed = run_cli(tmp_path, 'run.runtime="local"', "run.num_rollout=" + str(last + 3), "run.save_interval=100",
                       "run.eval_interval=100", "run.resume=true")
     assert resumed.returncode == 0, resumed.stderr[-2000:]

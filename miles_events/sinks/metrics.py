@@ -82,8 +82,8 @@ def _m(name: str, kind: Kind, labels: str, meaning: str, source: str, **extra: A
 METRICS: tuple[MetricSpec, ...] = (
     _m("miles_run_info", "info", "", "Always 1; `runtime` (local, ray) and `status` (running, completed, failed, stopped).", "RunStarted, RunFinished", info_labels=("runtime", "status")),
     _m("miles_run_finished", "gauge", "", "0 while the run runs, 1 once it finished.", "RunStarted, RunFinished"),
-    _m("miles_rollout_num", "gauge", "", "Rollouts the run will do (`num_rollout`).", "RunStarted"),
-    _m("miles_rollout_id", "gauge", "", "The last rollout generated.", "RolloutGenerated"),
+    _m("miles_rollout_num", "gauge", "", "`run.num_rollout`: the run ends before this rollout id.", "RunStarted"),
+    _m("miles_rollout_id", "gauge", "", "The id of the last rollout generated (0-based, as in the event log and checkpoint names).", "RolloutGenerated"),
     _m("miles_rollout_reward_mean", "gauge", "", "Mean reward of the last rollout.", "RolloutGenerated"),
     _m("miles_rollout_duration_seconds", "histogram", "", "Time to generate a rollout.", "RolloutGenerated.generate_seconds"),
     _m("miles_tokens_generated_total", "counter", "", "Response tokens generated for training rollouts.", "RolloutGenerated.response_tokens"),
