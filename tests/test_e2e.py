@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -41,7 +42,7 @@ from schemas.events import (
     WeightsPublished,
     WeightsStaged,
 )
-from tests.support import cmdline
+from tests.support import cmdline, not_console
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "examples" / "tiny.toml"
@@ -219,6 +220,48 @@ def test_a_failing_handler_stops_the_run_with_one_clear_line(tmp_path):
     log = events(tmp_path)
     assert any(isinstance(e, ActorFailed) and e.actor == "generator" for e in log)
     assert isinstance(log[-1], RunFinished) and log[-1].status == "failed"
+
+
+# ``python -m miles_events.run`` on a disk that is full where checkpoints are written.
+RUN_WITH_A_FULL_DISK = """
+import errno, runpy, sys
+import actors.saver
+def no_space(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+actors.saver.write_checkpoint = no_space
+sys.argv[0] = "miles_events.run"
+runpy.run_module("miles_events.run", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_a_full_disk_is_one_error_line_with_the_detail_in_the_run_log(tmp_path):
+    args = [sys.executable, "-c", RUN_WITH_A_FULL_DISK, str(TINY), "--set", f'run.dir="{tmp_path}"']
+    for override in (*SMALL, "metrics.port=0", 'run.runtime="local"', "run.num_rollout=3", "run.save_interval=1",
+                     'console.mode="plain"'):  # fmt: skip
+        args += ["--set", override]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    result = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert not_console(result.stdout) == []
+    (error,) = result.stderr.splitlines()
+    assert error.startswith("error: run failed: checkpoint of rollout 0 failed: OSError: [Errno 28] No space left on device")
+    assert error.endswith(f"(log: {tmp_path / 'run.log'})")
+    log = (tmp_path / "run.log").read_text()
+    assert re.search(r"ERROR \[driver pid \d+\] actors.saver: checkpoint of rollout 0 failed: OSError", log), log
+
+
+def test_resume_with_every_checkpoint_corrupt_is_one_line_on_the_terminal(tmp_path):
+    first = run_cli(tmp_path, 'run.runtime="local"', "run.num_rollout=2", "run.save_interval=1")
+    assert first.returncode == 0, first.stderr[-2000:]
+    checkpoints = sorted((tmp_path / "checkpoints").glob("rollout_*"))
+    for checkpoint in checkpoints:
+        weights = checkpoint / "model.safetensors"
+        data = bytearray(weights.read_bytes())
+        data[-1] ^= 0xFF
+        weights.write_bytes(bytes(data))
+    result = run_cli(tmp_path, 'run.runtime="local"', "run.num_rollout=4", "run.resume=true")
+    assert_one_line_exit_2(result, "run.resume: no checkpoint under")
+    assert result.stdout == ""
 
 
 def test_every_file_a_run_keeps_has_the_one_mode_of_the_rule(local_run):

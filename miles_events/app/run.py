@@ -4,6 +4,8 @@ Exit codes: 0 the run completed (or was stopped on request), 1 the run failed, 2
 (config, data, a run.dir holding another run's checkpoints) is wrong. A user's mistake gets
 one line naming what is wrong, no traceback; the input is checked
 (miles_events.app.preflight) before anything is written, and --dry-run checks it as well.
+What the run's processes log goes to <run.dir>/run.log, and to the terminal as well with
+--log-level.
 """
 
 from __future__ import annotations
@@ -17,10 +19,10 @@ import signal
 import sys
 
 from miles_events.app.config import ConfigError, dump_config
+from miles_events.app.logs import DriverLog, OpenRunLog
 from miles_events.app.preflight import INPUT_ERRORS, load_and_check
 from miles_events.rl.checkpoint import CheckpointError
 from miles_events.rl.prompts import DataError
-from miles_events.runtime.base import LOG_FORMAT
 from miles_events.runtime.malloc import cap_this_process
 from miles_events.sinks.base import Sink, SinkContext
 from miles_events.sinks.metrics import MetricsError, MetricsExporter, metrics_exporter
@@ -47,8 +49,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dry-run", action="store_true", help="check the input, print the resolved config and exit")
     parser.add_argument(
         "--log-level",
-        default=os.environ.get("MILES_LOG_LEVEL", "WARNING"),
-        help="Python logging level of the run's log, the driver's and each actor process's (default: $MILES_LOG_LEVEL, else WARNING)",
+        default=None,
+        help="Python logging level of the run's processes, the driver's and each actor's: what they log at it and "
+        "above goes to <run.dir>/run.log, and with this option (or $MILES_LOG_LEVEL) to the terminal as well "
+        "(default: $MILES_LOG_LEVEL, else WARNING, in the file only)",
     )
     return parser.parse_args(argv)
 
@@ -64,12 +68,24 @@ def error_line(error: BaseException) -> str:
     return f"error: {message}"
 
 
-def configure_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format=LOG_FORMAT)
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def configure_logging(level: str | None) -> DriverLog:
+    """The driver's log at ``level`` (else ``$MILES_LOG_LEVEL``, else WARNING): on the
+    terminal only when one of those asks for it, into the run's log always. A level that
+    is none of ``LOG_LEVELS`` is a ``ValueError``."""
+    level = level or os.environ.get("MILES_LOG_LEVEL")
+    name = (level or "WARNING").upper()
+    if name not in LOG_LEVELS:
+        raise ValueError(f"--log-level: unknown level {level!r}; known: {', '.join(LOG_LEVELS)}")
+    log = DriverLog(logging.getLevelName(name), terminal=level is not None)
+    log.install()
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return log
 
 
 def _abort(signum: int, frame: object) -> None:
@@ -81,18 +97,24 @@ def _abort(signum: int, frame: object) -> None:
 def main(argv: list[str] | None = None) -> int:
     cap_this_process()  # before the run's threads allocate
     args = parse_args(argv)
-    configure_logging(args.log_level)
+    try:
+        log = configure_logging(args.log_level)
+    except ValueError as error:
+        print(error_line(error), file=sys.stderr)
+        return 2
     # Until the run's loop takes signals over (the first then stops after the current step),
     # SIGTERM aborts as Ctrl-C does: whatever has started is shut down, exit 130.
     signal.signal(signal.SIGTERM, _abort)
     try:
-        return _run(args)
+        return _run(args, log)
     except KeyboardInterrupt:
         print("error: aborted", file=sys.stderr)
         return 130
+    finally:
+        log.remove()
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace, log: DriverLog) -> int:
     try:
         config = load_and_check(args.config, args.overrides)
     except INPUT_ERRORS as error:
@@ -119,7 +141,7 @@ def _run(args: argparse.Namespace) -> int:
 
     try:
         # Tracking first: a tracking error must not leave a live display on the screen.
-        sinks: list[Sink] = [*make_tracking(config)]  # fails fast, before the model is prepared
+        sinks: list[Sink] = [OpenRunLog(log), *make_tracking(config)]  # fails fast, before the model is prepared
         exporter = metrics_exporter(config)
         if exporter is not None:
             sinks.append(exporter)
@@ -137,7 +159,8 @@ def _run(args: argparse.Namespace) -> int:
     if config.console.mode != "quiet":
         print(f"events: {event_log_path(result.run_dir)}  ({result.seconds:.1f}s)")
     if finished.status == "failed":
-        print(f"error: run failed: {finished.reason}", file=sys.stderr)
+        where = f" (log: {log.path})" if log.path is not None else ""
+        print(f"error: run failed: {finished.reason}{where}", file=sys.stderr)
         return 1
     return 0
 
