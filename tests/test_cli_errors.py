@@ -73,3 +73,10 @@ def test_a_dry_run_refuses_a_run_dir_holding_another_runs_checkpoints_as_the_run
     assert err.startswith(f"error: run.dir {tmp_path / 'run'} holds another run's checkpoints (rollout_000004)")
     assert main([str(config), "--dry-run", "--set", "run.overwrite=true"]) == 0
     assert checkpoint.is_dir(), "a dry run moves nothing"
+
+
+def test_an_unknown_log_level_is_exit_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    os.environ.pop("MILES_LOG_LEVEL", None)
+    assert main([str(write_run(tmp_path, GOOD.encode())), "--log-level", "loud"]) == 2
+    out, err = capsys.readouterr()
+    assert (out, err) == ("", "error: --log-level: unknown level 'loud'; known: DEBUG, INFO, WARNING, ERROR, CRITICAL\n")
