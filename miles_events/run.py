@@ -18,9 +18,9 @@ if __name__ == "__main__":
     # SIGTERM aborts as Ctrl-C does from the first instant, imports included (exit 130).
     signal.signal(signal.SIGTERM, _abort)
     try:
-        from miles_events.app.run import main
+        from miles_events.app.run import exit_process, main
 
-        sys.exit(main())
+        exit_process(main())
     except KeyboardInterrupt:
         print("error: aborted", file=sys.stderr)
         sys.exit(130)

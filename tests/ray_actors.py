@@ -10,6 +10,8 @@ from miles_events.bus.actor import Actor, WorkerGroup, handles
 from miles_events.bus.workers import RankPlace, close_workers
 from schemas.events import EvalRequested, RolloutGenerated, RolloutRequested, StopRequested
 
+logger = logging.getLogger(__name__)
+
 
 class Echo(Actor):
     """A light actor (role service): answers each RolloutRequested with a StopRequested
@@ -60,6 +62,7 @@ class Model(Actor):
 
     @handles(EvalRequested, emits=(StopRequested,))
     async def on_eval(self, event: EvalRequested) -> None:
+        logger.info("eval %d asked of the model", event.rollout_id)
         arenas = os.environ.get("MALLOC_ARENA_MAX", "")
         await self.publish(StopRequested(reason=f"{os.getpid()}:{event.rollout_id}:{arenas}:{process_logging()}"))
 
@@ -101,6 +104,7 @@ class RankProbe:
         self.notified: list[str] = []
 
     def where(self) -> tuple[int, int, int, str]:
+        logger.info("rank %d asked where it runs", self.place.rank)
         return self.place.rank, os.getpid(), self.place.ranks_sharing_cores, process_logging()
 
     def fail(self) -> None:

@@ -4,6 +4,7 @@ drive a sink the way a session does."""
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 
 from miles_events.app.redrive import RecordingContext
@@ -14,7 +15,16 @@ from miles_events.sinks.base import Sink, SinkContext, SinkHost
 from schemas.config import Config
 from schemas.events import Event
 
-__all__ = ["RecordingContext", "drive_sink", "feed"]
+__all__ = ["RecordingContext", "drive_sink", "feed", "not_console"]
+
+CONSOLE_LINE = re.compile(r"(metrics: |run |initial |republication |weights republished |eval at |rollout |checkpoint |"
+                          r"actor |weight version |the engines serve |publication evidence |events: )")
+"""How each line the plain console (and the CLI around it) prints to stdout begins."""
+
+
+def not_console(stdout: str) -> list[str]:
+    """The lines of a run's stdout that are not the plain console's."""
+    return [line for line in stdout.splitlines() if not CONSOLE_LINE.match(line)]
 
 
 async def feed(actor: Actor, *events: Event) -> list[Event]:

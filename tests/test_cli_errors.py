@@ -365,3 +365,8 @@ def test_a_config_file_with_a_utf8_bom_runs_as_without(tmp_path: Path, capsys: p
     assert main([str(config), "--dry-run"]) == 0
     out, err = capsys.readouterr()
     assert "[data]" in out and err == ""
+def test_an_unknown_log_level_is_exit_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    os.environ.pop("MILES_LOG_LEVEL", None)
+    assert main([str(write_run(tmp_path, GOOD.encode())), "--log-level", "loud"]) == 2
+    out, err = capsys.readouterr()
+    assert (out, err) == ("", "error: --log-level: unknown level 'loud'; known: DEBUG, INFO, WARNING, ERROR, CRITICAL\n")

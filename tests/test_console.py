@@ -22,16 +22,20 @@ from miles_events.sinks.console import (
     sparkline,
 )
 from schemas.config import Config, ConsoleConfig, VerifierConfig
+from schemas.data import DataRef
 from schemas.events import (
     ActorFailed,
+    EvalFinished,
     Event,
     PublicationMismatch,
     PublicationVerified,
+    RolloutGenerated,
     RunFinished,
     RunStarted,
     TensorMismatch,
     TrainMetrics,
     TrainStepFinished,
+    WeightsPublished,
 )
 from tests.support import drive_sink
 
@@ -75,22 +79,22 @@ def rich_summary(output: str) -> str:
 async def test_plain_prints_one_line_per_rollout_with_reward_loss_times_and_verification():
     lines = [line for line in await plain_lines(EVENTS) if line.startswith("rollout ")]
     assert lines == [
-        "rollout 1/3: reward 0.008 loss -0.0037 kl 0.0000 grad 0.127 | gen 0.06s train 0.13s pub 0.02s verify 0.00s | v2 verified",
-        "rollout 2/3: reward 0.023 loss +0.0015 kl 0.0000 grad 0.239 | gen 0.07s train 0.13s pub 0.04s verify 0.00s | v3 verified",
-        "rollout 3/3: reward 0.023 loss +0.0076 kl 0.0000 grad 0.201 | gen 0.06s train 0.12s pub 0.04s verify 0.00s | v4 verified",
+        "rollout 0 [1/3]: reward 0.008 loss -0.0037 kl 0.0000 grad 0.127 | gen 0.06s train 0.13s pub 0.02s verify 0.00s | v2 verified",
+        "rollout 1 [2/3]: reward 0.023 loss +0.0015 kl 0.0000 grad 0.239 | gen 0.07s train 0.13s pub 0.04s verify 0.00s | v3 verified",
+        "rollout 2 [3/3]: reward 0.023 loss +0.0076 kl 0.0000 grad 0.201 | gen 0.06s train 0.12s pub 0.04s verify 0.00s | v4 verified",
     ]
 
 
 async def test_plain_prints_start_publication_evals_checkpoints_and_end_in_event_order():
     lines = await plain_lines(EVENTS)
     assert lines[:3] == [
-        "run test-run (local): rollouts 0..2, engines engine-0, engine-1",
+        "run test-run (local): rollouts 0..2 (3 to run), engines engine-0, engine-1",
         "initial weights published as version 1 in 0.01s",
         "initial publication v1 verified",
     ]
-    assert lines[3].startswith("eval at rollout 0: accuracy=0.000 ")
+    assert lines[3].startswith("eval at rollout 0 (weights v1): accuracy=0.000 ")
     assert lines[6] == "checkpoint rollout 1 (trained from version 2) -> /tmp/fx/checkpoints/rollout_000001 in 0.05s"
-    assert lines[-1] == "run completed after rollout 3/3 at weight version 4 in 0.9s"
+    assert lines[-1] == "run completed after rollout 2 [3/3] at weight version 4 in 0.9s"
     assert len(lines) == 12
 
 
@@ -100,7 +104,7 @@ async def test_plain_output_is_the_same_on_every_replay():
 
 async def test_plain_reports_a_mismatch_naming_the_first_tensor():
     lines = await plain_lines(with_mismatch_at_rollout_0(EVENTS))
-    assert lines[4].startswith("rollout 1/3: ") and lines[4].endswith("| v2 MISMATCH")
+    assert lines[4].startswith("rollout 0 [1/3]: ") and lines[4].endswith("| v2 MISMATCH")
     assert lines[5] == (
         "weight version 2: MISMATCH in 1 tensor(s), first engine-1:model.norm.weight (expected aaaa, got bbbb)"
     )
@@ -140,8 +144,8 @@ async def test_a_trained_rollout_that_was_never_published_still_gets_its_line():
     cut = next(i for i, e in enumerate(EVENTS) if isinstance(e, TrainStepFinished) and e.rollout_id == 2)
     stopped = [*EVENTS[: cut + 1], RunFinished(status="stopped", reason="interrupted", last_rollout_id=2, weight_version="3")]
     lines = await plain_lines(stopped)
-    assert lines[-2].startswith("rollout 3/3: reward 0.023 ") and lines[-2].endswith("| not published")
-    assert lines[-1].startswith("run stopped after rollout 3/3 at weight version 3")
+    assert lines[-2].startswith("rollout 2 [3/3]: reward 0.023 ") and lines[-2].endswith("| not published")
+    assert lines[-1].startswith("run stopped after rollout 2 [3/3] at weight version 3")
 
 
 async def test_a_run_that_ends_without_run_finished_says_it_was_interrupted():
@@ -150,7 +154,86 @@ async def test_a_run_that_ends_without_run_finished_says_it_was_interrupted():
 
 
 async def test_quiet_prints_only_the_final_line():
-    assert await plain_lines(EVENTS, quiet=True) == ["run completed after rollout 3/3 at weight version 4 in 0.9s"]
+    assert await plain_lines(EVENTS, quiet=True) == ["run completed after rollout 2 [3/3] at weight version 4 in 0.9s"]
+
+
+def resumed_at(start: int, num_rollout: int, trained: tuple[int, ...], status: str = "stopped") -> list[Event]:
+    """A run resumed at rollout ``start`` that trains and publishes ``trained``, then ends."""
+    events: list[Event] = [RunStarted(
+        run_id="test-run", runtime="local", config_digest="", start_rollout_id=start, num_rollout=num_rollout,
+        num_rollout_per_epoch=None, resumed=True, weight_version=str(start + 1), engines=["engine-0"], time=100.0,
+    )]  # fmt: skip
+    for rollout_id in trained:
+        version = str(rollout_id + 2)
+        events += [
+            RolloutGenerated(rollout_id=rollout_id, batch=DataRef("inprocess", "b", "generator"), num_samples=8,
+                             reward_mean=0.5, weight_versions=[str(rollout_id + 1)]),
+            TrainStepFinished(rollout_id=rollout_id, weight_version=str(rollout_id + 1), metrics=TrainMetrics()),
+            WeightsPublished(weight_version=version, engines=["engine-0"], previous_versions=[], rollout_id=rollout_id),
+            PublicationVerified(weight_version=version, digest="d", num_tensors=1, engines=["engine-0"],
+                                rollout_id=rollout_id),
+        ]  # fmt: skip
+    last = trained[-1] if trained else start - 1
+    events.append(RunFinished(status=status, last_rollout_id=last, weight_version=str(last + 2), time=101.0))  # type: ignore[arg-type]
+    return events
+
+
+async def test_a_resumed_run_names_each_rollout_by_its_id_and_counts_its_progress_beside_it():
+    lines = await plain_lines(resumed_at(100, 150, trained=(100, 101)))
+    assert lines[0] == "run test-run (local): rollouts 100..149 (50 to run), engines engine-0, resumed at weight version 101"
+    assert [line.split(":")[0] for line in lines[1:3]] == ["rollout 100 [1/50]", "rollout 101 [2/50]"]
+    assert lines[-1] == "run stopped after rollout 101 [2/50] at weight version 103 in 1.0s"
+
+
+async def test_a_resumed_run_stopped_before_its_first_rollout_says_so():
+    lines = await plain_lines(resumed_at(100, 150, trained=()))
+    assert lines[-1] == "run stopped before any rollout at weight version 101 in 1.0s"
+
+
+async def test_a_run_with_no_rollouts_to_run_says_so_plainly():
+    lines = await plain_lines(resumed_at(100, 2, trained=(), status="completed"))
+    assert lines == [
+        "run test-run (local): no rollouts to run (it starts at rollout 100, run.num_rollout = 2), engines engine-0, "
+        "resumed at weight version 101",
+        "run completed with no rollouts to run at weight version 101 in 1.0s",
+    ]
+
+
+async def test_a_run_of_zero_rollouts_says_there_is_nothing_to_run():
+    start = RunStarted(run_id="test-run", runtime="local", config_digest="", start_rollout_id=0, num_rollout=0,
+                       num_rollout_per_epoch=None, engines=["engine-0"])  # fmt: skip
+    lines = await plain_lines([start, RunFinished(status="completed", weight_version="1")])
+    assert lines[0] == "run test-run (local): no rollouts to run (run.num_rollout = 0), engines engine-0"
+    assert lines[1].startswith("run completed with no rollouts to run at weight version 1 in ")
+
+
+async def test_two_evals_of_one_rollout_id_are_told_apart_by_the_weights_they_ran_on():
+    start, *_ = EVENTS
+    before = EvalFinished(rollout_id=0, metrics={"eval/accuracy": 0.25}, weight_versions=["1"])
+    after = EvalFinished(rollout_id=0, metrics={"eval/accuracy": 0.5}, weight_versions=["2"])
+    lines = await plain_lines([start, before, after])
+    assert lines[1:3] == ["eval at rollout 0 (weights v1): accuracy=0.250", "eval at rollout 0 (weights v2): accuracy=0.500"]
+    console = rich_console()
+    await drive(lambda: RichProgress(console), [start, before, after])
+    assert "rollout 0 (weights v2): accuracy=0.5" in rich_summary(console.file.getvalue())  # type: ignore[attr-defined]
+
+
+async def test_rich_shows_the_last_rollout_id_with_the_runs_progress_beside_it():
+    console = rich_console()
+    await drive(lambda: RichProgress(console), resumed_at(100, 150, trained=(100,)))
+    summary = rich_summary(console.file.getvalue())  # type: ignore[attr-defined]
+    assert "rollout 100 [1/50]" in summary and "run stopped after rollout 100 [1/50]" in summary
+
+
+async def test_rich_before_any_rollout_shows_none_done_and_a_run_with_nothing_to_run_says_so():
+    console = rich_console()
+    await drive(lambda: RichProgress(console), resumed_at(100, 150, trained=()))
+    assert "no rollout yet [0/50]" in rich_summary(console.file.getvalue())  # type: ignore[attr-defined]
+    console = rich_console()
+    await drive(lambda: RichProgress(console), resumed_at(100, 2, trained=(), status="completed"))
+    assert "no rollouts to run (it starts at rollout 100, run.num_rollout = 2)" in rich_summary(
+        console.file.getvalue()  # type: ignore[attr-defined]
+    )
 
 
 def session_with(mode: str, verify: bool = True) -> SimpleNamespace:
@@ -180,14 +263,14 @@ async def test_make_console_picks_the_display_by_mode_and_terminal(mode, stream,
 async def test_make_console_quiet_mode_prints_only_the_end():
     stream = StringIO()
     await drive(lambda: make_console(session_with("quiet").config, stream), EVENTS)
-    assert stream.getvalue() == "run completed after rollout 3/3 at weight version 4 in 0.9s\n"
+    assert stream.getvalue() == "run completed after rollout 2 [3/3] at weight version 4 in 0.9s\n"
 
 
 async def test_make_console_follows_the_verifier_setting():
     unverified = [e for e in EVENTS if not isinstance(e, PublicationVerified)]
     stream = StringIO()
     await drive(lambda: make_console(session_with("plain", verify=False).config, stream), unverified)
-    assert "rollout 3/3: " in stream.getvalue() and "v4 published" in stream.getvalue()
+    assert "rollout 2 [3/3]: " in stream.getvalue() and "v4 published" in stream.getvalue()
 
 
 def rich_console() -> Console:
@@ -198,13 +281,13 @@ async def test_rich_leaves_a_summary_with_reward_versions_and_verification():
     console = rich_console()
     await drive(lambda: RichProgress(console), EVENTS)
     summary = rich_summary(console.file.getvalue())  # type: ignore[attr-defined]
-    assert "rollout 3/3" in summary
+    assert "rollout 2 [3/3]" in summary
     assert "0.023" in summary and "min 0.008 max 0.023" in summary
     assert "trainer 4  engine-0 4  engine-1 4" in summary
     assert "v4 verified (27 tensors)" in summary
     assert "gen 0.06s  train 0.12s  pub 0.04s  verify 0.00s  save 0.08s" in summary
     assert "rollout 2 (trained from version 3) -> /tmp/fx/checkpoints/rollout_000002" in summary
-    assert "run completed after rollout 3/3 at weight version 4" in summary
+    assert "run completed after rollout 2 [3/3] at weight version 4" in summary
 
 
 async def test_rich_summary_names_the_first_mismatched_tensor():
@@ -272,4 +355,4 @@ def test_final_line_of_a_completed_run_has_no_trailing_reason():
     progress = RunProgress()
     progress.apply(EVENTS[0])
     progress.apply(RunFinished(status="completed", last_rollout_id=2, weight_version="4"))
-    assert progress.final_line() == "run completed after rollout 3/3 at weight version 4"
+    assert progress.final_line() == "run completed after rollout 2 [3/3] at weight version 4"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -36,12 +37,13 @@ from schemas.events import (
     RunStarted,
     SaveRequested,
     StepCancelled,
+    StopRequested,
     TrainStepFinished,
     WeightsCheckFinished,
     WeightsPublished,
     WeightsStaged,
 )
-from tests.support import cmdline
+from tests.support import cmdline, not_console
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "examples" / "tiny.toml"
@@ -121,7 +123,7 @@ def test_a_short_run_completes_with_every_publication_verified(which, request):
     assert [e.weight_version for e in log if isinstance(e, PublicationVerified)] == ["1", "2", "3", "4"]
     assert [r[0] for r in rollouts(log)] == [0, 1, 2]
     assert [e.seq for e in log] == list(range(1, len(log) + 1))
-    assert "rollout 3/3" in result.stdout
+    assert "rollout 2 [3/3]" in result.stdout
 
 
 def test_both_runtimes_make_the_same_run(local_run, ray_run):
@@ -219,6 +221,48 @@ def test_a_failing_handler_stops_the_run_with_one_clear_line(tmp_path):
     log = events(tmp_path)
     assert any(isinstance(e, ActorFailed) and e.actor == "generator" for e in log)
     assert isinstance(log[-1], RunFinished) and log[-1].status == "failed"
+
+
+# ``python -m miles_events.run`` on a disk that is full where checkpoints are written.
+RUN_WITH_A_FULL_DISK = """
+import errno, runpy, sys
+import actors.saver
+def no_space(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+actors.saver.write_checkpoint = no_space
+sys.argv[0] = "miles_events.run"
+runpy.run_module("miles_events.run", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_a_full_disk_is_one_error_line_with_the_detail_in_the_run_log(tmp_path):
+    args = [sys.executable, "-c", RUN_WITH_A_FULL_DISK, str(TINY), "--set", f'run.dir="{tmp_path}"']
+    for override in (*SMALL, "metrics.port=0", 'run.runtime="local"', "run.num_rollout=3", "run.save_interval=1",
+                     'console.mode="plain"'):  # fmt: skip
+        args += ["--set", override]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    result = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert not_console(result.stdout) == []
+    (error,) = result.stderr.splitlines()
+    assert error.startswith("error: run failed: checkpoint of rollout 0 failed: OSError: [Errno 28] No space left on device")
+    assert error.endswith(f"(log: {tmp_path / 'run.log'})")
+    log = (tmp_path / "run.log").read_text()
+    assert re.search(r"ERROR \[driver pid \d+\] actors.saver: checkpoint of rollout 0 failed: OSError", log), log
+
+
+def test_resume_with_every_checkpoint_corrupt_is_one_line_on_the_terminal(tmp_path):
+    first = run_cli(tmp_path, 'run.runtime="local"', "run.num_rollout=2", "run.save_interval=1")
+    assert first.returncode == 0, first.stderr[-2000:]
+    checkpoints = sorted((tmp_path / "checkpoints").glob("rollout_*"))
+    for checkpoint in checkpoints:
+        weights = checkpoint / "model.safetensors"
+        data = bytearray(weights.read_bytes())
+        data[-1] ^= 0xFF
+        weights.write_bytes(bytes(data))
+    result = run_cli(tmp_path, 'run.runtime="local"', "run.num_rollout=4", "run.resume=true")
+    assert_one_line_exit_2(result, "run.resume: no checkpoint under")
+    assert result.stdout == ""
 
 
 def test_every_file_a_run_keeps_has_the_one_mode_of_the_rule(local_run):
@@ -559,7 +603,7 @@ def test_sigint_stops_after_the_current_steps_save_and_publication(tmp_path):
     try:
         assert process.stdout is not None
         for line in process.stdout:
-            if line.startswith("rollout 1/50"):
+            if line.startswith("rollout 0 [1/50]"):
                 process.send_signal(signal.SIGINT)
                 break
         out, err = process.communicate(timeout=120)
@@ -576,7 +620,7 @@ def test_sigint_stops_after_the_current_steps_save_and_publication(tmp_path):
     assert [(e.rollout_id, e.reason) for e in log if isinstance(e, SaveRequested)] == [(last, "stop")]
     assert last in [e.rollout_id for e in log if isinstance(e, CheckpointSaved)]
     assert finished.last_rollout_id == last and finished.weight_version == str(last + 2)
-    assert f"run stopped after rollout {last + 1}/50" in out
+    assert f"run stopped after rollout {last} [{last + 1}/50]" in out
     resumed = run_cli(tmp_path, 'run.runtime="local"', "run.num_rollout=" + str(last + 3), "run.save_interval=100",
                       "run.eval_interval=100", "run.resume=true")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
@@ -619,6 +663,46 @@ def test_a_second_signal_cuts_a_long_step_at_its_next_cancellation_point(tmp_pat
     (finished,) = [e for e in log if isinstance(e, RunFinished)]
     assert finished.status == "stopped" and finished.last_rollout_id == -1
     assert took < 30, f"the cut took {took:.1f}s"
+
+
+@pytest.mark.parametrize("runtime", ["local", "ray"])
+def test_a_step_cut_after_the_grace_period_ends_the_process_at_once(tmp_path, runtime):
+    """``run.stop_grace_seconds = 2``: one SIGINT in a long step; 2 s later the step is cut
+    (``StopRequested(now=True)``), the run stops, and the process is gone right after the
+    cut: nothing after the run's own shutdown (the actors', Ray's, the sinks') holds it."""
+    args = [sys.executable, "-m", "miles_events.run", str(TINY), "--set", f'run.dir="{tmp_path}"']
+    for override in ("metrics.port=0", f'run.runtime="{runtime}"', "rollout.max_batch_size=1", 'console.mode="plain"',
+                     "run.stop_grace_seconds=2"):  # fmt: skip
+        args += ["--set", override]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    try:
+        assert process.stdout is not None
+        for line in process.stdout:
+            if line.startswith("eval at rollout 0"):
+                break
+        time.sleep(0.5)  # rollout 0 (4096 sequences, one at a time) is being generated
+        signalled = time.time()
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=120)
+        exited = time.time()
+    finally:
+        process.kill()
+    assert process.returncode == 0, err[-2000:]
+    log = events(tmp_path)
+    (cut,) = [e for e in log if isinstance(e, StopRequested) and e.now]
+    (cancelled,) = [e for e in log if isinstance(e, StepCancelled)]
+    (finished,) = [e for e in log if isinstance(e, RunFinished)]
+    assert finished.status == "stopped" and cut.reason.endswith("(the step was cut after 2s)")
+    assert signalled + 2 <= cut.time <= cancelled.time <= finished.time <= exited
+    took = exited - cut.time
+    assert took < EXIT_AFTER_CUT[runtime], f"the process exited {took:.1f}s after the cut"
+
+
+EXIT_AFTER_CUT = {"local": 2.0, "ray": 4.0}
+"""Seconds from a step's cut to the process's exit, at most, on a busy host: measured on an
+idle one, 0.2 s on the local runtime and 0.7 s on ray (0.6 of it Ray's own shutdown); the
+interpreter's teardown, a full garbage collection of the start-up heap, added 1.5-2 s."""
 
 
 def test_py_spy_dumps_the_driver_and_every_actor_process_periodically(tmp_path):

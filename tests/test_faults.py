@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from miles_events.bus.event_log import read_events
 from miles_events.rl.checkpoint import latest_checkpoint, read_checkpoint
 from miles_events.runtime.leftovers import descendants
 from schemas.events import RunFinished, RunStarted, TrainStepFinished
+from tests.support import not_console
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "examples" / "tiny.toml"
@@ -55,18 +57,18 @@ def run(run_dir: Path, runtime: str, *overrides: str) -> subprocess.CompletedPro
     return subprocess.run(command(run_dir, runtime, *overrides), capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=400)
 
 
-def kill_after(run_dir: Path, runtime: str, rollout_line: int, victim: str, extra_delay: float) -> int:
+def kill_after(run_dir: Path, runtime: str, rollout_line: int, victim: str, extra_delay: float) -> subprocess.CompletedProcess:
     """Start a run; once it prints its ``rollout_line``-th rollout line, wait ``extra_delay``
     seconds and ``kill -9`` the ``victim`` ("driver" or an actor's Ray process); returns
-    the driver's exit status."""
+    the driver's exit status and everything it printed."""
     overrides = ("run.resume=true",) if (run_dir / "events.log").exists() else ()
-    process = subprocess.Popen(
-        command(run_dir, runtime, *overrides), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT, env=ENV
-    )
+    args = command(run_dir, runtime, *overrides)
+    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=ENV)
     try:
         assert process.stdout is not None
-        seen = 0
+        seen, printed = 0, []
         for line in process.stdout:
+            printed.append(line)
             if line.startswith("rollout "):
                 seen += 1
                 if seen >= rollout_line:
@@ -76,10 +78,10 @@ def kill_after(run_dir: Path, runtime: str, rollout_line: int, victim: str, extr
             process.send_signal(signal.SIGKILL)
         else:
             os.kill(actor_pid(process.pid, victim), signal.SIGKILL)
-        process.communicate(timeout=300)
+        out, err = process.communicate(timeout=300)
     finally:
         process.kill()
-    return process.returncode
+    return subprocess.CompletedProcess(args, process.returncode, "".join(printed) + out, err)
 
 
 def actor_pid(driver: int, name: str) -> int:
@@ -155,9 +157,21 @@ def test_kill_9_of_the_driver_then_resume(tmp_path, uninterrupted, rollout_line,
 
 
 def test_kill_9_of_an_actor_process_on_ray_then_resume(tmp_path, uninterrupted):
-    status = kill_after(tmp_path, "ray", 3, "actor", 0.1)
+    status = kill_after(tmp_path, "ray", 3, "actor", 0.1).returncode
     assert status in (0, 1)  # the run notices the dead actor and fails (or had just completed)
     if status == 1:
         assert last_run_status(tmp_path) == "failed"
     finish_by_resuming(tmp_path, "local")
     assert_exactly_once_and_equal(tmp_path, uninterrupted)
+
+
+def test_a_killed_actor_process_on_ray_is_one_error_line_with_the_detail_in_the_run_log(tmp_path):
+    result = kill_after(tmp_path, "ray", 2, "actor", 0.1)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert not_console(result.stdout) == []
+    (error,) = result.stderr.splitlines()
+    assert error.startswith("error: run failed: actor ") and "actor process died" in error
+    assert error.endswith(f"(log: {tmp_path / 'run.log'})")
+    log = (tmp_path / "run.log").read_text()
+    assert re.search(r"ERROR \[driver pid \d+\] miles_events.runtime.ray: actor \w+ is gone: ", log), log
+    assert "Worker exit type" in log  # Ray's account of the death, in full

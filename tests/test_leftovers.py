@@ -142,7 +142,7 @@ def test_kill_9_of_a_ray_driver_leaves_nothing_after_the_next_run(tmp_path):
     try:
         assert first.stdout is not None
         for line in first.stdout:
-            if line.startswith("rollout 1/"):
+            if line.startswith("rollout 0 [1/"):
                 break
         record = json.loads((tmp_path / PROCESSES_FILE).read_text())
         listening = listening_addresses([pid for pid, _ in record["processes"]])

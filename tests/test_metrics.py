@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -308,6 +309,14 @@ async def test_closed_exporter_frees_its_port() -> None:
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(exporter.url, timeout=5)
     MetricsServer(RunMetrics().registry, "127.0.0.1", exporter.port).close()
+
+
+def test_closing_the_server_takes_a_moment_not_a_poll_interval() -> None:
+    server = MetricsServer(RunMetrics().registry, "127.0.0.1", 0)
+    time.sleep(0.05)  # its loop is waiting for a request
+    began = time.monotonic()
+    server.close()
+    assert time.monotonic() - began < 0.2
 
 
 def test_a_busy_port_is_a_metrics_error_naming_host_port_and_setting() -> None:

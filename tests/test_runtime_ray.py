@@ -171,9 +171,10 @@ async def test_the_cluster_is_lean_and_its_stop_runs_every_stop_then_ends_it_at_
     assert took < 10, f"stopping took {took:.1f}s"
 
 
-async def test_an_actors_process_logs_at_the_drivers_level(tmp_path):
+async def test_an_actors_process_logs_into_the_runs_log_at_the_drivers_level(tmp_path):
     # ``python -m miles_events.run --log-level info`` sets the driver's root logger: an
-    # actor's INFO lines must reach the terminal from its own process too.
+    # actor's INFO lines must reach the run's log from its own process too, each line
+    # naming its process.
     root = logging.getLogger()
     level = root.level
     root.setLevel(logging.INFO)
@@ -188,12 +189,15 @@ async def test_an_actors_process_logs_at_the_drivers_level(tmp_path):
         model_pid, _, _, model_logs = answers["model"]
         rank, rank_pid, _, actor_pid, _, rank_logs = answers["ranked"]
         assert (int(rank), len({int(model_pid), int(rank_pid), int(actor_pid), os.getpid()})) == (1, 4)
-        # The root logger at the driver's level, with a handler to stderr (Ray forwards it).
+        # The root logger at the driver's level, with one handler: the run's log.
         assert model_logs == rank_logs == "INFO/1", "an actor's process and a rank's process log at the driver's level"
     finally:
         bus.close()
         await runtime.stop()
         ShmTransport("ray-test").close()
+    log = (tmp_path / "run.log").read_text()
+    assert f"INFO [model pid {model_pid}] tests.ray_actors: eval 4 asked of the model" in log, log
+    assert f"INFO [ranked rank 1 pid {rank_pid}] tests.ray_actors: rank 1 asked where it runs" in log, log
 
 
 async def test_without_an_actor_for_each_cpu_no_worker_is_prestarted(tmp_path):

@@ -107,7 +107,7 @@ def test_a_server_that_dies_mid_run_fails_the_run_with_one_line_naming_it(tmp_pa
         run = subprocess.Popen(command, stdout=stdout, stderr=stderr, cwd=ROOT, text=True)
         try:
             deadline = time.monotonic() + 420
-            while "rollout 2/200" not in out.read_text():
+            while "rollout 1 [2/200]" not in out.read_text():
                 assert run.poll() is None, err.read_text()[-3000:]
                 assert time.monotonic() < deadline, "the run did not reach rollout 2"
                 time.sleep(1)

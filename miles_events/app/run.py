@@ -5,22 +5,26 @@ Exit codes: 0 the run completed (or was stopped on request), 1 the run failed, 2
 wrong. A user's mistake gets one line naming what is wrong, no traceback; the input
 (miles_events.app.preflight) and everything else a start can fail on
 (miles_events.app.start_checks) are checked before anything is written, and --dry-run makes
-exactly those checks.
+exactly those checks. What the run's processes log goes to <run.dir>/run.log, and to the
+terminal as well with --log-level.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import logging
 import os
 import re
 import signal
 import sys
+import threading
+from typing import NoReturn
 
 from miles_events.app.config import dump_config
+from miles_events.app.logs import DriverLog, OpenRunLog
 from miles_events.app.preflight import INPUT_ERRORS, load_and_check
-from miles_events.runtime.base import LOG_FORMAT
 from miles_events.runtime.malloc import cap_this_process
 from miles_events.sinks.base import Sink, SinkContext
 from miles_events.sinks.metrics import MetricsExporter, metrics_exporter
@@ -48,8 +52,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dry-run", action="store_true", help="check the input, print the resolved config and exit")
     parser.add_argument(
         "--log-level",
-        default=os.environ.get("MILES_LOG_LEVEL", "WARNING"),
-        help="Python logging level of the run's log, the driver's and each actor process's (default: $MILES_LOG_LEVEL, else WARNING)",
+        default=None,
+        help="Python logging level of the run's processes, the driver's and each actor's: what they log at it and "
+        "above goes to <run.dir>/run.log, and with this option (or $MILES_LOG_LEVEL) to the terminal as well "
+        "(default: $MILES_LOG_LEVEL, else WARNING, in the file only)",
     )
     return parser.parse_args(argv)
 
@@ -65,12 +71,41 @@ def error_line(error: BaseException) -> str:
     return f"error: {message}"
 
 
-def configure_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format=LOG_FORMAT)
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def configure_logging(level: str | None) -> DriverLog:
+    """The driver's log at ``level`` (else ``$MILES_LOG_LEVEL``, else WARNING): on the
+    terminal only when one of those asks for it, into the run's log always. A level that
+    is none of ``LOG_LEVELS`` is a ``ValueError``."""
+    level = level or os.environ.get("MILES_LOG_LEVEL")
+    name = (level or "WARNING").upper()
+    if name not in LOG_LEVELS:
+        raise ValueError(f"--log-level: unknown level {level!r}; known: {', '.join(LOG_LEVELS)}")
+    log = DriverLog(logging.getLevelName(name), terminal=level is not None)
+    log.install()
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return log
+
+
+def exit_process(code: int) -> NoReturn:
+    """End the process with ``code`` once ``main`` has returned: the run has shut down (its
+    actors, Ray, its sinks, the event log closed), so Python's exit handlers run and the
+    streams are flushed, but the interpreter's teardown, a full garbage collection of
+    everything torch and the actors built (1-2 s, more on a busy host), is skipped. Where a
+    thread of ours is still running, the ordinary exit waits for it."""
+    if any(t is not threading.main_thread() and not t.daemon and t.is_alive() for t in threading.enumerate()):
+        sys.exit(code)
+    atexit._run_exitfuncs()  # logging's shutdown among them
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except (BrokenPipeError, ValueError):  # a reader that went away, a stream closed
+        pass
+    os._exit(code)
 
 
 def _abort(signum: int, frame: object) -> None:
@@ -82,25 +117,32 @@ def _abort(signum: int, frame: object) -> None:
 def main(argv: list[str] | None = None) -> int:
     cap_this_process()  # before the run's threads allocate
     args = parse_args(argv)
-    configure_logging(args.log_level)
+    try:
+        log = configure_logging(args.log_level)
+    except ValueError as error:
+        print(error_line(error), file=sys.stderr)
+        return 2
     # Until the run's loop takes signals over (the first then stops after the current step),
     # SIGTERM aborts as Ctrl-C does: whatever has started is shut down, exit 130.
     signal.signal(signal.SIGTERM, _abort)
     try:
-        return _run(args)
+        return _run(args, log)
     except KeyboardInterrupt:
         print("error: aborted", file=sys.stderr)
         return 130
+    finally:
+        log.remove()
 
 
-def make_sinks(config: Config) -> list[Sink]:
-    """The run's sinks besides the event log: tracking, the metrics exporter (and where it
-    serves), the console."""
+def make_sinks(config: Config, log: DriverLog | None = None) -> list[Sink]:
+    """The run's sinks besides the event log: the run's log file (opened once the run has its
+    directory), tracking, the metrics exporter (and where it serves), the console."""
     from miles_events.sinks.console import make_console
     from miles_events.sinks.tracking import make_tracking
 
+    sinks: list[Sink] = [OpenRunLog(log)] if log is not None else []
     # Tracking first: a tracking error must not leave a live display on the screen.
-    sinks: list[Sink] = [*make_tracking(config)]
+    sinks.extend(make_tracking(config))
     exporter = metrics_exporter(config)
     if exporter is not None:
         sinks.append(exporter)
@@ -110,7 +152,7 @@ def make_sinks(config: Config) -> list[Sink]:
     return sinks
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace, log: DriverLog) -> int:
     from miles_events.app.start_checks import START_ERRORS, check_start
 
     try:
@@ -129,7 +171,7 @@ def _run(args: argparse.Namespace) -> int:
     from miles_events.app.session import Session
 
     try:
-        session = Session(config, list(ACTORS), sinks=make_sinks(config))
+        session = Session(config, list(ACTORS), sinks=make_sinks(config, log))
         # A sink that passed its checks can still fail to start (wandb's server unreachable):
         # the run is recorded as failed, and the same one line is printed.
         result = asyncio.run(session.run())
@@ -140,6 +182,7 @@ def _run(args: argparse.Namespace) -> int:
     if config.console.mode != "quiet":
         print(f"events: {event_log_path(result.run_dir)}  ({result.seconds:.1f}s)")
     if finished.status == "failed":
-        print(f"error: run failed: {finished.reason}", file=sys.stderr)
+        where = f" (log: {log.path})" if log.path is not None else ""
+        print(f"error: run failed: {finished.reason}{where}", file=sys.stderr)
         return 1
     return 0

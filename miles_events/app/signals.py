@@ -1,11 +1,13 @@
 """SIGINT / SIGTERM during a run: the first stops the run after the current step, the second
-cuts the step in progress at its next cancellation point, the third aborts."""
+cuts the step in progress at its next cancellation point, the third aborts. Each says so
+on stderr, which the run's log lines reach only when ``--log-level`` asks."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import signal
+import sys
 
 from miles_events.bus.event_bus import EventBus
 from schemas.events import StopRequested
@@ -37,11 +39,13 @@ class StopOnSignal:
         if self.signals > 2:
             raise KeyboardInterrupt
         if self.signals == 1:
-            logger.warning("interrupted: stopping after the current step (again: cut it now; a third time: abort)")
+            said = "interrupted: stopping after the current step (again: cut it now; a third time: abort)"
             stop = StopRequested(reason="interrupted by signal")
         else:
-            logger.warning("interrupted again: cutting the step in progress (again to abort)")
+            said = "interrupted again: cutting the step in progress (again to abort)"
             stop = StopRequested(reason="interrupted by signal", now=True)
+        logger.info(said)
+        print(said, file=sys.stderr, flush=True)
         self.task = self._loop.create_task(self.bus.publish(stop, source="session"))
 
     @property

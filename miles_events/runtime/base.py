@@ -24,14 +24,8 @@ from schemas.plan import RunPlan
 logger = logging.getLogger(__name__)
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-"""The format of every line a run logs, the driver's and each actor process's."""
-
-
-def log_at(level: int) -> None:
-    """This process logs at ``level`` in ``LOG_FORMAT`` to stderr (where the root logger has
-    no handler yet: a Ray worker's has none, and its stderr is forwarded to the driver's)."""
-    logging.basicConfig(format=LOG_FORMAT)
-    logging.getLogger().setLevel(level)
+"""The format of the driver's log lines on the terminal (``--log-level``); the run's log
+file names each line's process as well (``miles_events.runtime.run_log``)."""
 
 
 @dataclass(frozen=True)

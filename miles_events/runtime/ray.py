@@ -39,12 +39,12 @@ from miles_events.runtime.base import (
     Preparation,
     RunContext,
     host_context,
-    log_at,
 )
 from miles_events.runtime.heap import freeze_start_up
 from miles_events.runtime.leftovers import forget_processes, record_processes
 from miles_events.runtime.ray_cluster import ARENAS_MARK, RayCluster
 from miles_events.runtime.ray_workers import start_ray_workers
+from miles_events.runtime.run_log import log_into
 from miles_events.transport.base import Transport, open_transport
 from schemas.config import Config
 from schemas.events import ActorFailed, Event, StopRequested
@@ -69,7 +69,7 @@ class RemoteActorHost:
         first_bundle: int = 0,
         log_level: int = logging.WARNING,
     ) -> None:
-        log_at(log_level)  # the driver's
+        log_into(Path(run_dir), log_level, actor_cls.name)  # the driver's level, the run's log
         if os.environ.pop(ARENAS_MARK, None):
             os.environ.pop("MALLOC_ARENA_MAX", None)  # this process has it; its children need not
         self.actor_cls = actor_cls
@@ -104,6 +104,7 @@ class RemoteActorHost:
             group=self.actor_cls.resources(self.config),
             first_bundle=self.first_bundle,
             timeout=self.config.ray.actor_start_timeout,
+            actor=name,
         )
         context = host_context(run, self.transport, name, self._publish, start_workers)
         actor = self.actor_cls(self.config, context)

@@ -159,6 +159,27 @@ class _DropMessage(logging.Filter):
         return not str(record.msg).startswith(self.prefix)
 
 
+def join_the_drivers_log() -> None:
+    """What Ray says in the driver goes where the driver's log lines go: the run's log, and
+    the terminal only when ``--log-level`` asks. Its ``ray`` logger writes to stderr itself,
+    and the messages its cluster sends the driver (a worker that died, with how and why) are
+    printed to stdout by a thread of Ray's; both are logged instead, at WARNING."""
+    from ray._private import worker
+
+    ray_logger = logging.getLogger("ray")
+    for handler in list(ray_logger.handlers):
+        if type(handler).__name__ == "PlainRayHandler":
+            ray_logger.removeHandler(handler)
+    ray_logger.propagate = True
+    if hasattr(worker, "print_to_stdstream"):
+        worker.print_to_stdstream = _log_cluster_message
+
+
+def _log_cluster_message(data: dict[str, Any], ignore_prefix: bool = False) -> None:
+    for line in data.get("lines", ()):
+        logger.warning("ray (%s): %s", data.get("pid", "?"), line)
+
+
 def importable_by_workers(module: str) -> bool:
     """Whether a Ray worker can import ``module`` before it is given a job: its package is
     installed (or on the path) for this interpreter, not found only in the driver's working
@@ -237,9 +258,13 @@ class RayCluster:
 
         if ray.is_initialized():
             return
+        join_the_drivers_log()
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        # Ray's processes keep what they print (the actors' and Ray's own, a dead worker's
+        # report among them) in their logs in Ray's session directory; the actors log into
+        # the run's log (miles_events.runtime.run_log).
         kwargs: dict[str, Any] = dict(
-            include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True
+            include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False
         )
         if not self.own:
             ray.init(address=self.ray_config.address, **kwargs)

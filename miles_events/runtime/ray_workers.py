@@ -24,9 +24,9 @@ from miles_events.bus.workers import (
     build_in_process,
     gather_workers,
 )
-from miles_events.runtime.base import log_at
 from miles_events.runtime.heap import freeze_start_up
 from miles_events.runtime.ray_cluster import ARENAS_MARK
+from miles_events.runtime.run_log import log_into
 from miles_events.transport.base import Transport, open_transport
 from schemas.config import Config
 
@@ -46,8 +46,9 @@ class RankHost:
         transport: str,
         place: RankPlace,
         log_level: int = logging.WARNING,
+        actor: str = "",
     ) -> None:
-        log_at(log_level)  # its actor's, the driver's
+        log_into(Path(run_dir), log_level, f"{actor} rank {place.rank}".lstrip())  # its actor's level, the driver's
         if os.environ.pop(ARENAS_MARK, None):
             os.environ.pop("MALLOC_ARENA_MAX", None)
         config = msgspec.json.decode(config_json, type=Config)
@@ -110,6 +111,7 @@ async def start_ray_workers(
     group: WorkerGroup,
     first_bundle: int,
     timeout: float,
+    actor: str = "",
 ) -> list[Worker]:
     """Rank 0 here, ranks 1.. in their own processes, all started concurrently."""
     import ray
@@ -139,6 +141,7 @@ async def start_ray_workers(
             transport.name,
             RankPlace(rank, ranks, run_dir, run_id),
             logging.getLogger().getEffectiveLevel(),
+            actor,
         )
         try:
             pid = await wait_for(handle.started.remote(), timeout, SYSTEM_CLOCK)

@@ -1,6 +1,12 @@
 """The run on the console, as a bus subscriber: a live ``rich`` display on a terminal,
 one line per rollout otherwise, or only the final status line.
 
+A rollout is named by its id, 0-based as in the seed, the event log and the checkpoint
+names (``rollout_000004``), and this run's progress follows it in brackets:
+``rollout 4 [5/50]`` is rollout id 4, the 5th of the 50 this run is to do (a run resumed at
+rollout 10 of 50 shows ``rollout 10 [1/40]``). An eval says the weight version it ran on
+(the eval before training and the one after rollout 0's training share rollout id 0).
+
 ``make_console(config)`` chooses the display by ``config.console.mode``. Every display is a
 ``Sink`` that folds the same events into a ``RunProgress``; like every sink it never
 raises into the bus (see ``miles_events.sinks.base``).
@@ -72,6 +78,12 @@ def metric_name(key: str) -> str:
     return key.removeprefix("eval/")
 
 
+def describe_eval(event: EvalFinished) -> str:
+    """``rollout 4 (weights v5)``: two evals of one rollout id ran on different weights."""
+    versions = ", ".join(f"v{version}" for version in event.weight_versions)
+    return f"rollout {event.rollout_id} (weights {versions})" if versions else f"rollout {event.rollout_id}"
+
+
 def describe_mismatch(event: PublicationMismatch) -> str:
     """``MISMATCH in 2 tensor(s), first engine-0:model.norm.weight``: the first is where to look."""
     first = event.mismatches[0] if event.mismatches else None
@@ -115,6 +127,16 @@ class RunProgress(HandlerTable):
     def done(self) -> int:
         """Rollouts done so far in this run."""
         return 0 if self.last_trained is None else self.last_trained - self.start_rollout_id + 1
+
+    def rollout(self, rollout_id: int) -> str:
+        """``rollout 4 [5/50]``: the rollout's id, then which of this run's rollouts it is."""
+        return f"rollout {rollout_id} [{rollout_id - self.start_rollout_id + 1}/{self.total}]"
+
+    def nothing_to_run(self) -> str:
+        """Why the run has no rollout to do, in the config's terms."""
+        if self.start_rollout_id == 0:
+            return f"no rollouts to run (run.num_rollout = {self.num_rollout})"
+        return f"no rollouts to run (it starts at rollout {self.start_rollout_id}, run.num_rollout = {self.num_rollout})"
 
     def eta_seconds(self) -> float | None:
         """Remaining time at the pace of the rollouts done so far."""
@@ -207,14 +229,17 @@ class RunProgress(HandlerTable):
         finished = self.finished
         if finished is None:
             return "run interrupted before it finished"
-        if finished.last_rollout_id >= 0:
-            where = f"after rollout {finished.last_rollout_id + 1}/{self.num_rollout}"
+        reason = f": {finished.reason}" if finished.reason else ""
+        if not self.total:
+            where = "with no rollouts to run"
+            reason = "" if finished.status == "completed" else reason  # the reason says the same
+        elif finished.last_rollout_id >= self.start_rollout_id:
+            where = f"after {self.rollout(finished.last_rollout_id)}"
         else:
             where = "before any rollout"
         took = ""
         if self.started_at is not None and finished.time:
             took = f" in {finished.time - self.started_at:.1f}s"
-        reason = f": {finished.reason}" if finished.reason else ""
         return f"run {finished.status} {where} at weight version {finished.weight_version}{took}{reason}"
 
 
@@ -268,16 +293,15 @@ class PlainProgress(ConsoleSink):
         resumed = f", resumed at weight version {event.weight_version}" if event.resumed else ""
         if event.rollout_only:
             resumed += f", rollout-only from checkpoint iteration {event.checkpoint_iteration}"
-        self._line(
-            f"run {event.run_id} ({event.runtime}): rollouts {event.start_rollout_id}..{event.num_rollout - 1}, "
-            f"engines {', '.join(event.engines)}{resumed}"
-        )
+        p = self.progress
+        todo = f"rollouts {p.start_rollout_id}..{p.num_rollout - 1} ({p.total} to run)" if p.total else p.nothing_to_run()
+        self._line(f"run {event.run_id} ({event.runtime}): {todo}, engines {', '.join(event.engines)}{resumed}")
 
     @handles(RolloutGenerated)
     def _rollout_generated(self, event: RolloutGenerated) -> None:
         if self.progress.rollout_only:
             self._line(
-                f"rollout {event.rollout_id + 1}/{self.progress.num_rollout}: reward {event.reward_mean:.3f} | "
+                f"{self.progress.rollout(event.rollout_id)}: reward {event.reward_mean:.3f} | "
                 f"gen {event.generate_seconds:.2f}s | not trained (rollout-only)"
             )
         else:
@@ -327,7 +351,7 @@ class PlainProgress(ConsoleSink):
     @handles(EvalFinished)
     def _eval_finished(self, event: EvalFinished) -> None:
         metrics = " ".join(f"{metric_name(k)}={v:.3f}" for k, v in sorted(event.metrics.items()))
-        self._line(f"eval at rollout {event.rollout_id}: {metrics}")
+        self._line(f"eval at {describe_eval(event)}: {metrics}")
 
     @handles(CheckpointSaved)
     def _checkpoint_saved(self, event: CheckpointSaved) -> None:
@@ -369,7 +393,7 @@ class PlainProgress(ConsoleSink):
         if verify_seconds is not None:
             times += f" verify {verify_seconds:.2f}s"
         self._line(
-            f"rollout {rollout_id + 1}/{self.progress.num_rollout}: {reward}"
+            f"{self.progress.rollout(rollout_id)}: {reward}"
             f"loss {m.loss:+.4f} kl {m.kl:.4f} grad {m.grad_norm:.3f} | {times} | {outcome}"
         )
 
@@ -393,7 +417,12 @@ def render_progress(progress: RunProgress, *, final: bool = False) -> Panel:
     rows = Table.grid(padding=(0, 2))
     rows.add_column(style="bold", no_wrap=True)
     rows.add_column()
-    through = p.last_trained + 1 if p.last_trained is not None else p.start_rollout_id
+    if not p.total:
+        where = p.nothing_to_run()
+    elif p.last_trained is None or p.last_trained < p.start_rollout_id:
+        where = f"no rollout yet [0/{p.total}]"
+    else:
+        where = p.rollout(p.last_trained)
     eta = p.eta_seconds()
     pace = ""
     if final and p.started_at is not None and p.last_time is not None:
@@ -401,7 +430,10 @@ def render_progress(progress: RunProgress, *, final: bool = False) -> Panel:
     elif eta is not None:
         pace = f"ETA {_duration(eta)}"
     bar = Table.grid(padding=(0, 2))
-    bar.add_row(ProgressBar(total=p.total or 1, completed=p.done, width=30), Text(f"rollout {through}/{p.num_rollout}"), Text(pace))
+    if p.total:
+        bar.add_row(ProgressBar(total=p.total, completed=p.done, width=30), Text(where), Text(pace))
+    else:
+        bar.add_row(Text(where), Text(pace))
     rows.add_row("progress", bar)
     if p.rewards:
         recent = list(p.rewards)
@@ -431,7 +463,7 @@ def render_progress(progress: RunProgress, *, final: bool = False) -> Panel:
         rows.add_row("checkpoint", Text(f"rollout {c.rollout_id} (trained from version {c.weight_version}) -> {c.path}"))
     if p.eval is not None:
         scores = " ".join(f"{metric_name(k)}={v:.4g}" for k, v in sorted(p.eval.metrics.items()))
-        rows.add_row("eval", Text(f"rollout {p.eval.rollout_id}: {scores}"))
+        rows.add_row("eval", Text(f"{describe_eval(p.eval)}: {scores}"))
     for failure in p.failures[-3:]:
         rows.add_row("failed", Text(failure, style="bold red"))
     status = p.finished.status if p.finished else "running"
