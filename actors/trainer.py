@@ -529,7 +529,7 @@ class Trainer(Actor):
             # The host copy, serialisation and staging go on beside the next events; the
             # Saver hears of the state when it is staged. They start once the publication
             # asked for with this save is staged, which then shares the process with none
-            # of it (beside the first save's pinning, its staging took 0.54 s, against 7 ms).
+            # of it (a staging beside it, as beside the first save's pinning, is far slower).
             staged = None
             taken_up = self._last_publication is not None and self._last_publication >= event.rollout_id
             if event.publication_follows and not taken_up:

@@ -351,9 +351,9 @@ class VerifierConfig(Section):
     layers). ``auto``: on when the engine backend cannot read back every tensor it serves."""
     probe_tolerance: PositiveFloat | None = None
     """The largest difference of any probe token's log-probability, trainer against engine,
-    that still verifies. Unset: 0.01 when ``model.dtype`` is float32 (the same weights
-    differed by 2.4e-7 between vLLM on CPU and torch), 0.1 for a 16-bit dtype, whose
-    kernels round differently on each side."""
+    that still verifies. Unset: 0.01 when ``model.dtype`` is float32 (far above what the same
+    weights differ by between backends), 0.1 for a 16-bit dtype, whose kernels round
+    differently on each side."""
 
 
 class SaverConfig(Section):
@@ -391,7 +391,7 @@ class RayConfig(Section):
     runtime environments). ``stand_in``: an idle placeholder process for each, so that Ray's
     metrics export, its per-node job and log services and runtime environments are off (a
     run uses none of them: its metrics come from its own exporter); the run's processes
-    hold ~120 MB less and the cluster starts ~1 s sooner. ``ray``: Ray's own agents.
+    hold less memory and the cluster starts sooner. ``ray``: Ray's own agents.
     Ignored when ``address`` is set (a joined cluster runs what it runs)."""
     own_process: list[str] = []
     """The light actors (``publisher``, ``verifier``, ``saver``: no model) that get a Ray

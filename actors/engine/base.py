@@ -2,9 +2,10 @@
 
 An engine serves one copy of the policy: it samples completions, loads published weights
 from a data-plane handle under a version, fingerprints what it serves, and answers SGLang's
-four ``/weights_checker`` actions with typed replies (``schemas.checksums``). The embedded ``TorchEngine`` implements it in process; an
-engine that drives an SGLang server over HTTP would implement the same methods with
-``/generate``, ``/update_weights_from_*`` and ``/weights_checker``.
+four ``/weights_checker`` actions with typed replies (``schemas.checksums``). The embedded
+``TorchEngine`` implements it in process; ``SglangEngine`` (``sglang_engine.py``) implements
+it over an SGLang server's HTTP API (``/generate``, ``/update_weights_from_disk``,
+``/weights_checker``) and ``VllmEngine`` (``vllm_engine.py``) over a vLLM server's.
 
 The module also holds the engine-independent pieces of those contracts: stop-string
 matching and the snapshot comparison (bitwise, or within one ULP).

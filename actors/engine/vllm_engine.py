@@ -9,7 +9,8 @@ resume, ``/collective_rpc``, weight versions) and the project's worker extension
 (``vllm_worker_extension.py``).
 
 Generation: prompts are tokenized here (text with the model's tokenizer, as ``TorchEngine``
-does; token ids are sent as they are), one request per sequence with its own seed, drawn
+does; token ids are sent as they are), one request per prompt's group of samples (``n``,
+sample k seeded with seed + k) with its own seed, drawn
 from the ``torch.Generator`` passed in, so a run with the same generator state asks for the
 same samples. ``response_ids`` are every sampled token (a final EOS and the tokens that
 completed a stop string included) and the text is vLLM's detokenization, cut before a

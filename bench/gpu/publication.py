@@ -144,7 +144,7 @@ without sleeping (``receive``), ``(SPIN, False)`` to sleep in the wait again."""
 
 def receive(pipe: Connection, spin: bool, timeout: float = 120.0) -> object:
     """The next message on ``pipe``: waited for asleep in the kernel, or when ``spin`` by
-    polling without sleeping (a process woken from its sleep takes up to ~0.1 ms to run).
+    polling without sleeping (a process woken from its sleep takes a while to run).
     Raises TimeoutError after ``timeout`` seconds."""
     if spin:
         deadline = time.monotonic() + timeout
@@ -282,7 +282,7 @@ def across_processes(
     it was the engine's (its copy of the publication before). Reps take turns: the
     wall-clock times come from reps with nothing added, the GPU times from reps with CUDA
     events around each side's copy, the timeline from reps with a stamp of the GPU's timer
-    before and after each side's copy (each a launch of the host's, ~20 us, on the
+    before and after each side's copy (each a launch of the host's, on the
     publication's path)."""
     pool = StagingPool()
     times: dict[str, list[float]] = {

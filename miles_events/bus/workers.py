@@ -76,7 +76,7 @@ class InProcessWorker:
     """A rank in the actor's own process: its object is built, and every ``call`` runs, on
     one thread of its own, as in a process of its own. (On a pool's threads, calls of one
     rank land on different threads, each with a glibc arena of its own that keeps what it
-    once held: a local run's engine held ~100 MB more so.) ``notify`` runs on the caller's
+    once held, and a local run's engine held more memory so.) ``notify`` runs on the caller's
     thread, beside a call; so does ``close``, which must not wait behind a call that is
     stuck (its handler cancelled at shutdown)."""
 

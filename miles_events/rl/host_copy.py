@@ -8,24 +8,23 @@ a stream of their own that waits only for the point where the state was captured
 next step computes.
 
 The pinned memory is pinned once and reused (``PinnedPool``): pinning stalls every CUDA
-call of the process for as long as it takes (a loop of small kernels beside the pinning of
-2.25 GB ran 770x slower, ~1.8 s a save; into memory pinned before, the copy cost it ~40 ms,
-the copy's own time: ``bench/gpu/save_overlap.py``). Copies into pageable memory stall the
-loop as long, at a fraction of the rate. Most of pinning is allocating and zeroing the
-pages, faulted in one by one: an arena's memory is one block (``HostBlock``) whose pages
+call of the process for as long as it takes, seconds for a train state; into memory pinned
+before, a copy costs the work beside it about the copy's own time
+(``bench/gpu/save_overlap.py``). Copies into pageable memory stall the work beside them
+as long as pinning would, at a fraction of the rate. Most of pinning is allocating and
+zeroing the pages, faulted in one by one: an arena's memory is one block (``HostBlock``) whose pages
 the kernel allocates first, in a memory file outside this process's address space, then
-mapped (``_populate``) and registered with CUDA. On an H200, a loop of small kernels
-beside lost 94-519 ms to a 3.6 GB block against all of ``cudaHostAlloc``'s 2.5-4.4 s
-(measured alone, the registration's 0.14 s all lost, the mapping 79-106 ms:
-``bench/gpu/pinning.py``).
+mapped (``_populate``) and registered with CUDA. Work beside it then loses the
+registration (the driver holds the process's CUDA calls meanwhile) and a small part of the
+mapping, where ``cudaHostAlloc`` would cost it the whole allocation (``bench/gpu/pinning.py``).
 
 While a save's copy to the host runs, any other transfer to the host on the same GPU (a
 loss read with ``.item()``, a fingerprint's result) waits until the copy's stream has
-nothing queued: measured, whether the copy is queued whole or in chunks kept two in
-flight, and whether the read goes to pageable or pinned memory, the reads beside it waited
-for the whole copy (41 ms for 2.25 GB on an H200); a loop that only waits for its stream
-was barely slowed. So the copies are queued a chunk at a time (``CHUNK_BYTES``), each
-waited for before the next is queued: between two chunks the other transfers go.
+nothing queued: whether the copy is queued whole or in chunks kept two in flight, and
+whether the read goes to pageable or pinned memory, the reads beside it wait for the whole
+copy; a loop that only waits for its stream is barely slowed. So the copies are queued a
+chunk at a time (``CHUNK_BYTES``), each waited for before the next is queued: between two
+chunks the other transfers go.
 """
 
 from __future__ import annotations
@@ -48,7 +47,7 @@ if TYPE_CHECKING:
 
 CHUNK_BYTES = 32 << 20
 """The bytes a host copy queues on a copy stream at a time, each chunk waited for before
-the next is queued (~0.6 ms of copying at the 54 GB/s of an H200's host link)."""
+the next is queued: another transfer to the host waits for one chunk at most."""
 
 
 logger = logging.getLogger(__name__)
@@ -103,11 +102,10 @@ def _mapped(num_bytes: int) -> mmap.mmap:
 def _populate(mapped: mmap.mmap, num_bytes: int) -> None:
     """Fill the page tables of ``mapped`` a ``POPULATE_BYTES`` range at a time, through
     libc's ``madvise`` called by ctypes, which lets go of the GIL meanwhile (``mmap.madvise``
-    holds it: on an H200 host a loop of small kernels beside the mapping of a 3.6 GB block
-    lost 0.8-0.9 s so, against 0.24 s in one call). Filled in one call (``MAP_POPULATE``),
-    they hold the process's memory-map lock for the whole block, and every other thread that
-    maps or unmaps memory (Python's allocator, the CUDA driver) waits that long: on the H200
-    the loop's longest iteration was 0.2 s. Where the kernel has no such advice, the
+    holds it, and work beside the mapping loses more than with one call). Filled in one call
+    (``MAP_POPULATE``), they hold the process's memory-map lock for the whole block, and
+    every other thread that maps or unmaps memory (Python's allocator, the CUDA driver)
+    waits that long. Where the kernel has no such advice, the
     registration with CUDA fills them instead."""
     madvise = _libc().madvise
     address = ctypes.addressof(ctypes.c_char.from_buffer(mapped))

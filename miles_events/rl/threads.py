@@ -9,7 +9,7 @@ count (0: every core this process may run on) and gives it back when it ends.
 The count is fixed for a machine (its cores), never taken from the load: results depend on
 the thread count in the last bits, and a resumed run must reproduce an uninterrupted one
 bitwise. On a machine that other busy processes share, OpenMP's barriers wait for preempted
-threads (two threads with OpenMP's default spin measured 5-10x slower than one there), so
+threads (two threads with OpenMP's default spin can be slower than one there), so
 ``python -m miles_events.run`` lets waiting threads spin only briefly (``GOMP_SPINCOUNT``,
 unless set), and ``num_threads = 1`` is the setting for such a machine.
 

@@ -2,10 +2,9 @@
 
 Before its loop begins, a run's process imports torch and transformers and builds models,
 tokenizers and engines: over a million Python objects, which every full (generation 2)
-collection walks again. In the embedded default's one process such a collection took
-~115 ms and came every 2-3 rollouts, a sixth of the run's time. Once the actors have
+collection walks again, every few rollouts of a small run. Once the actors have
 started, ``freeze_start_up`` moves every object alive into the permanent generation
-(``gc.freeze``): a full collection then walks only what was allocated since (1-2 ms).
+(``gc.freeze``): a full collection then walks only what was allocated since.
 Frozen objects are still freed by reference counting; only a reference cycle among them
 would outlive its last use. ``thaw`` gives them back to the collector (a process that
 goes on after its run).

@@ -3,8 +3,7 @@
 glibc gives each thread that allocates while another holds the main arena an arena of its
 own, up to 8 per core, and an arena keeps what it once held. A run's processes have many
 threads (an engine rank's, the trainer's, the handlers' worker threads, Ray's): a trainer
-process held 100-170 MB more at its peak with the default, and a local run ~35 MB more,
-for no speed measured. The ray runtime starts its cluster with ``MALLOC_ARENA_MAX``; the
+process holds more at its peak with the default, and runs no faster for it. The ray runtime starts its cluster with ``MALLOC_ARENA_MAX``; the
 process of ``python -m miles_events.run`` caps its own with ``mallopt``. A value the user
 set in ``MALLOC_ARENA_MAX`` is left as it is.
 """

@@ -38,7 +38,7 @@ UNUSED_HEAD_SERVICES = ("start_api_server", "start_monitor")
 """What a Ray head starts that a run's own one-host cluster never uses: the API server (with
 ``include_dashboard=False`` still a process, serving usage stats, which the run turns off)
 and the autoscaler's monitor (a fixed cluster never scales). Each is a Python process of
-~60 MB; ``ray.init`` waits for the API server to come up, and ``ray.shutdown`` ~1 s for it
+its own; ``ray.init`` waits for the API server to come up, and ``ray.shutdown`` for it
 to go (it outlives its SIGTERM)."""
 
 

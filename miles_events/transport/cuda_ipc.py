@@ -11,8 +11,7 @@ the memory from being reused while a reader still maps it.
 
 Opening a handle maps the producer's memory into the reader, and the mapping goes when the
 last tensor of it does; decoding a record's layouts (a few hundred tensors) costs about as
-much again. On a GPU each is a sizeable part of the copy that follows (716 MB copy in
-~0.35 ms on an H200). The trainer stages each publication into the buffers of an earlier
+much again. On a GPU each is a sizeable part of the copy that follows. The trainer stages each publication into the buffers of an earlier
 one, once its readers are done (``miles_events.rl.staging``), so the producer shares each
 buffer once, while it lives, and a reader keeps the buffers it opened last
 (``OPEN_BUFFERS``) and the buckets of the records it read last (``OPEN_RECORDS``): the next
@@ -25,8 +24,7 @@ The producer need not wait on the host for its staging before it shares it:
 ``put_buckets`` records an interprocess CUDA event behind the staging on the producer's
 stream and names it in the record, and ``get_buckets`` makes the reader's current stream
 wait for it, so the reader's copy is queued at once and runs on the GPU right behind the
-staging (``bench/gpu/publication.py``, whose producer shares at once: 1.1 ms instead of
-1.3-1.4 for 716 MB; the trainer reads its staging's fingerprints and finiteness back
+staging (``bench/gpu/publication.py`` measures a producer that shares at once; the trainer reads its staging's fingerprints and finiteness back
 before it shares, so it has waited for the staging anyway).
 
 Nor need a reader wait on the host for its copies before it says it is done with the

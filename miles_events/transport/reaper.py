@@ -1,11 +1,10 @@
 """Files and directories removed off the caller's thread.
 
-Removing a large file frees its pages there and then: in shared memory, 0.22 s for 1.6 GB
-and 0.61 s for 2.9 GB on a 2-core development machine (``bench/free.py``). A transport's
+Removing a large file frees its pages there and then, which for gigabytes takes a
+noticeable time (``bench/free.py``; figures in ``docs/benchmarks.md``). A transport's
 ``free`` runs on an actor's event loop, where that time holds back every event behind it
-(on an H200, the publication asked for with each save after the first waited 0.13-0.24 s
-before the trainer took it up, right behind the release of the last save's 3.6 GB of
-staged state; with nothing released before it, the first waited 0.02 s). ``remove_later``
+(the publication asked for with a save waits behind the release of the last save's staged
+state). ``remove_later``
 renames the path out of the way at once (its key can be written again, and a reader finds
 it gone, as after a removal) and a daemon thread removes it. A process that exits first
 leaves the renamed path in its run's directory, which the run's end removes with the rest.
