@@ -28,7 +28,7 @@ A failure on one engine fails the handler with the engine's name in its message.
 The embedded ``torch`` engines run on CUDA when their process sees a GPU (engine i on GPU i
 modulo the count), on CPU otherwise. Each engine samples with ``rollout.num_threads``
 torch threads (0: the cores it may use, shared by all engines) while it generates
-(``miles_events.rl.threads``).
+(``miles_events.device.threads``).
 """
 from __future__ import annotations
 
@@ -53,12 +53,12 @@ from miles_events.bus.actor import (
     close_workers,
     handles,
 )
+from miles_events.bus.cancel import Cancellation, Cancelled
 from miles_events.bus.errors import describe_error
-from miles_events.rl.cancel import Cancellation, Cancelled
 from miles_events.rl.hf_model import modeling_module
 from miles_events.rl.prompts import Prompt, load_prompts, rollout_prompts
-from miles_events.rl.registry import load_function
 from miles_events.rl.versions import engine_names
+from miles_events.util.registry import load_function
 from schemas.checksums import WeightsCheckResult
 from schemas.config import Config
 from schemas.events import (

@@ -23,7 +23,8 @@ import anyio.to_thread
 
 from miles_events.bus.actor import Actor, WorkerGroup, handles
 from miles_events.bus.errors import describe_error
-from miles_events.rl.checkpoint import prune_checkpoints, write_checkpoint
+from miles_events.checkpoint.format import write_checkpoint
+from miles_events.checkpoint.prune import prune_checkpoints
 from miles_events.rl.checkpoint_rollout import write_evidence
 from schemas.config import Config
 from schemas.events import (

@@ -28,19 +28,11 @@ import msgspec
 from actors.trainer_backend import backend_module, build_backend
 from actors.trainer_backend.base import TrainerBackend
 from miles_events.bus.actor import Actor, ActorContext, WorkerGroup, handles
-from miles_events.rl.buckets import Buckets, fingerprint_buckets, plan_layouts
-from miles_events.rl.canary import CANARY_TENSOR, canary_fingerprint, publication_canary
-from miles_events.rl.cancel import Cancellation, Cancelled
-from miles_events.rl.checkpoint import read_checkpoint
-from miles_events.rl.checksum_manifest import remove_manifest, write_manifest
-from miles_events.rl.finite import (
-    NonFiniteError,
-    describe_samples,
-    non_finite_rewards,
-    require_finite_buckets,
-)
-from miles_events.rl.hf_model import modeling_module, torch_dtype
-from miles_events.rl.host_copy import (
+from miles_events.bus.cancel import Cancellation, Cancelled
+from miles_events.checkpoint.format import read_checkpoint
+from miles_events.device.buckets import Buckets, fingerprint_buckets, plan_layouts, require_finite_buckets
+from miles_events.device.fingerprint import tensor_fingerprint
+from miles_events.device.host_copy import (
     DeviceArenaPool,
     PinnedArena,
     PinnedPool,
@@ -50,10 +42,18 @@ from miles_events.rl.host_copy import (
     map_tensors,
     tensors_of,
 )
+from miles_events.device.staging import StagingPool
+from miles_events.device.threads import phase_threads
+from miles_events.rl.canary import CANARY_TENSOR, publication_canary
+from miles_events.rl.checksum_manifest import remove_manifest, write_manifest
+from miles_events.rl.finite import (
+    NonFiniteError,
+    describe_samples,
+    non_finite_rewards,
+    )
+from miles_events.rl.hf_model import modeling_module, torch_dtype
 from miles_events.rl.probe import probe_batch, probe_vocab_size
 from miles_events.rl.prompts import data_cursor, load_prompts
-from miles_events.rl.staging import StagingPool
-from miles_events.rl.threads import phase_threads
 from miles_events.rl.versions import next_version, version_number
 from schemas.checkpoint import TrainerState
 from schemas.config import Config
@@ -292,7 +292,7 @@ class Trainer(Actor):
             self._staging.give_back(key)  # nobody has read it
             raise
         digest, manifest = write_manifest(self.context.run_dir, checksums)
-        return ref, digest, manifest, len(checksums), buckets.tensor_bytes, canary_fingerprint(canary[CANARY_TENSOR])
+        return ref, digest, manifest, len(checksums), buckets.tensor_bytes, tensor_fingerprint(canary[CANARY_TENSOR])
 
     def _weights_copy(
         self, dtype: torch.dtype | None = None, extra: tuple[BucketLayout, ...] = (), pool: StagingPool | None = None

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from miles_events.rl.checksum import tensor_fingerprint
+from miles_events.device.fingerprint import tensor_fingerprint
 
 
 def sync(device: str) -> None:

@@ -46,7 +46,7 @@ from miles_events.app.roster import ACTORS
 from miles_events.app.run import configure_logging
 from miles_events.app.session import Session
 from miles_events.bus.event_log import read_events
-from miles_events.rl.buckets import Buckets, fingerprint_buckets
+from miles_events.device.buckets import Buckets, fingerprint_buckets
 from miles_events.rl.hf_model import load_model
 from miles_events.rl.weights import split_tied
 from schemas.events import (

@@ -68,7 +68,7 @@ from trl import GRPOConfig, GRPOTrainer
 from miles_events.app.config import load_config
 from miles_events.rl.hf_model import load_model, load_tokenizer, prepare_base_model
 from miles_events.rl.prompts import load_prompts, rollout_prompts
-from miles_events.rl.registry import load_function
+from miles_events.util.registry import load_function
 from schemas.config import Config
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,7 +13,7 @@ def _abort(signum: int, frame: object) -> None:
 
 if __name__ == "__main__":
     # Before torch loads OpenMP: a thread waiting at a barrier spins briefly, then sleeps
-    # (miles_events.rl.threads says why); Ray's workers inherit it.
+    # (miles_events.device.threads says why); Ray's workers inherit it.
     os.environ.setdefault("GOMP_SPINCOUNT", "1000")
     # SIGTERM aborts as Ctrl-C does from the first instant, imports included (exit 130).
     signal.signal(signal.SIGTERM, _abort)

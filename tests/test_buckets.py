@@ -16,12 +16,25 @@ from typing import Any
 import pytest
 import torch
 
-from miles_events.rl import host_copy
-from miles_events.rl.buckets import ALIGN_BYTES, Buckets, bucket_parameters, fingerprint_buckets, plan_layouts
-from miles_events.rl.checksum import fingerprints
-from miles_events.rl.finite import NonFiniteError, require_finite_buckets
+from miles_events.device import host_copy
+from miles_events.device.buckets import (
+    ALIGN_BYTES,
+    Buckets,
+    bucket_parameters,
+    fingerprint_buckets,
+    plan_layouts,
+    require_finite_buckets,
+)
+from miles_events.device.fingerprint import fingerprints
+from miles_events.device.host_copy import (
+    DeviceArenaPool,
+    PinnedPool,
+    capture_point,
+    copy_to_host,
+    plan_chunks,
+)
+from miles_events.rl.finite import NonFiniteError
 from miles_events.rl.hf_model import load_model, prepare_base_model
-from miles_events.rl.host_copy import DeviceArenaPool, PinnedPool, capture_point, copy_to_host, plan_chunks
 from schemas.config import BuiltinModelConfig, ModelConfig
 from tests.support import torch_save_bytes
 
@@ -128,8 +141,8 @@ def test_a_modules_weights_moved_into_buckets_keep_its_values_outputs_and_ties(t
 INTERPRETED = textwrap.dedent(
     """
     import torch
-    from miles_events.rl import checksum, checksum_triton
-    from miles_events.rl.buckets import Buckets
+    from miles_events.device import checksum_triton, fingerprint
+    from miles_events.device.buckets import Buckets
 
     checksum_triton._multiprocessors = lambda device: 2  # no CUDA device in the interpreter
     gen = torch.Generator().manual_seed(7)
@@ -146,13 +159,13 @@ INTERPRETED = textwrap.dedent(
         for slots in (layout.slots, layout.slots[1:]):
             for block, per_job in ((64, 1), (128, 3)):
                 sums = checksum_triton.segment_sums(
-                    buffer, layout, slots, checksum.K1, checksum.K2, checksum.K3, block=block, tiles_per_job=per_job
+                    buffer, layout, slots, fingerprint.K1, fingerprint.K2, fingerprint.K3, block=block, tiles_per_job=per_job
                 )
-                expected = [checksum._mix_sum_numpy(checksum._words(tensors[s.name]).numpy()) for s in slots]
+                expected = [fingerprint._mix_sum_numpy(fingerprint._words(tensors[s.name]).numpy()) for s in slots]
                 assert sums == expected, (layout.dtype, block, per_job)
-    words = checksum._words(tensors["c"])
-    assert checksum_triton.mix_sum(words, checksum.K1, checksum.K2, checksum.K3, block=128) == (
-        checksum._mix_sum_numpy(words.numpy())
+    words = fingerprint._words(tensors["c"])
+    assert checksum_triton.mix_sum(words, fingerprint.K1, fingerprint.K2, fingerprint.K3, block=128) == (
+        fingerprint._mix_sum_numpy(words.numpy())
     )
     print("bit-identical")
     """
@@ -288,7 +301,7 @@ def test_an_arena_is_one_zeroed_block_its_tensors_aligned_in_it_and_alive_withou
     import gc
     import os
 
-    from miles_events.rl import host_copy
+    from miles_events.device import host_copy
 
     def no_room(fd: int, offset: int, length: int) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")

@@ -1,4 +1,4 @@
-"""Checkpoints on disk (miles_events.rl.checkpoint) and the Saver actor."""
+"""Checkpoints on disk (miles_events.checkpoint) and the Saver actor."""
 
 from __future__ import annotations
 
@@ -15,15 +15,15 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from actors.saver import Saver
-from miles_events.rl import checkpoint as ckpt
-from miles_events.rl.checkpoint import (
+from miles_events.checkpoint import format as ckpt
+from miles_events.checkpoint.format import (
     CheckpointError,
-    latest_checkpoint,
-    prune_checkpoints,
     read_checkpoint,
     verify_checkpoint,
     write_checkpoint,
 )
+from miles_events.checkpoint.prune import prune_checkpoints
+from miles_events.checkpoint.resume import latest_checkpoint
 from miles_events.rl.hf_model import load_model, load_tokenizer, prepare_base_model
 from miles_events.rl.weights import split_tied
 from miles_events.transport.base import InProcessTransport, ShmTransport, Transport

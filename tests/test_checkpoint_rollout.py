@@ -26,14 +26,10 @@ from miles_events.app.plan import make_plan
 from miles_events.app.redrive import REDRIVABLE, build_actor, redrive, split_runs
 from miles_events.app.session import Session
 from miles_events.bus.event_log import read_events
-from miles_events.rl.checkpoint import (
-    CheckpointError,
-    marked_checkpoint,
-    read_checkpoint,
-    write_checkpoint,
-)
+from miles_events.checkpoint.format import CheckpointError, read_checkpoint, write_checkpoint
+from miles_events.checkpoint.resume import marked_checkpoint
+from miles_events.device.fingerprint import fingerprints
 from miles_events.rl.checkpoint_rollout import CheckpointRolloutProof, evidence_bytes, write_evidence
-from miles_events.rl.checksum import fingerprints
 from miles_events.rl.publication_checks import canonical_checksums, checksum_digest
 from schemas.events import (
     CheckpointSaved,

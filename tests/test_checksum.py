@@ -7,17 +7,16 @@ import pytest
 import torch
 
 from actors.engine.vllm_engine import worker_checksums
-from miles_events.rl import checksum
+from miles_events.device import fingerprint
+from miles_events.device.fingerprint import fingerprints, tensor_fingerprint
 from miles_events.rl.checksum import (
     ChecksumReplyError,
     checksum_order,
-    fingerprints,
     per_engine_checksum,
     per_gpu_checksum,
     rank_of,
     ranked_checksums,
     report_checksums,
-    tensor_fingerprint,
 )
 from schemas.checksums import EngineChecksumReport, ParallelismInfo, RankChecksums
 
@@ -34,8 +33,8 @@ from schemas.checksums import EngineChecksumReport, ParallelismInfo, RankChecksu
     ],
 )
 def test_the_cpu_and_device_code_paths_agree(tensor):
-    words = checksum._words(tensor)
-    assert checksum._mix_sum_numpy(words.numpy()) == checksum._mix_sum_torch(words)
+    words = fingerprint._words(tensor)
+    assert fingerprint._mix_sum_numpy(words.numpy()) == fingerprint._mix_sum_torch(words)
 
 
 def test_a_copy_has_the_same_fingerprint():
@@ -106,12 +105,12 @@ def test_per_engine_checksum_is_sglangs_definition():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_fingerprints_equal_cpu_fingerprints():
     for t in (torch.randn(4097, 333), torch.randn(1 << 20).to(torch.bfloat16), torch.arange(70_001)):
-        words = checksum._words(t.cuda())
-        expected = checksum._mix_sum_numpy(checksum._words(t).numpy())
-        assert checksum._mix_sum_torch(words) == expected
-        fused = checksum._triton_mix_sum()
+        words = fingerprint._words(t.cuda())
+        expected = fingerprint._mix_sum_numpy(fingerprint._words(t).numpy())
+        assert fingerprint._mix_sum_torch(words) == expected
+        fused = fingerprint._triton_mix_sum()
         if fused is not None:
-            assert fused(words, checksum.K1, checksum.K2, checksum.K3) == expected
+            assert fused(words, fingerprint.K1, fingerprint.K2, fingerprint.K3) == expected
         assert tensor_fingerprint(t.cuda()) == tensor_fingerprint(t)
 
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from miles_events.app.config import ConfigError
+from miles_events.app.memory import cuda_present
 from miles_events.app.run import error_line, main
 from miles_events.bus.event_log import MAGIC, EventLogWriter
-from miles_events.rl.memory import cuda_present
 
 GOOD = '{"input": "1+1=", "label": "2"}\n'
 

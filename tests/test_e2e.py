@@ -24,7 +24,8 @@ from actors.generator import Generator
 from miles_events.app.config import load_config
 from miles_events.app.session import Session
 from miles_events.bus.event_log import read_events
-from miles_events.rl.checkpoint import latest_checkpoint, read_checkpoint
+from miles_events.checkpoint.format import read_checkpoint
+from miles_events.checkpoint.resume import latest_checkpoint
 from miles_events.rl.probe import PROBE_TENSOR
 from miles_events.runtime.leftovers import descendants
 from schemas.events import (
@@ -266,7 +267,7 @@ def test_resume_with_every_checkpoint_corrupt_is_one_line_on_the_terminal(tmp_pa
 
 
 def test_every_file_a_run_keeps_has_the_one_mode_of_the_rule(local_run):
-    from miles_events.rl.file_modes import KEPT_FILE_MODE
+    from miles_events.util.file_modes import KEPT_FILE_MODE
 
     run_dir, _ = local_run
     modes = {path.relative_to(run_dir): stat.S_IMODE(path.stat().st_mode) for path in run_dir.rglob("*") if path.is_file()}

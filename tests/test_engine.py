@@ -13,10 +13,11 @@ import torch
 from actors.engine.base import SamplingParams
 from actors.engine.static_decode import fuse_rms_norms, supports
 from actors.engine.torch_engine import TorchEngine, sample_tokens
-from miles_events.rl.buckets import Buckets
-from miles_events.rl.canary import CANARY_TENSOR, canary_fingerprint, publication_canary
-from miles_events.rl.cancel import Cancellation, Cancelled
-from miles_events.rl.checksum import fingerprints, per_gpu_checksum, report_checksums
+from miles_events.bus.cancel import Cancellation, Cancelled
+from miles_events.device.buckets import Buckets
+from miles_events.device.fingerprint import fingerprints, tensor_fingerprint
+from miles_events.rl.canary import CANARY_TENSOR, publication_canary
+from miles_events.rl.checksum import per_gpu_checksum, report_checksums
 from miles_events.rl.hf_model import load_model, load_tokenizer, prepare_base_model
 from miles_events.transport.base import open_transport
 from schemas.checksums import EngineChecksumReport, ParallelismInfo
@@ -477,7 +478,7 @@ def test_weights_staged_in_buckets_of_the_served_layout_load_bucket_by_bucket(
     assert engine.load_weights(ref, "1") == sum(t.numel() * t.element_size() for t in state.values()) + 16
     assert done == [(ref, engine.device)]
     assert engine.weight_version == "1" and served_checksums(engine) == fingerprints(state)
-    assert engine.served_canary() == canary_fingerprint(canary)
+    assert engine.served_canary() == tensor_fingerprint(canary)
     served = engine.served_tensors()
     assert all(torch.equal(served[n], state[n]) for n in state)
     plane.close()
@@ -497,7 +498,7 @@ def test_buckets_staged_again_load_their_new_values_and_a_later_layout_is_checke
     canary = publication_canary("run-restaged", "2")
     staged.pack({**state, CANARY_TENSOR: canary})  # staged again into the same buckets
     engine.load_weights(plane.put_buckets("weights-v2", staged, owner="trainer"), "2")
-    assert served_checksums(engine) == fingerprints(state) and engine.served_canary() == canary_fingerprint(canary)
+    assert served_checksums(engine) == fingerprints(state) and engine.served_canary() == tensor_fingerprint(canary)
     by_tensor = []
     monkeypatch.setattr(engine, "load_tensors", lambda tensors, version: by_tensor.append(version))
     reordered = Buckets.of(dict(reversed(list(state.items()))))
@@ -613,6 +614,6 @@ def test_the_canary_is_served_from_the_buffer_the_load_wrote(engine: TorchEngine
     assert engine.served_canary() == ""  # nothing loaded yet
     state = engine.served_tensors()
     engine.load_tensors({**state, CANARY_TENSOR: publication_canary("run", "1")}, "1")
-    assert engine.served_canary() == canary_fingerprint(publication_canary("run", "1"))
+    assert engine.served_canary() == tensor_fingerprint(publication_canary("run", "1"))
     engine._canary.zero_()  # what the engine holds is what it reports, not what it was sent
-    assert engine.served_canary() == canary_fingerprint(torch.zeros(16, dtype=torch.uint8))
+    assert engine.served_canary() == tensor_fingerprint(torch.zeros(16, dtype=torch.uint8))

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from miles_events.bus.event_log import read_events
-from miles_events.rl.checkpoint import latest_checkpoint, read_checkpoint
+from miles_events.checkpoint.format import read_checkpoint
+from miles_events.checkpoint.resume import latest_checkpoint
 from miles_events.runtime.leftovers import descendants
 from schemas.events import RunFinished, RunStarted, TrainStepFinished
 from tests.support import not_console

@@ -15,7 +15,8 @@ import torch
 from actors.generator import Generator, engine_seed, sorted_versions
 from miles_events.bus.actor import WorkerGroup
 from miles_events.bus.workers import Worker, WorkerFactory, start_in_process
-from miles_events.rl.checksum import fingerprints, per_gpu_checksum
+from miles_events.device.fingerprint import fingerprints
+from miles_events.rl.checksum import per_gpu_checksum
 from miles_events.rl.checksum_manifest import read_manifest, write_manifest
 from miles_events.rl.hf_model import load_model, prepare_base_model
 from miles_events.rl.prompts import load_prompts, rollout_prompts

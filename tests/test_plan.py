@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from miles_events.app.plan import make_plan, set_aside_all
-from miles_events.rl.checkpoint import CheckpointError, write_checkpoint
+from miles_events.checkpoint.format import CheckpointError, write_checkpoint
 from miles_events.rl.prompts import DataError
 from schemas.checkpoint import DataCursor, TrainerState
 from schemas.config import Config, DataConfig, RunConfig

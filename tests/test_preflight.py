@@ -9,7 +9,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from miles_events.app import preflight
+from miles_events.app import memory, preflight
 from miles_events.app.config import ConfigError
 from miles_events.app.preflight import (
     INPUT_ERRORS,
@@ -18,7 +18,6 @@ from miles_events.app.preflight import (
     check_data,
     load_and_check,
 )
-from miles_events.rl import memory
 from miles_events.rl.model_size import BUILTIN_VOCAB_SIZE, builtin_build_bytes, builtin_parameter_count
 from miles_events.rl.prompts import DataError
 from schemas.config import (

@@ -11,8 +11,9 @@ import torch
 from actors.publisher import Publisher
 from actors.verifier import Verifier
 from miles_events.bus.clock import ManualClock
+from miles_events.device.fingerprint import fingerprints
 from miles_events.rl.canary import CANARY_TENSOR
-from miles_events.rl.checksum import fingerprints, per_gpu_checksum
+from miles_events.rl.checksum import per_gpu_checksum
 from miles_events.rl.checksum_manifest import write_manifest
 from miles_events.rl.probe import PROBE_TENSOR
 from schemas.config import Config, GeneratorConfig, PublisherConfig, VerifierConfig

@@ -12,7 +12,7 @@ from actors.coordinator import Coordinator
 from actors.generator import Generator
 from actors.trainer import Trainer
 from miles_events.app.session import Session
-from miles_events.rl.checkpoint import CheckpointError
+from miles_events.checkpoint.format import CheckpointError
 from miles_events.runtime.leftovers import ray_processes
 from miles_events.runtime.ray import process_modules
 from miles_events.runtime.ray_cluster import RayCluster, importable_by_workers

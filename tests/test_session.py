@@ -15,7 +15,7 @@ from miles_events.bus.actor import Actor
 from miles_events.bus.event_bus import EventBus
 from miles_events.bus.event_log import FRAME_SIZE, MAGIC, EventLogWriter, read_events
 from miles_events.bus.handlers import handles
-from miles_events.rl.checkpoint import CheckpointError
+from miles_events.checkpoint.format import CheckpointError
 from miles_events.rl.hf_model import BaseModelMismatch, modeling_module, prepare_base_model
 from miles_events.sinks.base import Sink, SinkContext, SinkHost
 from miles_events.sinks.event_log import EventLogSink

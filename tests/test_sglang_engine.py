@@ -14,7 +14,7 @@ from actors.engine import engine_class
 from actors.engine.base import SamplingParams
 from actors.engine.server_process import ServerStartError
 from actors.engine.sglang_engine import SglangEngine, SglangError
-from miles_events.rl.cancel import Cancellation, Cancelled
+from miles_events.bus.cancel import Cancellation, Cancelled
 from miles_events.transport.disk import DiskTransport
 from schemas.config import Config, GeneratorConfig, ModelConfig, RunConfig, SglangConfig
 from tests import sglang_validator

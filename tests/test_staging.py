@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from miles_events.rl.buckets import Buckets, plan_layouts
-from miles_events.rl.staging import IDLE_PER_LAYOUT, StagingPool
+from miles_events.device.buckets import Buckets, plan_layouts
+from miles_events.device.staging import IDLE_PER_LAYOUT, StagingPool
 
 LAYOUTS = plan_layouts({"w": torch.zeros(3, 4), "b": torch.zeros(5, dtype=torch.bfloat16)})
 CPU = torch.device("cpu")

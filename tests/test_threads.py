@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from miles_events.rl import threads
-from miles_events.rl.threads import phase_thread_count, phase_threads
+from miles_events.device import threads
+from miles_events.device.threads import phase_thread_count, phase_threads
 
 
 def test_a_phase_takes_every_core_unless_configured_and_restores_the_previous_count(

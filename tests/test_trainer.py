@@ -24,12 +24,13 @@ from actors.trainer_backend.torch_backend import (
 )
 from miles_events.bus.actor import WorkerGroup
 from miles_events.bus.clock import SYSTEM_CLOCK, Clock
-from miles_events.rl.canary import CANARY_TENSOR, canary_fingerprint, publication_canary, split_canary
-from miles_events.rl.checksum import fingerprints, per_gpu_checksum
+from miles_events.device.fingerprint import fingerprints, tensor_fingerprint
+from miles_events.device.threads import available_cpus
+from miles_events.rl.canary import CANARY_TENSOR, publication_canary, split_canary
+from miles_events.rl.checksum import per_gpu_checksum
 from miles_events.rl.checksum_manifest import read_manifest
 from miles_events.rl.finite import NonFiniteError
 from miles_events.rl.hf_model import load_model, prepare_base_model
-from miles_events.rl.threads import available_cpus
 from miles_events.transport.base import InProcessTransport, Transport
 from schemas.checkpoint import TrainerState
 from schemas.config import (
@@ -433,7 +434,7 @@ async def test_staged_checksums_fingerprint_the_staged_tensors(base_model: Path,
     tensors, canary = split_canary(payload)
     # The payload carries this publication's canary, in no digest.
     assert canary is not None and torch.equal(canary, publication_canary(context.run_id, "1"))
-    assert event.canary == canary_fingerprint(canary)
+    assert event.canary == tensor_fingerprint(canary)
     assert read_manifest(tmp_path, event.checksums_manifest, event.digest) == fingerprints(tensors)
     assert event.digest == per_gpu_checksum(fingerprints(tensors))
     assert event.checksums_manifest == f"checksums/{event.digest}.msgpack"
@@ -697,7 +698,7 @@ async def test_each_background_save_copies_into_the_copies_of_the_last_once_they
     base_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The GPU's path on the CPU: the reused copies, and a host copy that copies (as on a GPU).
-    from miles_events.rl.host_copy import map_tensors
+    from miles_events.device.host_copy import map_tensors
 
     def copy_to_the_host(obj: Any, after: Any = None, pool: Any = None) -> tuple[Any, Any]:
         return map_tensors(obj, lambda t: t.clone()), pool.take([])
@@ -741,7 +742,7 @@ def save_memory_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """The GPU's path of a background save on the CPU: its copies reused, every tensor of
     the state taken as one it copies to the host, and a host copy that copies into an arena
     of the trainer's pool (as on a GPU)."""
-    from miles_events.rl.host_copy import map_tensors, tensors_of
+    from miles_events.device.host_copy import map_tensors, tensors_of
 
     def copy_to_the_host(obj: Any, after: Any = None, pool: Any = None) -> tuple[Any, Any]:
         return map_tensors(obj, lambda t: t.clone()), pool.take(tensors_of(obj))
@@ -855,7 +856,7 @@ async def test_a_background_saves_pinned_memory_is_reused_once_the_saver_release
     base_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # On a CPU nothing is copied to the host: stand in for the GPU's copy into the pool's arena.
-    from miles_events.rl import host_copy
+    from miles_events.device import host_copy
 
     def copy_into_arena(obj: Any, after: Any = None, pool: Any = None) -> tuple[Any, Any]:
         arena = pool.take([])

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from miles_events.rl.buckets import Buckets
+from miles_events.device.buckets import Buckets
 from miles_events.transport.base import open_transport
 from miles_events.transport.disk import DiskTransport
 
@@ -176,7 +176,7 @@ def test_transports_without_device_buckets_store_the_bucketed_tensors_as_a_file(
 
 CHILD = """
 import sys, torch
-from miles_events.rl.buckets import fingerprint_buckets
+from miles_events.device.buckets import fingerprint_buckets
 from miles_events.transport.cuda_ipc import CudaIpcTransport
 from schemas.data import DataRef
 plane = CudaIpcTransport(sys.argv[1])
@@ -190,7 +190,7 @@ torch.cuda.synchronize()
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_ipc_shares_gpu_buckets_with_another_process_without_a_copy(tmp_path: Path):
-    from miles_events.rl.buckets import fingerprint_buckets
+    from miles_events.device.buckets import fingerprint_buckets
 
     plane = open_transport("cuda_ipc", "run-ipc", tmp_path)
     buckets = bucketed().to("cuda")
@@ -211,7 +211,7 @@ def test_cuda_ipc_shares_gpu_buckets_with_another_process_without_a_copy(tmp_pat
 
 READER = """
 import sys, torch
-from miles_events.rl.buckets import fingerprint_buckets
+from miles_events.device.buckets import fingerprint_buckets
 from miles_events.transport.cuda_ipc import CudaIpcTransport
 from schemas.data import DataRef
 opened = []  # every handle this process maps (torch's own mapping call, counted)
@@ -234,7 +234,7 @@ def test_a_reader_keeps_the_buffers_it_mapped_and_reads_what_was_staged_into_the
     """Engines on one GPU (each a process) read each publication: twice staged into the same
     buffers, then into new ones once the old are freed (the allocator may hand out their
     memory again, under the handle a reader has mapped)."""
-    from miles_events.rl.buckets import fingerprint_buckets
+    from miles_events.device.buckets import fingerprint_buckets
 
     plane = open_transport("cuda_ipc", "run-ipc-reuse", tmp_path)
     buckets = bucketed().to("cuda")
@@ -277,7 +277,7 @@ def test_a_reader_keeps_the_buffers_it_mapped_and_reads_what_was_staged_into_the
 
 WAITING_READER = """
 import sys, torch
-from miles_events.rl.buckets import fingerprint_buckets
+from miles_events.device.buckets import fingerprint_buckets
 from miles_events.transport.cuda_ipc import CudaIpcTransport
 from schemas.data import DataRef
 plane = CudaIpcTransport(sys.argv[1])
@@ -310,7 +310,7 @@ def test_a_cuda_ipc_reader_waits_on_the_gpu_for_a_staging_the_producer_did_not_w
     producer's event. So again for a publication staged into the same buffers (the same
     record, the event recorded again)."""
 
-    from miles_events.rl.buckets import fingerprint_buckets
+    from miles_events.device.buckets import fingerprint_buckets
 
     plane = open_transport("cuda_ipc", "run-ipc-ready", tmp_path)
     buckets = bucketed().to("cuda")
@@ -342,7 +342,7 @@ def test_a_cuda_ipc_reader_maps_a_buffer_once_and_reads_a_record_seen_before_wit
     CPU tensor (the GPU test above maps for real)."""
     import msgspec
 
-    from miles_events.rl.buckets import plan_layouts
+    from miles_events.device.buckets import plan_layouts
     from miles_events.transport import cuda_ipc
     from schemas.data import CudaIpcBuffer, CudaIpcRecord, DataRef
 
@@ -405,7 +405,7 @@ def _cuda_ipc_producer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, run_id: 
     (the GPU tests share for real), and a maker of staged buckets of ``numel`` floats."""
     from types import SimpleNamespace
 
-    from miles_events.rl.buckets import plan_layouts
+    from miles_events.device.buckets import plan_layouts
     from miles_events.transport import cuda_ipc
     from schemas.data import CudaIpcBuffer
 
@@ -510,7 +510,7 @@ def test_a_cuda_ipc_reader_waits_for_the_producers_ready_event_at_every_read(
     one (written after its buffers were) is waited for by nothing."""
     import msgspec
 
-    from miles_events.rl.buckets import plan_layouts
+    from miles_events.device.buckets import plan_layouts
     from miles_events.transport import cuda_ipc
     from schemas.data import CudaIpcBuffer, CudaIpcRecord, DataRef
 
@@ -547,7 +547,7 @@ def test_a_cuda_ipc_reader_done_reading_leaves_the_producer_a_receipt_of_its_rea
 
     import msgspec
 
-    from miles_events.rl.buckets import plan_layouts
+    from miles_events.device.buckets import plan_layouts
     from miles_events.transport import cuda_ipc
     from schemas.data import CudaIpcBuffer, CudaIpcRecord, DataRef
 
@@ -605,7 +605,7 @@ def test_a_cuda_ipc_reader_done_reading_leaves_the_producer_a_receipt_of_its_rea
 
 LATE_READER = """
 import sys, torch
-from miles_events.rl.buckets import fingerprint_buckets
+from miles_events.device.buckets import fingerprint_buckets
 from miles_events.transport.cuda_ipc import CudaIpcTransport
 from schemas.data import DataRef
 plane = CudaIpcTransport(sys.argv[1])
@@ -630,8 +630,8 @@ def test_a_staging_buffer_is_taken_again_only_once_the_readers_copies_have_run(t
     while that copy has not run, and the same ones once it has. The reader copied what was
     staged."""
 
-    from miles_events.rl.buckets import fingerprint_buckets
-    from miles_events.rl.staging import StagingPool
+    from miles_events.device.buckets import fingerprint_buckets
+    from miles_events.device.staging import StagingPool
 
     plane = open_transport("cuda_ipc", "run-ipc-reads", tmp_path)
     pool = StagingPool()

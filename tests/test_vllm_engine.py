@@ -21,8 +21,8 @@ import torch
 from actors.engine.base import SamplingParams
 from actors.engine.server_process import ServerStartError
 from actors.engine.vllm_engine import VllmEngine, launch_server
-from miles_events.rl.canary import CANARY_TENSOR, canary_fingerprint, publication_canary
-from miles_events.rl.checksum import fingerprints
+from miles_events.device.fingerprint import fingerprints, tensor_fingerprint
+from miles_events.rl.canary import CANARY_TENSOR, publication_canary
 from miles_events.rl.hf_model import prepare_base_model
 from miles_events.transport.base import InProcessTransport
 from schemas.config import BuiltinModelConfig, Config, ModelConfig, RunConfig, VllmConfig
@@ -258,12 +258,12 @@ def test_a_push_over_http_loads_and_keeps_the_publication_canary(
         started = time.perf_counter()
         _publish(pusher, transport, _perturbed(_base_tensors(base_model), seed=8), "8")
         push_seconds = time.perf_counter() - started
-        assert pusher.served_canary() == canary_fingerprint(publication_canary("vllm-test", "8"))
+        assert pusher.served_canary() == tensor_fingerprint(publication_canary("vllm-test", "8"))
         assert [c.response_logprobs for c in pusher.generate(PROMPTS, GREEDY)] != [
             c.response_logprobs for c in before
         ]
         _publish(pusher, transport, _base_tensors(base_model), "9")
-        assert pusher.served_canary() == canary_fingerprint(publication_canary("vllm-test", "9"))
+        assert pusher.served_canary() == tensor_fingerprint(publication_canary("vllm-test", "9"))
         assert [c.response_ids for c in pusher.generate(PROMPTS, GREEDY)] == [c.response_ids for c in before]
         print(f"push publication: {push_seconds:.3f} s")
     finally:

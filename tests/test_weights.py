@@ -8,7 +8,7 @@ import torch
 
 from actors.engine.torch_engine import TorchEngine
 from actors.trainer_backend.torch_backend import TorchTrainerBackend
-from miles_events.rl.checkpoint import _safetensors_ready
+from miles_events.checkpoint.format import _safetensors_ready
 from miles_events.rl.hf_model import prepare_base_model
 from miles_events.rl.weights import split_tied, tensor_identity
 from schemas.config import BuiltinModelConfig, Config, ModelConfig

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from miles_events.rl.registry import check_registered, registered, registered_module
+from miles_events.util.registry import check_registered, registered, registered_module
 
 if TYPE_CHECKING:
     from actors.engine.base import Engine

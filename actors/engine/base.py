@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from miles_events.rl.cancel import Cancellation
+from miles_events.bus.cancel import Cancellation
 from miles_events.rl.checksum import per_engine_checksum, per_gpu_checksum
 from miles_events.transport.base import Transport
 from schemas.checksums import EngineChecksumReport, ParallelismInfo, RankChecksums, WeightsCheckResult

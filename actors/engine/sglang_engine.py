@@ -37,7 +37,7 @@ from actors.engine.base import (
     encode_prompt,
 )
 from actors.engine.server_process import ServerProcess, ServerStartError, start_on_a_port
-from miles_events.rl.cancel import Cancellation
+from miles_events.bus.cancel import Cancellation
 from miles_events.transport.base import Transport
 from schemas.checksums import EngineChecksumReport, WeightsCheckResult
 from schemas.config import Config

@@ -21,7 +21,7 @@ Served weights are the model's ``state_dict()`` (so non-persistent buffers such 
 ``inv_freq`` are not weights), without tied duplicates (``miles_events.rl.weights``): with
 tied embeddings only the first name of a shared tensor (``model.embed_tokens.weight``) is
 served and checksummed, and a load may name the tensor by either name. The served tensors
-live in flat buckets, one per dtype (``miles_events.rl.buckets``): a publication staged in
+live in flat buckets, one per dtype (``miles_events.device.buckets``): a publication staged in
 buckets of the same layout loads with one copy per dtype, and ``checksums`` fingerprints
 every tensor in one launch per dtype on a GPU.
 """
@@ -52,9 +52,10 @@ from actors.engine.base import (
 )
 from actors.engine.sampling import sample_tokens
 from actors.engine.static_decode import Decoded, EndCheck, Prefill, RowEnd, StaticDecoder, row_end, supports
-from miles_events.rl.buckets import Buckets, bucket_parameters, fingerprint_buckets
-from miles_events.rl.canary import CANARY_BYTES, CANARY_TENSOR, canary_fingerprint, split_canary
-from miles_events.rl.cancel import Cancellation
+from miles_events.bus.cancel import Cancellation
+from miles_events.device.buckets import Buckets, bucket_parameters, fingerprint_buckets
+from miles_events.device.fingerprint import tensor_fingerprint
+from miles_events.rl.canary import CANARY_BYTES, CANARY_TENSOR, split_canary
 from miles_events.rl.checksum import is_skipped
 from miles_events.rl.hf_model import cache_kwarg, load_model, load_tokenizer
 from miles_events.rl.probe import teacher_forced_logprobs
@@ -412,7 +413,7 @@ class TorchEngine(Engine):
     def served_canary(self) -> str:
         # Fingerprinted from the buffer the load wrote, as the weights are: a load that
         # copies nothing leaves the previous publication's canary here.
-        return canary_fingerprint(self._canary) if self._canary_loaded else ""
+        return tensor_fingerprint(self._canary) if self._canary_loaded else ""
 
     def load_tensors(self, tensors: Mapping[str, torch.Tensor], weight_version: str) -> None:
         """Copy ``tensors`` into the served parameters, then serve them as ``weight_version``.

@@ -70,8 +70,8 @@ from actors.engine.base import (
 )
 from actors.engine.server_process import HOST, ServerProcess, ServerStartError, log_gist, start_on_a_port
 from actors.engine.vllm_cpu import CPU_HEAD_SIZES, DEFAULT_PYTHON, REPO_ROOT, is_cpu_build, model_head_size
+from miles_events.bus.cancel import Cancellation, Cancelled
 from miles_events.rl.canary import CANARY_TENSOR, split_canary
-from miles_events.rl.cancel import Cancellation, Cancelled
 from miles_events.rl.checksum import ChecksumReplyError, is_skipped
 from miles_events.rl.hf_model import load_tokenizer
 from miles_events.transport.base import Transport

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from safetensors.torch import load, load_file
 
-from miles_events.rl.checksum import tensor_fingerprint
+from miles_events.device.fingerprint import tensor_fingerprint
 
 CANARY_TENSOR = "miles_events.publication_canary"
 """As ``miles_events.rl.canary.CANARY_TENSOR`` (that module is not imported here)."""

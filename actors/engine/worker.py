@@ -29,10 +29,10 @@ from actors.engine.base import (
 )
 from actors.engine.scrape_target import remove_target, write_target
 from miles_events.bus.actor import RankPlace
-from miles_events.rl.cancel import Cancellation
+from miles_events.bus.cancel import Cancellation
+from miles_events.device.threads import phase_threads
 from miles_events.rl.checksum import ChecksumReplyError, is_skipped, ranked_checksums, report_checksums
 from miles_events.rl.checksum_manifest import write_manifest
-from miles_events.rl.threads import phase_threads
 from miles_events.rl.versions import engine_names
 from miles_events.transport.base import Transport
 from schemas.checksums import WeightsCheckResult

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from miles_events.rl.registry import check_registered, registered, registered_module
+from miles_events.util.registry import check_registered, registered, registered_module
 
 if TYPE_CHECKING:
     from actors.trainer_backend.base import TrainerBackend

@@ -13,14 +13,14 @@ import random
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
 
-from miles_events.rl.cancel import Cancellation
+from miles_events.bus.cancel import Cancellation
 from schemas.events import TrainMetrics
 from schemas.rollout import RolloutBatch
 
 if TYPE_CHECKING:
     import torch
 
-    from miles_events.rl.buckets import Buckets
+    from miles_events.device.buckets import Buckets
 
 
 class TrainerBackend(ABC):

@@ -41,8 +41,8 @@ from actors.trainer_backend.grpo import (
     logprobs_and_entropy,
     policy_loss,
 )
-from miles_events.rl.buckets import Buckets, bucket_parameters
-from miles_events.rl.cancel import Cancellation
+from miles_events.bus.cancel import Cancellation
+from miles_events.device.buckets import Buckets, bucket_parameters
 from miles_events.rl.finite import NonFiniteError
 from miles_events.rl.hf_model import cache_kwarg, load_model, torch_dtype
 from miles_events.rl.probe import teacher_forced_logprobs

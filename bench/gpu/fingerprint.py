@@ -10,7 +10,7 @@ the previous kernel (one block per program, an atomic per block) and the current
 sweep of its tile, programs per multiprocessor, warps and pipeline stages. Each kernel is
 timed as ``sum()`` is, queued without a host wait in the timed call (``launch_mix_sum``),
 and beside it as ``mix_sum``, which also waits for its answer. Every variant is first checked
-bit for bit against the CPU reference (``checksum._mix_sum_numpy``) on sizes around its
+bit for bit against the CPU reference (``fingerprint._mix_sum_numpy``) on sizes around its
 tile and on the whole tensor. Prints a table of GB/s read and the ratios to the copy and
 read rates, and a ``RESULT`` line.
 """
@@ -26,10 +26,17 @@ import triton
 import triton.language as tl
 from triton.testing import do_bench
 
-from miles_events.rl import checksum
-from miles_events.rl.checksum_triton import BLOCK, NUM_WARPS, PROGRAMS_PER_SM, STAGES, launch_mix_sum, mix_sum
+from miles_events.device import fingerprint
+from miles_events.device.checksum_triton import (
+    BLOCK,
+    NUM_WARPS,
+    PROGRAMS_PER_SM,
+    STAGES,
+    launch_mix_sum,
+    mix_sum,
+)
 
-K = (checksum.K1, checksum.K2, checksum.K3)
+K = (fingerprint.K1, fingerprint.K2, fingerprint.K3)
 
 
 @triton.jit
@@ -53,7 +60,7 @@ def previous(words: torch.Tensor) -> int:
 
 
 def reference(words: torch.Tensor) -> int:
-    return checksum._mix_sum_numpy(words.cpu().numpy())
+    return fingerprint._mix_sum_numpy(words.cpu().numpy())
 
 
 def main() -> None:

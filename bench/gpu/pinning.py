@@ -4,7 +4,7 @@ the ``PinnedPool``'s host block (pages allocated up front in a memory file, then
     python bench/gpu/pinning.py [--state-gb 3.6] [--reps 2]
 
 A background save's host memory is pinned once, ahead of the first periodic save or at the
-first save (``miles_events.rl.host_copy``); while it pins, every CUDA call of the process
+first save (``miles_events.device.host_copy``); while it pins, every CUDA call of the process
 may wait. Here a thread runs a launch-bound loop (4 small matmuls, then a number read back,
 as a training or decode step's Python does) while the main thread takes host memory for a
 train state of Qwen2-0.5B-shaped tensors (bf16, weights and AdamW's two moments: 3.6 GB)
@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from save_overlap import state_tensors
 
-from miles_events.rl.host_copy import HostBlock, PinnedPool, block_offsets
+from miles_events.device.host_copy import HostBlock, PinnedPool, block_offsets
 
 
 class Loop:

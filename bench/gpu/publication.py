@@ -63,11 +63,11 @@ sys.path.insert(0, str(ROOT))
 
 from qwen_shape import add_shape_arguments, prepare_model  # noqa: E402
 
-from miles_events.rl.buckets import Buckets, bucket_parameters, fingerprint_buckets  # noqa: E402
-from miles_events.rl.checksum import K1, K2, K3, fingerprints  # noqa: E402
-from miles_events.rl.checksum_triton import segment_sums  # noqa: E402
+from miles_events.device.buckets import Buckets, bucket_parameters, fingerprint_buckets  # noqa: E402
+from miles_events.device.checksum_triton import segment_sums  # noqa: E402
+from miles_events.device.fingerprint import K1, K2, K3, fingerprints  # noqa: E402
+from miles_events.device.staging import StagingPool  # noqa: E402
 from miles_events.rl.hf_model import load_model  # noqa: E402
-from miles_events.rl.staging import StagingPool  # noqa: E402
 from miles_events.rl.weights import split_tied  # noqa: E402
 from miles_events.runtime.heap import freeze_start_up  # noqa: E402
 from miles_events.transport.cuda_ipc import CudaIpcTransport  # noqa: E402

@@ -55,8 +55,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from miles_events.rl import checkpoint
-from miles_events.rl.host_copy import PinnedPool, capture_point, copy_to_host
+from miles_events.checkpoint import format as checkpoint
+from miles_events.device.host_copy import PinnedPool, capture_point, copy_to_host
 from schemas.checkpoint import DataCursor, TrainerState
 
 QWEN_SHAPES = [(151936, 896)] + 24 * [(896, 896), (128, 896), (128, 896), (896, 896), (4864, 896), (4864, 896), (896, 4864)]

@@ -29,7 +29,7 @@ import msgspec
 from actors.engine import check_engine, check_probe
 from actors.trainer_backend import check_backend
 from miles_events.rl.prompts import not_a_file
-from miles_events.rl.registry import load_function
+from miles_events.util.registry import load_function
 from schemas.config import Config
 
 PATH_KEYS: tuple[tuple[str, str], ...] = (

@@ -22,10 +22,9 @@ import msgspec
 
 from actors.engine import reads_back_every_tensor
 from miles_events.app.config import config_digest
-from miles_events.rl.checkpoint import (
-    CheckpointError,
+from miles_events.checkpoint.format import CheckpointError, checkpoint_rollout_id
+from miles_events.checkpoint.resume import (
     checkpoint_dirs,
-    checkpoint_rollout_id,
     choose_resume_checkpoint,
     marked_checkpoint,
     saved_lineage,

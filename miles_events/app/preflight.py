@@ -30,7 +30,7 @@ of one line that names the key (the CLI's exit 2). What is checked here and not 
 - ``rollout.reward_fn`` takes ``(prompt, response, label)`` and scores the first prompt,
   with its label as the response, as a finite real number, within
   ``REWARD_CHECK_SECONDS``; a raising one is named with its exception.
-- A rollout's estimated memory (``miles_events.rl.memory``: the batch, the engine's decode
+- A rollout's estimated memory (``miles_events.app.memory``: the batch, the engine's decode
   batch and the trainer's micro-batch, counted against host memory; on CUDA only the batch is) must fit
   in the memory available now.
 - ``rollout.decode = "cuda_graph"`` and ``publisher.transport = "cuda_ipc"``: a GPU visible
@@ -59,11 +59,11 @@ from typing import TYPE_CHECKING, Literal
 import msgspec
 
 from miles_events.app.config import ConfigError, load_config
-from miles_events.rl.memory import ModelShape, available_memory, cuda_present, rollout_memory
+from miles_events.app.memory import ModelShape, available_memory, cuda_present, rollout_memory
 from miles_events.rl.model_dir import ModelDir, ModelDirError, inspect_model_dir
 from miles_events.rl.model_size import builtin_build_bytes, builtin_parameter_count
 from miles_events.rl.prompts import DataError, Prompt, load_prompts, whole_batches_per_epoch
-from miles_events.rl.registry import load_function
+from miles_events.util.registry import load_function
 from schemas.config import Config
 
 if TYPE_CHECKING:
@@ -261,7 +261,7 @@ def check_reward_fn(config: Config, read: dict[str, tuple[str, list[Prompt]]]) -
 
 
 def check_rollout_fits(config: Config, available: int | None, longest_prompt: int) -> None:
-    """A rollout's estimated memory (``miles_events.rl.memory``) fits in ``available``."""
+    """A rollout's estimated memory (``miles_events.app.memory``) fits in ``available``."""
     data, rollout = config.data, config.rollout
     if available is None:
         return

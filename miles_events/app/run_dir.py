@@ -3,7 +3,7 @@
     <run.dir>/events.log               every event of every run in this directory
     <run.dir>/configs/<run_id>.toml    the resolved config of each run
     <run.dir>/base_model/              the built-in model, when used
-    <run.dir>/checkpoints/             see ``miles_events.rl.checkpoint``
+    <run.dir>/checkpoints/             see ``miles_events.checkpoint``
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import uuid
 from pathlib import Path
 
 from miles_events.bus.event_log import EventLogWriter, check_appendable
-from miles_events.rl.file_modes import why_unwritable
+from miles_events.util.file_modes import why_unwritable
 
 logger = logging.getLogger(__name__)
 

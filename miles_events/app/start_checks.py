@@ -33,7 +33,7 @@ from miles_events.app.config import ConfigError
 from miles_events.app.plan import PlannedRun, make_plan, resolve
 from miles_events.app.pyspy import PySpyError, interval_from_env
 from miles_events.app.run_dir import RunDirError, check_usable
-from miles_events.rl.checkpoint import CheckpointError
+from miles_events.checkpoint.format import CheckpointError
 from miles_events.rl.hf_model import BaseModelMismatch, base_model_built
 from miles_events.rl.model_size import builtin_parameter_count
 from miles_events.rl.prompts import DataError

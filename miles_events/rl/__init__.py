@@ -1,2 +1,3 @@
-"""Pure RL helpers, with no bus: weight versions, checksums, prompts, rewards, Hugging Face
-model building and the checkpoint format."""
+"""Pure RL, with no bus and no devices: weight versions, checksums and their manifests,
+publication checks, the canary and the probe, prompts, rewards, the Hugging Face model
+(built-in or a directory), and the rollout-only evidence."""

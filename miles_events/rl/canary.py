@@ -6,7 +6,7 @@ publication after a bootstrap from the same base model, or a step that left the 
 they were), a load that wrote nothing agrees too. So every publication's payload carries
 one more tensor, ``CANARY_TENSOR``: 16 bytes derived from the run id and the weight
 version, different for every publication. An engine keeps the canary of the payload it
-loaded and reports its fingerprint; one that reports another publication's canary, or
+loaded and reports its fingerprint (``tensor_fingerprint``, as of any tensor); one that reports another publication's canary, or
 none, did not apply this payload. The canary is not a model tensor: it is left out of
 every checksum and weight-checker action, and never reaches the model.
 """
@@ -16,8 +16,6 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
-
-from miles_events.rl.checksum import tensor_fingerprint
 
 if TYPE_CHECKING:
     import torch
@@ -32,10 +30,6 @@ def publication_canary(run_id: str, weight_version: str) -> torch.Tensor:
 
     digest = hashlib.blake2b(f"{run_id}:{weight_version}".encode(), digest_size=CANARY_BYTES).digest()
     return torch.frombuffer(bytearray(digest), dtype=torch.uint8)
-
-
-def canary_fingerprint(canary: torch.Tensor) -> str:
-    return tensor_fingerprint(canary)
 
 
 def split_canary(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:

@@ -26,7 +26,6 @@ from pathlib import Path
 
 import msgspec
 
-from miles_events.rl.file_modes import PRIVATE_FILE_MODE
 from miles_events.rl.publication_checks import (
     CanonicalChecksums,
     changed_checksum_count,
@@ -34,6 +33,7 @@ from miles_events.rl.publication_checks import (
     require_initial_version_publication,
     require_version_increment,
 )
+from miles_events.util.file_modes import PRIVATE_FILE_MODE
 from schemas.evidence import CheckpointRolloutEvidence
 
 

@@ -17,8 +17,6 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from miles_events.rl.buckets import Buckets
-
 
 MAX_LISTED = 10
 
@@ -55,17 +53,3 @@ def require_finite_weights(tensors: Mapping[str, torch.Tensor], what: str) -> No
     if bad:
         shown = ", ".join(bad[:MAX_LISTED]) + (f" and {len(bad) - MAX_LISTED} more" if len(bad) > MAX_LISTED else "")
         raise NonFiniteError(f"{what}: non-finite values in {len(bad)} tensor(s) ({shown}); refused")
-
-
-def require_finite_buckets(buckets: Buckets, what: str) -> None:
-    """``require_finite_weights`` for weights packed in buckets: one read of each float
-    bucket (its minimum and maximum, which a NaN or an infinity reaches) and one host sync;
-    the tensors are named only when one holds a non-finite value."""
-    import torch
-
-    floats = [b for b in buckets.buffers if b.is_floating_point() and b.numel()]
-    if not floats:
-        return
-    extremes = torch.stack([torch.stack(torch.aminmax(b)).float() for b in floats])
-    if not bool(torch.isfinite(extremes).all()):
-        require_finite_weights(buckets.tensors(), what)

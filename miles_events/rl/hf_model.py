@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from miles_events.rl.file_modes import keep
+from miles_events.util.file_modes import keep
 from schemas.config import BuiltinModelConfig, ModelConfig
 
 if TYPE_CHECKING:

@@ -35,8 +35,8 @@ import anyio
 import msgspec
 
 from miles_events.bus.handlers import handles
-from miles_events.rl.file_modes import why_unwritable
 from miles_events.sinks.base import Sink, SinkContext
+from miles_events.util.file_modes import why_unwritable
 from schemas.config import Config
 from schemas.events import (
     CheckpointSaved,

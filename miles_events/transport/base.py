@@ -21,16 +21,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from miles_events.rl.checkpoint import load_state, save_state
-from miles_events.rl.file_modes import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE
-from miles_events.rl.registry import registered
+from miles_events.checkpoint.format import load_state, save_state
 from miles_events.transport.reaper import remove_later
+from miles_events.util.file_modes import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE
+from miles_events.util.registry import registered
 from schemas.data import DataRef
 
 if TYPE_CHECKING:  # torch is imported by what puts or gets tensors, not by every reader of events
     import torch
 
-    from miles_events.rl.buckets import Buckets
+    from miles_events.device.buckets import Buckets
 
 
 def _safetensors() -> Any:
@@ -60,7 +60,7 @@ class Transport(ABC):
     def get_tensors(self, ref: DataRef) -> dict[str, torch.Tensor]: ...
 
     def put_buckets(self, key: str, buckets: Buckets, owner: str) -> DataRef:
-        """Stage tensors already packed in flat buckets (``miles_events.rl.buckets``), which
+        """Stage tensors already packed in flat buckets (``miles_events.device.buckets``), which
         the caller hands over and no longer writes. A transport that can pass the buckets on
         as they are (in process, CUDA IPC) keeps them; the others store their tensors as
         ``put_tensors`` does, from one device-to-host copy per bucket."""
@@ -157,7 +157,7 @@ class InProcessTransport(Transport):
         return buckets.tensors()
 
     def get_buckets(self, ref: DataRef) -> Buckets | None:
-        from miles_events.rl.buckets import Buckets
+        from miles_events.device.buckets import Buckets
 
         value = self._get(ref)
         return value if isinstance(value, Buckets) else None
@@ -202,7 +202,7 @@ class _StagedState:
 
 
 def _state_bytes(state: Any) -> int:
-    from miles_events.rl.host_copy import map_tensors
+    from miles_events.device.host_copy import map_tensors
 
     sizes: list[int] = []
     map_tensors(state, lambda t: sizes.append(t.numel() * t.element_size()) or t)

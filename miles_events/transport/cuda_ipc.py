@@ -1,7 +1,7 @@
 """The ``cuda_ipc`` transport: weights staged on a GPU, read by other processes of the same
 host through CUDA IPC handles, without a copy (the colocated path of slime and miles).
 
-``put_buckets`` keeps the trainer's flat buckets (``miles_events.rl.buckets``) alive in the
+``put_buckets`` keeps the trainer's flat buckets (``miles_events.device.buckets``) alive in the
 producer's process and writes, under the run's shared-memory directory, one small record:
 each buffer's layout and the handle torch's own reduction of a CUDA tensor gives
 (``torch.multiprocessing.reductions``). A reader opens the buffers from that record and
@@ -12,7 +12,7 @@ the memory from being reused while a reader still maps it.
 Opening a handle maps the producer's memory into the reader, and the mapping goes when the
 last tensor of it does; decoding a record's layouts (a few hundred tensors) costs about as
 much again. On a GPU each is a sizeable part of the copy that follows. The trainer stages each publication into the buffers of an earlier
-one, once its readers are done (``miles_events.rl.staging``), so the producer shares each
+one, once its readers are done (``miles_events.device.staging``), so the producer shares each
 buffer once, while it lives, and a reader keeps the buffers it opened last
 (``OPEN_BUFFERS``) and the buckets of the records it read last (``OPEN_RECORDS``): the next
 publication's record is the same bytes (the producer links the file it wrote for those
@@ -32,7 +32,7 @@ buffers: ``done_reading`` records the reader's own interprocess event behind the
 links a receipt naming it beside the record (``<key>.cuda-ipc.read-<pid>-<device>``), and
 the producer, told the reader is done, gets the events of every receipt of the key
 (``reads_of``) and writes the buffers again only once they have run
-(``miles_events.rl.staging``), never where an event cannot be opened (``UnknownRead``).
+(``miles_events.device.staging``), never where an event cannot be opened (``UnknownRead``).
 ``TorchEngine.load_weights`` returns with its copies queued, and what the engine runs next
 runs behind them on its stream; in a run the engine reports the load once it has read back
 the fingerprints of what it serves, so its copies have run by then anyway. The receipts of
@@ -54,14 +54,14 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from miles_events.rl.file_modes import PRIVATE_FILE_MODE
 from miles_events.transport.base import ShmTransport
+from miles_events.util.file_modes import PRIVATE_FILE_MODE
 from schemas.data import BucketLayout, CudaIpcBuffer, CudaIpcRecord, DataRef
 
 if TYPE_CHECKING:
     import torch
 
-    from miles_events.rl.buckets import Buckets
+    from miles_events.device.buckets import Buckets
 
 RECORD_SUFFIX = ".cuda-ipc"
 """The record of key ``k`` is the shared-memory file ``k.cuda-ipc``."""
@@ -273,7 +273,7 @@ class CudaIpcTransport(ShmTransport):
         self._publish(name, lambda partial: _link_or_copy(written, partial))
 
     def get_buckets(self, ref: DataRef) -> Buckets | None:
-        from miles_events.rl.buckets import Buckets
+        from miles_events.device.buckets import Buckets
 
         held = self._held.get(ref.key)
         if held is not None:  # the producer's own process cannot open its own handles

@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from miles_events.rl.checkpoint import load_state, save_state
+from miles_events.checkpoint.format import load_state, save_state
 from miles_events.transport.base import TENSORS_METADATA, Transport, _safetensors
 from miles_events.transport.reaper import remove_later
 from schemas.data import DataRef

@@ -40,7 +40,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from miles_events.rl.buckets import Buckets
+from miles_events.device.buckets import Buckets
 
 if TYPE_CHECKING:
     import torch

@@ -1,6 +1,6 @@
 """Staging buffers of publications, allocated once and reused.
 
-Each publication stages a copy of the weights (flat buckets, ``miles_events.rl.buckets``)
+Each publication stages a copy of the weights (flat buckets, ``miles_events.device.buckets``)
 that the engines read while the trainer trains on. Allocated afresh each time, the copy
 would cost an allocation, and, shared across processes by CUDA IPC
 (``miles_events.transport.cuda_ipc``), a new handle that every engine process opens (maps)
@@ -25,7 +25,7 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from miles_events.rl.buckets import Buckets
+from miles_events.device.buckets import Buckets
 from schemas.data import BucketLayout
 
 if TYPE_CHECKING:

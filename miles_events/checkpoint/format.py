@@ -1,4 +1,4 @@
-"""Checkpoints on disk: Hugging Face weights plus the trainer's state, written atomically.
+"""One checkpoint on disk: Hugging Face weights plus the trainer's state, written atomically.
 
 Layout under a run directory::
 
@@ -37,8 +37,8 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from miles_events.rl.file_modes import keep
 from miles_events.rl.weights import split_tied
+from miles_events.util.file_modes import keep
 from schemas.checkpoint import Manifest, ManifestEntry, TrainerState
 
 if TYPE_CHECKING:
@@ -57,9 +57,9 @@ TRAINER_STATE_FILE = "trainer_state.json"
 MANIFEST_FILE = "manifest.json"
 REQUIRED_FILES = (MODEL_FILE, "config.json", OPTIMIZER_FILE, RNG_FILE, TRAINER_STATE_FILE)
 
-_FINAL_NAME = re.compile(r"^rollout_(\d+)$")
+FINAL_NAME = re.compile(r"^rollout_(\d+)$")
 # Hidden work dirs: being written (partial), swapped out (old), being removed (deleting).
-_WORK_NAME = re.compile(
+WORK_NAME = re.compile(
     r"^\.(?:rollout_\d+\.(?:partial|old|deleting)|latest\.tmp|latest_checkpointed_iteration\.txt\.tmp)-(\d+)$"
 )
 # The base model's own weights are replaced by ours; everything else at its top level
@@ -95,7 +95,7 @@ def checkpoint_name(rollout_id: int) -> str:
 
 def checkpoint_rollout_id(path: Path) -> int | None:
     """The rollout id encoded in a checkpoint directory's name, or None for other names."""
-    match = _FINAL_NAME.match(path.name)
+    match = FINAL_NAME.match(path.name)
     return int(match.group(1)) if match else None
 
 
@@ -415,189 +415,16 @@ def read_checkpoint(path: Path, verify: bool = True) -> LoadedCheckpoint:
     )
 
 
-def _latest_pointer(root: Path) -> str | None:
+def latest_pointer(root: Path) -> str | None:
+    """The checkpoint name the ``latest`` file under a checkpoints root holds, if valid."""
     try:
         name = (root / LATEST_FILE).read_text(encoding="utf-8").strip()
     except (FileNotFoundError, UnicodeDecodeError):
         return None
-    return name if _FINAL_NAME.match(name) else None
+    return name if FINAL_NAME.match(name) else None
 
 
-def _candidates(root: Path) -> list[Path]:
+def complete_checkpoints(root: Path) -> list[Path]:
     """Checkpoint dirs with a manifest, newest rollout first."""
-    found = [p for p in root.iterdir() if _FINAL_NAME.match(p.name) and (p / MANIFEST_FILE).is_file()]
+    found = [p for p in root.iterdir() if FINAL_NAME.match(p.name) and (p / MANIFEST_FILE).is_file()]
     return sorted(found, key=lambda p: checkpoint_rollout_id(p) or 0, reverse=True)
-
-
-def checkpoint_dirs(run_dir: Path) -> list[Path]:
-    """Every checkpoint directory under ``<run_dir>/checkpoints``, complete or not: the one
-    ``latest`` names first, then by rollout id, newest first."""
-    root = Path(run_dir) / CHECKPOINTS_DIR
-    if not root.is_dir():
-        return []
-    found = sorted(
-        (p for p in root.iterdir() if _FINAL_NAME.match(p.name) and p.is_dir()),
-        key=lambda p: checkpoint_rollout_id(p) or 0,
-        reverse=True,
-    )
-    pointed = _latest_pointer(root)
-    return sorted(found, key=lambda p: p.name != pointed) if pointed is not None else found
-
-
-def _saved_state(path: Path) -> TrainerState | None:
-    try:
-        return msgspec.json.decode((path / TRAINER_STATE_FILE).read_bytes(), type=TrainerState)
-    except (OSError, msgspec.DecodeError):
-        return None
-
-
-def saved_lineage(path: Path) -> str:
-    """The lineage a checkpoint records ("" when unknown or unreadable)."""
-    state = _saved_state(path)
-    return state.lineage if state is not None else ""
-
-
-@dataclass
-class ResumeChoice:
-    """What ``choose_resume_checkpoint`` found."""
-
-    checkpoint: Path | None
-    """The checkpoint to resume from; None when none qualifies."""
-    lineage: str
-    """The lineage resumed ("" when unknown)."""
-    skipped: list[tuple[Path, str]]
-    """Checkpoints passed over before it, and why (does not verify, another lineage)."""
-    found: list[Path]
-    """Every checkpoint directory there."""
-
-
-def choose_resume_checkpoint(run_dir: Path) -> ResumeChoice:
-    """The checkpoint a resumed run continues from: the one ``latest`` names, else the
-    newest; the first of those that verifies and belongs to the lineage of the newest
-    checkpoint whose state reads (a checkpoint of another run is never resumed from)."""
-    found = checkpoint_dirs(run_dir)
-    lineage = ""
-    skipped: list[tuple[Path, str]] = []
-    for candidate in found:
-        state = _saved_state(candidate)
-        if state is not None and state.lineage:
-            if not lineage:
-                lineage = state.lineage
-            elif state.lineage != lineage:
-                skipped.append((candidate, f"another run's (lineage {state.lineage}, resuming {lineage})"))
-                continue
-        try:
-            verify_checkpoint(candidate)
-        except CheckpointError as exc:
-            log.warning("skipping checkpoint that does not verify: %s", exc)
-            skipped.append((candidate, str(exc).removeprefix(f"checkpoint {candidate}").lstrip(": ")))
-            continue
-        return ResumeChoice(candidate, lineage, skipped, found)
-    return ResumeChoice(None, lineage, skipped, found)
-
-
-def latest_checkpoint(run_dir: Path, verify: bool = True) -> Path | None:
-    """The checkpoint to resume from, or None when the run has no complete one.
-
-    ``latest`` names the checkpoint saved last; when it is gone or fails verification the
-    complete checkpoint with the highest rollout id is used instead, so a torn or corrupted
-    last save falls back to the previous one (``choose_resume_checkpoint``). ``verify=False``
-    trusts the manifests' presence and skips hashing.
-    """
-    if verify:
-        return choose_resume_checkpoint(run_dir).checkpoint
-    root = Path(run_dir) / CHECKPOINTS_DIR
-    if not root.is_dir():
-        return None
-    pointed = _latest_pointer(root)
-    ordered = _candidates(root)
-    if pointed is not None:
-        ordered = sorted(ordered, key=lambda p: p.name != pointed)
-    return ordered[0] if ordered else None
-
-
-def set_aside(path: Path, why: str) -> Path:
-    """Rename ``path`` to ``<name>.<why>`` (``-2``, ``-3``, ... if taken) so that nothing
-    later writes over it; returns the new path."""
-    target = path.with_name(f"{path.name}.{why}")
-    n = 2
-    while target.exists():
-        target = path.with_name(f"{path.name}.{why}-{n}")
-        n += 1
-    path.rename(target)
-    return target
-
-
-def marked_checkpoint(root: Path) -> tuple[Path, int]:
-    """The checkpoint a checkpoint root's ``latest_checkpointed_iteration.txt`` names (as
-    Megatron and miles load ``--load``), verified; returns it with the iteration.
-
-    Raises ``CheckpointError`` (one line) when the marker is missing or not an integer, or
-    the checkpoint it names is missing or does not verify.
-    """
-    root = Path(root)
-    marker = root / ITERATION_FILE
-    try:
-        text = marker.read_text(encoding="utf-8").strip()
-    except FileNotFoundError:
-        raise CheckpointError(f"{root}: no {ITERATION_FILE} (not a checkpoint root the Saver wrote)") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{marker}: cannot read: {exc}") from None
-    if not text.isdigit():
-        raise CheckpointError(f"{marker}: {text[:40]!r} is not an iteration number")
-    iteration = int(text)
-    path = root / checkpoint_name(iteration)
-    if not path.is_dir():
-        raise CheckpointError(f"{marker} names iteration {iteration}, but {path} does not exist")
-    verify_checkpoint(path)
-    return path, iteration
-
-
-# --- pruning ---------------------------------------------------------------------------
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _remove_dir(path: Path) -> None:
-    # Hide it first, so that a crash half-way never leaves a checkpoint-looking dir.
-    doomed = path.with_name(f".{path.name}.deleting-{os.getpid()}")
-    os.rename(path, doomed)
-    shutil.rmtree(doomed, ignore_errors=True)
-
-
-def prune_checkpoints(run_dir: Path, keep_last: int) -> list[Path]:
-    """Remove the oldest complete checkpoints beyond ``keep_last`` (0 keeps all).
-
-    The checkpoint ``latest`` points at is never removed. Work dirs left by writers that
-    died (``.partial``, ``.old``, ``.deleting``) are removed too. Returns what was removed.
-    """
-    root = Path(run_dir) / CHECKPOINTS_DIR
-    if not root.is_dir():
-        return []
-    removed: list[Path] = []
-    for entry in sorted(root.iterdir()):
-        match = _WORK_NAME.match(entry.name)
-        if match and not _pid_alive(int(match.group(1))):
-            if entry.is_dir():
-                shutil.rmtree(entry, ignore_errors=True)
-            else:
-                entry.unlink(missing_ok=True)
-            removed.append(entry)
-    if keep_last > 0:
-        pointed = _latest_pointer(root)
-        for old in _candidates(root)[keep_last:]:
-            if old.name == pointed:
-                continue
-            _remove_dir(old)
-            removed.append(old)
-    return removed

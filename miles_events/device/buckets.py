@@ -10,7 +10,7 @@ fingerprinting every tensor is one kernel launch and one host sync per dtype
 (``fingerprint_buckets``).
 
 Each tensor starts at a 256-byte boundary and the bytes between tensors are zero, so a
-tensor's words in the bucket are the words ``checksum.tensor_fingerprint`` hashes (its
+tensor's words in the bucket are the words ``fingerprint.tensor_fingerprint`` hashes (its
 bytes, zero-padded to 8): the bucket's fingerprints equal the tensors' own, on any device.
 """
 
@@ -20,15 +20,16 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from miles_events.rl.checksum import (
+from miles_events.device.fingerprint import (
     K1,
     K2,
     K3,
     fingerprint_from_sum,
-    is_skipped,
     tensor_fingerprint,
     triton_segment_sums,
 )
+from miles_events.rl.checksum import is_skipped
+from miles_events.rl.finite import require_finite_weights
 from schemas.data import BucketLayout, TensorSlot
 
 if TYPE_CHECKING:
@@ -206,7 +207,7 @@ def bucket_parameters(module: torch.nn.Module, names: Iterable[str]) -> Buckets:
 
 def fingerprint_buckets(buckets: Buckets, skip_tensor_list: Iterable[str] = ()) -> dict[str, str]:
     """The fingerprint of every tensor in ``buckets`` not skipped, equal to
-    ``checksum.tensor_fingerprint`` of each tensor: on a CUDA device with Triton, one fused
+    ``fingerprint.tensor_fingerprint`` of each tensor: on a CUDA device with Triton, one fused
     launch and one host sync per dtype; elsewhere tensor by tensor."""
     skip = list(skip_tensor_list)
     if buckets.buffers and buckets.device.type == "cuda":
@@ -220,3 +221,17 @@ def fingerprint_buckets(buckets: Buckets, skip_tensor_list: Iterable[str] = ()) 
                     result[slot.name] = fingerprint_from_sum(buffer.dtype, slot.shape, total)
             return result
     return {name: tensor_fingerprint(t) for name, t in buckets.tensors().items() if not is_skipped(name, skip)}
+
+
+def require_finite_buckets(buckets: Buckets, what: str) -> None:
+    """``require_finite_weights`` for weights packed in buckets: one read of each float
+    bucket (its minimum and maximum, which a NaN or an infinity reaches) and one host sync;
+    the tensors are named only when one holds a non-finite value."""
+    import torch
+
+    floats = [b for b in buckets.buffers if b.is_floating_point() and b.numel()]
+    if not floats:
+        return
+    extremes = torch.stack([torch.stack(torch.aminmax(b)).float() for b in floats])
+    if not bool(torch.isfinite(extremes).all()):
+        require_finite_weights(buckets.tensors(), what)

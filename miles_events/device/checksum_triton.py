@@ -1,6 +1,6 @@
 """The fingerprint sum as one fused Triton kernel, for tensors on a CUDA device.
 
-Same arithmetic as ``checksum._mix_sum_numpy`` (int64, wrapping): every word is mixed with
+Same arithmetic as ``fingerprint._mix_sum_numpy`` (int64, wrapping): every word is mixed with
 its global index and the mixed words are summed modulo 2**64, an order-free sum, so the
 result is the CPU reference's bit for bit whatever the blocking. One pass over memory: a
 persistent grid (a few programs per multiprocessor) walks the tensor in tiles of ``BLOCK``
@@ -11,7 +11,7 @@ once per program, so a word costs two 64-bit multiplies. Imported only when a CU
 is fingerprinted and Triton is installed; otherwise the torch path is used.
 
 ``segment_sums`` computes the same sum for every tensor of a flat bucket
-(``miles_events.rl.buckets``) at once: a table of tiles, none crossing a tensor, walked by
+(``miles_events.device.buckets``) at once: a table of tiles, none crossing a tensor, walked by
 a program per job of a few whole tiles of one tensor, then one per partial tile, each
 tile's words indexed from its tensor's start.
 
@@ -39,7 +39,7 @@ STAGES = 3
 
 @triton.jit
 def _mix(words, index_term, k1, k3):  # type: ignore[no-untyped-def]
-    """Each word's hash, ``checksum._mix_sum_numpy``'s: ``words * k1`` plus the index term
+    """Each word's hash, ``fingerprint._mix_sum_numpy``'s: ``words * k1`` plus the index term
     (``index * k2``, which each kernel computes where it is cheapest), then xorshift,
     multiply, xorshift. Inlined where it is called."""
     mixed = words * k1 + index_term
