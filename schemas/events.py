@@ -427,7 +427,7 @@ AnyEvent = (
 )
 """The tagged union every decoder uses; the tag is the class name, under ``"type"``."""
 
-EVENT_TYPES: tuple[type[Event], ...] = AnyEvent.__args__  # type: ignore[attr-defined]
+EVENT_TYPES: tuple[type[Event], ...] = AnyEvent.__args__
 EVENT_TYPES_BY_NAME: dict[str, type[Event]] = {t.__name__: t for t in EVENT_TYPES}
 
 

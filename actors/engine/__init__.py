@@ -61,7 +61,8 @@ def engine_module(name: str) -> str:
 
 def engine_class(name: str) -> type[Engine]:
     """The ``Engine`` subclass registered as ``name``, imported now."""
-    return registered(ENGINES, name, "engine")  # type: ignore[no-any-return]
+    cls: type[Engine] = registered(ENGINES, name, "engine")
+    return cls
 
 
 def build_engine(config: Config, *, index: int, name: str, transport: Transport) -> Engine:

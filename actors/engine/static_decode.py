@@ -34,11 +34,14 @@ import contextlib
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from actors.engine.sampling import sample_tokens
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 SYNC_EVERY = 16
 """Decode steps between two looks of the host at the sampled tokens."""
@@ -85,7 +88,7 @@ def decode_sdpa(
     return out.reshape(batch, heads, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
-def use_decode_sdpa(model: torch.nn.Module) -> None:
+def use_decode_sdpa(model: PreTrainedModel) -> None:
     """Switch an ``sdpa`` model to ``decode_sdpa`` (its masks stay ``sdpa``'s)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -95,7 +98,14 @@ def use_decode_sdpa(model: torch.nn.Module) -> None:
     model.set_attn_implementation(DECODE_ATTENTION)
 
 
-def _fused_rms_norm(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+class _RMSNorm(Protocol):
+    """What a Hugging Face RMSNorm holds."""
+
+    weight: torch.Tensor
+    variance_epsilon: float
+
+
+def _fused_rms_norm(self: _RMSNorm, hidden_states: torch.Tensor) -> torch.Tensor:
     """Hugging Face's RMSNorm (in float32, scaled in the input dtype) with the
     normalisation in one ``rms_norm`` kernel instead of five."""
     normed = torch.nn.functional.rms_norm(
@@ -118,7 +128,7 @@ def fuse_rms_norms(model: torch.nn.Module) -> int:
     return fused
 
 
-def supports(model: torch.nn.Module) -> str | None:
+def supports(model: PreTrainedModel) -> str | None:
     """Why ``model`` cannot decode here, or None when it can."""
     config = model.config
     attention = getattr(config, "_attn_implementation", None)
@@ -237,7 +247,7 @@ class StaticDecoder:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: PreTrainedModel,
         cache_kwarg: str,
         *,
         cuda_graphs: bool,
@@ -361,22 +371,21 @@ class StaticDecoder:
             return torch.zeros(capacity, heads, length, dim, dtype=like.dtype, device=self.device)
 
         mask_dtype = prefill.cache_layers[0][0].dtype
-        on = {"device": self.device}
         return _Buffers(
             capacity=capacity,
             length=length,
             keys=[cache_buffer(k) for k, _ in prefill.cache_layers],
             values=[cache_buffer(v) for _, v in prefill.cache_layers],
-            logits=torch.zeros(capacity, prefill.logits.shape[-1], dtype=torch.float32, **on),
-            tokens=torch.zeros(capacity, dtype=torch.long, **on),
-            positions=torch.zeros(capacity, dtype=torch.long, **on),
-            mask=torch.zeros(capacity, 1, 1, length, dtype=mask_dtype, **on),
-            slot=torch.zeros(1, dtype=torch.long, **on),
-            step=torch.zeros(1, dtype=torch.long, **on),
-            row_ids=torch.full((capacity,), capacity, dtype=torch.long, **on),
-            uniforms=torch.zeros(length, capacity + 1, dtype=torch.float32, **on),
-            out_tokens=torch.zeros(capacity + 1, length, dtype=torch.long, **on),
-            out_logprobs=torch.zeros(capacity + 1, length, dtype=torch.float32, **on),
+            logits=torch.zeros(capacity, prefill.logits.shape[-1], dtype=torch.float32, device=self.device),
+            tokens=torch.zeros(capacity, dtype=torch.long, device=self.device),
+            positions=torch.zeros(capacity, dtype=torch.long, device=self.device),
+            mask=torch.zeros(capacity, 1, 1, length, dtype=mask_dtype, device=self.device),
+            slot=torch.zeros(1, dtype=torch.long, device=self.device),
+            step=torch.zeros(1, dtype=torch.long, device=self.device),
+            row_ids=torch.full((capacity,), capacity, dtype=torch.long, device=self.device),
+            uniforms=torch.zeros(length, capacity + 1, dtype=torch.float32, device=self.device),
+            out_tokens=torch.zeros(capacity + 1, length, dtype=torch.long, device=self.device),
+            out_logprobs=torch.zeros(capacity + 1, length, dtype=torch.float32, device=self.device),
         )
 
     def _place(self, buf: _Buffers, source: Prefill | _Buffers, order: list[int], rows: list[int], width: int) -> None:

@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import DynamicCache, PreTrainedTokenizerBase
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.cache_utils import CacheLayerMixin
 
 from actors.engine.base import (
     TENSOR_CHECK_ACTIONS,
@@ -76,7 +77,7 @@ class TorchEngine(Engine):
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
         *,
         name: str = "engine-0",
@@ -139,7 +140,7 @@ class TorchEngine(Engine):
         decode: str = "auto",
     ) -> TorchEngine:
         """Load the model and tokenizer of a Hugging Face directory onto ``device``."""
-        model = load_model(path, dtype).to(torch.device(device))
+        model = load_model(path, dtype, torch.device(device))
         return cls(
             model, load_tokenizer(path), name=name, max_batch_size=max_batch_size, transport=transport, decode=decode
         )
@@ -212,7 +213,8 @@ class TorchEngine(Engine):
             logits_to_keep=1,
             **{self._cache_kwarg: cache},
         )
-        return out.logits[:, -1, :].float()
+        logits: torch.Tensor = out.logits[:, -1, :].float()
+        return logits
 
     def _prefill(self, prompt_ids: list[list[int]]) -> tuple[DynamicCache, Prefill]:
         """One forward over the chunk's distinct prompts, left-padded; their cache rows and
@@ -235,7 +237,14 @@ class TorchEngine(Engine):
             expand = torch.tensor(source, dtype=torch.long, device=self.device)
             cache.batch_select_indices(expand)
             logits, attention_mask, position_ids = logits[expand], attention_mask[expand], position_ids[expand]
-        layers = [(layer.keys, layer.values) for layer in cache.layers]
+        # What the static decoder copies: it decodes only models whose every layer is full
+        # attention (``supports``), each then holding keys and values; the eager loop reads
+        # the cache itself.
+        layers = [
+            (layer.keys, layer.values)
+            for layer in cache.layers
+            if isinstance(layer, CacheLayerMixin) and layer.keys is not None and layer.values is not None
+        ]
         return cache, Prefill(layers, logits, attention_mask, position_ids[:, -1] + 1)
 
     def _stop_check(self, stops: Sequence[str]) -> EndCheck | None:
@@ -352,7 +361,10 @@ class TorchEngine(Engine):
         return teacher_forced_logprobs(self.model, prompt_ids, response_ids)
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        if not isinstance(text, str):  # a list of texts answers a batch, never one row
+            raise TypeError(f"the tokenizer decoded one row of ids to {type(text).__name__}")
+        return text
 
     # --- weights -------------------------------------------------------------------------
 

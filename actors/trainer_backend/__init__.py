@@ -33,7 +33,8 @@ def backend_module(name: str) -> str:
 
 def backend_class(name: str) -> type[TrainerBackend]:
     """The ``TrainerBackend`` subclass registered as ``name``, imported now."""
-    return registered(BACKENDS, name, "trainer backend")  # type: ignore[no-any-return]
+    cls: type[TrainerBackend] = registered(BACKENDS, name, "trainer backend")
+    return cls
 
 
 def build_backend(config: Config) -> TrainerBackend:

@@ -21,10 +21,15 @@ if TYPE_CHECKING:
     import torch
 
     from miles_events.device.buckets import Buckets
+    from schemas.config import Config
 
 
 class TrainerBackend(ABC):
     """A policy model with its optimizer, trained on rollout batches."""
+
+    @abstractmethod
+    def __init__(self, config: Config) -> None:
+        """Build the model and the optimizer of the run ``config`` describes."""
 
     @abstractmethod
     def train(self, batch: RolloutBatch, cancel: Cancellation | None = None) -> TrainMetrics:

@@ -14,8 +14,9 @@ Conventions shared by every function here:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -81,8 +82,9 @@ class _FusedLogprobsEntropy(torch.autograd.Function):
     ``d logp_t / dz = onehot(t) - p`` and ``d H / dz = -p * (log p + H)``.
     """
 
+    # ``ctx`` is autograd's context object, which takes whatever attributes it is given.
     @staticmethod
-    def forward(ctx, logits: Tensor, targets: Tensor, with_entropy: bool) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+    def forward(ctx: Any, logits: Tensor, targets: Tensor, with_entropy: bool) -> tuple[Tensor, Tensor]:
         vocab = logits.shape[-1]
         flat, flat_targets = logits.reshape(-1, vocab), targets.reshape(-1)
         rows = flat.shape[0]
@@ -105,7 +107,7 @@ class _FusedLogprobsEntropy(torch.autograd.Function):
         return logp.reshape(shape), entropy.reshape(shape) if with_entropy else entropy
 
     @staticmethod
-    def backward(ctx, grad_logp: Tensor | None, grad_entropy: Tensor | None):  # type: ignore[override]
+    def backward(ctx: Any, grad_logp: Tensor | None, grad_entropy: Tensor | None) -> tuple[Tensor, None, None]:
         logits, targets, logsumexp, entropy = ctx.saved_tensors
         if not ctx.with_entropy:
             grad_entropy = None
@@ -132,7 +134,9 @@ class _FusedLogprobsEntropy(torch.autograd.Function):
 def logprobs_and_entropy(logits: Tensor, targets: Tensor, with_entropy: bool = True) -> tuple[Tensor, Tensor | None]:
     """``token_logprobs(logits, targets)`` and (with ``with_entropy``) ``entropy_from_logits(logits)``
     in one fused pass, in float32, with gradients for both and a fraction of their memory."""
-    logp, entropy = _FusedLogprobsEntropy.apply(logits, targets, with_entropy)
+    # ``Function.apply`` is unannotated in torch; it takes and returns what ``forward`` does.
+    fused: Callable[[Tensor, Tensor, bool], tuple[Tensor, Tensor]] = _FusedLogprobsEntropy.apply
+    logp, entropy = fused(logits, targets, with_entropy)
     return logp, entropy if with_entropy else None
 
 

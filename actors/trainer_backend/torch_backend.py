@@ -32,9 +32,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, PreTrainedModel
 
-from actors.trainer_backend.base import TrainerBackend, TrainMetrics, restore_rng_state
+from actors.trainer_backend.base import TrainerBackend, restore_rng_state
 from actors.trainer_backend.grpo import (
     expand_advantages,
     group_advantages,
@@ -48,6 +48,7 @@ from miles_events.rl.hf_model import cache_kwarg, load_model, torch_dtype
 from miles_events.rl.probe import teacher_forced_logprobs
 from miles_events.rl.weights import split_tied
 from schemas.config import Config
+from schemas.events import TrainMetrics
 from schemas.rollout import RolloutBatch, Sample
 
 logger = logging.getLogger(__name__)
@@ -182,12 +183,12 @@ class TorchTrainerBackend(TrainerBackend):
         torch.manual_seed(config.run.seed)
         self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
         self.dtype = torch_dtype(config.model.dtype)
-        self.model = load_model(config.model.path, config.model.dtype).to(self.device)
+        self.model = load_model(config.model.path, config.model.dtype, self.device)
         self.model.eval()
         # The weights live in one flat bucket per dtype (each parameter a view), before the
         # optimizer sees them: a publication stages them with one copy per dtype.
         self._buckets = bucket_parameters(self.model, split_tied(self.model.state_dict())[0])
-        self.reference: torch.nn.Module | None = None
+        self.reference: PreTrainedModel | None = None
         if trainer.use_kl_loss:
             # Frozen at the base weights for the whole run, resumed or not.
             self.reference = copy.deepcopy(self.model).requires_grad_(False)
@@ -212,7 +213,7 @@ class TorchTrainerBackend(TrainerBackend):
         return pack_samples(samples, indices)
 
     def _shared_prompt_logits(
-        self, body: torch.nn.Module, head: torch.nn.Module, micro: SharedPromptBatch
+        self, body: PreTrainedModel, head: torch.nn.Module, micro: SharedPromptBatch
     ) -> torch.Tensor:
         device = self.device
         prompt_mask = micro.prompt_mask.to(device)
@@ -238,9 +239,10 @@ class TorchTrainerBackend(TrainerBackend):
                 **{cache_arg: cache},
             ).last_hidden_state
             hidden = torch.cat([hidden, response_hidden], dim=1)
-        return head(hidden)
+        logits: torch.Tensor = head(hidden)
+        return logits
 
-    def _response_logits(self, model: torch.nn.Module, micro: MicroBatch | SharedPromptBatch) -> torch.Tensor:
+    def _response_logits(self, model: PreTrainedModel, micro: MicroBatch | SharedPromptBatch) -> torch.Tensor:
         """``[batch, max_response_len, vocab]``: the logits that predict each response token."""
         if isinstance(micro, SharedPromptBatch):
             return self._shared_prompt_logits(
@@ -249,17 +251,18 @@ class TorchTrainerBackend(TrainerBackend):
         input_ids = micro.input_ids.to(self.device)
         attention_mask = micro.attention_mask.to(self.device)
         index = micro.logit_index.to(self.device)
-        head = model.get_output_embeddings()
-        body = getattr(model, model.base_model_prefix, None)
+        head: torch.nn.Module | None = model.get_output_embeddings()
+        body: torch.nn.Module | None = getattr(model, model.base_model_prefix, None)
         if model.config.model_type in PLAIN_HEAD_MODELS and head is not None and body is not None:
             # The head's matmul only where a response token is predicted.
             hidden = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-            return head(hidden.gather(1, index.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])))
+            logits: torch.Tensor = head(hidden.gather(1, index.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])))
+            return logits
         logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
         return logits.gather(1, index.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
 
     def _forward(
-        self, model: torch.nn.Module, micro: MicroBatch | SharedPromptBatch, with_entropy: bool
+        self, model: PreTrainedModel, micro: MicroBatch | SharedPromptBatch, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Response-aligned log-probabilities (and entropies) of ``micro`` under ``model``."""
         logits = self._response_logits(model, micro)
@@ -275,7 +278,7 @@ class TorchTrainerBackend(TrainerBackend):
     def probe_logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
         return teacher_forced_logprobs(self.model, prompt_ids, response_ids)
 
-    def _rollout_logprobs(self, samples: list[Sample], micro: MicroBatch) -> torch.Tensor:
+    def _rollout_logprobs(self, samples: list[Sample], micro: MicroBatch | SharedPromptBatch) -> torch.Tensor:
         old = torch.zeros_like(micro.mask)
         for row, index in enumerate(micro.indices):
             sample = samples[index]
@@ -408,7 +411,7 @@ class TorchTrainerBackend(TrainerBackend):
         if max_norm > 0:
             norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         else:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
         return float(norm.item())
 
     # --- state ---------------------------------------------------------------------------

@@ -199,7 +199,7 @@ def _real(value: object) -> float | None:
     if isinstance(value, numbers.Real):
         return float(value)
     if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
-        item = value.item()  # type: ignore[attr-defined]
+        item = value.item()
         return float(item) if isinstance(item, numbers.Real) else None
     return None
 
@@ -228,7 +228,7 @@ def check_reward_fn(config: Config, read: dict[str, tuple[str, list[Prompt]]]) -
                 key="rollout.reward_fn",
             ) from None
     where = f"on the first prompt of {key} ({path}:{first.line}) with its label as the response"
-    outcome: list[object] = []
+    outcome: list[tuple[str, object]] = []
 
     def score() -> None:
         try:
@@ -244,7 +244,7 @@ def check_reward_fn(config: Config, read: dict[str, tuple[str, list[Prompt]]]) -
             f"rollout.reward_fn: {name} did not return within {REWARD_CHECK_SECONDS:g} s {where}",
             key="rollout.reward_fn",
         )
-    how, value = outcome[0]  # type: ignore[misc]
+    how, value = outcome[0]
     if how == "raised":
         lines = str(value).strip().splitlines()
         raised = f"{type(value).__name__}: {lines[0]}" if lines else type(value).__name__

@@ -19,7 +19,7 @@ import msgspec
 from actors.coordinator import Coordinator
 from actors.publisher import Publisher
 from actors.verifier import Verifier
-from miles_events.bus.actor import Actor
+from miles_events.bus.actor import Actor, Worker, WorkerFactory
 from miles_events.bus.clock import SYSTEM_CLOCK, Clock
 from miles_events.bus.host import actor_failed
 from miles_events.transport.base import InProcessTransport, Transport
@@ -56,6 +56,10 @@ class RecordingContext:
 
     async def report_failure(self, error: BaseException) -> None:
         self.published.append(actor_failed(self.name, error, self.clock))
+
+    async def start_workers(self, factory: WorkerFactory, ranks: int) -> list[Worker]:
+        # The actors re-driven (REDRIVABLE) have no worker group.
+        raise RuntimeError(f"{self.name}: a re-driven actor starts no workers")
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import ast
 import inspect
 import sys
 import typing
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 
 import msgspec
@@ -38,7 +39,10 @@ def field_docs(cls: type) -> dict[str, str]:
             tree = ast.parse(inspect.getsource(klass))
         except (OSError, TypeError):
             continue
-        body = tree.body[0].body  # type: ignore[attr-defined]
+        definition = tree.body[0]
+        if not isinstance(definition, ast.ClassDef):  # always one: the source of a class
+            continue
+        body = definition.body
         for node, following in zip(body, [*body[1:], None], strict=True):
             if (
                 isinstance(node, ast.AnnAssign)
@@ -65,13 +69,13 @@ def default_text(field: msgspec.structs.FieldInfo) -> str:
     if field.default is not msgspec.NODEFAULT:
         value = field.default
     else:
-        value = field.default_factory()  # type: ignore[misc]
+        value = field.default_factory()
     if isinstance(value, msgspec.Struct):
         return "(section)"
     return "unset" if value is None else repr(value).replace("'", '"')
 
 
-def _rows(cls: type, skip: set[str] = frozenset()) -> list[str]:  # type: ignore[assignment]
+def _rows(cls: type, skip: AbstractSet[str] = frozenset()) -> list[str]:
     docs = field_docs(cls)
     hints = typing.get_type_hints(cls, include_extras=False)
     rows = []

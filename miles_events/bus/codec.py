@@ -70,7 +70,8 @@ def decode_batch(data: bytes | bytearray | memoryview) -> list[Event]:
 
 def event_to_json(event: Event) -> dict[str, Any]:
     """The event as JSON-compatible builtins, its type name under ``"type"`` first."""
-    return msgspec.to_builtins(event)
+    builtins: dict[str, Any] = msgspec.to_builtins(event)
+    return builtins
 
 
 def event_to_json_bytes(event: Event) -> bytes:
@@ -84,5 +85,6 @@ def event_to_json_bytes(event: Event) -> bytes:
 def event_from_json(data: bytes | str | dict[str, Any]) -> Event:
     """The event from JSON text or from the builtins ``event_to_json`` returned."""
     if isinstance(data, dict):
-        return msgspec.convert(data, AnyEvent)
+        event: Event = msgspec.convert(data, AnyEvent)
+        return event
     return _json_decoder.decode(data)

@@ -26,6 +26,7 @@ then cut off. Damage in the middle is left as it is: the records after it stay i
 from __future__ import annotations
 
 import errno
+import io
 import os
 import re
 import struct
@@ -155,7 +156,8 @@ class LogReader:
         def skipped(damage: DamagedRange) -> None:
             nonlocal offset
             offset = damage.end
-            on_damage(damage)  # type: ignore[misc]
+            if on_damage is not None:  # always: ``skipped`` is passed only with one
+                on_damage(damage)
 
         for length, event in _records(
             _open_log(self.path), _sized_event, None if on_damage is None else skipped
@@ -204,7 +206,8 @@ def scan_log(
     def skipped(damage: DamagedRange) -> None:
         nonlocal end
         end = damage.end
-        on_damage(damage)  # type: ignore[misc]
+        if on_damage is not None:  # always: ``skipped`` is passed only with one
+            on_damage(damage)
 
     try:
         for length in _records(file, len, None if on_damage is None else skipped):
@@ -402,8 +405,8 @@ class EventLogWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # Open read-write without truncating; create if missing.
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        file: BinaryIO = os.fdopen(fd, "r+b")
-        self._file = file
+        file = os.fdopen(fd, "r+b")
+        self._file: io.BufferedRandom | io.RawIOBase = file
         try:
             self._lock()
             self._offset = self._prepare(repair)
@@ -412,7 +415,7 @@ class EventLogWriter:
             file.close()
             raise
         # From here on every byte goes straight to the file descriptor, unbuffered.
-        self._file = file.detach()  # type: ignore[assignment]
+        self._file = file.detach()
         os.lseek(fd, self._offset, os.SEEK_SET)
         self._fd = fd
         self._broken: str | None = None

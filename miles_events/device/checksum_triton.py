@@ -38,7 +38,7 @@ STAGES = 3
 
 
 @triton.jit
-def _mix(words, index_term, k1, k3):  # type: ignore[no-untyped-def]
+def _mix(words, index_term, k1, k3):
     """Each word's hash, ``fingerprint._mix_sum_numpy``'s: ``words * k1`` plus the index term
     (``index * k2``, which each kernel computes where it is cheapest), then xorshift,
     multiply, xorshift. Inlined where it is called."""
@@ -49,7 +49,7 @@ def _mix(words, index_term, k1, k3):  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _mix_sum_kernel(words_ptr, out_ptr, n, full_tiles, tail_start, k1, k2, k3, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+def _mix_sum_kernel(words_ptr, out_ptr, n, full_tiles, tail_start, k1, k2, k3, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     lane = tl.arange(0, BLOCK).to(tl.int64)
@@ -114,7 +114,7 @@ def mix_sum(words: torch.Tensor, k1: int, k2: int, k3: int, **settings: int) -> 
 
 
 @triton.jit
-def _segment_jobs_kernel(  # type: ignore[no-untyped-def]
+def _segment_jobs_kernel(
     words_ptr, start_ptr, index_ptr, tiles_ptr, slot_ptr, out_ptr, k1, k2, k3, BLOCK: tl.constexpr, ALIGN: tl.constexpr
 ):
     """One job a program: up to a few whole tiles of ``BLOCK`` words of one tensor, from its
@@ -135,7 +135,7 @@ def _segment_jobs_kernel(  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _segment_tail_kernel(  # type: ignore[no-untyped-def]
+def _segment_tail_kernel(
     words_ptr, start_ptr, index_ptr, count_ptr, slot_ptr, out_ptr, tiles, k1, k2, k3, BLOCK: tl.constexpr
 ):
     """The last, partial tile of each tensor (fewer than ``BLOCK`` words), masked."""

@@ -10,8 +10,9 @@ of them are ``miles_events.rl.checksum``'s.
 
 from __future__ import annotations
 
+import functools
 import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from miles_events.rl.checksum import is_skipped
@@ -19,6 +20,8 @@ from miles_events.rl.checksum import is_skipped
 if TYPE_CHECKING:
     import numpy as np
     import torch
+
+    from schemas.data import BucketLayout, TensorSlot
 
 _CHUNK_WORDS = 1 << 16
 # Odd 64-bit constants (from splitmix64), as signed int64 so torch arithmetic wraps.
@@ -64,8 +67,8 @@ def tensor_fingerprint(tensor: torch.Tensor) -> str:
     words = _words(tensor)
     if words.device.type == "cpu":
         total = _mix_sum_numpy(words.numpy())
-    elif words.device.type == "cuda" and _triton_mix_sum() is not None:
-        total = _triton_mix_sum()(words, K1, K2, K3)  # type: ignore[misc]
+    elif words.device.type == "cuda" and (fused := _triton_mix_sum()) is not None:
+        total = fused(words, K1, K2, K3)
     else:
         total = _mix_sum_torch(words)
     return fingerprint_from_sum(tensor.dtype, tuple(tensor.shape), total)
@@ -78,30 +81,27 @@ def fingerprint_from_sum(dtype: torch.dtype, shape: tuple[int, ...], total: int)
     return hashlib.blake2b(header, digest_size=8).hexdigest()
 
 
-def _triton(name: str):  # type: ignore[no-untyped-def]
-    """``checksum_triton.<name>`` when Triton is installed, else None (cached)."""
-    if name not in _TRITON:
-        try:
-            from miles_events.device import checksum_triton
-
-            _TRITON[name] = getattr(checksum_triton, name)
-        except ImportError:
-            _TRITON[name] = None
-    return _TRITON[name]
-
-
-def _triton_mix_sum():  # type: ignore[no-untyped-def]
+@functools.cache
+def _triton_mix_sum() -> Callable[[torch.Tensor, int, int, int], int] | None:
     """The fused CUDA kernel over one tensor, when Triton is installed, else None."""
-    return _triton("mix_sum")
+    try:
+        from miles_events.device.checksum_triton import mix_sum
+    except ImportError:
+        return None
+    return mix_sum
 
 
-def triton_segment_sums():  # type: ignore[no-untyped-def]
+@functools.cache
+def triton_segment_sums() -> (
+    Callable[[torch.Tensor, BucketLayout, tuple[TensorSlot, ...], int, int, int], list[int]] | None
+):
     """The fused CUDA kernel over every tensor of a bucket, when Triton is installed, else
     None (``checksum_triton.segment_sums``)."""
-    return _triton("segment_sums")
-
-
-_TRITON: dict[str, object] = {}
+    try:
+        from miles_events.device.checksum_triton import segment_sums
+    except ImportError:
+        return None
+    return segment_sums
 
 
 def _mix_chunk(chunk: torch.Tensor, start: int) -> torch.Tensor:

@@ -429,5 +429,10 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 def tensors_of(obj: Any) -> list[torch.Tensor]:
     """Every tensor in ``obj``, in the order ``map_tensors`` visits them."""
     found: list[torch.Tensor] = []
-    map_tensors(obj, lambda t: found.append(t) or t)
+
+    def collect(tensor: torch.Tensor) -> torch.Tensor:
+        found.append(tensor)
+        return tensor
+
+    map_tensors(obj, collect)
     return found

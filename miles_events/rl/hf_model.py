@@ -24,7 +24,12 @@ from schemas.config import BuiltinModelConfig, ModelConfig
 
 if TYPE_CHECKING:
     import torch
-    from transformers import PretrainedConfig, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+    from transformers import (
+        PretrainedConfig,
+        PreTrainedModel,
+        PreTrainedTokenizerBase,
+        PreTrainedTokenizerFast,
+    )
 
 ARITH_SPECIAL = ["<pad>", "<eos>", "<unk>"]
 ARITH_SYMBOLS = list("0123456789+-*=?")
@@ -39,7 +44,8 @@ def torch_dtype(name: str) -> torch.dtype:
 
     if name not in DTYPE_NAMES:
         raise ValueError(f"unknown dtype {name!r}; known: {', '.join(DTYPE_NAMES)}")
-    return getattr(torch, name)  # type: ignore[no-any-return]
+    dtype: torch.dtype = getattr(torch, name)
+    return dtype
 
 
 def build_arith_tokenizer() -> PreTrainedTokenizerFast:
@@ -76,7 +82,7 @@ def builtin_hf_config(config: BuiltinModelConfig, tokenizer: PreTrainedTokenizer
     return Qwen2Config(**common) if config.architecture == "qwen2" else LlamaConfig(**common)
 
 
-def build_builtin(config: BuiltinModelConfig, seed: int) -> tuple[torch.nn.Module, PreTrainedTokenizerFast]:
+def build_builtin(config: BuiltinModelConfig, seed: int) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -84,7 +90,7 @@ def build_builtin(config: BuiltinModelConfig, seed: int) -> tuple[torch.nn.Modul
     hf_config = builtin_hf_config(config, tokenizer)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+        model: PreTrainedModel = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     return model, tokenizer
 
 
@@ -185,11 +191,18 @@ def prepare_base_model(config: ModelConfig, run_dir: Path, seed: int) -> Path:
     return target
 
 
-def load_model(path: str | Path, dtype: str = "float32") -> torch.nn.Module:
+def load_model(path: str | Path, dtype: str = "float32", device: torch.device | None = None) -> PreTrainedModel:
+    """The causal LM of a Hugging Face directory, moved to ``device`` when one is given."""
     # safetensors only: a pickled weights file (pytorch_model.bin) is never loaded.
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype(dtype), use_safetensors=True)
+    model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=torch_dtype(dtype), use_safetensors=True
+    )
+    if device is not None:
+        # transformers wraps PreTrainedModel.to with functools.wraps(torch.nn.Module.to), which
+        # types it as a plain function (``device`` taken for ``self``); it returns the model.
+        model = model.to(device)  # type: ignore[arg-type]
     return model
 
 

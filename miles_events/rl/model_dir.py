@@ -107,9 +107,9 @@ def _header_end(file: Path) -> int | None:
     where the header cannot say: only to describe a file ``safe_open`` refused."""
     try:
         with file.open("rb") as stream:
-            (length,) = struct.unpack("<Q", stream.read(8))
+            length: int = struct.unpack("<Q", stream.read(8))[0]
             header = json.loads(stream.read(length))
-        ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
+        ends: list[int] = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
         return 8 + length + max(ends, default=0)
     except Exception:  # a header too damaged to say
         return None

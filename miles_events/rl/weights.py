@@ -32,7 +32,7 @@ def tensor_identity(tensor: torch.Tensor) -> TensorIdentity | None:
     return (
         str(tensor.device),
         pointer,
-        tensor.storage_offset(),
+        int(tensor.storage_offset()),
         tensor.dtype,
         tuple(tensor.shape),
         tuple(tensor.stride()),

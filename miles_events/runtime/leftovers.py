@@ -184,12 +184,12 @@ def _clean_record(path: Path, dead: set[Process]) -> set[Process]:
         logger.warning("%s cannot be read (%s); removed", path, error)
         path.unlink(missing_ok=True)
         return set()
-    if alive(driver) and driver not in dead:  # type: ignore[arg-type]
+    if alive(driver) and driver not in dead:
         return set()
     if "group" in record and processes:
         members = _group_members(int(record["group"]), int(processes[0][1]))
         processes = list(dict.fromkeys([*processes, *members]))
-    killed = {p for p in processes if alive(p)}  # type: ignore[arg-type]
+    killed = {p for p in processes if alive(p)}
     kill_alive(sorted(killed))
     for leftover in record.get("files", []):  # what described the dead server (a scrape target)
         Path(leftover).unlink(missing_ok=True)
@@ -212,7 +212,7 @@ def remove_dead_owners(root: Path, prefix: str) -> list[Path]:
             owner = tuple(json.loads((directory / OWNER_FILE).read_text()))
         except (OSError, ValueError):
             continue  # not claimed (or not ours to judge)
-        if len(owner) == 2 and not alive(owner):  # type: ignore[arg-type]
+        if len(owner) == 2 and not alive(owner):
             shutil.rmtree(directory, ignore_errors=True)
             removed.append(directory)
     if removed:

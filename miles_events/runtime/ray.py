@@ -405,7 +405,7 @@ class RayRuntime:
             )
         except TimeoutError:
             raise RuntimeError(f"actors did not start within {timeout:g}s") from None
-        self._raise_start_errors([cls for cls, _ in remote], pids)
+        started = self._raise_start_errors([cls for cls, _ in remote], pids)
         logger.info(
             "ray actors started %.1fs after the cluster was up",
             self.run.clock.monotonic() - up_at,
@@ -418,7 +418,7 @@ class RayRuntime:
         except TimeoutError:
             raise RuntimeError(f"actors were not ready within {timeout:g}s") from None
         self._raise_start_errors([cls for cls, _ in remote], done)
-        for (cls, handle), pid in zip(remote, pids, strict=True):
+        for (cls, handle), pid in zip(remote, started, strict=True):
             mailbox = bus.subscribe(cls.name, tuple(cls.handlers()))
             interrupts = (
                 bus.subscribe(f"{cls.name}/interrupt", (StopRequested,)) if cls.interruptible() else None
@@ -500,12 +500,16 @@ class RayRuntime:
             record_processes(self.run.run_dir)
 
     @staticmethod
-    def _raise_start_errors(classes: list[type[Actor]], results: list[Any]) -> None:
+    def _raise_start_errors(classes: list[type[Actor]], results: list[Any | BaseException]) -> list[Any]:
+        """``results`` (one per class) when none is an exception, else ``ActorStartError``."""
+        values = []
         for cls, result in zip(classes, results, strict=True):
             if isinstance(result, BaseException):
                 # Ray wraps the actor's own exception; the user needs that one, and whose it was.
                 cause = getattr(result, "cause", None)
                 raise ActorStartError(f"{cls.name}: {describe_error(cause or result)}") from None
+            values.append(result)
+        return values
 
     def idle(self) -> bool:
         return self.driver.idle() and all(proxy.idle for proxy in self.proxies)

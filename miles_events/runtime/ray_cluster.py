@@ -70,7 +70,8 @@ def stands_in_for_agents(ray_config: RayConfig) -> bool:
 def _agents_stood_in(command: list[str]) -> list[str]:
     """The raylet's ``command`` with its agents replaced by ``AGENT_STAND_IN``, their ports
     reported as not in use (in Ray's own port files, by Ray's own function)."""
-    from ray._raylet import (
+    # Ray's _raylet.pyi declares a few of the compiled module's names, not these.
+    from ray._raylet import (  # type: ignore[attr-defined]
         DASHBOARD_AGENT_LISTEN_PORT_NAME,
         METRICS_AGENT_PORT_NAME,
         METRICS_EXPORT_PORT_NAME,

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from miles_events.bus.event_bus import EventBus
 from miles_events.bus.handlers import HandlerTable
@@ -37,7 +37,7 @@ class SinkContext:
     run_dir: Path
     config: Config
     bus: EventBus
-    fail: Callable[[str], Awaitable[None]]
+    fail: Callable[[str], Coroutine[Any, Any, None]]
     """End the run as failed with this reason (for a sink the run cannot go on without)."""
 
 

@@ -345,13 +345,16 @@ def _serve(registry: CollectorRegistry, host: str, port: int) -> tuple[Threading
     """As ``prometheus_client.start_http_server`` (IPv4 or IPv6 as ``host`` is, a thread per
     request, no request lines), with a loop that stops within ``POLL_SECONDS``, not 0.5 s."""
     family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-    server_class = type("MetricsHTTPServer", (ThreadingWSGIServer,), {"address_family": family})
-    server = make_server(address[0], port, make_wsgi_app(registry), server_class, handler_class=_Quiet)
+
+    class MetricsHTTPServer(ThreadingWSGIServer):
+        address_family = family
+
+    server = make_server(str(address[0]), port, make_wsgi_app(registry), MetricsHTTPServer, handler_class=_Quiet)
     thread = threading.Thread(
         target=server.serve_forever, kwargs={"poll_interval": POLL_SECONDS}, name="metrics-http", daemon=True
     )
     thread.start()
-    return server, thread  # type: ignore[return-value]
+    return server, thread
 
 
 class MetricsServer:

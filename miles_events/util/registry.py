@@ -20,7 +20,7 @@ def load_function(dotted_path: str) -> Callable[..., Any]:
     except ImportError as error:
         raise ValueError(f"cannot import {module_name!r} for {dotted_path!r}: {error}") from None
     try:
-        value = getattr(module, attr)
+        value: object = getattr(module, attr)
     except AttributeError:
         raise ValueError(f"{module_name!r} has no attribute {attr!r}") from None
     if not callable(value):
