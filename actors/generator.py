@@ -245,7 +245,7 @@ class Generator(Actor):
         finally:
             for task in tasks:
                 task.cancel()  # only if this handler itself was cancelled
-        failures = [t.exception() for t in tasks if not t.cancelled() and t.exception() is not None]
+        failures = [error for t in tasks if not t.cancelled() and (error := t.exception()) is not None]
         # One engine's failure is the rollout's; a cancellation is one, not one per engine.
         other = [f for f in failures if not isinstance(f, Cancelled)]
         if other:
@@ -369,7 +369,7 @@ class Generator(Actor):
                     request_id=event.request_id,
                 )
             else:
-                action: TensorCheckAction = event.action  # type: ignore[assignment]
+                action: TensorCheckAction = event.action
                 result: WeightsCheckResult = await self._on_engine(
                     index, "weights_check", action, event.selector, skip, event.allow_quant_error
                 )

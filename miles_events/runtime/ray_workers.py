@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -29,6 +29,9 @@ from miles_events.runtime.ray_cluster import ARENAS_MARK
 from miles_events.runtime.run_log import log_into
 from miles_events.transport.base import Transport, open_transport
 from schemas.config import Config
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
 
 RANK_CONCURRENCY = 4
 """Calls one rank process runs at once (a long call, and the notifications beside it)."""
@@ -126,12 +129,16 @@ async def start_ray_workers(
     config_json = msgspec.json.encode(config)
 
     async def remote(rank: int) -> RayWorker:
-        handle = remote_cls.options(
+        # Ray's typing: ``options(...).remote`` is declared to return the class or a handle
+        # (it returns a handle), and ``placement_group`` not to take None (which Ray takes
+        # as "none configured").
+        handle: ActorHandle[RankHost] = remote_cls.options(  # type: ignore[assignment]
             num_cpus=group.cpus_per_rank,
             num_gpus=group.gpus_per_rank,
             max_concurrency=RANK_CONCURRENCY,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=placement, placement_group_bundle_index=first_bundle + rank
+                placement_group=placement,  # type: ignore[arg-type]
+                placement_group_bundle_index=first_bundle + rank,
             ),
         ).remote(
             factory,
@@ -144,7 +151,7 @@ async def start_ray_workers(
             actor,
         )
         try:
-            pid = await wait_for(handle.started.remote(), timeout, SYSTEM_CLOCK)
+            pid: int = await wait_for(handle.started.remote(), timeout, SYSTEM_CLOCK)
         except TimeoutError:
             ray.kill(handle)
             raise RuntimeError(f"rank {rank} did not start within {timeout:g}s") from None

@@ -17,6 +17,7 @@ import os
 import shutil
 import tempfile
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -205,7 +206,12 @@ def _state_bytes(state: Any) -> int:
     from miles_events.device.host_copy import map_tensors
 
     sizes: list[int] = []
-    map_tensors(state, lambda t: sizes.append(t.numel() * t.element_size()) or t)
+
+    def measure(tensor: torch.Tensor) -> torch.Tensor:
+        sizes.append(tensor.numel() * tensor.element_size())
+        return tensor
+
+    map_tensors(state, measure)
     return sum(sizes)
 
 
@@ -243,10 +249,10 @@ class ShmTransport(Transport):
             raise ValueError(f"bad data key {key!r}")
         return self.root / key
 
-    def _publish(self, key: str, write: object) -> Path:
+    def _publish(self, key: str, write: Callable[[Path], object]) -> Path:
         final = self._path(key)
         partial = final.with_name(f".{key}.partial")
-        write(partial)  # type: ignore[operator]
+        write(partial)
         os.chmod(partial, PRIVATE_FILE_MODE)
         os.replace(partial, final)
         return final
@@ -257,7 +263,8 @@ class ShmTransport(Transport):
         return DataRef(self.name, key, owner, path.stat().st_size)
 
     def get_tensors(self, ref: DataRef) -> dict[str, torch.Tensor]:
-        return _safetensors().load_file(str(self._path(ref.key)))
+        tensors: dict[str, torch.Tensor] = _safetensors().load_file(str(self._path(ref.key)))
+        return tensors
 
     def tensors_file(self, ref: DataRef) -> Path:
         return self._path(ref.key)

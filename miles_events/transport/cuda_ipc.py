@@ -110,7 +110,7 @@ def open_shared(shared: CudaIpcBuffer) -> torch.Tensor:
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     dtype = getattr(torch, shared.layout.dtype)
-    return rebuild_cuda_tensor(
+    tensor: torch.Tensor = rebuild_cuda_tensor(
         torch.Tensor,
         torch.Size([shared.layout.numel]),
         (1,),
@@ -127,6 +127,7 @@ def open_shared(shared: CudaIpcBuffer) -> torch.Tensor:
         shared.event_handle,
         shared.event_sync_required,
     )
+    return tensor
 
 
 class UnknownRead:
@@ -329,7 +330,7 @@ class CudaIpcTransport(ShmTransport):
         except OSError:  # the run's directory emptied under this process, or full
             torch.cuda.current_stream(device).synchronize()
 
-    def reads_of(self, ref: DataRef) -> tuple[torch.cuda.Event, ...]:
+    def reads_of(self, ref: DataRef) -> tuple[torch.cuda.Event | UnknownRead, ...]:
         """The read events of every receipt of ``ref`` (a key this process staged and holds),
         opened once each."""
         import torch
@@ -337,7 +338,7 @@ class CudaIpcTransport(ShmTransport):
         held = self._held.get(ref.key)
         if held is None or held.device.type != "cuda":
             return ()
-        events = []
+        events: list[torch.cuda.Event | UnknownRead] = []
         for receipt in self._receipts(ref.key):
             try:
                 handle = receipt.read_bytes()
