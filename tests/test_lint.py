@@ -1,5 +1,6 @@
-"""The code base passes ruff's checks as configured in pyproject.toml."""
+"""The code base passes ruff's and mypy's checks as configured in pyproject.toml."""
 
+import importlib.util
 import shutil
 import subprocess
 import sys
@@ -16,3 +17,11 @@ def test_ruff_finds_nothing():
         pytest.skip("ruff is not installed (pip install -e '.[test]')")
     result = subprocess.run([ruff, "check", "--output-format", "concise", str(ROOT)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout
+
+
+def test_mypy_finds_nothing():
+    if importlib.util.find_spec("mypy") is None:
+        pytest.skip("mypy is not installed (pip install -e '.[test]')")
+    # As CI runs it: the files and the strictness are pyproject.toml's [tool.mypy].
+    result = subprocess.run([sys.executable, "-m", "mypy"], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
