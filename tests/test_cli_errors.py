@@ -33,6 +33,8 @@ def write_run(tmp_path: Path, eval_data: bytes) -> Path:
         '[run]\ndir = "run"\nruntime = "local"\nnum_rollout = 1\n'
         '[data]\nprompt_data = "prompts.jsonl"\neval_data = "eval.jsonl"\nrollout_batch_size = 2\n'
         "n_samples_per_prompt = 2\n[trainer]\nglobal_batch_size = 4\nmicro_batch_size = 4\n"
+        # A dry run takes the metrics port as the run does: 0 keeps the tests off 9464.
+        "[metrics]\nport = 0\n"
     )
     return config
 
@@ -365,6 +367,8 @@ def test_a_config_file_with_a_utf8_bom_runs_as_without(tmp_path: Path, capsys: p
     assert main([str(config), "--dry-run"]) == 0
     out, err = capsys.readouterr()
     assert "[data]" in out and err == ""
+
+
 def test_an_unknown_log_level_is_exit_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     os.environ.pop("MILES_LOG_LEVEL", None)
     assert main([str(write_run(tmp_path, GOOD.encode())), "--log-level", "loud"]) == 2
