@@ -36,7 +36,12 @@ def _state_bytes(state: Any) -> int:
     from miles_events.device.host_copy import map_tensors
 
     sizes: list[int] = []
-    map_tensors(state, lambda t: sizes.append(t.numel() * t.element_size()) or t)
+
+    def count(tensor: Any) -> Any:
+        sizes.append(tensor.numel() * tensor.element_size())
+        return tensor
+
+    map_tensors(state, count)
     return sum(sizes)
 
 
