@@ -164,7 +164,7 @@ class Generator(Actor):
             return
         batch = RolloutBatch(rollout_id=event.rollout_id, samples=samples)
         payload = msgspec.msgpack.encode(batch)
-        ref = self.context.transport.put_bytes(f"rollout-{event.rollout_id}", payload, owner=self.name)
+        ref = self.context.transport.stager.put_bytes(f"rollout-{event.rollout_id}", payload, owner=self.name)
         await self.publish(
             RolloutGenerated(
                 rollout_id=event.rollout_id,
@@ -389,7 +389,7 @@ class Generator(Actor):
     @handles(DataReleased, emits=())
     async def on_data_released(self, event: DataReleased) -> None:
         if event.ref.owner == self.name:
-            self.context.transport.free(event.ref)
+            self.context.transport.stager.free(event.ref)
 
 
 class EngineFailed(RuntimeError):

@@ -54,6 +54,16 @@ class Publisher(Actor):
     def resources(cls, config: Config) -> WorkerGroup:
         return WorkerGroup(role="service", cpus_per_rank=0.1)
 
+    @classmethod
+    def data_plane(cls, config: Config) -> str:
+        """The transport the run's data travels through (``publisher.transport``), with
+        ``auto`` resolved for the runtime: in-process on the local runtime, shared memory on
+        ray. The publication's data plane is the Publisher's choice; the session opens it."""
+        transport = config.publisher.transport
+        if transport == "auto":
+            return "inprocess" if config.run.runtime == "local" else "shm"
+        return transport
+
     @handles(RunStarted, emits=())
     async def on_run_started(self, event: RunStarted) -> None:
         self.first_version = next_version(event.weight_version)

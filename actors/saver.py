@@ -54,11 +54,11 @@ class Saver(Actor):
 
     def _write(self, event: TrainStateStaged) -> Path:
         """Read the staged state and write the checkpoint (runs in a worker thread)."""
-        transport = self.context.transport
+        reader = self.context.transport.reader
         # The staged file where the transport keeps one: copied, never decoded.
-        weights = transport.tensors_file(event.weights) or transport.get_tensors(event.weights)
-        optimizer = transport.state_file(event.optimizer) or transport.get_state(event.optimizer)
-        rng = transport.state_file(event.rng) or transport.get_state(event.rng)
+        weights = reader.tensors_file(event.weights) or reader.get_tensors(event.weights)
+        optimizer = reader.state_file(event.optimizer) or reader.get_state(event.optimizer)
+        rng = reader.state_file(event.rng) or reader.get_state(event.rng)
         if self.config.model.path is None:
             raise ValueError("model.path is unset: no base model to copy config and tokenizer from")
         return write_checkpoint(

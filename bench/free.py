@@ -35,14 +35,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as run_dir:
         plane = open_transport(args.transport, "bench-free", Path(run_dir))
         try:
-            ref = plane.put_state("before", state, owner="trainer")
+            ref = plane.stager.put_state("before", state, owner="trainer")
             began = time.perf_counter()
             plane.state_file(ref).unlink()  # removed there and then
             removed_here = time.perf_counter() - began
 
-            ref = plane.put_state("now", state, owner="trainer")
+            ref = plane.stager.put_state("now", state, owner="trainer")
             began = time.perf_counter()
-            plane.free(ref)
+            plane.stager.free(ref)
             freed = time.perf_counter() - began
             assert wait_removed(120)
             removed_later = time.perf_counter() - began

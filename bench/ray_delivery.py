@@ -26,7 +26,7 @@ from miles_events.bus.codec import decode_event, encode_event
 from miles_events.bus.event_bus import EventBus
 from miles_events.runtime.base import RunContext
 from miles_events.runtime.ray import RayRuntime
-from miles_events.transport.base import InProcessTransport
+from miles_events.transport.inprocess import InProcessTransport
 from schemas.config import BusConfig, Config, RayConfig, RunConfig
 from schemas.events import RolloutRequested, RunFinished
 from schemas.plan import RunPlan

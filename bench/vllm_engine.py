@@ -34,7 +34,7 @@ from miles_events.rl.canary import CANARY_TENSOR, publication_canary
 from miles_events.rl.hf_model import load_model, prepare_base_model
 from miles_events.rl.probe import max_difference, probe_batch, probe_vocab_size, teacher_forced_logprobs
 from miles_events.rl.prompts import load_prompts
-from miles_events.transport.base import InProcessTransport
+from miles_events.transport.inprocess import InProcessTransport
 from schemas.config import BuiltinModelConfig, Config, ModelConfig, RunConfig, VllmConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,13 +57,13 @@ def tokens_per_second(engine: TorchEngine | VllmEngine, prompts: list[str], samp
 
 def publish(engine: TorchEngine | VllmEngine, transport: InProcessTransport, tensors: dict, version: str) -> tuple[float, int]:
     payload = {**tensors, CANARY_TENSOR: publication_canary("bench", version)}
-    ref = transport.put_tensors(f"weights-{version}", payload, owner="trainer")
+    ref = transport.stager.put_tensors(f"weights-{version}", payload, owner="trainer")
     try:
         started = time.perf_counter()
         num_bytes = engine.load_weights(ref, version)
         return time.perf_counter() - started, num_bytes
     finally:
-        transport.free(ref)
+        transport.stager.free(ref)
 
 
 def main() -> None:

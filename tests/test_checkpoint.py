@@ -26,7 +26,9 @@ from miles_events.checkpoint.prune import prune_checkpoints
 from miles_events.checkpoint.resume import latest_checkpoint
 from miles_events.rl.hf_model import load_model, load_tokenizer, prepare_base_model
 from miles_events.rl.weights import split_tied
-from miles_events.transport.base import InProcessTransport, ShmTransport, Transport
+from miles_events.transport.base import Transport
+from miles_events.transport.inprocess import InProcessTransport
+from miles_events.transport.shm import ShmTransport
 from schemas.checkpoint import DataCursor, TrainerState
 from schemas.config import Config, ModelConfig, SaverConfig
 from schemas.data import DataRef
@@ -150,8 +152,8 @@ def test_a_staged_file_becomes_the_checkpoints_weights_as_it_is(base_dir: Path, 
     transport = ShmTransport("ckpt-test", tmp_path / "shm")
     try:
         unique, _tied = split_tied(model.state_dict())
-        ref = transport.put_tensors("weights", unique, owner="trainer")
-        staged = transport.tensors_file(ref)
+        ref = transport.stager.put_tensors("weights", unique, owner="trainer")
+        staged = transport.reader.tensors_file(ref)
         path = write_checkpoint(tmp_path / "copied", base_dir, 1, staged, optimizer, rng, _state(1), fsync=False)
         decoded = write_checkpoint(tmp_path / "decoded", base_dir, 1, unique, optimizer, rng, _state(1), fsync=False)
     finally:
@@ -167,7 +169,7 @@ def test_a_staged_file_becomes_the_checkpoints_weights_as_it_is(base_dir: Path, 
 def test_the_in_process_transport_keeps_no_file_so_the_saver_decodes() -> None:
     transport = InProcessTransport("ckpt-test")
     try:
-        assert transport.tensors_file(transport.put_tensors("w", {"x": torch.ones(2)}, owner="trainer")) is None
+        assert transport.reader.tensors_file(transport.stager.put_tensors("w", {"x": torch.ones(2)}, owner="trainer")) is None
     finally:
         transport.close()
 
@@ -402,9 +404,9 @@ def _staged(context: FakeContext, rollout_id: int) -> TrainStateStaged:
     transport = context.transport
     return TrainStateStaged(
         rollout_id=rollout_id,
-        weights=transport.put_tensors(f"w{rollout_id}", _small_weights(float(rollout_id)), "trainer"),
-        optimizer=transport.put_state(f"o{rollout_id}", {"state": {}}, "trainer"),
-        rng=transport.put_state(f"r{rollout_id}", {"torch": torch.get_rng_state()}, "trainer"),
+        weights=transport.stager.put_tensors(f"w{rollout_id}", _small_weights(float(rollout_id)), "trainer"),
+        optimizer=transport.stager.put_state(f"o{rollout_id}", {"state": {}}, "trainer"),
+        rng=transport.stager.put_state(f"r{rollout_id}", {"torch": torch.get_rng_state()}, "trainer"),
         trainer_state=_state(rollout_id, weight_version=str(rollout_id + 1)),
     )
 
@@ -442,7 +444,7 @@ async def test_the_saver_copies_the_staged_files_of_a_file_transport_as_they_are
     context.transport = ShmTransport("run-test-files", tmp_path / "shm")
     event = _staged(context, 2)
     staged = {"optimizer.pt": event.optimizer, "rng.pt": event.rng}
-    staged_bytes = {name: context.transport.state_file(ref).read_bytes() for name, ref in staged.items()}
+    staged_bytes = {name: context.transport.reader.state_file(ref).read_bytes() for name, ref in staged.items()}
 
     await saver.handle(event)
 
@@ -482,7 +484,7 @@ async def test_saver_reports_failure_when_run_dir_is_not_writable(base_dir: Path
 async def test_saver_reports_failure_when_weights_ref_is_gone(base_dir: Path, tmp_path: Path) -> None:
     saver, context = _saver(base_dir, tmp_path)
     event = _staged(context, 1)
-    context.transport.free(event.weights)
+    context.transport.stager.free(event.weights)
 
     await saver.handle(event)
 
@@ -495,7 +497,7 @@ async def test_saver_failure_keeps_older_checkpoint(base_dir: Path, tmp_path: Pa
     await saver.handle(_staged(context, 1))
     older = latest_checkpoint(tmp_path)
     broken = _staged(context, 1)
-    context.transport.free(broken.rng)
+    context.transport.stager.free(broken.rng)
 
     await saver.handle(broken)
 

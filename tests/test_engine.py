@@ -451,9 +451,9 @@ def test_load_weights_resolves_a_data_plane_handle(model_dir: Path, tmp_path: Pa
     plane = open_transport(transport, f"run-{transport}", tmp_path)
     engine = TorchEngine.from_pretrained(model_dir, transport=plane)
     state = perturbed_state(engine)
-    ref = plane.put_tensors("weights-v1", state, owner="trainer")
+    ref = plane.stager.put_tensors("weights-v1", state, owner="trainer")
     done = []
-    plane.done_reading = lambda ref, device: done.append((ref, device))  # type: ignore[method-assign]
+    plane.reader.done_reading = lambda ref, device: done.append((ref, device))  # type: ignore[method-assign]
     assert engine.load_weights(ref, "1") == sum(t.numel() * t.element_size() for t in state.values())
     assert engine.weight_version == "1" and served_checksums(engine) == fingerprints(state)
     assert done == [(ref, engine.device)]  # the engine tells the transport it is done reading
@@ -467,14 +467,14 @@ def test_weights_staged_in_buckets_of_the_served_layout_load_bucket_by_bucket(
     engine = TorchEngine.from_pretrained(model_dir, transport=plane)
     state = perturbed_state(engine)
     canary = publication_canary("run-buckets", "1")
-    ref = plane.put_buckets("weights-v1", Buckets.of({**state, CANARY_TENSOR: canary}), owner="trainer")
+    ref = plane.stager.put_buckets("weights-v1", Buckets.of({**state, CANARY_TENSOR: canary}), owner="trainer")
 
     def tensor_by_tensor(*args: object) -> None:
         raise AssertionError("the buckets' layout is the engine's: no tensor-by-tensor load")
 
     monkeypatch.setattr(engine, "load_tensors", tensor_by_tensor)
     done = []
-    monkeypatch.setattr(plane, "done_reading", lambda ref, device: done.append((ref, device)))
+    monkeypatch.setattr(plane.reader, "done_reading", lambda ref, device: done.append((ref, device)))
     assert engine.load_weights(ref, "1") == sum(t.numel() * t.element_size() for t in state.values()) + 16
     assert done == [(ref, engine.device)]
     assert engine.weight_version == "1" and served_checksums(engine) == fingerprints(state)
@@ -493,16 +493,16 @@ def test_buckets_staged_again_load_their_new_values_and_a_later_layout_is_checke
     plane = open_transport("inprocess", "run-restaged", tmp_path)
     engine = TorchEngine.from_pretrained(model_dir, transport=plane)
     staged = Buckets.of({**perturbed_state(engine, seed=3), CANARY_TENSOR: publication_canary("run-restaged", "1")})
-    engine.load_weights(plane.put_buckets("weights-v1", staged, owner="trainer"), "1")
+    engine.load_weights(plane.stager.put_buckets("weights-v1", staged, owner="trainer"), "1")
     state = perturbed_state(engine, seed=4)
     canary = publication_canary("run-restaged", "2")
     staged.pack({**state, CANARY_TENSOR: canary})  # staged again into the same buckets
-    engine.load_weights(plane.put_buckets("weights-v2", staged, owner="trainer"), "2")
+    engine.load_weights(plane.stager.put_buckets("weights-v2", staged, owner="trainer"), "2")
     assert served_checksums(engine) == fingerprints(state) and engine.served_canary() == tensor_fingerprint(canary)
     by_tensor = []
     monkeypatch.setattr(engine, "load_tensors", lambda tensors, version: by_tensor.append(version))
     reordered = Buckets.of(dict(reversed(list(state.items()))))
-    engine.load_weights(plane.put_buckets("weights-v3", reordered, owner="trainer"), "3")
+    engine.load_weights(plane.stager.put_buckets("weights-v3", reordered, owner="trainer"), "3")
     assert by_tensor == ["3"]
     plane.close()
 
@@ -512,7 +512,7 @@ def test_weights_staged_in_buckets_of_another_layout_load_tensor_by_tensor(model
     engine = TorchEngine.from_pretrained(model_dir, transport=plane)
     state = perturbed_state(engine, seed=2)
     reordered = dict(reversed(list(state.items())))
-    ref = plane.put_buckets("weights-v1", Buckets.of(reordered), owner="trainer")
+    ref = plane.stager.put_buckets("weights-v1", Buckets.of(reordered), owner="trainer")
     engine.load_weights(ref, "1")
     assert engine.weight_version == "1" and served_checksums(engine) == fingerprints(state)
     plane.close()

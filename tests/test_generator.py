@@ -20,7 +20,8 @@ from miles_events.rl.checksum import per_gpu_checksum
 from miles_events.rl.checksum_manifest import read_manifest, write_manifest
 from miles_events.rl.hf_model import load_model, prepare_base_model
 from miles_events.rl.prompts import load_prompts, rollout_prompts
-from miles_events.transport.base import InProcessTransport, Transport
+from miles_events.transport.base import Transport
+from miles_events.transport.inprocess import InProcessTransport
 from schemas.checksums import EngineChecksumReport
 from schemas.config import (
     Config,
@@ -134,7 +135,7 @@ async def actor(model_dir: Path, prompt_file: Path, tmp_path: Path) -> Started:
 
 
 def batch_of(context: FakeContext, event: RolloutGenerated) -> RolloutBatch:
-    return msgspec.msgpack.decode(context.transport.get_bytes(event.batch), type=RolloutBatch)
+    return msgspec.msgpack.decode(context.transport.reader.get_bytes(event.batch), type=RolloutBatch)
 
 
 def staged_weights(model_dir: Path, scale: float) -> dict[str, torch.Tensor]:
@@ -144,7 +145,7 @@ def staged_weights(model_dir: Path, scale: float) -> dict[str, torch.Tensor]:
 
 
 def weights_staged(context: FakeContext, tensors: dict[str, torch.Tensor], version: str) -> WeightsStaged:
-    ref = context.transport.put_tensors(f"weights-{version}", tensors, owner="trainer")
+    ref = context.transport.stager.put_tensors(f"weights-{version}", tensors, owner="trainer")
     digest, manifest = write_manifest(context.run_dir, fingerprints(tensors))
     return WeightsStaged(
         weight_version=version,
@@ -214,7 +215,7 @@ async def test_same_rollout_id_reproduces_the_identical_batch(
         generator, context = await started(make_config(model_dir, prompt_file, tmp_path), tmp_path)
         await generator.handle(RolloutRequested(rollout_id=2))
         [event] = context.of(RolloutGenerated)
-        batches.append(context.transport.get_bytes(event.batch))
+        batches.append(context.transport.reader.get_bytes(event.batch))
     assert batches[0] == batches[1]
 
 
@@ -222,12 +223,12 @@ async def test_data_released_frees_only_the_generators_own_data(actor: Started) 
     generator, context = actor
     await generator.handle(RolloutRequested(rollout_id=0))
     [event] = context.of(RolloutGenerated)
-    foreign = context.transport.put_bytes("foreign", b"x", owner="trainer")
+    foreign = context.transport.stager.put_bytes("foreign", b"x", owner="trainer")
     await generator.handle(DataReleased(ref=foreign))
     await generator.handle(DataReleased(ref=event.batch))
-    assert context.transport.get_bytes(foreign) == b"x"
+    assert context.transport.reader.get_bytes(foreign) == b"x"
     with pytest.raises(KeyError):
-        context.transport.get_bytes(event.batch)
+        context.transport.reader.get_bytes(event.batch)
 
 
 async def test_eval_reports_reward_mean_and_full_credit_accuracy(
@@ -275,7 +276,7 @@ async def test_weights_staged_loads_every_engine_and_reports_served_checksums(
         assert event.num_tensors == len(tensors)
         assert event.num_bytes == sum(t.numel() * t.element_size() for t in tensors.values())
     # The staged weights belong to their stager: still readable.
-    assert set(context.transport.get_tensors(staged.weights)) == set(tensors)
+    assert set(context.transport.reader.get_tensors(staged.weights)) == set(tensors)
 
 
 async def test_engines_are_handed_the_handle_and_read_the_weights_themselves(
@@ -298,13 +299,13 @@ async def test_engines_are_handed_the_handle_and_read_the_weights_themselves(
                 loading.engine = None
 
         monkeypatch.setattr(engine, "load_weights", spy)
-    get_tensors = context.transport.get_tensors
+    get_tensors = context.transport.reader.get_tensors
 
     def read(ref):  # type: ignore[no-untyped-def]
         reads.append(getattr(loading, "engine", None))
         return get_tensors(ref)
 
-    monkeypatch.setattr(context.transport, "get_tensors", read)
+    monkeypatch.setattr(context.transport.reader, "get_tensors", read)
     await generator.handle(staged)
     assert sorted(handed) == [("engine-0", staged.weights), ("engine-1", staged.weights)]
     reads.sort()

@@ -202,7 +202,7 @@ async def test_no_actor_sees_an_event_before_its_ready(tmp_path):
     from miles_events.bus.event_bus import EventBus
     from miles_events.runtime.base import RunContext
     from miles_events.runtime.local import LocalRuntime
-    from miles_events.transport.base import InProcessTransport
+    from miles_events.transport.inprocess import InProcessTransport
     from schemas.plan import RunPlan
 
     seen: list[str] = []

@@ -25,7 +25,7 @@ from miles_events.runtime.leftovers import (
     remove_dead_owners,
     start_time,
 )
-from miles_events.transport.base import SHM_PREFIX, ShmTransport, shm_root
+from miles_events.transport.shm import SHM_PREFIX, ShmTransport, shm_root
 from schemas.events import RunStarted
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -99,7 +99,7 @@ def test_shared_memory_of_a_dead_driver_is_removed_and_its_files_are_private(tmp
     claim(transport.root)
     assert remove_dead_owners(tmp_path, SHM_PREFIX) == [gone_dir]
     assert not gone_dir.exists() and unclaimed.exists() and transport.root.exists()
-    ref = transport.put_tensors("w", {"x": torch.ones(2)}, owner="trainer")
+    ref = transport.stager.put_tensors("w", {"x": torch.ones(2)}, owner="trainer")
     assert stat.S_IMODE(transport.root.stat().st_mode) == 0o700
     assert stat.S_IMODE((transport.root / ref.key).stat().st_mode) == 0o600
     transport.close()

@@ -69,6 +69,15 @@ def publisher(cfg: Config, clock: ManualClock | None = None) -> Publisher:
     return Publisher(cfg, RecordingContext(cfg, name="publisher", clock=clock or ManualClock()))
 
 
+@pytest.mark.parametrize(
+    ("transport", "runtime", "chosen"),
+    [("auto", "local", "inprocess"), ("auto", "ray", "shm"), ("disk", "local", "disk"), ("cuda_ipc", "ray", "cuda_ipc")],
+)
+def test_the_publisher_chooses_the_runs_data_plane_resolving_auto_by_runtime(transport, runtime, chosen):
+    chosen_config = msgspec.structs.replace(config(transport=transport), run=msgspec.structs.replace(Config().run, runtime=runtime))
+    assert Publisher.data_plane(chosen_config) == chosen
+
+
 async def test_published_only_once_every_engine_loaded():
     p = publisher(config(engines=2))
     out = await feed(p, started(), PublishRequested(), staged("1"), loaded("engine-0", "1", "default"))

@@ -18,7 +18,7 @@ from miles_events.bus.event_bus import EventBus
 from miles_events.runtime.base import ActorStartError, Preparation, RunContext
 from miles_events.runtime.leftovers import PROCESSES_FILE, Process, alive, ray_processes, start_time
 from miles_events.runtime.ray import RayRuntime
-from miles_events.transport.base import ShmTransport
+from miles_events.transport.shm import ShmTransport
 from schemas.config import Config, RayConfig, RunConfig
 from schemas.events import ActorFailed, EvalRequested, Event, RolloutRequested, StopRequested
 from schemas.plan import RunPlan

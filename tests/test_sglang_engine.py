@@ -45,7 +45,7 @@ def setup(request, tmp_path):
 
 
 def publish(transport: DiskTransport, tensors: dict[str, torch.Tensor], key: str):
-    return transport.put_tensors(key, tensors, owner="trainer")
+    return transport.stager.put_tensors(key, tensors, owner="trainer")
 
 
 def test_sglang_is_a_registered_engine_that_reads_the_served_version(setup):
@@ -106,7 +106,7 @@ def test_load_weights_pauses_flushes_loads_versions_and_continues(setup, tmp_pat
     expected += ["/update_weight_version", "/continue_generation"]
     assert paths[start:] == expected
     bodies = {path: body for _, path, body in server.state.requests}
-    assert bodies["/update_weights_from_disk"]["model_path"] == str(transport.path(ref))
+    assert bodies["/update_weights_from_disk"]["model_path"] == str(transport.reader.path(ref))
     assert bodies["/update_weight_version"] == {"new_version": "1", "abort_all_requests": False}
     assert bodies["/pause_generation"] == {"mode": "retract"}
     assert server.state.refused == [] and server.state.paused is None
@@ -116,7 +116,7 @@ def test_load_weights_pauses_flushes_loads_versions_and_continues(setup, tmp_pat
 def test_a_failed_load_still_continues_generation_and_keeps_the_version(setup, tmp_path):
     engine, server, transport = setup
     ref = publish(transport, {"w": torch.ones(2)}, "v1")
-    transport.free(ref)
+    transport.stager.free(ref)
     with pytest.raises(SglangError, match="not a directory"):
         engine.load_weights(ref, "1")
     assert engine.weight_version == "default" and server.state.paused is None
@@ -143,8 +143,8 @@ def test_checksums_and_the_seeds_check_through_the_weights_checker(setup, tmp_pa
     import shutil
 
     ref = publish(transport, {"w": torch.ones(1)}, "again")
-    shutil.rmtree(transport.path(ref))
-    shutil.copytree(server.state.model_path, transport.path(ref))
+    shutil.rmtree(transport.reader.path(ref))
+    shutil.copytree(server.state.model_path, transport.reader.path(ref))
     engine.load_weights(ref, "1")
     passed = engine.weights_check("compare")
     assert passed.success and passed.weight_version == "1"

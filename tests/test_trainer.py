@@ -16,6 +16,7 @@ import torch
 
 from actors.engine.torch_engine import TorchEngine
 from actors.trainer import Trainer, staleness_max
+from actors.trainer_backend.save_staging import SaveStaging
 from actors.trainer_backend.torch_backend import (
     TorchTrainerBackend,
     pack_samples,
@@ -31,7 +32,8 @@ from miles_events.rl.checksum import per_gpu_checksum
 from miles_events.rl.checksum_manifest import read_manifest
 from miles_events.rl.finite import NonFiniteError
 from miles_events.rl.hf_model import load_model, prepare_base_model
-from miles_events.transport.base import InProcessTransport, Transport
+from miles_events.transport.base import Transport
+from miles_events.transport.inprocess import InProcessTransport
 from schemas.checkpoint import TrainerState
 from schemas.config import (
     BuiltinModelConfig,
@@ -151,7 +153,7 @@ def two_group_samples(version: str = "default") -> list[Sample]:
 
 def rollout_event(context: FakeContext, rollout_id: int, samples: list[Sample]) -> RolloutGenerated:
     batch = RolloutBatch(rollout_id=rollout_id, samples=samples)
-    ref = context.transport.put_bytes(
+    ref = context.transport.stager.put_bytes(
         f"rollout-{rollout_id}", msgspec.msgpack.encode(batch), owner="generator"
     )
     return RolloutGenerated(
@@ -430,7 +432,7 @@ async def test_staged_checksums_fingerprint_the_staged_tensors(base_model: Path,
     trainer, context = await started_trainer(make_config(base_model, tmp_path), tmp_path)
     await trainer.handle(PublishRequested(rollout_id=None))
     event = context.of_type(WeightsStaged)[0]
-    payload = context.transport.get_tensors(event.weights)
+    payload = context.transport.reader.get_tensors(event.weights)
     tensors, canary = split_canary(payload)
     # The payload carries this publication's canary, in no digest.
     assert canary is not None and torch.equal(canary, publication_canary(context.run_id, "1"))
@@ -453,7 +455,7 @@ async def test_the_backend_trains_in_its_buckets_and_a_publication_copies_them_w
     for name, tensor in trainer.backend.named_weights().items():
         assert tensor.data_ptr() == views[name].data_ptr(), name  # the parameters are bucket views
     await trainer.handle(PublishRequested(rollout_id=None))
-    staged = context.transport.get_buckets(context.of_type(WeightsStaged)[0].weights)
+    staged = context.transport.reader.get_buckets(context.of_type(WeightsStaged)[0].weights)
     assert staged is not None
     # The weights' buckets as the backend lays them out (one copy each), then the canary's.
     assert staged.layouts[:-1] == own.layouts
@@ -470,7 +472,7 @@ async def test_the_staged_digest_leaves_out_the_verifier_skip_list(base_model: P
     trainer, context = await started_trainer(config, tmp_path)
     await trainer.handle(PublishRequested(rollout_id=None))
     event = context.of_type(WeightsStaged)[0]
-    tensors, _canary = split_canary(context.transport.get_tensors(event.weights))
+    tensors, _canary = split_canary(context.transport.reader.get_tensors(event.weights))
     assert any("norm" in name for name in tensors), "skipped tensors are still published"
     covered = fingerprints(tensors, ["norm"])
     assert read_manifest(tmp_path, event.checksums_manifest, event.digest) == covered
@@ -482,7 +484,7 @@ async def test_staged_weights_do_not_change_when_training_continues(base_model: 
     await trainer.handle(PublishRequested(rollout_id=None))
     event = context.of_type(WeightsStaged)[0]
     await trainer.handle(rollout_event(context, 0, two_group_samples()))
-    assert per_gpu_checksum(fingerprints(split_canary(context.transport.get_tensors(event.weights))[0])) == event.digest
+    assert per_gpu_checksum(fingerprints(split_canary(context.transport.reader.get_tensors(event.weights))[0])) == event.digest
     assert per_gpu_checksum(fingerprints(trainer.backend.named_weights())) != event.digest
 
 
@@ -492,11 +494,11 @@ async def test_staging_the_next_version_frees_the_previous_one(base_model: Path,
     await trainer.handle(PublishRequested(rollout_id=None))
     first, second = context.of_type(WeightsStaged)
     with pytest.raises(KeyError):
-        context.transport.get_tensors(first.weights)
-    context.transport.get_tensors(second.weights)
+        context.transport.reader.get_tensors(first.weights)
+    context.transport.reader.get_tensors(second.weights)
     await trainer.stop()
     with pytest.raises(KeyError):
-        context.transport.get_tensors(second.weights)
+        context.transport.reader.get_tensors(second.weights)
 
 
 async def test_a_released_publications_buffers_stage_a_later_one_and_an_unreleased_ones_are_not_written_again(
@@ -507,7 +509,7 @@ async def test_a_released_publications_buffers_stage_a_later_one_and_an_unreleas
     async def publish() -> tuple[WeightsStaged, tuple[torch.Tensor, ...]]:
         await trainer.handle(PublishRequested(rollout_id=None))
         event = context.of_type(WeightsStaged)[-1]
-        staged = context.transport.get_buckets(event.weights)
+        staged = context.transport.reader.get_buckets(event.weights)
         assert staged is not None
         assert per_gpu_checksum(fingerprints(split_canary(staged.tensors())[0])) == event.digest
         return event, staged.buffers
@@ -544,12 +546,12 @@ async def test_a_released_publications_buffers_wait_for_the_engines_copies_the_t
 
     read = Read()
     asked = []
-    monkeypatch.setattr(context.transport, "reads_of", lambda ref: asked.append(ref) or (read,))
+    monkeypatch.setattr(context.transport.stager, "reads_of", lambda ref: asked.append(ref) or (read,))
 
     async def publish() -> tuple[WeightsStaged, set[int]]:
         await trainer.handle(PublishRequested(rollout_id=None))
         event = context.of_type(WeightsStaged)[-1]
-        staged = context.transport.get_buckets(event.weights)
+        staged = context.transport.reader.get_buckets(event.weights)
         assert staged is not None
         return event, {b.data_ptr() for b in staged.buffers}
 
@@ -585,7 +587,7 @@ async def test_weights_are_published_in_the_engine_dtype(base_model: Path, tmp_p
     )
     trainer, context = await started_trainer(config, tmp_path)
     await trainer.handle(PublishRequested(rollout_id=None))
-    tensors, _canary = split_canary(context.transport.get_tensors(context.of_type(WeightsStaged)[0].weights))
+    tensors, _canary = split_canary(context.transport.reader.get_tensors(context.of_type(WeightsStaged)[0].weights))
     assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
 
 
@@ -597,7 +599,7 @@ async def test_saved_optimizer_bytes_load_back_into_an_optimizer(base_model: Pat
     await trainer.handle(rollout_event(context, 0, two_group_samples()))
     await trainer.handle(SaveRequested(rollout_id=0, reason="interval"))
     staged = context.of_type(TrainStateStaged)[0]
-    state = context.transport.get_state(staged.optimizer)
+    state = context.transport.reader.get_state(staged.optimizer)
     assert len(state["state"]) > 0
     fresh = TorchTrainerBackend(trainer.config)
     fresh.optimizer.load_state_dict(state)
@@ -624,7 +626,7 @@ async def test_saved_train_state_carries_version_steps_and_data_cursor(
     assert (state.seed, state.run_id) == (SEED, "run-abc")
     # 5 prompts, 2 per rollout: 2 rollouts per epoch; rollout 1 starts at offset 2 of epoch 0.
     assert (state.data.next_rollout_id, state.data.epoch, state.data.offset) == (1, 0, 2)
-    weights = context.transport.get_tensors(staged.weights)
+    weights = context.transport.reader.get_tensors(staged.weights)
     assert all(torch.equal(weights[n], t) for n, t in trainer.backend.named_weights().items())
 
 
@@ -639,11 +641,11 @@ async def test_a_background_save_stages_the_state_as_it_was_when_asked_while_tra
     await trainer.handle(rollout_event(context, 1, two_group_samples()))  # the next step, before it is staged
     staged = await staged_train_state(context, 0)
     assert staged.trainer_state.rollout_id == 0 and staged.trainer_state.num_optimizer_steps == 1
-    weights = context.transport.get_tensors(staged.weights)
+    weights = context.transport.reader.get_tensors(staged.weights)
     assert weights.keys() == asked.keys() and all(torch.equal(weights[n], t) for n, t in asked.items())
     now = trainer.backend.named_weights()
     assert any(not torch.equal(now[n], t) for n, t in asked.items())  # training went on
-    optimizer = context.transport.get_state(staged.optimizer)
+    optimizer = context.transport.reader.get_state(staged.optimizer)
     for key, state in optimizer_asked["state"].items():
         assert all(torch.equal(optimizer["state"][key][k], v) for k, v in state.items() if isinstance(v, torch.Tensor))
 
@@ -663,7 +665,7 @@ async def test_a_background_save_with_a_publication_behind_it_is_staged_once_tha
     order = [type(e).__name__ for e in context.events if isinstance(e, WeightsStaged | TrainStateStaged)]
     assert order == ["WeightsStaged", "TrainStateStaged"]
     staged = context.of_type(TrainStateStaged)[0]
-    weights = context.transport.get_tensors(staged.weights)
+    weights = context.transport.reader.get_tensors(staged.weights)
     assert all(torch.equal(weights[n], t) for n, t in asked.items())  # the state as it was when asked
 
 
@@ -675,7 +677,7 @@ async def test_a_background_save_asked_for_after_its_publication_does_not_wait_f
     await trainer.handle(PublishRequested(rollout_id=0))
     await trainer.handle(SaveRequested(rollout_id=0, reason="interval", publication_follows=True))
     await staged_train_state(context, 0)  # at once: no wait for a publication already staged
-    assert trainer._publication_staged == {}
+    assert trainer.publications.waiting == 0
 
 
 async def test_a_background_save_waits_for_its_publication_even_when_that_fails_to_stage(
@@ -703,25 +705,25 @@ async def test_each_background_save_copies_into_the_copies_of_the_last_once_they
     def copy_to_the_host(obj: Any, after: Any = None, pool: Any = None) -> tuple[Any, Any]:
         return map_tensors(obj, lambda t: t.clone()), pool.take([])
 
-    monkeypatch.setattr("actors.trainer.copy_to_host", copy_to_the_host)
-    monkeypatch.setattr(Trainer, "_reuses_snapshot_copies", lambda self: True)
+    monkeypatch.setattr("actors.trainer_backend.save_staging.copy_to_host", copy_to_the_host)
+    monkeypatch.setattr(SaveStaging, "reuses_copies", lambda self: True)
     trainer, context = await started_trainer(make_config(base_model, tmp_path, save_staging="background"), tmp_path)
-    trainer._pinned.pin = False
+    trainer.saves.pinned.pin = False
     for rollout_id in (0, 1):
         await trainer.handle(rollout_event(context, rollout_id, two_group_samples()))
         asked = {n: t.clone() for n, t in trainer.backend.named_weights().items()}
         moments = {k: v["exp_avg"].clone() for k, v in trainer.backend.optimizer_state_dict()["state"].items()}
         await trainer.handle(SaveRequested(rollout_id=rollout_id, reason="interval"))
         staged = await staged_train_state(context, rollout_id)
-        weights = context.transport.get_tensors(staged.weights)
+        weights = context.transport.reader.get_tensors(staged.weights)
         assert all(torch.equal(weights[n], t) for n, t in asked.items())
-        optimizer = context.transport.get_state(staged.optimizer)
+        optimizer = context.transport.reader.get_state(staged.optimizer)
         assert all(torch.equal(optimizer["state"][k]["exp_avg"], v) for k, v in moments.items())
-    assert trainer._snapshot_lent == {}, "every save's copies given back once on the host"
-    assert trainer._snapshot_arenas is not None and trainer._snapshot_arenas.num_pinned == 1
-    assert trainer._snapshot_buckets.num_allocated == 1
+    assert trainer.saves.lent == {}, "every save's copies given back once on the host"
+    assert trainer.saves.device_arenas is not None and trainer.saves.device_arenas.num_pinned == 1
+    assert trainer.saves.device_buckets.num_allocated == 1
     await trainer.stop()
-    assert trainer._snapshot_arenas is None
+    assert trainer.saves.device_arenas is None
 
 
 def with_save_interval(config: Config, save_interval: int) -> Config:
@@ -731,10 +733,10 @@ def with_save_interval(config: Config, save_interval: int) -> Config:
 async def prepared_arenas(trainer: Trainer, count: int, seconds: float = 10.0) -> None:
     """Wait until the trainer's pinned pool holds ``count`` idle arenas."""
     for _ in range(int(seconds / 0.01)):
-        if len(trainer._pinned._idle) == count:
+        if len(trainer.saves.pinned._idle) == count:
             return
         await asyncio.sleep(0.01)
-    raise AssertionError(f"{len(trainer._pinned._idle)} idle arenas after {seconds}s, expected {count}")
+    raise AssertionError(f"{len(trainer.saves.pinned._idle)} idle arenas after {seconds}s, expected {count}")
 
 
 @pytest.fixture
@@ -747,13 +749,13 @@ def save_memory_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     def copy_to_the_host(obj: Any, after: Any = None, pool: Any = None) -> tuple[Any, Any]:
         return map_tensors(obj, lambda t: t.clone()), pool.take(tensors_of(obj))
 
-    def every_tensor(self: Trainer) -> list[torch.Tensor] | None:
+    def every_tensor(self: SaveStaging) -> list[torch.Tensor] | None:
         optimizer = tensors_of(self.backend.optimizer_state_dict())
         return tensors_of(self.backend.weight_buckets()) + optimizer if optimizer else None
 
-    monkeypatch.setattr("actors.trainer.copy_to_host", copy_to_the_host)
-    monkeypatch.setattr(Trainer, "_reuses_snapshot_copies", lambda self: True)
-    monkeypatch.setattr(Trainer, "_save_copies_to_host", every_tensor)
+    monkeypatch.setattr("actors.trainer_backend.save_staging.copy_to_host", copy_to_the_host)
+    monkeypatch.setattr(SaveStaging, "reuses_copies", lambda self: True)
+    monkeypatch.setattr(SaveStaging, "copies_to_host", every_tensor)
 
 
 @pytest.mark.usefixtures("save_memory_on_the_cpu")
@@ -766,28 +768,28 @@ async def test_the_first_saves_host_memory_is_pinned_once_trained_weights_are_pu
     pins nothing, nor does a run without periodic saves."""
     config = make_config(base_model, tmp_path, save_staging="background", on_non_finite="skip_step")
     unsaved, context = await started_trainer(config, tmp_path / "unsaved")
-    unsaved._pinned.pin = False
+    unsaved.saves.pinned.pin = False
     await unsaved.handle(rollout_event(context, 0, two_group_samples()))
     await unsaved.handle(PublishRequested(rollout_id=0))
-    assert not unsaved._save_memory_prepared and unsaved._pinned.num_pinned == 0, "no periodic saves"
+    assert not unsaved.saves.memory_prepared and unsaved.saves.pinned.num_pinned == 0, "no periodic saves"
     await unsaved.stop()
 
     trainer, context = await started_trainer(with_save_interval(config, 2), tmp_path)
-    trainer._pinned.pin = False
+    trainer.saves.pinned.pin = False
     await trainer.handle(PublishRequested(rollout_id=None))
-    assert not trainer._save_memory_prepared, "no optimizer state before the first step"
+    assert not trainer.saves.memory_prepared, "no optimizer state before the first step"
     await trainer.handle(rollout_event(context, 0, with_nan_reward()))
     await trainer.handle(PublishRequested(rollout_id=0))
-    assert not trainer._save_memory_prepared, "a step that trained nothing made no optimizer state"
+    assert not trainer.saves.memory_prepared, "a step that trained nothing made no optimizer state"
     await trainer.handle(rollout_event(context, 1, two_group_samples()))
     await trainer.handle(PublishRequested(rollout_id=1))
     await prepared_arenas(trainer, 1)
-    prepared = trainer._pinned._idle[0]
+    prepared = trainer.saves.pinned._idle[0]
     await trainer.handle(rollout_event(context, 2, two_group_samples()))
     await trainer.handle(SaveRequested(rollout_id=2, reason="interval"))
     staged = await staged_train_state(context, 2)
-    assert trainer._arenas[staged.weights.key.rsplit("-weights", 1)[0]][0] is prepared
-    assert trainer._pinned.num_pinned == 1, "the save took the arena pinned ahead"
+    assert trainer.saves.held[staged.weights.key.rsplit("-weights", 1)[0]][0] is prepared
+    assert trainer.saves.pinned.num_pinned == 1, "the save took the arena pinned ahead"
     await trainer.stop()
 
 
@@ -799,12 +801,12 @@ async def test_a_save_asked_for_before_the_first_publication_pins_its_own_memory
     it pins its memory itself, and nothing is pinned ahead beside it."""
     config = with_save_interval(make_config(base_model, tmp_path, save_staging="background"), 1)
     trainer, context = await started_trainer(config, tmp_path)
-    trainer._pinned.pin = False
+    trainer.saves.pinned.pin = False
     await trainer.handle(rollout_event(context, 0, two_group_samples()))
     await trainer.handle(SaveRequested(rollout_id=0, reason="interval", publication_follows=True))
     await trainer.handle(PublishRequested(rollout_id=0))
     await staged_train_state(context, 0)
-    assert not trainer._save_memory_prepared and trainer._pinned.num_pinned == 1
+    assert not trainer.saves.memory_prepared and trainer.saves.pinned.num_pinned == 1
     await trainer.stop()
 
 
@@ -816,12 +818,12 @@ async def test_on_a_gpu_the_first_save_takes_the_pinned_memory_prepared_for_it(b
     await trainer.handle(rollout_event(context, 0, two_group_samples()))
     await trainer.handle(PublishRequested(rollout_id=0))
     await prepared_arenas(trainer, 1)
-    prepared = trainer._pinned._idle[0]
+    prepared = trainer.saves.pinned._idle[0]
     assert prepared.block is not None and prepared.tensors[0].is_pinned()
     await trainer.handle(SaveRequested(rollout_id=0, reason="interval"))
     staged = await staged_train_state(context, 0)
-    assert trainer._arenas[staged.weights.key.rsplit("-weights", 1)[0]][0] is prepared
-    assert trainer._pinned.num_pinned == 1
+    assert trainer.saves.held[staged.weights.key.rsplit("-weights", 1)[0]][0] is prepared
+    assert trainer.saves.pinned.num_pinned == 1
     await trainer.stop()
 
 
@@ -838,18 +840,18 @@ async def test_on_a_gpu_each_background_save_copies_the_state_into_the_device_me
         optimizer_asked = copy.deepcopy(trainer.backend.optimizer_state_dict())
         await trainer.handle(SaveRequested(rollout_id=rollout_id, reason="interval"))
         staged = await staged_train_state(context, rollout_id)
-        weights = context.transport.get_tensors(staged.weights)
+        weights = context.transport.reader.get_tensors(staged.weights)
         assert all(torch.equal(weights[n], t) for n, t in asked.items())
-        optimizer = context.transport.get_state(staged.optimizer)
+        optimizer = context.transport.reader.get_state(staged.optimizer)
         for key, state in optimizer_asked["state"].items():
             for k, v in state.items():
                 if isinstance(v, torch.Tensor):
                     assert torch.equal(optimizer["state"][key][k], v.cpu()), (key, k)
-        arenas = trainer._snapshot_arenas
+        arenas = trainer.saves.device_arenas
         assert arenas is not None
         pointers.append(sorted(t.data_ptr() for arena in arenas._idle for t in arena.tensors))
     assert pointers[0] == pointers[1] and arenas.num_pinned == 1  # made once, then reused
-    assert trainer._snapshot_buckets.num_allocated == 1  # the weights' buckets likewise
+    assert trainer.saves.device_buckets.num_allocated == 1  # the weights' buckets likewise
 
 
 async def test_a_background_saves_pinned_memory_is_reused_once_the_saver_released_what_it_staged(
@@ -862,9 +864,9 @@ async def test_a_background_saves_pinned_memory_is_reused_once_the_saver_release
         arena = pool.take([])
         return obj, arena
 
-    monkeypatch.setattr("actors.trainer.copy_to_host", copy_into_arena)
+    monkeypatch.setattr("actors.trainer_backend.save_staging.copy_to_host", copy_into_arena)
     trainer, context = await started_trainer(make_config(base_model, tmp_path, save_staging="background"), tmp_path)
-    pool: host_copy.PinnedPool = trainer._pinned
+    pool: host_copy.PinnedPool = trainer.saves.pinned
     pool.pin = False
 
     async def staged_save(rollout_id: int) -> TrainStateStaged:
@@ -890,9 +892,9 @@ async def test_released_train_state_is_freed_by_its_owner(base_model: Path, tmp_
     for ref in (staged.weights, staged.optimizer, staged.rng):
         await trainer.handle(DataReleased(ref=ref))
     with pytest.raises(KeyError):
-        context.transport.get_state(staged.optimizer)
+        context.transport.reader.get_state(staged.optimizer)
     with pytest.raises(KeyError):
-        context.transport.get_tensors(staged.weights)
+        context.transport.reader.get_tensors(staged.weights)
 
 
 @dataclass
@@ -925,9 +927,9 @@ async def test_resume_continues_training_exactly_where_the_save_left_off(
     await original.handle(SaveRequested(rollout_id=0))
     staged = context.of_type(TrainStateStaged)[0]
     loaded = LoadedCheckpoint(
-        weights={n: t.clone() for n, t in context.transport.get_tensors(staged.weights).items()},
-        optimizer=copy.deepcopy(context.transport.get_state(staged.optimizer)),
-        rng=copy.deepcopy(context.transport.get_state(staged.rng)),
+        weights={n: t.clone() for n, t in context.transport.reader.get_tensors(staged.weights).items()},
+        optimizer=copy.deepcopy(context.transport.reader.get_state(staged.optimizer)),
+        rng=copy.deepcopy(context.transport.reader.get_state(staged.rng)),
         trainer_state=staged.trainer_state,
     )
     checkpoint = tmp_path / "checkpoints" / "rollout-0"

@@ -24,7 +24,7 @@ from actors.engine.vllm_engine import VllmEngine, launch_server
 from miles_events.device.fingerprint import fingerprints, tensor_fingerprint
 from miles_events.rl.canary import CANARY_TENSOR, publication_canary
 from miles_events.rl.hf_model import prepare_base_model
-from miles_events.transport.base import InProcessTransport
+from miles_events.transport.inprocess import InProcessTransport
 from schemas.config import BuiltinModelConfig, Config, ModelConfig, RunConfig, VllmConfig
 from tests.vllm_env import require_vllm
 
@@ -98,11 +98,11 @@ def _publish(
 ) -> int:
     payload = dict(tensors)
     payload[CANARY_TENSOR] = publication_canary("vllm-test", version)
-    ref = transport.put_tensors(f"weights-{engine.name}-{version}", payload, owner="trainer")
+    ref = transport.stager.put_tensors(f"weights-{engine.name}-{version}", payload, owner="trainer")
     try:
         return engine.load_weights(ref, version)
     finally:
-        transport.free(ref)
+        transport.stager.free(ref)
 
 
 def test_generation_returns_token_ids_and_per_token_logprobs(engine: VllmEngine):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from miles_events.bus.workers import RankPlace, start_in_process
-from miles_events.transport.base import InProcessTransport
+from miles_events.transport.inprocess import InProcessTransport
 from schemas.config import Config
 
 closed: list[int] = []

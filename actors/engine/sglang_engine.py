@@ -259,7 +259,7 @@ class SglangEngine(Engine):
                 f"{self.name}: an SGLang server loads published weights from disk "
                 f"(publisher.transport = 'disk'), not from {weights.transport!r}"
             )
-        path = Path(self.transport.path(weights))  # type: ignore[attr-defined]
+        path = Path(self.transport.reader.path(weights))  # type: ignore[attr-defined]
         settings = self.settings
         self.http.ok(api.PAUSE_GENERATION, api.pause_generation_body(settings.pause_mode))
         try:

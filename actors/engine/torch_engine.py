@@ -381,14 +381,14 @@ class TorchEngine(Engine):
                 f"engine {self.name} reads the {self.transport.name} transport, "
                 f"not {weights.transport} ({weights.key})"
             )
-        staged = self.transport.get_buckets(weights)
+        staged = self.transport.reader.get_buckets(weights)
         if staged is not None and self._load_buckets(staged, weight_version):
             num_bytes = staged.tensor_bytes
         else:
-            payload = self.transport.get_tensors(weights)
+            payload = self.transport.reader.get_tensors(weights)
             self.load_tensors(payload, weight_version)
             num_bytes = sum(t.numel() * t.element_size() for t in payload.values())
-        self.transport.done_reading(weights, self.device)
+        self.transport.reader.done_reading(weights, self.device)
         return num_bytes
 
     def _load_buckets(self, staged: Buckets, weight_version: str) -> bool:

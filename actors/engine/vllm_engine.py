@@ -502,7 +502,7 @@ class VllmEngine(Engine):
             raise ValueError(
                 f"engine {self.name} has no transport to read {weights.transport}:{weights.key} from"
             )
-        payload = self.transport.get_tensors(weights)
+        payload = self.transport.reader.get_tensors(weights)
         model_tensors, canary = split_canary(payload)
         self._check_payload(model_tensors)
         contiguous = {n: t.detach().contiguous().cpu() for n, t in model_tensors.items()}

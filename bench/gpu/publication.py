@@ -70,7 +70,7 @@ from miles_events.device.staging import StagingPool  # noqa: E402
 from miles_events.rl.hf_model import load_model  # noqa: E402
 from miles_events.rl.weights import split_tied  # noqa: E402
 from miles_events.runtime.heap import freeze_start_up  # noqa: E402
-from miles_events.transport.cuda_ipc import CudaIpcTransport  # noqa: E402
+from miles_events.transport.cuda_ipc import CudaIpcReader, CudaIpcTransport  # noqa: E402
 from schemas.data import DataRef  # noqa: E402
 
 
@@ -205,10 +205,10 @@ def engine_process(model_dir: str, run_id: str, pipe: Connection) -> None:
         gpu_timed, traced = kind == "gpu", kind == "traced"
         # The engine waits for the producer's ready event on its stream (the transport's
         # way), or, when ``host_wait``, on the host before it queues its copy.
-        plane._wait_ready = (lambda event, device: event.synchronize()) if host_wait else CudaIpcTransport._wait_ready
+        plane.reader._wait_ready = (lambda event, device: event.synchronize()) if host_wait else CudaIpcReader._wait_ready
         got = time.perf_counter_ns()
         ref = DataRef("cuda_ipc", key, "trainer")
-        staged = plane.get_buckets(ref)
+        staged = plane.reader.get_buckets(ref)
         assert staged is not None
         if staged.layouts is not matched:
             assert staged.layouts == own.layouts
@@ -223,7 +223,7 @@ def engine_process(model_dir: str, run_id: str, pipe: Connection) -> None:
         if traced:
             stamp(clock, 1)
         if early:  # the transport's read event behind the copy, and a receipt naming it
-            plane.done_reading(ref, staged.device)
+            plane.reader.done_reading(ref, staged.device)
         queued = time.perf_counter_ns()
         if early:  # answered with the copy queued: the producer waits for the read event
             pipe.send(((queued - got) / 1e9, (queued - got) / 1e9, None, None))
@@ -314,13 +314,13 @@ def across_processes(
             torch.cuda.synchronize()
         staged = time.perf_counter_ns()
         pool.lend(key, buckets)
-        ref = plane.put_buckets(key, buckets, owner="trainer")
+        ref = plane.stager.put_buckets(key, buckets, owner="trainer")
         shared = time.perf_counter_ns()
         pipe.send((ref.key, kind, host_wait, early))
         reads = ()
         if early:
             receive(pipe, spin)  # the engine's copy is queued, its read event behind it
-            reads = plane.reads_of(ref)
+            reads = plane.stager.reads_of(ref)
             assert len(reads) == 1
             reads[0].synchronize()
             answered = time.perf_counter_ns()
@@ -348,7 +348,7 @@ def across_processes(
             ):
                 times[name].append(seconds)
         pool.give_back(key, reads)  # the engine's load is done: the Publisher's DataReleased
-        plane.free(ref)
+        plane.stager.free(ref)
     pipe.send((SPIN, False))
     return {name: statistics.median(values) for name, values in times.items()} | {"allocated": pool.num_allocated}
 

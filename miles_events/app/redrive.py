@@ -22,7 +22,8 @@ from actors.verifier import Verifier
 from miles_events.bus.actor import Actor, Worker, WorkerFactory
 from miles_events.bus.clock import SYSTEM_CLOCK, Clock
 from miles_events.bus.host import actor_failed
-from miles_events.transport.base import InProcessTransport, Transport
+from miles_events.transport.base import Transport
+from miles_events.transport.inprocess import InProcessTransport
 from schemas.config import Config
 from schemas.events import Event, RunStarted, plan_of
 from schemas.plan import RunPlan

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from actors.coordinator import Coordinator
+from actors.publisher import Publisher
 from miles_events.app.config import dump_config
 from miles_events.app.plan import base_model_preparation, set_aside_all
 from miles_events.app.pyspy import PeriodicPySpyDump
@@ -31,7 +32,8 @@ from miles_events.runtime.local import LocalRuntime
 from miles_events.runtime.ray_cluster import RayCluster
 from miles_events.sinks.base import Sink, SinkContext, SinkHost
 from miles_events.sinks.event_log import EventLogSink
-from miles_events.transport.base import SHM_PREFIX, ShmTransport, Transport, open_transport, shm_root
+from miles_events.transport.base import Transport, open_transport
+from miles_events.transport.shm import SHM_PREFIX, ShmTransport, shm_root
 from schemas.config import Config
 from schemas.events import ActorFailed, RunFinished
 
@@ -44,14 +46,6 @@ class RunResult:
     finished: RunFinished
     run_dir: Path
     seconds: float
-
-
-def transport_for(config: Config) -> str:
-    """``publisher.transport``, with ``auto`` resolved for the runtime."""
-    transport = config.publisher.transport
-    if transport == "auto":
-        return "inprocess" if config.run.runtime == "local" else "shm"
-    return transport
 
 
 def make_runtime(context: RunContext, transport: Transport, cluster: RayCluster | None = None) -> Runtime:
@@ -124,7 +118,7 @@ class Session:
             config_path = run_config_path(self.run_dir, self.run_id)
             config_path.parent.mkdir(parents=True, exist_ok=True)
             config_path.write_text(dump_config(config))
-            transport_name = transport_for(config)
+            transport_name = Publisher.data_plane(config)
             if transport_name == "shm":
                 remove_dead_owners(shm_root(), SHM_PREFIX)
             transport = open_transport(transport_name, self.run_id, self.run_dir)

@@ -38,8 +38,12 @@ runs behind them on its stream; in a run the engine reports the load once it has
 the fingerprints of what it serves, so its copies have run by then anyway. The receipts of
 a key go when it is freed, with those of keys freed before a reader linked its receipt.
 
-Everything that is not a set of GPU buckets (rollout batches, train state for the Saver,
-CPU weights) goes through shared memory files exactly as ``ShmTransport``.
+The two ends keep apart what each side holds: ``CudaIpcStager`` the producer's buffers,
+records, shares and ready event, and the readers' events it opened; ``CudaIpcReader`` the
+buffers and records it opened, the keys it is reading, its read event and the producers'
+ready events it opened. Everything that is not a set of GPU buckets (rollout batches, train
+state for the Saver, CPU weights) each end passes to the shared-memory end it holds
+(``miles_events.transport.shm``), on the same directory.
 """
 
 from __future__ import annotations
@@ -50,12 +54,12 @@ import threading
 import weakref
 from collections import OrderedDict
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from miles_events.transport.base import ShmTransport
-from miles_events.util.file_modes import PRIVATE_FILE_MODE
+from miles_events.transport.base import Reader, Stager, Transport
+from miles_events.transport.shm import ShmFiles, ShmReader, ShmStager
 from schemas.data import BucketLayout, CudaIpcBuffer, CudaIpcRecord, DataRef
 
 if TYPE_CHECKING:
@@ -110,7 +114,7 @@ def open_shared(shared: CudaIpcBuffer) -> torch.Tensor:
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     dtype = getattr(torch, shared.layout.dtype)
-    tensor: torch.Tensor = rebuild_cuda_tensor(
+    mapped: torch.Tensor = rebuild_cuda_tensor(
         torch.Tensor,
         torch.Size([shared.layout.numel]),
         (1,),
@@ -127,7 +131,7 @@ def open_shared(shared: CudaIpcBuffer) -> torch.Tensor:
         shared.event_handle,
         shared.event_sync_required,
     )
-    return tensor
+    return mapped
 
 
 class UnknownRead:
@@ -181,31 +185,54 @@ def _keep_recent(cache: OrderedDict, key: object, value: object, limit: int) -> 
     return dropped
 
 
-class CudaIpcTransport(ShmTransport):
+
+def _new_record_name() -> str:
+    return _record_name()  # looked up at each call
+
+
+class InterprocessEvents:
+    """This process's own interprocess CUDA event per device, with its IPC handle: one
+    end's ready events (recorded behind each staging) or read events (behind each read's
+    copies). One for all keys: a reader of an earlier key waits for the latest, which is
+    only stricter as long as every staging (every read) on the device is queued on one
+    stream."""
+
+    def __init__(self) -> None:
+        self._events: dict[int | None, tuple[torch.cuda.Event, bytes]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, device: torch.device) -> tuple[torch.cuda.Event, bytes]:
+        """The event on ``device`` and its IPC handle, created at the first call."""
+        import torch
+
+        with self._lock:
+            known = self._events.get(device.index)
+            if known is None:
+                with torch.cuda.device(device):
+                    event = torch.cuda.Event(interprocess=True)
+                    event.record(torch.cuda.current_stream(device))  # created by its first record
+                    known = (event, bytes(event.ipc_handle()))
+                self._events[device.index] = known
+        return known
+
+    def clear(self) -> None:
+        with self._lock:
+            self._events.clear()
+
+
+class CudaIpcStager(Stager):
+    """The producer's end: GPU buckets kept alive and shared by a record; everything else
+    staged by the shared-memory end it holds."""
+
     name = "cuda_ipc"
 
-    def __init__(self, run_id: str, root: Path | None = None) -> None:
-        super().__init__(run_id, root)
+    def __init__(self, files: ShmFiles) -> None:
+        self.files = files
+        self.shm = ShmStager(files, name=self.name)
         self._held: dict[str, Buckets] = {}
         """The buckets this process staged, by key, alive until freed."""
-        self._records: OrderedDict[bytes, tuple[Buckets, torch.cuda.Event | None]] = OrderedDict()
-        """The buckets (and the producer's ready event) of the last records read, by the
-        record's bytes."""
-        self._ready: dict[int | None, tuple[torch.cuda.Event, bytes]] = {}
-        """This process's ready event and its IPC handle, by device index (``_ready_event``)."""
-        self._reads: dict[int | None, tuple[torch.cuda.Event, bytes]] = {}
-        """This process's read event and its IPC handle, by device index (``done_reading``)."""
-        self._ready_lock = threading.Lock()  # guards both
-        self._read_handles: dict[int | None, Path] = {}
-        """The hidden file holding each read event's handle, linked as every receipt."""
-        self._reading: OrderedDict[str, bool] = OrderedDict()
-        """The last keys this process read from another's buffers and is not done reading
-        (``READING``)."""
-        self._reading_lock = threading.Lock()  # guards it and _read_handles
-        self._opened_events: OrderedDict[bytes, torch.cuda.Event] = OrderedDict()
-        """Other processes' ready events this one opened, by handle."""
-        self._opened_reads: OrderedDict[bytes, torch.cuda.Event] = OrderedDict()
-        """Readers' read events this process opened, by handle."""
+        self.ready = InterprocessEvents()
+        """The ready event recorded behind each staging (``_record_ready``)."""
         self._written: OrderedDict[tuple[CudaIpcBuffer, ...], Path] = OrderedDict()
         """The last records this process wrote, by what they share: each a hidden file of
         the run's directory, linked under the key of every publication that shares the same
@@ -213,13 +240,21 @@ class CudaIpcTransport(ShmTransport):
         self._written_lock = threading.Lock()
         self._shared: dict[int, tuple[weakref.ref[torch.Tensor], CudaIpcBuffer]] = {}
         """How each buffer this process shared was shared, by ``id`` while it lives."""
-        self._opened: OrderedDict[tuple[bytes, int, int], tuple[torch.Tensor, tuple[bytes, int]]] = OrderedDict()
-        """Buffers of other processes this one read, kept mapped, by (handle, offset, bytes),
-        with the reference counter of the share they were opened from."""
+        self._opened_reads: OrderedDict[bytes, torch.cuda.Event] = OrderedDict()
+        """Readers' read events this process opened, by handle."""
+
+    def put_tensors(self, key: str, tensors: dict[str, torch.Tensor], owner: str) -> DataRef:
+        return self.shm.put_tensors(key, tensors, owner)
+
+    def put_bytes(self, key: str, data: bytes, owner: str) -> DataRef:
+        return self.shm.put_bytes(key, data, owner)
+
+    def put_state(self, key: str, state: Any, owner: str) -> DataRef:
+        return self.shm.put_state(key, state, owner)
 
     def put_buckets(self, key: str, buckets: Buckets, owner: str) -> DataRef:
         if buckets.device.type != "cuda":
-            return super().put_buckets(key, buckets, owner)
+            return self.shm.put_buckets(key, buckets, owner)
         ready_event = self._record_ready(buckets.device)
         shared = tuple(self._share(b, layout) for layout, b in zip(buckets.layouts, buckets.buffers, strict=True))
         with self._written_lock:  # a record is not dropped between its lookup and its link
@@ -232,35 +267,23 @@ class CudaIpcTransport(ShmTransport):
                     written.unlink(missing_ok=True)  # where the key's file was what went
                     written = None
             if written is None:
-                written = self._write_record(msgspec.msgpack.encode(CudaIpcRecord(shared, ready_event=ready_event)))
+                data = msgspec.msgpack.encode(CudaIpcRecord(shared, ready_event=ready_event))
+                written = self.files.write_hidden(data, _new_record_name)
                 self._link_record(written, key + RECORD_SUFFIX)
             for dropped in _keep_recent(self._written, shared, written, OPEN_RECORDS):
                 dropped.unlink(missing_ok=True)
         self._held[key] = buckets
         return DataRef(self.name, key, owner, buckets.num_bytes)
 
-    def _write_record(self, data: bytes) -> Path:
-        """A new hidden file of the run's directory holding ``data``, private to its user,
-        under a name no other file has (created, never opened for writing again: other keys
-        link to it)."""
-        while True:
-            path = self.root / _record_name()
-            try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, PRIVATE_FILE_MODE)
-            except FileExistsError:
-                continue
-            try:
-                with os.fdopen(fd, "wb") as file:
-                    file.write(data)
-            except BaseException:
-                path.unlink(missing_ok=True)
-                raise
-            return path
+    def held(self, key: str) -> Buckets | None:
+        """The buckets this process staged under ``key`` and holds (a reader in the same
+        process cannot open its own handles: it reads them as they are)."""
+        return self._held.get(key)
 
     def _link_record(self, written: Path, name: str) -> None:
         """Publish the record ``written`` under ``name``: a link to it (one call, where
         writing a file anew is five), replacing what the name held."""
-        final = self._path(name)
+        final = self.files.path(name)
         try:
             os.link(written, final)
             return
@@ -271,64 +294,7 @@ class CudaIpcTransport(ShmTransport):
             raise
         except OSError:  # no hard links on this filesystem
             pass
-        self._publish(name, lambda partial: _link_or_copy(written, partial))
-
-    def get_buckets(self, ref: DataRef) -> Buckets | None:
-        from miles_events.device.buckets import Buckets
-
-        held = self._held.get(ref.key)
-        if held is not None:  # the producer's own process cannot open its own handles
-            self._wait_ready(self._ready_event(held.device)[0], held.device)
-            return held
-        path = self._path(ref.key + RECORD_SUFFIX)
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            return None
-        # A publication staged into buffers shared before has the same record as theirs:
-        # the buckets read then (decoding the layouts of a few hundred tensors costs more
-        # than the rest of the read).
-        known = self._records.get(data)
-        if known is None:
-            record = _DECODER.decode(data)
-            buckets = Buckets(tuple(b.layout for b in record.buffers), tuple(self._open(b) for b in record.buffers))
-            ready = None if record.ready_event is None else self._open_event(record.ready_event, buckets.device)
-            known = (buckets, ready)
-        _keep_recent(self._records, data, known, OPEN_RECORDS)
-        buckets, ready = known
-        if ready is not None:
-            self._wait_ready(ready, buckets.device)
-        with self._reading_lock:  # engines of one process may load on threads of their own
-            _keep_recent(self._reading, ref.key, True, READING)
-        return buckets
-
-    def done_reading(self, ref: DataRef, device: torch.device) -> None:
-        """Record this process's read event behind the copies queued on ``device``'s current
-        stream and link a receipt naming it beside the key's record, for the producer
-        (``reads_of``); no host sync. The producer's own process, and a reader of anything
-        but another process's GPU buckets, waits as every transport does, and so does a
-        reader whose receipt cannot be written."""
-        import torch
-
-        with self._reading_lock:
-            read_here = self._reading.pop(ref.key, False)
-        if not read_here or device.type != "cuda":
-            super().done_reading(ref, device)
-            return
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        read, handle = self._own_event(self._reads, device)
-        read.record(torch.cuda.current_stream(device))
-        try:
-            with self._reading_lock:
-                hidden = self._read_handles.get(device.index)
-                if hidden is None:
-                    hidden = self._read_handles[device.index] = self._write_record(handle)
-            # Linked under a partial name and renamed: a key read again keeps a receipt.
-            receipt = _receipt_prefix(ref.key) + f"{os.getpid()}-{device.index}"
-            self._publish(receipt, lambda partial: _link_or_copy(hidden, partial))
-        except OSError:  # the run's directory emptied under this process, or full
-            torch.cuda.current_stream(device).synchronize()
+        self.files.publish(name, lambda partial: _link_or_copy(written, partial))
 
     def reads_of(self, ref: DataRef) -> tuple[torch.cuda.Event | UnknownRead, ...]:
         """The read events of every receipt of ``ref`` (a key this process staged and holds),
@@ -359,7 +325,7 @@ class CudaIpcTransport(ShmTransport):
         """The readers' receipts for ``key`` in the run's directory."""
         prefix = _receipt_prefix(key)
         try:
-            with os.scandir(self.root) as entries:
+            with os.scandir(self.files.root) as entries:
                 return [Path(entry.path) for entry in entries if entry.name.startswith(prefix)]
         except FileNotFoundError:
             return []
@@ -370,34 +336,151 @@ class CudaIpcTransport(ShmTransport):
         soon as they hear of them, their streams waiting for it (no host sync)."""
         import torch
 
-        ready, handle = self._ready_event(device)
+        ready, handle = self.ready.get(device)
         ready.record(torch.cuda.current_stream(device))
         return handle
 
-    def _ready_event(self, device: torch.device) -> tuple[torch.cuda.Event, bytes]:
-        """This process's ready event on ``device`` and its IPC handle. One for all
-        publications, recorded behind each staging: a reader of an earlier one waits for the
-        latest staging, which is only stricter as long as every staging on the device is
-        queued on one stream (the trainer's: its current stream). So for the read event,
-        recorded behind each read's copies."""
-        return self._own_event(self._ready, device)
+    def _share(self, buffer: torch.Tensor, layout: BucketLayout) -> CudaIpcBuffer:
+        """``share``, once per buffer while it lives: a buffer staged again (the staging pool
+        reuses them) is named by the same record, which its readers have open already."""
+        known = self._shared.get(id(buffer))
+        if known is None or known[0]() is not buffer:
+            known = (weakref.ref(buffer), share(buffer, layout))
+            self._shared[id(buffer)] = known
+            weakref.finalize(buffer, self._shared.pop, id(buffer), None)
+        return known[1] if known[1].layout == layout else msgspec.structs.replace(known[1], layout=layout)
 
-    def _own_event(
-        self, events: dict[int | None, tuple[torch.cuda.Event, bytes]], device: torch.device
-    ) -> tuple[torch.cuda.Event, bytes]:
-        """``events``' interprocess event on ``device`` and its IPC handle, created at the first
-        call."""
+    def free(self, ref: DataRef) -> None:
+        self._held.pop(ref.key, None)
+        self.files.path(ref.key + RECORD_SUFFIX).unlink(missing_ok=True)
+        self._remove_receipts(ref.key)
+        self.shm.free(ref)
+
+    def _remove_receipts(self, key: str) -> None:
+        """Remove ``key``'s receipts, and those of keys whose record is gone (a reader's
+        receipt linked after its key was freed)."""
+        marker = _receipt_prefix("")
+        try:
+            with os.scandir(self.files.root) as entries:
+                names = [entry.name for entry in entries]
+        except FileNotFoundError:
+            return
+        present = set(names)
+        for name in names:
+            owner, found, _ = name.partition(marker)
+            if found and not name.startswith(".") and (owner == key or owner + RECORD_SUFFIX not in present):
+                (self.files.root / name).unlink(missing_ok=True)
+
+    def close(self) -> None:
+        self._held.clear()
+        self._shared.clear()
+        self._opened_reads.clear()
+        self._written.clear()
+        self.ready.clear()
+
+
+class CudaIpcReader(Reader):
+    """The consumer's end: GPU buckets opened from a record (and kept mapped), a receipt
+    left for the producer when done; everything else read by the shared-memory end it
+    holds. ``local`` is the producer's end of this process, whose buckets are read as
+    they are."""
+
+    name = "cuda_ipc"
+
+    def __init__(self, files: ShmFiles, local: CudaIpcStager | None = None) -> None:
+        self.files = files
+        self.shm = ShmReader(files)
+        self.local = local
+        self._records: OrderedDict[bytes, tuple[Buckets, torch.cuda.Event | None]] = OrderedDict()
+        """The buckets (and the producer's ready event) of the last records read, by the
+        record's bytes."""
+        self._opened: OrderedDict[tuple[bytes, int, int], tuple[torch.Tensor, tuple[bytes, int]]] = OrderedDict()
+        """Buffers of other processes this one read, kept mapped, by (handle, offset, bytes),
+        with the reference counter of the share they were opened from."""
+        self._opened_events: OrderedDict[bytes, torch.cuda.Event] = OrderedDict()
+        """Other processes' ready events this one opened, by handle."""
+        self.reads = InterprocessEvents()
+        """The read event recorded behind each read's copies (``done_reading``)."""
+        self._reading: OrderedDict[str, bool] = OrderedDict()
+        """The last keys this process read from another's buffers and is not done reading
+        (``READING``)."""
+        self._read_handles: dict[int | None, Path] = {}
+        """The hidden file holding each read event's handle, linked as every receipt."""
+        self._reading_lock = threading.Lock()  # guards _reading and _read_handles
+
+    def get_bytes(self, ref: DataRef) -> bytes:
+        return self.shm.get_bytes(ref)
+
+    def get_state(self, ref: DataRef) -> Any:
+        return self.shm.get_state(ref)
+
+    def state_file(self, ref: DataRef) -> Path:
+        return self.shm.state_file(ref)
+
+    def tensors_file(self, ref: DataRef) -> Path:
+        return self.shm.tensors_file(ref)
+
+    def get_tensors(self, ref: DataRef) -> dict[str, torch.Tensor]:
+        buckets = self.get_buckets(ref)
+        return buckets.tensors() if buckets is not None else self.shm.get_tensors(ref)
+
+    def get_buckets(self, ref: DataRef) -> Buckets | None:
+        from miles_events.device.buckets import Buckets
+
+        held = self.local.held(ref.key) if self.local is not None else None
+        if held is not None:  # the producer's own process cannot open its own handles
+            assert self.local is not None
+            self._wait_ready(self.local.ready.get(held.device)[0], held.device)
+            return held
+        path = self.files.path(ref.key + RECORD_SUFFIX)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        # A publication staged into buffers shared before has the same record as theirs:
+        # the buckets read then (decoding the layouts of a few hundred tensors costs more
+        # than the rest of the read).
+        known = self._records.get(data)
+        if known is None:
+            record = _DECODER.decode(data)
+            buckets = Buckets(tuple(b.layout for b in record.buffers), tuple(self._open(b) for b in record.buffers))
+            ready = None if record.ready_event is None else self._open_event(record.ready_event, buckets.device)
+            known = (buckets, ready)
+        _keep_recent(self._records, data, known, OPEN_RECORDS)
+        buckets, ready = known
+        if ready is not None:
+            self._wait_ready(ready, buckets.device)
+        with self._reading_lock:  # engines of one process may load on threads of their own
+            _keep_recent(self._reading, ref.key, True, READING)
+        return buckets
+
+    def done_reading(self, ref: DataRef, device: torch.device) -> None:
+        """Record this process's read event behind the copies queued on ``device``'s current
+        stream and link a receipt naming it beside the key's record, for the producer
+        (``CudaIpcStager.reads_of``); no host sync. The producer's own process, and a reader
+        of anything but another process's GPU buckets, waits as every transport does, and
+        so does a reader whose receipt cannot be written."""
         import torch
 
-        with self._ready_lock:
-            known = events.get(device.index)
-            if known is None:
-                with torch.cuda.device(device):
-                    event = torch.cuda.Event(interprocess=True)
-                    event.record(torch.cuda.current_stream(device))  # created by its first record
-                    known = (event, bytes(event.ipc_handle()))
-                events[device.index] = known
-        return known
+        with self._reading_lock:
+            read_here = self._reading.pop(ref.key, False)
+        if not read_here or device.type != "cuda":
+            super().done_reading(ref, device)
+            return
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        read, handle = self.reads.get(device)
+        read.record(torch.cuda.current_stream(device))
+        try:
+            with self._reading_lock:
+                hidden = self._read_handles.get(device.index)
+                if hidden is None:
+                    hidden = self._read_handles[device.index] = self.files.write_hidden(handle, _new_record_name)
+            # Linked under a partial name and renamed: a key read again keeps a receipt.
+            receipt = _receipt_prefix(ref.key) + f"{os.getpid()}-{device.index}"
+            self.files.publish(receipt, lambda partial: _link_or_copy(hidden, partial))
+        except OSError:  # the run's directory emptied under this process, or full
+            torch.cuda.current_stream(device).synchronize()
 
     def _open_event(self, handle: bytes, device: torch.device) -> torch.cuda.Event:
         """The producer's event ``handle`` names, opened once."""
@@ -415,16 +498,6 @@ class CudaIpcTransport(ShmTransport):
         import torch
 
         torch.cuda.current_stream(device).wait_event(event)
-
-    def _share(self, buffer: torch.Tensor, layout: BucketLayout) -> CudaIpcBuffer:
-        """``share``, once per buffer while it lives: a buffer staged again (the staging pool
-        reuses them) is named by the same record, which its readers have open already."""
-        known = self._shared.get(id(buffer))
-        if known is None or known[0]() is not buffer:
-            known = (weakref.ref(buffer), share(buffer, layout))
-            self._shared[id(buffer)] = known
-            weakref.finalize(buffer, self._shared.pop, id(buffer), None)
-        return known[1] if known[1].layout == layout else msgspec.structs.replace(known[1], layout=layout)
 
     def _open(self, shared: CudaIpcBuffer) -> torch.Tensor:
         """The buffer ``shared`` names, mapped by ``open_shared`` at its first read and kept
@@ -446,39 +519,30 @@ class CudaIpcTransport(ShmTransport):
         _keep_recent(self._opened, key, (buffer, counter), OPEN_BUFFERS)
         return buffer
 
-    def get_tensors(self, ref: DataRef) -> dict[str, torch.Tensor]:
-        buckets = self.get_buckets(ref)
-        return buckets.tensors() if buckets is not None else super().get_tensors(ref)
-
-    def free(self, ref: DataRef) -> None:
-        self._held.pop(ref.key, None)
-        self._path(ref.key + RECORD_SUFFIX).unlink(missing_ok=True)
-        self._remove_receipts(ref.key)
-        super().free(ref)
-
-    def _remove_receipts(self, key: str) -> None:
-        """Remove ``key``'s receipts, and those of keys whose record is gone (a reader's
-        receipt linked after its key was freed)."""
-        marker = _receipt_prefix("")
-        try:
-            with os.scandir(self.root) as entries:
-                names = [entry.name for entry in entries]
-        except FileNotFoundError:
-            return
-        present = set(names)
-        for name in names:
-            owner, found, _ = name.partition(marker)
-            if found and not name.startswith(".") and (owner == key or owner + RECORD_SUFFIX not in present):
-                (self.root / name).unlink(missing_ok=True)
-
     def close(self) -> None:
-        self._held.clear()
-        self._shared.clear()
         self._opened_events.clear()
-        self._opened_reads.clear()
-        self._reading.clear()
-        self._read_handles.clear()
-        self._written.clear()
+        with self._reading_lock:
+            self._reading.clear()
+            self._read_handles.clear()
         self._records.clear()
         self._opened.clear()
+        self.reads.clear()
+
+
+class CudaIpcTransport(Transport):
+    name = "cuda_ipc"
+    stager: CudaIpcStager
+    reader: CudaIpcReader
+
+    def __init__(self, run_id: str, root: Path | None = None) -> None:
+        self.files = ShmFiles(run_id, root)
+        stager = CudaIpcStager(self.files)
+        super().__init__(run_id, stager, CudaIpcReader(self.files, local=stager))
+
+    @property
+    def root(self) -> Path:
+        return self.files.root
+
+    def close(self) -> None:
         super().close()
+        self.files.remove()
