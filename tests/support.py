@@ -13,7 +13,7 @@ from miles_events.sinks.base import Sink, SinkContext, SinkHost
 from schemas.config import Config
 from schemas.events import Event
 
-__all__ = ["cmdline", "drive_sink", "not_console", "torch_save_bytes"]
+__all__ = ["cmdline", "drive_sink", "flip_byte", "not_console", "torch_save_bytes"]
 
 CONSOLE_LINE = re.compile(r"(metrics: |run |initial |republication |weights republished |eval at |rollout |checkpoint |"
                           r"actor |weight version |the engines serve |publication evidence |events: )")
@@ -62,6 +62,13 @@ def cmdline(pid: int) -> bytes:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return b""
+
+
+def flip_byte(path: Path, offset: int, mask: int = 0x40) -> None:
+    """Damage the file ``path``: flip the bits ``mask`` of its byte at ``offset``."""
+    data = bytearray(path.read_bytes())
+    data[offset] ^= mask
+    path.write_bytes(bytes(data))
 
 
 def torch_save_bytes(obj: object) -> bytes:

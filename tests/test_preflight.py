@@ -320,13 +320,6 @@ def test_a_model_directory_whose_head_dimension_vllm_cannot_serve_is_refused(tmp
 # --- the model directory (model.path) ----------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from miles_events.rl.hf_model import prepare_base_model
-
-    return prepare_base_model(ModelConfig(), tmp_path_factory.mktemp("model"), seed=3)
-
-
 def with_model(path: Path) -> Config:
     return Config(model=ModelConfig(path=str(path)))
 
