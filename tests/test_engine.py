@@ -259,6 +259,7 @@ class CancelAfter(Cancellation):
         super().check()
 
 
+@pytest.mark.slow
 def test_static_decoding_is_cancelled_where_eager_decoding_is_and_rewinds_the_generator_alike(
     model_dir: Path,
 ) -> None:
