@@ -1,5 +1,5 @@
-"""Test support: feed events to an actor the way a host does, recording what it publishes;
-drive a sink the way a session does."""
+"""Test support: drive a sink the way a session does; read a run's output and processes.
+(An actor is fed events with ``miles_events.bus.testing``.)"""
 
 from __future__ import annotations
 
@@ -7,15 +7,13 @@ import asyncio
 import re
 from pathlib import Path
 
-from miles_events.app.redrive import RecordingContext
-from miles_events.bus.actor import Actor
 from miles_events.bus.clock import SYSTEM_CLOCK, ManualClock
 from miles_events.bus.event_bus import EventBus
 from miles_events.sinks.base import Sink, SinkContext, SinkHost
 from schemas.config import Config
 from schemas.events import Event
 
-__all__ = ["RecordingContext", "drive_sink", "feed", "not_console"]
+__all__ = ["cmdline", "drive_sink", "flip_byte", "not_console", "torch_save_bytes"]
 
 CONSOLE_LINE = re.compile(r"(metrics: |run |initial |republication |weights republished |eval at |rollout |checkpoint |"
                           r"actor |weight version |the engines serve |publication evidence |events: )")
@@ -25,16 +23,6 @@ CONSOLE_LINE = re.compile(r"(metrics: |run |initial |republication |weights repu
 def not_console(stdout: str) -> list[str]:
     """The lines of a run's stdout that are not the plain console's."""
     return [line for line in stdout.splitlines() if not CONSOLE_LINE.match(line)]
-
-
-async def feed(actor: Actor, *events: Event) -> list[Event]:
-    """Deliver ``events`` in order; return what the actor published meanwhile."""
-    context = actor.context
-    assert isinstance(context, RecordingContext)
-    start = len(context.published)
-    for event in events:
-        await actor.handle(event)
-    return context.published[start:]
 
 
 async def drive_sink(
@@ -74,6 +62,13 @@ def cmdline(pid: int) -> bytes:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return b""
+
+
+def flip_byte(path: Path, offset: int, mask: int = 0x40) -> None:
+    """Damage the file ``path``: flip the bits ``mask`` of its byte at ``offset``."""
+    data = bytearray(path.read_bytes())
+    data[offset] ^= mask
+    path.write_bytes(bytes(data))
 
 
 def torch_save_bytes(obj: object) -> bytes:

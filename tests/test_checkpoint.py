@@ -6,8 +6,7 @@ import os
 import random
 import subprocess
 import sys
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from actors.saver import Saver
+from miles_events.bus.testing import RecordingContext
 from miles_events.checkpoint import format as ckpt
 from miles_events.checkpoint.format import (
     CheckpointError,
@@ -24,9 +24,8 @@ from miles_events.checkpoint.format import (
 )
 from miles_events.checkpoint.prune import prune_checkpoints
 from miles_events.checkpoint.resume import latest_checkpoint
-from miles_events.rl.hf_model import load_model, load_tokenizer, prepare_base_model
+from miles_events.rl.hf_model import load_model, load_tokenizer
 from miles_events.rl.weights import split_tied
-from miles_events.transport.base import Transport
 from miles_events.transport.inprocess import InProcessTransport
 from miles_events.transport.shm import ShmTransport
 from schemas.checkpoint import DataCursor, TrainerState
@@ -39,8 +38,8 @@ from tests.support import torch_save_bytes
 
 
 @pytest.fixture(scope="module")
-def base_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return prepare_base_model(ModelConfig(), tmp_path_factory.mktemp("base"), seed=7)
+def base_dir(built_in_model: Callable[[int], Path]) -> Path:
+    return built_in_model(7)
 
 
 def _state(rollout_id: int, weight_version: str = "3") -> TrainerState:
@@ -380,27 +379,14 @@ def test_prune_removes_work_dirs_of_dead_writers_only(base_dir: Path, tmp_path: 
 # --- the Saver actor ---------------------------------------------------------------------
 
 
-@dataclass
-class FakeContext:
-    run_dir: Path
-    config: Config
-    transport: Transport
-    run_id: str = "run-test"
-    name: str = "saver"
-    events: list[Event] = field(default_factory=list)
-
-    async def publish(self, event: Event) -> None:
-        self.events.append(event)
-
-
-def _saver(base_dir: Path, run_dir: Path, keep_last: int = 0) -> tuple[Saver, FakeContext]:
+def _saver(base_dir: Path, run_dir: Path, keep_last: int = 0) -> tuple[Saver, RecordingContext]:
     saver_config = SaverConfig(keep_last=keep_last, fsync=False)
     config = Config(model=ModelConfig(path=str(base_dir)), saver=saver_config)
-    context = FakeContext(run_dir=run_dir, config=config, transport=InProcessTransport("run-test"))
+    context = RecordingContext(config, name="saver", run_id="run-test", run_dir=run_dir, transport=InProcessTransport("run-test"))
     return Saver(config, context), context
 
 
-def _staged(context: FakeContext, rollout_id: int) -> TrainStateStaged:
+def _staged(context: RecordingContext, rollout_id: int) -> TrainStateStaged:
     transport = context.transport
     return TrainStateStaged(
         rollout_id=rollout_id,
@@ -427,9 +413,9 @@ async def test_saver_releases_three_refs_then_reports_saved(base_dir: Path, tmp_
 
     await saver.handle(event)
 
-    assert [type(e) for e in context.events] == [DataReleased] * 3 + [CheckpointSaved]
-    assert _released(context.events) == [event.weights, event.optimizer, event.rng]
-    saved = context.events[-1]
+    assert [type(e) for e in context.published] == [DataReleased] * 3 + [CheckpointSaved]
+    assert _released(context.published) == [event.weights, event.optimizer, event.rng]
+    saved = context.published[-1]
     assert isinstance(saved, CheckpointSaved)
     assert (saved.rollout_id, saved.weight_version) == (3, "4")
     assert Path(saved.path) == tmp_path / "checkpoints" / "rollout_000003"
@@ -448,7 +434,7 @@ async def test_the_saver_copies_the_staged_files_of_a_file_transport_as_they_are
 
     await saver.handle(event)
 
-    saved = context.events[-1]
+    saved = context.published[-1]
     assert isinstance(saved, CheckpointSaved)
     for name, data in staged_bytes.items():
         assert (Path(saved.path) / name).read_bytes() == data
@@ -475,8 +461,8 @@ async def test_saver_reports_failure_when_run_dir_is_not_writable(base_dir: Path
 
     await saver.handle(event)
 
-    assert [type(e) for e in context.events] == [DataReleased] * 3 + [CheckpointFailed]
-    failed = context.events[-1]
+    assert [type(e) for e in context.published] == [DataReleased] * 3 + [CheckpointFailed]
+    failed = context.published[-1]
     assert isinstance(failed, CheckpointFailed) and failed.rollout_id == 1
     assert failed.reason and "\n" not in failed.reason
 
@@ -488,8 +474,8 @@ async def test_saver_reports_failure_when_weights_ref_is_gone(base_dir: Path, tm
 
     await saver.handle(event)
 
-    assert [type(e) for e in context.events] == [DataReleased] * 3 + [CheckpointFailed]
-    assert "gone" in context.events[-1].reason
+    assert [type(e) for e in context.published] == [DataReleased] * 3 + [CheckpointFailed]
+    assert "gone" in context.published[-1].reason
 
 
 async def test_saver_failure_keeps_older_checkpoint(base_dir: Path, tmp_path: Path) -> None:
@@ -501,7 +487,7 @@ async def test_saver_failure_keeps_older_checkpoint(base_dir: Path, tmp_path: Pa
 
     await saver.handle(broken)
 
-    assert isinstance(context.events[-1], CheckpointFailed)
+    assert isinstance(context.published[-1], CheckpointFailed)
     assert latest_checkpoint(tmp_path) == older
     assert read_checkpoint(older).trainer_state.rollout_id == 1
 

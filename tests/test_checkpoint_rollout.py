@@ -395,6 +395,7 @@ def test_a_checkpoint_of_the_bootstrap_weights_is_refused_with_the_seeds_message
     assert not [e for e in log if isinstance(e, RolloutGenerated)]
 
 
+@pytest.mark.slow
 def test_run_load_starts_a_training_run_from_another_runs_checkpoint(trained, tmp_path):
     config = config_with(tmp_path, f'run.load="{trained / "checkpoints"}"', "run.num_rollout=4")
     plan = make_plan(config, "local").plan

@@ -258,14 +258,6 @@ def test_a_head_dimension_vllm_cannot_serve_is_exit_2_with_one_line_naming_the_f
 # --- what used to fail after the run directory was written, or pass unnoticed -------------
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from miles_events.rl.hf_model import prepare_base_model
-    from schemas.config import ModelConfig
-
-    return prepare_base_model(ModelConfig(), tmp_path_factory.mktemp("model"), seed=3)
-
-
 def truncated_model(model_dir: Path, tmp_path: Path) -> Path:
     target = tmp_path / "model"
     shutil.copytree(model_dir, target)

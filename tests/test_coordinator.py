@@ -7,6 +7,7 @@ import pytest
 
 from actors.coordinator import Coordinator, should_run_periodic_action
 from miles_events.bus.clock import ManualClock
+from miles_events.bus.testing import RecordingContext, feed
 from schemas.config import Config, RunConfig, VerifierConfig
 from schemas.events import (
     ActorFailed,
@@ -32,7 +33,6 @@ from schemas.events import (
     WeightsPublished,
 )
 from schemas.plan import RunPlan
-from tests.support import RecordingContext, feed
 
 
 def make(num_rollout: int = 3, start: int = 0, per_epoch: int | None = 100, verifier: bool = True, **run) -> Coordinator:

@@ -28,11 +28,6 @@ PROMPTS = ["3+4=", "12*3=", "9-", "1", "7*8+1=", "2+2="]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return prepare_base_model(ModelConfig(), tmp_path_factory.mktemp("model"), seed=3)
-
-
-@pytest.fixture(scope="module")
 def tied_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     config = ModelConfig(builtin=BuiltinModelConfig(tie_word_embeddings=True))
     return prepare_base_model(config, tmp_path_factory.mktemp("tied"), seed=3)
@@ -264,6 +259,7 @@ class CancelAfter(Cancellation):
         super().check()
 
 
+@pytest.mark.slow
 def test_static_decoding_is_cancelled_where_eager_decoding_is_and_rewinds_the_generator_alike(
     model_dir: Path,
 ) -> None:

@@ -26,6 +26,7 @@ from miles_events.bus.event_log import (
 )
 from schemas.data import DataRef
 from schemas.events import Event, RolloutGenerated, RolloutRequested, WeightsLoaded
+from tests.support import flip_byte
 
 
 def make_events(n: int) -> list[Event]:
@@ -81,12 +82,6 @@ def read_until_torn(path: Path, on_damage=None) -> tuple[list[Event], TornRecord
         for event in read_events(path, on_damage=on_damage):
             got.append(event)
     return got, caught.value
-
-
-def flip_byte(path: Path, offset: int, mask: int = 0x40) -> None:
-    data = bytearray(path.read_bytes())
-    data[offset] ^= mask
-    path.write_bytes(bytes(data))
 
 
 def read_resyncing(path: Path) -> tuple[list[Event], list[DamagedRange]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from miles_events.bus.workers import Worker, WorkerFactory, start_in_process
 from miles_events.device.fingerprint import fingerprints
 from miles_events.rl.checksum import per_gpu_checksum
 from miles_events.rl.checksum_manifest import read_manifest, write_manifest
-from miles_events.rl.hf_model import load_model, prepare_base_model
+from miles_events.rl.hf_model import load_model
 from miles_events.rl.prompts import load_prompts, rollout_prompts
 from miles_events.transport.base import Transport
 from miles_events.transport.inprocess import InProcessTransport
@@ -93,8 +94,8 @@ def served_engines(generator: Generator) -> list:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return prepare_base_model(ModelConfig(), tmp_path_factory.mktemp("model"), seed=5)
+def model_dir(built_in_model: Callable[[int], Path]) -> Path:
+    return built_in_model(5)
 
 
 @pytest.fixture(scope="module")

@@ -13,11 +13,11 @@ from miles_events.app.roster import ACTORS, SINKS
 from miles_events.bus.actor import Actor, UndeclaredEmit
 from miles_events.bus.clock import ManualClock, wait_for
 from miles_events.bus.handlers import handles
+from miles_events.bus.testing import RecordingContext, feed
 from miles_events.sinks.base import Sink
 from schemas import events as events_module
 from schemas.config import Config
 from schemas.events import EVENT_TYPES, ActorFailed, Event, RolloutGenerated, RolloutRequested, StopRequested
-from tests.support import RecordingContext, feed
 
 
 class Echo(Actor):

@@ -320,13 +320,6 @@ def test_a_model_directory_whose_head_dimension_vllm_cannot_serve_is_refused(tmp
 # --- the model directory (model.path) ----------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from miles_events.rl.hf_model import prepare_base_model
-
-    return prepare_base_model(ModelConfig(), tmp_path_factory.mktemp("model"), seed=3)
-
-
 def with_model(path: Path) -> Config:
     return Config(model=ModelConfig(path=str(path)))
 
@@ -518,6 +511,7 @@ def test_one_sample_per_prompt_is_accepted_where_nothing_is_trained() -> None:
     preflight.check_group_size(Config(run=RunConfig(num_rollout=0), data=DataConfig(n_samples_per_prompt=1)))
 
 
+@pytest.mark.slow
 def test_on_the_ray_runtime_the_model_checks_run_in_a_child_and_the_driver_imports_no_torch(tmp_path: Path) -> None:
     """The driver of a ray run imports neither torch nor transformers: the checks that need
     them run in a child process and its error is raised here as it was found there."""

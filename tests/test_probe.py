@@ -4,13 +4,14 @@ and the trainer's and an engine's halves agreeing on the same weights."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
 from actors.engine.torch_engine import TorchEngine
-from miles_events.rl.hf_model import load_model, prepare_base_model
+from miles_events.rl.hf_model import load_model
 from miles_events.rl.probe import (
     PROBE_PROMPT_TOKENS,
     PROBE_RESPONSE_TOKENS,
@@ -20,7 +21,6 @@ from miles_events.rl.probe import (
     probe_vocab_size,
     teacher_forced_logprobs,
 )
-from schemas.config import ModelConfig
 
 
 def test_the_probe_batch_is_fixed_by_the_seed_and_inside_the_vocabulary():
@@ -40,8 +40,8 @@ def test_the_difference_is_the_largest_and_anything_malformed_is_infinite():
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return prepare_base_model(ModelConfig(), tmp_path_factory.mktemp("model"), seed=5)
+def model_dir(built_in_model: Callable[[int], Path]) -> Path:
+    return built_in_model(5)
 
 
 def test_the_engine_and_the_trainer_agree_on_the_same_weights_and_not_on_others(model_dir: Path):

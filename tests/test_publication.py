@@ -11,6 +11,7 @@ import torch
 from actors.publisher import Publisher
 from actors.verifier import Verifier
 from miles_events.bus.clock import ManualClock
+from miles_events.bus.testing import RecordingContext, feed
 from miles_events.device.fingerprint import fingerprints
 from miles_events.rl.canary import CANARY_TENSOR
 from miles_events.rl.checksum import per_gpu_checksum
@@ -30,7 +31,6 @@ from schemas.events import (
     WeightsPublished,
     WeightsStaged,
 )
-from tests.support import RecordingContext, feed
 
 REF = DataRef("inprocess", "weights-v1", "trainer")
 

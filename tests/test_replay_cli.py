@@ -29,6 +29,7 @@ from schemas.events import (
     WeightsCheckFinished,
     WeightsStaged,
 )
+from tests.support import flip_byte
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -158,12 +159,6 @@ def long_log(tmp_path: Path) -> tuple[Path, list[int]]:
     with EventLogWriter(path) as writer:
         offsets = [writer.append(event) for event in sample_events(LONG)]
     return path, offsets
-
-
-def flip_byte(path: Path, offset: int) -> None:
-    data = bytearray(path.read_bytes())
-    data[offset] ^= 0x40
-    path.write_bytes(bytes(data))
 
 
 def test_damage_in_the_middle_is_skipped_with_one_warning_per_range_and_exit_0(

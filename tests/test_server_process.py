@@ -70,6 +70,7 @@ def test_a_process_that_exits_during_start_names_its_exit_and_the_gist_of_its_lo
     assert str(log) in message
 
 
+@pytest.mark.slow
 def test_a_server_that_never_answers_times_out_in_one_line_and_is_killed(tmp_path):
     command = ["sh", "-c", "trap '' TERM; echo still loading; sleep 300"]  # ignores SIGTERM too
     started = time.monotonic()

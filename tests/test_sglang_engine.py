@@ -196,6 +196,7 @@ def launch_config(tmp_path: Path, python: Path, **sglang) -> Config:
     )
 
 
+@pytest.mark.slow
 def test_without_urls_each_engine_launches_its_server_and_ends_it_on_close(tmp_path):
     contract = f'cd "{REPO}" && exec "{sys.executable}" -m tests.sglang_launch "$@"'
     config = launch_config(tmp_path, fake_sglang_python(tmp_path, contract), startup_timeout=120)

@@ -6,6 +6,7 @@ import asyncio
 import copy
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -94,8 +95,8 @@ async def staged_train_state(context: FakeContext, rollout_id: int, seconds: flo
 
 
 @pytest.fixture(scope="module")
-def base_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return prepare_base_model(ModelConfig(), tmp_path_factory.mktemp("model"), SEED)
+def base_model(built_in_model: Callable[[int], Path]) -> Path:
+    return built_in_model(SEED)
 
 
 def make_config(model_path: Path, run_dir: Path, **trainer: Any) -> Config:

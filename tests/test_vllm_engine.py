@@ -26,15 +26,9 @@ from miles_events.rl.canary import CANARY_TENSOR, publication_canary
 from miles_events.rl.hf_model import prepare_base_model
 from miles_events.transport.inprocess import InProcessTransport
 from schemas.config import BuiltinModelConfig, Config, ModelConfig, RunConfig, VllmConfig
-from tests.vllm_env import require_vllm
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("needs_vllm")]
 
-
-
-@pytest.fixture(scope="module", autouse=True)
-def needs_vllm() -> None:
-    require_vllm()
 
 
 def _config(run_dir: Path, model_path: Path | None, **vllm: object) -> Config:

@@ -22,9 +22,8 @@ from schemas.events import (
     WeightsLoaded,
     WeightsStaged,
 )
-from tests.vllm_env import require_vllm
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("needs_vllm")]
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,11 +33,6 @@ EXAMPLE = ROOT / "examples" / "vllm.toml"
 left out of the digests and proven by the probe; publications pushed with their canary)."""
 
 QUIET = ('console.mode="plain"', "metrics.enabled=false")
-
-
-@pytest.fixture(autouse=True)
-def needs_vllm() -> None:
-    require_vllm()
 
 
 def vllm_run(run_dir: Path, *overrides: str) -> list[str]:

@@ -10,7 +10,7 @@ to schedule, not what happens) are not decisions and are ignored.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,14 +19,10 @@ import msgspec
 from actors.coordinator import Coordinator
 from actors.publisher import Publisher
 from actors.verifier import Verifier
-from miles_events.bus.actor import Actor, Worker, WorkerFactory
-from miles_events.bus.clock import SYSTEM_CLOCK, Clock
-from miles_events.bus.host import actor_failed
-from miles_events.transport.base import Transport
-from miles_events.transport.inprocess import InProcessTransport
+from miles_events.bus.actor import Actor
+from miles_events.bus.testing import RecordingContext
 from schemas.config import Config
 from schemas.events import Event, RunStarted, plan_of
-from schemas.plan import RunPlan
 
 HEADER = ("run_id", "seq", "time", "source")
 
@@ -37,30 +33,6 @@ def decision(event: Event) -> tuple[str, dict[str, Any]]:
     ignored = (*HEADER, *event.advisory_fields)
     body = {k: v for k, v in fields.items() if k not in ignored and not k.endswith("_seconds")}
     return type(event).__name__, msgspec.to_builtins(body)
-
-
-@dataclass
-class RecordingContext:
-    """An actor context that records publications instead of putting them on a bus."""
-
-    config: Config
-    name: str = "actor"
-    run_id: str = "redrive"
-    run_dir: Path = Path(".")
-    transport: Transport = field(default_factory=lambda: InProcessTransport("redrive"))
-    plan: RunPlan = field(default_factory=lambda: RunPlan(start_rollout_id=0, num_rollout=0, num_rollout_per_epoch=1))
-    clock: Clock = SYSTEM_CLOCK
-    published: list[Event] = field(default_factory=list)
-
-    async def publish(self, event: Event) -> None:
-        self.published.append(event)
-
-    async def report_failure(self, error: BaseException) -> None:
-        self.published.append(actor_failed(self.name, error, self.clock))
-
-    async def start_workers(self, factory: WorkerFactory, ranks: int) -> list[Worker]:
-        # The actors re-driven (REDRIVABLE) have no worker group.
-        raise RuntimeError(f"{self.name}: a re-driven actor starts no workers")
 
 
 @dataclass(frozen=True)
