@@ -11,11 +11,10 @@ import msgspec
 import pytest
 
 from miles_events.app.config import load_config
-from miles_events.app.redrive import RecordingContext, build_actor, decision, redrive, split_runs
+from miles_events.app.redrive import build_actor, decision, redrive, split_runs
 from miles_events.app.replay import main as replay_main
 from miles_events.bus.event_log import FRAME_SIZE, LogReader, read_events
 from miles_events.rl.checksum_manifest import read_manifest, write_manifest
-from schemas.config import Config
 from schemas.events import PublicationMismatch, PublicationVerified, SaveRequested, WeightsLoaded
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tiny_run"
@@ -148,13 +147,6 @@ def test_a_decision_is_what_happens_not_the_header_timings_or_scheduling_advice(
     # A log written before the advice existed records the same decision.
     assert decision(asked) == decision(SaveRequested(rollout_id=4, reason="interval"))
     assert decision(asked) != decision(SaveRequested(rollout_id=4, reason="stop"))
-
-
-async def test_the_context_of_a_redriven_actor_starts_no_workers():
-    context = RecordingContext(Config(), name="verifier")
-    with pytest.raises(RuntimeError, match="^verifier: a re-driven actor starts no workers$"):
-        await context.start_workers(lambda config, transport, place: object(), ranks=1)
-    assert context.published == []
 
 
 @pytest.mark.parametrize(("rollout_id", "first", "last"), [(0, 9, 21), (1, 22, 40), (2, 41, 59)])
