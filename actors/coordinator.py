@@ -2,45 +2,52 @@
 
 Read top to bottom, the handlers are the loop:
 
-    RunStarted               -> publish the initial weights ("always update weight first")
-    publication verified     -> eval-only / eval before train / first rollout;
-                                after rollout k: periodic eval, then rollout k+1 or finish
-    EvalFinished             -> whatever was waiting on the eval
+    RunStarted               -> the opening (``actors.protocols.opening``): publish the
+                                initial weights ("always update weight first"), around them
+                                the seed's check_weight_update_equal, or, rollout-only, the
+                                seed's checkpoint-backed proof (checksums, publish, checksums,
+                                snapshot, reset, checksums, republish, compare, checksums,
+                                evidence)
+    opening through          -> eval-only / eval before train / first rollout
     TrainStepFinished(k)     -> save if periodic / last / sentinel (removing it), then publish
                                 (a save due while the last is being written waits for it)
+    publication of k through -> periodic eval, then rollout k+1 or finish
+    EvalFinished             -> what the eval was asked before (``AfterEval``)
     CheckpointSaved          -> the save (and publication) waiting for it; finish once
                                 nothing is pending
+    rollout-only             -> RolloutGenerated(k) -> rollout k+1 or finish
     StopRequested            -> after the current step's publication (or eval): save that
                                 step unless it was saved, then finish
-    rollout-only             -> the seed's checkpoint-backed proof (checksums, publish,
-                                checksums, snapshot, reset, checksums, republish, compare,
-                                checksums, evidence), then rollouts only: RolloutGenerated(k)
-                                -> rollout k+1 or finish
-    StopRequested            -> finish at the next decision, after the current step
     failure facts            -> RunFinished(failed) with one clear line
 
 The Coordinator holds no model and calls no actor: it reads facts and publishes commands.
-It runs in the driver, so it alone touches the sentinel file.
+Which version each engine serves is the Publisher's to follow; the Coordinator hears it in
+``WeightsPublished``. It runs in the driver, so it alone touches the sentinel file.
 """
 
 from __future__ import annotations
 
+import enum
+import functools
 import logging
 import os
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import anyio.to_thread
 
-from miles_events.bus.actor import Actor, ActorContext, WorkerGroup, handles
-from miles_events.rl.checkpoint_rollout import CheckpointRolloutProof
-from miles_events.rl.checksum_manifest import ManifestError, read_manifest
-from miles_events.rl.publication_checks import (
-    CanonicalChecksums,
-    canonical_checksums,
-    canonical_weight_versions,
+from actors.protocols.opening import Opening, opening_protocol
+from actors.protocols.steps import (
+    PUBLISHED,
+    STARTED,
+    Command,
+    Done,
+    EngineReplies,
+    EvidenceWritten,
+    Failed,
+    Ignored,
 )
-from miles_events.rl.versions import version_number
+from miles_events.bus.actor import Actor, ActorContext, WorkerGroup, handles
+from miles_events.rl.checksum_manifest import read_manifest
 from schemas.config import Config
 from schemas.events import (
     ActorFailed,
@@ -66,11 +73,9 @@ from schemas.events import (
     TrainStepFinished,
     WeightsCheckFinished,
     WeightsCheckRequested,
-    WeightsLoaded,
     WeightsPublished,
     run_started,
 )
-from schemas.evidence import CHECKPOINT_ROLLOUT_SELECTOR, CHECKPOINT_ROLLOUT_SKIP_LIST
 
 logger = logging.getLogger(__name__)
 
@@ -91,17 +96,29 @@ def should_run_periodic_action(
     return step % interval == 0 or (num_rollout_per_epoch is not None and step % num_rollout_per_epoch == 0)
 
 
-@dataclass
-class PendingCheck:
-    """A weight-checker action in flight: who asked, and what follows once all answered."""
+class AfterEval(enum.Enum):
+    """What the loop does once the eval it asked for is finished."""
 
-    request_id: str
-    then: Callable[[list[WeightsCheckFinished]], Awaitable[None]]
-    replies: dict[str, WeightsCheckFinished] = field(default_factory=dict)
+    FINISH = "finish"
+    """An eval-only run (``num_rollout = 0``): the eval was the run."""
+    FIRST_ROLLOUT = "first rollout"
+    """The eval before training: the first rollout."""
+    NEXT_STEP = "next step"
+    """The periodic eval after a step's publication: the next rollout, or finish."""
 
 
-# Everything the loop may ask for once a publication (or the eval after it) is through.
-AFTER_PUBLICATION = (EvalRequested, RolloutRequested, RunFinished, SaveRequested, WeightsCheckRequested)
+@dataclass(frozen=True)
+class PendingEval:
+    rollout_id: int
+    then: AfterEval
+
+
+# What the opening's steps may publish, and what the loop's start may.
+OPENING = (WeightsCheckRequested, PublishRequested, PublicationEvidenceRequested)
+LOOP_START = (EvalRequested, RolloutRequested, RunFinished)
+# Once a publication is through: the opening's next step, or the loop's next step (a stop
+# saves the step it ends after).
+AFTER_PUBLICATION = (WeightsCheckRequested, EvalRequested, RolloutRequested, RunFinished, SaveRequested)
 
 
 class Coordinator(Actor):
@@ -117,206 +134,168 @@ class Coordinator(Actor):
         super().__init__(config, context)
         plan = self.plan = context.plan
         self.run = config.run
-        self._after_eval: Callable[[], object] | None = None
+        self._opening: Opening = opening_protocol(config, plan, functools.partial(read_manifest, context.run_dir))
+        """The protocol before the first rollout; it alone asks for weight checks."""
+        self._check: EngineReplies | None = None
+        """The replies to the weight check in flight."""
+        self._pending_eval: PendingEval | None = None
+        """The eval in flight, and what follows it."""
         self._pending_saves: set[int] = set()
         self._save_waiting: tuple[int, str] | None = None
         """A step's save (rollout id, reason) due while the last save was being written."""
         self._saved: set[int] = set()
         """Rollouts a save was asked for."""
-        self._finishing: RunFinished | None = None
-        self._check: PendingCheck | None = None
-        """The weight check in flight."""
-        self._proof = CheckpointRolloutProof()
-        self._proof_step = ""
-        """Rollout-only: the step of the checkpoint-backed proof in progress ("done" after it)."""
-        self._compared = False
         self._stop: str | None = None
         """Why a stop was asked for: the run finishes after the current step."""
+        self._finishing: RunFinished | None = None
         self.finished: RunFinished | None = None
         self.last_rollout_id = plan.start_rollout_id - 1
-        self.weight_version = plan.weight_version
-        self.served = dict.fromkeys(plan.engines, "default")
-        """The version each engine serves, from its ``WeightsLoaded``."""
+        self.served_version = "default"
+        """The version every engine serves: the last ``WeightsPublished``'s (the Publisher
+        follows each engine; a publication that failed part-way leaves some a version ahead)."""
 
-    # -- the loop ---------------------------------------------------------------------
+    # -- the opening ------------------------------------------------------------------
 
     async def ready(self) -> None:
         """Every actor has started: the run begins."""
         await self.publish(run_started(self.plan))
 
-    @handles(RunStarted, emits=(PublishRequested, WeightsCheckRequested))
+    @handles(RunStarted, emits=(WeightsCheckRequested, PublishRequested))
     async def on_run_started(self, event: RunStarted) -> None:
-        if self.plan.rollout_only:
-            # The seed's checkpoint-backed protocol starts from the bootstrap's checksums.
-            await self._proof_check("checksum", "base")
-        elif self.config.verifier.check_weight_update_equal:
-            # The seed's check: snapshot, reset, publish, compare (miles snapshots and
-            # resets in its placement step, before the first publication).
-            await self._update_check("reset_tensors" if self.plan.resumed else "snapshot")
-        else:
-            # Always update weights first, so the engines serve what the trainer holds.
-            await self.publish(PublishRequested(rollout_id=None))
+        await self._follow(self._opening.step(STARTED))
 
-    async def _weights_check(
-        self,
-        action: str,
-        request_id: str,
-        then: Callable[[list[WeightsCheckFinished]], Awaitable[None]],
-        *,
-        selector: str,
-        skip_tensor_list: list[str],
-        allow_quant_error: bool,
-    ) -> None:
-        """Ask every engine for a weight-checker action; ``then`` gets their replies, in
-        engine order, once all have answered."""
-        self._check = PendingCheck(request_id=request_id, then=then)
-        await self.publish(
-            WeightsCheckRequested(
-                action=action,  # type: ignore[arg-type]
-                selector=selector,  # type: ignore[arg-type]
-                skip_tensor_list=skip_tensor_list,
-                allow_quant_error=allow_quant_error,
-                request_id=request_id,
-            )
-        )
-
-    @handles(
-        WeightsCheckFinished,
-        emits=(WeightsCheckRequested, PublishRequested, PublicationEvidenceRequested, RunFinished, *AFTER_PUBLICATION),
-    )
+    @handles(WeightsCheckFinished, emits=(*OPENING, *LOOP_START))
     async def on_weights_check_finished(self, event: WeightsCheckFinished) -> None:
-        pending = self._check
-        if pending is None or event.request_id != pending.request_id:
-            return
-        pending.replies[event.engine] = event
-        if set(pending.replies) < set(self.plan.engines) or self._finishing is not None:
+        check = self._check
+        if check is None or not check.add(event) or self._finishing is not None:
             return
         self._check = None
-        await pending.then([pending.replies[engine] for engine in self.plan.engines])
+        # A step may read the checksum manifests the replies name: off the event loop.
+        await self._follow(await anyio.to_thread.run_sync(self._opening.step, check.finished()))
 
-    # -- check_weight_update_equal ----------------------------------------------------
-
-    async def _update_check(self, action: str) -> None:
-        verifier = self.config.verifier
-
-        async def then(replies: list[WeightsCheckFinished]) -> None:
-            await self._on_update_check(action, replies)
-
-        await self._weights_check(
-            action,
-            f"check_weight_update_equal:{action}",
-            then,
-            selector=verifier.check_weight_update_selector,
-            skip_tensor_list=list(verifier.check_weight_update_skip_list),
-            allow_quant_error=verifier.check_weight_update_allow_quant_error,
-        )
-
-    async def _on_update_check(self, action: str, replies: list[WeightsCheckFinished]) -> None:
-        failed = [reply for reply in replies if not reply.success]
-        if failed:
-            first = failed[0]
-            await self._finish(
-                "failed",
-                f"inference weight check {action!r} did not succeed on every engine: {first.engine}: {first.message}",
-            )
-        elif action == "snapshot":
-            await self._update_check("reset_tensors")
-        elif action == "reset_tensors":
-            await self.publish(PublishRequested(rollout_id=None))
-        else:  # compare: the first publication wrote every checked tensor
-            self._compared = True
-            await self._after_publication(None)
-
-    # -- rollout-only from a checkpoint: the seed's proof, one event per step ---------
-
-    async def _proof_check(self, action: str, step: str) -> None:
-        self._proof_step = step
-
-        async def then(replies: list[WeightsCheckFinished]) -> None:
-            try:
-                await self._on_proof_check(action, step, replies)
-            except RuntimeError as error:  # the seed's checks, with the seed's messages
-                await self._finish("failed", str(error))
-
-        await self._weights_check(
-            action,
-            f"rollout_only:{step}",
-            then,
-            selector=CHECKPOINT_ROLLOUT_SELECTOR,
-            skip_tensor_list=list(CHECKPOINT_ROLLOUT_SKIP_LIST),
-            allow_quant_error=False,
-        )
-
-    async def _on_proof_check(self, action: str, step: str, replies: list[WeightsCheckFinished]) -> None:
-        proof = self._proof
-        if action == "checksum":
-            checksums = await anyio.to_thread.run_sync(self._canonical_checksums, replies)
-            versions = canonical_weight_versions([reply.weight_version for reply in replies])
-            if step == "base":
-                proof.record_base(checksums, versions)
-                await self._proof_publish("publish")
-            elif step == "served":
-                proof.record_served(checksums, versions)
-                await self._proof_check("snapshot", "snapshot")
-            elif step == "reset":
-                proof.record_reset(checksums)
-                await self._proof_publish("republish")
-            else:  # republished
-                proof.record_republished(checksums)
-                await self._write_evidence()
-            return
-        if action == "compare":
-            # The seed reads the versions right after the republication, before comparing.
-            proof.record_republished_versions(canonical_weight_versions([reply.weight_version for reply in replies]))
-        if not all(reply.success for reply in replies):
-            raise RuntimeError(f"inference weight check {action!r} did not succeed on every engine")
-        if action == "snapshot":
-            await self._proof_check("reset_tensors", "reset_tensors")
-        elif action == "reset_tensors":
-            await self._proof_check("checksum", "reset")
-        else:  # compare
-            await self._proof_check("checksum", "republished")
-
-    def _canonical_checksums(self, replies: list[WeightsCheckFinished]) -> CanonicalChecksums:
-        engines = []
-        for reply in replies:
-            if not reply.success:
-                raise RuntimeError(f"inference weight checksum did not succeed: {reply.message or 'no ranks'}")
-            try:
-                engines.append(read_manifest(self.context.run_dir, reply.checksums_manifest, reply.digest))
-            except ManifestError as error:
-                raise RuntimeError(f"inference weight checksum of {reply.engine}: {error}") from None
-        return canonical_checksums(engines)
-
-    async def _proof_publish(self, step: str) -> None:
-        self._proof_step = step
-        await self.publish(PublishRequested(rollout_id=None))
-
-    async def _write_evidence(self) -> None:
-        run = self.run
-        effective_load = run.load or run.ref_load
-        reference = run.ref_load or self.config.model.path
-        if effective_load is None or reference is None or self.plan.checkpoint_iteration is None:
-            raise RuntimeError("rollout-only from a checkpoint without a loaded checkpoint root")
-        if run.rollout_only_publication_evidence is None:
-            raise RuntimeError("run.rollout_only_publication_evidence is unset")
-        self._proof_step = "evidence"
-        evidence = self._proof.evidence(
-            effective_load=effective_load, ref_load=reference, checkpoint_iteration=self.plan.checkpoint_iteration
-        )
-        await self.publish(PublicationEvidenceRequested(path=run.rollout_only_publication_evidence, evidence=evidence))
-
-    @handles(PublicationEvidenceWritten, emits=AFTER_PUBLICATION)
+    @handles(PublicationEvidenceWritten, emits=LOOP_START)
     async def on_publication_evidence_written(self, event: PublicationEvidenceWritten) -> None:
-        if self._proof_step != "evidence":
-            return
-        self._proof_step = "done"
-        logger.info("checkpoint-backed publication proven; evidence in %s", event.path)
-        await self._after_publication(None)
+        command = self._opening.step(EvidenceWritten(event.path))
+        if isinstance(command, Done):
+            logger.info("checkpoint-backed publication proven; evidence in %s", event.path)
+        await self._follow(command)
 
     @handles(PublicationEvidenceFailed, emits=(RunFinished,))
     async def on_publication_evidence_failed(self, event: PublicationEvidenceFailed) -> None:
         await self._finish("failed", f"cannot write the publication evidence: {event.reason}")
+
+    async def _follow(self, command: Command) -> None:
+        """Carry out what the opening's step returned."""
+        if isinstance(command, Ignored):
+            return
+        if isinstance(command, Failed):
+            await self._finish("failed", command.reason)
+        elif isinstance(command, Done):
+            await self._loop_begins()
+        else:
+            if isinstance(command, WeightsCheckRequested):
+                self._check = EngineReplies(command.request_id, self.plan.engines)
+            await self.publish(command)
+
+    async def _loop_begins(self) -> None:
+        """The opening is through: an eval-only run evaluates, a training run starts."""
+        if self._finishing is not None:
+            return
+        if self._stop is not None:
+            await self._finish("stopped", self._stop)  # nothing trained yet: nothing to save
+            return
+        start, num_rollout, run = self.plan.start_rollout_id, self.plan.num_rollout, self.run
+        if num_rollout == 0 and run.eval_interval is not None:
+            await self._eval(0, AfterEval.FINISH)
+        elif start >= num_rollout:
+            await self._finish("completed", "no rollouts left to run")
+        elif run.eval_interval is not None and not run.skip_eval_before_train:
+            await self._eval(start, AfterEval.FIRST_ROLLOUT)
+        else:
+            await self._request_rollout(start)
+
+    # -- publications -----------------------------------------------------------------
+
+    @handles(WeightsPublished, emits=AFTER_PUBLICATION)
+    async def on_weights_published(self, event: WeightsPublished) -> None:
+        self.served_version = event.weight_version
+        if not self.config.verifier.enabled:
+            await self._published(event.rollout_id)
+
+    @handles(PublicationVerified, emits=AFTER_PUBLICATION)
+    async def on_publication_verified(self, event: PublicationVerified) -> None:
+        await self._published(event.rollout_id)
+
+    @handles(PublicationMismatch, emits=AFTER_PUBLICATION)
+    async def on_publication_mismatch(self, event: PublicationMismatch) -> None:
+        first = event.mismatches[0] if event.mismatches else None
+        detail = f"; first: {first.engine} {first.tensor}" if first else ""
+        if first is not None and first.reason:
+            detail += f" ({first.reason})"
+        message = (
+            f"weight version {event.weight_version}: {len(event.mismatches)} tensor(s) served by the "
+            f"engines differ from what the trainer published{detail}"
+        )
+        if self.config.verifier.continue_on_mismatch:
+            logger.warning("%s (continuing: verifier.continue_on_mismatch)", message)
+            await self._published(event.rollout_id)
+        else:
+            await self._finish("failed", f"publication mismatch: {message}")
+
+    async def _published(self, rollout_id: int | None) -> None:
+        """A publication is through. ``rollout_id`` None: the opening's (the initial
+        publication, or the proof's); else the one after training rollout ``rollout_id``."""
+        if self._finishing is not None:
+            return
+        if rollout_id is None:
+            if self._stop is not None:
+                await self._finish("stopped", self._stop)  # nothing trained yet: nothing to save
+            else:
+                await self._follow(self._opening.step(PUBLISHED))
+        elif self._stop is not None:
+            # The step's publication is through: as the seed's ``should_stop`` break, the
+            # run ends here (once the step is saved).
+            await self._stop_now()
+        elif should_run_periodic_action(rollout_id, self.run.eval_interval, self.plan.num_rollout_per_epoch):
+            await self._eval(rollout_id, AfterEval.NEXT_STEP)
+        else:
+            await self._next_step(rollout_id)
+
+    # -- the loop ---------------------------------------------------------------------
+
+    async def _next_step(self, rollout_id: int) -> None:
+        """Rollout ``rollout_id`` is done: the next one, or finish."""
+        debug_exit = self.run.debug_exit_after_rollout
+        if debug_exit is not None and rollout_id - self.plan.start_rollout_id + 1 >= debug_exit:
+            logger.info("debug_exit_after_rollout=%d reached at rollout_id=%d", debug_exit, rollout_id)
+            await self._finish("completed", f"debug_exit_after_rollout={debug_exit}")
+        elif rollout_id + 1 < self.plan.num_rollout:
+            await self._request_rollout(rollout_id + 1)
+        else:
+            await self._finish("completed")
+
+    async def _request_rollout(self, rollout_id: int) -> None:
+        await self.publish(RolloutRequested(rollout_id=rollout_id))
+
+    async def _eval(self, rollout_id: int, then: AfterEval) -> None:
+        self._pending_eval = PendingEval(rollout_id, then)
+        await self.publish(EvalRequested(rollout_id=rollout_id))
+
+    @handles(EvalFinished, emits=(RolloutRequested, RunFinished, SaveRequested))
+    async def on_eval_finished(self, event: EvalFinished) -> None:
+        pending, self._pending_eval = self._pending_eval, None
+        if self._finishing is not None:
+            return  # once finishing, nothing new is asked for
+        if self._stop is not None:
+            await self._stop_now()
+        elif pending is None:
+            return
+        elif pending.then is AfterEval.FINISH:
+            await self._finish("completed")
+        elif pending.then is AfterEval.FIRST_ROLLOUT:
+            await self._request_rollout(pending.rollout_id)
+        else:
+            await self._next_step(pending.rollout_id)
 
     @handles(RolloutGenerated, emits=(DataReleased, RolloutRequested, RunFinished))
     async def on_rollout_generated(self, event: RolloutGenerated) -> None:
@@ -339,99 +318,6 @@ class Coordinator(Actor):
             await self._request_rollout(event.rollout_id + 1)
         else:
             await self._finish("completed")
-
-    @handles(WeightsPublished, emits=AFTER_PUBLICATION)
-    async def on_weights_published(self, event: WeightsPublished) -> None:
-        self.weight_version = event.weight_version
-        if not self.config.verifier.enabled:
-            await self._after_publication(event.rollout_id)
-
-    @handles(WeightsLoaded, emits=())
-    async def on_weights_loaded(self, event: WeightsLoaded) -> None:
-        self.served[event.engine] = event.weight_version
-
-    @handles(PublicationVerified, emits=AFTER_PUBLICATION)
-    async def on_publication_verified(self, event: PublicationVerified) -> None:
-        await self._after_publication(event.rollout_id)
-
-    @handles(PublicationMismatch, emits=AFTER_PUBLICATION)
-    async def on_publication_mismatch(self, event: PublicationMismatch) -> None:
-        first = event.mismatches[0] if event.mismatches else None
-        detail = f"; first: {first.engine} {first.tensor}" if first else ""
-        if first is not None and first.reason:
-            detail += f" ({first.reason})"
-        message = (
-            f"weight version {event.weight_version}: {len(event.mismatches)} tensor(s) served by the "
-            f"engines differ from what the trainer published{detail}"
-        )
-        if self.config.verifier.continue_on_mismatch:
-            logger.warning("%s (continuing: verifier.continue_on_mismatch)", message)
-            await self._after_publication(event.rollout_id)
-        else:
-            await self._finish("failed", f"publication mismatch: {message}")
-
-    async def _after_publication(self, rollout_id: int | None) -> None:
-        if self._finishing is not None:
-            return
-        if self._stop is not None:
-            # The step's publication is through: as the seed's ``should_stop`` break, the
-            # run ends here (once the step is saved).
-            await self._stop_now()
-            return
-        start, num_rollout = self.plan.start_rollout_id, self.plan.num_rollout
-        if rollout_id is None and self._needs_compare():
-            await self._update_check("compare")
-            return
-        if rollout_id is None and self._proof_step == "publish":
-            await self._proof_check("checksum", "served")
-            return
-        if rollout_id is None and self._proof_step == "republish":
-            await self._proof_check("compare", "compare")
-            return
-        if rollout_id is None:
-            if num_rollout == 0 and self.run.eval_interval is not None:
-                await self._eval(0, then=lambda: self._finish("completed"))
-            elif start >= num_rollout:
-                await self._finish("completed", "no rollouts left to run")
-            elif self.run.eval_interval is not None and not self.run.skip_eval_before_train:
-                await self._eval(start, then=lambda: self._request_rollout(start))
-            else:
-                await self._request_rollout(start)
-            return
-        if should_run_periodic_action(rollout_id, self.run.eval_interval, self.plan.num_rollout_per_epoch):
-            await self._eval(rollout_id, then=lambda: self._continue_after(rollout_id))
-        else:
-            await self._continue_after(rollout_id)
-
-    def _needs_compare(self) -> bool:
-        return self.config.verifier.check_weight_update_equal and not self.plan.resumed and not self._compared
-
-    async def _continue_after(self, rollout_id: int) -> None:
-        debug_exit = self.run.debug_exit_after_rollout
-        if debug_exit is not None and rollout_id - self.plan.start_rollout_id + 1 >= debug_exit:
-            logger.info("debug_exit_after_rollout=%d reached at rollout_id=%d", debug_exit, rollout_id)
-            await self._finish("completed", f"debug_exit_after_rollout={debug_exit}")
-        elif rollout_id + 1 < self.plan.num_rollout:
-            await self._request_rollout(rollout_id + 1)
-        else:
-            await self._finish("completed")
-
-    async def _request_rollout(self, rollout_id: int) -> None:
-        await self.publish(RolloutRequested(rollout_id=rollout_id))
-
-    async def _eval(self, rollout_id: int, then: Callable[[], object]) -> None:
-        self._after_eval = then
-        await self.publish(EvalRequested(rollout_id=rollout_id))
-
-    @handles(EvalFinished, emits=AFTER_PUBLICATION)
-    async def on_eval_finished(self, event: EvalFinished) -> None:
-        then, self._after_eval = self._after_eval, None
-        if self._finishing is not None:
-            return  # once finishing, nothing new is asked for
-        if self._stop is not None:
-            await self._stop_now()
-        elif then is not None:
-            await then()  # type: ignore[misc]
 
     @handles(TrainStepFinished, emits=(SaveRequested, PublishRequested))
     async def on_train_step_finished(self, event: TrainStepFinished) -> None:
@@ -471,14 +357,6 @@ class Coordinator(Actor):
         if reason is not None:
             await self._save(rollout_id, reason, publication_follows=True)
         await self.publish(PublishRequested(rollout_id=rollout_id))
-
-    async def _stop_now(self) -> None:
-        """Finish stopped, after saving the last trained step unless a save of it was asked
-        for already: a stopped run resumes with nothing redone."""
-        last = self.last_rollout_id
-        if not self.plan.rollout_only and last >= self.plan.start_rollout_id and last not in self._saved:
-            await self._save(last, "stop")
-        await self._finish("stopped", self._stop or "stopped")
 
     async def _save(self, rollout_id: int, reason: str, publication_follows: bool = False) -> None:
         self._saved.add(rollout_id)
@@ -542,18 +420,25 @@ class Coordinator(Actor):
         stops after the last complete step, saving it unless it was saved."""
         if self._finishing is not None:
             return
-        self._after_eval = None
+        self._pending_eval = None
         await self._stop_now()
+
+    async def _stop_now(self) -> None:
+        """Finish stopped, after saving the last trained step unless a save of it was asked
+        for already: a stopped run resumes with nothing redone."""
+        last = self.last_rollout_id
+        if not self.plan.rollout_only and last >= self.plan.start_rollout_id and last not in self._saved:
+            await self._save(last, "stop")
+        await self._finish("stopped", self._stop or "stopped")
 
     async def _finish(self, status: str, reason: str = "") -> None:
         if self._finishing is not None or self.finished is not None:
             return
-        served = min(self.served.values(), key=version_number, default=self.weight_version)
         finished = RunFinished(
             status=status,  # type: ignore[arg-type]
             reason=reason,
             last_rollout_id=self.last_rollout_id,
-            weight_version=served,
+            weight_version=self.served_version,
         )
         self._finishing = finished
         # A completed or stopped run waits for its checkpoints; a failed one does not.

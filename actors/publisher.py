@@ -8,6 +8,9 @@ of a run makes every engine the trainer's next version (``"1"`` on a fresh run, 
 version plus one on a resumed run); each later publication adds exactly one. Every phase has
 a timeout, so an engine or trainer that hangs turns into ``PublicationFailed``, never a
 stuck run.
+
+The Publisher alone follows which version each engine serves (``served``); the others read
+it from its ``WeightsPublished``.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ class Publisher(Actor):
         super().__init__(config, context)
         self.engines = engine_names(config)
         self.served: dict[str, str] = dict.fromkeys(self.engines, "default")
+        """The version each engine serves, as of the last publication every engine loaded."""
         self.first_version = "1"
         self.current: Publication | None = None
 

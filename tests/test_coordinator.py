@@ -6,6 +6,7 @@ import msgspec
 import pytest
 
 from actors.coordinator import Coordinator, should_run_periodic_action
+from actors.publisher import Publisher
 from miles_events.bus.clock import ManualClock
 from miles_events.bus.testing import RecordingContext, feed
 from schemas.config import Config, RunConfig, VerifierConfig
@@ -35,8 +36,10 @@ from schemas.events import (
 from schemas.plan import RunPlan
 
 
-def make(num_rollout: int = 3, start: int = 0, per_epoch: int | None = 100, verifier: bool = True, **run) -> Coordinator:
-    config = Config(run=RunConfig(num_rollout=num_rollout, **run), verifier=VerifierConfig(enabled=verifier))
+def make(num_rollout: int = 3, start: int = 0, per_epoch: int | None = 100, verifier: bool = True,
+         check_weight_update_equal: bool = False, **run) -> Coordinator:
+    config = Config(run=RunConfig(num_rollout=num_rollout, **run),
+                    verifier=VerifierConfig(enabled=verifier, check_weight_update_equal=check_weight_update_equal))
     plan = RunPlan(
         start_rollout_id=start,
         num_rollout=num_rollout,
@@ -280,12 +283,18 @@ async def test_a_stop_saves_the_step_it_ends_after_unless_it_was_saved():
     assert kinds(done) == [("RunFinished", "stopped")] and done[0].last_rollout_id == 1
 
 
+def test_the_publisher_alone_follows_which_version_each_engine_serves():
+    assert WeightsLoaded in Publisher.handlers()
+    assert WeightsLoaded not in Coordinator.handlers()
+    assert not hasattr(make(), "served")
+
+
 async def test_run_finished_says_what_the_engines_serve_after_a_publication_failed_part_way():
     c = make(num_rollout=5)
     c.plan = msgspec.structs.replace(c.plan, engines=("engine-0", "engine-1"))
-    c.served = dict.fromkeys(c.plan.engines, "default")
     loaded = [WeightsLoaded(engine=e, weight_version="1", previous_version="default", digest="d") for e in c.plan.engines]
-    await feed(c, started(c), *loaded, verified(1, None), trained(0))
+    published = WeightsPublished(weight_version="1", engines=list(c.plan.engines), previous_versions=["default"] * 2)
+    await feed(c, started(c), *loaded, published, verified(1, None), trained(0))
     out = await feed(c, WeightsLoaded(engine="engine-0", weight_version="2", previous_version="1", digest="d"),
                      PublicationFailed(weight_version="2", phase="load", reason="engine-1 timed out", rollout_id=0))
     (finished,) = out
@@ -351,8 +360,7 @@ def check_done(action: str, success: bool = True, engine: str = "engine-0", mess
 
 
 async def test_check_weight_update_equal_is_snapshot_reset_publish_compare():
-    c = make(num_rollout=2)
-    c.config = msgspec.structs.replace(c.config, verifier=VerifierConfig(check_weight_update_equal=True))
+    c = make(num_rollout=2, check_weight_update_equal=True)
     out = await feed(c, started(c))
     assert [(type(e).__name__, getattr(e, "action", None)) for e in out] == [("WeightsCheckRequested", "snapshot")]
     assert [e.action for e in await feed(c, check_done("snapshot"))] == ["reset_tensors"]
@@ -363,8 +371,7 @@ async def test_check_weight_update_equal_is_snapshot_reset_publish_compare():
 
 
 async def test_a_failed_compare_stops_the_run_with_the_seeds_message():
-    c = make(num_rollout=2)
-    c.config = msgspec.structs.replace(c.config, verifier=VerifierConfig(check_weight_update_equal=True))
+    c = make(num_rollout=2, check_weight_update_equal=True)
     await feed(c, started(c), check_done("snapshot"), check_done("reset_tensors"), verified(1, None))
     out = await feed(c, check_done("compare", success=False, message="3 of 27 tensors differ from the snapshot"))
     assert kinds(out) == [("RunFinished", "failed")]

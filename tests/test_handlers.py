@@ -17,7 +17,18 @@ from miles_events.bus.testing import RecordingContext, feed
 from miles_events.sinks.base import Sink
 from schemas import events as events_module
 from schemas.config import Config
-from schemas.events import EVENT_TYPES, ActorFailed, Event, RolloutGenerated, RolloutRequested, StopRequested
+from schemas.events import (
+    EVENT_TYPES,
+    ActorFailed,
+    EvalRequested,
+    Event,
+    PublicationEvidenceRequested,
+    RolloutGenerated,
+    RolloutRequested,
+    SaveRequested,
+    StopRequested,
+    WeightsCheckRequested,
+)
 
 
 class Echo(Actor):
@@ -118,6 +129,28 @@ def test_an_event_missing_from_the_union_is_caught():
 
 def test_the_coordinator_runs_in_the_driver():
     assert Coordinator.resources(Config()).role == "driver"
+
+
+def emitted_on(actor: type[Actor], event_type: type[Event]) -> set[str]:
+    """The events on which ``actor`` declares it may publish ``event_type``."""
+    return {handled.__name__ for route in actor.routes() if event_type in (route.emits or ()) for handled in route.handles}
+
+
+def test_the_coordinator_asks_for_a_save_only_after_a_step_a_save_or_a_stop():
+    # A step trained, a save written, a step cut; or a stop once a step's publication (or
+    # the eval after it) is through. The opening's checks and evidence never save.
+    assert emitted_on(Coordinator, SaveRequested) == {
+        "TrainStepFinished", "CheckpointSaved", "StepCancelled",
+        "WeightsPublished", "PublicationVerified", "PublicationMismatch", "EvalFinished",
+    }  # fmt: skip
+
+
+def test_only_the_opening_asks_for_weight_checks_and_an_eval_never_asks_for_another():
+    assert emitted_on(Coordinator, WeightsCheckRequested) == {
+        "RunStarted", "WeightsCheckFinished", "WeightsPublished", "PublicationVerified", "PublicationMismatch",
+    }  # fmt: skip
+    assert "EvalFinished" not in emitted_on(Coordinator, EvalRequested)
+    assert emitted_on(Coordinator, PublicationEvidenceRequested) == {"WeightsCheckFinished"}
 
 
 async def test_a_manual_clock_wakes_sleepers_only_when_advanced():

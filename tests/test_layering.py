@@ -3,6 +3,7 @@
     schemas  <-  util  <-  rl  <-  device, checkpoint  <-  transport  <-  bus  <-  runtime
                                                             bus, rl   <-  sinks
     (the framework above)  <-  actors  <-  miles_events.app
+    schemas, util, rl  <-  actors.protocols (the Coordinator's state machines)  <-  actors
 
 An import is an ``import`` / ``from ... import`` statement anywhere in a module (inside
 functions too), a call of ``importlib.import_module`` or ``__import__`` with a literal
@@ -55,7 +56,10 @@ ALLOWED: dict[str, tuple[str, ...]] = {
         DEVICE,
         CHECKPOINT,
         TRANSPORT,
+        "actors.protocols",
     ),
+    # The Coordinator's state machines: not actors, pure (no bus, no device, no transport).
+    "actors.protocols": ("schemas", UTIL, RL, "actors.protocols"),
     "miles_events.app": ("schemas", *FRAMEWORK, "actors", "miles_events.app"),
     # The entry points and the package itself; any other top-level module has no layer.
     "miles_events.run": ("miles_events.app",),
@@ -174,6 +178,9 @@ def test_every_module_imports_only_along_the_dependency_direction():
         ("miles_events/rl/x.py", '"""Mentions miles_events.app.session:Session in a docstring."""\n', 0),
         ("actors/x.py", "from miles_events.bus.event_bus import EventBus\n", 1),
         ("actors/x.py", "from miles_events.bus.actor import Actor\n", 0),
+        ("actors/x.py", "from actors.protocols.opening import UpdateCheck\n", 0),
+        ("actors/protocols/x.py", "from miles_events.bus.actor import Actor\n", 1),
+        ("actors/protocols/x.py", "from actors.saver import Saver\n", 1),
         ("miles_events/rl/x.py", "from miles_events.device.buckets import Buckets\n", 1),
         ("miles_events/rl/x.py", "from miles_events.checkpoint.format import write_checkpoint\n", 1),
         ("miles_events/util/x.py", "from miles_events.rl.versions import next_version\n", 1),
