@@ -506,9 +506,24 @@ class TorchEngine(Engine):
             return self._result(action, True, message, num_tensors=len(selected))
         return self._compare(selected, allow_quant_error)
 
-    def _result(self, action: str, success: bool, message: str, **counts: object) -> WeightsCheckResult:
+    def _result(
+        self,
+        action: str,
+        success: bool,
+        message: str,
+        *,
+        num_tensors: int = 0,
+        mismatched: Sequence[str] = (),
+        missing: Sequence[str] = (),
+    ) -> WeightsCheckResult:
         return WeightsCheckResult(
-            success=success, message=message, action=action, weight_version=self._weight_version, **counts  # type: ignore[arg-type]
+            success=success,
+            message=message,
+            action=action,
+            weight_version=self._weight_version,
+            num_tensors=num_tensors,
+            mismatched=list(mismatched),
+            missing=list(missing),
         )
 
     def _reset(self, selected: Mapping[str, torch.Tensor]) -> None:

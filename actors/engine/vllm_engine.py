@@ -652,13 +652,24 @@ class VllmEngine(Engine):
         reset = int(results[0]["num_tensors"]) if results and isinstance(results[0], dict) else 0
         return self._result("reset_tensors", True, f"reset {reset} tensors to random data", num_tensors=reset)
 
-    def _result(self, action: str, success: bool, message: str, **counts: object) -> WeightsCheckResult:
+    def _result(
+        self,
+        action: str,
+        success: bool,
+        message: str,
+        *,
+        num_tensors: int = 0,
+        mismatched: Sequence[str] = (),
+        missing: Sequence[str] = (),
+    ) -> WeightsCheckResult:
         return WeightsCheckResult(
             success=success,
             message=message,
             action=action,
             weight_version=self._weight_version,
-            **counts,  # type: ignore[arg-type]
+            num_tensors=num_tensors,
+            mismatched=list(mismatched),
+            missing=list(missing),
         )
 
     def close(self) -> None:
