@@ -155,14 +155,15 @@ def base_model_tensors(model_path: str | Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-class _WorkerChecksums(msgspec.Struct, frozen=True):
-    """The worker extension's answer to ``miles_checksums`` (one per worker)."""
+class WorkerChecksums(msgspec.Struct, frozen=True):
+    """The worker extension's answer to ``miles_checksums`` (one per worker): the readable
+    tensors' fingerprints, and the names of the tensors it cannot read back."""
 
     checksums: dict[str, str]
     unreadable: list[str]
 
 
-def worker_checksums(results: list[Any]) -> tuple[dict[str, str], list[str]]:
+def worker_checksums(results: list[Any]) -> WorkerChecksums:
     """The readable tensors' fingerprints and the unreadable tensors' names, from the
     ``/collective_rpc`` results of ``miles_checksums``: the answer of the server's one worker.
 
@@ -175,10 +176,9 @@ def worker_checksums(results: list[Any]) -> tuple[dict[str, str], list[str]]:
     if len(results) > 1:
         raise ChecksumReplyError(f"the worker extension answered from {len(results)} workers, one was expected")
     try:
-        answer = msgspec.convert(results[0], _WorkerChecksums)
+        return msgspec.convert(results[0], WorkerChecksums)
     except msgspec.ValidationError as error:
         raise ChecksumReplyError(f"the worker extension's checksum answer is malformed: {error}") from None
-    return dict(answer.checksums), list(answer.unreadable)
 
 
 class VllmEngine(Engine):
@@ -554,7 +554,7 @@ class VllmEngine(Engine):
 
     # --- checksums -------------------------------------------------------------------------
 
-    def readable_checksums(self) -> tuple[dict[str, str], list[str]]:
+    def readable_checksums(self) -> WorkerChecksums:
         """Fingerprints of the base model's tensors the server holds in the Hugging Face
         layout, and the names of those it does not (repacked or fused on this backend).
         Raises ``ChecksumReplyError`` for an answer ``worker_checksums`` refuses."""
@@ -567,7 +567,7 @@ class VllmEngine(Engine):
 
     def unreadable_tensors(self) -> list[str]:
         """The base model's tensors the server holds repacked or fused (``readable_checksums``)."""
-        return sorted(self.readable_checksums()[1])
+        return sorted(self.readable_checksums().unreadable)
 
     def checksums(
         self, skip_tensor_list: Iterable[str] = (), selector: Selector = "all"
@@ -581,9 +581,9 @@ class VllmEngine(Engine):
             readable: dict[str, str] = {}
             unreadable: list[str] = []
         else:
-            readable, unreadable = self.readable_checksums()
-            readable = {n: c for n, c in readable.items() if not is_skipped(n, skip)}
-            unreadable = [n for n in unreadable if not is_skipped(n, skip)]
+            answer = self.readable_checksums()
+            readable = {n: c for n, c in answer.checksums.items() if not is_skipped(n, skip)}
+            unreadable = [n for n in answer.unreadable if not is_skipped(n, skip)]
         message = f"checksums of {len(readable)} tensors"
         if unreadable:
             message += f"; {len(unreadable)} cannot be read back from vLLM (repacked or fused): {name_list(unreadable)}"
@@ -607,7 +607,7 @@ class VllmEngine(Engine):
         if action == "reset_tensors":
             return self._reset_tensors(list(skip_tensor_list))
         try:
-            readable, _ = self.readable_checksums()
+            readable = self.readable_checksums().checksums
         except ChecksumReplyError as error:
             return self._result(action, False, f"{action}: {error}")
         skip = list(skip_tensor_list)
