@@ -67,6 +67,8 @@ from schemas.events import (
     RolloutRequested,
     RunFinished,
     RunStarted,
+    RunStatus,
+    SaveReason,
     SaveRequested,
     StepCancelled,
     StopRequested,
@@ -141,7 +143,7 @@ class Coordinator(Actor):
         self._pending_eval: PendingEval | None = None
         """The eval in flight, and what follows it."""
         self._pending_saves: set[int] = set()
-        self._save_waiting: tuple[int, str] | None = None
+        self._save_waiting: tuple[int, SaveReason] | None = None
         """A step's save (rollout id, reason) due while the last save was being written."""
         self._saved: set[int] = set()
         """Rollouts a save was asked for."""
@@ -326,7 +328,7 @@ class Coordinator(Actor):
         if self._finishing is not None:
             return  # once finishing, nothing new is asked for
         sentinel = self.run.save_trigger_sentinel
-        reason: str | None = None
+        reason: SaveReason | None = None
         if sentinel is not None and os.path.exists(sentinel):
             reason = "sentinel"
             # One touch, one save: the file goes once its save is asked for, before the
@@ -353,16 +355,16 @@ class Coordinator(Actor):
             return
         await self._save_then_publish(rollout_id, reason)
 
-    async def _save_then_publish(self, rollout_id: int, reason: str | None) -> None:
+    async def _save_then_publish(self, rollout_id: int, reason: SaveReason | None) -> None:
         if reason is not None:
             await self._save(rollout_id, reason, publication_follows=True)
         await self.publish(PublishRequested(rollout_id=rollout_id))
 
-    async def _save(self, rollout_id: int, reason: str, publication_follows: bool = False) -> None:
+    async def _save(self, rollout_id: int, reason: SaveReason, publication_follows: bool = False) -> None:
         self._saved.add(rollout_id)
         self._pending_saves.add(rollout_id)
         await self.publish(
-            SaveRequested(rollout_id=rollout_id, reason=reason, publication_follows=publication_follows)  # type: ignore[arg-type]
+            SaveRequested(rollout_id=rollout_id, reason=reason, publication_follows=publication_follows)
         )
 
     @handles(CheckpointSaved, emits=(RunFinished, SaveRequested, PublishRequested))
@@ -431,11 +433,11 @@ class Coordinator(Actor):
             await self._save(last, "stop")
         await self._finish("stopped", self._stop or "stopped")
 
-    async def _finish(self, status: str, reason: str = "") -> None:
+    async def _finish(self, status: RunStatus, reason: str = "") -> None:
         if self._finishing is not None or self.finished is not None:
             return
         finished = RunFinished(
-            status=status,  # type: ignore[arg-type]
+            status=status,
             reason=reason,
             last_rollout_id=self.last_rollout_id,
             weight_version=self.served_version,

@@ -36,14 +36,14 @@ import asyncio
 import hashlib
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import Any, ClassVar
+from typing import ClassVar, Concatenate, ParamSpec, TypeVar
 
 import anyio
 import msgspec
 
 from actors.engine import engine_module
-from actors.engine.base import Completion, SamplingParams, TensorCheckAction
-from actors.engine.worker import Checked, Loaded, engine_worker
+from actors.engine.base import Completion, SamplingParams
+from actors.engine.worker import EngineWorker, engine_worker
 from miles_events.bus.actor import (
     Actor,
     ActorContext,
@@ -59,7 +59,6 @@ from miles_events.rl.hf_model import modeling_module
 from miles_events.rl.prompts import Prompt, load_prompts, rollout_prompts
 from miles_events.rl.versions import engine_names
 from miles_events.util.registry import load_function
-from schemas.checksums import WeightsCheckResult
 from schemas.config import Config
 from schemas.events import (
     DataReleased,
@@ -78,6 +77,8 @@ from schemas.events import (
 from schemas.rollout import RolloutBatch, Sample
 
 RewardFn = Callable[[str, str, str], float]
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 class Generator(Actor):
@@ -85,13 +86,13 @@ class Generator(Actor):
 
     name = "generator"
 
-    build_worker: ClassVar[WorkerFactory] = staticmethod(engine_worker)
+    build_worker: ClassVar[WorkerFactory[EngineWorker]] = staticmethod(engine_worker)
     """How each engine rank is built where it runs (a module-level function)."""
 
     def __init__(self, config: Config, context: ActorContext) -> None:
         super().__init__(config, context)
         self.cancel = Cancellation()
-        self.engines: list[Worker] = []
+        self.engines: list[Worker[EngineWorker]] = []
         """One worker-group rank per engine, in engine order (``engine_names``)."""
         self.engine_names: list[str] = []
         self.prompts: list[Prompt] = []
@@ -141,7 +142,7 @@ class Generator(Actor):
         if event.now:
             self.cancel.cancel(event.reason)
             for engine in self.engines:
-                engine.notify("cancel", event.reason)
+                engine.notify(EngineWorker.cancel, event.reason)
 
     @handles(RolloutRequested, emits=(RolloutGenerated, StepCancelled))
     async def on_rollout_requested(self, event: RolloutRequested) -> None:
@@ -225,7 +226,7 @@ class Generator(Actor):
             groups = per_engine[index]
             requests = [prompts[g].prompt for g in groups for _ in range(n_samples)]
             seed = engine_seed(self.config.run.seed, kind, rollout_id, index)
-            completions = await self._on_engine(index, "generate", requests, sampling, seed)
+            completions = await self._on_engine(index, EngineWorker.generate, requests, sampling, seed)
             self.cancel.check()
             results[index] = await anyio.to_thread.run_sync(
                 self._score, self.engine_names[index], prompts, groups, n_samples, completions
@@ -240,7 +241,7 @@ class Generator(Actor):
                 # An engine failed: the rollout is lost, so the others stop at their next
                 # decode step; every call is waited for (none is left running on its own).
                 for engine in self.engines:
-                    engine.notify("cancel", "another engine failed this rollout")
+                    engine.notify(EngineWorker.cancel, "another engine failed this rollout")
                 await asyncio.wait(pending)
         finally:
             for task in tasks:
@@ -254,12 +255,15 @@ class Generator(Actor):
             raise Cancelled(self.cancel.reason)
         return sorted((s for samples in results for s in samples), key=lambda s: s.group)
 
-    async def _on_engine(self, index: int, method: str, *args: object) -> Any:
-        """``method(*args)`` of engine ``index``; a failure whose message does not name the
-        engine (a rank process that died, an HTTP error) is raised as ``EngineFailed`` naming it."""
+    async def _on_engine(
+        self, index: int, method: Callable[Concatenate[EngineWorker, P], R], *args: P.args, **kwargs: P.kwargs
+    ) -> R:
+        """``method(*args, **kwargs)`` of engine ``index``; a failure whose message does not
+        name the engine (a rank process that died, an HTTP error) is raised as
+        ``EngineFailed`` naming it."""
         name = self.engine_names[index]
         try:
-            return await self.engines[index].call(method, *args)
+            return await self.engines[index].call(method, *args, **kwargs)
         except Exception as error:
             if isinstance(error, Cancelled) or name in str(error):
                 raise
@@ -307,22 +311,10 @@ class Generator(Actor):
 
         async def load(index: int) -> Event:
             started = time.perf_counter()
-            loaded: Loaded = await self._on_engine(
-                index, "load", event.weights, event.weight_version, skip, event.probe
+            loaded = await self._on_engine(
+                index, EngineWorker.load, event.weights, event.weight_version, skip, event.probe
             )
-            return WeightsLoaded(
-                engine=self.engine_names[index],
-                weight_version=loaded.weight_version,
-                previous_version=loaded.previous_version,
-                digest=loaded.digest,
-                num_tensors=loaded.num_tensors,
-                num_bytes=loaded.num_bytes,
-                checksums_manifest=loaded.checksums_manifest,
-                load_seconds=time.perf_counter() - started,
-                canary=loaded.canary,
-                probe_logprobs=loaded.probe_logprobs,
-                checksum_error=loaded.checksum_error,
-            )
+            return msgspec.structs.replace(loaded, load_seconds=time.perf_counter() - started)
 
         await self._on_every_engine(load)
 
@@ -351,38 +343,8 @@ class Generator(Actor):
 
     @handles(WeightsCheckRequested, emits=(WeightsCheckFinished,))
     async def on_weights_check_requested(self, event: WeightsCheckRequested) -> None:
-        skip = list(event.skip_tensor_list)
-
         async def check(index: int) -> Event:
-            name = self.engine_names[index]
-            if event.action == "checksum":
-                checked: Checked = await self._on_engine(index, "checksum_check", skip, event.selector)
-                finished = WeightsCheckFinished(
-                    engine=name,
-                    action=event.action,
-                    success=checked.success,
-                    message=checked.message,
-                    digest=checked.digest,
-                    num_tensors=checked.num_tensors,
-                    checksums_manifest=checked.checksums_manifest,
-                    weight_version=checked.weight_version,
-                    request_id=event.request_id,
-                )
-            else:
-                action: TensorCheckAction = event.action
-                result: WeightsCheckResult = await self._on_engine(
-                    index, "weights_check", action, event.selector, skip, event.allow_quant_error
-                )
-                finished = WeightsCheckFinished(
-                    engine=name,
-                    action=event.action,
-                    success=result.success,
-                    message=result.message,
-                    num_tensors=result.num_tensors,
-                    weight_version=result.weight_version,
-                    request_id=event.request_id,
-                )
-            return finished
+            return await self._on_engine(index, EngineWorker.check, event)
 
         await self._on_every_engine(check)
 

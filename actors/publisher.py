@@ -24,6 +24,7 @@ from schemas.config import Config
 from schemas.events import (
     DataReleased,
     PublicationFailed,
+    PublicationPhase,
     PublishRequested,
     RunStarted,
     WeightsLoaded,
@@ -36,7 +37,7 @@ from schemas.events import (
 class Publication:
     rollout_id: int | None
     requested_at: float
-    phase: str = "stage"
+    phase: PublicationPhase = "stage"
     staged: WeightsStaged | None = None
     staged_at: float = 0.0
     loaded: dict[str, WeightsLoaded] = field(default_factory=dict)
@@ -140,7 +141,7 @@ class Publisher(Actor):
 
     # -- timeouts -----------------------------------------------------------------------
 
-    def _arm(self, phase: str, timeout: float) -> None:
+    def _arm(self, phase: PublicationPhase, timeout: float) -> None:
         self._cancel_timer()
         publication = self.current
         assert publication is not None
@@ -152,7 +153,7 @@ class Publisher(Actor):
             self.current.timer.cancel()
             self.current.timer = None
 
-    async def _expire(self, publication: Publication, phase: str, timeout: float) -> None:
+    async def _expire(self, publication: Publication, phase: PublicationPhase, timeout: float) -> None:
         await self.context.clock.sleep(timeout)
         if self.current is publication and publication.phase == phase:
             publication.timer = None
@@ -160,7 +161,7 @@ class Publisher(Actor):
             detail = "the trainer did not stage weights" if phase == "stage" else f"no WeightsLoaded from {missing}"
             await self._fail(phase, f"timed out after {timeout:g}s: {detail}")
 
-    async def _fail(self, phase: str, reason: str) -> None:
+    async def _fail(self, phase: PublicationPhase, reason: str) -> None:
         publication = self.current
         self._cancel_timer()
         self.current = None
@@ -168,7 +169,7 @@ class Publisher(Actor):
         await self.publish(
             PublicationFailed(
                 weight_version=version,
-                phase=phase,  # type: ignore[arg-type]
+                phase=phase,
                 reason=reason,
                 rollout_id=publication.rollout_id if publication else None,
             )

@@ -7,7 +7,16 @@ reply to ``snapshot``, ``reset_tensors`` and ``compare``.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
+
+Selector = Literal["all", "target", "draft"]
+"""Which model's tensors a weight-checker action covers."""
+CheckAction = Literal["checksum", "snapshot", "reset_tensors", "compare"]
+"""SGLang's ``/weights_checker`` actions."""
+TensorCheckAction = Literal["snapshot", "reset_tensors", "compare"]
+"""The weight-checker actions besides ``checksum``."""
 
 
 class ParallelismInfo(msgspec.Struct, frozen=True, kw_only=True):

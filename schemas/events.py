@@ -25,9 +25,17 @@ from typing import ClassVar, Literal
 import msgspec
 
 from schemas.checkpoint import TrainerState
+from schemas.checksums import CheckAction, Selector
 from schemas.data import DataRef
 from schemas.evidence import CheckpointRolloutEvidence
 from schemas.plan import RunPlan
+
+RunStatus = Literal["completed", "failed", "stopped"]
+"""How a run ended (``RunFinished.status``)."""
+PublicationPhase = Literal["stage", "load", "version"]
+"""Where a publication failed (``PublicationFailed.phase``)."""
+SaveReason = Literal["interval", "last", "sentinel", "request", "stop"]
+"""Why a checkpoint is saved (``SaveRequested.reason``)."""
 
 
 class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag=True):
@@ -87,7 +95,7 @@ class StepCancelled(Event, frozen=True, kw_only=True):
 
 
 class RunFinished(Event, frozen=True, kw_only=True):
-    status: Literal["completed", "failed", "stopped"]
+    status: RunStatus
     reason: str = ""
     last_rollout_id: int = -1
     weight_version: str = "default"
@@ -258,7 +266,7 @@ class WeightsPublished(Event, frozen=True, kw_only=True):
 
 class PublicationFailed(Event, frozen=True, kw_only=True):
     weight_version: str
-    phase: Literal["stage", "load", "version"]
+    phase: PublicationPhase
     reason: str
     rollout_id: int | None = None
 
@@ -305,8 +313,8 @@ class PublicationMismatch(Event, frozen=True, kw_only=True):
 
 
 class WeightsCheckRequested(Event, frozen=True, kw_only=True):
-    action: Literal["checksum", "snapshot", "reset_tensors", "compare"]
-    selector: Literal["all", "target", "draft"] = "all"
+    action: CheckAction
+    selector: Selector = "all"
     skip_tensor_list: list[str] = []
     allow_quant_error: bool = False
     request_id: str = ""
@@ -355,7 +363,7 @@ class PublicationEvidenceFailed(Event, frozen=True, kw_only=True):
 
 class SaveRequested(Event, frozen=True, kw_only=True):
     rollout_id: int
-    reason: Literal["interval", "last", "sentinel", "request", "stop"] = "interval"
+    reason: SaveReason = "interval"
     publication_follows: bool = False
     """The Coordinator asks for the publication of the same rollout right after (the
     seed's save, then update_weights): a trainer staging the save in the background starts

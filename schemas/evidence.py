@@ -10,10 +10,12 @@ after every engine reset its tensors (``reset``).
 
 from __future__ import annotations
 
+from typing import Final
+
 import msgspec
 
 CHECKPOINT_ROLLOUT_EVIDENCE_SCHEMA = "miles.checkpoint-backed-rollout-publication.v1"
-CHECKPOINT_ROLLOUT_SELECTOR = "target"
+CHECKPOINT_ROLLOUT_SELECTOR: Final = "target"
 CHECKPOINT_ROLLOUT_SKIP_LIST = ("visual",)
 
 

@@ -146,14 +146,14 @@ class Ranked(Actor):
     @handles(EvalRequested, emits=(StopRequested,))
     async def on_eval(self, event: EvalRequested) -> None:
         for worker in self.workers:
-            worker.notify("note", f"eval {event.rollout_id}")
-            rank, pid, sharing, logs = await worker.call("where")
-            notes = await worker.call("notes")
+            worker.notify(RankProbe.note, f"eval {event.rollout_id}")
+            rank, pid, sharing, logs = await worker.call(RankProbe.where)
+            notes = await worker.call(RankProbe.notes)
             await self.publish(StopRequested(reason=f"{rank}:{pid}:{sharing}:{os.getpid()}:{'|'.join(notes)}:{logs}"))
 
     @handles(RolloutRequested, emits=(StopRequested,))
     async def on_rollout(self, event: RolloutRequested) -> None:
         try:
-            await self.workers[1].call("fail")
+            await self.workers[1].call(RankProbe.fail)
         except KeyError as error:
             await self.publish(StopRequested(reason=f"KeyError: {error.args[0]}"))

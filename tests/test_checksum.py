@@ -6,7 +6,7 @@ import msgspec
 import pytest
 import torch
 
-from actors.engine.vllm_engine import worker_checksums
+from actors.engine.vllm_engine import WorkerChecksums, worker_checksums
 from miles_events.device import fingerprint
 from miles_events.device.fingerprint import fingerprints, tensor_fingerprint
 from miles_events.rl.checksum import (
@@ -213,7 +213,7 @@ def test_checksum_order_puts_ranks_in_numeric_order_and_other_names_by_name():
 
 def test_the_vllm_workers_checksum_answer_is_its_readable_and_unreadable_tensors():
     answer = [{"checksums": {"w": "1" * 16}, "unreadable": ["proj.weight"]}]
-    assert worker_checksums(answer) == ({"w": "1" * 16}, ["proj.weight"])
+    assert worker_checksums(answer) == WorkerChecksums(checksums={"w": "1" * 16}, unreadable=["proj.weight"])
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,7 @@
 """An engine rank at start: the tensors its engine cannot read back in the trainer's layout
 must be left out of the digests (``verifier.skip_tensor_list``), or the run stops there,
-before the first publication, with one line naming them and the setting."""
+before the first publication, with one line naming them and the setting. A rank's load and
+checks answer with the event the Generator publishes, less the header the bus stamps."""
 
 from __future__ import annotations
 
@@ -10,9 +11,14 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from actors.engine.base import single_rank_report
 from actors.engine.worker import EngineWorker, UnverifiableTensors, check_readback
 from miles_events.bus.workers import RankPlace
+from miles_events.rl.checksum import per_gpu_checksum
+from schemas.checksums import EngineChecksumReport, WeightsCheckResult
 from schemas.config import Config, GeneratorConfig, RunConfig, VerifierConfig
+from schemas.data import DataRef
+from schemas.events import WeightsCheckFinished, WeightsCheckRequested, WeightsLoaded
 
 REPACKED = [
     f"model.layers.{layer}.{module}.weight"
@@ -89,3 +95,96 @@ def test_skipped_tensors_the_probe_does_not_prove_either_are_said_to_be_unverifi
     with caplog.at_level(logging.WARNING, logger="actors.engine.worker"):
         check_readback("engine-0", "vllm", REPACKED, msgspec.structs.replace(verifier, probe="auto"))
     assert not caplog.records
+
+
+class ServingEngine:
+    """An engine that serves one tensor and answers every check (a unit test's stand-in)."""
+
+    name = "engine-1"
+    metrics_url = None
+    holds_canary = False
+
+    def __init__(self) -> None:
+        self.weight_version = "default"
+        self.checksum_reply = single_rank_report({"w": "0123456789abcdef"}, "checksummed")
+
+    def unreadable_tensors(self) -> list[str]:
+        return []
+
+    def load_weights(self, weights: DataRef, weight_version: str) -> int:
+        self.weight_version = weight_version
+        return weights.num_bytes
+
+    def checksums(self, skip_tensor_list: object = (), selector: str = "all") -> EngineChecksumReport:
+        return self.checksum_reply
+
+    def weights_check(self, action: str, selector: str, skip: list[str], allow_quant_error: bool) -> WeightsCheckResult:
+        return WeightsCheckResult(
+            success=True, message=f"{action} of {skip}", action=action, weight_version=self.weight_version, num_tensors=3
+        )
+
+    def close(self) -> None:
+        pass
+
+
+def serving_worker(tmp_path: Path) -> EngineWorker:
+    return EngineWorker(run_config(tmp_path), ServingEngine(), RankPlace(1, 2, tmp_path))  # type: ignore[arg-type]
+
+
+def test_a_load_answers_with_its_engines_weights_loaded_event_less_the_header(tmp_path: Path) -> None:
+    worker = serving_worker(tmp_path)
+    loaded = worker.load(DataRef("inprocess", "weights-1", "trainer", num_bytes=64), "1", [])
+    digest = per_gpu_checksum({"w": "0123456789abcdef"})
+    assert loaded == WeightsLoaded(
+        engine="engine-1",
+        weight_version="1",
+        previous_version="default",
+        digest=digest,
+        num_tensors=1,
+        num_bytes=64,
+        checksums_manifest=loaded.checksums_manifest,
+        canary=None,
+        probe_logprobs=None,
+    )
+    assert loaded.checksums_manifest and (tmp_path / loaded.checksums_manifest).is_file()
+    assert (loaded.run_id, loaded.seq, loaded.time, loaded.source) == ("", 0, 0.0, ""), "the bus stamps the header"
+
+
+def test_a_checksum_check_answers_with_the_event_carrying_the_request_id(tmp_path: Path) -> None:
+    worker = serving_worker(tmp_path)
+    finished = worker.check(WeightsCheckRequested(action="checksum", request_id="proof:base"))
+    assert finished == WeightsCheckFinished(
+        engine="engine-1",
+        action="checksum",
+        success=True,
+        message="checksummed",
+        digest=per_gpu_checksum({"rank0/w": "0123456789abcdef"}),
+        num_tensors=1,
+        checksums_manifest=finished.checksums_manifest,
+        weight_version="default",
+        request_id="proof:base",
+    )
+    assert (tmp_path / finished.checksums_manifest).is_file()
+
+
+def test_an_unsuccessful_checksum_reply_is_an_unsuccessful_check_with_the_engines_message(tmp_path: Path) -> None:
+    worker = serving_worker(tmp_path)
+    worker.engine.checksum_reply = EngineChecksumReport(success=False, message="no checker")  # type: ignore[attr-defined]
+    finished = worker.check(WeightsCheckRequested(action="checksum", request_id="r"))
+    assert finished == WeightsCheckFinished(
+        engine="engine-1", action="checksum", success=False, message="no checker", weight_version="default", request_id="r"
+    )
+
+
+def test_a_tensor_check_answers_with_the_engines_result_as_the_event(tmp_path: Path) -> None:
+    worker = serving_worker(tmp_path)
+    request = WeightsCheckRequested(action="compare", skip_tensor_list=["norm"], request_id="after-load")
+    assert worker.check(request) == WeightsCheckFinished(
+        engine="engine-1",
+        action="compare",
+        success=True,
+        message="compare of ['norm']",
+        num_tensors=3,
+        weight_version="default",
+        request_id="after-load",
+    )

@@ -21,15 +21,20 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from miles_events.bus.cancel import Cancellation
 from miles_events.rl.checksum import per_engine_checksum, per_gpu_checksum
 from miles_events.transport.base import Transport
-from schemas.checksums import EngineChecksumReport, ParallelismInfo, RankChecksums, WeightsCheckResult
+from schemas.checksums import (
+    EngineChecksumReport,
+    ParallelismInfo,
+    RankChecksums,
+    Selector,
+    TensorCheckAction,
+    WeightsCheckResult,
+)
 from schemas.config import Config
 from schemas.data import DataRef
 
 if TYPE_CHECKING:
     import torch
 
-Selector = Literal["all", "target", "draft"]
-TensorCheckAction = Literal["snapshot", "reset_tensors", "compare"]
 TENSOR_CHECK_ACTIONS: tuple[str, ...] = ("snapshot", "reset_tensors", "compare")
 """The weight-checker actions besides ``checksum``."""
 

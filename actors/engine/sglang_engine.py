@@ -32,14 +32,18 @@ from actors.engine.base import (
     Engine,
     GenerateRequest,
     SamplingParams,
-    Selector,
-    TensorCheckAction,
     encode_prompt,
 )
 from actors.engine.server_process import ServerProcess, ServerStartError, start_on_a_port
 from miles_events.bus.cancel import Cancellation
 from miles_events.transport.base import Transport
-from schemas.checksums import EngineChecksumReport, WeightsCheckResult
+from schemas.checksums import (
+    CheckAction,
+    EngineChecksumReport,
+    Selector,
+    TensorCheckAction,
+    WeightsCheckResult,
+)
 from schemas.config import Config
 from schemas.data import DataRef
 
@@ -285,9 +289,11 @@ class SglangEngine(Engine):
 
     # --- the weights checker -------------------------------------------------------------------
 
-    def _checker(self, action: str, selector: Selector, skip: Iterable[str], allow_quant_error: bool) -> tuple[int, bytes]:
+    def _checker(
+        self, action: CheckAction, selector: Selector, skip: Iterable[str], allow_quant_error: bool
+    ) -> tuple[int, bytes]:
         request = api.WeightsCheckerRequest(
-            action=action,  # type: ignore[arg-type]
+            action=action,
             selector=selector,
             skip_tensor_list=list(skip),
             allow_quant_error=allow_quant_error,

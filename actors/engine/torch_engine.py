@@ -43,8 +43,6 @@ from actors.engine.base import (
     Engine,
     GenerateRequest,
     SamplingParams,
-    Selector,
-    TensorCheckAction,
     encode_prompt,
     find_stop,
     name_list,
@@ -62,7 +60,7 @@ from miles_events.rl.hf_model import cache_kwarg, load_model, load_tokenizer
 from miles_events.rl.probe import teacher_forced_logprobs
 from miles_events.rl.weights import split_tied
 from miles_events.transport.base import Transport
-from schemas.checksums import EngineChecksumReport, WeightsCheckResult
+from schemas.checksums import EngineChecksumReport, Selector, TensorCheckAction, WeightsCheckResult
 from schemas.config import Config
 from schemas.data import BucketLayout, DataRef
 
@@ -518,9 +516,24 @@ class TorchEngine(Engine):
             return self._result(action, True, message, num_tensors=len(selected))
         return self._compare(selected, allow_quant_error)
 
-    def _result(self, action: str, success: bool, message: str, **counts: object) -> WeightsCheckResult:
+    def _result(
+        self,
+        action: str,
+        success: bool,
+        message: str,
+        *,
+        num_tensors: int = 0,
+        mismatched: Sequence[str] = (),
+        missing: Sequence[str] = (),
+    ) -> WeightsCheckResult:
         return WeightsCheckResult(
-            success=success, message=message, action=action, weight_version=self._weight_version, **counts  # type: ignore[arg-type]
+            success=success,
+            message=message,
+            action=action,
+            weight_version=self._weight_version,
+            num_tensors=num_tensors,
+            mismatched=list(mismatched),
+            missing=list(missing),
         )
 
     def _reset(self, selected: Mapping[str, torch.Tensor]) -> None:

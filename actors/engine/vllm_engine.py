@@ -62,8 +62,6 @@ from actors.engine.base import (
     Engine,
     GenerateRequest,
     SamplingParams,
-    Selector,
-    TensorCheckAction,
     encode_prompt,
     name_list,
     single_rank_report,
@@ -75,7 +73,7 @@ from miles_events.rl.canary import CANARY_TENSOR, split_canary
 from miles_events.rl.checksum import ChecksumReplyError, is_skipped
 from miles_events.rl.hf_model import load_tokenizer
 from miles_events.transport.base import Transport
-from schemas.checksums import EngineChecksumReport, WeightsCheckResult
+from schemas.checksums import EngineChecksumReport, Selector, TensorCheckAction, WeightsCheckResult
 from schemas.config import Config, VllmConfig
 from schemas.data import DataRef
 
@@ -155,14 +153,15 @@ def base_model_tensors(model_path: str | Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-class _WorkerChecksums(msgspec.Struct, frozen=True):
-    """The worker extension's answer to ``miles_checksums`` (one per worker)."""
+class WorkerChecksums(msgspec.Struct, frozen=True):
+    """The worker extension's answer to ``miles_checksums`` (one per worker): the readable
+    tensors' fingerprints, and the names of the tensors it cannot read back."""
 
     checksums: dict[str, str]
     unreadable: list[str]
 
 
-def worker_checksums(results: list[Any]) -> tuple[dict[str, str], list[str]]:
+def worker_checksums(results: list[Any]) -> WorkerChecksums:
     """The readable tensors' fingerprints and the unreadable tensors' names, from the
     ``/collective_rpc`` results of ``miles_checksums``: the answer of the server's one worker.
 
@@ -175,10 +174,9 @@ def worker_checksums(results: list[Any]) -> tuple[dict[str, str], list[str]]:
     if len(results) > 1:
         raise ChecksumReplyError(f"the worker extension answered from {len(results)} workers, one was expected")
     try:
-        answer = msgspec.convert(results[0], _WorkerChecksums)
+        return msgspec.convert(results[0], WorkerChecksums)
     except msgspec.ValidationError as error:
         raise ChecksumReplyError(f"the worker extension's checksum answer is malformed: {error}") from None
-    return dict(answer.checksums), list(answer.unreadable)
 
 
 class VllmEngine(Engine):
@@ -554,7 +552,7 @@ class VllmEngine(Engine):
 
     # --- checksums -------------------------------------------------------------------------
 
-    def readable_checksums(self) -> tuple[dict[str, str], list[str]]:
+    def readable_checksums(self) -> WorkerChecksums:
         """Fingerprints of the base model's tensors the server holds in the Hugging Face
         layout, and the names of those it does not (repacked or fused on this backend).
         Raises ``ChecksumReplyError`` for an answer ``worker_checksums`` refuses."""
@@ -567,7 +565,7 @@ class VllmEngine(Engine):
 
     def unreadable_tensors(self) -> list[str]:
         """The base model's tensors the server holds repacked or fused (``readable_checksums``)."""
-        return sorted(self.readable_checksums()[1])
+        return sorted(self.readable_checksums().unreadable)
 
     def checksums(
         self, skip_tensor_list: Iterable[str] = (), selector: Selector = "all"
@@ -581,9 +579,9 @@ class VllmEngine(Engine):
             readable: dict[str, str] = {}
             unreadable: list[str] = []
         else:
-            readable, unreadable = self.readable_checksums()
-            readable = {n: c for n, c in readable.items() if not is_skipped(n, skip)}
-            unreadable = [n for n in unreadable if not is_skipped(n, skip)]
+            answer = self.readable_checksums()
+            readable = {n: c for n, c in answer.checksums.items() if not is_skipped(n, skip)}
+            unreadable = [n for n in answer.unreadable if not is_skipped(n, skip)]
         message = f"checksums of {len(readable)} tensors"
         if unreadable:
             message += f"; {len(unreadable)} cannot be read back from vLLM (repacked or fused): {name_list(unreadable)}"
@@ -607,7 +605,7 @@ class VllmEngine(Engine):
         if action == "reset_tensors":
             return self._reset_tensors(list(skip_tensor_list))
         try:
-            readable, _ = self.readable_checksums()
+            readable = self.readable_checksums().checksums
         except ChecksumReplyError as error:
             return self._result(action, False, f"{action}: {error}")
         skip = list(skip_tensor_list)
@@ -652,13 +650,24 @@ class VllmEngine(Engine):
         reset = int(results[0]["num_tensors"]) if results and isinstance(results[0], dict) else 0
         return self._result("reset_tensors", True, f"reset {reset} tensors to random data", num_tensors=reset)
 
-    def _result(self, action: str, success: bool, message: str, **counts: object) -> WeightsCheckResult:
+    def _result(
+        self,
+        action: str,
+        success: bool,
+        message: str,
+        *,
+        num_tensors: int = 0,
+        mismatched: Sequence[str] = (),
+        missing: Sequence[str] = (),
+    ) -> WeightsCheckResult:
         return WeightsCheckResult(
             success=success,
             message=message,
             action=action,
             weight_version=self._weight_version,
-            **counts,  # type: ignore[arg-type]
+            num_tensors=num_tensors,
+            mismatched=list(mismatched),
+            missing=list(missing),
         )
 
     def close(self) -> None:

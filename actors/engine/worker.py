@@ -1,10 +1,11 @@
 """One engine of the Generator as a worker-group rank (``miles_events.bus.workers``): the
 engine itself, in whichever process hosts its rank, and the calls the Generator makes on it.
 
-Every call returns plain data (completions, counts, digests), so the rank may live in the
-Generator's process or in one of its own: sampling is seeded by a number, loading writes the
-checksum manifest here (beside the tensors it fingerprints) and returns its digest, and a
-cancellation is a ``notify`` that sets this rank's own flag.
+Every call returns plain data (completions, or the event the Generator publishes, less the
+header the bus stamps), so the rank may live in the Generator's process or in one of its own:
+sampling is seeded by a number, loading writes the checksum manifest here (beside the tensors
+it fingerprints) and returns its digest, and a cancellation is a ``notify`` that sets this
+rank's own flag.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import json
 import logging
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from actors.engine import build_engine, engine_class, reads_back_every_tensor
@@ -23,8 +23,6 @@ from actors.engine.base import (
     Engine,
     GenerateRequest,
     SamplingParams,
-    Selector,
-    TensorCheckAction,
     name_list,
 )
 from actors.engine.scrape_target import remove_target, write_target
@@ -35,39 +33,9 @@ from miles_events.rl.checksum import ChecksumReplyError, is_skipped, ranked_chec
 from miles_events.rl.checksum_manifest import write_manifest
 from miles_events.rl.versions import engine_names
 from miles_events.transport.base import Transport
-from schemas.checksums import WeightsCheckResult
 from schemas.config import Config, VerifierConfig
 from schemas.data import DataRef
-from schemas.events import ProbeBatch
-
-
-@dataclass(frozen=True)
-class Loaded:
-    """What one engine reports after loading a publication."""
-
-    weight_version: str
-    previous_version: str
-    num_bytes: int
-    digest: str
-    checksums_manifest: str
-    num_tensors: int
-    canary: str | None
-    probe_logprobs: list[list[float]] | None = None
-    checksum_error: str = ""
-    """Why the engine's checksum reply cannot be used, naming the engine; digest, manifest
-    and count are then empty, and the Verifier reports the publication a mismatch."""
-
-
-@dataclass(frozen=True)
-class Checked:
-    """One engine's answer to the ``checksum`` action: success, digest and manifest."""
-
-    success: bool
-    message: str
-    digest: str
-    checksums_manifest: str
-    num_tensors: int
-    weight_version: str
+from schemas.events import ProbeBatch, WeightsCheckFinished, WeightsCheckRequested, WeightsLoaded
 
 
 class UnverifiableTensors(ValueError):
@@ -161,11 +129,12 @@ class EngineWorker:
         weight_version: str,
         skip_tensor_list: Sequence[str],
         probe: ProbeBatch | None = None,
-    ) -> Loaded:
+    ) -> WeightsLoaded:
         """Serve ``weights`` as ``weight_version``, then fingerprint what is served now and,
-        with a ``probe``, answer it with the served weights. A checksum reply that cannot be
-        used is not a failure of the load: it is reported in ``checksum_error``, for the
-        Verifier to fail the publication with."""
+        with a ``probe``, answer it with the served weights; the Generator adds the
+        ``load_seconds`` it measured. A checksum reply that cannot be used is not a failure of
+        the load: it is reported in ``checksum_error``, for the Verifier to fail the
+        publication with."""
         previous = self.engine.weight_version
         num_bytes = self.engine.load_weights(weights, weight_version)
         digest = manifest = error = ""
@@ -177,40 +146,74 @@ class EngineWorker:
         else:
             digest, manifest = write_manifest(self.place.run_dir, checksums)
             num_tensors = len(checksums)
-        return Loaded(
+        return WeightsLoaded(
+            engine=self.name,
             weight_version=self.engine.weight_version,
             previous_version=previous,
-            num_bytes=num_bytes,
             digest=digest,
-            checksums_manifest=manifest,
             num_tensors=num_tensors,
+            num_bytes=num_bytes,
+            checksums_manifest=manifest,
+            checksum_error=error,
             canary=self.engine.served_canary() if self.engine.holds_canary else None,
             probe_logprobs=(
                 self.engine.probe_logprobs(probe.prompt_ids, probe.response_ids) if probe is not None else None
             ),
-            checksum_error=error,
         )
 
-    def checksum_check(self, skip_tensor_list: Sequence[str], selector: Selector) -> Checked:
+    def check(self, request: WeightsCheckRequested) -> WeightsCheckFinished:
+        """SGLang's weight-checker action ``request.action`` on this engine, answered as the
+        event the Generator publishes (with the request's id)."""
+        skip = list(request.skip_tensor_list)
+        if request.action == "checksum":
+            return self._checksum_check(request, skip)
+        result = self.engine.weights_check(request.action, request.selector, skip, request.allow_quant_error)
+        return WeightsCheckFinished(
+            engine=self.name,
+            action=request.action,
+            success=result.success,
+            message=result.message,
+            num_tensors=result.num_tensors,
+            weight_version=result.weight_version,
+            request_id=request.request_id,
+        )
+
+    def _checksum_check(self, request: WeightsCheckRequested, skip: list[str]) -> WeightsCheckFinished:
         """SGLang's ``checksum`` action, flattened as miles does (``rank{r}/{name}``, in rank
         order) so that checks compare as the seed's. An unsuccessful reply keeps the
         engine's message; one that cannot be used is unsuccessful, saying why and naming
         the engine."""
         version = self.engine.weight_version
+
+        def unsuccessful(message: str) -> WeightsCheckFinished:
+            return WeightsCheckFinished(
+                engine=self.name,
+                action=request.action,
+                success=False,
+                message=message,
+                weight_version=version,
+                request_id=request.request_id,
+            )
+
         try:
-            report = self.engine.checksums(list(skip_tensor_list), selector)
+            report = self.engine.checksums(skip, request.selector)
             if not report.success:
-                return Checked(False, report.message, "", "", 0, version)
+                return unsuccessful(report.message)
             checksums = ranked_checksums(report)
         except ChecksumReplyError as unusable:
-            return Checked(False, f"{self.name}: {unusable}", "", "", 0, version)
+            return unsuccessful(f"{self.name}: {unusable}")
         digest, manifest = write_manifest(self.place.run_dir, checksums)
-        return Checked(True, report.message, digest, manifest, len(checksums), self.engine.weight_version)
-
-    def weights_check(
-        self, action: TensorCheckAction, selector: Selector, skip_tensor_list: Sequence[str], allow_quant_error: bool
-    ) -> WeightsCheckResult:
-        return self.engine.weights_check(action, selector, list(skip_tensor_list), allow_quant_error)
+        return WeightsCheckFinished(
+            engine=self.name,
+            action=request.action,
+            success=True,
+            message=report.message,
+            digest=digest,
+            num_tensors=len(checksums),
+            checksums_manifest=manifest,
+            weight_version=self.engine.weight_version,
+            request_id=request.request_id,
+        )
 
     def close(self) -> None:
         if self.scrape_target is not None:

@@ -39,6 +39,7 @@ from miles_events.rl.publication_checks import (
     canonical_checksums,
     canonical_weight_versions,
 )
+from schemas.checksums import CheckAction, TensorCheckAction
 from schemas.config import Config, VerifierConfig
 from schemas.events import (
     PublicationEvidenceRequested,
@@ -93,6 +94,14 @@ class UpdateCheckState(enum.Enum):
     FAILED = "failed"
 
 
+_UPDATE_ACTIONS: dict[UpdateCheckState, TensorCheckAction] = {
+    UpdateCheckState.SNAPSHOT: "snapshot",
+    UpdateCheckState.RESET_TENSORS: "reset_tensors",
+    UpdateCheckState.COMPARE: "compare",
+}
+"""The weight-checker action of each checking state of ``check_weight_update_equal``."""
+
+
 _UPDATE_CHECKS = (UpdateCheckState.SNAPSHOT, UpdateCheckState.RESET_TENSORS, UpdateCheckState.COMPARE)
 
 
@@ -143,7 +152,7 @@ class UpdateCheck:
         self.state = state
         verifier = self.verifier
         return WeightsCheckRequested(
-            action=state.value,  # type: ignore[arg-type]
+            action=_UPDATE_ACTIONS[state],
             selector=verifier.check_weight_update_selector,
             skip_tensor_list=list(verifier.check_weight_update_skip_list),
             allow_quant_error=verifier.check_weight_update_allow_quant_error,
@@ -178,7 +187,7 @@ class ProofState(enum.Enum):
     FAILED = "failed"
 
 
-_PROOF_ACTIONS = {
+_PROOF_ACTIONS: dict[ProofState, CheckAction] = {
     ProofState.BASE: "checksum",
     ProofState.SERVED: "checksum",
     ProofState.SNAPSHOT: "snapshot",
@@ -292,8 +301,8 @@ class RolloutOnlyProof:
     def _check(self, state: ProofState) -> WeightsCheckRequested:
         self.state = state
         return WeightsCheckRequested(
-            action=_PROOF_ACTIONS[state],  # type: ignore[arg-type]
-            selector=CHECKPOINT_ROLLOUT_SELECTOR,  # type: ignore[arg-type]
+            action=_PROOF_ACTIONS[state],
+            selector=CHECKPOINT_ROLLOUT_SELECTOR,
             skip_tensor_list=list(CHECKPOINT_ROLLOUT_SKIP_LIST),
             allow_quant_error=False,
             request_id=self._request_id(state),

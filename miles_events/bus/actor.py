@@ -14,7 +14,7 @@ import contextvars
 from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Protocol
+from typing import Any, ClassVar, Literal, Protocol, TypeVar
 
 from miles_events.bus.clock import Clock
 from miles_events.bus.handlers import HandlerTable, handles
@@ -35,6 +35,8 @@ __all__ = [
     "close_workers",
     "handles",
 ]
+
+T = TypeVar("T")
 
 Role = Literal["driver", "rollout", "actor", "critic", "service"]
 
@@ -76,7 +78,7 @@ class ActorContext(Protocol):
         """A task the actor spawned raised: report it as the actor's failure."""
         ...
 
-    async def start_workers(self, factory: WorkerFactory, ranks: int) -> list[Worker]:
+    async def start_workers(self, factory: WorkerFactory[T], ranks: int) -> list[Worker[T]]:
         """The ``ranks`` workers of the actor's worker group, started (``miles_events.bus.workers``)."""
         ...
 

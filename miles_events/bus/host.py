@@ -13,6 +13,7 @@ import traceback
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import msgspec
 
@@ -27,6 +28,8 @@ from schemas.events import ActorFailed, Event, StopRequested
 from schemas.plan import RunPlan
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 Publish = Callable[[Event], Awaitable[object]]
 
@@ -46,7 +49,7 @@ class HostContext:
     _start_workers: StartWorkers | None = field(default=None, repr=False)
     """How the runtime hosting the actor starts its ranks; None: all in this process."""
 
-    async def start_workers(self, factory: WorkerFactory, ranks: int) -> list[Worker]:
+    async def start_workers(self, factory: WorkerFactory[T], ranks: int) -> list[Worker[T]]:
         if self._start_workers is None:
             return await start_in_process(factory, ranks, self.config, self.transport, self.run_dir, self.run_id)
         return await self._start_workers(factory, ranks)

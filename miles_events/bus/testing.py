@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from miles_events.bus.actor import Actor, ActorContext
 from miles_events.bus.clock import SYSTEM_CLOCK, Clock
 from miles_events.bus.host import actor_failed
-from miles_events.bus.workers import Worker, WorkerFactory, start_in_process
+from miles_events.bus.workers import T, Worker, WorkerFactory, start_in_process
 from miles_events.transport.base import Transport
 from miles_events.transport.inprocess import InProcessTransport
 from schemas.config import Config
@@ -44,7 +44,7 @@ class RecordingContext:
     async def report_failure(self, error: BaseException) -> None:
         self.published.append(actor_failed(self.name, error, self.clock))
 
-    async def start_workers(self, factory: WorkerFactory, ranks: int) -> list[Worker]:
+    async def start_workers(self, factory: WorkerFactory[T], ranks: int) -> list[Worker[T]]:
         return await start_in_process(factory, ranks, self.config, self.transport, self.run_dir, self.run_id)
 
 

@@ -4,9 +4,13 @@ An actor whose ``resources`` ask for N ranks starts them with
 ``await context.start_workers(factory, N)``. ``factory(config, transport, place)`` is a
 top-level function (the ray runtime sends it to other processes by reference) that builds
 rank ``place.rank``'s object in the process that hosts that rank. The actor then calls the
-object's methods with ``await worker.call("method", *args)``, which runs the method off the
-actor's event loop, and ``worker.notify("method", *args)`` for a call that must not wait
-(a cancellation, while another call of the same worker runs).
+object's methods with ``await worker.call(Rank.method, *args)``, which runs the method off
+the actor's event loop, and ``worker.notify(Rank.method, *args)`` for a call that must not
+wait (a cancellation, while another call of the same worker runs). The method is passed as
+the class's function, not its name, so a type checker checks the arguments and the result
+against its signature; the rank runs the method of that name on its object (an override,
+or an attribute set on the object, runs), which is what crosses to a rank in another
+process.
 
 Where ranks run is the runtime's business: the local runtime, and every actor hosted in the
 driver, run all of them in the actor's process, each call on a thread; the ray runtime hosts
@@ -26,7 +30,7 @@ import os
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar
 
 from miles_events.transport.base import Transport
 from schemas.config import Config
@@ -45,23 +49,39 @@ class RankPlace:
     run_id: str = ""
 
 
-WorkerFactory = Callable[[Config, Transport, RankPlace], Any]
+T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
+P = ParamSpec("P")
+R = TypeVar("R")
+
+WorkerFactory = Callable[[Config, Transport, RankPlace], T]
 """Builds one rank's object; must be importable by name (a module-level function)."""
 
 
-class Worker(Protocol):
-    """One rank of a worker group, seen from its actor."""
+def method_name(method: Callable[..., object]) -> str:
+    """The name a rank's method is called by: ``method`` is a function of the rank's class
+    (``EngineWorker.load``), not one bound to an object, which would not be the rank's."""
+    name = getattr(method, "__name__", None)
+    if getattr(method, "__self__", None) is not None or not isinstance(name, str) or not name.isidentifier():
+        raise TypeError(f"a rank's method is called as its class's function (Rank.method), not {method!r}")
+    return name
+
+
+class Worker(Protocol[T_co]):
+    """One rank of a worker group, seen from its actor; ``T_co`` is the class of the rank's object."""
 
     rank: int
     pid: int
     """The process hosting the rank."""
 
-    async def call(self, method: str, *args: Any) -> Any:
-        """``method(*args)`` of the rank's object, off the event loop; its exception is raised here."""
+    async def call(self, method: Callable[Concatenate[T_co, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
+        """``method(*args, **kwargs)`` of the rank's object, off the event loop; its exception
+        is raised here."""
         ...
 
-    def notify(self, method: str, *args: Any) -> None:
-        """``method(*args)`` of the rank's object, without waiting for it (cheap methods only)."""
+    def notify(self, method: Callable[Concatenate[T_co, P], object], *args: P.args, **kwargs: P.kwargs) -> None:
+        """``method(*args, **kwargs)`` of the rank's object, without waiting for it (cheap
+        methods only)."""
         ...
 
     async def close(self) -> None:
@@ -69,10 +89,13 @@ class Worker(Protocol):
         ...
 
 
-StartWorkers = Callable[[WorkerFactory, int], Awaitable[list[Worker]]]
+class StartWorkers(Protocol):
+    """How a runtime starts an actor's ranks: ``ranks`` objects built by ``factory``."""
+
+    def __call__(self, factory: WorkerFactory[T], ranks: int) -> Awaitable[list[Worker[T]]]: ...
 
 
-class InProcessWorker:
+class InProcessWorker(Generic[T]):
     """A rank in the actor's own process: its object is built, and every ``call`` runs, on
     one thread of its own, as in a process of its own. (On a pool's threads, calls of one
     rank land on different threads, each with a glibc arena of its own that keeps what it
@@ -83,40 +106,49 @@ class InProcessWorker:
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self.pid = os.getpid()
-        self.target: Any = None
+        self._target: T | None = None
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"rank-{rank}")
 
-    async def build(self, factory: WorkerFactory, config: Config, transport: Transport, place: RankPlace) -> None:
+    @property
+    def target(self) -> T:
+        """The rank's object, once built."""
+        if self._target is None:
+            raise RuntimeError(f"rank {self.rank} is not built")
+        return self._target
+
+    async def build(self, factory: WorkerFactory[T], config: Config, transport: Transport, place: RankPlace) -> None:
         try:
-            self.target = await self._run(factory, config, transport, place)
+            self._target = await self._run(factory, config, transport, place)
         except BaseException:
             self._thread.shutdown(wait=False)
             raise
 
-    def _run(self, function: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
-        return asyncio.get_running_loop().run_in_executor(self._thread, functools.partial(function, *args))
+    def _run(self, function: Callable[..., R], *args: Any, **kwargs: Any) -> asyncio.Future[R]:
+        return asyncio.get_running_loop().run_in_executor(self._thread, functools.partial(function, *args, **kwargs))
 
-    async def call(self, method: str, *args: Any) -> Any:
-        return await self._run(getattr(self.target, method), *args)
+    async def call(self, method: Callable[Concatenate[T, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
+        bound: Callable[P, R] = getattr(self.target, method_name(method))
+        return await self._run(bound, *args, **kwargs)
 
-    def notify(self, method: str, *args: Any) -> None:
-        getattr(self.target, method)(*args)
+    def notify(self, method: Callable[Concatenate[T, P], object], *args: P.args, **kwargs: P.kwargs) -> None:
+        getattr(self.target, method_name(method))(*args, **kwargs)
 
     async def close(self) -> None:
         try:
-            if hasattr(self.target, "close"):
-                await asyncio.to_thread(self.target.close)
+            close = getattr(self._target, "close", None)
+            if close is not None:
+                await asyncio.to_thread(close)
         finally:
             self._thread.shutdown(wait=False, cancel_futures=True)
 
 
 async def build_in_process(
-    factory: WorkerFactory, config: Config, transport: Transport, places: Sequence[RankPlace]
-) -> list[InProcessWorker]:
+    factory: WorkerFactory[T], config: Config, transport: Transport, places: Sequence[RankPlace]
+) -> list[InProcessWorker[T]]:
     """The ranks ``places`` built here, concurrently, each on its own thread."""
 
-    async def build(place: RankPlace) -> InProcessWorker:
-        worker = InProcessWorker(place.rank)
+    async def build(place: RankPlace) -> InProcessWorker[T]:
+        worker: InProcessWorker[T] = InProcessWorker(place.rank)
         await worker.build(factory, config, transport, place)
         return worker
 
@@ -124,8 +156,8 @@ async def build_in_process(
 
 
 async def start_in_process(
-    factory: WorkerFactory, ranks: int, config: Config, transport: Transport, run_dir: Path, run_id: str = ""
-) -> list[Worker]:
+    factory: WorkerFactory[T], ranks: int, config: Config, transport: Transport, run_dir: Path, run_id: str = ""
+) -> list[Worker[T]]:
     """Every rank in this process (the local runtime, and actors hosted in the driver)."""
     places = [RankPlace(rank, ranks, run_dir, run_id) for rank in range(ranks)]
     return list(await build_in_process(factory, config, transport, places))
@@ -142,7 +174,7 @@ async def gather_workers(starts: Sequence[Awaitable[Any]]) -> list[Any]:
     raise failed[0]
 
 
-async def close_workers(workers: Sequence[Worker]) -> None:
+async def close_workers(workers: Sequence[Worker[object]]) -> None:
     """Close every worker, concurrently; a failure to close is logged, not raised."""
     results = await asyncio.gather(*(w.close() for w in workers), return_exceptions=True)
     for worker, result in zip(workers, results, strict=True):

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar
 
 import msgspec
 
@@ -23,6 +24,7 @@ from miles_events.bus.workers import (
     WorkerFactory,
     build_in_process,
     gather_workers,
+    method_name,
 )
 from miles_events.runtime.heap import freeze_start_up
 from miles_events.runtime.ray_cluster import ARENAS_MARK
@@ -33,6 +35,10 @@ from schemas.config import Config
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
+T = TypeVar("T")
+P = ParamSpec("P")
+R = TypeVar("R")
+
 RANK_CONCURRENCY = 4
 """Calls one rank process runs at once (a long call, and the notifications beside it)."""
 
@@ -42,7 +48,7 @@ class RankHost:
 
     def __init__(
         self,
-        factory: WorkerFactory,
+        factory: WorkerFactory[Any],
         config_json: bytes,
         run_id: str,
         run_dir: str,
@@ -71,40 +77,45 @@ class RankHost:
             raise self.failure
         return os.getpid()
 
-    def call(self, method: str, args: tuple[Any, ...]) -> Any:
-        return getattr(self.target, method)(*args)
+    def call(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The method called ``method`` of the rank's object (the actor's side sends the name)."""
+        return getattr(self.target, method)(*args, **kwargs)
 
 
-class RayWorker:
-    """The actor's side of a rank in its own process."""
+class RayWorker(Generic[T]):
+    """The actor's side of a rank in its own process: a call sends the method's name."""
 
     def __init__(self, rank: int, handle: Any, pid: int) -> None:
         self.rank = rank
         self.handle = handle
         self.pid = pid
 
-    async def call(self, method: str, *args: Any) -> Any:
+    async def call(self, method: Callable[Concatenate[T, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
+        result: R = await self._call(method_name(method), args, kwargs)
+        return result
+
+    async def _call(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         from ray.exceptions import RayTaskError
 
         try:
-            return await self.handle.call.remote(method, args)
+            return await self.handle.call.remote(name, args, kwargs)
         except RayTaskError as error:
             raise (error.cause or error) from None  # the rank's own exception, as in process
 
-    def notify(self, method: str, *args: Any) -> None:
-        self.handle.call.remote(method, args)
+    def notify(self, method: Callable[Concatenate[T, P], object], *args: P.args, **kwargs: P.kwargs) -> None:
+        self.handle.call.remote(method_name(method), args, kwargs)
 
     async def close(self, timeout: float = 60.0) -> None:
         import ray
 
         try:
-            await wait_for(self.call("close"), timeout, SYSTEM_CLOCK)
+            await wait_for(self._call("close", (), {}), timeout, SYSTEM_CLOCK)
         finally:
             ray.kill(self.handle)
 
 
 async def start_ray_workers(
-    factory: WorkerFactory,
+    factory: WorkerFactory[T],
     ranks: int,
     *,
     config: Config,
@@ -115,7 +126,7 @@ async def start_ray_workers(
     first_bundle: int,
     timeout: float,
     actor: str = "",
-) -> list[Worker]:
+) -> list[Worker[T]]:
     """Rank 0 here, ranks 1.. in their own processes, all started concurrently."""
     import ray
     from ray.exceptions import RayTaskError
@@ -128,7 +139,7 @@ async def start_ray_workers(
     remote_cls = ray.remote(RankHost)
     config_json = msgspec.json.encode(config)
 
-    async def remote(rank: int) -> RayWorker:
+    async def remote(rank: int) -> RayWorker[T]:
         # Ray's typing: ``options(...).remote`` is declared to return the class or a handle
         # (it returns a handle), and ``placement_group`` not to take None (which Ray takes
         # as "none configured").
@@ -160,7 +171,7 @@ async def start_ray_workers(
             raise (error.cause or error) from None
         return RayWorker(rank, handle, pid)
 
-    async def local() -> Worker:
+    async def local() -> Worker[T]:
         (worker,) = await build_in_process(factory, config, transport, [RankPlace(0, ranks, run_dir, run_id)])
         return worker
 
