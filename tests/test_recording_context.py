@@ -59,7 +59,7 @@ async def test_a_recording_context_starts_the_worker_ranks_in_this_process(tmp_p
     workers = await context.start_workers(build_rank, 2)
     try:
         assert [w.rank for w in workers] == [0, 1]
-        assert [await w.call("where") for w in workers] == [(0, 2, os.getpid()), (1, 2, os.getpid())]
+        assert [await w.call(Rank.where) for w in workers] == [(0, 2, os.getpid()), (1, 2, os.getpid())]
     finally:
         for worker in workers:
             await worker.close()
