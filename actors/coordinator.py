@@ -136,7 +136,9 @@ class Coordinator(Actor):
         super().__init__(config, context)
         plan = self.plan = context.plan
         self.run = config.run
-        self._opening: Opening = opening_protocol(config, plan, functools.partial(read_manifest, context.run_dir))
+        self._opening: Opening = opening_protocol(
+            config, plan, functools.partial(read_manifest, context.run_dir)
+        )
         """The protocol before the first rollout; it alone asks for weight checks."""
         self._check: EngineReplies | None = None
         """The replies to the weight check in flight."""
@@ -386,7 +388,8 @@ class Coordinator(Actor):
     @handles(PublicationFailed, emits=(RunFinished,))
     async def on_publication_failed(self, event: PublicationFailed) -> None:
         await self._finish(
-            "failed", f"publication of weight version {event.weight_version} failed in phase {event.phase}: {event.reason}"
+            "failed",
+            f"publication of weight version {event.weight_version} failed in phase {event.phase}: {event.reason}",
         )
 
     @handles(ActorFailed, emits=(RunFinished,))

@@ -30,6 +30,7 @@ modulo the count), on CPU otherwise. Each engine samples with ``rollout.num_thre
 torch threads (0: the cores it may use, shared by all engines) while it generates
 (``miles_events.device.threads``).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -115,7 +116,9 @@ class Generator(Actor):
     async def start(self) -> None:
         rollout, data = self.config.rollout, self.config.data
         if self.config.model.path is None:
-            raise RuntimeError("model.path is unset: the session sets it to the base model before actors start")
+            raise RuntimeError(
+                "model.path is unset: the session sets it to the base model before actors start"
+            )
         if data.prompt_data:
             self.prompts = load_prompts(data.prompt_data, data.input_key, data.label_key)
         self.eval_prompts = (
@@ -135,7 +138,10 @@ class Generator(Actor):
     def _sampling(self, temperature: float) -> SamplingParams:
         rollout = self.config.rollout
         return SamplingParams(
-            temperature=temperature, top_p=rollout.top_p, max_new_tokens=rollout.max_new_tokens, stop=tuple(rollout.stop)
+            temperature=temperature,
+            top_p=rollout.top_p,
+            max_new_tokens=rollout.max_new_tokens,
+            stop=tuple(rollout.stop),
         )
 
     def interrupt(self, event: StopRequested) -> None:
@@ -159,9 +165,13 @@ class Generator(Actor):
         sampling = self._sampling(rollout.temperature)
         started = time.perf_counter()
         try:
-            samples = await self._sample_groups(prompts, data.n_samples_per_prompt, sampling, "rollout", event.rollout_id)
+            samples = await self._sample_groups(
+                prompts, data.n_samples_per_prompt, sampling, "rollout", event.rollout_id
+            )
         except Cancelled as cancelled:
-            await self.publish(StepCancelled(rollout_id=event.rollout_id, phase="generate", reason=str(cancelled)))
+            await self.publish(
+                StepCancelled(rollout_id=event.rollout_id, phase="generate", reason=str(cancelled))
+            )
             return
         batch = RolloutBatch(rollout_id=event.rollout_id, samples=samples)
         payload = msgspec.msgpack.encode(batch)
@@ -192,10 +202,16 @@ class Generator(Actor):
         started = time.perf_counter()
         try:
             samples = await self._sample_groups(
-                self.eval_prompts, self.config.data.eval_n_samples_per_prompt, sampling, "eval", event.rollout_id
+                self.eval_prompts,
+                self.config.data.eval_n_samples_per_prompt,
+                sampling,
+                "eval",
+                event.rollout_id,
             )
         except Cancelled as cancelled:
-            await self.publish(StepCancelled(rollout_id=event.rollout_id, phase="eval", reason=str(cancelled)))
+            await self.publish(
+                StepCancelled(rollout_id=event.rollout_id, phase="eval", reason=str(cancelled))
+            )
             return
         rewards = [s.reward for s in samples]
         metrics = {

@@ -84,7 +84,9 @@ class Publisher(Actor):
         publication = self.current
         if publication is None or publication.staged is not None:
             # Staged without a request (another driver asked the trainer): still a saga.
-            publication = self.current = Publication(rollout_id=event.rollout_id, requested_at=self.context.clock.monotonic())
+            publication = self.current = Publication(
+                rollout_id=event.rollout_id, requested_at=self.context.clock.monotonic()
+            )
         publication.staged = event
         publication.staged_at = self.context.clock.monotonic()
         self._arm("load", self.config.publisher.load_timeout)
@@ -158,7 +160,11 @@ class Publisher(Actor):
         if self.current is publication and publication.phase == phase:
             publication.timer = None
             missing = sorted(set(self.engines) - set(publication.loaded))
-            detail = "the trainer did not stage weights" if phase == "stage" else f"no WeightsLoaded from {missing}"
+            detail = (
+                "the trainer did not stage weights"
+                if phase == "stage"
+                else f"no WeightsLoaded from {missing}"
+            )
             await self._fail(phase, f"timed out after {timeout:g}s: {detail}")
 
     async def _fail(self, phase: PublicationPhase, reason: str) -> None:

@@ -39,6 +39,7 @@ from schemas.events import (
 
 log = logging.getLogger(__name__)
 
+
 def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
 
@@ -127,7 +128,9 @@ class Saver(Actor):
             await anyio.to_thread.run_sync(write_evidence, event.path, event.evidence)
         except FileExistsError:
             await self.publish(
-                PublicationEvidenceFailed(path=event.path, reason=f"{event.path} exists already; evidence is never overwritten")
+                PublicationEvidenceFailed(
+                    path=event.path, reason=f"{event.path} exists already; evidence is never overwritten"
+                )
             )
             return
         except OSError as exc:
@@ -135,5 +138,7 @@ class Saver(Actor):
             return
         log.info("wrote the checkpoint-backed publication evidence to %s", event.path)
         await self.publish(
-            PublicationEvidenceWritten(path=event.path, served_digest=event.evidence.served_language_checksum_sha256)
+            PublicationEvidenceWritten(
+                path=event.path, served_digest=event.evidence.served_language_checksum_sha256
+            )
         )

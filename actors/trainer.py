@@ -44,7 +44,7 @@ from miles_events.rl.finite import (
     NonFiniteError,
     describe_samples,
     non_finite_rewards,
-    )
+)
 from miles_events.rl.hf_model import modeling_module, torch_dtype
 from miles_events.rl.probe import probe_batch, probe_vocab_size
 from miles_events.rl.prompts import data_cursor, load_prompts
@@ -77,6 +77,7 @@ logger = logging.getLogger(__name__)
 PUBLICATION_WAIT_SECONDS = 60.0
 """How long a save staged in the background waits for the publication asked for with it
 to be staged before it stages anyway (that publication always comes right behind it)."""
+
 
 def staleness_max(trainer_version: str, sample_versions: list[str]) -> int:
     """How many publications the oldest sample's weights lag behind the trainer's."""
@@ -214,7 +215,9 @@ class Trainer(Actor):
             batch, metrics = await anyio.to_thread.run_sync(read_and_train)
         except Cancelled as cancelled:
             await self.publish(DataReleased(ref=event.batch))
-            await self.publish(StepCancelled(rollout_id=event.rollout_id, phase="train", reason=str(cancelled)))
+            await self.publish(
+                StepCancelled(rollout_id=event.rollout_id, phase="train", reason=str(cancelled))
+            )
             return
         except BaseException:
             # Released even when training raises (the seed's ``finally``): its owner frees it.
@@ -247,7 +250,9 @@ class Trainer(Actor):
             return msgspec.structs.replace(batch, samples=[])
         logger.warning("%s: those samples are left out (trainer.on_non_finite = 'skip_sample')", what)
         drop = set(bad)
-        return msgspec.structs.replace(batch, samples=[s for i, s in enumerate(batch.samples) if i not in drop])
+        return msgspec.structs.replace(
+            batch, samples=[s for i, s in enumerate(batch.samples) if i not in drop]
+        )
 
     # --- publication -----------------------------------------------------------------------
 

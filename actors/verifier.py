@@ -106,7 +106,9 @@ class Verifier(Actor):
             )
 
         expected: dict[str, str] | ManifestError = {}
-        if staged is not None and any(loaded is None or not loaded.checksum_error for loaded in differing.values()):
+        if staged is not None and any(
+            loaded is None or not loaded.checksum_error for loaded in differing.values()
+        ):
             try:
                 expected = read_manifest(run_dir, staged.checksums_manifest, staged.digest)
             except ManifestError as error:
@@ -195,7 +197,9 @@ class Verifier(Actor):
                     continue  # no load to probe: already a mismatch of its digest
                 mismatch = self._probe_mismatch(engine, staged.probe, reply)
                 if mismatch is None:
-                    probe_max_diff = max(probe_max_diff, max_difference(staged.probe.logprobs, reply.probe_logprobs or []))
+                    probe_max_diff = max(
+                        probe_max_diff, max_difference(staged.probe.logprobs, reply.probe_logprobs or [])
+                    )
                 else:
                     mismatches.append(mismatch)
         elapsed = time.perf_counter() - started

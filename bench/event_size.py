@@ -89,11 +89,16 @@ def synthetic_moe(layers: int = 46, experts: int = 128) -> tuple[dict[str, str],
     names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
     for layer in range(layers):
         prefix = f"model.layers.{layer}"
-        names += [f"{prefix}.self_attn.{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")]
+        names += [
+            f"{prefix}.self_attn.{p}.weight"
+            for p in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
+        ]
         names += [f"{prefix}.input_layernorm.weight", f"{prefix}.post_attention_layernorm.weight"]
         names.append(f"{prefix}.mlp.gate.weight")
         names += [
-            f"{prefix}.mlp.experts.{e}.{p}.weight" for e in range(experts) for p in ("gate_proj", "up_proj", "down_proj")
+            f"{prefix}.mlp.experts.{e}.{p}.weight"
+            for e in range(experts)
+            for p in ("gate_proj", "up_proj", "down_proj")
         ]
     return {name: fingerprint(name) for name in names}, 470_000_000_000
 
@@ -135,7 +140,9 @@ def sizes(checksums: dict[str, str], num_bytes: int, run_dir: str) -> dict[str, 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--engines", type=int, default=8, help="engines per publication, for the per-publication total")
+    parser.add_argument(
+        "--engines", type=int, default=8, help="engines per publication, for the per-publication total"
+    )
     args = parser.parse_args()
     models = {"qwen2-0.5b": qwen2_half_b(), "moe-18k": synthetic_moe()}
     results: dict[str, tuple[int, dict[str, int]]] = {}
@@ -157,9 +164,13 @@ def main() -> None:
             f"  {name:12} events {before:>12,} B before, {after:>6,} B after; "
             f"+ one checksum manifest of {size['manifest']:,} B written once under <run_dir>/checksums/"
         )
-    largest = max(size[f"{e} after"] for _, size in results.values() for e in ("WeightsStaged", "WeightsLoaded"))
+    largest = max(
+        size[f"{e} after"] for _, size in results.values() for e in ("WeightsStaged", "WeightsLoaded")
+    )
     met = largest < GOAL_BYTES
-    print(f"\nlargest event after: {largest} B; goal < {GOAL_BYTES} B whatever the tensor count: {'met' if met else 'NOT met'}")
+    print(
+        f"\nlargest event after: {largest} B; goal < {GOAL_BYTES} B whatever the tensor count: {'met' if met else 'NOT met'}"
+    )
     qwen, moe = results["qwen2-0.5b"][1], results["moe-18k"][1]
     print(
         f"RESULT event_size_max_after_bytes={largest} goal_met={str(met).lower()} "

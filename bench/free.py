@@ -50,7 +50,9 @@ def main() -> None:
             plane.close()
     print(f"{args.transport}, {ref.num_bytes / 1e9:.2f} GB staged:")
     print(f"  removed on the caller's thread (before): {removed_here * 1e3:8.1f} ms")
-    print(f"  free (now), on the caller's thread:      {freed * 1e3:8.1f} ms  ({removed_here / freed:.0f}x less)")
+    print(
+        f"  free (now), on the caller's thread:      {freed * 1e3:8.1f} ms  ({removed_here / freed:.0f}x less)"
+    )
     print(f"  free (now), until the reaper removed it: {removed_later * 1e3:8.1f} ms")
     print(
         f"RESULT transport={args.transport} bytes={ref.num_bytes} removed_here_ms={removed_here * 1e3:.1f} "

@@ -62,11 +62,15 @@ class Unbatched:
 
 async def batched(n: int, max_batch: int) -> float:
     # The sink is a light actor: the option gives it the process of its own this bench crosses to.
-    config = Config(run=RunConfig(runtime="ray"), bus=BusConfig(max_batch=max_batch), ray=RayConfig(own_process=["sink"]))
+    config = Config(
+        run=RunConfig(runtime="ray"), bus=BusConfig(max_batch=max_batch), ray=RayConfig(own_process=["sink"])
+    )
     bus = EventBus("bench", mailbox_size=config.bus.mailbox_size)
     done = bus.subscribe("done", (RunFinished,))
     plan = RunPlan(start_rollout_id=0, num_rollout=1, num_rollout_per_epoch=1, runtime="ray")
-    runtime = RayRuntime(RunContext("bench", config, Path(tempfile.mkdtemp()), "inprocess", plan), InProcessTransport("bench"))
+    runtime = RayRuntime(
+        RunContext("bench", config, Path(tempfile.mkdtemp()), "inprocess", plan), InProcessTransport("bench")
+    )
     await runtime.start(bus, [Sink])
     events = [RolloutRequested(rollout_id=i) for i in range(n - 1)] + [RolloutRequested(rollout_id=-1)]
     start = time.perf_counter()
@@ -121,7 +125,9 @@ def main() -> None:
     ours = rows["batched (ours)"]
     vs_pipelined = ours / rows["one call per event, pipelined"]
     vs_sequential = ours / rows["one call per event, sequential"]
-    print(f"batched / pipelined single calls: {vs_pipelined:.1f}x; / sequential: {vs_sequential:.1f}x (goal >= 20x)")
+    print(
+        f"batched / pipelined single calls: {vs_pipelined:.1f}x; / sequential: {vs_sequential:.1f}x (goal >= 20x)"
+    )
     print(
         f"RESULT ray_batched_ratio_vs_pipelined={vs_pipelined:.1f} ray_batched_ratio_vs_sequential={vs_sequential:.1f} "
         f"batched_eps={ours:.0f} pipelined_eps={rows['one call per event, pipelined']:.0f} "

@@ -105,7 +105,9 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override")
     parser.add_argument("--keep-log", default=None, metavar="PATH", help="copy the run's event log to PATH")
     parser.add_argument(
-        "--log-level", default="WARNING", help="of the run's processes, as python -m miles_events.run's (e.g. info)"
+        "--log-level",
+        default="WARNING",
+        help="of the run's processes, as python -m miles_events.run's (e.g. info)",
     )
     parser.add_argument(
         "--watch-interpreter", action="store_true",
@@ -152,7 +154,9 @@ def main() -> None:
         for e in log
         if isinstance(e, WeightsPublished) and e.rollout_id is not None and e.weight_version in stage
     ]
-    compare = [e.verify_seconds for e in log if isinstance(e, PublicationVerified) and e.rollout_id is not None]
+    compare = [
+        e.verify_seconds for e in log if isinstance(e, PublicationVerified) and e.rollout_id is not None
+    ]
     save = [e.save_seconds for e in log if isinstance(e, CheckpointSaved)]
     num_engines = config.generator.num_engines
     fingerprint = fingerprint_seconds(session.config.model.path or "", config.model.dtype) * (1 + num_engines)
@@ -174,23 +178,38 @@ def main() -> None:
     for name, seconds in rows.items():
         print(f"{name:16}{seconds * 1000:10.2f}{100 * seconds / step:11.1f}%")
     saved = {e.rollout_id for e in log if isinstance(e, SaveRequested)}
-    print("each step, ms (* after a rollout with a save): " + ", ".join(
-        f"{seconds * 1000:.0f}{'*' if rollout in saved else ''}" for rollout, seconds in enumerate(steps)
-    ))
-    print("each rollout, ms generating (response tokens): " + ", ".join(
-        f"{e.generate_seconds * 1000:.0f} ({e.response_tokens})" for e in log if isinstance(e, RolloutGenerated)
-    ))
+    print(
+        "each step, ms (* after a rollout with a save): "
+        + ", ".join(
+            f"{seconds * 1000:.0f}{'*' if rollout in saved else ''}" for rollout, seconds in enumerate(steps)
+        )
+    )
+    print(
+        "each rollout, ms generating (response tokens): "
+        + ", ".join(
+            f"{e.generate_seconds * 1000:.0f} ({e.response_tokens})"
+            for e in log
+            if isinstance(e, RolloutGenerated)
+        )
+    )
     print("each train step, ms: " + ", ".join(f"{seconds * 1000:.0f}" for seconds in train))
-    print("each rollout asked for at (to read beside the log's lines): " + ", ".join(
-        time.strftime("%H:%M:%S", time.localtime(t)) + f".{int(t % 1 * 1000):03d}" for t in requested
-    ))
+    print(
+        "each rollout asked for at (to read beside the log's lines): "
+        + ", ".join(
+            time.strftime("%H:%M:%S", time.localtime(t)) + f".{int(t % 1 * 1000):03d}" for t in requested
+        )
+    )
     staged = {e.rollout_id: e.time for e in log if isinstance(e, TrainStateStaged)}
     written = {e.rollout_id: e.time for e in log if isinstance(e, CheckpointSaved)}
     asked = {e.rollout_id: e.time for e in log if isinstance(e, SaveRequested)}
     if asked:
-        print("each save, s after it was asked for (staged, written): " + ", ".join(
-            f"rollout {r}: {staged.get(r, t) - t:.2f}, {written.get(r, t) - t:.2f}" for r, t in sorted(asked.items())
-        ))
+        print(
+            "each save, s after it was asked for (staged, written): "
+            + ", ".join(
+                f"rollout {r}: {staged.get(r, t) - t:.2f}, {written.get(r, t) - t:.2f}"
+                for r, t in sorted(asked.items())
+            )
+        )
         # The publication asked for with a save: how long it waited before the trainer took
         # it up (behind the save's snapshot and whatever else the trainer was doing).
         publish_asked = {e.rollout_id: e.time for e in log if isinstance(e, PublishRequested)}
@@ -199,9 +218,10 @@ def main() -> None:
             for e in log
             if isinstance(e, WeightsStaged) and e.rollout_id in asked and e.rollout_id in publish_asked
         ]
-        print("each save's publication, ms before the trainer took it up (its own staging): " + ", ".join(
-            f"rollout {r}: {before * 1000:.0f} ({own * 1000:.0f})" for r, before, own in waited
-        ))
+        print(
+            "each save's publication, ms before the trainer took it up (its own staging): "
+            + ", ".join(f"rollout {r}: {before * 1000:.0f} ({own * 1000:.0f})" for r, before, own in waited)
+        )
     if args.watch_interpreter:
         inside = [(t, gap) for t, gap in list(ticks) if requested[0] <= t <= requested[-1]]
         long = [(t - requested[0], gap) for t, gap in inside if gap > 0.02]

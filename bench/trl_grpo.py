@@ -49,7 +49,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the project, also without .venv's editable install
+sys.path.insert(
+    0, str(Path(__file__).resolve().parents[1])
+)  # the project, also without .venv's editable install
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -183,7 +185,9 @@ def prompt_dataset(config: Config) -> Dataset:
     rows = [
         {"prompt": p.prompt, "label": p.label}
         for k in range(config.run.num_rollout or 0)
-        for p in rollout_prompts(prompts, k, data.rollout_batch_size, config.run.seed, shuffle=data.rollout_shuffle)
+        for p in rollout_prompts(
+            prompts, k, data.rollout_batch_size, config.run.seed, shuffle=data.rollout_shuffle
+        )
     ]
     return Dataset.from_list(rows)
 
@@ -270,7 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default=str(ROOT / "examples" / "tiny.toml"))
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--out", required=True, help="where the JSON results go")
-    parser.add_argument("--work-dir", help="where the base model and TRL's output_dir go (default: a temporary one)")
+    parser.add_argument(
+        "--work-dir", help="where the base model and TRL's output_dir go (default: a temporary one)"
+    )
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's default)")
     args = parser.parse_args(argv)
     started = time.time()
@@ -302,7 +308,11 @@ def main(argv: list[str] | None = None) -> int:
     rollouts = summary(timing, steps_per_rollout)
     result = {
         "arm": "trl",
-        "versions": {"trl": trl.__version__, "torch": torch.__version__, "transformers": transformers.__version__},
+        "versions": {
+            "trl": trl.__version__,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        },
         "torch_threads": torch.get_num_threads(),
         "process_start": started,
         "train_begin": timing.train_begin,
@@ -314,11 +324,28 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {
             key: getattr(training_args, key)
             for key in (
-                "num_generations", "per_device_train_batch_size", "gradient_accumulation_steps",
-                "steps_per_generation", "generation_batch_size", "num_iterations", "max_steps", "loss_type",
-                "beta", "scale_rewards", "epsilon", "epsilon_high", "learning_rate", "max_grad_norm",
-                "shuffle_dataset", "max_completion_length", "temperature", "top_p", "top_k", "bf16",
-                "gradient_checkpointing", "seed",
+                "num_generations",
+                "per_device_train_batch_size",
+                "gradient_accumulation_steps",
+                "steps_per_generation",
+                "generation_batch_size",
+                "num_iterations",
+                "max_steps",
+                "loss_type",
+                "beta",
+                "scale_rewards",
+                "epsilon",
+                "epsilon_high",
+                "learning_rate",
+                "max_grad_norm",
+                "shuffle_dataset",
+                "max_completion_length",
+                "temperature",
+                "top_p",
+                "top_k",
+                "bf16",
+                "gradient_checkpointing",
+                "seed",
             )
         },
         "rollouts": rollouts,

@@ -189,7 +189,12 @@ class PeakSampler(threading.Thread):
     """
 
     def __init__(
-        self, root: int, interval: float = 0.2, session: int | None = None, duty: float = 0.1, session_every: int = 10
+        self,
+        root: int,
+        interval: float = 0.2,
+        session: int | None = None,
+        duty: float = 0.1,
+        session_every: int = 10,
     ) -> None:
         super().__init__(daemon=True)
         self.root, self.interval, self.session = root, interval, session
@@ -371,7 +376,9 @@ def summarize(result: ArmResult, log: RunLog, excluded: set[int], target: float)
 # --- running the arms ------------------------------------------------------------------
 
 
-def our_command(python: str, config: str, arm: str, seed: int, rollouts: int, run_dir: Path, overrides: Sequence[str]) -> list[str]:
+def our_command(
+    python: str, config: str, arm: str, seed: int, rollouts: int, run_dir: Path, overrides: Sequence[str]
+) -> list[str]:
     sets = [
         f'run.dir="{run_dir}"',
         f'run.runtime="{arm}"',
@@ -394,7 +401,9 @@ def trl_command(
     ]  # fmt: skip
 
 
-def run_measured(command: list[str], log_dir: Path, interval: float, timeout: float | None) -> tuple[int, float, PeakSampler]:
+def run_measured(
+    command: list[str], log_dir: Path, interval: float, timeout: float | None
+) -> tuple[int, float, PeakSampler]:
     """Run ``command`` in a session of its own, output to ``log_dir``; its wall time and
     its tree's peak PSS."""
     env = dict(os.environ)
@@ -403,7 +412,15 @@ def run_measured(command: list[str], log_dir: Path, interval: float, timeout: fl
     with open(log_dir / "stdout.log", "wb") as out, open(log_dir / "stderr.log", "wb") as err:
         started = time.perf_counter()
         cpu_before = resource.getrusage(resource.RUSAGE_SELF)
-        child = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True)
+        child = subprocess.Popen(
+            command,
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=err,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         sampler = PeakSampler(child.pid, interval, session=child.pid)
         sampler.start()
         try:
@@ -419,7 +436,9 @@ def run_measured(command: list[str], log_dir: Path, interval: float, timeout: fl
             sampler.stop()
             cpu_after = resource.getrusage(resource.RUSAGE_SELF)
             # This script only waits meanwhile: its CPU time is the sampler's.
-            sampler.cpu_seconds = (cpu_after.ru_utime - cpu_before.ru_utime) + (cpu_after.ru_stime - cpu_before.ru_stime)
+            sampler.cpu_seconds = (cpu_after.ru_utime - cpu_before.ru_utime) + (
+                cpu_after.ru_stime - cpu_before.ru_stime
+            )
     return returncode, seconds, sampler
 
 
@@ -450,10 +469,19 @@ def run_arm(arm: str, seed: int, args: argparse.Namespace, work: Path) -> tuple[
     if arm == "trl":
         out = arm_dir / "trl.json"
         command = trl_command(
-            str(args.trl_python), args.config, seed, args.rollouts, out, arm_dir, args.overrides, args.trl_threads
+            str(args.trl_python),
+            args.config,
+            seed,
+            args.rollouts,
+            out,
+            arm_dir,
+            args.overrides,
+            args.trl_threads,
         )
     else:
-        command = our_command(sys.executable, args.config, arm, seed, args.rollouts, arm_dir / "run", args.overrides)
+        command = our_command(
+            sys.executable, args.config, arm, seed, args.rollouts, arm_dir / "run", args.overrides
+        )
     print(f"  {arm}: {' '.join(command)}", flush=True)
     returncode, seconds, sampler = run_measured(command, arm_dir, args.sample_interval, args.timeout)
     result = ArmResult(
@@ -574,7 +602,9 @@ def format_table(rounds: Sequence[dict[str, ArmResult]], target: float) -> list[
 
     def cell_split(arm: str) -> str:
         results = per_arm[arm]
-        return f"{spread([a.generate_seconds for a in results])} + {spread([a.train_seconds for a in results])}"
+        return (
+            f"{spread([a.generate_seconds for a in results])} + {spread([a.train_seconds for a in results])}"
+        )
 
     def cell_pss(arm: str) -> str:
         results = per_arm[arm]
@@ -586,12 +616,20 @@ def format_table(rounds: Sequence[dict[str, ArmResult]], target: float) -> list[
     rows = [
         (f"median s per rollout (ratio to TRL, {thread_note})", cell_per_rollout),
         ("generation + training split (s)", cell_split),
-        ("fixed cost: process time minus loop time", lambda arm: spread([a.fixed_seconds for a in per_arm[arm]], 1, " s")),
+        (
+            "fixed cost: process time minus loop time",
+            lambda arm: spread([a.fixed_seconds for a in per_arm[arm]], 1, " s"),
+        ),
         ("peak memory, process tree (PSS)", cell_pss),
-        (f"rollouts to reward {target} (seeds {seeds})", lambda arm: " / ".join(reached(a.rollouts_to_target) for a in per_arm[arm])),
+        (
+            f"rollouts to reward {target} (seeds {seeds})",
+            lambda arm: " / ".join(reached(a.rollouts_to_target) for a in per_arm[arm]),
+        ),
     ]
     lines = ["| | " + " | ".join(title for title, _ in present) + " |", "|---|" + "---|" * len(present)]
-    lines += ["| " + label + " | " + " | ".join(cell(arm) for _, arm in present) + " |" for label, cell in rows]
+    lines += [
+        "| " + label + " | " + " | ".join(cell(arm) for _, arm in present) + " |" for label, cell in rows
+    ]
     return lines
 
 
@@ -632,8 +670,12 @@ def ensure_trl_venv(python: Path, setup: bool) -> None:
     if python.exists():
         return
     if not setup:
-        raise SystemExit(f"{python} is missing: create TRL's environment with `bash {SETUP_TRL.relative_to(ROOT)}`")
-    print(f"{python} is missing: running bash {SETUP_TRL.relative_to(ROOT)} (TRL over .venv, ~30 s)", flush=True)
+        raise SystemExit(
+            f"{python} is missing: create TRL's environment with `bash {SETUP_TRL.relative_to(ROOT)}`"
+        )
+    print(
+        f"{python} is missing: running bash {SETUP_TRL.relative_to(ROOT)} (TRL over .venv, ~30 s)", flush=True
+    )
     subprocess.run(["bash", str(SETUP_TRL)], check=True, cwd=ROOT)
 
 
@@ -647,15 +689,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
         help="passed to every arm (ours: miles_events.run --set; TRL: read from the same config)",
     )  # fmt: skip
-    parser.add_argument("--target", type=float, default=0.9, help="the mean reward 'rollouts to' counts up to")
+    parser.add_argument(
+        "--target", type=float, default=0.9, help="the mean reward 'rollouts to' counts up to"
+    )
     parser.add_argument("--json", type=Path, help="write every measurement here")
     parser.add_argument("--work-dir", type=Path, help="run directories and logs (default: a temporary one)")
     parser.add_argument("--sample-interval", type=float, default=0.2, help="seconds between PSS samples")
     parser.add_argument("--timeout", type=float, help="seconds an arm may run before it is stopped")
     parser.add_argument("--trl-python", type=Path, default=TRL_VENV / "bin" / "python")
-    parser.add_argument("--trl-threads", type=int, help="torch threads of the TRL arm (default: torch's default)")
     parser.add_argument(
-        "--no-setup", action="store_true", help="do not run .ci/setup-trl when .venv-trl is missing: exit instead"
+        "--trl-threads", type=int, help="torch threads of the TRL arm (default: torch's default)"
+    )
+    parser.add_argument(
+        "--no-setup",
+        action="store_true",
+        help="do not run .ci/setup-trl when .venv-trl is missing: exit instead",
     )
     args = parser.parse_args(argv)
     args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
@@ -688,7 +736,10 @@ def write_json(
             "trainer.num_threads": config.trainer.num_threads,
         },
         "rounds": [
-            {arm: {**asdict(r), "fixed_seconds": r.fixed_seconds, "ratios": round_ratios(rs)} for arm, r in rs.items()}
+            {
+                arm: {**asdict(r), "fixed_seconds": r.fixed_seconds, "ratios": round_ratios(rs)}
+                for arm, r in rs.items()
+            }
             for rs in rounds
         ],
         "table": list(table),

@@ -48,14 +48,18 @@ VLLM_RUN = (
 repacks left to the behavioural probe)."""
 
 
-def tokens_per_second(engine: TorchEngine | VllmEngine, prompts: list[str], sampling: SamplingParams, seed: int) -> float:
+def tokens_per_second(
+    engine: TorchEngine | VllmEngine, prompts: list[str], sampling: SamplingParams, seed: int
+) -> float:
     started = time.perf_counter()
     completions = engine.generate(prompts, sampling, torch.Generator().manual_seed(seed))
     elapsed = time.perf_counter() - started
     return sum(len(c.response_ids) for c in completions) / elapsed
 
 
-def publish(engine: TorchEngine | VllmEngine, transport: InProcessTransport, tensors: dict, version: str) -> tuple[float, int]:
+def publish(
+    engine: TorchEngine | VllmEngine, transport: InProcessTransport, tensors: dict, version: str
+) -> tuple[float, int]:
     payload = {**tensors, CANARY_TENSOR: publication_canary("bench", version)}
     ref = transport.stager.put_tensors(f"weights-{version}", payload, owner="trainer")
     try:
@@ -89,9 +93,13 @@ def main() -> None:
     print(f"vLLM server ready and warmed up in {time.perf_counter() - started:.1f} s")
     embedded = TorchEngine.from_pretrained(model_dir, name="embedded", transport=transport)
 
-    base = {n: t.detach().clone() for n, t in load_model(model_dir).state_dict().items() if "inv_freq" not in n}
+    base = {
+        n: t.detach().clone() for n, t in load_model(model_dir).state_dict().items() if "inv_freq" not in n
+    }
     generator = torch.Generator().manual_seed(3)
-    results: dict[str, list[float]] = {k: [] for k in ("embedded_tps", "vllm_tps", "embedded_load", "disk_load", "push_load")}
+    results: dict[str, list[float]] = {
+        k: [] for k in ("embedded_tps", "vllm_tps", "embedded_load", "disk_load", "push_load")
+    }
     num_bytes = 0
     for round_index in range(args.rounds):
         results["embedded_tps"].append(tokens_per_second(embedded, prompts, sampling, round_index))
@@ -108,14 +116,21 @@ def main() -> None:
     prompt_ids, response_ids = probe_batch(probe_vocab_size(str(model_dir)), seed=1)
     trainer = load_model(model_dir)
     trainer.load_state_dict(tensors, strict=False)
-    probe = max_difference(teacher_forced_logprobs(trainer, prompt_ids, response_ids), vllm.probe_logprobs(prompt_ids, response_ids))
+    probe = max_difference(
+        teacher_forced_logprobs(trainer, prompt_ids, response_ids),
+        vllm.probe_logprobs(prompt_ids, response_ids),
+    )
     vllm.close()
 
     median = {k: statistics.median(v) for k, v in results.items()}
     sequences = args.prompts * args.samples
-    print(f"{sequences} sequences of at most {args.new_tokens} new tokens, {args.rounds} interleaved rounds, medians")
+    print(
+        f"{sequences} sequences of at most {args.new_tokens} new tokens, {args.rounds} interleaved rounds, medians"
+    )
     print(f"{'':24}{'embedded':>12}{'vLLM':>12}{'ratio':>8}")
-    print(f"{'tokens/s':24}{median['embedded_tps']:12.0f}{median['vllm_tps']:12.0f}{median['vllm_tps'] / median['embedded_tps']:8.2f}")
+    print(
+        f"{'tokens/s':24}{median['embedded_tps']:12.0f}{median['vllm_tps']:12.0f}{median['vllm_tps'] / median['embedded_tps']:8.2f}"
+    )
     megabytes = num_bytes / 1e6
     print(f"publication of {megabytes:.2f} MB (s):")
     print(f"{'  load, in process':24}{median['embedded_load']:12.4f}")

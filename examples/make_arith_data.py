@@ -37,10 +37,7 @@ def addition_problems(max_sum: int = 9) -> list[dict[str, str]]:
     if not 0 <= max_sum <= 18:
         raise ValueError(f"max_sum must be between 0 and 18, got {max_sum}")
     return [
-        {"input": f"{a}+{b}=", "label": str(a + b)}
-        for a in range(10)
-        for b in range(10)
-        if a + b <= max_sum
+        {"input": f"{a}+{b}=", "label": str(a + b)} for a in range(10) for b in range(10) if a + b <= max_sum
     ]
 
 

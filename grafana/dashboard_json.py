@@ -131,11 +131,18 @@ def gauge(title: str, description: str, query: Query | str, *, unit: str, maximu
         "showThresholdLabels": False,
         "showThresholdMarkers": False,
     }
-    defaults = {"color": {"mode": "thresholds"}, "thresholds": threshold_config((None, "blue")), "min": 0, "max": maximum}
+    defaults = {
+        "color": {"mode": "thresholds"},
+        "thresholds": threshold_config((None, "blue")),
+        "min": 0,
+        "max": maximum,
+    }
     return PanelSpec("gauge", title, description, _queries([query]), 4, 4, unit, options, defaults)
 
 
-def table(title: str, description: str, expr: str, *, width: int, height: int, hide: Sequence[str]) -> PanelSpec:
+def table(
+    title: str, description: str, expr: str, *, width: int, height: int, hide: Sequence[str]
+) -> PanelSpec:
     """One row per series of an instant query; ``hide`` drops columns (``Time``, ``Value``)."""
     organize = {"id": "organize", "options": {"excludeByName": dict.fromkeys(hide, True)}}
     return PanelSpec(
@@ -159,7 +166,9 @@ def quantiles(metric: str, by: str = "", legend: str = "") -> tuple[Query, Query
 
     def at(quantile: float) -> Query:
         rate = f'rate({metric}_bucket{{run=~"$run"}}[$__rate_interval])'
-        return Query(f"histogram_quantile({quantile}, sum by ({group}) ({rate}))", f"p{round(quantile * 100)}{suffix}")
+        return Query(
+            f"histogram_quantile({quantile}, sum by ({group}) ({rate}))", f"p{round(quantile * 100)}{suffix}"
+        )
 
     return at(0.5), at(0.95)
 
@@ -249,7 +258,9 @@ def _query_variable(name: str, label: str, query: str, **extra: Any) -> Json:
     }
 
 
-def dashboard(uid: str, title: str, description: str, sections: Sequence[tuple[str, Sequence[PanelSpec]]]) -> Json:
+def dashboard(
+    uid: str, title: str, description: str, sections: Sequence[tuple[str, Sequence[PanelSpec]]]
+) -> Json:
     """A whole dashboard: ``sections`` are (row title, panels) in order."""
     grid = Grid()
     panels: list[Json] = []
@@ -285,7 +296,9 @@ def dashboard(uid: str, title: str, description: str, sections: Sequence[tuple[s
         "templating": {
             "list": [
                 # Run ids start with their start time: alphabetical descending puts the newest first.
-                _query_variable("run", "Run", "label_values(miles_rollout_id, run)", sort=2, multi=False, includeAll=False),
+                _query_variable(
+                    "run", "Run", "label_values(miles_rollout_id, run)", sort=2, multi=False, includeAll=False
+                ),
                 _query_variable(
                     "engine",
                     "Engine",

@@ -49,7 +49,9 @@ ENGINES = 'run=~"$run", role="engine", engine=~"$engine"'
 NO_FAILURE = 'label_replace(0 * max(miles_rollout_id{run=~"$run"}), "actor", "(none)", "", "")'
 
 
-def _last_value_series(title: str, description: str, metric: str, unit: str = "short", width: int = 8) -> PanelSpec:
+def _last_value_series(
+    title: str, description: str, metric: str, unit: str = "short", width: int = 8
+) -> PanelSpec:
     query = Query(f'max by (run) ({metric}{{run=~"$run"}})', title.lower())
     return timeseries(title, description, query, unit=unit, width=width)
 
@@ -75,7 +77,9 @@ def _weights_and_verification() -> list[PanelSpec]:
             "Distinct digests",
             "Different weight digests among the trainer and the engines: 1 when all hold the same "
             "weights (2 between a stage and its load).",
-            Query('count by (run) (count by (run, digest) (miles_weight_checksum_info{run=~"$run"}))', "digests"),
+            Query(
+                'count by (run) (count by (run, digest) (miles_weight_checksum_info{run=~"$run"}))', "digests"
+            ),
             thresholds=threshold_config((None, "green"), (2, "orange"), (3, "red")),
         ),
         stat(
@@ -98,7 +102,10 @@ def _weights_and_verification() -> list[PanelSpec]:
         stat(
             "Mismatches and failures",
             "Publications whose checksums differed (mismatch) or that did not complete (failed).",
-            Query('sum by (outcome) (miles_publications_total{run=~"$run", outcome=~"mismatch|failed"})', "{{outcome}}"),
+            Query(
+                'sum by (outcome) (miles_publications_total{run=~"$run", outcome=~"mismatch|failed"})',
+                "{{outcome}}",
+            ),
             thresholds=BAD_FROM_ONE,
         ),
         stat(
@@ -110,7 +117,10 @@ def _weights_and_verification() -> list[PanelSpec]:
         timeseries(
             "Publications by outcome",
             "Publications per interval, by verification outcome.",
-            Query('sum by (outcome) (increase(miles_publications_total{run=~"$run"}[$__rate_interval]))', "{{outcome}}"),
+            Query(
+                'sum by (outcome) (increase(miles_publications_total{run=~"$run"}[$__rate_interval]))',
+                "{{outcome}}",
+            ),
             width=12,
             bars=True,
         ),
@@ -127,7 +137,11 @@ def _weights_and_verification() -> list[PanelSpec]:
 
 def _learning() -> list[PanelSpec]:
     return [
-        stat("Rollout", "The last rollout generated.", Query('max by (run) (miles_rollout_id{run=~"$run"})', "rollout")),
+        stat(
+            "Rollout",
+            "The last rollout generated.",
+            Query('max by (run) (miles_rollout_id{run=~"$run"})', "rollout"),
+        ),
         gauge(
             "Progress",
             "Rollouts generated out of the run's num_rollout.",
@@ -161,15 +175,24 @@ def _learning() -> list[PanelSpec]:
         timeseries(
             "Eval scores",
             "The last evaluation, one series per metric it reports (sample counts and lengths left out).",
-            Query('max by (metric) (miles_eval_score{run=~"$run", metric!~".*(num_samples|length).*"})', "{{metric}}"),
+            Query(
+                'max by (metric) (miles_eval_score{run=~"$run", metric!~".*(num_samples|length).*"})',
+                "{{metric}}",
+            ),
         ),
-        _last_value_series("Staleness", "Staleness of each trained batch, in weight versions.", "miles_rollout_staleness"),
+        _last_value_series(
+            "Staleness", "Staleness of each trained batch, in weight versions.", "miles_rollout_staleness"
+        ),
         _last_value_series("Loss", "Loss of each train step.", "miles_train_loss"),
         _last_value_series("KL", "KL to the reference policy of each train step.", "miles_train_kl"),
         _last_value_series("Grad norm", "Gradient norm of each train step.", "miles_train_grad_norm"),
         _last_value_series("Entropy", "Policy entropy of each train step.", "miles_train_entropy", width=12),
         _last_value_series(
-            "Clip fraction", "Fraction of clipped ratios of each train step.", "miles_train_clipfrac", "percentunit", 12
+            "Clip fraction",
+            "Fraction of clipped ratios of each train step.",
+            "miles_train_clipfrac",
+            "percentunit",
+            12,
         ),
     ]
 
@@ -177,14 +200,18 @@ def _learning() -> list[PanelSpec]:
 def _throughput_and_latency() -> list[PanelSpec]:
     def p95(metric: str, legend: str) -> Query:
         return Query(
-            f'histogram_quantile(0.95, sum by (le) (rate({metric}_bucket{{run=~"$run"}}[$__rate_interval])))', legend
+            f'histogram_quantile(0.95, sum by (le) (rate({metric}_bucket{{run=~"$run"}}[$__rate_interval])))',
+            legend,
         )
 
     return [
         timeseries(
             "Tokens per second",
             "Response tokens generated for training rollouts, and tokens trained on.",
-            Query('sum by (run) (rate(miles_tokens_generated_total{run=~"$run"}[$__rate_interval]))', "generated"),
+            Query(
+                'sum by (run) (rate(miles_tokens_generated_total{run=~"$run"}[$__rate_interval]))',
+                "generated",
+            ),
             Query('sum by (run) (rate(miles_train_tokens_total{run=~"$run"}[$__rate_interval]))', "trained"),
         ),
         timeseries(
@@ -208,7 +235,10 @@ def _throughput_and_latency() -> list[PanelSpec]:
             unit="s",
         ),
         timeseries(
-            "Checkpoint save latency", "Time to save a checkpoint.", *quantiles("miles_checkpoint_duration_seconds"), unit="s"
+            "Checkpoint save latency",
+            "Time to save a checkpoint.",
+            *quantiles("miles_checkpoint_duration_seconds"),
+            unit="s",
         ),
         stat(
             "Last checkpoint",
@@ -244,7 +274,10 @@ def _bus_and_failures() -> list[PanelSpec]:
         timeseries(
             "Mailbox depth",
             "Most events waiting in each actor's bus mailbox per interval (live runs only).",
-            Query('max by (actor) (max_over_time(miles_bus_mailbox_depth{run=~"$run"}[$__rate_interval]))', "{{actor}}"),
+            Query(
+                'max by (actor) (max_over_time(miles_bus_mailbox_depth{run=~"$run"}[$__rate_interval]))',
+                "{{actor}}",
+            ),
         ),
         timeseries(
             "Mailbox high-water mark",
@@ -259,7 +292,10 @@ def _bus_and_failures() -> list[PanelSpec]:
         stat(
             "Actor failures",
             "Handler errors and dead actor processes, by actor.",
-            Query(f'sum by (actor) (miles_actor_failures_total{{run=~"$run"}}) or on () {NO_FAILURE}', "{{actor}}"),
+            Query(
+                f'sum by (actor) (miles_actor_failures_total{{run=~"$run"}}) or on () {NO_FAILURE}',
+                "{{actor}}",
+            ),
             thresholds=BAD_FROM_ONE,
             width=8,
             height=8,
@@ -342,8 +378,12 @@ def _inference_engines() -> list[PanelSpec]:
         timeseries(
             "Engine request latency (p95)",
             "Each server's end-to-end request latency and time to first token.",
-            _server_p95("vllm:e2e_request_latency_seconds", "sglang:e2e_request_latency_seconds", "end to end"),
-            _server_p95("vllm:time_to_first_token_seconds", "sglang:time_to_first_token_seconds", "first token"),
+            _server_p95(
+                "vllm:e2e_request_latency_seconds", "sglang:e2e_request_latency_seconds", "end to end"
+            ),
+            _server_p95(
+                "vllm:time_to_first_token_seconds", "sglang:time_to_first_token_seconds", "first token"
+            ),
             unit="s",
             width=12,
         ),
@@ -394,7 +434,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text)
     for name in stale:
-        print(f"{DASHBOARDS_DIR / name} is out of date: run python grafana/make_dashboards.py", file=sys.stderr)
+        print(
+            f"{DASHBOARDS_DIR / name} is out of date: run python grafana/make_dashboards.py", file=sys.stderr
+        )
     return 1 if stale else 0
 
 

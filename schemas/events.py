@@ -441,7 +441,9 @@ EVENT_TYPES_BY_NAME: dict[str, type[Event]] = {t.__name__: t for t in EVENT_TYPE
 
 # --- the plan a run announces ------------------------------------------------------------
 
-PLAN_FIELDS: tuple[str, ...] = tuple(name for name in RunStarted.__struct_fields__ if name in RunPlan.__struct_fields__)
+PLAN_FIELDS: tuple[str, ...] = tuple(
+    name for name in RunStarted.__struct_fields__ if name in RunPlan.__struct_fields__
+)
 """The fields of the run plan that ``RunStarted`` records, under the same names."""
 
 

@@ -28,7 +28,9 @@ class CheckpointRolloutEvidence(msgspec.Struct, frozen=True, kw_only=True):
     checkpoint_iteration: int
     """What ``<effective_load>/latest_checkpointed_iteration.txt`` says."""
     selector: str = CHECKPOINT_ROLLOUT_SELECTOR
-    skip_tensor_substrings: list[str] = msgspec.field(default_factory=lambda: list(CHECKPOINT_ROLLOUT_SKIP_LIST))
+    skip_tensor_substrings: list[str] = msgspec.field(
+        default_factory=lambda: list(CHECKPOINT_ROLLOUT_SKIP_LIST)
+    )
     engine_count: int
     language_tensor_count: int
     """Selected tensors over every engine (each rank's counted)."""

@@ -26,7 +26,9 @@ def built_in_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], 
 
     def build(seed: int) -> Path:
         if seed not in built:
-            built[seed] = prepare_base_model(ModelConfig(), tmp_path_factory.mktemp(f"model-seed-{seed}"), seed=seed)
+            built[seed] = prepare_base_model(
+                ModelConfig(), tmp_path_factory.mktemp(f"model-seed-{seed}"), seed=seed
+            )
         return built[seed]
 
     return build

@@ -64,7 +64,9 @@ class Model(Actor):
     async def on_eval(self, event: EvalRequested) -> None:
         logger.info("eval %d asked of the model", event.rollout_id)
         arenas = os.environ.get("MALLOC_ARENA_MAX", "")
-        await self.publish(StopRequested(reason=f"{os.getpid()}:{event.rollout_id}:{arenas}:{process_logging()}"))
+        await self.publish(
+            StopRequested(reason=f"{os.getpid()}:{event.rollout_id}:{arenas}:{process_logging()}")
+        )
 
 
 class Learner(Model):
@@ -149,7 +151,9 @@ class Ranked(Actor):
             worker.notify(RankProbe.note, f"eval {event.rollout_id}")
             rank, pid, sharing, logs = await worker.call(RankProbe.where)
             notes = await worker.call(RankProbe.notes)
-            await self.publish(StopRequested(reason=f"{rank}:{pid}:{sharing}:{os.getpid()}:{'|'.join(notes)}:{logs}"))
+            await self.publish(
+                StopRequested(reason=f"{rank}:{pid}:{sharing}:{os.getpid()}:{'|'.join(notes)}:{logs}")
+            )
 
     @handles(RolloutRequested, emits=(StopRequested,))
     async def on_rollout(self, event: RolloutRequested) -> None:

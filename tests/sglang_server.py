@@ -332,7 +332,9 @@ def build_app(state: ServerState) -> FastAPI:
             if not await request.body():  # FastAPI's answer to a missing required body
                 state.requests.append((request.method, api.PAUSE_GENERATION, None))
                 state.refused.append((api.PAUSE_GENERATION, "no body"))
-                return JSONResponse({"detail": [{"type": "missing", "loc": ["body"], "msg": "Field required"}]}, 422)
+                return JSONResponse(
+                    {"detail": [{"type": "missing", "loc": ["body"], "msg": "Field required"}]}, 422
+                )
             try:
                 obj = await body_of(request, api.PAUSE_GENERATION)
             except Refused as error:

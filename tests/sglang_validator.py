@@ -65,8 +65,6 @@ _IO_CLASS = {
 """Endpoint -> its request class in ``sglang.srt.managers.io_struct``."""
 
 
-
-
 def validate_here(path: str, body: Any) -> Any:
     """Validate one request body as SGLang does, in this process, returning SGLang's object;
     raise ``Refused`` with SGLang's error otherwise."""
@@ -172,7 +170,9 @@ def _pause_statuses(bodies: list[str]) -> list[int]:
     app.post(api.PAUSE_GENERATION)(pause)
     client = TestClient(app)
     return [
-        client.post(api.PAUSE_GENERATION, content=body.encode(), headers={"Content-Type": "application/json"}).status_code
+        client.post(
+            api.PAUSE_GENERATION, content=body.encode(), headers={"Content-Type": "application/json"}
+        ).status_code
         for body in bodies
     ]
 

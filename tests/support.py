@@ -15,8 +15,10 @@ from schemas.events import Event
 
 __all__ = ["cmdline", "drive_sink", "flip_byte", "not_console", "torch_save_bytes"]
 
-CONSOLE_LINE = re.compile(r"(metrics: |run |initial |republication |weights republished |eval at |rollout |checkpoint |"
-                          r"actor |weight version |the engines serve |publication evidence |events: )")
+CONSOLE_LINE = re.compile(
+    r"(metrics: |run |initial |republication |weights republished |eval at |rollout |checkpoint |"
+    r"actor |weight version |the engines serve |publication evidence |events: )"
+)
 """How each line the plain console (and the CLI around it) prints to stdout begins."""
 
 

@@ -60,7 +60,9 @@ def test_build_backend_honours_trainer_backend(monkeypatch):
 def test_build_engine_honours_generator_engine(monkeypatch):
     monkeypatch.setitem(actors.engine.ENGINES, "fake", f"{__name__}:FakeEngine")
     plane = object()
-    engine = build_engine(Config(generator=GeneratorConfig(engine="fake")), index=1, name="engine-1", transport=plane)  # type: ignore[arg-type]
+    engine = build_engine(
+        Config(generator=GeneratorConfig(engine="fake")), index=1, name="engine-1", transport=plane
+    )  # type: ignore[arg-type]
     assert isinstance(engine, FakeEngine)
     assert (engine.index, engine.name, engine.transport) == (1, "engine-1", plane)  # type: ignore[attr-defined]
 

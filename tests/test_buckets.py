@@ -111,7 +111,9 @@ def test_non_finite_weights_in_a_bucket_are_named_and_refused():
     require_finite_buckets(Buckets.of(tensors), "weight version 1")
     tensors["head.weight"][3, 2] = float("nan")
     tensors["q.bias"][0] = float("inf")
-    with pytest.raises(NonFiniteError, match=r"2 tensor\(s\) \(q.bias, head.weight\)|2 tensor\(s\) \(head.weight, q.bias\)"):
+    with pytest.raises(
+        NonFiniteError, match=r"2 tensor\(s\) \(q.bias, head.weight\)|2 tensor\(s\) \(head.weight, q.bias\)"
+    ):
         require_finite_buckets(Buckets.of(tensors), "weight version 1")
 
 
@@ -310,7 +312,12 @@ def test_an_arena_is_one_zeroed_block_its_tensors_aligned_in_it_and_alive_withou
         monkeypatch.setattr(os, "posix_fallocate", no_room)
     if memory == "no memory files":
         monkeypatch.delattr(os, "memfd_create", raising=False)
-    state = [torch.ones(3, 5), torch.zeros(7, dtype=torch.bfloat16), torch.ones(0), torch.ones(1000, dtype=torch.float64)]
+    state = [
+        torch.ones(3, 5),
+        torch.zeros(7, dtype=torch.bfloat16),
+        torch.ones(0),
+        torch.ones(1000, dtype=torch.float64),
+    ]
     offsets, num_bytes = host_copy.block_offsets([(tuple(t.shape), t.dtype) for t in state])
     assert offsets == [0, 4096, 8192, 8192] and num_bytes == 8192 + 8192
     arena = PinnedPool(pin=False).take(state)
@@ -371,7 +378,9 @@ def test_a_device_arena_pool_makes_its_arenas_on_its_device_and_reuses_them() ->
     pool = DeviceArenaPool(torch.device("cpu"))  # the bookkeeping; on a GPU, CUDA memory
     state = [torch.ones(3, 5), torch.zeros(7, dtype=torch.bfloat16)]
     arena = pool.take(state)
-    assert [(t.device.type, t.shape, t.dtype) for t in arena.tensors] == [("cpu", t.shape, t.dtype) for t in state]
+    assert [(t.device.type, t.shape, t.dtype) for t in arena.tensors] == [
+        ("cpu", t.shape, t.dtype) for t in state
+    ]
     assert not arena.tensors[0].is_pinned()
     pool.give_back(arena)
     assert pool.take(state) is arena and pool.num_pinned == 1
@@ -391,7 +400,9 @@ def test_each_host_copy_owns_its_memory_so_a_saved_state_holds_its_own_bytes_alo
         arena.carve(tensor)
     exp_avg = arena.carve(optimizer["state"][0]["exp_avg"])
     assert exp_avg.untyped_storage().nbytes() == exp_avg.numel() * exp_avg.element_size()
-    carved = {"state": {0: {"exp_avg": exp_avg.copy_(optimizer["state"][0]["exp_avg"]), "step": torch.tensor(2.0)}}}
+    carved = {
+        "state": {0: {"exp_avg": exp_avg.copy_(optimizer["state"][0]["exp_avg"]), "step": torch.tensor(2.0)}}
+    }
     assert len(torch_save_bytes(carved)) == len(torch_save_bytes(optimizer))
 
 
@@ -414,7 +425,9 @@ def test_a_host_copy_is_queued_in_chunks_of_at_most_the_chunk_size_in_order() ->
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_a_host_copy_in_chunks_copies_every_byte_of_large_and_strided_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_host_copy_in_chunks_copies_every_byte_of_large_and_strided_tensors(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setattr(host_copy, "CHUNK_BYTES", 1 << 16)
     big = torch.randn(1 << 20, device="cuda")  # 4 MB: 64 chunks
     strided = torch.randn(300, 200, device="cuda").t()  # copied whole
@@ -429,7 +442,10 @@ def test_a_host_copy_in_chunks_copies_every_byte_of_large_and_strided_tensors(mo
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_host_copy_takes_the_state_at_its_capture_point_into_pinned_memory() -> None:
     weights = Buckets.of({"a": torch.randn(1 << 20, device="cuda"), "b": torch.randn(7, 3, device="cuda")})
-    optimizer = {"state": {0: {"exp_avg": torch.randn(5, device="cuda"), "step": torch.tensor(3.0)}}, "lr": 0.1}
+    optimizer = {
+        "state": {0: {"exp_avg": torch.randn(5, device="cuda"), "step": torch.tensor(3.0)}},
+        "lr": 0.1,
+    }
     expected = (tuple(2 * b.cpu() for b in weights.buffers), detached_cpu(optimizer))
     for buffer in weights.buffers:  # still being written on the trainer's stream when captured
         torch.cuda._sleep(50_000_000)

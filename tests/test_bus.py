@@ -37,7 +37,10 @@ async def test_seq_strictly_increases_in_every_mailbox_under_concurrent_publishe
             await asyncio.sleep(0)
 
     seen_all, seen_rollouts = [], []
-    consumers = [asyncio.create_task(drain(everything, seen_all)), asyncio.create_task(drain(rollouts, seen_rollouts))]
+    consumers = [
+        asyncio.create_task(drain(everything, seen_all)),
+        asyncio.create_task(drain(rollouts, seen_rollouts)),
+    ]
     await asyncio.gather(*(publisher(k * 1000) for k in range(4)))
     bus.close()
     await asyncio.gather(*consumers)

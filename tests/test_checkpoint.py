@@ -153,8 +153,12 @@ def test_a_staged_file_becomes_the_checkpoints_weights_as_it_is(base_dir: Path, 
         unique, _tied = split_tied(model.state_dict())
         ref = transport.stager.put_tensors("weights", unique, owner="trainer")
         staged = transport.reader.tensors_file(ref)
-        path = write_checkpoint(tmp_path / "copied", base_dir, 1, staged, optimizer, rng, _state(1), fsync=False)
-        decoded = write_checkpoint(tmp_path / "decoded", base_dir, 1, unique, optimizer, rng, _state(1), fsync=False)
+        path = write_checkpoint(
+            tmp_path / "copied", base_dir, 1, staged, optimizer, rng, _state(1), fsync=False
+        )
+        decoded = write_checkpoint(
+            tmp_path / "decoded", base_dir, 1, unique, optimizer, rng, _state(1), fsync=False
+        )
     finally:
         transport.close()
     assert (path / "model.safetensors").read_bytes() == (decoded / "model.safetensors").read_bytes()
@@ -162,13 +166,20 @@ def test_a_staged_file_becomes_the_checkpoints_weights_as_it_is(base_dir: Path, 
     reloaded = AutoModelForCausalLM.from_pretrained(path)
     input_ids = torch.tensor([[3, 4, 5, 6, 7]])
     with torch.no_grad():
-        assert torch.equal(reloaded.eval()(input_ids=input_ids).logits, model.eval()(input_ids=input_ids).logits)
+        assert torch.equal(
+            reloaded.eval()(input_ids=input_ids).logits, model.eval()(input_ids=input_ids).logits
+        )
 
 
 def test_the_in_process_transport_keeps_no_file_so_the_saver_decodes() -> None:
     transport = InProcessTransport("ckpt-test")
     try:
-        assert transport.reader.tensors_file(transport.stager.put_tensors("w", {"x": torch.ones(2)}, owner="trainer")) is None
+        assert (
+            transport.reader.tensors_file(
+                transport.stager.put_tensors("w", {"x": torch.ones(2)}, owner="trainer")
+            )
+            is None
+        )
     finally:
         transport.close()
 
@@ -232,7 +243,9 @@ def test_a_crafted_pickle_with_a_matching_manifest_is_refused_and_never_run(
     crafted.write_bytes(torch_save_bytes({"torch": torch.get_rng_state(), "python": _RunsCode(marker)}))
     rng = crafted if file_name == "rng.pt" else {"torch": torch.get_rng_state()}
     optimizer = crafted if file_name == "optimizer.pt" else {"state": {}}
-    path = write_checkpoint(tmp_path / "run", base_dir, 0, _small_weights(1.0), optimizer, rng, _state(0), fsync=False)
+    path = write_checkpoint(
+        tmp_path / "run", base_dir, 0, _small_weights(1.0), optimizer, rng, _state(0), fsync=False
+    )
     verify_checkpoint(path)  # the manifest agrees with the crafted file
     with pytest.raises(CheckpointError, match=f"{file_name} holds objects other than tensors and plain data"):
         read_checkpoint(path)
@@ -244,7 +257,9 @@ def test_what_the_trainer_saves_loads_with_weights_only(base_dir: Path, tmp_path
 
     _model, optimizer, _rng = _trained(base_dir)
     rng = capture_rng_state()
-    path = write_checkpoint(tmp_path / "run", base_dir, 0, _small_weights(1.0), optimizer, rng, _state(0), fsync=False)
+    path = write_checkpoint(
+        tmp_path / "run", base_dir, 0, _small_weights(1.0), optimizer, rng, _state(0), fsync=False
+    )
     loaded = read_checkpoint(path)
     assert loaded.optimizer["state"] and torch.equal(loaded.rng["torch"], rng["torch"])
 
@@ -297,7 +312,11 @@ def test_rewriting_a_rollout_replaces_it_with_a_complete_checkpoint(base_dir: Pa
 
     verify_checkpoint(path)
     assert torch.equal(read_checkpoint(path).weights["model.embed_tokens.weight"], torch.full((4, 2), 2.0))
-    assert sorted(p.name for p in path.parent.iterdir()) == ["latest", "latest_checkpointed_iteration.txt", "rollout_000004"]
+    assert sorted(p.name for p in path.parent.iterdir()) == [
+        "latest",
+        "latest_checkpointed_iteration.txt",
+        "rollout_000004",
+    ]
 
 
 def test_rewriting_without_atomic_exchange_still_replaces(
@@ -309,7 +328,11 @@ def test_rewriting_without_atomic_exchange_still_replaces(
     path = _write(tmp_path, base_dir, 4, value=2.0)
 
     assert torch.equal(read_checkpoint(path).weights["model.embed_tokens.weight"], torch.full((4, 2), 2.0))
-    assert sorted(p.name for p in path.parent.iterdir()) == ["latest", "latest_checkpointed_iteration.txt", "rollout_000004"]
+    assert sorted(p.name for p in path.parent.iterdir()) == [
+        "latest",
+        "latest_checkpointed_iteration.txt",
+        "rollout_000004",
+    ]
 
 
 def test_failed_rewrite_leaves_previous_checkpoint_intact(base_dir: Path, tmp_path: Path) -> None:
@@ -322,7 +345,11 @@ def test_failed_rewrite_leaves_previous_checkpoint_intact(base_dir: Path, tmp_pa
 
     embedding = read_checkpoint(previous).weights["model.embed_tokens.weight"]
     assert torch.equal(embedding, torch.full((4, 2), 1.0))
-    assert sorted(p.name for p in previous.parent.iterdir()) == ["latest", "latest_checkpointed_iteration.txt", "rollout_000004"]
+    assert sorted(p.name for p in previous.parent.iterdir()) == [
+        "latest",
+        "latest_checkpointed_iteration.txt",
+        "rollout_000004",
+    ]
 
 
 # --- pruning -------------------------------------------------------------------------
@@ -382,7 +409,9 @@ def test_prune_removes_work_dirs_of_dead_writers_only(base_dir: Path, tmp_path: 
 def _saver(base_dir: Path, run_dir: Path, keep_last: int = 0) -> tuple[Saver, RecordingContext]:
     saver_config = SaverConfig(keep_last=keep_last, fsync=False)
     config = Config(model=ModelConfig(path=str(base_dir)), saver=saver_config)
-    context = RecordingContext(config, name="saver", run_id="run-test", run_dir=run_dir, transport=InProcessTransport("run-test"))
+    context = RecordingContext(
+        config, name="saver", run_id="run-test", run_dir=run_dir, transport=InProcessTransport("run-test")
+    )
     return Saver(config, context), context
 
 
@@ -430,7 +459,9 @@ async def test_the_saver_copies_the_staged_files_of_a_file_transport_as_they_are
     context.transport = ShmTransport("run-test-files", tmp_path / "shm")
     event = _staged(context, 2)
     staged = {"optimizer.pt": event.optimizer, "rng.pt": event.rng}
-    staged_bytes = {name: context.transport.reader.state_file(ref).read_bytes() for name, ref in staged.items()}
+    staged_bytes = {
+        name: context.transport.reader.state_file(ref).read_bytes() for name, ref in staged.items()
+    }
 
     await saver.handle(event)
 

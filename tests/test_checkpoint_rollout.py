@@ -79,30 +79,53 @@ def proven() -> CheckpointRolloutProof:
 
 
 def test_a_proven_publication_gives_the_seeds_evidence(tmp_path):
-    evidence = proven().evidence(effective_load=str(tmp_path / "ckpt"), ref_load=str(tmp_path / "ref"), checkpoint_iteration=7)
+    evidence = proven().evidence(
+        effective_load=str(tmp_path / "ckpt"), ref_load=str(tmp_path / "ref"), checkpoint_iteration=7
+    )
     payload = msgspec.to_builtins(evidence)
     assert set(payload) == SEED_EVIDENCE_KEYS
     assert payload["schema"] == "miles.checkpoint-backed-rollout-publication.v1"
     assert (payload["selector"], payload["skip_tensor_substrings"]) == ("target", ["visual"])
     assert (payload["engine_count"], payload["language_tensor_count"]) == (2, 4)
-    assert (payload["changed_language_tensor_count"], payload["reset_changed_language_tensor_count"]) == (2, 4)
+    assert (payload["changed_language_tensor_count"], payload["reset_changed_language_tensor_count"]) == (
+        2,
+        4,
+    )
     assert payload["base_language_checksum_sha256"] == checksum_digest(BASE)
     assert payload["served_language_checksum_sha256"] == checksum_digest(SERVED)
     assert payload["reset_language_checksum_sha256"] == checksum_digest(RESET)
     assert payload["bootstrap_weight_versions"] == ["default", "default"]
-    assert (payload["served_weight_versions"], payload["republished_weight_versions"]) == (["1", "1"], ["2", "2"])
-    assert payload["effective_load"] == str((tmp_path / "ckpt").resolve()) and payload["checkpoint_iteration"] == 7
+    assert (payload["served_weight_versions"], payload["republished_weight_versions"]) == (
+        ["1", "1"],
+        ["2", "2"],
+    )
+    assert (
+        payload["effective_load"] == str((tmp_path / "ckpt").resolve())
+        and payload["checkpoint_iteration"] == 7
+    )
     # Byte for byte what the seed's json.dump(payload, sort_keys=True, separators=(",", ":")) writes.
-    assert evidence_bytes(evidence) == (json.dumps(payload, sort_keys=True, separators=(",", ":")) + "\n").encode()
+    assert (
+        evidence_bytes(evidence)
+        == (json.dumps(payload, sort_keys=True, separators=(",", ":")) + "\n").encode()
+    )
 
 
 @pytest.mark.parametrize(
     ("step", "message"),
     [
-        ("versions", "initial checkpoint publication did not transition every inference weight version from 'default' to '1'"),
-        ("unchanged", "checkpoint-backed rollout publication left every language tensor identical to the HF bootstrap"),
+        (
+            "versions",
+            "initial checkpoint publication did not transition every inference weight version from 'default' to '1'",
+        ),
+        (
+            "unchanged",
+            "checkpoint-backed rollout publication left every language tensor identical to the HF bootstrap",
+        ),
         ("reset", "inference weight reset left every selected language tensor unchanged"),
-        ("increment", "checkpoint republication did not increment every inference weight version exactly once"),
+        (
+            "increment",
+            "checkpoint republication did not increment every inference weight version exactly once",
+        ),
         ("republished", "checkpoint-backed rollout weights changed across exact republication"),
         ("roster", "inference tensor roster changed during checkpoint publication"),
     ],
@@ -160,7 +183,7 @@ def test_the_marker_names_the_checkpoint_and_every_bad_root_is_one_line(tmp_path
 
 def recorded() -> tuple[list[Event], object]:
     log = list(read_events(FIXTURE / "events.log"))
-    (run_id, events), = split_runs(log).items()
+    ((run_id, events),) = split_runs(log).items()
     config = load_config(FIXTURE / "configs" / f"{run_id}.toml", check=False, recorded=True)
     return events, config
 
@@ -183,11 +206,15 @@ async def test_the_redriven_proof_rebuilds_the_evidence_file_the_run_wrote():
     assert [e.request_id.removeprefix("rollout_only:") for e in checks[::2]] == [
         "base", "served", "snapshot", "reset_tensors", "reset", "compare", "republished",
     ]  # fmt: skip
-    assert request.evidence.engine_count == 2 and request.evidence.bootstrap_weight_versions == ["default"] * 2
+    assert (
+        request.evidence.engine_count == 2 and request.evidence.bootstrap_weight_versions == ["default"] * 2
+    )
 
 
 def check_reply(events: list[Event], step: str) -> list[WeightsCheckFinished]:
-    return [e for e in events if isinstance(e, WeightsCheckFinished) and e.request_id == f"rollout_only:{step}"]
+    return [
+        e for e in events if isinstance(e, WeightsCheckFinished) and e.request_id == f"rollout_only:{step}"
+    ]
 
 
 def altered(events: list[Event], step: str, **fields) -> list[Event]:
@@ -207,27 +234,55 @@ def like(events: list[Event], step: str) -> dict:
     ("change", "message"),
     [
         # An engine whose load wrote nothing still serves the bootstrap.
-        (lambda ev: altered(ev, "served", **like(ev, "base")),
-         "checkpoint-backed rollout publication left every language tensor identical to the HF bootstrap"),
-        (lambda ev: altered(ev, "served", weight_version="2"),
-         "initial checkpoint publication did not transition every inference weight version from 'default' to '1'"),
-        (lambda ev: altered(ev, "snapshot", success=False, message="no room"),
-         "inference weight check 'snapshot' did not succeed on every engine"),
-        (lambda ev: altered(ev, "reset_tensors", success=False),
-         "inference weight check 'reset_tensors' did not succeed on every engine"),
+        (
+            lambda ev: altered(ev, "served", **like(ev, "base")),
+            "checkpoint-backed rollout publication left every language tensor identical to the HF bootstrap",
+        ),
+        (
+            lambda ev: altered(ev, "served", weight_version="2"),
+            "initial checkpoint publication did not transition every inference weight version from 'default' to '1'",
+        ),
+        (
+            lambda ev: altered(ev, "snapshot", success=False, message="no room"),
+            "inference weight check 'snapshot' did not succeed on every engine",
+        ),
+        (
+            lambda ev: altered(ev, "reset_tensors", success=False),
+            "inference weight check 'reset_tensors' did not succeed on every engine",
+        ),
         # A reset that wrote nothing.
-        (lambda ev: altered(ev, "reset", **like(ev, "served")),
-         "inference weight reset left every selected language tensor unchanged"),
-        (lambda ev: altered(ev, "compare", weight_version="1"),
-         "checkpoint republication did not increment every inference weight version exactly once"),
-        (lambda ev: altered(ev, "compare", success=False),
-         "inference weight check 'compare' did not succeed on every engine"),
-        (lambda ev: altered(ev, "republished", **like(ev, "reset")),
-         "checkpoint-backed rollout weights changed across exact republication"),
-        (lambda ev: altered(ev, "base", success=False, message="not supported"),
-         "inference weight checksum did not succeed: not supported"),
+        (
+            lambda ev: altered(ev, "reset", **like(ev, "served")),
+            "inference weight reset left every selected language tensor unchanged",
+        ),
+        (
+            lambda ev: altered(ev, "compare", weight_version="1"),
+            "checkpoint republication did not increment every inference weight version exactly once",
+        ),
+        (
+            lambda ev: altered(ev, "compare", success=False),
+            "inference weight check 'compare' did not succeed on every engine",
+        ),
+        (
+            lambda ev: altered(ev, "republished", **like(ev, "reset")),
+            "checkpoint-backed rollout weights changed across exact republication",
+        ),
+        (
+            lambda ev: altered(ev, "base", success=False, message="not supported"),
+            "inference weight checksum did not succeed: not supported",
+        ),
     ],
-    ids=["no-op load", "versions", "snapshot", "reset", "no-op reset", "increment", "compare", "republished", "checksum"],
+    ids=[
+        "no-op load",
+        "versions",
+        "snapshot",
+        "reset",
+        "no-op reset",
+        "increment",
+        "compare",
+        "republished",
+        "checksum",
+    ],
 )
 async def test_each_check_the_seed_makes_fails_the_run_with_its_message(change, message):
     events, config = recorded()
@@ -263,17 +318,52 @@ def config_with(tmp_path: Path, *overrides: str):
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["run.rollout_only_from_checkpoint=true"], "run.load: run.rollout_only_from_checkpoint needs the checkpoint root"),
-        (["run.rollout_only_from_checkpoint=true", "run.load={root}"], "run.rollout_only_publication_evidence: required"),
-        (["run.rollout_only_from_checkpoint=true", "run.load={root}", "run.rollout_only_publication_evidence={existing}"],
-         "exists already; evidence is never overwritten"),
-        (["run.rollout_only_from_checkpoint=true", "run.load={root}", "run.rollout_only_publication_evidence={missing_dir}"],
-         "no such directory"),
-        (["run.rollout_only_from_checkpoint=true", "run.load={root}", "run.rollout_only_publication_evidence={new}",
-          "run.resume=true"], "run.resume: run.rollout_only_from_checkpoint serves run.load"),
-        (["run.rollout_only_from_checkpoint=true", "run.load={root}", "run.rollout_only_publication_evidence={new}",
-          "verifier.check_weight_update_equal=true"], "verifier.check_weight_update_equal: run.rollout_only_from_checkpoint"),
-        (["run.rollout_only_publication_evidence={new}"], "set only with run.rollout_only_from_checkpoint = true"),
+        (
+            ["run.rollout_only_from_checkpoint=true"],
+            "run.load: run.rollout_only_from_checkpoint needs the checkpoint root",
+        ),
+        (
+            ["run.rollout_only_from_checkpoint=true", "run.load={root}"],
+            "run.rollout_only_publication_evidence: required",
+        ),
+        (
+            [
+                "run.rollout_only_from_checkpoint=true",
+                "run.load={root}",
+                "run.rollout_only_publication_evidence={existing}",
+            ],
+            "exists already; evidence is never overwritten",
+        ),
+        (
+            [
+                "run.rollout_only_from_checkpoint=true",
+                "run.load={root}",
+                "run.rollout_only_publication_evidence={missing_dir}",
+            ],
+            "no such directory",
+        ),
+        (
+            [
+                "run.rollout_only_from_checkpoint=true",
+                "run.load={root}",
+                "run.rollout_only_publication_evidence={new}",
+                "run.resume=true",
+            ],
+            "run.resume: run.rollout_only_from_checkpoint serves run.load",
+        ),
+        (
+            [
+                "run.rollout_only_from_checkpoint=true",
+                "run.load={root}",
+                "run.rollout_only_publication_evidence={new}",
+                "verifier.check_weight_update_equal=true",
+            ],
+            "verifier.check_weight_update_equal: run.rollout_only_from_checkpoint",
+        ),
+        (
+            ["run.rollout_only_publication_evidence={new}"],
+            "set only with run.rollout_only_from_checkpoint = true",
+        ),
         (["run.load={missing_dir}"], "run.load: no such directory"),
         (["run.ref_load={missing_dir}"], "run.ref_load: no such directory"),
     ],
@@ -312,7 +402,9 @@ def run_cli(*overrides: str) -> subprocess.CompletedProcess:
 def trained(tmp_path_factory) -> Path:
     """A 2-rollout training run that saved after rollout 1."""
     run_dir = tmp_path_factory.mktemp("trained")
-    result = run_cli(f'run.dir="{run_dir}"', 'run.runtime="local"', "run.num_rollout=2", "run.save_interval=2")
+    result = run_cli(
+        f'run.dir="{run_dir}"', 'run.runtime="local"', "run.num_rollout=2", "run.save_interval=2"
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     return run_dir
 
@@ -342,14 +434,19 @@ def test_rollout_only_serves_the_checkpoint_proves_it_and_then_only_generates(tr
     evidence = msgspec.json.decode(evidence_path.read_bytes(), type=CheckpointRolloutEvidence)
     assert evidence.effective_load == str((trained / "checkpoints").resolve())
     assert evidence.ref_load == str(serve / "base_model")
-    assert evidence.checkpoint_iteration == int((trained / "checkpoints" / "latest_checkpointed_iteration.txt").read_text())
+    assert evidence.checkpoint_iteration == int(
+        (trained / "checkpoints" / "latest_checkpointed_iteration.txt").read_text()
+    )
     assert evidence.bootstrap_weight_versions == ["default", "default"]
     assert (evidence.served_weight_versions, evidence.republished_weight_versions) == (["1", "1"], ["2", "2"])
     # What the engines served is the checkpoint itself, fingerprinted here independently.
     checkpoint = read_checkpoint(trained / "checkpoints" / "rollout_000001")
     engine = {f"rank0/{name}": value for name, value in fingerprints(checkpoint.weights).items()}
     assert evidence.served_language_checksum_sha256 == checksum_digest(canonical_checksums([engine, engine]))
-    base = {f"rank0/{n}": v for n, v in fingerprints(load_file(str(serve / "base_model" / "model.safetensors"))).items()}
+    base = {
+        f"rank0/{n}": v
+        for n, v in fingerprints(load_file(str(serve / "base_model" / "model.safetensors"))).items()
+    }
     assert evidence.base_language_checksum_sha256 == checksum_digest(canonical_checksums([base, base]))
     assert evidence.changed_language_tensor_count == sum(engine[n] != base[n] for n in engine) * 2 > 0
     assert evidence.reset_changed_language_tensor_count > 0
@@ -400,7 +497,12 @@ def test_run_load_starts_a_training_run_from_another_runs_checkpoint(trained, tm
     config = config_with(tmp_path, f'run.load="{trained / "checkpoints"}"', "run.num_rollout=4")
     plan = make_plan(config, "local").plan
     assert plan.load_checkpoint == str(trained / "checkpoints" / "rollout_000001")
-    assert (plan.start_rollout_id, plan.resumed, plan.weight_version, plan.rollout_only) == (2, True, "2", False)
+    assert (plan.start_rollout_id, plan.resumed, plan.weight_version, plan.rollout_only) == (
+        2,
+        True,
+        "2",
+        False,
+    )
     assert plan.checkpoint_iteration == 1 and plan.reference_checkpoint is None
 
     only = config_with(
@@ -409,5 +511,12 @@ def test_run_load_starts_a_training_run_from_another_runs_checkpoint(trained, tm
     )  # fmt: skip
     plan = make_plan(only, "local").plan
     # Rollout-only: the checkpoint's weights are published as version "1", as in miles.
-    assert (plan.start_rollout_id, plan.resumed, plan.weight_version, plan.rollout_only) == (2, False, "default", True)
-    assert plan.reference_checkpoint == plan.load_checkpoint == str(trained / "checkpoints" / "rollout_000001")
+    assert (plan.start_rollout_id, plan.resumed, plan.weight_version, plan.rollout_only) == (
+        2,
+        False,
+        "default",
+        True,
+    )
+    assert (
+        plan.reference_checkpoint == plan.load_checkpoint == str(trained / "checkpoints" / "rollout_000001")
+    )

@@ -89,15 +89,23 @@ def test_per_gpu_checksum_is_sglangs_definition():
     assert per_gpu_checksum({"b.bias": "00000000000000ff", "a.weight": "0000000000000001"}) == PER_GPU
     assert per_gpu_checksum({}) == EMPTY
     # Names sort by code point, as Python's sorted() in SGLang does.
-    assert per_gpu_checksum(
-        {"model.embed_tokens.weight": "0123456789abcdef", "lm_head.weight": "fedcba9876543210"}
-    ) == "57e72479daf2127d2c04676e5a673017e578f65ec92018ec230261af13517c06"
+    assert (
+        per_gpu_checksum(
+            {"model.embed_tokens.weight": "0123456789abcdef", "lm_head.weight": "fedcba9876543210"}
+        )
+        == "57e72479daf2127d2c04676e5a673017e578f65ec92018ec230261af13517c06"
+    )
 
 
 def test_per_engine_checksum_is_sglangs_definition():
     """sha256 over the per-GPU checksums joined in TP-rank order, no separators."""
-    assert per_engine_checksum([PER_GPU]) == "abafd10f3b3a7c3cde530157d00f89b8499750593ee6aba044df204a99673020"
-    assert per_engine_checksum([PER_GPU, EMPTY]) == "13d6f2aa92051c2b2b575240df89302c9270d00bc17155744657e3b3297299c8"
+    assert (
+        per_engine_checksum([PER_GPU]) == "abafd10f3b3a7c3cde530157d00f89b8499750593ee6aba044df204a99673020"
+    )
+    assert (
+        per_engine_checksum([PER_GPU, EMPTY])
+        == "13d6f2aa92051c2b2b575240df89302c9270d00bc17155744657e3b3297299c8"
+    )
     assert per_engine_checksum([EMPTY, PER_GPU]) != per_engine_checksum([PER_GPU, EMPTY])
 
 
@@ -119,12 +127,28 @@ SGLANG_REPLY = {
     "message": "ok",
     "per_engine_checksum": "e" * 64,
     "ranks": [
-        {"checksums": {"w": "1" * 16}, "per_gpu_checksum": "a" * 64,
-         "parallelism_info": {"tp_rank": 0, "tp_size": 2, "dp_rank": 0, "dp_size": 1, "pp_rank": 0, "pp_size": 1,
-                              "rank": 0, "size": 2}},
-        {"checksums": {"w": "2" * 16}, "per_gpu_checksum": "b" * 64,
-         "parallelism_info": [{"role": "target", "rank": 1, "size": 2, "tp_rank": 1, "tp_size": 2},
-                              {"role": "draft", "rank": 1, "size": 2, "tp_rank": 1, "tp_size": 2}]},
+        {
+            "checksums": {"w": "1" * 16},
+            "per_gpu_checksum": "a" * 64,
+            "parallelism_info": {
+                "tp_rank": 0,
+                "tp_size": 2,
+                "dp_rank": 0,
+                "dp_size": 1,
+                "pp_rank": 0,
+                "pp_size": 1,
+                "rank": 0,
+                "size": 2,
+            },
+        },
+        {
+            "checksums": {"w": "2" * 16},
+            "per_gpu_checksum": "b" * 64,
+            "parallelism_info": [
+                {"role": "target", "rank": 1, "size": 2, "tp_rank": 1, "tp_size": 2},
+                {"role": "draft", "rank": 1, "size": 2, "tp_rank": 1, "tp_size": 2},
+            ],
+        },
     ],
     "some_newer_field": 1,
 }
@@ -137,7 +161,9 @@ def test_both_sglang_parallelism_info_shapes_decode_and_flatten_by_gpu_rank():
 
 
 def test_one_rank_keeps_plain_names_and_a_failed_reply_is_an_error():
-    one = EngineChecksumReport(success=True, ranks=[RankChecksums(checksums={"w": "1" * 16}, per_gpu_checksum="")])
+    one = EngineChecksumReport(
+        success=True, ranks=[RankChecksums(checksums={"w": "1" * 16}, per_gpu_checksum="")]
+    )
     assert report_checksums(one) == {"w": "1" * 16}
     with pytest.raises(ValueError, match="failed: busy"):
         report_checksums(EngineChecksumReport(success=False, message="busy"))
@@ -155,7 +181,11 @@ def ranked_report(*ranks: tuple[int, dict[str, str]]) -> EngineChecksumReport:
     return EngineChecksumReport(
         success=True,
         ranks=[
-            RankChecksums(checksums=sums, per_gpu_checksum=per_gpu_checksum(sums), parallelism_info=ParallelismInfo(rank=gpu))
+            RankChecksums(
+                checksums=sums,
+                per_gpu_checksum=per_gpu_checksum(sums),
+                parallelism_info=ParallelismInfo(rank=gpu),
+            )
             for gpu, sums in ranks
         ],
     )
@@ -163,7 +193,9 @@ def ranked_report(*ranks: tuple[int, dict[str, str]]) -> EngineChecksumReport:
 
 @pytest.mark.parametrize("parse", [report_checksums, ranked_checksums])
 @pytest.mark.parametrize(
-    "second", [{"w": "1" * 16}, {"w": "2" * 16}, {"v": "1" * 16}], ids=["same tensors", "other checksums", "other tensors"]
+    "second",
+    [{"w": "1" * 16}, {"w": "2" * 16}, {"v": "1" * 16}],
+    ids=["same tensors", "other checksums", "other tensors"],
 )
 def test_a_report_that_repeats_a_rank_is_refused(parse, second):
     with pytest.raises(ChecksumReplyError, match="^the checksum reply reports rank 0 twice$"):
@@ -171,7 +203,9 @@ def test_a_report_that_repeats_a_rank_is_refused(parse, second):
 
 
 @pytest.mark.parametrize("parse", [report_checksums, ranked_checksums])
-@pytest.mark.parametrize("ranks", [[(0, {})], [(0, {"w": "1" * 16}), (1, {})]], ids=["its only rank", "one of two"])
+@pytest.mark.parametrize(
+    "ranks", [[(0, {})], [(0, {"w": "1" * 16}), (1, {})]], ids=["its only rank", "one of two"]
+)
 def test_a_report_rank_without_tensors_is_refused(parse, ranks):
     gpu = ranks[-1][0]
     with pytest.raises(ChecksumReplyError, match=f"^rank {gpu} of the checksum reply has no tensors$"):
@@ -188,10 +222,14 @@ def test_a_failed_or_rankless_report_is_a_checksum_reply_error(parse):
 
 def test_a_rank_whose_roles_disagree_is_refused_naming_its_entry():
     roles = RankChecksums(
-        checksums={"w": "1" * 16}, per_gpu_checksum="", parallelism_info=[ParallelismInfo(rank=1), ParallelismInfo(rank=2)]
+        checksums={"w": "1" * 16},
+        per_gpu_checksum="",
+        parallelism_info=[ParallelismInfo(rank=1), ParallelismInfo(rank=2)],
     )
     report = EngineChecksumReport(success=True, ranks=[*ranked_report((0, {"w": "1" * 16})).ranks, roles])
-    with pytest.raises(ChecksumReplyError, match=r"^rank entry 1 of the checksum reply: parallelism_info names 2 GPU ranks"):
+    with pytest.raises(
+        ChecksumReplyError, match=r"^rank entry 1 of the checksum reply: parallelism_info names 2 GPU ranks"
+    ):
         ranked_checksums(report)
 
 
@@ -220,10 +258,19 @@ def test_the_vllm_workers_checksum_answer_is_its_readable_and_unreadable_tensors
     ("results", "message"),
     [
         ([], "the worker extension gave no checksums (0 answers)"),
-        ([{"checksums": {"w": "1" * 16}, "unreadable": []}] * 2, "the worker extension answered from 2 workers, one was expected"),
+        (
+            [{"checksums": {"w": "1" * 16}, "unreadable": []}] * 2,
+            "the worker extension answered from 2 workers, one was expected",
+        ),
         (["oops"], "the worker extension's checksum answer is malformed: Expected `object`, got `str`"),
-        ([{"checksums": {"w": 1}, "unreadable": []}], "the worker extension's checksum answer is malformed: Expected `str`, got `int` - at `$.checksums[...]`"),
-        ([{"checksums": {"w": "1" * 16}}], "the worker extension's checksum answer is malformed: Object missing required field `unreadable`"),
+        (
+            [{"checksums": {"w": 1}, "unreadable": []}],
+            "the worker extension's checksum answer is malformed: Expected `str`, got `int` - at `$.checksums[...]`",
+        ),
+        (
+            [{"checksums": {"w": "1" * 16}}],
+            "the worker extension's checksum answer is malformed: Object missing required field `unreadable`",
+        ),
     ],
     ids=["none", "two workers", "not an object", "not a fingerprint", "no unreadable list"],
 )

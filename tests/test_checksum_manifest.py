@@ -29,7 +29,9 @@ def test_a_manifest_of_ranked_names_lists_its_ranks_in_rank_order(tmp_path: Path
     ranked = {f"rank{gpu}/{name}": f"{gpu:016x}" for gpu in (11, 2, 10, 0, 1) for name in ("w", "b")}
     digest, relative = write_manifest(tmp_path, ranked)
     manifest = msgspec.msgpack.decode((tmp_path / relative).read_bytes(), type=ChecksumManifest)
-    assert list(manifest.checksums) == [f"rank{gpu}/{name}" for gpu in (0, 1, 2, 10, 11) for name in ("b", "w")]
+    assert list(manifest.checksums) == [
+        f"rank{gpu}/{name}" for gpu in (0, 1, 2, 10, 11) for name in ("b", "w")
+    ]
     assert read_manifest(tmp_path, relative, digest) == ranked
 
 
@@ -55,7 +57,10 @@ def test_an_empty_set_has_a_manifest_too(tmp_path: Path):
         ("", "no checksums manifest was recorded"),
         ("/etc/passwd", "not a path inside the run directory"),
         ("checksums/../../x.msgpack", "not a path inside the run directory"),
-        ("checksums/missing.msgpack", "cannot read checksums manifest checksums/missing.msgpack: No such file"),
+        (
+            "checksums/missing.msgpack",
+            "cannot read checksums manifest checksums/missing.msgpack: No such file",
+        ),
     ],
 )
 def test_a_manifest_that_cannot_be_used_is_one_line_naming_why(tmp_path: Path, relative: str, message: str):

@@ -48,7 +48,11 @@ def test_an_error_line_escapes_the_line_breaks_the_input_brings() -> None:
 @pytest.mark.parametrize("flags", [[], ["--dry-run"]])
 @pytest.mark.parametrize(
     ("eval_data", "expected"),
-    [(b"\xff\n", ":1: not UTF-8 text (byte 0xff at offset 0)"), (b"", ": no prompts"), (b"[1]\n", ":1: needs the keys")],
+    [
+        (b"\xff\n", ":1: not UTF-8 text (byte 0xff at offset 0)"),
+        (b"", ": no prompts"),
+        (b"[1]\n", ":1: needs the keys"),
+    ],
 )
 def test_bad_eval_data_is_exit_2_with_one_line_and_nothing_written(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], eval_data: bytes, expected: str
@@ -57,11 +61,15 @@ def test_bad_eval_data_is_exit_2_with_one_line_and_nothing_written(
     assert main([str(config), *flags]) == 2
     out, err = capsys.readouterr()
     assert out == ""
-    assert err.startswith(f"error: data.eval_data: {tmp_path / 'eval.jsonl'}{expected}") and err.count("\n") == 1
+    assert (
+        err.startswith(f"error: data.eval_data: {tmp_path / 'eval.jsonl'}{expected}") and err.count("\n") == 1
+    )
     assert not (tmp_path / "run").exists()
 
 
-def test_a_dry_run_of_good_input_prints_the_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_dry_run_of_good_input_prints_the_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main([str(write_run(tmp_path, GOOD.encode())), "--dry-run"]) == 0
     out, err = capsys.readouterr()
     assert "[data]" in out and err == ""
@@ -77,7 +85,9 @@ def test_a_dry_run_refuses_a_run_dir_holding_another_runs_checkpoints_as_the_run
     assert main([str(config), "--dry-run"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1
-    assert err.startswith(f"error: run.dir {tmp_path / 'run'} holds another run's checkpoints (rollout_000004)")
+    assert err.startswith(
+        f"error: run.dir {tmp_path / 'run'} holds another run's checkpoints (rollout_000004)"
+    )
     assert main([str(config), "--dry-run", "--set", "run.overwrite=true"]) == 0
     assert checkpoint.is_dir(), "a dry run moves nothing"
 
@@ -87,7 +97,10 @@ def test_a_dry_run_refuses_a_run_dir_holding_another_runs_checkpoints_as_the_run
 
 def run_dir_contents(run_dir: Path) -> dict[str, bytes | None]:
     """Every path under ``run_dir`` with its bytes (None for a directory)."""
-    return {str(p.relative_to(run_dir)): (None if p.is_dir() else p.read_bytes()) for p in sorted(run_dir.rglob("*"))}
+    return {
+        str(p.relative_to(run_dir)): (None if p.is_dir() else p.read_bytes())
+        for p in sorted(run_dir.rglob("*"))
+    }
 
 
 def earlier_run(tmp_path: Path) -> Path:
@@ -114,7 +127,9 @@ def test_a_busy_metrics_port_is_exit_2_with_nothing_moved_created_or_appended(
     out, err = capsys.readouterr()
     assert code == 2 and out == "" and err.count("\n") == 1
     assert err.startswith(f"error: metrics: cannot serve on 127.0.0.1:{port}: Address already in use")
-    assert run_dir_contents(run_dir) == before, "the checkpoints stay, no config is written, the log is not appended"
+    assert run_dir_contents(run_dir) == before, (
+        "the checkpoints stay, no config is written, the log is not appended"
+    )
 
 
 @pytest.mark.parametrize("flags", [[], ["--dry-run"]])
@@ -125,14 +140,20 @@ def test_online_wandb_without_credentials_is_exit_2_before_anything_is_written(
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
     config = write_run(tmp_path, GOOD.encode())
-    code = main([str(config), *flags, "--set", "tracking.wandb=true", "--set", 'tracking.wandb_mode="online"'])
+    code = main(
+        [str(config), *flags, "--set", "tracking.wandb=true", "--set", 'tracking.wandb_mode="online"']
+    )
     out, err = capsys.readouterr()
     assert code == 2 and out == "" and err.count("\n") == 1
-    assert err.startswith('error: tracking.wandb_mode = "online" needs a wandb API key for https://api.wandb.ai')
+    assert err.startswith(
+        'error: tracking.wandb_mode = "online" needs a wandb API key for https://api.wandb.ai'
+    )
     assert not (tmp_path / "run").exists()
 
 
-def test_online_wandb_with_a_netrc_entry_passes_the_check(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_online_wandb_with_a_netrc_entry_passes_the_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     for name in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL"):
         monkeypatch.delenv(name, raising=False)
     netrc = tmp_path / "netrc"
@@ -140,7 +161,19 @@ def test_online_wandb_with_a_netrc_entry_passes_the_check(tmp_path: Path, monkey
     netrc.chmod(0o600)
     monkeypatch.setenv("NETRC", str(netrc))
     config = write_run(tmp_path, GOOD.encode())
-    assert main([str(config), "--dry-run", "--set", "tracking.wandb=true", "--set", 'tracking.wandb_mode="online"']) == 0
+    assert (
+        main(
+            [
+                str(config),
+                "--dry-run",
+                "--set",
+                "tracking.wandb=true",
+                "--set",
+                'tracking.wandb_mode="online"',
+            ]
+        )
+        == 0
+    )
 
 
 @pytest.mark.parametrize("flags", [[], ["--dry-run"]])
@@ -151,12 +184,19 @@ def test_a_run_dir_that_cannot_be_written_is_exit_2_for_the_run_and_the_dry_run_
     config = write_run(tmp_path, GOOD.encode())
     assert main([str(config), *flags, "--set", f'run.dir="{tmp_path / "a-file" / "run"}"']) == 2
     out, err = capsys.readouterr()
-    assert out == "" and err == f"error: run.dir {tmp_path / 'a-file' / 'run'}: cannot write there: {tmp_path / 'a-file'} is not a directory\n"
+    assert (
+        out == ""
+        and err
+        == f"error: run.dir {tmp_path / 'a-file' / 'run'}: cannot write there: {tmp_path / 'a-file'} is not a directory\n"
+    )
     if os.access("/proc/sys", os.W_OK):
         pytest.skip("/proc/sys is writable here: no directory this process cannot write into to try")
     assert main([str(config), *flags, "--set", 'run.dir="/proc/sys/miles-run"']) == 2
     out, err = capsys.readouterr()
-    assert out == "" and err == "error: run.dir /proc/sys/miles-run: cannot write there: /proc/sys is not writable\n"
+    assert (
+        out == ""
+        and err == "error: run.dir /proc/sys/miles-run: cannot write there: /proc/sys is not writable\n"
+    )
 
 
 @pytest.mark.parametrize("flags", [[], ["--dry-run"]])
@@ -168,7 +208,9 @@ def test_a_resume_where_no_checkpoint_verifies_is_exit_2_for_the_run_and_the_dry
     assert main([str(write_run(tmp_path, GOOD.encode())), *flags, "--set", "run.resume=true"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1
-    assert err.startswith(f"error: run.resume: no checkpoint under {run_dir / 'checkpoints'} can be resumed from (rollout_000004: ")
+    assert err.startswith(
+        f"error: run.resume: no checkpoint under {run_dir / 'checkpoints'} can be resumed from (rollout_000004: "
+    )
     assert run_dir_contents(run_dir) == before
 
 
@@ -203,7 +245,10 @@ def test_an_empty_run_dir_is_refused_rather_than_writing_into_the_working_direct
     for flags in ([], ["--dry-run"]):
         assert main([str(config), *flags, "--set", 'run.dir=""']) == 2
         err = capsys.readouterr().err
-        assert err.endswith('--set run.dir="": run.dir: must name a directory (it is empty)\n') and err.count("\n") == 1
+        assert (
+            err.endswith('--set run.dir="": run.dir: must name a directory (it is empty)\n')
+            and err.count("\n") == 1
+        )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["eval.jsonl", "prompts.jsonl", "run.toml"]
 
 
@@ -220,7 +265,11 @@ def test_a_disk_without_room_for_one_checkpoint_is_exit_2_before_anything_is_wri
     assert main([str(write_run(tmp_path, GOOD.encode())), *flags]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1
-    assert err.startswith(f"error: run.dir {tmp_path / 'run'}: its file system has 0.00 GiB free, and the run needs about ")
+    assert err.startswith(
+        f"error: run.dir {tmp_path / 'run'}: its file system has 0.00 GiB free, and the run needs about "
+    )
+
+
 def write_config(tmp_path: Path, extra: str) -> Path:
     config = write_run(tmp_path, GOOD.encode())
     config.write_text(config.read_text() + extra)
@@ -236,7 +285,9 @@ def test_the_cuda_ipc_transport_on_a_host_without_a_gpu_is_exit_2_with_one_line(
     assert main([str(config), *flags]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1
-    assert err.startswith('error: publisher.transport: "cuda_ipc" needs a CUDA GPU, and this host has none visible')
+    assert err.startswith(
+        'error: publisher.transport: "cuda_ipc" needs a CUDA GPU, and this host has none visible'
+    )
     assert not (tmp_path / "run").exists()
 
 
@@ -255,6 +306,8 @@ def test_a_head_dimension_vllm_cannot_serve_is_exit_2_with_one_line_naming_the_f
     assert err.startswith("error: model.builtin.num_attention_heads: a head dimension of 16"), err
     assert "set model.builtin.num_attention_heads = 4 (head dimension 32)" in err
     assert not (tmp_path / "run").exists()
+
+
 # --- what used to fail after the run directory was written, or pass unnoticed -------------
 
 
@@ -285,48 +338,70 @@ def main_within(seconds: int, argv: list[str]) -> int:
 # a config file's checks name the file and the --set first)
 BAD_INPUT = {
     "a lone surrogate": (
-        b'{"input": "1+\\ud800", "label": "2"}\n', [],
+        b'{"input": "1+\\ud800", "label": "2"}\n',
+        [],
         "data.prompt_data: {tmp}/prompts.jsonl:5: 'input' holds a lone surrogate ('\\ud800'), which is not text",
     ),
-    "a null input": (b'{"input": null, "label": "2"}\n', [], "data.prompt_data: {tmp}/prompts.jsonl:5: 'input' is null"),
+    "a null input": (
+        b'{"input": null, "label": "2"}\n',
+        [],
+        "data.prompt_data: {tmp}/prompts.jsonl:5: 'input' is null",
+    ),
     "a chat-message list": (
-        b'{"input": [{"role": "user", "content": "1+1="}], "label": "2"}\n', [],
+        b'{"input": [{"role": "user", "content": "1+1="}], "label": "2"}\n',
+        [],
         "data.prompt_data: {tmp}/prompts.jsonl:5: 'input' is a list: chat-message lists are not supported yet; "
         "give the prompt as a string",
     ),
     "a prompt without tokens": (
-        b'{"input": "abc", "label": "2"}\n', [],
+        b'{"input": "abc", "label": "2"}\n',
+        [],
         "data.prompt_data: {tmp}/prompts.jsonl:5: the prompt 'abc' has no tokens with the built-in model's tokenizer",
     ),
     "a directory as the prompts": (
-        None, ['data.prompt_data="{tmp}"'], "data.prompt_data: {tmp} is a directory, not a file"
+        None,
+        ['data.prompt_data="{tmp}"'],
+        "data.prompt_data: {tmp} is a directory, not a file",
     ),
     "a FIFO as the prompts": (
-        None, ['data.prompt_data="{tmp}/fifo"'], "data.prompt_data: {tmp}/fifo is not a regular file (a FIFO)"
+        None,
+        ['data.prompt_data="{tmp}/fifo"'],
+        "data.prompt_data: {tmp}/fifo is not a regular file (a FIFO)",
     ),
-    "a missing model.path": (None, ['model.path="{tmp}/absent"'], "model.path: no such directory {tmp}/absent"),
+    "a missing model.path": (
+        None,
+        ['model.path="{tmp}/absent"'],
+        "model.path: no such directory {tmp}/absent",
+    ),
     "truncated weights": (
-        None, ['model.path="{model}"'], "model.path: {model}/model.safetensors: 5,000 bytes where its header's tensors end at"
+        None,
+        ['model.path="{model}"'],
+        "model.path: {model}/model.safetensors: 5,000 bytes where its header's tensors end at",
     ),
     "one sample per prompt": (
-        None, ["data.n_samples_per_prompt=1", "trainer.global_batch_size=2", "trainer.micro_batch_size=2"],
+        None,
+        ["data.n_samples_per_prompt=1", "trainer.global_batch_size=2", "trainer.micro_batch_size=2"],
         "data.n_samples_per_prompt: 1 sample per prompt trains nothing",
     ),
     "more new tokens than positions": (
-        None, ["rollout.max_new_tokens=859"],
+        None,
+        ["rollout.max_new_tokens=859"],
         "rollout.max_new_tokens: 859 after the longest prompt (4 tokens, data.prompt_data {tmp}/prompts.jsonl:1) make "
         "863 tokens, more than the model's 64 positions (model.builtin.max_position_embeddings)",
     ),
     "a reward of the wrong signature": (
-        None, ['rollout.reward_fn="tests.e2e_rewards.two_arguments"'],
+        None,
+        ['rollout.reward_fn="tests.e2e_rewards.two_arguments"'],
         "rollout.reward_fn: tests.e2e_rewards.two_arguments takes (prompt, response), not (prompt, response, label)",
     ),
     "a raising reward": (
-        None, ['rollout.reward_fn="tests.e2e_rewards.broken"'],
+        None,
+        ['rollout.reward_fn="tests.e2e_rewards.broken"'],
         "rollout.reward_fn: tests.e2e_rewards.broken raised ValueError: reward service unavailable, on the first prompt",
     ),
     "a reward that is not a number": (
-        None, ['rollout.reward_fn="tests.e2e_rewards.text"'],
+        None,
+        ['rollout.reward_fn="tests.e2e_rewards.text"'],
         "rollout.reward_fn: tests.e2e_rewards.text returned '1.0' (a str), not a number",
     ),
 }
@@ -352,7 +427,9 @@ def test_bad_input_found_before_the_run_is_exit_2_with_one_line_and_nothing_writ
     assert not (tmp_path / "run").exists()
 
 
-def test_a_config_file_with_a_utf8_bom_runs_as_without(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_config_file_with_a_utf8_bom_runs_as_without(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """It was ``TOML syntax error: Invalid statement (at line 1, column 1)``."""
     config = write_run(tmp_path, GOOD.encode())
     config.write_bytes(b"\xef\xbb\xbf" + config.read_bytes())
@@ -361,8 +438,13 @@ def test_a_config_file_with_a_utf8_bom_runs_as_without(tmp_path: Path, capsys: p
     assert "[data]" in out and err == ""
 
 
-def test_an_unknown_log_level_is_exit_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_an_unknown_log_level_is_exit_2_with_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     os.environ.pop("MILES_LOG_LEVEL", None)
     assert main([str(write_run(tmp_path, GOOD.encode())), "--log-level", "loud"]) == 2
     out, err = capsys.readouterr()
-    assert (out, err) == ("", "error: --log-level: unknown level 'loud'; known: DEBUG, INFO, WARNING, ERROR, CRITICAL\n")
+    assert (out, err) == (
+        "",
+        "error: --log-level: unknown level 'loud'; known: DEBUG, INFO, WARNING, ERROR, CRITICAL\n",
+    )

@@ -98,7 +98,8 @@ def test_set_overrides_a_value(tmp_path: Path) -> None:
 
 def test_set_creates_missing_tables_and_parses_toml_values(tmp_path: Path) -> None:
     config = load_config(
-        write_config(tmp_path, BASE), ['rollout.stop=["\\n", "END"]', "verifier.enabled=false", "rollout.top_p=0.5"]
+        write_config(tmp_path, BASE),
+        ['rollout.stop=["\\n", "END"]', "verifier.enabled=false", "rollout.top_p=0.5"],
     )
     assert config.rollout.stop == ["\n", "END"]
     assert config.verifier.enabled is False
@@ -154,7 +155,9 @@ def test_missing_prompt_data_is_an_error_unless_no_rollouts(tmp_path: Path) -> N
 @pytest.mark.parametrize("key", ["prompt_data", "eval_data"])
 def test_data_that_is_a_directory_is_named_as_one(tmp_path: Path, key: str) -> None:
     (tmp_path / "data").mkdir()
-    path = write_config(tmp_path, BASE + f'{key} = "data"\n' if key == "eval_data" else BASE.replace("prompts.jsonl", "data"))
+    path = write_config(
+        tmp_path, BASE + f'{key} = "data"\n' if key == "eval_data" else BASE.replace("prompts.jsonl", "data")
+    )
     assert f"data.{key}: {tmp_path / 'data'} is a directory, not a file" in error_of(path)
 
 
@@ -162,8 +165,12 @@ def test_data_that_is_a_directory_is_named_as_one(tmp_path: Path, key: str) -> N
 def test_data_that_is_a_fifo_or_a_device_is_named_for_what_it_is(tmp_path: Path, key: str) -> None:
     os.mkfifo(tmp_path / "fifo")
     path = write_config(tmp_path, BASE)
-    assert f"data.{key}: {tmp_path / 'fifo'} is not a regular file (a FIFO)" in error_of(path, [f'data.{key}="{tmp_path / "fifo"}"'])
-    assert f"data.{key}: /dev/null is not a regular file (a character device)" in error_of(path, [f'data.{key}="/dev/null"'])
+    assert f"data.{key}: {tmp_path / 'fifo'} is not a regular file (a FIFO)" in error_of(
+        path, [f'data.{key}="{tmp_path / "fifo"}"']
+    )
+    assert f"data.{key}: /dev/null is not a regular file (a character device)" in error_of(
+        path, [f'data.{key}="/dev/null"']
+    )
 
 
 def test_a_config_file_that_starts_with_a_utf8_bom_loads(tmp_path: Path) -> None:
@@ -201,13 +208,18 @@ def test_reward_fn_must_be_importable(tmp_path: Path) -> None:
 
 def test_an_unknown_engine_backend_names_the_known_ones(tmp_path: Path) -> None:
     message = error_of(write_config(tmp_path, BASE + '[generator]\nengine = "sglangg"\n'))
-    assert message == f"{tmp_path / 'run.toml'}:6: generator.engine: unknown engine 'sglangg'; known: sglang, torch, vllm"
+    assert (
+        message
+        == f"{tmp_path / 'run.toml'}:6: generator.engine: unknown engine 'sglangg'; known: sglang, torch, vllm"
+    )
 
 
 def test_an_unknown_trainer_backend_names_the_known_ones(tmp_path: Path) -> None:
     message = error_of(write_config(tmp_path, BASE), ['trainer.backend="megatron"'])
-    assert message.endswith("--set trainer.backend=\"megatron\": trainer.backend: unknown trainer backend "
-                            "'megatron'; known: torch")
+    assert message.endswith(
+        '--set trainer.backend="megatron": trainer.backend: unknown trainer backend '
+        "'megatron'; known: torch"
+    )
 
 
 def test_num_engines_in_its_old_section_names_its_new_place(tmp_path: Path) -> None:
@@ -232,7 +244,11 @@ def test_validate_accepts_the_defaults_with_existing_prompts(tmp_path: Path) -> 
 def test_dump_then_load_gives_the_same_config(tmp_path: Path) -> None:
     config = load_config(
         write_config(tmp_path, BASE),
-        ['rollout.stop=["a\\"b", "tab\\t", "x\\u007f", "back\\\\slash"]', "run.save_interval=2", "trainer.lr=3e-05"],
+        [
+            'rollout.stop=["a\\"b", "tab\\t", "x\\u007f", "back\\\\slash"]',
+            "run.save_interval=2",
+            "trainer.lr=3e-05",
+        ],
     )
     assert config.rollout.stop == ['a"b', "tab\t", "x\x7f", "back\\slash"]
     dumped = tmp_path / "dumped.toml"
@@ -274,13 +290,20 @@ def test_key_line_finds_dotted_keys_under_tables() -> None:
         ("bus.stall_warning_seconds", "inf", "inf"),
     ],
 )
-def test_a_float_that_is_not_finite_is_refused_naming_the_key(tmp_path: Path, key: str, value: str, shown: str) -> None:
+def test_a_float_that_is_not_finite_is_refused_naming_the_key(
+    tmp_path: Path, key: str, value: str, shown: str
+) -> None:
     message = error_of(write_config(tmp_path, BASE), [f"{key}={value}"])
-    assert message == f"{tmp_path / 'run.toml'}: --set {key}={value}: {key}: must be a finite number, got {shown}"
+    assert (
+        message
+        == f"{tmp_path / 'run.toml'}: --set {key}={value}: {key}: must be a finite number, got {shown}"
+    )
 
 
 @pytest.mark.parametrize("value", ["nan", "-inf"])
-def test_a_bounded_float_refuses_nan_and_minus_inf_as_not_finite_not_by_its_bound(tmp_path: Path, value: str) -> None:
+def test_a_bounded_float_refuses_nan_and_minus_inf_as_not_finite_not_by_its_bound(
+    tmp_path: Path, value: str
+) -> None:
     message = error_of(write_config(tmp_path, BASE), [f"trainer.lr={value}"])
     assert message.endswith(f"trainer.lr: must be a finite number, got {value}")
     path = write_config(tmp_path, BASE + f"[trainer]\nclip_grad = {value}\n")
@@ -293,7 +316,9 @@ def test_resume_and_overwrite_together_are_refused(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("runtime", "refused"), [("ray", True), ("local", False)])
-def test_the_in_process_transport_needs_the_local_runtime(tmp_path: Path, runtime: str, refused: bool) -> None:
+def test_the_in_process_transport_needs_the_local_runtime(
+    tmp_path: Path, runtime: str, refused: bool
+) -> None:
     path = write_config(tmp_path, BASE)
     overrides = ['publisher.transport="inprocess"', f'run.runtime="{runtime}"']
     if refused:
@@ -310,15 +335,24 @@ def test_a_float_that_is_not_finite_in_the_file_is_located(tmp_path: Path) -> No
 @pytest.mark.parametrize(
     ("settings", "expected"),
     [
-        ("hidden_size = 64\nnum_attention_heads = 3", "model.builtin.num_attention_heads: 3 must divide model.builtin.hidden_size (64)"),
-        ("hidden_size = 12\nnum_attention_heads = 4\nnum_key_value_heads = 1",
-         "model.builtin.num_attention_heads: 4 heads of model.builtin.hidden_size 12 are 3 wide; "
-         "the head dimension must be even (rotary embeddings)"),
-        ("num_attention_heads = 4\nnum_key_value_heads = 3",
-         "model.builtin.num_key_value_heads: 3 must divide model.builtin.num_attention_heads (4)"),
+        (
+            "hidden_size = 64\nnum_attention_heads = 3",
+            "model.builtin.num_attention_heads: 3 must divide model.builtin.hidden_size (64)",
+        ),
+        (
+            "hidden_size = 12\nnum_attention_heads = 4\nnum_key_value_heads = 1",
+            "model.builtin.num_attention_heads: 4 heads of model.builtin.hidden_size 12 are 3 wide; "
+            "the head dimension must be even (rotary embeddings)",
+        ),
+        (
+            "num_attention_heads = 4\nnum_key_value_heads = 3",
+            "model.builtin.num_key_value_heads: 3 must divide model.builtin.num_attention_heads (4)",
+        ),
     ],
 )
-def test_a_builtin_model_shape_that_cannot_run_is_refused(tmp_path: Path, settings: str, expected: str) -> None:
+def test_a_builtin_model_shape_that_cannot_run_is_refused(
+    tmp_path: Path, settings: str, expected: str
+) -> None:
     message = error_of(write_config(tmp_path, BASE + "[model.builtin]\n" + settings + "\n"))
     assert message.split(": ", 1)[1] == expected
 
@@ -339,7 +373,10 @@ def test_a_seed_out_of_range_is_refused(tmp_path: Path, value: str, shown: str) 
 
 
 def test_a_recorded_config_keeps_the_seed_it_ran_with(tmp_path: Path) -> None:
-    assert load_config(write_config(tmp_path, BASE + "[run]\nseed = -1\n"), check=False, recorded=True).run.seed == -1
+    assert (
+        load_config(write_config(tmp_path, BASE + "[run]\nseed = -1\n"), check=False, recorded=True).run.seed
+        == -1
+    )
 
 
 @pytest.mark.parametrize("value", ["0", str(2**63 - 1)])
@@ -359,7 +396,9 @@ def test_a_set_value_python_cannot_read_is_one_line(tmp_path: Path) -> None:
     assert error_of(path, ["run.seed=" + "9" * 5000]).startswith(
         f"{path}: --set run.seed={'9' * 5000}: value not readable as TOML (Exceeds the limit"
     )
-    assert error_of(path, ["run.dir=" + "[" * 100_000]).endswith(": value not readable as TOML (nested too deeply)")
+    assert error_of(path, ["run.dir=" + "[" * 100_000]).endswith(
+        ": value not readable as TOML (nested too deeply)"
+    )
 
 
 def test_a_set_argument_that_is_not_utf8_is_one_line(tmp_path: Path) -> None:

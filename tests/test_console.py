@@ -44,8 +44,13 @@ EVENTS: list[Event] = list(read_events(FIXTURE))
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
-async def drive(make_sink, events: list[Event], settle: float = 0.0, config: Config | None = None,
-                clock: ManualClock | None = None) -> ConsoleSink:
+async def drive(
+    make_sink,
+    events: list[Event],
+    settle: float = 0.0,
+    config: Config | None = None,
+    clock: ManualClock | None = None,
+) -> ConsoleSink:
     """Publish ``events`` on a real bus to the sink ``make_sink()``, then end as the session does."""
     sink = make_sink()
     sink.host = await drive_sink(sink, events, config, settle=settle, clock=clock)
@@ -65,7 +70,11 @@ def with_mismatch_at_rollout_0(events: list[Event]) -> list[Event]:
     for event in events:
         if isinstance(event, PublicationVerified) and event.rollout_id == 0:
             event = PublicationMismatch(
-                weight_version="2", mismatches=[mismatch], expected_digest="d", engine_digests={}, rollout_id=0
+                weight_version="2",
+                mismatches=[mismatch],
+                expected_digest="d",
+                engine_digests={},
+                rollout_id=0,
             )
         out.append(event)
     return out
@@ -93,7 +102,10 @@ async def test_plain_prints_start_publication_evals_checkpoints_and_end_in_event
         "initial publication v1 verified",
     ]
     assert lines[3].startswith("eval at rollout 0 (weights v1): accuracy=0.000 ")
-    assert lines[6] == "checkpoint rollout 1 (trained from version 2) -> /tmp/fx/checkpoints/rollout_000001 in 0.05s"
+    assert (
+        lines[6]
+        == "checkpoint rollout 1 (trained from version 2) -> /tmp/fx/checkpoints/rollout_000001 in 0.05s"
+    )
     assert lines[-1] == "run completed after rollout 2 [3/3] at weight version 4 in 0.9s"
     assert len(lines) == 12
 
@@ -114,7 +126,9 @@ async def test_plain_says_why_the_tensors_of_a_mismatch_are_not_named():
     unnamed = TensorMismatch(
         engine="engine-1", tensor="*", expected="aa", actual="bb", reason="cannot read checksums manifest x"
     )
-    event = PublicationMismatch(weight_version="2", mismatches=[unnamed], expected_digest="aa", engine_digests={})
+    event = PublicationMismatch(
+        weight_version="2", mismatches=[unnamed], expected_digest="aa", engine_digests={}
+    )
     lines = await plain_lines([EVENTS[0], event])
     assert lines[-2] == (
         "weight version 2: MISMATCH in 1 tensor(s), first engine-1:* (expected aa, got bb): "
@@ -142,7 +156,10 @@ async def test_plain_without_verification_prints_each_rollout_when_it_is_publish
 
 async def test_a_trained_rollout_that_was_never_published_still_gets_its_line():
     cut = next(i for i, e in enumerate(EVENTS) if isinstance(e, TrainStepFinished) and e.rollout_id == 2)
-    stopped = [*EVENTS[: cut + 1], RunFinished(status="stopped", reason="interrupted", last_rollout_id=2, weight_version="3")]
+    stopped = [
+        *EVENTS[: cut + 1],
+        RunFinished(status="stopped", reason="interrupted", last_rollout_id=2, weight_version="3"),
+    ]
     lines = await plain_lines(stopped)
     assert lines[-2].startswith("rollout 2 [3/3]: reward 0.023 ") and lines[-2].endswith("| not published")
     assert lines[-1].startswith("run stopped after rollout 2 [3/3] at weight version 3")
@@ -154,10 +171,14 @@ async def test_a_run_that_ends_without_run_finished_says_it_was_interrupted():
 
 
 async def test_quiet_prints_only_the_final_line():
-    assert await plain_lines(EVENTS, quiet=True) == ["run completed after rollout 2 [3/3] at weight version 4 in 0.9s"]
+    assert await plain_lines(EVENTS, quiet=True) == [
+        "run completed after rollout 2 [3/3] at weight version 4 in 0.9s"
+    ]
 
 
-def resumed_at(start: int, num_rollout: int, trained: tuple[int, ...], status: str = "stopped") -> list[Event]:
+def resumed_at(
+    start: int, num_rollout: int, trained: tuple[int, ...], status: str = "stopped"
+) -> list[Event]:
     """A run resumed at rollout ``start`` that trains and publishes ``trained``, then ends."""
     events: list[Event] = [RunStarted(
         run_id="test-run", runtime="local", config_digest="", start_rollout_id=start, num_rollout=num_rollout,
@@ -180,7 +201,10 @@ def resumed_at(start: int, num_rollout: int, trained: tuple[int, ...], status: s
 
 async def test_a_resumed_run_names_each_rollout_by_its_id_and_counts_its_progress_beside_it():
     lines = await plain_lines(resumed_at(100, 150, trained=(100, 101)))
-    assert lines[0] == "run test-run (local): rollouts 100..149 (50 to run), engines engine-0, resumed at weight version 101"
+    assert (
+        lines[0]
+        == "run test-run (local): rollouts 100..149 (50 to run), engines engine-0, resumed at weight version 101"
+    )
     assert [line.split(":")[0] for line in lines[1:3]] == ["rollout 100 [1/50]", "rollout 101 [2/50]"]
     assert lines[-1] == "run stopped after rollout 101 [2/50] at weight version 103 in 1.0s"
 
@@ -212,7 +236,10 @@ async def test_two_evals_of_one_rollout_id_are_told_apart_by_the_weights_they_ra
     before = EvalFinished(rollout_id=0, metrics={"eval/accuracy": 0.25}, weight_versions=["1"])
     after = EvalFinished(rollout_id=0, metrics={"eval/accuracy": 0.5}, weight_versions=["2"])
     lines = await plain_lines([start, before, after])
-    assert lines[1:3] == ["eval at rollout 0 (weights v1): accuracy=0.250", "eval at rollout 0 (weights v2): accuracy=0.500"]
+    assert lines[1:3] == [
+        "eval at rollout 0 (weights v1): accuracy=0.250",
+        "eval at rollout 0 (weights v2): accuracy=0.500",
+    ]
     console = rich_console()
     await drive(lambda: RichProgress(console), [start, before, after])
     assert "rollout 0 (weights v2): accuracy=0.5" in rich_summary(console.file.getvalue())  # type: ignore[attr-defined]
@@ -325,7 +352,16 @@ async def test_a_display_that_cannot_write_keeps_draining_its_mailbox():
 
 def test_eta_is_the_remaining_rollouts_at_the_pace_so_far():
     progress = RunProgress()
-    progress.apply(RunStarted(runtime="local", config_digest="", start_rollout_id=2, num_rollout=6, num_rollout_per_epoch=6, time=100.0))
+    progress.apply(
+        RunStarted(
+            runtime="local",
+            config_digest="",
+            start_rollout_id=2,
+            num_rollout=6,
+            num_rollout_per_epoch=6,
+            time=100.0,
+        )
+    )
     train = TrainStepFinished(
         rollout_id=3, weight_version="4", metrics=TrainMetrics(num_optimizer_steps=1), time=110.0,
     )  # fmt: skip

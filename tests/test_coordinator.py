@@ -36,10 +36,18 @@ from schemas.events import (
 from schemas.plan import RunPlan
 
 
-def make(num_rollout: int = 3, start: int = 0, per_epoch: int | None = 100, verifier: bool = True,
-         check_weight_update_equal: bool = False, **run) -> Coordinator:
-    config = Config(run=RunConfig(num_rollout=num_rollout, **run),
-                    verifier=VerifierConfig(enabled=verifier, check_weight_update_equal=check_weight_update_equal))
+def make(
+    num_rollout: int = 3,
+    start: int = 0,
+    per_epoch: int | None = 100,
+    verifier: bool = True,
+    check_weight_update_equal: bool = False,
+    **run,
+) -> Coordinator:
+    config = Config(
+        run=RunConfig(num_rollout=num_rollout, **run),
+        verifier=VerifierConfig(enabled=verifier, check_weight_update_equal=check_weight_update_equal),
+    )
     plan = RunPlan(
         start_rollout_id=start,
         num_rollout=num_rollout,
@@ -54,17 +62,25 @@ def make(num_rollout: int = 3, start: int = 0, per_epoch: int | None = 100, veri
 
 
 def started(c: Coordinator) -> RunStarted:
-    return RunStarted(runtime="local", config_digest="x", start_rollout_id=c.plan.start_rollout_id,
-                      num_rollout=c.plan.num_rollout, num_rollout_per_epoch=c.plan.num_rollout_per_epoch)
+    return RunStarted(
+        runtime="local",
+        config_digest="x",
+        start_rollout_id=c.plan.start_rollout_id,
+        num_rollout=c.plan.num_rollout,
+        num_rollout_per_epoch=c.plan.num_rollout_per_epoch,
+    )
 
 
 def verified(version: int, rollout_id: int | None) -> PublicationVerified:
-    return PublicationVerified(weight_version=str(version), digest="d", num_tensors=1, engines=["engine-0"], rollout_id=rollout_id)
+    return PublicationVerified(
+        weight_version=str(version), digest="d", num_tensors=1, engines=["engine-0"], rollout_id=rollout_id
+    )
 
 
 def trained(rollout_id: int) -> TrainStepFinished:
-    return TrainStepFinished(rollout_id=rollout_id, weight_version="1",
-                             metrics=TrainMetrics(train_tokens=1, num_optimizer_steps=1))
+    return TrainStepFinished(
+        rollout_id=rollout_id, weight_version="1", metrics=TrainMetrics(train_tokens=1, num_optimizer_steps=1)
+    )
 
 
 def kinds(events) -> list[tuple]:
@@ -95,7 +111,10 @@ async def test_the_loop_is_rollout_train_publish_until_num_rollout():
 
 async def test_eval_runs_before_training_unless_skipped():
     c = make(eval_interval=5)
-    assert kinds(await feed(c, started(c), verified(1, None))) == [("PublishRequested", None), ("EvalRequested", 0)]
+    assert kinds(await feed(c, started(c), verified(1, None))) == [
+        ("PublishRequested", None),
+        ("EvalRequested", 0),
+    ]
     assert kinds(await feed(c, EvalFinished(rollout_id=0, metrics={}))) == [("RolloutRequested", 0)]
     skipped = make(eval_interval=5, skip_eval_before_train=True)
     assert kinds(await feed(skipped, started(skipped), verified(1, None)))[-1] == ("RolloutRequested", 0)
@@ -124,7 +143,12 @@ async def test_periodic_save_and_forced_save_on_the_last_rollout():
     saves = await feed(c, trained(1))
     assert kinds(saves) == [("SaveRequested", 1), ("PublishRequested", 1)]
     assert saves[0].publication_follows  # the trainer may stage the save behind that publication
-    await feed(c, verified(3, 1), CheckpointSaved(rollout_id=1, path="p", weight_version="2", num_bytes=1), trained(2))
+    await feed(
+        c,
+        verified(3, 1),
+        CheckpointSaved(rollout_id=1, path="p", weight_version="2", num_bytes=1),
+        trained(2),
+    )
     last = c.context.published[-2]
     assert isinstance(last, SaveRequested) and last.rollout_id == 2 and last.reason == "last"
     assert last.publication_follows
@@ -169,7 +193,9 @@ async def test_a_stop_or_the_last_rollout_while_a_save_waits_finishes_only_once_
         assert kinds(await feed(c, saved(1))) == [("RunFinished", "stopped" if stop else "completed")]
 
 
-async def test_a_sentinel_touched_while_a_save_is_written_is_one_save_asked_for_once_that_one_is_done(tmp_path):
+async def test_a_sentinel_touched_while_a_save_is_written_is_one_save_asked_for_once_that_one_is_done(
+    tmp_path,
+):
     sentinel = tmp_path / "save-now"
     c = make(num_rollout=5, save_trigger_sentinel=str(sentinel))
     sentinel.touch()
@@ -191,7 +217,10 @@ async def test_one_touch_of_the_sentinel_file_is_one_save(tmp_path):
     assert isinstance(out[0], SaveRequested) and out[0].reason == "sentinel"
     assert not sentinel.exists(), "removed when its save is asked for, before the next rollout"
     # The save is still being written when the next step ends: that step does not save again.
-    assert kinds(await feed(c, verified(2, 0), trained(1))) == [("RolloutRequested", 1), ("PublishRequested", 1)]
+    assert kinds(await feed(c, verified(2, 0), trained(1))) == [
+        ("RolloutRequested", 1),
+        ("PublishRequested", 1),
+    ]
 
 
 async def test_debug_exit_after_rollout_counts_from_the_start_rollout():
@@ -210,8 +239,11 @@ async def test_resumed_plan_starts_at_its_start_rollout_id():
 async def test_a_mismatch_stops_the_run_with_the_tensor_named():
     c = make()
     mismatch = PublicationMismatch(
-        weight_version="1", mismatches=[TensorMismatch("engine-0", "model.norm.weight", "a", "b")],
-        expected_digest="e", engine_digests={}, rollout_id=None,
+        weight_version="1",
+        mismatches=[TensorMismatch("engine-0", "model.norm.weight", "a", "b")],
+        expected_digest="e",
+        engine_digests={},
+        rollout_id=None,
     )
     out = await feed(c, started(c), mismatch)
     assert isinstance(out[-1], RunFinished) and out[-1].status == "failed"
@@ -292,11 +324,19 @@ def test_the_publisher_alone_follows_which_version_each_engine_serves():
 async def test_run_finished_says_what_the_engines_serve_after_a_publication_failed_part_way():
     c = make(num_rollout=5)
     c.plan = msgspec.structs.replace(c.plan, engines=("engine-0", "engine-1"))
-    loaded = [WeightsLoaded(engine=e, weight_version="1", previous_version="default", digest="d") for e in c.plan.engines]
-    published = WeightsPublished(weight_version="1", engines=list(c.plan.engines), previous_versions=["default"] * 2)
+    loaded = [
+        WeightsLoaded(engine=e, weight_version="1", previous_version="default", digest="d")
+        for e in c.plan.engines
+    ]
+    published = WeightsPublished(
+        weight_version="1", engines=list(c.plan.engines), previous_versions=["default"] * 2
+    )
     await feed(c, started(c), *loaded, published, verified(1, None), trained(0))
-    out = await feed(c, WeightsLoaded(engine="engine-0", weight_version="2", previous_version="1", digest="d"),
-                     PublicationFailed(weight_version="2", phase="load", reason="engine-1 timed out", rollout_id=0))
+    out = await feed(
+        c,
+        WeightsLoaded(engine="engine-0", weight_version="2", previous_version="1", digest="d"),
+        PublicationFailed(weight_version="2", phase="load", reason="engine-1 timed out", rollout_id=0),
+    )
     (finished,) = out
     # engine-0 serves "2", engine-1 still "1": the run ends at what every engine serves.
     assert finished.status == "failed" and finished.weight_version == "1"
@@ -329,8 +369,13 @@ async def test_a_stop_during_an_eval_finishes_when_it_ends():
 async def test_after_a_failure_nothing_new_is_asked_for():
     c = make(num_rollout=5, save_interval=1, eval_interval=1)
     await feed(c, started(c), verified(1, None), EvalFinished(rollout_id=0, metrics={}))
-    out = await feed(c, ActorFailed(actor="generator", error="x"), trained(0), verified(2, 0),
-                     EvalFinished(rollout_id=0, metrics={}))
+    out = await feed(
+        c,
+        ActorFailed(actor="generator", error="x"),
+        trained(0),
+        verified(2, 0),
+        EvalFinished(rollout_id=0, metrics={}),
+    )
     assert kinds(out) == [("RunFinished", "failed")]
 
 
@@ -354,15 +399,24 @@ async def test_a_given_num_rollout_has_no_epoch_end_triggers():
     assert [e.rollout_id for e in out if isinstance(e, EvalRequested)] == [9, 19, 29, 39, 49]
 
 
-def check_done(action: str, success: bool = True, engine: str = "engine-0", message: str = "") -> WeightsCheckFinished:
-    return WeightsCheckFinished(engine=engine, action=action, success=success, message=message,
-                                request_id=f"check_weight_update_equal:{action}")
+def check_done(
+    action: str, success: bool = True, engine: str = "engine-0", message: str = ""
+) -> WeightsCheckFinished:
+    return WeightsCheckFinished(
+        engine=engine,
+        action=action,
+        success=success,
+        message=message,
+        request_id=f"check_weight_update_equal:{action}",
+    )
 
 
 async def test_check_weight_update_equal_is_snapshot_reset_publish_compare():
     c = make(num_rollout=2, check_weight_update_equal=True)
     out = await feed(c, started(c))
-    assert [(type(e).__name__, getattr(e, "action", None)) for e in out] == [("WeightsCheckRequested", "snapshot")]
+    assert [(type(e).__name__, getattr(e, "action", None)) for e in out] == [
+        ("WeightsCheckRequested", "snapshot")
+    ]
     assert [e.action for e in await feed(c, check_done("snapshot"))] == ["reset_tensors"]
     assert kinds(await feed(c, check_done("reset_tensors"))) == [("PublishRequested", None)]
     out = await feed(c, verified(1, None))
@@ -373,7 +427,9 @@ async def test_check_weight_update_equal_is_snapshot_reset_publish_compare():
 async def test_a_failed_compare_stops_the_run_with_the_seeds_message():
     c = make(num_rollout=2, check_weight_update_equal=True)
     await feed(c, started(c), check_done("snapshot"), check_done("reset_tensors"), verified(1, None))
-    out = await feed(c, check_done("compare", success=False, message="3 of 27 tensors differ from the snapshot"))
+    out = await feed(
+        c, check_done("compare", success=False, message="3 of 27 tensors differ from the snapshot")
+    )
     assert kinds(out) == [("RunFinished", "failed")]
     assert out[0].reason == (
         "inference weight check 'compare' did not succeed on every engine: "

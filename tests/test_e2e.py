@@ -73,11 +73,24 @@ runpy.run_module("miles_events.run", run_name="__main__", alter_sys=True)
 
 
 def run_cli(
-    run_dir: Path, *overrides: str, flags: tuple[str, ...] = (), timeout: int = 300, imports: Path | None = None
+    run_dir: Path,
+    *overrides: str,
+    flags: tuple[str, ...] = (),
+    timeout: int = 300,
+    imports: Path | None = None,
 ) -> subprocess.CompletedProcess:
     """The run's CLI; ``imports``: a file the driver writes its imported packages to."""
     command = ["-m", "miles_events.run"] if imports is None else ["-c", RUN_RECORDING_IMPORTS, str(imports)]
-    args = [sys.executable, *command, str(TINY), "--set", f'run.dir="{run_dir}"', "--set", "metrics.port=0", *flags]
+    args = [
+        sys.executable,
+        *command,
+        str(TINY),
+        "--set",
+        f'run.dir="{run_dir}"',
+        "--set",
+        "metrics.port=0",
+        *flags,
+    ]
     for override in (*SMALL, *overrides):
         args += ["--set", override]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -99,7 +112,9 @@ def published_versions(log: list) -> list[str]:
 @pytest.fixture(scope="module")
 def local_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("local")
-    result = run_cli(run_dir, 'run.runtime="local"', "run.num_rollout=3", "run.save_interval=2", "run.eval_interval=2")
+    result = run_cli(
+        run_dir, 'run.runtime="local"', "run.num_rollout=3", "run.save_interval=2", "run.eval_interval=2"
+    )
     return run_dir, result
 
 
@@ -171,8 +186,18 @@ def test_the_last_checkpoint_loads_in_transformers_as_it_is(which, request):
 def test_the_recorded_log_redrives_to_the_same_decisions(local_run):
     run_dir, _ = local_run
     result = subprocess.run(
-        [sys.executable, "-m", "miles_events.replay", str(run_dir / "events.log"), "--redrive", "coordinator,verifier"],
-        capture_output=True, text=True, cwd=ROOT, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "miles_events.replay",
+            str(run_dir / "events.log"),
+            "--redrive",
+            "coordinator,verifier",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("same decisions") == 2
@@ -189,22 +214,43 @@ def test_resume_continues_with_the_same_rollouts_versions_and_weights(tmp_path):
 
     whole_log, split_log = events(tmp_path / "whole"), events(tmp_path / "split")
     starts = [e for e in split_log if isinstance(e, RunStarted)]
-    assert [(s.start_rollout_id, s.resumed, s.weight_version) for s in starts] == [(0, False, "default"), (2, True, "2")]
+    assert [(s.start_rollout_id, s.resumed, s.weight_version) for s in starts] == [
+        (0, False, "default"),
+        (2, True, "2"),
+    ]
     assert rollouts(split_log) == rollouts(whole_log)
-    assert published_versions(split_log) == ["1", "2", "3", "3", "4", "5"]  # "3" again: the resume republishes it
+    assert published_versions(split_log) == [
+        "1",
+        "2",
+        "3",
+        "3",
+        "4",
+        "5",
+    ]  # "3" again: the resume republishes it
     assert published_versions(whole_log) == ["1", "2", "3", "4", "5"]
     a = read_checkpoint(latest_checkpoint(tmp_path / "whole"))
     b = read_checkpoint(latest_checkpoint(tmp_path / "split"))
     # The resumed run saved under its own run id, in the lineage of the run it continued.
     (first, _second) = [e.run_id for e in split_log if isinstance(e, RunStarted)]
     assert b.trainer_state.lineage == first and a.trainer_state.lineage == a.trainer_state.run_id
-    assert msgspec.structs.replace(b.trainer_state, run_id=a.trainer_state.run_id, lineage=a.trainer_state.lineage) == a.trainer_state
+    assert (
+        msgspec.structs.replace(
+            b.trainer_state, run_id=a.trainer_state.run_id, lineage=a.trainer_state.lineage
+        )
+        == a.trainer_state
+    )
     for name, tensor in a.weights.items():
         assert torch.equal(tensor, b.weights[name]), name
 
 
 def test_a_run_publishes_through_the_disk_transport(tmp_path):
-    result = run_cli(tmp_path, 'run.runtime="local"', "run.num_rollout=1", 'publisher.transport="disk"', "generator.num_engines=2")
+    result = run_cli(
+        tmp_path,
+        'run.runtime="local"',
+        "run.num_rollout=1",
+        'publisher.transport="disk"',
+        "generator.num_engines=2",
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     log = events(tmp_path)
     staged = [e for e in log if isinstance(e, WeightsStaged)]
@@ -214,7 +260,12 @@ def test_a_run_publishes_through_the_disk_transport(tmp_path):
 
 
 def test_a_failing_handler_stops_the_run_with_one_clear_line(tmp_path):
-    result = run_cli(tmp_path, 'run.runtime="local"', "run.num_rollout=3", 'rollout.reward_fn="tests.e2e_rewards.broken_after_the_first_call"')
+    result = run_cli(
+        tmp_path,
+        'run.runtime="local"',
+        "run.num_rollout=3",
+        'rollout.reward_fn="tests.e2e_rewards.broken_after_the_first_call"',
+    )
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
     error_lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
@@ -246,10 +297,14 @@ def test_a_full_disk_is_one_error_line_with_the_detail_in_the_run_log(tmp_path):
     assert result.returncode == 1, result.stderr[-2000:]
     assert not_console(result.stdout) == []
     (error,) = result.stderr.splitlines()
-    assert error.startswith("error: run failed: checkpoint of rollout 0 failed: OSError: [Errno 28] No space left on device")
+    assert error.startswith(
+        "error: run failed: checkpoint of rollout 0 failed: OSError: [Errno 28] No space left on device"
+    )
     assert error.endswith(f"(log: {tmp_path / 'run.log'})")
     log = (tmp_path / "run.log").read_text()
-    assert re.search(r"ERROR \[driver pid \d+\] actors.saver: checkpoint of rollout 0 failed: OSError", log), log
+    assert re.search(
+        r"ERROR \[driver pid \d+\] actors.saver: checkpoint of rollout 0 failed: OSError", log
+    ), log
 
 
 def test_resume_with_every_checkpoint_corrupt_is_one_line_on_the_terminal(tmp_path):
@@ -270,14 +325,29 @@ def test_every_file_a_run_keeps_has_the_one_mode_of_the_rule(local_run):
     from miles_events.util.file_modes import KEPT_FILE_MODE
 
     run_dir, _ = local_run
-    modes = {path.relative_to(run_dir): stat.S_IMODE(path.stat().st_mode) for path in run_dir.rglob("*") if path.is_file()}
+    modes = {
+        path.relative_to(run_dir): stat.S_IMODE(path.stat().st_mode)
+        for path in run_dir.rglob("*")
+        if path.is_file()
+    }
     assert modes and {mode for mode in modes.values()} == {KEPT_FILE_MODE}, modes
 
 
 def test_sigterm_while_ray_starts_aborts_with_exit_130(tmp_path):
-    args = [sys.executable, "-m", "miles_events.run", str(TINY), "--set", f'run.dir="{tmp_path}"', "--set", "metrics.port=0"]
+    args = [
+        sys.executable,
+        "-m",
+        "miles_events.run",
+        str(TINY),
+        "--set",
+        f'run.dir="{tmp_path}"',
+        "--set",
+        "metrics.port=0",
+    ]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    process = subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env
+    )
     # As soon as Ray's raylet is up: the actors' processes have yet to import torch and
     # start, so the run's loop has not taken the signals over (a fixed sleep raced a
     # cluster that comes up in under a second).
@@ -292,7 +362,12 @@ def test_sigterm_while_ray_starts_aborts_with_exit_130(tmp_path):
 
 
 def test_a_nan_reward_stops_the_run_with_one_line_naming_the_rollout(tmp_path):
-    result = run_cli(tmp_path, 'run.runtime="local"', "run.num_rollout=3", 'rollout.reward_fn="tests.e2e_rewards.nan_when_wrong"')
+    result = run_cli(
+        tmp_path,
+        'run.runtime="local"',
+        "run.num_rollout=3",
+        'rollout.reward_fn="tests.e2e_rewards.nan_when_wrong"',
+    )
     assert result.returncode == 1 and "Traceback" not in result.stderr
     (line,) = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert "rollout 0: non-finite reward in" in line and "(nan)" in line
@@ -309,10 +384,22 @@ def test_a_nan_reward_stops_the_run_with_one_line_naming_the_rollout(tmp_path):
         ('data.prompt_data="missing.jsonl"', "missing.jsonl"),
         ('rollout.reward_fn="no.such.module.fn"', "no.such.module"),
         ('run.dir="/dev/null/run"', "run.dir /dev/null/run"),
-        ('generator.engine="no_such_engine"', "generator.engine: unknown engine 'no_such_engine'; known: sglang, torch, vllm"),
-        ('trainer.backend="no_such_backend"', "trainer.backend: unknown trainer backend 'no_such_backend'; known: torch"),
-        ("model.builtin.hidden_size=100000000", "model.builtin: 30,000,080,900,000,000 parameters (hidden_size 100000000"),
-        ("model.builtin.num_attention_heads=3", "model.builtin.num_attention_heads: 3 must divide model.builtin.hidden_size (128)"),
+        (
+            'generator.engine="no_such_engine"',
+            "generator.engine: unknown engine 'no_such_engine'; known: sglang, torch, vllm",
+        ),
+        (
+            'trainer.backend="no_such_backend"',
+            "trainer.backend: unknown trainer backend 'no_such_backend'; known: torch",
+        ),
+        (
+            "model.builtin.hidden_size=100000000",
+            "model.builtin: 30,000,080,900,000,000 parameters (hidden_size 100000000",
+        ),
+        (
+            "model.builtin.num_attention_heads=3",
+            "model.builtin.num_attention_heads: 3 must divide model.builtin.hidden_size (128)",
+        ),
         ("model.builtin.num_key_value_heads=3", "model.builtin.num_key_value_heads: 3 must divide"),
         ("run.seed=-1", "run.seed: must be 0 to 2**63 - 1, got -1"),
         ("run.seed=9223372036854775808", "run.seed: must be 0 to 2**63 - 1, got 9223372036854775808"),
@@ -340,12 +427,28 @@ GOOD_LINE = b'{"input": "1+1=", "label": "2"}\n'
 @pytest.mark.parametrize(
     ("key", "content", "expected"),
     [
-        ("data.eval_data", GOOD_LINE + b'{"input": "\xff"}\n', "data.eval_data: {path}:2: not UTF-8 text (byte 0xff"),
+        (
+            "data.eval_data",
+            GOOD_LINE + b'{"input": "\xff"}\n',
+            "data.eval_data: {path}:2: not UTF-8 text (byte 0xff",
+        ),
         ("data.eval_data", b"", "data.eval_data: {path}: no prompts"),
         ("data.eval_data", b"{oops\n", "data.eval_data: {path}:1: not valid JSON"),
-        ("data.eval_data", b'{"question": "1+1="}\n', "data.eval_data: {path}:1: needs the keys 'input' and 'label'"),
-        ("data.prompt_data", GOOD_LINE + b"\xc3\x28\n", "data.prompt_data: {path}:2: not UTF-8 text (byte 0xc3"),
-        ("data.prompt_data", b"[" * 100_000 + b"\n", "data.prompt_data: {path}:1: not usable JSON (nested too deeply)"),
+        (
+            "data.eval_data",
+            b'{"question": "1+1="}\n',
+            "data.eval_data: {path}:1: needs the keys 'input' and 'label'",
+        ),
+        (
+            "data.prompt_data",
+            GOOD_LINE + b"\xc3\x28\n",
+            "data.prompt_data: {path}:2: not UTF-8 text (byte 0xc3",
+        ),
+        (
+            "data.prompt_data",
+            b"[" * 100_000 + b"\n",
+            "data.prompt_data: {path}:1: not usable JSON (nested too deeply)",
+        ),
     ],
 )
 @pytest.mark.parametrize("flags", [(), ("--dry-run",)])
@@ -421,10 +524,18 @@ def test_an_engine_serving_different_weights_is_caught(tmp_path, continue_on_mis
     from actors.trainer import Trainer
     from actors.verifier import Verifier
 
-    config = load_config(TINY, [
-        *SMALL, f'run.dir="{tmp_path}"', "metrics.port=0", 'run.runtime="local"', "run.num_rollout=4", "generator.num_engines=2",
-        f"verifier.continue_on_mismatch={str(continue_on_mismatch).lower()}",
-    ])
+    config = load_config(
+        TINY,
+        [
+            *SMALL,
+            f'run.dir="{tmp_path}"',
+            "metrics.port=0",
+            'run.runtime="local"',
+            "run.num_rollout=4",
+            "generator.num_engines=2",
+            f"verifier.continue_on_mismatch={str(continue_on_mismatch).lower()}",
+        ],
+    )
     session = Session(config, [CorruptingGenerator, Trainer, Publisher, Verifier, Saver, Coordinator])
     result = asyncio.run(session.run())
     log = events(tmp_path)
@@ -543,9 +654,17 @@ def no_op_run(tmp_path: Path, *overrides: str):  # type: ignore[no-untyped-def]
     from actors.trainer import Trainer
     from actors.verifier import Verifier
 
-    config = load_config(TINY, [
-        *SMALL, f'run.dir="{tmp_path}"', "metrics.port=0", 'run.runtime="local"', "run.num_rollout=3", *overrides,
-    ])
+    config = load_config(
+        TINY,
+        [
+            *SMALL,
+            f'run.dir="{tmp_path}"',
+            "metrics.port=0",
+            'run.runtime="local"',
+            "run.num_rollout=3",
+            *overrides,
+        ],
+    )
     session = Session(config, [NoOpLoadGenerator, Trainer, Publisher, Verifier, Saver, Coordinator])
     return asyncio.run(session.run()), events(tmp_path)
 
@@ -578,10 +697,17 @@ def test_with_check_weight_update_equal_a_load_that_writes_nothing_fails_the_fir
 
 
 def test_check_weight_update_equal_passes_a_real_run(tmp_path):
-    config = load_config(TINY, [
-        *SMALL, f'run.dir="{tmp_path}"', "metrics.port=0", 'run.runtime="local"', "run.num_rollout=1",
-        "verifier.check_weight_update_equal=true",
-    ])
+    config = load_config(
+        TINY,
+        [
+            *SMALL,
+            f'run.dir="{tmp_path}"',
+            "metrics.port=0",
+            'run.runtime="local"',
+            "run.num_rollout=1",
+            "verifier.check_weight_update_equal=true",
+        ],
+    )
     from miles_events.app.roster import ACTORS
 
     result = asyncio.run(Session(config, list(ACTORS)).run())
@@ -596,11 +722,21 @@ def test_sigint_stops_after_the_current_steps_save_and_publication(tmp_path):
     rollout after it starts; the run ends stopped, exit 0. The stop saves that step (no
     interval save is due), so the resumed run redoes nothing."""
     args = [sys.executable, "-m", "miles_events.run", str(TINY), "--set", f'run.dir="{tmp_path}"']
-    for override in (*SMALL, "metrics.port=0", 'run.runtime="local"', "run.num_rollout=50", "run.save_interval=100",
-                     "run.eval_interval=100", 'console.mode="plain"', "tracking.tensorboard=true"):
+    for override in (
+        *SMALL,
+        "metrics.port=0",
+        'run.runtime="local"',
+        "run.num_rollout=50",
+        "run.save_interval=100",
+        "run.eval_interval=100",
+        'console.mode="plain"',
+        "tracking.tensorboard=true",
+    ):
         args += ["--set", override]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    process = subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env
+    )
     try:
         assert process.stdout is not None
         for line in process.stdout:
@@ -616,14 +752,22 @@ def test_sigint_stops_after_the_current_steps_save_and_publication(tmp_path):
     assert finished.status == "stopped" and finished.reason == "interrupted by signal"
     trained = [e.rollout_id for e in log if isinstance(e, TrainStepFinished)]
     last = trained[-1]
-    assert [e.rollout_id for e in log if isinstance(e, RolloutGenerated)] == trained, "no rollout after the stop"
+    assert [e.rollout_id for e in log if isinstance(e, RolloutGenerated)] == trained, (
+        "no rollout after the stop"
+    )
     assert last in [e.rollout_id for e in log if isinstance(e, WeightsPublished)]
     assert [(e.rollout_id, e.reason) for e in log if isinstance(e, SaveRequested)] == [(last, "stop")]
     assert last in [e.rollout_id for e in log if isinstance(e, CheckpointSaved)]
     assert finished.last_rollout_id == last and finished.weight_version == str(last + 2)
     assert f"run stopped after rollout {last} [{last + 1}/50]" in out
-    resumed = run_cli(tmp_path, 'run.runtime="local"', "run.num_rollout=" + str(last + 3), "run.save_interval=100",
-                      "run.eval_interval=100", "run.resume=true")
+    resumed = run_cli(
+        tmp_path,
+        'run.runtime="local"',
+        "run.num_rollout=" + str(last + 3),
+        "run.save_interval=100",
+        "run.eval_interval=100",
+        "run.resume=true",
+    )
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     second = [e for e in events(tmp_path) if e.run_id != finished.run_id]
     assert [e.rollout_id for e in second if isinstance(e, TrainStepFinished)] == [last + 1, last + 2]
@@ -638,10 +782,17 @@ def test_a_second_signal_cuts_a_long_step_at_its_next_cancellation_point(tmp_pat
     """A rollout generated one sequence at a time takes minutes; the first SIGINT waits for
     it, the second cuts it at the next decode step: nothing of it is kept, exit 0."""
     args = [sys.executable, "-m", "miles_events.run", str(TINY), "--set", f'run.dir="{tmp_path}"']
-    for override in ("metrics.port=0", f'run.runtime="{runtime}"', "rollout.max_batch_size=1", 'console.mode="plain"'):
+    for override in (
+        "metrics.port=0",
+        f'run.runtime="{runtime}"',
+        "rollout.max_batch_size=1",
+        'console.mode="plain"',
+    ):
         args += ["--set", override]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    process = subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env
+    )
     try:
         assert process.stdout is not None
         for line in process.stdout:
@@ -676,7 +827,9 @@ def test_a_step_cut_after_the_grace_period_ends_the_process_at_once(tmp_path, ru
                      "run.stop_grace_seconds=2"):  # fmt: skip
         args += ["--set", override]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    process = subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env
+    )
     try:
         assert process.stdout is not None
         for line in process.stdout:

@@ -463,7 +463,9 @@ def test_weights_staged_in_buckets_of_the_served_layout_load_bucket_by_bucket(
     engine = TorchEngine.from_pretrained(model_dir, transport=plane)
     state = perturbed_state(engine)
     canary = publication_canary("run-buckets", "1")
-    ref = plane.stager.put_buckets("weights-v1", Buckets.of({**state, CANARY_TENSOR: canary}), owner="trainer")
+    ref = plane.stager.put_buckets(
+        "weights-v1", Buckets.of({**state, CANARY_TENSOR: canary}), owner="trainer"
+    )
 
     def tensor_by_tensor(*args: object) -> None:
         raise AssertionError("the buckets' layout is the engine's: no tensor-by-tensor load")
@@ -488,13 +490,17 @@ def test_buckets_staged_again_load_their_new_values_and_a_later_layout_is_checke
     layouts are compared again and loaded tensor by tensor."""
     plane = open_transport("inprocess", "run-restaged", tmp_path)
     engine = TorchEngine.from_pretrained(model_dir, transport=plane)
-    staged = Buckets.of({**perturbed_state(engine, seed=3), CANARY_TENSOR: publication_canary("run-restaged", "1")})
+    staged = Buckets.of(
+        {**perturbed_state(engine, seed=3), CANARY_TENSOR: publication_canary("run-restaged", "1")}
+    )
     engine.load_weights(plane.stager.put_buckets("weights-v1", staged, owner="trainer"), "1")
     state = perturbed_state(engine, seed=4)
     canary = publication_canary("run-restaged", "2")
     staged.pack({**state, CANARY_TENSOR: canary})  # staged again into the same buckets
     engine.load_weights(plane.stager.put_buckets("weights-v2", staged, owner="trainer"), "2")
-    assert served_checksums(engine) == fingerprints(state) and engine.served_canary() == tensor_fingerprint(canary)
+    assert served_checksums(engine) == fingerprints(state) and engine.served_canary() == tensor_fingerprint(
+        canary
+    )
     by_tensor = []
     monkeypatch.setattr(engine, "load_tensors", lambda tensors, version: by_tensor.append(version))
     reordered = Buckets.of(dict(reversed(list(state.items()))))
@@ -503,7 +509,9 @@ def test_buckets_staged_again_load_their_new_values_and_a_later_layout_is_checke
     plane.close()
 
 
-def test_weights_staged_in_buckets_of_another_layout_load_tensor_by_tensor(model_dir: Path, tmp_path: Path) -> None:
+def test_weights_staged_in_buckets_of_another_layout_load_tensor_by_tensor(
+    model_dir: Path, tmp_path: Path
+) -> None:
     plane = open_transport("inprocess", "run-reordered", tmp_path)
     engine = TorchEngine.from_pretrained(model_dir, transport=plane)
     state = perturbed_state(engine, seed=2)
@@ -603,7 +611,6 @@ def test_a_cancelled_generation_ends_at_its_next_decode_step(engine: TorchEngine
     cancel.cancel("stop now")
     with pytest.raises(Cancelled, match="stop now"):
         engine.generate(["1+2="] * 3, SamplingParams(max_new_tokens=2), seeded(0), cancel)
-
 
 
 def test_the_canary_is_served_from_the_buffer_the_load_wrote(engine: TorchEngine) -> None:

@@ -51,7 +51,9 @@ def run_config(tmp_path: Path, **verifier: object) -> Config:
     )
 
 
-def test_an_engine_whose_unreadable_tensors_are_not_skipped_stops_the_rank_naming_them_and_the_fix(tmp_path: Path):
+def test_an_engine_whose_unreadable_tensors_are_not_skipped_stops_the_rank_naming_them_and_the_fix(
+    tmp_path: Path,
+):
     with pytest.raises(UnverifiableTensors) as caught:
         EngineWorker(run_config(tmp_path), PartialReadback(), RankPlace(0, 1, tmp_path))  # type: ignore[arg-type]
     message = str(caught.value)
@@ -62,17 +64,21 @@ def test_an_engine_whose_unreadable_tensors_are_not_skipped_stops_the_rank_namin
     ), message
     assert "(+" in message and "more)" in message, "a few named, the count of the rest"
     assert message.endswith(
-        "so no publication's digests could match; set verifier.skip_tensor_list = [\"proj.weight\"] "
-        "(the behavioural probe, verifier.probe = \"auto\", then proves the skipped tensors)"
+        'so no publication\'s digests could match; set verifier.skip_tensor_list = ["proj.weight"] '
+        '(the behavioural probe, verifier.probe = "auto", then proves the skipped tensors)'
     ), message
 
 
 def test_the_suggested_skip_list_keeps_what_is_skipped_already_and_adds_what_is_missing():
     verifier = VerifierConfig(skip_tensor_list=["norm", "down_proj"])
-    with pytest.raises(UnverifiableTensors, match=r'verifier.skip_tensor_list = \["norm", "down_proj", "proj.weight"\]'):
+    with pytest.raises(
+        UnverifiableTensors, match=r'verifier.skip_tensor_list = \["norm", "down_proj", "proj.weight"\]'
+    ):
         check_readback("engine-1", "vllm", REPACKED, verifier)
     with pytest.raises(UnverifiableTensors, match=r'= \["fc1.weight", "fc2.weight"\]') as caught:
-        check_readback("engine-1", "vllm", ["model.layers.0.fc2.weight", "model.layers.0.fc1.weight"], VerifierConfig())
+        check_readback(
+            "engine-1", "vllm", ["model.layers.0.fc2.weight", "model.layers.0.fc1.weight"], VerifierConfig()
+        )
     assert "cannot read back 2 of the tensors" in str(caught.value)
 
 
@@ -82,13 +88,15 @@ def test_skipped_unreadable_tensors_pass_and_so_does_a_run_that_verifies_nothing
     check_readback("engine-0", "torch", [], VerifierConfig())
 
 
-def test_skipped_tensors_the_probe_does_not_prove_either_are_said_to_be_unverified(caplog: pytest.LogCaptureFixture):
+def test_skipped_tensors_the_probe_does_not_prove_either_are_said_to_be_unverified(
+    caplog: pytest.LogCaptureFixture,
+):
     verifier = VerifierConfig(skip_tensor_list=["proj.weight"], probe="off")
     with caplog.at_level(logging.WARNING, logger="actors.engine.worker"):
         check_readback("engine-0", "vllm", REPACKED, verifier)
     [record] = caplog.records
     assert record.getMessage().startswith(
-        'engine-0: 10 tensors are neither in the digests (verifier.skip_tensor_list) nor probed '
+        "engine-0: 10 tensors are neither in the digests (verifier.skip_tensor_list) nor probed "
         '(verifier.probe = "off"): '
     )
     caplog.clear()
@@ -118,9 +126,15 @@ class ServingEngine:
     def checksums(self, skip_tensor_list: object = (), selector: str = "all") -> EngineChecksumReport:
         return self.checksum_reply
 
-    def weights_check(self, action: str, selector: str, skip: list[str], allow_quant_error: bool) -> WeightsCheckResult:
+    def weights_check(
+        self, action: str, selector: str, skip: list[str], allow_quant_error: bool
+    ) -> WeightsCheckResult:
         return WeightsCheckResult(
-            success=True, message=f"{action} of {skip}", action=action, weight_version=self.weight_version, num_tensors=3
+            success=True,
+            message=f"{action} of {skip}",
+            action=action,
+            weight_version=self.weight_version,
+            num_tensors=3,
         )
 
     def close(self) -> None:
@@ -147,7 +161,9 @@ def test_a_load_answers_with_its_engines_weights_loaded_event_less_the_header(tm
         probe_logprobs=None,
     )
     assert loaded.checksums_manifest and (tmp_path / loaded.checksums_manifest).is_file()
-    assert (loaded.run_id, loaded.seq, loaded.time, loaded.source) == ("", 0, 0.0, ""), "the bus stamps the header"
+    assert (loaded.run_id, loaded.seq, loaded.time, loaded.source) == ("", 0, 0.0, ""), (
+        "the bus stamps the header"
+    )
 
 
 def test_a_checksum_check_answers_with_the_event_carrying_the_request_id(tmp_path: Path) -> None:
@@ -167,12 +183,19 @@ def test_a_checksum_check_answers_with_the_event_carrying_the_request_id(tmp_pat
     assert (tmp_path / finished.checksums_manifest).is_file()
 
 
-def test_an_unsuccessful_checksum_reply_is_an_unsuccessful_check_with_the_engines_message(tmp_path: Path) -> None:
+def test_an_unsuccessful_checksum_reply_is_an_unsuccessful_check_with_the_engines_message(
+    tmp_path: Path,
+) -> None:
     worker = serving_worker(tmp_path)
     worker.engine.checksum_reply = EngineChecksumReport(success=False, message="no checker")  # type: ignore[attr-defined]
     finished = worker.check(WeightsCheckRequested(action="checksum", request_id="r"))
     assert finished == WeightsCheckFinished(
-        engine="engine-1", action="checksum", success=False, message="no checker", weight_version="default", request_id="r"
+        engine="engine-1",
+        action="checksum",
+        success=False,
+        message="no checker",
+        weight_version="default",
+        request_id="r",
     )
 
 

@@ -55,16 +55,22 @@ ENV = dict(os.environ, PYTHONPATH=str(ROOT))
 
 
 def run(run_dir: Path, runtime: str, *overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run(command(run_dir, runtime, *overrides), capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=400)
+    return subprocess.run(
+        command(run_dir, runtime, *overrides), capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=400
+    )
 
 
-def kill_after(run_dir: Path, runtime: str, rollout_line: int, victim: str, extra_delay: float) -> subprocess.CompletedProcess:
+def kill_after(
+    run_dir: Path, runtime: str, rollout_line: int, victim: str, extra_delay: float
+) -> subprocess.CompletedProcess:
     """Start a run; once it prints its ``rollout_line``-th rollout line, wait ``extra_delay``
     seconds and ``kill -9`` the ``victim`` ("driver" or an actor's Ray process); returns
     the driver's exit status and everything it printed."""
     overrides = ("run.resume=true",) if (run_dir / "events.log").exists() else ()
     args = command(run_dir, runtime, *overrides)
-    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=ENV)
+    process = subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=ENV
+    )
     try:
         assert process.stdout is not None
         seen, printed = 0, []
@@ -88,6 +94,7 @@ def kill_after(run_dir: Path, runtime: str, rollout_line: int, victim: str, extr
 def actor_pid(driver: int, name: str) -> int:
     """The pid of one of the Ray actor processes of the run of ``driver`` (a model actor's:
     the light ones are hosted by the driver), their titles naming the actor's method."""
+
     def title(pid: int) -> bytes:
         try:
             return Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -111,7 +118,9 @@ def trained_into_final_weights(run_dir: Path) -> list[int]:
     for index, run_id in enumerate(runs):
         trained = [e.rollout_id for e in log if e.run_id == run_id and isinstance(e, TrainStepFinished)]
         if index + 1 < len(runs):
-            (next_start,) = [e.start_rollout_id for e in log if e.run_id == runs[index + 1] and isinstance(e, RunStarted)]
+            (next_start,) = [
+                e.start_rollout_id for e in log if e.run_id == runs[index + 1] and isinstance(e, RunStarted)
+            ]
             trained = [r for r in trained if r < next_start]
         kept.extend(trained)
     return kept
@@ -143,14 +152,18 @@ def finish_by_resuming(run_dir: Path, runtime: str) -> None:
 
 
 def assert_exactly_once_and_equal(run_dir: Path, uninterrupted: dict[str, torch.Tensor]) -> None:
-    assert trained_into_final_weights(run_dir) == list(range(NUM_ROLLOUT)), "a rollout was lost or trained twice"
+    assert trained_into_final_weights(run_dir) == list(range(NUM_ROLLOUT)), (
+        "a rollout was lost or trained twice"
+    )
     final = read_checkpoint(latest_checkpoint(run_dir))
     assert final.trainer_state.rollout_id == NUM_ROLLOUT - 1
     for name, tensor in uninterrupted.items():
         assert torch.equal(tensor, final.weights[name]), name
 
 
-@pytest.mark.parametrize(("rollout_line", "delay"), [(1, 0.0), (3, 0.05), (4, 0.3)], ids=["early", "mid-step", "late"])
+@pytest.mark.parametrize(
+    ("rollout_line", "delay"), [(1, 0.0), (3, 0.05), (4, 0.3)], ids=["early", "mid-step", "late"]
+)
 def test_kill_9_of_the_driver_then_resume(tmp_path, uninterrupted, rollout_line, delay):
     kill_after(tmp_path, "local", rollout_line, "driver", delay)
     finish_by_resuming(tmp_path, "local")

@@ -313,9 +313,7 @@ async def test_engines_are_handed_the_handle_and_read_the_weights_themselves(
     assert reads == ["engine-0", "engine-1"], "only the engines read the staged tensors"
 
 
-async def test_rollouts_after_a_load_carry_the_new_version(
-    actor: Started, model_dir: Path
-) -> None:
+async def test_rollouts_after_a_load_carry_the_new_version(actor: Started, model_dir: Path) -> None:
     generator, context = actor
     await generator.handle(weights_staged(context, staged_weights(model_dir, 0.01), "1"))
     await generator.handle(RolloutRequested(rollout_id=0))
@@ -336,9 +334,7 @@ async def test_loaded_checksums_leave_out_the_verifier_skip_list(
         assert event.digest == per_gpu_checksum(fingerprints(tensors, ["norm"]))
 
 
-async def test_weights_with_a_missing_tensor_fail_the_load(
-    actor: Started, model_dir: Path
-) -> None:
+async def test_weights_with_a_missing_tensor_fail_the_load(actor: Started, model_dir: Path) -> None:
     generator, context = actor
     tensors = staged_weights(model_dir, 0.01)
     del tensors["model.norm.weight"]
@@ -347,15 +343,16 @@ async def test_weights_with_a_missing_tensor_fail_the_load(
     assert context.of(WeightsLoaded) == []
 
 
-async def test_checksum_check_reports_each_engines_served_checksums(
-    actor: Started, model_dir: Path
-) -> None:
+async def test_checksum_check_reports_each_engines_served_checksums(actor: Started, model_dir: Path) -> None:
     generator, context = actor
     request = WeightsCheckRequested(action="checksum", skip_tensor_list=["norm"], request_id="r1")
     await generator.handle(request)
     finished = context.of(WeightsCheckFinished)
     # Flattened as miles flattens a checksum reply: every name under its rank.
-    expected = {f"rank0/{name}": value for name, value in fingerprints(load_model(model_dir).state_dict(), ["norm"]).items()}
+    expected = {
+        f"rank0/{name}": value
+        for name, value in fingerprints(load_model(model_dir).state_dict(), ["norm"]).items()
+    }
     assert [e.engine for e in finished] == ["engine-0", "engine-1"]
     for event in finished:
         assert event.success and event.action == "checksum" and event.request_id == "r1"
@@ -435,7 +432,10 @@ async def test_compare_check_fails_after_reset_and_passes_after_republication(
         assert not outcome["after-reset", engine].success
         assert outcome["after-load", engine].success
         assert outcome["after-load", engine].weight_version == "1"
-        assert (outcome["after-load", engine].digest, outcome["after-load", engine].checksums_manifest) == ("", "")
+        assert (outcome["after-load", engine].digest, outcome["after-load", engine].checksums_manifest) == (
+            "",
+            "",
+        )
         assert outcome["after-load", engine].num_tensors == len(load_model(model_dir).state_dict())
 
 
@@ -450,7 +450,6 @@ def test_engine_seeds_differ_by_rollout_engine_and_kind() -> None:
 
 def test_versions_sort_oldest_first() -> None:
     assert sorted_versions(["10", "default", "9", "10"]) == ["default", "9", "10"]
-
 
 
 async def test_an_engine_that_fails_a_rollout_stops_the_others_and_is_named(actor: Started) -> None:

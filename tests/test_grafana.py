@@ -157,7 +157,9 @@ def test_the_engines_row_asks_each_server_backend_for_metrics_it_defines() -> No
     if spec is None or spec.origin is None:
         pytest.skip("sglang is not installed (bash .ci/setup installs it)")
     observability = Path(spec.origin).parent / "srt" / "observability"
-    defined = set(re.findall(r'name="(sglang:\w+)"', "".join(p.read_text() for p in observability.glob("*.py"))))
+    defined = set(
+        re.findall(r'name="(sglang:\w+)"', "".join(p.read_text() for p in observability.glob("*.py")))
+    )
     names = {re.sub(r"_(bucket|sum|count)$", "", n) for n in used if n.startswith("sglang:")}
     assert names and names - defined == set()
 
@@ -182,7 +184,9 @@ def test_dashboards_are_up_to_date_with_their_source() -> None:
 
 def typecheck(dashboards: dict[str, str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
     """``tsc`` on each dashboard JSON text, both as Grafana's ``Dashboard`` and with typed panels."""
-    require(TSC.exists() and shutil.which("node") is not None, "tsc with @grafana/schema (grafana/.typecheck)")
+    require(
+        TSC.exists() and shutil.which("node") is not None, "tsc with @grafana/schema (grafana/.typecheck)"
+    )
     types = TYPES.with_suffix("").as_posix()
     files = []
     for name, text in dashboards.items():
@@ -249,7 +253,11 @@ def test_datasource_points_at_the_compose_prometheus_with_its_scrape_interval() 
     (source,) = load_yaml(GRAFANA / "provisioning" / "datasources" / "prometheus.yml")["datasources"]
     compose = load_yaml(GRAFANA / "docker-compose.yml")
     scrape_interval = load_yaml(GRAFANA / "prometheus.yml")["global"]["scrape_interval"]
-    assert (source["uid"], source["type"], source["url"]) == ("prometheus", "prometheus", "http://prometheus:9090")
+    assert (source["uid"], source["type"], source["url"]) == (
+        "prometheus",
+        "prometheus",
+        "http://prometheus:9090",
+    )
     assert "9090:9090" in compose["services"]["prometheus"]["ports"]
     assert source["jsonData"]["timeInterval"] == scrape_interval
 
@@ -363,7 +371,9 @@ class ObservedRuns:
         return api(self.prometheus_url, f"/api/v1/label/{label}/values", **{"match[]": selector})
 
 
-def run_command(run_dir: Path, *, num_rollout: int, interval: int, overrides: tuple[str, ...] = ()) -> list[str]:
+def run_command(
+    run_dir: Path, *, num_rollout: int, interval: int, overrides: tuple[str, ...] = ()
+) -> list[str]:
     """A tiny local run evaluating and saving every ``interval`` rollouts."""
     settings = (
         f"run.dir={run_dir}",
@@ -404,7 +414,10 @@ def observe_runs(prometheus: str, config: Path, tmp: Path) -> Iterator[ObservedR
     url = f"http://127.0.0.1:{prometheus_port}"
     runs = ObservedRuns(url, "", "", processes)
     try:
-        config_file, storage = f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'data'}"
+        config_file, storage = (
+            f"--config.file={tmp / 'prometheus.yml'}",
+            f"--storage.tsdb.path={tmp / 'data'}",
+        )
         listen = f"--web.listen-address=127.0.0.1:{prometheus_port}"
         server = start("prometheus", [prometheus, config_file, storage, listen, "--log.level=warn"])
         wait_until_ready(url, server, processes["prometheus"][1])
@@ -426,7 +439,9 @@ def observe_runs(prometheus: str, config: Path, tmp: Path) -> Iterator[ObservedR
         start("replay", [*replay, "--serve-metrics", str(replay_port)])
         for _ in runs.poll(deadline_s=120):
             found = {
-                port: [s["metric"]["run"] for s in query(url, f'miles_rollout_id{{instance="127.0.0.1:{port}"}}')]
+                port: [
+                    s["metric"]["run"] for s in query(url, f'miles_rollout_id{{instance="127.0.0.1:{port}"}}')
+                ]
                 for port in (live_port, replay_port)
             }
             if found[live_port] and found[replay_port]:
@@ -481,7 +496,9 @@ def run_expressions(dashboard: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 @pytest.mark.slow
-def test_every_query_returns_data_for_a_replayed_run(observed: ObservedRuns, dashboard: dict[str, Any]) -> None:
+def test_every_query_returns_data_for_a_replayed_run(
+    observed: ObservedRuns, dashboard: dict[str, Any]
+) -> None:
     named = [(n, e) for n, e in run_expressions(dashboard) if not any(m in e for m in LIVE_ONLY_METRICS)]
     assert_all_return_data(observed, observed.replayed_run, named, deadline_s=45)
 

@@ -189,7 +189,9 @@ def test_the_fused_pass_gives_the_reference_values_and_gradients(
     logp, entropy = logprobs_and_entropy(logits, targets)
     assert entropy is not None
     expected_logp, expected_entropy = token_logprobs(logits, targets), entropy_from_logits(logits)
-    assert torch.allclose(logp, expected_logp, atol=1e-6) and torch.allclose(entropy, expected_entropy, atol=1e-6)
+    assert torch.allclose(logp, expected_logp, atol=1e-6) and torch.allclose(
+        entropy, expected_entropy, atol=1e-6
+    )
     assert torch.allclose(gradient(logp, entropy), gradient(expected_logp, expected_entropy), atol=1e-6)
 
 

@@ -37,7 +37,9 @@ class Echo(Actor):
     @handles(RolloutRequested, emits=(StopRequested,))
     async def on_rollout(self, event: RolloutRequested) -> None:
         if event.rollout_id == 1:
-            await self.publish(RolloutGenerated(rollout_id=1, batch=None, num_samples=0, reward_mean=0, weight_versions=[]))  # type: ignore[arg-type]
+            await self.publish(
+                RolloutGenerated(rollout_id=1, batch=None, num_samples=0, reward_mean=0, weight_versions=[])
+            )  # type: ignore[arg-type]
         await self.publish(StopRequested(reason=str(event.rollout_id)))
 
 
@@ -133,7 +135,12 @@ def test_the_coordinator_runs_in_the_driver():
 
 def emitted_on(actor: type[Actor], event_type: type[Event]) -> set[str]:
     """The events on which ``actor`` declares it may publish ``event_type``."""
-    return {handled.__name__ for route in actor.routes() if event_type in (route.emits or ()) for handled in route.handles}
+    return {
+        handled.__name__
+        for route in actor.routes()
+        if event_type in (route.emits or ())
+        for handled in route.handles
+    }
 
 
 def test_the_coordinator_asks_for_a_save_only_after_a_step_a_save_or_a_stop():
@@ -191,7 +198,14 @@ class Timed(Actor):
         if event.rollout_id == 0:
             self.spawn(self._later(StopRequested(reason="timer")), emits=(StopRequested,))
         else:
-            self.spawn(self._later(RolloutGenerated(rollout_id=1, batch=None, num_samples=0, reward_mean=0, weight_versions=[])), emits=(StopRequested,))  # type: ignore[arg-type]
+            self.spawn(
+                self._later(
+                    RolloutGenerated(
+                        rollout_id=1, batch=None, num_samples=0, reward_mean=0, weight_versions=[]
+                    )
+                ),
+                emits=(StopRequested,),
+            )  # type: ignore[arg-type]
 
     async def _later(self, event: Event) -> None:
         await asyncio.sleep(0)

@@ -32,7 +32,9 @@ from schemas.config import Config
 # --- the schema --------------------------------------------------------------------------
 
 
-def schema_fields(struct: type[msgspec.Struct], prefix: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
+def schema_fields(
+    struct: type[msgspec.Struct], prefix: tuple[str, ...] = ()
+) -> Iterator[tuple[tuple[str, ...], Any]]:
     """(key path, msgspec type) of every setting."""
     for field in msgspec.inspect.type_info(struct).fields:  # type: ignore[attr-defined]
         if isinstance(field.type, msgspec.inspect.StructType):
@@ -47,26 +49,58 @@ SECTIONS = sorted({path[:-1] for path, _ in FIELDS})
 # --- values ------------------------------------------------------------------------------
 
 EXTREME_INTS = [0, 1, -1, 2, 3, 4, 2**31, 2**53 + 1, 2**63 - 1, 2**63, -(2**63), 2**64, 10**30, -(10**30)]
-EXTREME_FLOATS = [0.0, -0.0, 5e-324, 1e-300, 0.5, 1.0, 1e300, 1.7976931348623157e308, math.inf, -math.inf, math.nan]
+EXTREME_FLOATS = [
+    0.0,
+    -0.0,
+    5e-324,
+    1e-300,
+    0.5,
+    1.0,
+    1e300,
+    1.7976931348623157e308,
+    math.inf,
+    -math.inf,
+    math.nan,
+]
 
 SCALARS = st.one_of(
-    st.booleans(), st.integers(), st.floats(), st.text(max_size=8), st.sampled_from(EXTREME_INTS + EXTREME_FLOATS)
+    st.booleans(),
+    st.integers(),
+    st.floats(),
+    st.text(max_size=8),
+    st.sampled_from(EXTREME_INTS + EXTREME_FLOATS),
 )
 ANY_VALUE = st.recursive(
-    SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    SCALARS,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
     max_leaves=5,
 )
 """A value of any TOML type: for wrong types and unknown keys."""
 
 PATHS = st.one_of(
-    st.sampled_from(["prompts.jsonl", "eval.jsonl", "absent.jsonl", "", ".", "sub", "sub/", "/nonexistent/x", "~"]),
+    st.sampled_from(
+        ["prompts.jsonl", "eval.jsonl", "absent.jsonl", "", ".", "sub", "sub/", "/nonexistent/x", "~"]
+    ),
     st.text(max_size=12),
 )
-REWARD_FNS = st.sampled_from([
-    "miles_events.rl.rewards.exact_match", "miles_events.rl.rewards:exact_match", "miles_events.rl.rewards.no_such_fn",
-    "miles_events.rl.rewards", "miles_events.rl.rewards.", "no_such_module_for_fuzz.fn", ".relative.fn", "..", "a..b",
-    "nodots", "", "miles_events.rl.prompts.DataError", "json.JSONDecodeError.msg", "x\x00y.fn",
-])
+REWARD_FNS = st.sampled_from(
+    [
+        "miles_events.rl.rewards.exact_match",
+        "miles_events.rl.rewards:exact_match",
+        "miles_events.rl.rewards.no_such_fn",
+        "miles_events.rl.rewards",
+        "miles_events.rl.rewards.",
+        "no_such_module_for_fuzz.fn",
+        ".relative.fn",
+        "..",
+        "a..b",
+        "nodots",
+        "",
+        "miles_events.rl.prompts.DataError",
+        "json.JSONDecodeError.msg",
+        "x\x00y.fn",
+    ]
+)
 """Imported by ``validate``: a closed set, so that the fuzz imports nothing unknown."""
 
 
@@ -108,7 +142,13 @@ def value_for(path: tuple[str, ...], kind: Any) -> st.SearchStrategy[Any]:
 
 def toml_string(text: str) -> str:
     escaped = (
-        "\\\\" if c == "\\" else '\\"' if c == '"' else f"\\u{ord(c):04x}" if ord(c) < 0x20 or ord(c) == 0x7F else c
+        "\\\\"
+        if c == "\\"
+        else '\\"'
+        if c == '"'
+        else f"\\u{ord(c):04x}"
+        if ord(c) < 0x20 or ord(c) == 0x7F
+        else c
         for c in text
     )
     return '"' + "".join(escaped) + '"'
@@ -122,7 +162,13 @@ def toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, float):
-        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf") if math.isinf(value) else repr(value)
+        return (
+            "nan"
+            if math.isnan(value)
+            else ("inf" if value > 0 else "-inf")
+            if math.isinf(value)
+            else repr(value)
+        )
     if isinstance(value, int):
         return str(value)
     if isinstance(value, str):
@@ -151,7 +197,12 @@ def toml_document(data: dict[str, Any]) -> str:
 
 BASE: dict[str, Any] = {
     "run": {"dir": "run", "runtime": "local", "num_rollout": 2},
-    "data": {"prompt_data": "prompts.jsonl", "eval_data": "eval.jsonl", "rollout_batch_size": 2, "n_samples_per_prompt": 2},
+    "data": {
+        "prompt_data": "prompts.jsonl",
+        "eval_data": "eval.jsonl",
+        "rollout_batch_size": 2,
+        "n_samples_per_prompt": 2,
+    },
     "trainer": {"global_batch_size": 4, "micro_batch_size": 4},
 }
 """Valid with good data files: the mutations start from here, so checks deep down are reached."""
@@ -182,15 +233,35 @@ def apply(data: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
 
 
 ONE_IN_TEN = st.sampled_from([True] + [False] * 9)
-ODD_DOCUMENTS = st.sampled_from([
-    b"[run]\nseed = " + b"1" * 5000, b"a = " + b"[" * 5000, b"a = " + b"{b = " * 3000, b"\xef\xbb\xbf[run]\n",
-    b"[run]\nseed = 1\n[run]\n", b"run = 1\n", b'[run]\nseed = 1\n"seed" = 2\n', b"[data]\nrollout_batch_size = 1e400\n",
-])
+ODD_DOCUMENTS = st.sampled_from(
+    [
+        b"[run]\nseed = " + b"1" * 5000,
+        b"a = " + b"[" * 5000,
+        b"a = " + b"{b = " * 3000,
+        b"\xef\xbb\xbf[run]\n",
+        b"[run]\nseed = 1\n[run]\n",
+        b"run = 1\n",
+        b'[run]\nseed = 1\n"seed" = 2\n',
+        b"[data]\nrollout_batch_size = 1e400\n",
+    ]
+)
 """Files the TOML reader itself stops at (Python's limits, a BOM, duplicates) or nearly."""
-ODD_OVERRIDES = st.sampled_from([
-    "run.seed=" + "1" * 5000, "run.dir=" + "[" * 5000, "run.dir=runs/\udcff", "run..seed=1", "=1", "run.seed=",
-    "run=1", "run.seed.x=1", "data.prompt_data=", "trainer.lr=1e400", "run.seed=0x10", 'run.dir="a\nb"',
-])
+ODD_OVERRIDES = st.sampled_from(
+    [
+        "run.seed=" + "1" * 5000,
+        "run.dir=" + "[" * 5000,
+        "run.dir=runs/\udcff",
+        "run..seed=1",
+        "=1",
+        "run.seed=",
+        "run=1",
+        "run.seed.x=1",
+        "data.prompt_data=",
+        "trainer.lr=1e400",
+        "run.seed=0x10",
+        'run.dir="a\nb"',
+    ]
+)
 """``--set`` arguments as a shell may pass them (``\udcff``: a byte that is not UTF-8)."""
 
 
@@ -198,7 +269,9 @@ ODD_OVERRIDES = st.sampled_from([
 def configs(draw: st.DrawFn) -> tuple[bytes, list[str]]:
     """(the config file's bytes, ``--set`` arguments)."""
     if draw(ONE_IN_TEN):
-        return draw(st.one_of(st.binary(max_size=64), st.text(max_size=64).map(str.encode), ODD_DOCUMENTS)), []
+        return draw(
+            st.one_of(st.binary(max_size=64), st.text(max_size=64).map(str.encode), ODD_DOCUMENTS)
+        ), []
     data = json.loads(json.dumps(BASE))
     overrides: list[str] = []
     for path, value in draw(st.lists(MUTATION, max_size=3)):
@@ -207,7 +280,15 @@ def configs(draw: st.DrawFn) -> tuple[bytes, list[str]]:
         else:
             apply(data, path, value)
     if draw(ONE_IN_TEN):
-        overrides.append(draw(st.one_of(st.text(max_size=16), st.lists(st.text(max_size=8), min_size=2, max_size=2).map("=".join), ODD_OVERRIDES)))
+        overrides.append(
+            draw(
+                st.one_of(
+                    st.text(max_size=16),
+                    st.lists(st.text(max_size=8), min_size=2, max_size=2).map("=".join),
+                    ODD_OVERRIDES,
+                )
+            )
+        )
     return toml_document(data).encode(), overrides
 
 
@@ -221,14 +302,26 @@ ANY_JSON = st.recursive(
 LINES = st.one_of(
     st.fixed_dictionaries({"input": st.text(max_size=8), "label": st.text(max_size=4)}).map(json.dumps),
     st.fixed_dictionaries({"input": st.text(max_size=8), "label": st.text(max_size=4)}).map(json.dumps),
-    st.dictionaries(st.sampled_from(["input", "label", "x"]), ANY_JSON, max_size=3).map(json.dumps),  # keys may miss
+    st.dictionaries(st.sampled_from(["input", "label", "x"]), ANY_JSON, max_size=3).map(
+        json.dumps
+    ),  # keys may miss
     ANY_JSON.map(json.dumps),  # not an object
     st.text(max_size=20),  # mostly not JSON
 ).map(str.encode)
-ODD_LINES = st.sampled_from([
-    b"\xff", b"\xc3\x28", b"\xed\xa0\x80", b"\xe2\x82", b"\x00", b"\r", b"\xef\xbb\xbf{}", b"  ", b"[" * 5000,
-    b'{"input": "1", "label": ' + b"1" * 5000 + b"}",
-])
+ODD_LINES = st.sampled_from(
+    [
+        b"\xff",
+        b"\xc3\x28",
+        b"\xed\xa0\x80",
+        b"\xe2\x82",
+        b"\x00",
+        b"\r",
+        b"\xef\xbb\xbf{}",
+        b"  ",
+        b"[" * 5000,
+        b'{"input": "1", "label": ' + b"1" * 5000 + b"}",
+    ]
+)
 DATA_FILES = st.one_of(
     st.lists(st.one_of(LINES, LINES, LINES, ODD_LINES, st.binary(max_size=12)), max_size=6).map(b"\n".join),
     st.binary(max_size=64),
@@ -237,7 +330,9 @@ GOOD_DATA = b'{"input": "1+1=", "label": "2"}\n' * 4
 
 
 def snapshot(root: Path) -> dict[str, tuple[int, int]]:
-    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(root.rglob("*"))}
+    return {
+        str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(root.rglob("*"))
+    }
 
 
 def leaves(value: Any) -> Iterator[Any]:
@@ -258,7 +353,9 @@ def assert_runnable(config: Config) -> None:
     builtin = config.model.builtin
     if config.model.path is None:
         head_dim, odd = divmod(builtin.hidden_size, builtin.num_attention_heads)
-        assert not odd and head_dim % 2 == 0 and builtin.num_attention_heads % builtin.num_key_value_heads == 0
+        assert (
+            not odd and head_dim % 2 == 0 and builtin.num_attention_heads % builtin.num_key_value_heads == 0
+        )
 
 
 def check_input_outcome(config_bytes: bytes, overrides: list[str], prompts: bytes, eval_data: bytes) -> None:
@@ -286,7 +383,11 @@ FUZZ = settings(max_examples=250, deadline=None, database=None, suppress_health_
 
 
 @FUZZ
-@given(config=configs(), prompts=st.one_of(st.just(GOOD_DATA), DATA_FILES), eval_data=st.one_of(st.just(GOOD_DATA), DATA_FILES))
+@given(
+    config=configs(),
+    prompts=st.one_of(st.just(GOOD_DATA), DATA_FILES),
+    eval_data=st.one_of(st.just(GOOD_DATA), DATA_FILES),
+)
 def test_any_input_is_accepted_or_one_line_of_input_error(
     config: tuple[bytes, list[str]], prompts: bytes, eval_data: bytes
 ) -> None:
@@ -295,14 +396,18 @@ def test_any_input_is_accepted_or_one_line_of_input_error(
 
 @FUZZ
 @given(config=configs())
-def test_any_config_with_good_data_is_accepted_or_one_line_of_input_error(config: tuple[bytes, list[str]]) -> None:
+def test_any_config_with_good_data_is_accepted_or_one_line_of_input_error(
+    config: tuple[bytes, list[str]],
+) -> None:
     check_input_outcome(*config, GOOD_DATA, GOOD_DATA)
 
 
 @FUZZ
 @given(
     files=st.one_of(
-        st.tuples(DATA_FILES, st.just(GOOD_DATA)), st.tuples(st.just(GOOD_DATA), DATA_FILES), st.tuples(DATA_FILES, DATA_FILES)
+        st.tuples(DATA_FILES, st.just(GOOD_DATA)),
+        st.tuples(st.just(GOOD_DATA), DATA_FILES),
+        st.tuples(DATA_FILES, DATA_FILES),
     ),
     num_rollout=st.sampled_from([None, 0, 2]),
 )

@@ -110,10 +110,24 @@ def imported_modules(path: Path) -> list[tuple[int, str]]:
                 found.append((node.lineno, candidate if _exists(candidate) else base))
         elif isinstance(node, ast.Call):
             func = node.func
-            name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
-            if name in ("import_module", "__import__") and node.args and isinstance(node.args[0], ast.Constant):
+            name = (
+                func.attr
+                if isinstance(func, ast.Attribute)
+                else func.id
+                if isinstance(func, ast.Name)
+                else ""
+            )
+            if (
+                name in ("import_module", "__import__")
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+            ):
                 found.append((node.lineno, str(node.args[0].value)))
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and not _is_docstring(node, parents):
+        elif (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and not _is_docstring(node, parents)
+        ):
             match = _LAZY_REFERENCE.match(node.value)
             if match:
                 found.append((node.lineno, match.group(1)))
@@ -216,5 +230,7 @@ def test_the_driver_reads_the_roster_and_starts_a_session_without_the_model_libr
         "miles_events.runtime.ray; "
         f"print(','.join(m for m in {HEAVY!r} if m in sys.modules))"
     )
-    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    loaded = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO
+    )
     assert loaded.stdout.strip() == "", f"imported at start-up: {loaded.stdout.strip()}"

@@ -47,7 +47,9 @@ time.sleep(300)
 def start_driver(run_dir: Path) -> tuple[subprocess.Popen, int, int]:
     """A driver with a child that names Ray in its command line and one that does not."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(run_dir)], stdout=subprocess.PIPE, text=True, env=env)
+    driver = subprocess.Popen(
+        [sys.executable, "-c", DRIVER, str(run_dir)], stdout=subprocess.PIPE, text=True, env=env
+    )
     assert driver.stdout is not None
     ray_like, other = map(int, driver.stdout.readline().split())
     return driver, ray_like, other
@@ -84,12 +86,16 @@ def test_the_next_run_kills_what_a_killed_driver_left_running(tmp_path):
 
 def test_a_reused_pid_is_never_killed(tmp_path):
     me = (os.getpid(), start_time(os.getpid()))
-    (tmp_path / PROCESSES_FILE).write_text(json.dumps({"driver": [999_999_999, 1], "processes": [[me[0], me[1] + 1]]}))
+    (tmp_path / PROCESSES_FILE).write_text(
+        json.dumps({"driver": [999_999_999, 1], "processes": [[me[0], me[1] + 1]]})
+    )
     assert clean_dead_run(tmp_path) == 0 and alive(me)  # type: ignore[arg-type]
 
 
 def test_shared_memory_of_a_dead_driver_is_removed_and_its_files_are_private(tmp_path):
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
     gone_dir = tmp_path / f"{SHM_PREFIX}dead"
     gone_dir.mkdir()
     (gone_dir / OWNER_FILE).write_text(json.dumps([int(dead.stdout), 12345]))
@@ -138,7 +144,9 @@ def test_kill_9_of_a_ray_driver_leaves_nothing_after_the_next_run(tmp_path):
             "--set", 'console.mode="plain"', "--set", "data.rollout_batch_size=16", "--set", "data.n_samples_per_prompt=8",
             "--set", "trainer.global_batch_size=64", "--set", "trainer.micro_batch_size=64"]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    first = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT, env=env)
+    first = subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT, env=env
+    )
     try:
         assert first.stdout is not None
         for line in first.stdout:

@@ -1,4 +1,5 @@
-"""The code base passes ruff's and mypy's checks as configured in pyproject.toml."""
+"""The code base passes ruff's and mypy's checks and is formatted by ruff, as configured in
+pyproject.toml."""
 
 import importlib.util
 import shutil
@@ -15,8 +16,18 @@ def test_ruff_finds_nothing():
     ruff = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
     if ruff is None:
         pytest.skip("ruff is not installed (pip install -e '.[test]')")
-    result = subprocess.run([ruff, "check", "--output-format", "concise", str(ROOT)], capture_output=True, text=True)
+    result = subprocess.run(
+        [ruff, "check", "--output-format", "concise", str(ROOT)], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stdout
+
+
+def test_the_code_is_formatted():
+    ruff = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
+    if ruff is None:
+        pytest.skip("ruff is not installed (pip install -e '.[test]')")
+    result = subprocess.run([ruff, "format", "--check", str(ROOT)], capture_output=True, text=True)
+    assert result.returncode == 0, f"run `ruff format .`:\n{result.stdout}"
 
 
 def test_mypy_finds_nothing():

@@ -18,6 +18,10 @@ def test_the_arenas_are_capped_unless_the_user_set_them() -> None:
     capped = subprocess.run([sys.executable, "-c", CAP], capture_output=True, text=True, env=env, timeout=60)
     assert capped.stdout.strip() == "True", capped.stderr
     left = subprocess.run(
-        [sys.executable, "-c", CAP], capture_output=True, text=True, env={**env, "MALLOC_ARENA_MAX": "8"}, timeout=60
+        [sys.executable, "-c", CAP],
+        capture_output=True,
+        text=True,
+        env={**env, "MALLOC_ARENA_MAX": "8"},
+        timeout=60,
     )
     assert left.stdout.strip() == "False", left.stderr

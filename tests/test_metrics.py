@@ -105,9 +105,15 @@ def test_every_publication_outcome_has_a_series_from_run_start(observed: RunMetr
     assert value(observed, "miles_publications_total", run=run_id, outcome="failed") == 0
 
 
-def test_checksum_info_has_one_current_series_per_role_and_engine(observed: RunMetrics, events, run_id) -> None:
+def test_checksum_info_has_one_current_series_per_role_and_engine(
+    observed: RunMetrics, events, run_id
+) -> None:
     info = series(observed, "miles_weight_checksum_info")
-    assert sorted((s["role"], s["engine"]) for s in info) == [("engine", "engine-0"), ("engine", "engine-1"), ("trainer", "")]
+    assert sorted((s["role"], s["engine"]) for s in info) == [
+        ("engine", "engine-0"),
+        ("engine", "engine-1"),
+        ("trainer", ""),
+    ]
     staged = last(events, WeightsStaged)
     assert {(s["weight_version"], s["digest"]) for s in info} == {(staged.weight_version, staged.digest)}  # type: ignore[attr-defined]
 
@@ -147,7 +153,10 @@ def test_checkpoint_metrics_follow_the_saves(observed: RunMetrics, run_id) -> No
 def test_publication_durations_are_observed_per_phase(observed: RunMetrics, events, run_id) -> None:
     publications = sum(isinstance(e, WeightsPublished) for e in events)
     for phase in ("stage", "load", "total"):
-        assert value(observed, "miles_publication_duration_seconds_count", run=run_id, phase=phase) == publications
+        assert (
+            value(observed, "miles_publication_duration_seconds_count", run=run_id, phase=phase)
+            == publications
+        )
 
 
 def test_every_series_carries_the_run_label(observed: RunMetrics, run_id) -> None:
@@ -393,7 +402,9 @@ def stop(proc: subprocess.Popen[str]) -> tuple[int, str]:
 def test_replay_serves_the_metrics_of_the_log_until_interrupted(events: list[Event], run_id: str) -> None:
     proc, line = start_replay(FIXTURE_LOG)
     try:
-        assert line.startswith(f"serving metrics of {len(events)} events from {FIXTURE_LOG} at http://127.0.0.1:")
+        assert line.startswith(
+            f"serving metrics of {len(events)} events from {FIXTURE_LOG} at http://127.0.0.1:"
+        )
         found = scrape(line.split()[-1])
     finally:
         status, err = stop(proc)

@@ -23,7 +23,9 @@ LOOP = actor("loop", WorkerGroup(role="driver"))
 
 
 def test_each_role_gets_its_own_group_with_a_bundle_per_rank():
-    groups = placement_bundles([GEN, TRAIN, SAVE, LOG, LOOP], Config(ray=RayConfig(own_process=["save", "log"])))
+    groups = placement_bundles(
+        [GEN, TRAIN, SAVE, LOG, LOOP], Config(ray=RayConfig(own_process=["save", "log"]))
+    )
     assert set(groups) == {"rollout", "actor", "service"}
     assert groups["rollout"][0] == [{"CPU": 1.0, "GPU": 0.5}, {"CPU": 1.0, "GPU": 0.5}]
     assert groups["actor"][0] == [{"CPU": 1.0, "GPU": 0.5}, {"CPU": 1.0, "GPU": 0.5}]
@@ -45,7 +47,13 @@ def test_driver_actors_are_not_placed():
 
 def test_light_actors_are_hosted_by_the_driver_unless_named():
     assert placement_bundles([SAVE, LOG, LOOP], Config()) == {}
-    assert [own_process(cls, Config()) for cls in (GEN, TRAIN, SAVE, LOG, LOOP)] == [True, True, False, False, False]
+    assert [own_process(cls, Config()) for cls in (GEN, TRAIN, SAVE, LOG, LOOP)] == [
+        True,
+        True,
+        False,
+        False,
+        False,
+    ]
     # The option gives a light actor a process; a driver actor never has one.
     named = Config(ray=RayConfig(own_process=["log", "loop"]))
     assert [own_process(cls, named) for cls in (SAVE, LOG, LOOP)] == [False, True, False]
@@ -55,7 +63,11 @@ def test_the_run_places_generator_and_trainer_and_the_light_actors_named():
     groups = placement_bundles(list(ACTORS), Config())
     assert {role: len(bundles) for role, (bundles, _) in groups.items()} == {"rollout": 1, "actor": 1}
     groups = placement_bundles(list(ACTORS), Config(ray=RayConfig(own_process=["saver"])))
-    assert {role: len(bundles) for role, (bundles, _) in groups.items()} == {"rollout": 1, "actor": 1, "service": 1}
+    assert {role: len(bundles) for role, (bundles, _) in groups.items()} == {
+        "rollout": 1,
+        "actor": 1,
+        "service": 1,
+    }
     assert [cls.name for cls, _, _ in groups["service"][1]] == ["saver"]
 
 

@@ -41,13 +41,20 @@ def test_an_unset_num_rollout_is_epochs_of_whole_batches(tmp_path):
 
 
 def test_an_unset_num_rollout_with_fewer_prompts_than_a_batch_is_one_clear_error(tmp_path):
-    with pytest.raises(DataError, match=r"55 prompts, fewer than one rollout batch \(data.rollout_batch_size = 64\)"):
+    with pytest.raises(
+        DataError, match=r"55 prompts, fewer than one rollout batch \(data.rollout_batch_size = 64\)"
+    ):
         make_plan(config(tmp_path), "local")
 
 
 def test_a_fresh_plan_starts_at_rollout_zero_with_default_weights(tmp_path):
     plan = make_plan(config(tmp_path, num_rollout=3, resume=True), "ray").plan
-    assert (plan.start_rollout_id, plan.weight_version, plan.resumed, plan.load_checkpoint) == (0, "default", False, None)
+    assert (plan.start_rollout_id, plan.weight_version, plan.resumed, plan.load_checkpoint) == (
+        0,
+        "default",
+        False,
+        None,
+    )
     assert plan.engines == ("engine-0",) and plan.runtime == "ray"
 
 
@@ -117,14 +124,18 @@ def test_resume_never_crosses_into_another_runs_lineage(tmp_path, base):
     run_dir = tmp_path / "run"
     save(run_dir, base, 0, lineage="run-old")
     corrupt(save(run_dir, base, 1, lineage="run-new"))
-    with pytest.raises(CheckpointError, match=r"rollout_000000: another run's \(lineage run-old, resuming run-new\)"):
+    with pytest.raises(
+        CheckpointError, match=r"rollout_000000: another run's \(lineage run-old, resuming run-new\)"
+    ):
         make_plan(config(run_dir, num_rollout=3, resume=True), "local")
 
 
 def test_a_fresh_run_is_refused_where_another_run_saved_unless_it_overwrites(tmp_path, base):
     run_dir = tmp_path / "run"
     save(run_dir, base, 0)
-    with pytest.raises(CheckpointError, match="holds another run's checkpoints .*rollout_000000.*run.overwrite = true"):
+    with pytest.raises(
+        CheckpointError, match="holds another run's checkpoints .*rollout_000000.*run.overwrite = true"
+    ):
         make_plan(config(run_dir, num_rollout=3), "local", run_id="run-b")
     planned = make_plan(config(run_dir, num_rollout=3, overwrite=True), "local", run_id="run-b")
     plan = planned.plan
@@ -136,13 +147,17 @@ def test_a_fresh_run_is_refused_where_another_run_saved_unless_it_overwrites(tmp
     assert not (run_dir / "checkpoints").exists()
 
 
-def test_resume_sets_aside_every_checkpoint_of_another_lineage_so_nothing_prunes_or_replaces_it(tmp_path, base):
+def test_resume_sets_aside_every_checkpoint_of_another_lineage_so_nothing_prunes_or_replaces_it(
+    tmp_path, base
+):
     run_dir = tmp_path / "run"
     save(run_dir, base, 0, lineage="run-old")
     save(run_dir, base, 1, lineage="run-new")
     planned = make_plan(config(run_dir, num_rollout=3, resume=True), "local")
     plan = planned.plan
-    assert plan.load_checkpoint == str(run_dir / "checkpoints" / "rollout_000001") and plan.lineage == "run-new"
+    assert (
+        plan.load_checkpoint == str(run_dir / "checkpoints" / "rollout_000001") and plan.lineage == "run-new"
+    )
     set_aside_all(planned.moves)
     assert not (run_dir / "checkpoints" / "rollout_000000").exists()
     assert (run_dir / "checkpoints" / "rollout_000000.other-lineage" / "model.safetensors").is_file()

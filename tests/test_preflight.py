@@ -39,14 +39,18 @@ BAD = {
 }
 
 
-def data_config(tmp_path: Path, prompts: bytes = GOOD * 4, eval_data: bytes | None = None, **run: object) -> Config:
+def data_config(
+    tmp_path: Path, prompts: bytes = GOOD * 4, eval_data: bytes | None = None, **run: object
+) -> Config:
     (tmp_path / "prompts.jsonl").write_bytes(prompts)
     eval_path = None
     if eval_data is not None:
         eval_path = tmp_path / "eval.jsonl"
         eval_path.write_bytes(eval_data)
     data = DataConfig(
-        prompt_data=str(tmp_path / "prompts.jsonl"), eval_data=str(eval_path) if eval_path else None, rollout_batch_size=2
+        prompt_data=str(tmp_path / "prompts.jsonl"),
+        eval_data=str(eval_path) if eval_path else None,
+        rollout_batch_size=2,
     )
     return Config(run=RunConfig(dir=str(tmp_path / "run"), **run), data=data)  # type: ignore[arg-type]
 
@@ -85,7 +89,11 @@ def test_the_parameter_count_is_the_built_models(architecture: str, tie: bool) -
     assert len(build_arith_tokenizer()) == BUILTIN_VOCAB_SIZE
     builtin = BuiltinModelConfig(
         architecture=architecture,  # type: ignore[arg-type]
-        hidden_size=48, intermediate_size=40, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
+        hidden_size=48,
+        intermediate_size=40,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        num_key_value_heads=2,
         tie_word_embeddings=tie,
     )
     model, _ = build_builtin(builtin, seed=0)
@@ -122,7 +130,9 @@ def test_available_memory_reads_mem_available(tmp_path: Path, monkeypatch: pytes
     assert available_memory() == 2048 * 1024
 
 
-def test_available_memory_without_meminfo_asks_sysconf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_available_memory_without_meminfo_asks_sysconf(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(memory, "MEMINFO", tmp_path / "absent")
     available = available_memory()
     assert available is None or available > 0
@@ -132,7 +142,9 @@ def test_load_and_check_writes_nothing(tmp_path: Path) -> None:
     (tmp_path / "prompts.jsonl").write_bytes(GOOD)
     (tmp_path / "eval.jsonl").write_bytes(b"\xff")
     path = tmp_path / "run.toml"
-    path.write_text('[run]\nnum_rollout = 1\ndir = "run"\n[data]\nprompt_data = "prompts.jsonl"\neval_data = "eval.jsonl"\n')
+    path.write_text(
+        '[run]\nnum_rollout = 1\ndir = "run"\n[data]\nprompt_data = "prompts.jsonl"\neval_data = "eval.jsonl"\n'
+    )
     before = sorted(tmp_path.rglob("*"))
     with pytest.raises(INPUT_ERRORS, match=r"^data.eval_data: .*eval.jsonl:1: not UTF-8 text"):
         load_and_check(path)
@@ -143,22 +155,34 @@ def test_load_and_check_writes_nothing(tmp_path: Path) -> None:
 def test_a_rollout_that_cannot_fit_is_refused_naming_its_sizes() -> None:
     """``data.n_samples_per_prompt = 1e9`` grew to 24 GB and was OOM-killed: refused first."""
     config = Config(data=DataConfig(rollout_batch_size=64, n_samples_per_prompt=10**9))
-    with pytest.raises(ConfigError, match=r"a rollout of 64,000,000,000 samples .* needs about .* GiB of memory, more than"):
+    with pytest.raises(
+        ConfigError, match=r"a rollout of 64,000,000,000 samples .* needs about .* GiB of memory, more than"
+    ):
         preflight.check_rollout_fits(config, available=24 * 2**30, longest_prompt=8)
     # The embedded default's rollout (4096 samples) needs a few MiB.
-    preflight.check_rollout_fits(Config(data=DataConfig(rollout_batch_size=64, n_samples_per_prompt=64)), 2**30, 8)
+    preflight.check_rollout_fits(
+        Config(data=DataConfig(rollout_batch_size=64, n_samples_per_prompt=64)), 2**30, 8
+    )
 
 
 def test_the_rollout_estimate_grows_with_what_it_holds() -> None:
     shape = memory.ModelShape.from_builtin(BuiltinModelConfig(), 4)
-    small = memory.rollout_memory(shape, samples=4096, prompt_tokens=8, max_new_tokens=3, engine_batch=4096, micro_batch=1024)
-    more = memory.rollout_memory(shape, samples=8192, prompt_tokens=8, max_new_tokens=3, engine_batch=4096, micro_batch=1024)
-    longer = memory.rollout_memory(shape, samples=4096, prompt_tokens=40, max_new_tokens=3, engine_batch=4096, micro_batch=1024)
+    small = memory.rollout_memory(
+        shape, samples=4096, prompt_tokens=8, max_new_tokens=3, engine_batch=4096, micro_batch=1024
+    )
+    more = memory.rollout_memory(
+        shape, samples=8192, prompt_tokens=8, max_new_tokens=3, engine_batch=4096, micro_batch=1024
+    )
+    longer = memory.rollout_memory(
+        shape, samples=4096, prompt_tokens=40, max_new_tokens=3, engine_batch=4096, micro_batch=1024
+    )
     assert more.batch_bytes == 2 * small.batch_bytes and more.engine_bytes == small.engine_bytes
     assert longer.host_bytes(on_gpu=False) > small.host_bytes(on_gpu=False) > small.host_bytes(on_gpu=True)
 
 
-def test_a_gpu_is_seen_without_torch_where_the_driver_lists_one_in_this_container_and_none_is_hidden(tmp_path, monkeypatch):
+def test_a_gpu_is_seen_without_torch_where_the_driver_lists_one_in_this_container_and_none_is_hidden(
+    tmp_path, monkeypatch
+):
     gpus, control = tmp_path / "gpus", tmp_path / "nvidiactl"
     monkeypatch.setattr(memory, "NVIDIA_GPUS", gpus)
     monkeypatch.setattr(memory, "NVIDIA_CONTROL", control)
@@ -197,7 +221,12 @@ def test_a_gpu_is_seen_without_torch_where_the_driver_lists_one_in_this_containe
     ],
 )
 def test_cuda_graph_decoding_needs_a_gpu_where_the_engines_run(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, runtime: str, address: str | None, present: bool, refused: bool
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    runtime: str,
+    address: str | None,
+    present: bool,
+    refused: bool,
 ) -> None:
     import msgspec
 
@@ -205,7 +234,9 @@ def test_cuda_graph_decoding_needs_a_gpu_where_the_engines_run(
 
     monkeypatch.setattr(preflight, "cuda_present", lambda: present)
     config = msgspec.structs.replace(
-        data_config(tmp_path, runtime=runtime), rollout=RolloutConfig(decode="cuda_graph"), ray=RayConfig(address=address)
+        data_config(tmp_path, runtime=runtime),
+        rollout=RolloutConfig(decode="cuda_graph"),
+        ray=RayConfig(address=address),
     )
     if refused:
         with pytest.raises(ConfigError, match='rollout.decode: "cuda_graph" needs a CUDA GPU') as caught:
@@ -227,7 +258,12 @@ def test_cuda_graph_decoding_needs_a_gpu_where_the_engines_run(
     ],
 )
 def test_the_cuda_ipc_transport_needs_a_gpu_where_the_actors_run(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, runtime: str, address: str | None, present: bool, refused: bool
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    runtime: str,
+    address: str | None,
+    present: bool,
+    refused: bool,
 ) -> None:
     import msgspec
 
@@ -246,7 +282,9 @@ def test_the_cuda_ipc_transport_needs_a_gpu_where_the_actors_run(
         assert "\n" not in str(caught.value)
     else:
         preflight.check_transport_device(config)
-    preflight.check_transport_device(msgspec.structs.replace(config, publisher=PublisherConfig(transport="shm")))
+    preflight.check_transport_device(
+        msgspec.structs.replace(config, publisher=PublisherConfig(transport="shm"))
+    )
 
 
 def vllm_config(tmp_path: Path, **builtin: int) -> Config:
@@ -284,7 +322,9 @@ def test_a_builtin_head_dimension_below_32_is_refused_for_vllm_naming_the_keys_a
         f"model.builtin.num_attention_heads: a head dimension of {head_dim} (model.builtin.hidden_size "
         f"{builtin['hidden_size']} / model.builtin.num_attention_heads {builtin['num_attention_heads']}) "
     ), message
-    assert 'generator.engine = "vllm"' in message and f"set model.builtin.{fix} (head dimension 32)" in message
+    assert (
+        'generator.engine = "vllm"' in message and f"set model.builtin.{fix} (head dimension 32)" in message
+    )
     assert caught.value.key == "model.builtin.num_attention_heads" and "\n" not in message
 
 
@@ -293,7 +333,9 @@ def test_a_head_dimension_vllm_serves_passes_and_other_engines_are_not_asked(tmp
 
     from schemas.config import GeneratorConfig
 
-    preflight.check_vllm_head_size(vllm_config(tmp_path, hidden_size=128, num_attention_heads=4, num_key_value_heads=2))
+    preflight.check_vllm_head_size(
+        vllm_config(tmp_path, hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
+    )
     small = vllm_config(tmp_path, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
     preflight.check_vllm_head_size(msgspec.structs.replace(small, generator=GeneratorConfig(engine="torch")))
 
@@ -305,18 +347,24 @@ def test_a_model_directory_whose_head_dimension_vllm_cannot_serve_is_refused(tmp
 
     model = tmp_path / "model"
     model.mkdir()
-    (model / "config.json").write_text(json.dumps({"hidden_size": 256, "num_attention_heads": 4, "head_dim": 16}))
+    (model / "config.json").write_text(
+        json.dumps({"hidden_size": 256, "num_attention_heads": 4, "head_dim": 16})
+    )
     config = vllm_config(tmp_path)
     config = msgspec.structs.replace(config, model=ModelConfig(path=str(model)))
     with pytest.raises(ConfigError) as caught:
         preflight.check_vllm_head_size(config)
     message = str(caught.value)
-    assert message.startswith(f"model.path: {model / 'config.json'} gives a head dimension of 16 (head_dim)"), message
+    assert message.startswith(
+        f"model.path: {model / 'config.json'} gives a head dimension of 16 (head_dim)"
+    ), message
     assert caught.value.key == "model.path" and "\n" not in message
     (model / "config.json").write_text(json.dumps({"hidden_size": 256, "num_attention_heads": 4}))
     preflight.check_vllm_head_size(config)  # 64
     (model / "config.json").write_text("{")
     preflight.check_vllm_head_size(config)  # unreadable: the server says what it cannot read
+
+
 # --- the model directory (model.path) ----------------------------------------------------
 
 
@@ -340,7 +388,8 @@ DAMAGE = {
     "a file": (lambda d: (shutil.rmtree(d), d.write_text("")), "model.path: {d} is not a directory"),
     "no config.json": (lambda d: (d / "config.json").unlink(), "model.path: {d} has no config.json"),
     "config.json not JSON": (
-        lambda d: (d / "config.json").write_text("{"), "model.path: {d}/config.json: not valid JSON"
+        lambda d: (d / "config.json").write_text("{"),
+        "model.path: {d}/config.json: not valid JSON",
     ),
     "an unknown model_type": (
         lambda d: set_model_type(d / "config.json"),
@@ -350,7 +399,10 @@ DAMAGE = {
         lambda d: [(d / name).unlink() for name in ("tokenizer.json", "tokenizer_config.json")],
         "model.path: {d} has no tokenizer (none of tokenizer.json,",
     ),
-    "no weights": (lambda d: (d / "model.safetensors").unlink(), "model.path: {d} has no *.safetensors weights"),
+    "no weights": (
+        lambda d: (d / "model.safetensors").unlink(),
+        "model.path: {d} has no *.safetensors weights",
+    ),
     "truncated weights": (
         lambda d: truncate(d / "model.safetensors"),
         "model.path: {d}/model.safetensors: 5,000 bytes where its header's tensors end at ",
@@ -370,7 +422,9 @@ def test_a_good_model_directory_passes_and_gives_its_tokenizer_and_positions(mod
 
 
 @pytest.mark.parametrize("damage", sorted(DAMAGE))
-def test_a_damaged_model_directory_is_refused_naming_the_file(model_dir: Path, tmp_path: Path, damage: str) -> None:
+def test_a_damaged_model_directory_is_refused_naming_the_file(
+    model_dir: Path, tmp_path: Path, damage: str
+) -> None:
     """Each was an exit 1 after the run directory was written (a missing directory: Hugging
     Face's "Repo id must be in the form ..."; no tokenizer: no tokens at the first eval)."""
     damaged = tmp_path / "model"
@@ -389,7 +443,9 @@ def test_a_sharded_model_missing_a_file_its_index_names_is_refused(model_dir: Pa
     (damaged / "model.safetensors.index.json").write_text(
         '{"weight_map": {"a": "model.safetensors", "b": "model-00002-of-00002.safetensors"}}'
     )
-    with pytest.raises(ConfigError, match=r"model.safetensors.index.json names 1 missing file\(s\): model-00002"):
+    with pytest.raises(
+        ConfigError, match=r"model.safetensors.index.json names 1 missing file\(s\): model-00002"
+    ):
         preflight.check_model_path(with_model(damaged))
 
 
@@ -410,14 +466,20 @@ def test_a_prompt_the_builtin_tokenizer_finds_no_token_in_is_refused_naming_its_
 
 def test_a_prompt_without_tokens_is_refused_with_a_model_path(model_dir: Path, tmp_path: Path) -> None:
     config = msgspec.structs.replace(
-        data_config(tmp_path, eval_data=b'{"input": "", "label": "1"}\n'), model=ModelConfig(path=str(model_dir))
+        data_config(tmp_path, eval_data=b'{"input": "", "label": "1"}\n'),
+        model=ModelConfig(path=str(model_dir)),
     )
     checked = preflight.check_model_path(config)
-    with pytest.raises(DataError, match=r"^data.eval_data: .*eval.jsonl:1: the prompt '' has no tokens with the tokenizer of "):
+    with pytest.raises(
+        DataError,
+        match=r"^data.eval_data: .*eval.jsonl:1: the prompt '' has no tokens with the tokenizer of ",
+    ):
         preflight.check_prompts(config, preflight.read_data(config), checked)
 
 
-def test_new_tokens_beyond_the_models_positions_are_refused_naming_both_numbers_and_keys(tmp_path: Path) -> None:
+def test_new_tokens_beyond_the_models_positions_are_refused_naming_both_numbers_and_keys(
+    tmp_path: Path,
+) -> None:
     """859-token responses were decoded on a 64-position model."""
     config = data_config(tmp_path, prompts=GOOD + b'{"input": "12+34=", "label": "46"}\n' + GOOD)
     config = msgspec.structs.replace(config, rollout=RolloutConfig(max_new_tokens=859))
@@ -435,7 +497,9 @@ def test_new_tokens_beyond_the_models_positions_are_refused_naming_both_numbers_
 
 def test_positions_are_those_of_the_model_path(model_dir: Path, tmp_path: Path) -> None:
     config = msgspec.structs.replace(
-        data_config(tmp_path), model=ModelConfig(path=str(model_dir)), rollout=RolloutConfig(max_new_tokens=61)
+        data_config(tmp_path),
+        model=ModelConfig(path=str(model_dir)),
+        rollout=RolloutConfig(max_new_tokens=61),
     )
     with pytest.raises(ConfigError, match=rf"\(max_position_embeddings of {model_dir}/config.json\)"):
         preflight.check_prompts(config, preflight.read_data(config), preflight.check_model_path(config))
@@ -482,7 +546,9 @@ def test_a_reward_function_that_cannot_score_the_first_sample_is_refused(
     assert str(caught.value) == expected.format(data=tmp_path / "prompts.jsonl")
 
 
-@pytest.mark.parametrize("reward_fn", ["miles_events.rl.rewards.exact_match", "tests.e2e_rewards.true_when_right"])
+@pytest.mark.parametrize(
+    "reward_fn", ["miles_events.rl.rewards.exact_match", "tests.e2e_rewards.true_when_right"]
+)
 def test_a_reward_function_returning_a_real_number_passes(tmp_path: Path, reward_fn: str) -> None:
     config = reward_config(tmp_path, reward_fn)
     preflight.check_reward_fn(config, preflight.read_data(config))
@@ -494,7 +560,9 @@ def test_a_reward_function_returning_a_real_number_passes(tmp_path: Path, reward
 def test_one_sample_per_prompt_is_refused_as_grpo_learns_nothing_from_it() -> None:
     """GRPO's advantage is a sample's reward less its group's mean: 0 in a group of one."""
     for normalize in (True, False):  # GRPO and Dr.GRPO
-        config = Config(data=DataConfig(n_samples_per_prompt=1), trainer=TrainerConfig(normalize_advantage_std=normalize))
+        config = Config(
+            data=DataConfig(n_samples_per_prompt=1), trainer=TrainerConfig(normalize_advantage_std=normalize)
+        )
         with pytest.raises(ConfigError) as caught:
             preflight.check_group_size(config)
         assert caught.value.key == "data.n_samples_per_prompt"
@@ -506,13 +574,17 @@ def test_one_sample_per_prompt_is_refused_as_grpo_learns_nothing_from_it() -> No
 
 
 def test_one_sample_per_prompt_is_accepted_where_nothing_is_trained() -> None:
-    rollout_only = RunConfig(rollout_only_from_checkpoint=True, load="/ckpt", rollout_only_publication_evidence="/e")
+    rollout_only = RunConfig(
+        rollout_only_from_checkpoint=True, load="/ckpt", rollout_only_publication_evidence="/e"
+    )
     preflight.check_group_size(Config(run=rollout_only, data=DataConfig(n_samples_per_prompt=1)))
     preflight.check_group_size(Config(run=RunConfig(num_rollout=0), data=DataConfig(n_samples_per_prompt=1)))
 
 
 @pytest.mark.slow
-def test_on_the_ray_runtime_the_model_checks_run_in_a_child_and_the_driver_imports_no_torch(tmp_path: Path) -> None:
+def test_on_the_ray_runtime_the_model_checks_run_in_a_child_and_the_driver_imports_no_torch(
+    tmp_path: Path,
+) -> None:
     """The driver of a ray run imports neither torch nor transformers: the checks that need
     them run in a child process and its error is raised here as it was found there."""
     import subprocess
@@ -533,7 +605,9 @@ def test_on_the_ray_runtime_the_model_checks_run_in_a_child_and_the_driver_impor
         "    print(error)\n"
         "print(','.join(m for m in ('torch', 'transformers', 'tokenizers', 'safetensors') if m in sys.modules))\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+    )
     assert done.stdout.splitlines() == [
         f"data.prompt_data: {tmp_path}/bad.jsonl:2: the prompt 'abc' has no tokens with the built-in model's tokenizer",
         "",

@@ -28,7 +28,9 @@ def test_the_probe_batch_is_fixed_by_the_seed_and_inside_the_vocabulary():
     assert (prompts, responses) == probe_batch(50, seed=3)
     assert probe_batch(50, seed=4) != (prompts, responses)
     assert len(prompts) == len(responses) == PROBE_SEQUENCES
-    assert all(len(p) == PROBE_PROMPT_TOKENS for p in prompts) and all(len(r) == PROBE_RESPONSE_TOKENS for r in responses)
+    assert all(len(p) == PROBE_PROMPT_TOKENS for p in prompts) and all(
+        len(r) == PROBE_RESPONSE_TOKENS for r in responses
+    )
     assert all(0 <= t < 50 for row in prompts + responses for t in row)
 
 
@@ -64,7 +66,9 @@ def test_the_logprobs_are_those_of_the_full_forward(model_dir: Path):
     with torch.no_grad():
         logprobs = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
     start = len(prompts[0])
-    assert row == pytest.approx([logprobs[start - 1 + i, t].item() for i, t in enumerate(responses[0])], abs=1e-6)
+    assert row == pytest.approx(
+        [logprobs[start - 1 + i, t].item() for i, t in enumerate(responses[0])], abs=1e-6
+    )
 
 
 def test_the_default_tolerance_follows_the_dtype_and_a_setting_wins():

@@ -40,7 +40,10 @@ def test_a_truncated_utf8_sequence_at_the_end_is_named(tmp_path: Path) -> None:
 
 
 def test_bad_json_names_the_line(tmp_path: Path) -> None:
-    assert error_of(tmp_path, GOOD + b"{oops\n") == ":2: not valid JSON (Expecting property name enclosed in double quotes)"
+    assert (
+        error_of(tmp_path, GOOD + b"{oops\n")
+        == ":2: not valid JSON (Expecting property name enclosed in double quotes)"
+    )
 
 
 def test_json_nested_too_deeply_is_a_data_error(tmp_path: Path) -> None:
@@ -49,7 +52,10 @@ def test_json_nested_too_deeply_is_a_data_error(tmp_path: Path) -> None:
 
 def test_an_integer_python_will_not_convert_is_a_data_error(tmp_path: Path) -> None:
     message = error_of(tmp_path, b'{"input": "1", "label": ' + b"1" * 5000 + b"}\n")
-    assert message.startswith(":1: not usable JSON (Exceeds the limit") and "set_int_max_str_digits" not in message
+    assert (
+        message.startswith(":1: not usable JSON (Exceeds the limit")
+        and "set_int_max_str_digits" not in message
+    )
 
 
 @pytest.mark.parametrize("content", [b'{"input": "1"}\n', b"[1, 2]\n", b'"input"\n'])
@@ -87,13 +93,18 @@ def test_a_lone_surrogate_is_refused_naming_the_line_and_key(tmp_path: Path, key
     """JSON may escape half of a UTF-16 pair on its own (``"\\ud800"``): that is no text."""
     record = {"input": '"1+1="', "label": '"2"'} | {key: '"a\\ud800"'}
     line = f'{{"input": {record["input"]}, "label": {record["label"]}}}\n'.encode()
-    assert error_of(tmp_path, GOOD + line) == f":2: {key!r} holds a lone surrogate ('\\ud800'), which is not text"
+    assert (
+        error_of(tmp_path, GOOD + line)
+        == f":2: {key!r} holds a lone surrogate ('\\ud800'), which is not text"
+    )
 
 
 @pytest.mark.parametrize("key", ["input", "label"])
 def test_a_null_input_or_label_is_refused(tmp_path: Path, key: str) -> None:
     """It was read as the text ``'None'``."""
-    line = b'{"input": "1+1=", "label": "2"}'.replace(b'"2"' if key == "label" else b'"1+1="', b"null") + b"\n"
+    line = (
+        b'{"input": "1+1=", "label": "2"}'.replace(b'"2"' if key == "label" else b'"1+1="', b"null") + b"\n"
+    )
     assert error_of(tmp_path, GOOD + line) == f":2: {key!r} is null; give a string"
 
 
@@ -118,13 +129,17 @@ def test_each_prompt_knows_its_line(tmp_path: Path) -> None:
 
 def test_fewer_prompts_than_a_batch_is_an_error_naming_the_keys() -> None:
     assert whole_batches_per_epoch(9, 4) == 2
-    with pytest.raises(DataError, match=r"run.num_rollout is unset .* 3 prompts, .*data.rollout_batch_size = 4"):
+    with pytest.raises(
+        DataError, match=r"run.num_rollout is unset .* 3 prompts, .*data.rollout_batch_size = 4"
+    ):
         whole_batches_per_epoch(3, 4)
 
 
 def test_the_data_order_is_unchanged_for_the_seeds_it_always_took() -> None:
     for seed, epoch in ((0, 0), (1234, 3), (2**40, 1)):
-        expected = torch.randperm(50, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch)).tolist()
+        expected = torch.randperm(
+            50, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+        ).tolist()
         assert epoch_order(50, seed, epoch, shuffle=True) == expected
 
 

@@ -38,7 +38,9 @@ from schemas.plan import RunPlan
 ENGINES = ("engine-0", "engine-1")
 
 
-def replies(request_id: str, action: str, success: bool = True, message: str = "", **fields) -> ChecksFinished:
+def replies(
+    request_id: str, action: str, success: bool = True, message: str = "", **fields
+) -> ChecksFinished:
     return ChecksFinished(tuple(
         WeightsCheckFinished(engine=engine, action=action, success=success, message=message, request_id=request_id,
                              **fields)
@@ -54,7 +56,9 @@ def test_a_check_is_finished_once_every_engine_answered_it_in_engine_order():
     second = WeightsCheckFinished(engine="engine-1", action="snapshot", success=True, request_id="r")
     first = WeightsCheckFinished(engine="engine-0", action="snapshot", success=True, request_id="r")
     assert not check.add(second)
-    assert not check.add(WeightsCheckFinished(engine="engine-0", action="snapshot", success=True, request_id="other"))
+    assert not check.add(
+        WeightsCheckFinished(engine="engine-0", action="snapshot", success=True, request_id="other")
+    )
     assert check.add(first)
     assert check.finished() == ChecksFinished((first, second))
 
@@ -83,8 +87,12 @@ def test_the_initial_publication_ignores_what_it_does_not_wait_on():
 # --- UpdateCheck (check_weight_update_equal) -------------------------------------------------
 
 
-VERIFIER = VerifierConfig(check_weight_update_equal=True, check_weight_update_selector="target",
-                          check_weight_update_skip_list=["lm_head"], check_weight_update_allow_quant_error=True)
+VERIFIER = VerifierConfig(
+    check_weight_update_equal=True,
+    check_weight_update_selector="target",
+    check_weight_update_skip_list=["lm_head"],
+    check_weight_update_allow_quant_error=True,
+)
 
 
 def update_replies(action: str, success: bool = True, message: str = "") -> ChecksFinished:
@@ -94,8 +102,13 @@ def update_replies(action: str, success: bool = True, message: str = "") -> Chec
 def test_the_update_check_is_snapshot_reset_publish_compare():
     protocol = UpdateCheck(VERIFIER, resumed=False)
     snapshot = protocol.step(STARTED)
-    assert snapshot == WeightsCheckRequested(action="snapshot", selector="target", skip_tensor_list=["lm_head"],
-                                             allow_quant_error=True, request_id="check_weight_update_equal:snapshot")
+    assert snapshot == WeightsCheckRequested(
+        action="snapshot",
+        selector="target",
+        skip_tensor_list=["lm_head"],
+        allow_quant_error=True,
+        request_id="check_weight_update_equal:snapshot",
+    )
     assert protocol.state is UpdateCheckState.SNAPSHOT
     reset = protocol.step(update_replies("snapshot"))
     assert isinstance(reset, WeightsCheckRequested) and reset.action == "reset_tensors"
@@ -122,7 +135,9 @@ def test_a_resumed_update_check_resets_publishes_and_compares_nothing():
 def test_an_update_check_step_that_fails_on_an_engine_fails_naming_it(action):
     protocol = UpdateCheck(VERIFIER, resumed=False)
     protocol.step(STARTED)
-    for before in ("snapshot", "reset_tensors", "compare")[: ("snapshot", "reset_tensors", "compare").index(action)]:
+    for before in ("snapshot", "reset_tensors", "compare")[
+        : ("snapshot", "reset_tensors", "compare").index(action)
+    ]:
         protocol.step(update_replies(before))
         if before == "reset_tensors":
             protocol.step(PUBLISHED)
@@ -164,21 +179,40 @@ def read(manifest: str, digest: str) -> dict[str, str]:
 
 
 def proof(**overrides) -> RolloutOnlyProof:
-    fields = dict(read_manifest=read, evidence_path="/tmp/evidence.json", effective_load="/ckpt", reference="/hf",
-                  checkpoint_iteration=2)
+    fields = dict(
+        read_manifest=read,
+        evidence_path="/tmp/evidence.json",
+        effective_load="/ckpt",
+        reference="/hf",
+        checkpoint_iteration=2,
+    )
     return RolloutOnlyProof(**{**fields, **overrides})
 
 
-def proof_replies(step: str, manifest: str = "", version: str = "default", success: bool = True,
-                  message: str = "") -> ChecksFinished:
-    action = {"snapshot": "snapshot", "reset_tensors": "reset_tensors", "compare": "compare"}.get(step, "checksum")
-    return replies(f"rollout_only:{step}", action, success, message, checksums_manifest=manifest, digest="d",
-                   weight_version=version)
+def proof_replies(
+    step: str, manifest: str = "", version: str = "default", success: bool = True, message: str = ""
+) -> ChecksFinished:
+    action = {"snapshot": "snapshot", "reset_tensors": "reset_tensors", "compare": "compare"}.get(
+        step, "checksum"
+    )
+    return replies(
+        f"rollout_only:{step}",
+        action,
+        success,
+        message,
+        checksums_manifest=manifest,
+        digest="d",
+        weight_version=version,
+    )
 
 
 def checked(command, action: str, step: str) -> bool:
-    return (isinstance(command, WeightsCheckRequested) and command.action == action
-            and command.request_id == f"rollout_only:{step}" and not command.allow_quant_error)
+    return (
+        isinstance(command, WeightsCheckRequested)
+        and command.action == action
+        and command.request_id == f"rollout_only:{step}"
+        and not command.allow_quant_error
+    )
 
 
 PROOF_FACTS = [
@@ -246,31 +280,79 @@ def test_each_proof_state_ignores_every_fact_but_its_own(state):
 @pytest.mark.parametrize(
     ("state", "fact", "message"),
     [
-        (ProofState.BASE, proof_replies("base", success=False, message="not supported"),
-         "inference weight checksum did not succeed: not supported"),
-        (ProofState.BASE, proof_replies("base", "gone"), "inference weight checksum of engine-0: gone: no such manifest"),
-        (ProofState.BASE, proof_replies("base", "base", version=""), "inference weight version is invalid: ''"),
-        (ProofState.SERVED, proof_replies("served", "base", "1"),
-         "checkpoint-backed rollout publication left every language tensor identical to the HF bootstrap"),
-        (ProofState.SERVED, proof_replies("served", "served", "2"),
-         "initial checkpoint publication did not transition every inference weight version from 'default' to '1'"),
-        (ProofState.SNAPSHOT, proof_replies("snapshot", success=False),
-         "inference weight check 'snapshot' did not succeed on every engine"),
-        (ProofState.RESET_TENSORS, proof_replies("reset_tensors", success=False),
-         "inference weight check 'reset_tensors' did not succeed on every engine"),
-        (ProofState.RESET, proof_replies("reset", "served", "1"),
-         "inference weight reset left every selected language tensor unchanged"),
-        (ProofState.COMPARE, proof_replies("compare", version="1"),
-         "checkpoint republication did not increment every inference weight version exactly once"),
-        (ProofState.COMPARE, proof_replies("compare", version="2", success=False),
-         "inference weight check 'compare' did not succeed on every engine"),
-        (ProofState.REPUBLISHED, proof_replies("republished", "reset", "2"),
-         "checkpoint-backed rollout weights changed across exact republication"),
+        (
+            ProofState.BASE,
+            proof_replies("base", success=False, message="not supported"),
+            "inference weight checksum did not succeed: not supported",
+        ),
+        (
+            ProofState.BASE,
+            proof_replies("base", "gone"),
+            "inference weight checksum of engine-0: gone: no such manifest",
+        ),
+        (
+            ProofState.BASE,
+            proof_replies("base", "base", version=""),
+            "inference weight version is invalid: ''",
+        ),
+        (
+            ProofState.SERVED,
+            proof_replies("served", "base", "1"),
+            "checkpoint-backed rollout publication left every language tensor identical to the HF bootstrap",
+        ),
+        (
+            ProofState.SERVED,
+            proof_replies("served", "served", "2"),
+            "initial checkpoint publication did not transition every inference weight version from 'default' to '1'",
+        ),
+        (
+            ProofState.SNAPSHOT,
+            proof_replies("snapshot", success=False),
+            "inference weight check 'snapshot' did not succeed on every engine",
+        ),
+        (
+            ProofState.RESET_TENSORS,
+            proof_replies("reset_tensors", success=False),
+            "inference weight check 'reset_tensors' did not succeed on every engine",
+        ),
+        (
+            ProofState.RESET,
+            proof_replies("reset", "served", "1"),
+            "inference weight reset left every selected language tensor unchanged",
+        ),
+        (
+            ProofState.COMPARE,
+            proof_replies("compare", version="1"),
+            "checkpoint republication did not increment every inference weight version exactly once",
+        ),
+        (
+            ProofState.COMPARE,
+            proof_replies("compare", version="2", success=False),
+            "inference weight check 'compare' did not succeed on every engine",
+        ),
+        (
+            ProofState.REPUBLISHED,
+            proof_replies("republished", "reset", "2"),
+            "checkpoint-backed rollout weights changed across exact republication",
+        ),
     ],
-    ids=["checksum", "manifest", "version", "no-op load", "versions", "snapshot", "reset", "no-op reset",
-         "increment", "compare", "republished"],
+    ids=[
+        "checksum",
+        "manifest",
+        "version",
+        "no-op load",
+        "versions",
+        "snapshot",
+        "reset",
+        "no-op reset",
+        "increment",
+        "compare",
+        "republished",
+    ],
 )
-def test_each_failed_proof_step_fails_with_the_seeds_message_and_then_ignores_everything(state, fact, message):
+def test_each_failed_proof_step_fails_with_the_seeds_message_and_then_ignores_everything(
+    state, fact, message
+):
     protocol = proof_at(state)
     command = protocol.step(fact)
     assert isinstance(command, Failed) and command.reason.startswith(message), command
@@ -304,8 +386,11 @@ def test_the_config_chooses_the_opening():
     checking = Config(verifier=VerifierConfig(check_weight_update_equal=True))
     assert isinstance(opening_protocol(checking, plan(), read), UpdateCheck)
     assert opening_protocol(checking, plan(resumed=True), read).resumed
-    rollout_only = Config(run=RunConfig(load="/ckpt", rollout_only_from_checkpoint=True,
-                                        rollout_only_publication_evidence="/tmp/e.json"))
+    rollout_only = Config(
+        run=RunConfig(
+            load="/ckpt", rollout_only_from_checkpoint=True, rollout_only_publication_evidence="/tmp/e.json"
+        )
+    )
     proof_opening = opening_protocol(rollout_only, plan(rollout_only=True, checkpoint_iteration=3), read)
     assert isinstance(proof_opening, RolloutOnlyProof)
     assert (proof_opening.effective_load, proof_opening.checkpoint_iteration) == ("/ckpt", 3)

@@ -47,22 +47,47 @@ def summary(checksums: dict[str, str] | None, run_dir: Path | None) -> tuple[dic
     return checksums, *write_manifest(run_dir, checksums)
 
 
-def staged(version: str, checksums: dict[str, str] | None = None, run_dir: Path | None = None) -> WeightsStaged:
+def staged(
+    version: str, checksums: dict[str, str] | None = None, run_dir: Path | None = None
+) -> WeightsStaged:
     checksums, digest, manifest = summary(checksums, run_dir)
-    return WeightsStaged(weight_version=version, weights=REF, digest=digest, num_tensors=len(checksums),
-                         num_bytes=4, checksums_manifest=manifest)
+    return WeightsStaged(
+        weight_version=version,
+        weights=REF,
+        digest=digest,
+        num_tensors=len(checksums),
+        num_bytes=4,
+        checksums_manifest=manifest,
+    )
 
 
-def loaded(engine: str, version: str, previous: str, checksums: dict[str, str] | None = None,
-           run_dir: Path | None = None) -> WeightsLoaded:
+def loaded(
+    engine: str,
+    version: str,
+    previous: str,
+    checksums: dict[str, str] | None = None,
+    run_dir: Path | None = None,
+) -> WeightsLoaded:
     checksums, digest, manifest = summary(checksums, run_dir)
-    return WeightsLoaded(engine=engine, weight_version=version, previous_version=previous, digest=digest,
-                         num_tensors=len(checksums), checksums_manifest=manifest)
+    return WeightsLoaded(
+        engine=engine,
+        weight_version=version,
+        previous_version=previous,
+        digest=digest,
+        num_tensors=len(checksums),
+        checksums_manifest=manifest,
+    )
 
 
 def started(weight_version: str = "default") -> RunStarted:
-    return RunStarted(runtime="local", config_digest="x", start_rollout_id=0, num_rollout=1,
-                      num_rollout_per_epoch=1, weight_version=weight_version)
+    return RunStarted(
+        runtime="local",
+        config_digest="x",
+        start_rollout_id=0,
+        num_rollout=1,
+        num_rollout_per_epoch=1,
+        weight_version=weight_version,
+    )
 
 
 def publisher(cfg: Config, clock: ManualClock | None = None) -> Publisher:
@@ -71,10 +96,17 @@ def publisher(cfg: Config, clock: ManualClock | None = None) -> Publisher:
 
 @pytest.mark.parametrize(
     ("transport", "runtime", "chosen"),
-    [("auto", "local", "inprocess"), ("auto", "ray", "shm"), ("disk", "local", "disk"), ("cuda_ipc", "ray", "cuda_ipc")],
+    [
+        ("auto", "local", "inprocess"),
+        ("auto", "ray", "shm"),
+        ("disk", "local", "disk"),
+        ("cuda_ipc", "ray", "cuda_ipc"),
+    ],
 )
 def test_the_publisher_chooses_the_runs_data_plane_resolving_auto_by_runtime(transport, runtime, chosen):
-    chosen_config = msgspec.structs.replace(config(transport=transport), run=msgspec.structs.replace(Config().run, runtime=runtime))
+    chosen_config = msgspec.structs.replace(
+        config(transport=transport), run=msgspec.structs.replace(Config().run, runtime=runtime)
+    )
     assert Publisher.data_plane(chosen_config) == chosen
 
 
@@ -103,7 +135,9 @@ async def test_versions_go_default_to_1_then_add_exactly_one():
 
 async def test_a_resumed_run_continues_from_the_saved_version():
     p = publisher(config(engines=1))
-    out = await feed(p, started(weight_version="5"), PublishRequested(), staged("6"), loaded("engine-0", "6", "default"))
+    out = await feed(
+        p, started(weight_version="5"), PublishRequested(), staged("6"), loaded("engine-0", "6", "default")
+    )
     assert [e.weight_version for e in out if isinstance(e, WeightsPublished)] == ["6"]
     fresh = publisher(config(engines=1))
     out = await feed(fresh, started(), PublishRequested(), staged("6"))
@@ -147,16 +181,24 @@ def verifier(run_dir: Path, **cfg) -> Verifier:
 
 
 def published(version: str, engines=("engine-0", "engine-1")) -> WeightsPublished:
-    return WeightsPublished(weight_version=version, engines=list(engines), previous_versions=["default"] * len(engines))
+    return WeightsPublished(
+        weight_version=version, engines=list(engines), previous_versions=["default"] * len(engines)
+    )
 
 
 async def test_equal_checksums_are_verified(tmp_path):
     tensors = {"a": torch.arange(4.0), "b": torch.ones(2, 2)}
     sums = fingerprints(tensors)
     v = verifier(tmp_path)
-    out = await feed(v, staged("1", sums, tmp_path), loaded("engine-0", "1", "default", sums, tmp_path),
-                     loaded("engine-1", "1", "default", fingerprints({k: t.clone() for k, t in tensors.items()}), tmp_path),
-                     published("1"))
+    out = await feed(
+        v,
+        staged("1", sums, tmp_path),
+        loaded("engine-0", "1", "default", sums, tmp_path),
+        loaded(
+            "engine-1", "1", "default", fingerprints({k: t.clone() for k, t in tensors.items()}), tmp_path
+        ),
+        published("1"),
+    )
     assert len(out) == 1 and isinstance(out[0], PublicationVerified)
     assert out[0].num_tensors == 2 and out[0].digest == per_gpu_checksum(sums)
 
@@ -164,9 +206,12 @@ async def test_equal_checksums_are_verified(tmp_path):
 async def test_equal_digests_are_verified_without_opening_a_manifest(tmp_path):
     v = verifier(tmp_path)
     gone = "checksums/never-written.msgpack"
-    out = await feed(v, msgspec.structs.replace(staged("1"), checksums_manifest=gone),
-                     msgspec.structs.replace(loaded("engine-0", "1", "default"), checksums_manifest=gone),
-                     published("1", engines=("engine-0",)))
+    out = await feed(
+        v,
+        msgspec.structs.replace(staged("1"), checksums_manifest=gone),
+        msgspec.structs.replace(loaded("engine-0", "1", "default"), checksums_manifest=gone),
+        published("1", engines=("engine-0",)),
+    )
     assert isinstance(out[0], PublicationVerified)
     assert not (tmp_path / "checksums").exists()
 
@@ -175,46 +220,72 @@ async def test_a_mismatch_names_every_differing_tensor_and_engine(tmp_path):
     tensors = {"a": torch.arange(4.0), "b": torch.ones(2, 2)}
     served = dict(tensors, b=torch.ones(2, 2) * 1.0000001)
     v = verifier(tmp_path)
-    out = await feed(v, staged("2", fingerprints(tensors), tmp_path),
-                     loaded("engine-0", "2", "1", fingerprints(tensors), tmp_path),
-                     loaded("engine-1", "2", "1", fingerprints(served), tmp_path), published("2"))
+    out = await feed(
+        v,
+        staged("2", fingerprints(tensors), tmp_path),
+        loaded("engine-0", "2", "1", fingerprints(tensors), tmp_path),
+        loaded("engine-1", "2", "1", fingerprints(served), tmp_path),
+        published("2"),
+    )
     assert isinstance(out[0], PublicationMismatch)
     assert [(m.engine, m.tensor) for m in out[0].mismatches] == [("engine-1", "b")]
-    assert out[0].engine_digests == {"engine-0": per_gpu_checksum(fingerprints(tensors)),
-                                     "engine-1": per_gpu_checksum(fingerprints(served))}
+    assert out[0].engine_digests == {
+        "engine-0": per_gpu_checksum(fingerprints(tensors)),
+        "engine-1": per_gpu_checksum(fingerprints(served)),
+    }
 
 
 async def test_missing_and_extra_tensors_are_mismatches(tmp_path):
     v = verifier(tmp_path)
-    out = await feed(v, staged("1", {"a": "1", "b": "2"}, tmp_path),
-                     loaded("engine-0", "1", "default", {"a": "1", "c": "3"}, tmp_path),
-                     published("1", engines=("engine-0",)))
+    out = await feed(
+        v,
+        staged("1", {"a": "1", "b": "2"}, tmp_path),
+        loaded("engine-0", "1", "default", {"a": "1", "c": "3"}, tmp_path),
+        published("1", engines=("engine-0",)),
+    )
     names = {(m.tensor, m.expected, m.actual) for m in out[0].mismatches}
     assert names == {("b", "2", ""), ("c", "", "3")}
 
 
 async def test_the_skip_list_leaves_tensors_out_of_the_comparison(tmp_path):
     v = verifier(tmp_path, skip_tensor_list=["visual"])
-    out = await feed(v, staged("1", {"a": "1", "visual.w": "2"}, tmp_path),
-                     loaded("engine-0", "1", "default", {"a": "1", "visual.w": "9"}, tmp_path),
-                     published("1", engines=("engine-0",)))
+    out = await feed(
+        v,
+        staged("1", {"a": "1", "visual.w": "2"}, tmp_path),
+        loaded("engine-0", "1", "default", {"a": "1", "visual.w": "9"}, tmp_path),
+        published("1", engines=("engine-0",)),
+    )
     assert isinstance(out[0], PublicationVerified)
 
 
 async def test_an_engine_that_sent_no_checksums_is_a_mismatch(tmp_path):
     v = verifier(tmp_path)
-    out = await feed(v, staged("1", {"a": "1"}, tmp_path), loaded("engine-0", "1", "default", {"a": "1"}, tmp_path),
-                     published("1"))
+    out = await feed(
+        v,
+        staged("1", {"a": "1"}, tmp_path),
+        loaded("engine-0", "1", "default", {"a": "1"}, tmp_path),
+        published("1"),
+    )
     assert isinstance(out[0], PublicationMismatch)
     assert [(m.engine, m.tensor) for m in out[0].mismatches] == [("engine-1", "a")]
 
 
 async def test_an_engine_whose_checksum_reply_was_unusable_is_a_mismatch_naming_why(tmp_path):
     v = verifier(tmp_path)
-    bad = WeightsLoaded(engine="engine-1", weight_version="1", previous_version="default", digest="",
-                        checksum_error="engine-1: the checksum reply reports rank 0 twice")
-    out = await feed(v, staged("1", {"a": "1"}, tmp_path), loaded("engine-0", "1", "default", {"a": "1"}, tmp_path),
-                     bad, published("1"))
+    bad = WeightsLoaded(
+        engine="engine-1",
+        weight_version="1",
+        previous_version="default",
+        digest="",
+        checksum_error="engine-1: the checksum reply reports rank 0 twice",
+    )
+    out = await feed(
+        v,
+        staged("1", {"a": "1"}, tmp_path),
+        loaded("engine-0", "1", "default", {"a": "1"}, tmp_path),
+        bad,
+        published("1"),
+    )
     [mismatch] = out[0].mismatches
     assert isinstance(out[0], PublicationMismatch)
     assert (mismatch.engine, mismatch.tensor) == ("engine-1", "*")
@@ -224,8 +295,10 @@ async def test_an_engine_whose_checksum_reply_was_unusable_is_a_mismatch_naming_
 
 async def test_an_unusable_checksum_reply_is_a_mismatch_even_when_its_digest_agrees(tmp_path):
     v = verifier(tmp_path)
-    bad = msgspec.structs.replace(loaded("engine-0", "1", "default", {"a": "1"}, tmp_path),
-                                  checksum_error="engine-0: rank 1 of the checksum reply has no tensors")
+    bad = msgspec.structs.replace(
+        loaded("engine-0", "1", "default", {"a": "1"}, tmp_path),
+        checksum_error="engine-0: rank 1 of the checksum reply has no tensors",
+    )
     out = await feed(v, staged("1", {"a": "1"}, tmp_path), bad, published("1", engines=("engine-0",)))
     assert isinstance(out[0], PublicationMismatch)
     assert [(m.engine, m.tensor, m.reason) for m in out[0].mismatches] == [
@@ -237,8 +310,12 @@ async def test_the_mismatches_of_ranked_tensors_are_named_in_rank_order(tmp_path
     v = verifier(tmp_path)
     expected = {f"rank{gpu}/w": "01" for gpu in range(12)}
     served = {f"rank{gpu}/w": "02" for gpu in range(12)}
-    out = await feed(v, staged("1", expected, tmp_path), loaded("engine-0", "1", "default", served, tmp_path),
-                     published("1", engines=("engine-0",)))
+    out = await feed(
+        v,
+        staged("1", expected, tmp_path),
+        loaded("engine-0", "1", "default", served, tmp_path),
+        published("1", engines=("engine-0",)),
+    )
     assert [m.tensor for m in out[0].mismatches] == [f"rank{gpu}/w" for gpu in range(12)]
 
 
@@ -250,7 +327,9 @@ async def test_the_mismatches_of_ranked_tensors_are_named_in_rank_order(tmp_path
         ("swap", "holds the checksums of digest"),
     ],
 )
-async def test_an_unreadable_manifest_is_a_mismatch_of_that_engine_naming_the_reason(tmp_path, damage, reason):
+async def test_an_unreadable_manifest_is_a_mismatch_of_that_engine_naming_the_reason(
+    tmp_path, damage, reason
+):
     v = verifier(tmp_path)
     bad = loaded("engine-1", "1", "default", {"a": "2"}, tmp_path)
     path = tmp_path / bad.checksums_manifest
@@ -260,8 +339,13 @@ async def test_an_unreadable_manifest_is_a_mismatch_of_that_engine_naming_the_re
         path.write_bytes(b"not msgpack")
     else:
         path.write_bytes((tmp_path / write_manifest(tmp_path, {"a": "3"})[1]).read_bytes())
-    out = await feed(v, staged("1", {"a": "1"}, tmp_path), loaded("engine-0", "1", "default", {"a": "1"}, tmp_path),
-                     bad, published("1"))
+    out = await feed(
+        v,
+        staged("1", {"a": "1"}, tmp_path),
+        loaded("engine-0", "1", "default", {"a": "1"}, tmp_path),
+        bad,
+        published("1"),
+    )
     [mismatch] = out[0].mismatches
     assert (mismatch.engine, mismatch.tensor) == ("engine-1", "*")
     assert (mismatch.expected, mismatch.actual) == (per_gpu_checksum({"a": "1"}), bad.digest)
@@ -276,7 +360,12 @@ async def test_the_skip_list_applies_before_the_digest_on_both_sides(tmp_path):
     engine = fingerprints({"a": torch.ones(2), "visual.w": torch.ones(2)}, skip)
     assert trainer == engine == {"a": fingerprints({"a": torch.ones(2)})["a"]}
     v = verifier(tmp_path, skip_tensor_list=skip)
-    out = await feed(v, staged("1", trainer), loaded("engine-0", "1", "default", engine), published("1", engines=("engine-0",)))
+    out = await feed(
+        v,
+        staged("1", trainer),
+        loaded("engine-0", "1", "default", engine),
+        published("1", engines=("engine-0",)),
+    )
     assert isinstance(out[0], PublicationVerified)
 
 
@@ -294,7 +383,9 @@ async def test_the_skip_list_applies_before_the_digest_on_both_sides(tmp_path):
         ({"engine-0": "", "engine-1": "c1"}, "mismatch"),
     ],
 )
-async def test_equal_digests_are_not_enough_the_canary_must_be_the_publications(tmp_path, engine_canaries, outcome):
+async def test_equal_digests_are_not_enough_the_canary_must_be_the_publications(
+    tmp_path, engine_canaries, outcome
+):
     v = verifier(tmp_path)
     inputs = [msgspec.structs.replace(staged("1"), canary="c1")]
     for engine, canary in engine_canaries.items():
@@ -312,7 +403,9 @@ async def test_equal_digests_are_not_enough_the_canary_must_be_the_publications(
 
 async def test_a_log_without_canaries_verifies_by_digests():
     v = verifier(Path("."))
-    (out,) = await feed(v, staged("1"), loaded("engine-0", "1", "default"), published("1", engines=("engine-0",)))
+    (out,) = await feed(
+        v, staged("1"), loaded("engine-0", "1", "default"), published("1", engines=("engine-0",))
+    )
     assert isinstance(out, PublicationVerified) and out.write_proof == "none"
 
 
@@ -331,7 +424,9 @@ PROBE = ProbeBatch(prompt_ids=[[1, 2], [3, 4]], response_ids=[[5], [6]], logprob
         ({"engine-0": [[-1.0], [-2.5]], "engine-1": None}, "did not answer"),
     ],
 )
-async def test_a_probed_publication_needs_every_engines_logprobs_within_the_tolerance(tmp_path, answers, outcome):
+async def test_a_probed_publication_needs_every_engines_logprobs_within_the_tolerance(
+    tmp_path, answers, outcome
+):
     v = verifier(tmp_path, probe_tolerance=0.01)
     inputs: list = [msgspec.structs.replace(staged("1"), probe=PROBE)]
     for engine, answer in answers.items():
@@ -349,5 +444,7 @@ async def test_a_probed_publication_needs_every_engines_logprobs_within_the_tole
 
 async def test_an_unprobed_publication_says_so():
     v = verifier(Path("."))
-    (out,) = await feed(v, staged("1"), loaded("engine-0", "1", "default"), published("1", engines=("engine-0",)))
+    (out,) = await feed(
+        v, staged("1"), loaded("engine-0", "1", "default"), published("1", engines=("engine-0",))
+    )
     assert isinstance(out, PublicationVerified) and out.probe_max_diff is None

@@ -21,7 +21,16 @@ from miles_events.rl.publication_checks import (
 
 
 def rank(checksums: dict[str, str], gpu: int, *, as_list: bool = False) -> dict:
-    info = {"tp_rank": gpu, "tp_size": 2, "dp_rank": 0, "dp_size": 1, "pp_rank": 0, "pp_size": 1, "rank": gpu, "size": 2}
+    info = {
+        "tp_rank": gpu,
+        "tp_size": 2,
+        "dp_rank": 0,
+        "dp_size": 1,
+        "pp_rank": 0,
+        "pp_size": 1,
+        "rank": gpu,
+        "size": 2,
+    }
     parallelism = [{**info, "role": "target"}, {**info, "role": "draft"}] if as_list else info
     return {"checksums": checksums, "per_gpu_checksum": "0" * 64, "parallelism_info": parallelism}
 
@@ -56,9 +65,12 @@ def test_the_digest_is_sha256_of_compact_ascii_json():
     canonical = canonical_inference_checksums(TWO_ENGINES)
     expected = hashlib.sha256(json.dumps(canonical, separators=(",", ":")).encode()).hexdigest()
     assert checksum_digest(canonical) == expected
-    assert checksum_digest(canonical) == hashlib.sha256(
-        b'[[["rank0/a","01"],["rank0/b","02"],["rank1/a","03"]],[["rank0/a","11"]]]'
-    ).hexdigest()
+    assert (
+        checksum_digest(canonical)
+        == hashlib.sha256(
+            b'[[["rank0/a","01"],["rank0/b","02"],["rank1/a","03"]],[["rank0/a","11"]]]'
+        ).hexdigest()
+    )
 
 
 def test_an_empty_reply_is_the_seeds_error():
@@ -86,11 +98,19 @@ def test_changed_tensors_are_counted_and_roster_changes_refused():
 
 def test_every_engine_must_succeed_a_weight_check():
     require_weight_check_success([[{"success": True}, None], [{"success": True}]], action="snapshot")
-    with pytest.raises(RuntimeError, match="^inference weight check 'compare' did not succeed on every engine$"):
-        require_weight_check_success([[{"success": True}], [{"success": False, "message": "differ"}]], action="compare")
-    with pytest.raises(RuntimeError, match="^inference weight check 'reset_tensors' did not succeed on every engine$"):
+    with pytest.raises(
+        RuntimeError, match="^inference weight check 'compare' did not succeed on every engine$"
+    ):
+        require_weight_check_success(
+            [[{"success": True}], [{"success": False, "message": "differ"}]], action="compare"
+        )
+    with pytest.raises(
+        RuntimeError, match="^inference weight check 'reset_tensors' did not succeed on every engine$"
+    ):
         require_weight_check_success([[None]], action="reset_tensors")
-    with pytest.raises(RuntimeError, match="^inference weight check 'compare' returned a malformed response$"):
+    with pytest.raises(
+        RuntimeError, match="^inference weight check 'compare' returned a malformed response$"
+    ):
         require_weight_check_success(None, action="compare")
 
 
@@ -101,10 +121,15 @@ def test_weight_versions_and_their_transitions():
     with pytest.raises(RuntimeError, match=r"^inference weight version is invalid: ''$"):
         canonical_weight_versions(["1", ""])
     require_initial_version_publication(("default", "default"), ("1", "1"))
-    with pytest.raises(RuntimeError, match=r"from 'default' to '1': \('default', 'default'\) -> \('1', '2'\)"):
+    with pytest.raises(
+        RuntimeError, match=r"from 'default' to '1': \('default', 'default'\) -> \('1', '2'\)"
+    ):
         require_initial_version_publication(("default", "default"), ("1", "2"))
     require_version_increment(("1", "1"), ("2", "2"), action="checkpoint republication")
-    with pytest.raises(RuntimeError, match=r"^checkpoint republication did not increment every inference weight version exactly once"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"^checkpoint republication did not increment every inference weight version exactly once",
+    ):
         require_version_increment(("1", "1"), ("2", "3"), action="checkpoint republication")
 
 
@@ -152,7 +177,9 @@ def test_the_ranks_of_one_engine_merge_under_their_rank_prefix():
 
 
 def test_ranks_that_arrive_out_of_order_flatten_in_rank_order():
-    out_of_order = [[miles_body(success=True, ranks=[miles_rank(1, {"w": "r1"}), miles_rank(0, {"w": "r0"})])]]
+    out_of_order = [
+        [miles_body(success=True, ranks=[miles_rank(1, {"w": "r1"}), miles_rank(0, {"w": "r0"})])]
+    ]
     in_order = [[miles_body(success=True, ranks=[miles_rank(0, {"w": "r0"}), miles_rank(1, {"w": "r1"})])]]
     [flattened] = flatten_inference_engine_checksums(out_of_order)
     assert list(flattened) == ["rank0/w", "rank1/w"]
@@ -161,25 +188,41 @@ def test_ranks_that_arrive_out_of_order_flatten_in_rank_order():
 
 def test_an_engine_that_reports_failure_is_refused():
     reply = [[miles_body(success=False, ranks=[miles_rank(0, {"w": "aaa"})])]]
-    with pytest.raises(RuntimeError, match="^inference weight checksum did not succeed on server group 0 engine 0: ok$"):
+    with pytest.raises(
+        RuntimeError, match="^inference weight checksum did not succeed on server group 0 engine 0: ok$"
+    ):
         flatten_inference_engine_checksums(reply)
 
 
 @pytest.mark.parametrize("ranks", [None, []], ids=["absent", "empty"])
 def test_an_engine_without_ranks_is_refused(ranks):
     reply = [[miles_body(success=True, ranks=ranks)]]
-    with pytest.raises(RuntimeError, match="^inference weight checksum of server group 0 engine 0: the checksum reply has no ranks$"):
+    with pytest.raises(
+        RuntimeError,
+        match="^inference weight checksum of server group 0 engine 0: the checksum reply has no ranks$",
+    ):
         flatten_inference_engine_checksums(reply)
 
 
 def test_roles_that_share_a_gpu_rank_count_as_that_rank():
-    rank_info = {"checksums": {"w": "aaa"}, "parallelism_info": [{"role": "target", "rank": 0}, {"role": "draft", "rank": 0}]}
-    assert flatten_inference_engine_checksums([[miles_body(success=True, ranks=[rank_info])]]) == [{"rank0/w": "aaa"}]
+    rank_info = {
+        "checksums": {"w": "aaa"},
+        "parallelism_info": [{"role": "target", "rank": 0}, {"role": "draft", "rank": 0}],
+    }
+    assert flatten_inference_engine_checksums([[miles_body(success=True, ranks=[rank_info])]]) == [
+        {"rank0/w": "aaa"}
+    ]
 
 
 def test_roles_that_name_different_gpu_ranks_are_refused():
-    rank_info = {"checksums": {"w": "aaa"}, "parallelism_info": [{"role": "target", "rank": 0}, {"role": "draft", "rank": 1}]}
-    with pytest.raises(RuntimeError, match="^inference weight checksum of server group 0 engine 0: rank entry 0 .*expected one GPU rank"):
+    rank_info = {
+        "checksums": {"w": "aaa"},
+        "parallelism_info": [{"role": "target", "rank": 0}, {"role": "draft", "rank": 1}],
+    }
+    with pytest.raises(
+        RuntimeError,
+        match="^inference weight checksum of server group 0 engine 0: rank entry 0 .*expected one GPU rank",
+    ):
         flatten_inference_engine_checksums([[miles_body(success=True, ranks=[rank_info])]])
 
 
@@ -187,23 +230,34 @@ def test_roles_that_name_different_gpu_ranks_are_refused():
 
 
 @pytest.mark.parametrize(
-    "second", [{"w": "r0"}, {"w": "other"}, {"v": "r0"}], ids=["same tensors", "other checksums", "other tensors"]
+    "second",
+    [{"w": "r0"}, {"w": "other"}, {"v": "r0"}],
+    ids=["same tensors", "other checksums", "other tensors"],
 )
 def test_a_reply_that_repeats_a_rank_is_refused(second):
     reply = [[None], [miles_body(success=True, ranks=[miles_rank(0, {"w": "r0"}), miles_rank(0, second)])]]
-    with pytest.raises(RuntimeError, match="^inference weight checksum of server group 1 engine 0: the checksum reply reports rank 0 twice$"):
+    with pytest.raises(
+        RuntimeError,
+        match="^inference weight checksum of server group 1 engine 0: the checksum reply reports rank 0 twice$",
+    ):
         flatten_inference_engine_checksums(reply)
 
 
 def test_a_rank_without_tensors_is_refused():
     reply = [[miles_body(success=True, ranks=[miles_rank(0, {"w": "r0"}), miles_rank(1, {})])]]
-    with pytest.raises(RuntimeError, match="^inference weight checksum of server group 0 engine 0: rank 1 of the checksum reply has no tensors$"):
+    with pytest.raises(
+        RuntimeError,
+        match="^inference weight checksum of server group 0 engine 0: rank 1 of the checksum reply has no tensors$",
+    ):
         flatten_inference_engine_checksums(reply)
 
 
 @pytest.mark.parametrize("entry", ["ok", 1, ["ranks"]], ids=["string", "number", "list"])
 def test_an_engine_body_that_is_not_an_object_is_refused(entry):
-    with pytest.raises(RuntimeError, match="^inference weight checksum reply of server group 0 engine 0 is malformed: Expected `object`"):
+    with pytest.raises(
+        RuntimeError,
+        match="^inference weight checksum reply of server group 0 engine 0 is malformed: Expected `object`",
+    ):
         flatten_inference_engine_checksums([[entry]])
 
 

@@ -37,7 +37,9 @@ def fake_py_spy(tmp_path: Path) -> str:
 
 
 async def test_a_dump_falls_back_to_no_native_and_writes_one_file_per_process(tmp_path):
-    dumper = PeriodicPySpyDump(1.0, lambda: [("driver", 11), ("trainer", 22)], tmp_path / "out", py_spy=fake_py_spy(tmp_path))
+    dumper = PeriodicPySpyDump(
+        1.0, lambda: [("driver", 11), ("trainer", 22)], tmp_path / "out", py_spy=fake_py_spy(tmp_path)
+    )
     written = await dumper.dump_once()
     assert [p.name.split("-", 1)[1] for p in written] == ["driver-11.txt", "trainer-22.txt"]
     assert written[1].read_text() == "Thread 1 (idle): MainThread of 22\n"
@@ -68,7 +70,9 @@ async def test_without_py_spy_there_is_one_error_line_and_no_dump(tmp_path, capl
 
 @pytest.mark.skipif(find_py_spy() is None, reason="py-spy is not installed")
 async def test_a_real_dump_shows_the_stack_of_a_live_process(tmp_path):
-    child = subprocess.Popen([sys.executable, "-c", "import time\ndef waiting_here():\n    time.sleep(60)\nwaiting_here()"])
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import time\ndef waiting_here():\n    time.sleep(60)\nwaiting_here()"]
+    )
     try:
         await asyncio.sleep(1.0)
         dumper = PeriodicPySpyDump(1.0, lambda: [("child", child.pid)], tmp_path)

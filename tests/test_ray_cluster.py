@@ -32,7 +32,9 @@ def test_the_workers_import_the_actors_backends_and_model_module_not_only_their_
     """The actors' modules import torch only where they compute: a worker that imported only
     those would import torch, transformers and the model's module once given its actor."""
     config = Config(model=ModelConfig(builtin=BuiltinModelConfig(architecture="llama")))
-    cluster = RayCluster(RayConfig(num_cpus=2), ONE_EACH, [Generator, Trainer], process_modules([Generator, Trainer], config))
+    cluster = RayCluster(
+        RayConfig(num_cpus=2), ONE_EACH, [Generator, Trainer], process_modules([Generator, Trainer], config)
+    )
     assert cluster.preload == [
         "actors.engine.torch_engine",
         "actors.generator",
@@ -41,7 +43,9 @@ def test_the_workers_import_the_actors_backends_and_model_module_not_only_their_
         "transformers.models.llama.modeling_llama",
     ]
     vllm = msgspec.structs.replace(config, generator=GeneratorConfig(engine="vllm"))
-    assert Generator.process_modules(vllm) == ["actors.generator", "actors.engine.vllm_engine"], "no model in process"
+    assert Generator.process_modules(vllm) == ["actors.generator", "actors.engine.vllm_engine"], (
+        "no model in process"
+    )
 
 
 def test_only_modules_a_worker_can_import_without_the_drivers_directory_are_preloaded():
@@ -77,7 +81,9 @@ def test_a_run_that_cannot_be_planned_starts_no_ray_and_writes_nothing(tmp_path,
     monkeypatch.setattr(RayCluster, "start", start)
     monkeypatch.setattr("miles_events.app.start_checks.make_plan", refuse)
     run_dir = tmp_path / "run"
-    config = msgspec.structs.replace(ray_config(tmp_path), run=RunConfig(dir=str(run_dir), runtime="ray", num_rollout=1))
+    config = msgspec.structs.replace(
+        ray_config(tmp_path), run=RunConfig(dir=str(run_dir), runtime="ray", num_rollout=1)
+    )
     with pytest.raises(CheckpointError):
         Session(config, [Coordinator, Trainer])
     assert not started and not run_dir.exists()

@@ -24,7 +24,7 @@ FIXTURE = Path(__file__).parent / "fixtures" / "tiny_run"
 def recorded():
     runs = split_runs(read_events(FIXTURE / "events.log"))
     assert len(runs) == 1
-    (run_id, events), = runs.items()
+    ((run_id, events),) = runs.items()
     return events, load_config(FIXTURE / "configs" / f"{run_id}.toml", check=False)
 
 
@@ -38,7 +38,9 @@ async def test_redriven_actor_makes_the_recorded_decisions(recorded, name):
 
 async def test_the_coordinator_follows_its_config_not_the_record(recorded):
     events, config = recorded
-    without_eval = msgspec.structs.replace(config, run=msgspec.structs.replace(config.run, eval_interval=None))
+    without_eval = msgspec.structs.replace(
+        config, run=msgspec.structs.replace(config.run, eval_interval=None)
+    )
     result = await redrive(build_actor("coordinator", without_eval, events), events)
     assert not result.matches
     assert "EvalRequested" in result.first_difference()
@@ -97,9 +99,13 @@ def test_the_replay_cli_reports_different_decisions_with_exit_1(tmp_path, capsys
     events, _config = recorded
     run_id = events[0].run_id
     changed = tmp_path / "changed.toml"
-    text = (FIXTURE / "configs" / f"{run_id}.toml").read_text().replace("save_interval = 2", "save_interval = 1")
+    text = (
+        (FIXTURE / "configs" / f"{run_id}.toml").read_text().replace("save_interval = 2", "save_interval = 1")
+    )
     changed.write_text(text)
-    assert replay_main([str(FIXTURE / "events.log"), "--redrive", "coordinator", "--config", str(changed)]) == 1
+    assert (
+        replay_main([str(FIXTURE / "events.log"), "--redrive", "coordinator", "--config", str(changed)]) == 1
+    )
     assert "DIFFERENT" in capsys.readouterr().out
 
 
@@ -142,7 +148,9 @@ def test_the_replay_cli_redrives_the_complete_part_of_a_torn_log_with_a_warning(
 
 
 def test_a_decision_is_what_happens_not_the_header_timings_or_scheduling_advice():
-    asked = SaveRequested(rollout_id=4, reason="interval", publication_follows=True, seq=9, time=1.5, source="coordinator")
+    asked = SaveRequested(
+        rollout_id=4, reason="interval", publication_follows=True, seq=9, time=1.5, source="coordinator"
+    )
     assert decision(asked) == ("SaveRequested", {"rollout_id": 4, "reason": "interval"})
     # A log written before the advice existed records the same decision.
     assert decision(asked) == decision(SaveRequested(rollout_id=4, reason="interval"))
@@ -150,7 +158,9 @@ def test_a_decision_is_what_happens_not_the_header_timings_or_scheduling_advice(
 
 
 @pytest.mark.parametrize(("rollout_id", "first", "last"), [(0, 9, 21), (1, 22, 40), (2, 41, 59)])
-def test_a_rollout_filter_follows_the_rollout_into_its_publication_save_and_eval(rollout_id, first, last, capsys):
+def test_a_rollout_filter_follows_the_rollout_into_its_publication_save_and_eval(
+    rollout_id, first, last, capsys
+):
     """Every event of the rollout: its eval, generation and train step, the publication it
     triggered (staged, each engine's load, published, verified), its save, and the release
     of each data reference those events made; the initial publication and the run's start
@@ -168,7 +178,10 @@ def test_redrive_names_the_recorded_config_it_used_before_the_verdicts(recorded,
     events, _config = recorded
     assert replay_main([str(FIXTURE / "events.log"), "--redrive", "coordinator,verifier"]) == 0
     config_line, *verdicts = capsys.readouterr().out.splitlines()
-    assert config_line == f"run {events[0].run_id}: config {recorded_config_path(events)}, the one recorded for the run"
+    assert (
+        config_line
+        == f"run {events[0].run_id}: config {recorded_config_path(events)}, the one recorded for the run"
+    )
     assert [line.split()[0] for line in verdicts] == ["coordinator", "verifier"]
 
 
@@ -176,8 +189,12 @@ def test_redrive_names_the_keys_a_given_config_changes_before_the_verdict(tmp_pa
     events, _config = recorded
     changed = tmp_path / "changed.toml"
     text = recorded_config_path(events).read_text()
-    changed.write_text(text.replace("save_interval = 2", "save_interval = 1").replace("lr = 0.003", "lr = 0.01"))
-    assert replay_main([str(FIXTURE / "events.log"), "--redrive", "coordinator", "--config", str(changed)]) == 1
+    changed.write_text(
+        text.replace("save_interval = 2", "save_interval = 1").replace("lr = 0.003", "lr = 0.01")
+    )
+    assert (
+        replay_main([str(FIXTURE / "events.log"), "--redrive", "coordinator", "--config", str(changed)]) == 1
+    )
     config_line, verdict = capsys.readouterr().out.splitlines()
     assert config_line == (
         f"run {events[0].run_id}: config {changed} differs from the recorded {recorded_config_path(events)} "
@@ -186,13 +203,19 @@ def test_redrive_names_the_keys_a_given_config_changes_before_the_verdict(tmp_pa
     assert verdict.startswith("coordinator") and "DIFFERENT" in verdict
 
 
-def test_redrive_with_a_changed_config_that_decides_the_same_still_names_the_change(tmp_path, capsys, recorded):
+def test_redrive_with_a_changed_config_that_decides_the_same_still_names_the_change(
+    tmp_path, capsys, recorded
+):
     events, _config = recorded
     changed = tmp_path / "changed.toml"
     changed.write_text(recorded_config_path(events).read_text().replace("lr = 0.003", "lr = 0.01"))
-    assert replay_main([str(FIXTURE / "events.log"), "--redrive", "coordinator", "--config", str(changed)]) == 0
+    assert (
+        replay_main([str(FIXTURE / "events.log"), "--redrive", "coordinator", "--config", str(changed)]) == 0
+    )
     config_line, verdict = capsys.readouterr().out.splitlines()
-    assert config_line.endswith(f"differs from the recorded {recorded_config_path(events)} in trainer.lr (0.003 -> 0.01)")
+    assert config_line.endswith(
+        f"differs from the recorded {recorded_config_path(events)} in trainer.lr (0.003 -> 0.01)"
+    )
     assert verdict.endswith("same decisions")
 
 
@@ -211,7 +234,9 @@ def test_redrive_says_when_no_recorded_config_is_there_to_compare_with(tmp_path,
     events, _config = recorded
     shutil.copy(FIXTURE / "events.log", tmp_path / "events.log")
     given = recorded_config_path(events)
-    assert replay_main([str(tmp_path / "events.log"), "--redrive", "coordinator", "--config", str(given)]) == 0
+    assert (
+        replay_main([str(tmp_path / "events.log"), "--redrive", "coordinator", "--config", str(given)]) == 0
+    )
     config_line, _verdict = capsys.readouterr().out.splitlines()
     missing = tmp_path / "configs" / f"{events[0].run_id}.toml"
     assert config_line == (

@@ -53,7 +53,12 @@ def sample_events(rollouts: int = 3) -> list[Event]:
                 rollout_id=rollout_id,
                 weight_version=str(rollout_id),
                 metrics=TrainMetrics(
-                    loss=0.5, pg_loss=0.5, entropy=1.0, grad_norm=1.0, train_tokens=10, num_optimizer_steps=rollout_id + 1
+                    loss=0.5,
+                    pg_loss=0.5,
+                    entropy=1.0,
+                    grad_norm=1.0,
+                    train_tokens=10,
+                    num_optimizer_steps=rollout_id + 1,
                 ),
                 source="trainer",
             )
@@ -99,7 +104,10 @@ def test_type_filter_keeps_only_those_types(log: Path, capsys: pytest.CaptureFix
 def test_source_and_rollout_filters_combine(log: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main([str(log), "--json", "--source", "trainer,generator", "--rollout-id", "1"]) == 0
     objects = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert [(o["type"], o["rollout_id"]) for o in objects] == [("RolloutGenerated", 1), ("TrainStepFinished", 1)]
+    assert [(o["type"], o["rollout_id"]) for o in objects] == [
+        ("RolloutGenerated", 1),
+        ("TrainStepFinished", 1),
+    ]
 
 
 def test_unknown_type_filter_is_a_usage_error(log: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -252,7 +260,9 @@ TRACEBACK = (
 
 
 def test_a_long_failure_reason_is_printed_whole() -> None:
-    line = format_event(RunFinished(status="failed", reason=LONG_REASON, last_rollout_id=3, seq=9, source="coordinator"))
+    line = format_event(
+        RunFinished(status="failed", reason=LONG_REASON, last_rollout_id=3, seq=9, source="coordinator")
+    )
     assert f"reason={LONG_REASON!r}" in line
     assert "..." not in line
 
@@ -281,7 +291,12 @@ def test_a_traceback_is_printed_whole_indented_under_its_event() -> None:
 
 def test_a_publication_mismatch_names_every_tensor_and_digest_whole() -> None:
     mismatches = [
-        TensorMismatch(engine="engine-1", tensor=f"model.layers.{i}.mlp.down_proj.weight", expected="a" * 16, actual="b" * 16)
+        TensorMismatch(
+            engine="engine-1",
+            tensor=f"model.layers.{i}.mlp.down_proj.weight",
+            expected="a" * 16,
+            actual="b" * 16,
+        )
         for i in range(6)
     ]
     event = PublicationMismatch(
@@ -297,26 +312,37 @@ def test_a_publication_mismatch_names_every_tensor_and_digest_whole() -> None:
     assert f"expected_digest={'c' * 64}" in first and f"engine-1:{'d' * 64}" in first
     assert label == "        mismatches (6):"
     assert body == [
-        f"          engine=engine-1 tensor={m.tensor} expected={'a' * 16} actual={'b' * 16} reason=''" for m in mismatches
+        f"          engine=engine-1 tensor={m.tensor} expected={'a' * 16} actual={'b' * 16} reason=''"
+        for m in mismatches
     ]
 
 
 def test_a_failed_weight_check_message_is_printed_whole() -> None:
     message = "12 tensors differ from the snapshot: model.embed_tokens.weight, model.layers.0.self_attn.q_proj.weight, ..."
-    line = format_event(WeightsCheckFinished(engine="engine-0", action="compare", success=False, message=message))
+    line = format_event(
+        WeightsCheckFinished(engine="engine-0", action="compare", success=False, message=message)
+    )
     assert f"message={message!r}" in line
 
 
 def test_other_long_fields_stay_abbreviated() -> None:
     line = format_event(sample_events()[0])
     staged = format_event(
-        WeightsStaged(weight_version="2", weights=DataRef("inprocess", "w", "trainer"), digest="e" * 64, num_tensors=1, num_bytes=4)
+        WeightsStaged(
+            weight_version="2",
+            weights=DataRef("inprocess", "w", "trainer"),
+            digest="e" * 64,
+            num_tensors=1,
+            num_bytes=4,
+        )
     )
     assert line.startswith("     1 ")
     assert "digest=" + "e" * 45 + "..." in staged
 
 
-def test_json_keeps_a_traceback_and_a_long_reason_whole(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_json_keeps_a_traceback_and_a_long_reason_whole(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     path = tmp_path / "events.log"
     with EventLogWriter(path) as writer:
         writer.append(ActorFailed(actor="trainer", error="RuntimeError: x", traceback=TRACEBACK, seq=1))
@@ -394,7 +420,9 @@ def test_an_unreadable_log_is_one_line_with_exit_2(log: Path) -> None:
 # --- filters that cannot match ---------------------------------------------------------------
 
 
-def test_a_source_no_event_comes_from_is_one_line_with_exit_2(log: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_source_no_event_comes_from_is_one_line_with_exit_2(
+    log: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main([str(log), "--source", "trainer,nobody"]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
@@ -440,11 +468,15 @@ def test_an_actor_failure_belongs_to_the_rollout_of_the_event_it_failed_on(
 ) -> None:
     events = sample_events(2)
     generated = events[4]  # RolloutGenerated of rollout 1
-    failed = ActorFailed(actor="trainer", error="RuntimeError: x", event_type="RolloutGenerated", event_seq=generated.seq)
+    failed = ActorFailed(
+        actor="trainer", error="RuntimeError: x", event_type="RolloutGenerated", event_seq=generated.seq
+    )
     other = ActorFailed(actor="saver", error="OSError: y")
     path = tmp_path / "events.log"
     with EventLogWriter(path) as writer:
-        writer.append_many([*events, msgspec.structs.replace(failed, seq=7), msgspec.structs.replace(other, seq=8)])
+        writer.append_many(
+            [*events, msgspec.structs.replace(failed, seq=7), msgspec.structs.replace(other, seq=8)]
+        )
     assert main([str(path), "--json", "--rollout-id", "1"]) == 0
     seqs = [json.loads(line)["seq"] for line in capsys.readouterr().out.splitlines()]
     assert seqs == [4, 5, 6, 7]

@@ -32,7 +32,9 @@ def driver_log():
         log.remove()
 
 
-def test_what_the_driver_logs_before_the_run_has_its_directory_is_written_once_it_has(driver_log, tmp_path, capfd):
+def test_what_the_driver_logs_before_the_run_has_its_directory_is_written_once_it_has(
+    driver_log, tmp_path, capfd
+):
     log = driver_log()
     logger.warning("a checkpoint is set aside")
     logger.info("below the level")
@@ -42,7 +44,8 @@ def test_what_the_driver_logs_before_the_run_has_its_directory_is_written_once_i
     lines = (tmp_path / "run.log").read_text().splitlines()
     assert lines[0].endswith("run run-1: what the driver and each actor process log at WARNING and above")
     assert [line.split("] ", 1)[1] for line in lines[1:]] == [
-        "tests.run_log: a checkpoint is set aside", "tests.run_log: the generator is gone"
+        "tests.run_log: a checkpoint is set aside",
+        "tests.run_log: the generator is gone",
     ]
     assert " WARNING [driver pid " in lines[1]
     assert log.path == tmp_path / "run.log"
@@ -104,5 +107,7 @@ def test_an_actor_process_logs_into_the_run_log_naming_itself(tmp_path):
 
 def test_an_unknown_log_level_is_refused(monkeypatch):
     monkeypatch.delenv("MILES_LOG_LEVEL", raising=False)
-    with pytest.raises(ValueError, match=r"--log-level: unknown level 'loud'; known: DEBUG, INFO, WARNING, ERROR, CRITICAL"):
+    with pytest.raises(
+        ValueError, match=r"--log-level: unknown level 'loud'; known: DEBUG, INFO, WARNING, ERROR, CRITICAL"
+    ):
         configure_logging("loud")

@@ -29,13 +29,18 @@ pytestmark = pytest.mark.slow
 
 
 async def start(
-    tmp_path, actors: list[type[Actor]] | None = None, ray: RayConfig | None = None, prepare: Preparation | None = None
+    tmp_path,
+    actors: list[type[Actor]] | None = None,
+    ray: RayConfig | None = None,
+    prepare: Preparation | None = None,
 ) -> tuple[EventBus, RayRuntime]:
     # Echo is a light actor (role service): by default the option gives it a process of its own.
     config = Config(run=RunConfig(runtime="ray"), ray=ray or RayConfig(own_process=["echo"]))
     bus = EventBus("ray-test")
     plan = RunPlan(start_rollout_id=0, num_rollout=1, num_rollout_per_epoch=1, runtime="ray")
-    runtime = RayRuntime(RunContext("ray-test", config, tmp_path, "shm", plan, prepare=prepare), ShmTransport("ray-test"))
+    runtime = RayRuntime(
+        RunContext("ray-test", config, tmp_path, "shm", plan, prepare=prepare), ShmTransport("ray-test")
+    )
     await runtime.start(bus, actors or [Echo])
     return bus, runtime
 
@@ -115,7 +120,10 @@ async def test_the_runs_preparation_is_made_in_the_trainers_process_before_any_a
         await bus.publish(EvalRequested(rollout_id=1))
         pids = {e.source: int(e.reason.split(":")[0]) for e in await collect(replies, 2)}
         assert int(written.read_text()) == pids["learner"] != os.getpid()
-        assert [(tmp_path / f"{n}.started").read_text() for n in ("model", "learner")] == ["prepared", "prepared"]
+        assert [(tmp_path / f"{n}.started").read_text() for n in ("model", "learner")] == [
+            "prepared",
+            "prepared",
+        ]
     finally:
         bus.close()
         await runtime.stop()
@@ -155,7 +163,9 @@ async def test_the_cluster_is_lean_and_its_stop_runs_every_stop_then_ends_it_at_
         commands = [cmdline(pid) for pid, _ in cluster]
         assert sorted(name for name, _ in runtime.processes()) == ["echo", "model"]
         assert not [c for c in commands if c.startswith(b"ray::IDLE")], "no idle worker is left running"
-        assert not [c for c in commands if b"dashboard/dashboard.py" in c or b"autoscaler/_private/monitor.py" in c]
+        assert not [
+            c for c in commands if b"dashboard/dashboard.py" in c or b"autoscaler/_private/monitor.py" in c
+        ]
         agents = (b"ray::DashboardAgent", b"ray::RuntimeEnvAgent")
         assert not [c for c in commands if c.startswith(agents)], "the raylet's agents are stood in for"
         assert (tmp_path / PROCESSES_FILE).exists()
@@ -190,7 +200,9 @@ async def test_an_actors_process_logs_into_the_runs_log_at_the_drivers_level(tmp
         rank, rank_pid, _, actor_pid, _, rank_logs = answers["ranked"]
         assert (int(rank), len({int(model_pid), int(rank_pid), int(actor_pid), os.getpid()})) == (1, 4)
         # The root logger at the driver's level, with one handler: the run's log.
-        assert model_logs == rank_logs == "INFO/1", "an actor's process and a rank's process log at the driver's level"
+        assert model_logs == rank_logs == "INFO/1", (
+            "an actor's process and a rank's process log at the driver's level"
+        )
     finally:
         bus.close()
         await runtime.stop()
@@ -231,7 +243,9 @@ async def test_a_worker_group_has_rank_0_in_its_actor_and_each_other_rank_in_a_p
 
         await bus.publish(RolloutRequested(rollout_id=3))
         (failed,) = await collect(replies, 1)
-        assert failed.reason == "KeyError: rank 1 was asked to fail", "a rank's own exception reaches its actor"
+        assert failed.reason == "KeyError: rank 1 was asked to fail", (
+            "a rank's own exception reaches its actor"
+        )
     finally:
         bus.close()
         await runtime.stop()

@@ -74,7 +74,13 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     "StopRequested": dict(reason="sentinel file", now=True),
     "StepCancelled": dict(rollout_id=3, phase="generate", reason="interrupted by signal"),
     "RunFinished": dict(status="stopped", reason="user", last_rollout_id=7, weight_version="8"),
-    "ActorFailed": dict(actor="trainer", error="boom", event_type="RolloutGenerated", event_seq=17, traceback="Traceback (most recent call last): ..."),
+    "ActorFailed": dict(
+        actor="trainer",
+        error="boom",
+        event_type="RolloutGenerated",
+        event_seq=17,
+        traceback="Traceback (most recent call last): ...",
+    ),
     "DataReleased": dict(ref=REF),
     "RolloutRequested": dict(rollout_id=3),
     "RolloutGenerated": dict(
@@ -90,8 +96,14 @@ EXAMPLES: dict[str, dict[str, Any]] = {
         rollout_id=3,
         weight_version="3",
         metrics=TrainMetrics(
-            loss=0.5, pg_loss=0.25, kl=0.01, entropy=2.0, grad_norm=0.75, clipfrac=0.125,
-            train_tokens=2048, num_optimizer_steps=4,
+            loss=0.5,
+            pg_loss=0.25,
+            kl=0.01,
+            entropy=2.0,
+            grad_norm=0.75,
+            clipfrac=0.125,
+            train_tokens=2048,
+            num_optimizer_steps=4,
         ),
         staleness_max=1,
         train_seconds=3.0,
@@ -137,8 +149,14 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     ),
     "PublicationFailed": dict(weight_version="4", phase="load", reason="timeout", rollout_id=3),
     "PublicationVerified": dict(
-        weight_version="4", digest="cd" * 32, num_tensors=2, engines=["engine-0"], rollout_id=3, verify_seconds=0.01,
-        write_proof="canary", probe_max_diff=1e-5,
+        weight_version="4",
+        digest="cd" * 32,
+        num_tensors=2,
+        engines=["engine-0"],
+        rollout_id=3,
+        verify_seconds=0.01,
+        write_proof="canary",
+        probe_max_diff=1e-5,
     ),
     "PublicationMismatch": dict(
         weight_version="4",
@@ -182,7 +200,11 @@ EXAMPLES: dict[str, dict[str, Any]] = {
         reason="last",
     ),
     "CheckpointSaved": dict(
-        rollout_id=3, path="/runs/x/checkpoints/rollout_3", weight_version="4", num_bytes=123, save_seconds=1.0
+        rollout_id=3,
+        path="/runs/x/checkpoints/rollout_3",
+        weight_version="4",
+        num_bytes=123,
+        save_seconds=1.0,
     ),
     "CheckpointFailed": dict(rollout_id=3, reason="disk full"),
 }

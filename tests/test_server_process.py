@@ -180,7 +180,9 @@ def test_a_configured_port_that_is_taken_is_not_replaced(tmp_path):
         taken.listen()
         port = taken.getsockname()[1]
         with pytest.raises(PortTaken, match=f"port {port} on 127.0.0.1 is taken"):
-            start_on_a_port("engine-0", lambda p: [*HTTP_SERVER, str(p)], port=port, log_path=tmp_path / "s.log")
+            start_on_a_port(
+                "engine-0", lambda p: [*HTTP_SERVER, str(p)], port=port, log_path=tmp_path / "s.log"
+            )
 
 
 ULIMIT_WARNING = (
@@ -190,7 +192,7 @@ ULIMIT_WARNING = (
 )
 """What vLLM logs at every start here: a warning that reads like an error."""
 
-DYING_SERVER = r'''
+DYING_SERVER = r"""
 import os, signal, sys
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
@@ -215,13 +217,15 @@ class Handler(BaseHTTPRequestHandler):
         print(f'INFO:     127.0.0.1:1 - "{self.requestline}" 200 OK', flush=True)
 
 HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
-'''
+"""
 
 
 def _dying_server(tmp_path) -> ServerProcess:
     port = free_port()
     command = [sys.executable, "-c", DYING_SERVER, str(port), ULIMIT_WARNING]
-    return ServerProcess.start("engine-0", command, port=port, log_path=tmp_path / "s.log", health_path="/", timeout=30)
+    return ServerProcess.start(
+        "engine-0", command, port=port, log_path=tmp_path / "s.log", health_path="/", timeout=30
+    )
 
 
 def _request(server: ServerProcess, path: str) -> None:

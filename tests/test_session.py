@@ -196,7 +196,10 @@ async def test_a_failing_run_still_closes_every_sink(tmp_path):
 
 def test_the_models_transformers_module_is_named_from_its_files_without_importing_transformers(tmp_path):
     assert modeling_module(ModelConfig()) == "transformers.models.qwen2.modeling_qwen2"
-    assert modeling_module(ModelConfig(builtin=BuiltinModelConfig(architecture="llama"))) == "transformers.models.llama.modeling_llama"
+    assert (
+        modeling_module(ModelConfig(builtin=BuiltinModelConfig(architecture="llama")))
+        == "transformers.models.llama.modeling_llama"
+    )
     (tmp_path / "config.json").write_text('{"model_type": "mistral"}')
     assert modeling_module(ModelConfig(path=str(tmp_path))) == "transformers.models.mistral.modeling_mistral"
     for written in ('{"model_type": "no_such_model"}', '{"model_type": "../x"}', "{}", "not json"):

@@ -283,7 +283,9 @@ def test_a_checksum_reply_parses_with_either_parallelism_info_shape(listed):
 
 
 def _checksum_body(*ranks: dict) -> bytes:
-    return json.dumps({"success": True, "message": "", "ranks": list(ranks), "per_engine_checksum": "e" * 64}).encode()
+    return json.dumps(
+        {"success": True, "message": "", "ranks": list(ranks), "per_engine_checksum": "e" * 64}
+    ).encode()
 
 
 def test_a_checksum_reply_whose_ranks_arrive_out_of_order_is_parsed_in_rank_order():
@@ -309,7 +311,10 @@ def test_a_checksum_reply_with_a_rank_without_tensors_is_refused():
         (b"<html>502</html>", "JSON is malformed"),
         (b'{"success": true, "ranks": "all"}', "Expected `array`, got `str` - at `$.ranks`"),
         (b'{"success": true, "ranks": [null]}', "Expected `object`, got `null` - at `$.ranks[0]`"),
-        (b'{"success": true, "ranks": [{"parallelism_info": {"rank": 0}}]}', "missing required field `checksums`"),
+        (
+            b'{"success": true, "ranks": [{"parallelism_info": {"rank": 0}}]}',
+            "missing required field `checksums`",
+        ),
     ],
     ids=["not json", "ranks not a list", "rank not an object", "rank without checksums"],
 )

@@ -329,8 +329,19 @@ def test_sglangs_own_argument_parser_reads_the_launch_argv():
         extra_args=("--log-level", "warning"),
     )
     args = sglang_validator.launch_args(api.launch_argv(launch)[3:])
-    assert [args[k] for k in ("model_path", "host", "port", "tp_size", "dp_size")] == ["/m", "127.0.0.1", 15000, 2, 1]
-    assert [args[k] for k in ("mem_fraction_static", "nccl_port", "base_gpu_id", "random_seed")] == [0.7, 15100, 2, 3]
+    assert [args[k] for k in ("model_path", "host", "port", "tp_size", "dp_size")] == [
+        "/m",
+        "127.0.0.1",
+        15000,
+        2,
+        1,
+    ]
+    assert [args[k] for k in ("mem_fraction_static", "nccl_port", "base_gpu_id", "random_seed")] == [
+        0.7,
+        15100,
+        2,
+        3,
+    ]
     assert args["enable_memory_saver"] and args["enable_metrics"] and args["skip_server_warmup"]
     assert args["log_level"] == "warning"
     with pytest.raises(Refused):

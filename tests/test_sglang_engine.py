@@ -64,11 +64,25 @@ def test_generate_returns_one_completion_per_prompt_with_logprobs_and_version(se
         assert len(c.response_ids) == len(c.response_logprobs) == 4 and c.finish_reason == "length"
         assert c.weight_version == "default"
     assert server.state.refused == []
-    seeds = [sp["sampling_seed"] for _, path, body in server.state.requests if path == "/generate" for sp in body["sampling_params"]]
+    seeds = [
+        sp["sampling_seed"]
+        for _, path, body in server.state.requests
+        if path == "/generate"
+        for sp in body["sampling_params"]
+    ]
     again = engine.generate([[1, 2], [10], [3, 4, 5]], sampling, torch.Generator().manual_seed(3))
-    seeds_again = [sp["sampling_seed"] for _, path, body in server.state.requests if path == "/generate" for sp in body["sampling_params"]][3:]
-    assert seeds[:3] == seeds_again and [c.response_ids for c in again] == [c.response_ids for c in completions]
-    sent = [sp for _, path, body in server.state.requests if path == "/generate" for sp in body["sampling_params"]]
+    seeds_again = [
+        sp["sampling_seed"]
+        for _, path, body in server.state.requests
+        if path == "/generate"
+        for sp in body["sampling_params"]
+    ][3:]
+    assert seeds[:3] == seeds_again and [c.response_ids for c in again] == [
+        c.response_ids for c in completions
+    ]
+    sent = [
+        sp for _, path, body in server.state.requests if path == "/generate" for sp in body["sampling_params"]
+    ]
     assert {sp["ignore_eos"] for sp in sent} == {False}
     engine.generate([[1, 2]], SamplingParams(max_new_tokens=4, ignore_eos=True), generator)
     last = [body for _, path, body in server.state.requests if path == "/generate"][-1]
@@ -154,7 +168,9 @@ def test_checksums_and_the_seeds_check_through_the_weights_checker(setup, tmp_pa
 
 
 def test_a_missing_url_is_one_line_naming_the_key(tmp_path):
-    config = Config(generator=GeneratorConfig(engine="sglang", num_engines=2), sglang=SglangConfig(urls=["http://x"]))
+    config = Config(
+        generator=GeneratorConfig(engine="sglang", num_engines=2), sglang=SglangConfig(urls=["http://x"])
+    )
     with pytest.raises(ValueError, match=r"sglang\.urls: engine-1 needs the URL"):
         SglangEngine.from_config(config, index=1, name="engine-1", transport=DiskTransport("r", tmp_path))
 
@@ -171,7 +187,13 @@ def test_launch_args_come_from_the_config():
     )
     config.model.path = "/m"
     args = SglangEngine.launch_args(config, port=15000, nccl_port=15001)
-    assert (args.model_path, args.port, args.tp_size, args.mem_fraction_static, args.nccl_port) == ("/m", 15000, 2, 0.6, 15001)
+    assert (args.model_path, args.port, args.tp_size, args.mem_fraction_static, args.nccl_port) == (
+        "/m",
+        15000,
+        2,
+        0.6,
+        15001,
+    )
     assert args.random_seed == config.run.seed and args.extra_args == ("--log-level", "warning")
 
 
@@ -179,7 +201,7 @@ def fake_sglang_python(tmp_path: Path, body: str) -> Path:
     """A "python" for ``sglang.python``: given ``-m sglang.launch_server ARGS``, runs ``body``
     with ARGS (SGLang itself needs CUDA)."""
     script = tmp_path / "sglang-python"
-    script.write_text(f"#!/bin/sh\n[ \"$1 $2\" = \"-m sglang.launch_server\" ] || exit 64\nshift 2\n{body}\n")
+    script.write_text(f'#!/bin/sh\n[ "$1 $2" = "-m sglang.launch_server" ] || exit 64\nshift 2\n{body}\n')
     script.chmod(0o755)
     return script
 
@@ -201,11 +223,15 @@ def test_without_urls_each_engine_launches_its_server_and_ends_it_on_close(tmp_p
     contract = f'cd "{REPO}" && exec "{sys.executable}" -m tests.sglang_launch "$@"'
     config = launch_config(tmp_path, fake_sglang_python(tmp_path, contract), startup_timeout=120)
     engines = [
-        engine_class("sglang").from_config(config, index=i, name=f"engine-{i}", transport=DiskTransport("r", tmp_path))
+        engine_class("sglang").from_config(
+            config, index=i, name=f"engine-{i}", transport=DiskTransport("r", tmp_path)
+        )
         for i in range(2)
     ]
     try:
-        assert [e.weight_version for e in engines] == ["default", "default"] and all(e.ready() for e in engines)
+        assert [e.weight_version for e in engines] == ["default", "default"] and all(
+            e.ready() for e in engines
+        )
         assert len({e.http.url for e in engines}) == 2, "a port each"
         [completion] = engines[1].generate([[1, 2]], SamplingParams(max_new_tokens=2))
         assert len(completion.response_ids) == 2
@@ -225,7 +251,9 @@ def test_a_server_that_exits_during_start_is_one_line_naming_its_log(tmp_path):
     python = fake_sglang_python(tmp_path, 'echo "RuntimeError: no CUDA GPUs are available" >&2; exit 1')
     config = launch_config(tmp_path, python, startup_timeout=60)
     with pytest.raises(ServerStartError) as error:
-        engine_class("sglang").from_config(config, index=0, name="engine-0", transport=DiskTransport("r", tmp_path))
+        engine_class("sglang").from_config(
+            config, index=0, name="engine-0", transport=DiskTransport("r", tmp_path)
+        )
     message = str(error.value)
     assert "\n" not in message and "no CUDA GPUs are available" in message
     assert str(tmp_path / "run" / "sglang" / "engine-0.log") in message

@@ -33,7 +33,9 @@ def config_with(tmp_path: Path, **settings: Any) -> Config:
     return Config(run=RunConfig(dir=str(tmp_path)), tracking=TrackingConfig(**settings))
 
 
-async def drive(sink: TrackingSink, events: list[Event], config: Config | None = None, run_dir: Path | None = None) -> Any:
+async def drive(
+    sink: TrackingSink, events: list[Event], config: Config | None = None, run_dir: Path | None = None
+) -> Any:
     """Run ``sink`` over a real bus as the session does (run id ``run-1``)."""
     sink.host = await drive_sink(sink, events, config, run_dir, run_id="run-1")
     return sink
@@ -49,11 +51,18 @@ def tensorboard_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
 
     accumulator = EventAccumulator(str(log_dir))
     accumulator.Reload()
-    return {tag: [(s.step, s.value) for s in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]}
+    return {
+        tag: [(s.step, s.value) for s in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]
+    }
 
 
 async def test_tensorboard_logs_every_scalar_at_its_rollout_step(tmp_path):
-    await drive(only(make_tracking(config_with(tmp_path, tensorboard=True))), EVENTS, config_with(tmp_path, tensorboard=True), tmp_path)
+    await drive(
+        only(make_tracking(config_with(tmp_path, tensorboard=True))),
+        EVENTS,
+        config_with(tmp_path, tensorboard=True),
+        tmp_path,
+    )
     scalars = tensorboard_scalars(tmp_path / "tensorboard" / "run-1")
     assert SPEC_SCALARS <= set(scalars)
     assert scalars["rollout/reward_mean"] == [(0, 0.0078125), (1, 0.0234375), (2, 0.0234375)]
@@ -62,7 +71,12 @@ async def test_tensorboard_logs_every_scalar_at_its_rollout_step(tmp_path):
 
 
 async def test_tensorboard_logs_evals_at_the_eval_rollout_id_including_before_training(tmp_path):
-    await drive(only(make_tracking(config_with(tmp_path, tensorboard=True))), EVENTS, config_with(tmp_path, tensorboard=True), tmp_path)
+    await drive(
+        only(make_tracking(config_with(tmp_path, tensorboard=True))),
+        EVENTS,
+        config_with(tmp_path, tensorboard=True),
+        tmp_path,
+    )
     accuracy = tensorboard_scalars(tmp_path / "tensorboard" / "run-1")["eval/accuracy"]
     assert [step for step, _ in accuracy] == [0, 1, 2]
     assert accuracy[2][1] == pytest.approx(1 / 55)
@@ -70,7 +84,12 @@ async def test_tensorboard_logs_evals_at_the_eval_rollout_id_including_before_tr
 
 async def test_tensorboard_writes_to_the_configured_directory(tmp_path):
     target = tmp_path / "elsewhere"
-    await drive(only(make_tracking(config_with(tmp_path, tensorboard=True, tensorboard_dir=str(target)))), EVENTS, config_with(tmp_path, tensorboard=True, tensorboard_dir=str(target)), tmp_path)
+    await drive(
+        only(make_tracking(config_with(tmp_path, tensorboard=True, tensorboard_dir=str(target)))),
+        EVENTS,
+        config_with(tmp_path, tensorboard=True, tensorboard_dir=str(target)),
+        tmp_path,
+    )
     assert list(target.glob("events.out.tfevents.*"))
     assert not (tmp_path / "tensorboard").exists()
 
@@ -101,7 +120,12 @@ async def test_wandb_offline_run_records_the_metrics_against_rollout_id_and_fini
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     wandb_dir = tmp_path / "wb"
-    await drive(only(make_tracking(config_with(tmp_path, wandb=True, wandb_dir=str(wandb_dir)))), EVENTS, config_with(tmp_path, wandb=True, wandb_dir=str(wandb_dir)), tmp_path)
+    await drive(
+        only(make_tracking(config_with(tmp_path, wandb=True, wandb_dir=str(wandb_dir)))),
+        EVENTS,
+        config_with(tmp_path, wandb=True, wandb_dir=str(wandb_dir)),
+        tmp_path,
+    )
     (run_file,) = wandb_dir.glob("wandb/offline-run-*/run-run-1.wandb")
     records = wandb_records(run_file)
     history = [
@@ -109,7 +133,9 @@ async def test_wandb_offline_run_records_the_metrics_against_rollout_id_and_fini
         for r in records
         if r.WhichOneof("record_type") == "history"
     ]
-    rewards = [(row["rollout_id"], row["rollout/reward_mean"]) for row in history if "rollout/reward_mean" in row]
+    rewards = [
+        (row["rollout_id"], row["rollout/reward_mean"]) for row in history if "rollout/reward_mean" in row
+    ]
     assert rewards == [(0, 0.0078125), (1, 0.0234375), (2, 0.0234375)]
     (run_record,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     assert run_record.run_id == "run-1" and run_record.project == "miles-events"
@@ -158,7 +184,9 @@ async def test_wandb_plots_every_section_against_rollout_id():
     run = FakeRun()
     await drive(WandbSink(run), EVENTS)
     assert run.metrics["rollout_id"] is None
-    assert {run.metrics[f"{s}/*"] for s in ("rollout", "train", "perf", "weights", "checkpoint", "eval")} == {"rollout_id"}
+    assert {run.metrics[f"{s}/*"] for s in ("rollout", "train", "perf", "weights", "checkpoint", "eval")} == {
+        "rollout_id"
+    }
 
 
 async def test_wandb_keeps_a_checkpoint_that_finishes_after_later_rollouts():

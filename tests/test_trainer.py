@@ -72,7 +72,9 @@ class FakeContext:
     run_id: str = "test-run"
     name: str = "trainer"
     transport: Transport = field(default_factory=lambda: InProcessTransport("test-run"))
-    plan: RunPlan = field(default_factory=lambda: RunPlan(start_rollout_id=0, num_rollout=1, num_rollout_per_epoch=1))
+    plan: RunPlan = field(
+        default_factory=lambda: RunPlan(start_rollout_id=0, num_rollout=1, num_rollout_per_epoch=1)
+    )
     clock: Clock = SYSTEM_CLOCK
     events: list[Event] = field(default_factory=list)
 
@@ -124,7 +126,9 @@ async def started_trainer(
         resumed=load_checkpoint is not None,
         weight_version=weight_version,
     )
-    context = FakeContext(config=config, run_dir=run_dir, run_id=run_id, transport=InProcessTransport(run_id), plan=plan)
+    context = FakeContext(
+        config=config, run_dir=run_dir, run_id=run_id, transport=InProcessTransport(run_id), plan=plan
+    )
     trainer = Trainer(config, context)
     await trainer.start()
     return trainer, context
@@ -290,7 +294,9 @@ def varied_samples() -> list[Sample]:
     ]
 
 
-def test_each_distinct_prompt_runs_once_with_the_same_logprobs_and_gradients(base_model: Path, tmp_path: Path) -> None:
+def test_each_distinct_prompt_runs_once_with_the_same_logprobs_and_gradients(
+    base_model: Path, tmp_path: Path
+) -> None:
     backend = TorchTrainerBackend(make_config(base_model, tmp_path))
     samples = varied_samples()
     assert shares_prompts(samples) and not shares_prompts(samples[::4])
@@ -314,7 +320,9 @@ def test_each_distinct_prompt_runs_once_with_the_same_logprobs_and_gradients(bas
         assert torch.allclose(grad, shared_grads[name], atol=1e-5, rtol=1e-4), name
 
 
-def test_a_micro_batch_of_empty_responses_has_no_positions_on_either_path(base_model: Path, tmp_path: Path) -> None:
+def test_a_micro_batch_of_empty_responses_has_no_positions_on_either_path(
+    base_model: Path, tmp_path: Path
+) -> None:
     backend = TorchTrainerBackend(make_config(base_model, tmp_path))
     samples = [sample(0, [], 0.0), sample(0, [], 0.0)]
     for micro in (pack_samples(samples, [0, 1]), pack_shared_prompts(samples, [0, 1])):
@@ -326,7 +334,9 @@ def count_forwards(backend: TorchTrainerBackend) -> list[int]:
     """Rows of every forward pass through the policy's decoder, in order."""
     rows: list[int] = []
     body = getattr(backend.model, backend.model.base_model_prefix)
-    body.register_forward_pre_hook(lambda _module, _args, kwargs: rows.append(len(kwargs["input_ids"])), with_kwargs=True)
+    body.register_forward_pre_hook(
+        lambda _module, _args, kwargs: rows.append(len(kwargs["input_ids"])), with_kwargs=True
+    )
     return rows
 
 
@@ -383,7 +393,9 @@ async def test_kl_to_the_reference_is_zero_until_the_policy_moves(base_model: Pa
     assert second.metrics.kl > 0.0
 
 
-async def test_a_loaded_reference_is_what_the_kl_is_measured_against(base_model: Path, tmp_path: Path) -> None:
+async def test_a_loaded_reference_is_what_the_kl_is_measured_against(
+    base_model: Path, tmp_path: Path
+) -> None:
     """``run.ref_load``: the KL reference is the reference checkpoint's weights, not the
     policy's starting point, so the first step already has a KL; the policy is untouched."""
     config = make_config(base_model, tmp_path, use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="k3")
@@ -461,7 +473,10 @@ async def test_the_backend_trains_in_its_buckets_and_a_publication_copies_them_w
     # The weights' buckets as the backend lays them out (one copy each), then the canary's.
     assert staged.layouts[:-1] == own.layouts
     assert [slot.name for slot in staged.layouts[-1].slots] == [CANARY_TENSOR]
-    assert all(torch.equal(a, b) and a.data_ptr() != b.data_ptr() for a, b in zip(staged.buffers[:-1], own.buffers, strict=True))
+    assert all(
+        torch.equal(a, b) and a.data_ptr() != b.data_ptr()
+        for a, b in zip(staged.buffers[:-1], own.buffers, strict=True)
+    )
     # An engine of the same model loads them bucket by bucket.
     assert TorchEngine.from_pretrained(base_model)._load_buckets(staged, "1")
     await trainer.handle(rollout_event(context, 0, two_group_samples()))
@@ -469,7 +484,9 @@ async def test_the_backend_trains_in_its_buckets_and_a_publication_copies_them_w
 
 
 async def test_the_staged_digest_leaves_out_the_verifier_skip_list(base_model: Path, tmp_path: Path) -> None:
-    config = msgspec.structs.replace(make_config(base_model, tmp_path), verifier=VerifierConfig(skip_tensor_list=["norm"]))
+    config = msgspec.structs.replace(
+        make_config(base_model, tmp_path), verifier=VerifierConfig(skip_tensor_list=["norm"])
+    )
     trainer, context = await started_trainer(config, tmp_path)
     await trainer.handle(PublishRequested(rollout_id=None))
     event = context.of_type(WeightsStaged)[0]
@@ -485,7 +502,10 @@ async def test_staged_weights_do_not_change_when_training_continues(base_model: 
     await trainer.handle(PublishRequested(rollout_id=None))
     event = context.of_type(WeightsStaged)[0]
     await trainer.handle(rollout_event(context, 0, two_group_samples()))
-    assert per_gpu_checksum(fingerprints(split_canary(context.transport.reader.get_tensors(event.weights))[0])) == event.digest
+    assert (
+        per_gpu_checksum(fingerprints(split_canary(context.transport.reader.get_tensors(event.weights))[0]))
+        == event.digest
+    )
     assert per_gpu_checksum(fingerprints(trainer.backend.named_weights())) != event.digest
 
 
@@ -588,7 +608,9 @@ async def test_weights_are_published_in_the_engine_dtype(base_model: Path, tmp_p
     )
     trainer, context = await started_trainer(config, tmp_path)
     await trainer.handle(PublishRequested(rollout_id=None))
-    tensors, _canary = split_canary(context.transport.reader.get_tensors(context.of_type(WeightsStaged)[0].weights))
+    tensors, _canary = split_canary(
+        context.transport.reader.get_tensors(context.of_type(WeightsStaged)[0].weights)
+    )
     assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
 
 
@@ -634,7 +656,9 @@ async def test_saved_train_state_carries_version_steps_and_data_cursor(
 async def test_a_background_save_stages_the_state_as_it_was_when_asked_while_training_goes_on(
     base_model: Path, tmp_path: Path
 ) -> None:
-    trainer, context = await started_trainer(make_config(base_model, tmp_path, save_staging="background"), tmp_path)
+    trainer, context = await started_trainer(
+        make_config(base_model, tmp_path, save_staging="background"), tmp_path
+    )
     await trainer.handle(rollout_event(context, 0, two_group_samples()))
     asked = {n: t.clone() for n, t in trainer.backend.named_weights().items()}
     optimizer_asked = copy.deepcopy(trainer.backend.optimizer_state_dict())
@@ -648,13 +672,19 @@ async def test_a_background_save_stages_the_state_as_it_was_when_asked_while_tra
     assert any(not torch.equal(now[n], t) for n, t in asked.items())  # training went on
     optimizer = context.transport.reader.get_state(staged.optimizer)
     for key, state in optimizer_asked["state"].items():
-        assert all(torch.equal(optimizer["state"][key][k], v) for k, v in state.items() if isinstance(v, torch.Tensor))
+        assert all(
+            torch.equal(optimizer["state"][key][k], v)
+            for k, v in state.items()
+            if isinstance(v, torch.Tensor)
+        )
 
 
 async def test_a_background_save_with_a_publication_behind_it_is_staged_once_that_publication_is(
     base_model: Path, tmp_path: Path
 ) -> None:
-    trainer, context = await started_trainer(make_config(base_model, tmp_path, save_staging="background"), tmp_path)
+    trainer, context = await started_trainer(
+        make_config(base_model, tmp_path, save_staging="background"), tmp_path
+    )
     await trainer.handle(rollout_event(context, 0, two_group_samples()))
     asked = {n: t.clone() for n, t in trainer.backend.named_weights().items()}
     await trainer.handle(SaveRequested(rollout_id=0, reason="interval", publication_follows=True))
@@ -673,7 +703,9 @@ async def test_a_background_save_with_a_publication_behind_it_is_staged_once_tha
 async def test_a_background_save_asked_for_after_its_publication_does_not_wait_for_it(
     base_model: Path, tmp_path: Path
 ) -> None:
-    trainer, context = await started_trainer(make_config(base_model, tmp_path, save_staging="background"), tmp_path)
+    trainer, context = await started_trainer(
+        make_config(base_model, tmp_path, save_staging="background"), tmp_path
+    )
     await trainer.handle(rollout_event(context, 0, two_group_samples()))
     await trainer.handle(PublishRequested(rollout_id=0))
     await trainer.handle(SaveRequested(rollout_id=0, reason="interval", publication_follows=True))
@@ -684,7 +716,9 @@ async def test_a_background_save_asked_for_after_its_publication_does_not_wait_f
 async def test_a_background_save_waits_for_its_publication_even_when_that_fails_to_stage(
     base_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    trainer, context = await started_trainer(make_config(base_model, tmp_path, save_staging="background"), tmp_path)
+    trainer, context = await started_trainer(
+        make_config(base_model, tmp_path, save_staging="background"), tmp_path
+    )
     await trainer.handle(rollout_event(context, 0, two_group_samples()))
     await trainer.handle(SaveRequested(rollout_id=0, reason="interval", publication_follows=True))
 
@@ -708,12 +742,16 @@ async def test_each_background_save_copies_into_the_copies_of_the_last_once_they
 
     monkeypatch.setattr("actors.trainer_backend.save_staging.copy_to_host", copy_to_the_host)
     monkeypatch.setattr(SaveStaging, "reuses_copies", lambda self: True)
-    trainer, context = await started_trainer(make_config(base_model, tmp_path, save_staging="background"), tmp_path)
+    trainer, context = await started_trainer(
+        make_config(base_model, tmp_path, save_staging="background"), tmp_path
+    )
     trainer.saves.pinned.pin = False
     for rollout_id in (0, 1):
         await trainer.handle(rollout_event(context, rollout_id, two_group_samples()))
         asked = {n: t.clone() for n, t in trainer.backend.named_weights().items()}
-        moments = {k: v["exp_avg"].clone() for k, v in trainer.backend.optimizer_state_dict()["state"].items()}
+        moments = {
+            k: v["exp_avg"].clone() for k, v in trainer.backend.optimizer_state_dict()["state"].items()
+        }
         await trainer.handle(SaveRequested(rollout_id=rollout_id, reason="interval"))
         staged = await staged_train_state(context, rollout_id)
         weights = context.transport.reader.get_tensors(staged.weights)
@@ -728,7 +766,9 @@ async def test_each_background_save_copies_into_the_copies_of_the_last_once_they
 
 
 def with_save_interval(config: Config, save_interval: int) -> Config:
-    return msgspec.structs.replace(config, run=msgspec.structs.replace(config.run, save_interval=save_interval))
+    return msgspec.structs.replace(
+        config, run=msgspec.structs.replace(config.run, save_interval=save_interval)
+    )
 
 
 async def prepared_arenas(trainer: Trainer, count: int, seconds: float = 10.0) -> None:
@@ -813,7 +853,9 @@ async def test_a_save_asked_for_before_the_first_publication_pins_its_own_memory
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-async def test_on_a_gpu_the_first_save_takes_the_pinned_memory_prepared_for_it(base_model: Path, tmp_path: Path) -> None:
+async def test_on_a_gpu_the_first_save_takes_the_pinned_memory_prepared_for_it(
+    base_model: Path, tmp_path: Path
+) -> None:
     config = with_save_interval(make_config(base_model, tmp_path, save_staging="background"), 2)
     trainer, context = await started_trainer(config, tmp_path)
     await trainer.handle(rollout_event(context, 0, two_group_samples()))
@@ -833,7 +875,9 @@ async def test_on_a_gpu_the_first_save_takes_the_pinned_memory_prepared_for_it(b
 async def test_on_a_gpu_each_background_save_copies_the_state_into_the_device_memory_of_the_last(
     base_model: Path, tmp_path: Path
 ) -> None:
-    trainer, context = await started_trainer(make_config(base_model, tmp_path, save_staging="background"), tmp_path)
+    trainer, context = await started_trainer(
+        make_config(base_model, tmp_path, save_staging="background"), tmp_path
+    )
     pointers = []
     for rollout_id in (0, 1):
         await trainer.handle(rollout_event(context, rollout_id, two_group_samples()))
@@ -866,7 +910,9 @@ async def test_a_background_saves_pinned_memory_is_reused_once_the_saver_release
         return obj, arena
 
     monkeypatch.setattr("actors.trainer_backend.save_staging.copy_to_host", copy_into_arena)
-    trainer, context = await started_trainer(make_config(base_model, tmp_path, save_staging="background"), tmp_path)
+    trainer, context = await started_trainer(
+        make_config(base_model, tmp_path, save_staging="background"), tmp_path
+    )
     pool: host_copy.PinnedPool = trainer.saves.pinned
     pool.pin = False
 
@@ -906,7 +952,9 @@ class LoadedCheckpoint:
     trainer_state: TrainerState
 
 
-def install_checkpoint(monkeypatch: pytest.MonkeyPatch, checkpoint_dir: Path, loaded: Any) -> list[tuple[Path, bool]]:
+def install_checkpoint(
+    monkeypatch: pytest.MonkeyPatch, checkpoint_dir: Path, loaded: Any
+) -> list[tuple[Path, bool]]:
     """The trainer reads ``loaded`` for ``checkpoint_dir``; returns the reads it made."""
     reads: list[tuple[Path, bool]] = []
 
@@ -974,7 +1022,9 @@ async def test_a_verified_publications_manifest_is_removed_and_an_unverified_one
     await trainer.handle(PublishRequested())
     first = context.of_type(WeightsStaged)[0]
     assert (tmp_path / first.checksums_manifest).is_file()
-    verified = PublicationVerified(weight_version="1", digest=first.digest, num_tensors=first.num_tensors, engines=["engine-0"])
+    verified = PublicationVerified(
+        weight_version="1", digest=first.digest, num_tensors=first.num_tensors, engines=["engine-0"]
+    )
     await trainer.handle(verified)
     assert not (tmp_path / first.checksums_manifest).exists()
     await trainer.handle(rollout_event(context, 0, two_group_samples()))
@@ -985,7 +1035,9 @@ async def test_a_verified_publications_manifest_is_removed_and_an_unverified_one
     assert (tmp_path / second.checksums_manifest).is_file()
 
 
-async def test_a_rollout_batch_is_released_even_when_training_raises(base_model: Path, tmp_path: Path) -> None:
+async def test_a_rollout_batch_is_released_even_when_training_raises(
+    base_model: Path, tmp_path: Path
+) -> None:
     trainer, context = await started_trainer(make_config(base_model, tmp_path), tmp_path)
 
     def broken(batch: Any, cancel: Any = None) -> Any:
@@ -1008,7 +1060,9 @@ def with_nan_reward() -> list[Sample]:
     return samples
 
 
-async def test_a_non_finite_reward_fails_the_step_naming_the_rollout_and_the_sample(base_model: Path, tmp_path: Path) -> None:
+async def test_a_non_finite_reward_fails_the_step_naming_the_rollout_and_the_sample(
+    base_model: Path, tmp_path: Path
+) -> None:
     trainer, context = await started_trainer(make_config(base_model, tmp_path), tmp_path)
     before = weights_of(trainer)
     with pytest.raises(NonFiniteError, match=r"^rollout 4: non-finite reward in 1 sample\(s\): 2 \(nan\)"):
@@ -1017,9 +1071,13 @@ async def test_a_non_finite_reward_fails_the_step_naming_the_rollout_and_the_sam
     assert context.of_type(DataReleased) and not context.of_type(TrainStepFinished)
 
 
-async def test_skip_sample_trains_on_the_finite_rest_and_skip_step_on_nothing(base_model: Path, tmp_path: Path) -> None:
+async def test_skip_sample_trains_on_the_finite_rest_and_skip_step_on_nothing(
+    base_model: Path, tmp_path: Path
+) -> None:
     for policy, moves in (("skip_sample", True), ("skip_step", False)):
-        trainer, context = await started_trainer(make_config(base_model, tmp_path, on_non_finite=policy), tmp_path)
+        trainer, context = await started_trainer(
+            make_config(base_model, tmp_path, on_non_finite=policy), tmp_path
+        )
         before = weights_of(trainer)
         await trainer.handle(rollout_event(context, 0, with_nan_reward()))
         (step,) = context.of_type(TrainStepFinished)
@@ -1032,7 +1090,9 @@ async def test_a_non_finite_loss_skips_or_fails_its_step_and_nan_weights_are_nev
     base_model: Path, tmp_path: Path
 ) -> None:
     for policy in ("fail", "skip_step"):
-        trainer, context = await started_trainer(make_config(base_model, tmp_path, on_non_finite=policy), tmp_path)
+        trainer, context = await started_trainer(
+            make_config(base_model, tmp_path, on_non_finite=policy), tmp_path
+        )
         with torch.no_grad():
             trainer.backend.model.model.norm.weight[0] = float("nan")  # every logit is NaN now
         if policy == "fail":
@@ -1042,7 +1102,10 @@ async def test_a_non_finite_loss_skips_or_fails_its_step_and_nan_weights_are_nev
             await trainer.handle(rollout_event(context, 0, two_group_samples()))
             (step,) = context.of_type(TrainStepFinished)
             assert step.metrics.num_optimizer_steps == 0
-        with pytest.raises(NonFiniteError, match=r"weight version 1: non-finite values in 1 tensor\(s\) \(model.norm.weight\)"):
+        with pytest.raises(
+            NonFiniteError,
+            match=r"weight version 1: non-finite values in 1 tensor\(s\) \(model.norm.weight\)",
+        ):
             await trainer.handle(PublishRequested(rollout_id=None))
         with pytest.raises(NonFiniteError, match="non-finite values"):
             await trainer.handle(SaveRequested(rollout_id=0))

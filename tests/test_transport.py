@@ -198,8 +198,15 @@ def test_cuda_ipc_shares_gpu_buckets_with_another_process_without_a_copy(tmp_pat
     assert ref.transport == "cuda_ipc" and plane.reader.get_buckets(ref) is buckets  # the producer's own
     root = Path(__file__).resolve().parent.parent
     done = subprocess.run(
-        [sys.executable, "-c", CHILD, "run-ipc"], capture_output=True, text=True, timeout=120, cwd=root,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))},
+        [sys.executable, "-c", CHILD, "run-ipc"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=root,
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
+        },
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == str(sorted(fingerprint_buckets(bucketed()).items()))
@@ -239,7 +246,10 @@ def test_a_reader_keeps_the_buffers_it_mapped_and_reads_what_was_staged_into_the
     plane = open_transport("cuda_ipc", "run-ipc-reuse", tmp_path)
     buckets = bucketed().to("cuda")
     root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
+    }
     command = [sys.executable, "-c", READER, "run-ipc-reuse"]
     readers = [
         subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=root, env=env)
@@ -288,11 +298,15 @@ for key in sys.stdin:
     print(sorted(fingerprint_buckets(buckets).items()), flush=True)
 """
 
+
 def started_reader(script: str, run_id: str) -> subprocess.Popen[str]:
     """``script`` run as a reader process of run ``run_id`` (lines in, lines out), once it
     says it is ready."""
     root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
+    }
     reader = subprocess.Popen(
         [sys.executable, "-c", script, run_id],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=root, env=env,
@@ -347,8 +361,14 @@ def test_a_cuda_ipc_reader_maps_a_buffer_once_and_reads_a_record_seen_before_wit
     from schemas.data import CudaIpcBuffer, CudaIpcRecord, DataRef
 
     mapped, released = [], []
-    monkeypatch.setattr(cuda_ipc, "open_shared", lambda shared: mapped.append(shared.handle) or torch.zeros(shared.layout.numel))
-    monkeypatch.setattr(cuda_ipc, "_release_counter", lambda shared: released.append(shared.ref_counter_offset))
+    monkeypatch.setattr(
+        cuda_ipc,
+        "open_shared",
+        lambda shared: mapped.append(shared.handle) or torch.zeros(shared.layout.numel),
+    )
+    monkeypatch.setattr(
+        cuda_ipc, "_release_counter", lambda shared: released.append(shared.ref_counter_offset)
+    )
     (layout,) = plan_layouts({"w": torch.zeros(3, 4)})
     plane = cuda_ipc.CudaIpcTransport("run-ipc-reader", tmp_path)
 
@@ -411,12 +431,21 @@ def _cuda_ipc_producer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, run_id: 
 
     monkeypatch.setattr(cuda_ipc.CudaIpcStager, "_record_ready", lambda self, device: b"event")
     monkeypatch.setattr(
-        cuda_ipc, "share", lambda buffer, layout: CudaIpcBuffer(layout, 0, bytes([buffer.numel()]), 1 << 20, 0, 0, b"c", 0, None, False)
+        cuda_ipc,
+        "share",
+        lambda buffer, layout: CudaIpcBuffer(
+            layout, 0, bytes([buffer.numel()]), 1 << 20, 0, 0, b"c", 0, None, False
+        ),
     )
     (layout,) = plan_layouts({"w": torch.zeros(3, 4)})
 
     def staged(numel: int) -> SimpleNamespace:
-        return SimpleNamespace(device=torch.device("cuda", 0), layouts=(layout,), buffers=(torch.zeros(numel),), num_bytes=4 * numel)
+        return SimpleNamespace(
+            device=torch.device("cuda", 0),
+            layouts=(layout,),
+            buffers=(torch.zeros(numel),),
+            num_bytes=4 * numel,
+        )
 
     return cuda_ipc.CudaIpcTransport(run_id, tmp_path), staged
 
@@ -454,11 +483,15 @@ def test_a_cuda_ipc_producer_never_rewrites_a_record_file_it_did_not_create(
     other.write_bytes(b"another producer's record")
     plane.stager.put_buckets("weights-v1", staged(16), owner="trainer")
     assert other.read_bytes() == b"another producer's record"
-    assert plane.files.path("weights-v1" + cuda_ipc.RECORD_SUFFIX).samefile(plane.root / f".record-free{cuda_ipc.RECORD_SUFFIX}")
+    assert plane.files.path("weights-v1" + cuda_ipc.RECORD_SUFFIX).samefile(
+        plane.root / f".record-free{cuda_ipc.RECORD_SUFFIX}"
+    )
     plane.close()
 
 
-def test_a_cuda_ipc_record_removed_under_the_producer_is_written_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+def test_a_cuda_ipc_record_removed_under_the_producer_is_written_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
     """The record of buffers shared before, gone from the directory (removed by hand, or by
     a cleaner of the run's directory): the next publication of those buffers writes it
     again instead of failing for ever."""
@@ -516,8 +549,12 @@ def test_a_cuda_ipc_reader_waits_for_the_producers_ready_event_at_every_read(
 
     opened, waited = [], []
     monkeypatch.setattr(cuda_ipc, "open_shared", lambda shared: torch.zeros(shared.layout.numel))
-    monkeypatch.setattr(cuda_ipc.CudaIpcReader, "_open_event", lambda self, handle, device: opened.append(handle) or handle)
-    monkeypatch.setattr(cuda_ipc.CudaIpcReader, "_wait_ready", staticmethod(lambda event, device: waited.append(event)))
+    monkeypatch.setattr(
+        cuda_ipc.CudaIpcReader, "_open_event", lambda self, handle, device: opened.append(handle) or handle
+    )
+    monkeypatch.setattr(
+        cuda_ipc.CudaIpcReader, "_wait_ready", staticmethod(lambda event, device: waited.append(event))
+    )
     (layout,) = plan_layouts({"w": torch.zeros(3, 4)})
     plane = cuda_ipc.CudaIpcTransport("run-ipc-ready-cpu", tmp_path)
 
@@ -557,7 +594,9 @@ def test_a_cuda_ipc_reader_done_reading_leaves_the_producer_a_receipt_of_its_rea
     monkeypatch.setattr(cuda_ipc, "open_shared", lambda shared: torch.zeros(shared.layout.numel))
     monkeypatch.setattr(cuda_ipc.InterprocessEvents, "get", lambda self, device: (event, b"read-handle"))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
-    monkeypatch.setattr(torch.cuda.Event, "from_ipc_handle", lambda device, handle: opened.append(handle) or handle)
+    monkeypatch.setattr(
+        torch.cuda.Event, "from_ipc_handle", lambda device, handle: opened.append(handle) or handle
+    )
     (layout,) = plan_layouts({"w": torch.zeros(3, 4)})
     reader = cuda_ipc.CudaIpcTransport("run-ipc-receipts", tmp_path)
     shared = CudaIpcBuffer(layout, 0, b"handle", 1 << 20, 0, 0, b"counter", 0, None, False)
@@ -573,7 +612,9 @@ def test_a_cuda_ipc_reader_done_reading_leaves_the_producer_a_receipt_of_its_rea
     assert [p.name for p in receipts] == [f"weights-v1.cuda-ipc.read-{os.getpid()}-0"]
     assert receipts[0].read_bytes() == b"read-handle" and receipts[0].stat().st_mode & 0o077 == 0
 
-    reader.reader.done_reading(DataRef("cuda_ipc", "weights-v9", "trainer"), gpu)  # never read from another process
+    reader.reader.done_reading(
+        DataRef("cuda_ipc", "weights-v9", "trainer"), gpu
+    )  # never read from another process
     assert recorded == [stream] and synced == [True]
 
     producer = cuda_ipc.CudaIpcTransport("run-ipc-receipts", tmp_path)

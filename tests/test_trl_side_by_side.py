@@ -62,19 +62,35 @@ def test_ratios_of_a_round():
 def test_table_and_result_line():
     rounds = [
         {
-            "ray": arm("ray", seed, per_rollout_seconds=1.2 * seed, peak_processes=13, rollouts_to_target=20 + seed),
+            "ray": arm(
+                "ray", seed, per_rollout_seconds=1.2 * seed, peak_processes=13, rollouts_to_target=20 + seed
+            ),
             "local": arm("local", seed, per_rollout_seconds=0.8 * seed, rollouts_to_target=20 + seed),
-            "trl": arm("trl", seed, per_rollout_seconds=1.0 * seed, torch_threads=2, rollouts_to_target=None if seed == 3 else 18),
+            "trl": arm(
+                "trl",
+                seed,
+                per_rollout_seconds=1.0 * seed,
+                torch_threads=2,
+                rollouts_to_target=None if seed == 3 else 18,
+            ),
         }
         for seed in (1, 2, 3)
     ]
     table = bench.format_table(rounds, 0.9)
     assert table[0] == "| | ours, ray | ours, local | TRL GRPOTrainer |"
-    assert table[2] == "| median s per rollout (ratio to TRL, TRL on 2 threads) | 1.20x (1.20-3.60 s) | 0.80x (0.80-2.40 s) | 1 (1.00-3.00 s) |"
+    assert (
+        table[2]
+        == "| median s per rollout (ratio to TRL, TRL on 2 threads) | 1.20x (1.20-3.60 s) | 0.80x (0.80-2.40 s) | 1 (1.00-3.00 s) |"
+    )
     assert table[3] == "| generation + training split (s) | 0.40 + 0.60 | 0.40 + 0.60 | 0.40 + 0.60 |"
     assert table[4] == "| fixed cost: process time minus loop time | 6.0 s | 6.0 s | 6.0 s |"
-    assert table[5] == "| peak memory, process tree (PSS) | 0.60 GB over 13 processes | 0.60 GB over 1 process | 0.60 GB over 1 process |"
-    assert table[6] == "| rollouts to reward 0.9 (seeds 1/2/3) | 21 / 22 / 23 | 21 / 22 / 23 | 18 / 18 / none |"
+    assert (
+        table[5]
+        == "| peak memory, process tree (PSS) | 0.60 GB over 13 processes | 0.60 GB over 1 process | 0.60 GB over 1 process |"
+    )
+    assert (
+        table[6] == "| rollouts to reward 0.9 (seeds 1/2/3) | 21 / 22 / 23 | 21 / 22 / 23 | 18 / 18 / none |"
+    )
     line = bench.result_line(bench.result_values(rounds))
     assert line == (
         "RESULT ray_vs_trl=1.200 local_vs_trl=0.800 ray_vs_local=1.500 ray_fixed_extra_s=0.0 ray_pss_vs_local=1.000"
@@ -86,7 +102,9 @@ def test_table_and_result_line():
 
 
 def test_round_lines_name_every_arm_and_the_ratios():
-    lines = bench.format_round(2, ["trl", "ray"], {"ray": arm("ray", 2), "trl": arm("trl", 2, error="exit code 1")}, 0.9)
+    lines = bench.format_round(
+        2, ["trl", "ray"], {"ray": arm("ray", 2), "trl": arm("trl", 2, error="exit code 1")}, 0.9
+    )
     assert lines[0] == "round seed=2 (order: trl, ray)"
     assert [line.split()[0] for line in lines[1:3]] == ["ray", "trl"]
     assert "ERROR: exit code 1" in lines[2]
@@ -97,7 +115,11 @@ def test_pss_sums_the_whole_process_tree():
     own, counted = bench.tree_pss(os.getpid())
     assert os.getpid() in counted and own > 0
     child = subprocess.Popen(
-        [sys.executable, "-c", "import subprocess, sys; subprocess.run([sys.executable, '-c', 'import time; time.sleep(30)'])"],
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys; subprocess.run([sys.executable, '-c', 'import time; time.sleep(30)'])",
+        ],
         start_new_session=True,
     )
     try:
@@ -213,7 +235,9 @@ def test_three_rollouts_of_every_arm(tmp_path):
     for key in bench.RESULT_KEYS[:5]:
         assert math.isfinite(float(values[key])), (key, values[key])
     # Every arm's exact command is printed.
-    assert sum("miles_events.run" in line for line in lines) == 2 and any("trl_grpo.py" in line for line in lines)
+    assert sum("miles_events.run" in line for line in lines) == 2 and any(
+        "trl_grpo.py" in line for line in lines
+    )
 
     report = json.loads(out.read_text())
     arms = report["rounds"][0]
@@ -226,7 +250,11 @@ def test_three_rollouts_of_every_arm(tmp_path):
     # TRL's rewards are exact_match's: in [0, 1], of 4096 completions, and the first rollout's
     # prompt ids were checked against the project's engine.
     trl = json.loads((tmp_path / "runs" / "seed1-trl" / "trl.json").read_text())
-    assert trl["optimizer_steps"] == 12 and trl["settings"]["loss_type"] == "bnpo" and trl["settings"]["beta"] == 0
+    assert (
+        trl["optimizer_steps"] == 12
+        and trl["settings"]["loss_type"] == "bnpo"
+        and trl["settings"]["beta"] == 0
+    )
     assert trl["rollouts"][0]["prompt_ids_as_engine"] is True
     for rollout in trl["rollouts"]:
         assert 0.0 <= rollout["reward_min"] <= rollout["reward_mean"] <= rollout["reward_max"] <= 1.0

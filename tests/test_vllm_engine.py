@@ -30,7 +30,6 @@ from schemas.config import BuiltinModelConfig, Config, ModelConfig, RunConfig, V
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("needs_vllm")]
 
 
-
 def _config(run_dir: Path, model_path: Path | None, **vllm: object) -> Config:
     config = Config(run=RunConfig(dir=str(run_dir), runtime="local"))
     config = msgspec.structs.replace(
@@ -390,7 +389,13 @@ def test_the_dashboards_engines_row_reads_a_real_servers_metrics(engine: VllmEng
     prometheus = shutil.which("prometheus")
     require(prometheus is not None, "prometheus (Debian package prometheus)")
     assert engine.metrics_url is not None
-    write_target(tmp_path / "targets", run_id="vllm-run", engine="engine-0", backend="vllm", metrics_url=engine.metrics_url)
+    write_target(
+        tmp_path / "targets",
+        run_id="vllm-run",
+        engine="engine-0",
+        backend="vllm",
+        metrics_url=engine.metrics_url,
+    )
     settings = load_yaml(GRAFANA / "prometheus.yml")
     settings["global"].update(scrape_interval="1s", evaluation_interval="1s")
     (job,) = [j for j in settings["scrape_configs"] if j["job_name"] == "inference-engines"]
@@ -414,7 +419,9 @@ def test_the_dashboards_engines_row_reads_a_real_servers_metrics(engine: VllmEng
         deadline = time.monotonic() + 90
         while pending and time.monotonic() < deadline:
             assert server.poll() is None, (tmp_path / "prometheus.log").read_text()[-2000:]
-            engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=8), torch.Generator().manual_seed(1))
+            engine.generate(
+                PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=8), torch.Generator().manual_seed(1)
+            )
             for name, promql in list(pending.items()):
                 if query(url, promql):
                     del pending[name]

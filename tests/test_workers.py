@@ -51,7 +51,9 @@ def build(config: Config, transport: InProcessTransport, place: RankPlace) -> Ra
 async def test_every_rank_runs_in_this_process_and_its_calls_off_the_event_loop(tmp_path: Path) -> None:
     workers = await start_in_process(build, 2, Config(), InProcessTransport("w"), tmp_path)
     answers = [await w.call(Rank.where) for w in workers]
-    assert [(rank, sharing) for rank, sharing, _ in answers] == [(0, 2), (1, 2)], "both ranks share the process"
+    assert [(rank, sharing) for rank, sharing, _ in answers] == [(0, 2), (1, 2)], (
+        "both ranks share the process"
+    )
     assert all(thread != threading.current_thread().name for _, _, thread in answers)
 
 

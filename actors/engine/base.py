@@ -141,7 +141,9 @@ class Engine(ABC):
         """
 
     @abstractmethod
-    def checksums(self, skip_tensor_list: Iterable[str] = (), selector: Selector = "all") -> EngineChecksumReport:
+    def checksums(
+        self, skip_tensor_list: Iterable[str] = (), selector: Selector = "all"
+    ) -> EngineChecksumReport:
         """SGLang's ``checksum`` action: the fingerprint of every served tensor not skipped,
         per rank, with the per-GPU and per-engine digests. An engine that reads the reply
         from elsewhere (a server) raises ``ChecksumReplyError`` for one it cannot use; the
@@ -198,7 +200,9 @@ def single_rank_report(checksums: dict[str, str], message: str) -> EngineChecksu
     return EngineChecksumReport(
         success=True,
         message=message,
-        ranks=[RankChecksums(checksums=checksums, per_gpu_checksum=per_gpu, parallelism_info=ParallelismInfo())],
+        ranks=[
+            RankChecksums(checksums=checksums, per_gpu_checksum=per_gpu, parallelism_info=ParallelismInfo())
+        ],
         per_engine_checksum=per_engine_checksum([per_gpu]),
     )
 

@@ -45,7 +45,9 @@ _ACCESS = re.compile(r"HTTP/1\.[01]\" \d{3}")
 """An access-log line (a request and its status)."""
 _ANSWERED = re.compile(r"HTTP/1\.[01]\" 2\d\d")
 """An access-log line of a request the server answered."""
-_TRACEBACK = re.compile(r"^(Traceback \(most recent call last\)|During handling of the above|The above exception)")
+_TRACEBACK = re.compile(
+    r"^(Traceback \(most recent call last\)|During handling of the above|The above exception)"
+)
 _LOG_PREFIX = re.compile(r"^(\(\S+ pid=\d+\)\s+)?(\w+\s+\d\d-\d\d \d\d:\d\d:\d\d(\.\d+)?\s+\[[^\]]*\] ?)?")
 """vLLM's ``(Worker pid=1) ERROR 12-01 18:47:27 [file.py:12]`` line prefix."""
 _LEVEL = re.compile(r"^(\(\S+ pid=\d+\)\s+)?(DEBUG|INFO|WARNING|ERROR|CRITICAL)\b")

@@ -79,7 +79,9 @@ class _Http:
             raise SglangError(f"{self.url}{path}: {api.error_message(status, reply)}")
         return reply
 
-    def success(self, path: str, request: api.Request, reply: type[api.SuccessReply] = api.SuccessReply) -> Any:
+    def success(
+        self, path: str, request: api.Request, reply: type[api.SuccessReply] = api.SuccessReply
+    ) -> Any:
         parsed = api.parse_success_reply(*self.call(path, request.body()), reply)
         if not parsed.success:
             raise SglangError(f"{self.url}{path}: {parsed.message or 'failed'}")
@@ -218,7 +220,9 @@ class SglangEngine(Engine):
             )
             replies = api.parse_generate_reply(self.http.ok(api.GENERATE, body.body()))
             if len(replies) != len(batch):
-                raise SglangError(f"{self.http.url}/generate: {len(replies)} replies for {len(batch)} prompts")
+                raise SglangError(
+                    f"{self.http.url}/generate: {len(replies)} replies for {len(batch)} prompts"
+                )
             completions += [self._completion(ids, reply) for ids, reply in zip(batch, replies, strict=True)]
         return completions
 
@@ -236,7 +240,9 @@ class SglangEngine(Engine):
         finish = reply.finish
         if finish == "abort":
             reason = reply.meta_info.finish_reason
-            raise SglangError(f"{self.name}: request {reply.meta_info.id} aborted: {reason and reason.message}")
+            raise SglangError(
+                f"{self.name}: request {reply.meta_info.id} aborted: {reason and reason.message}"
+            )
         matched = reply.meta_info.finish_reason.matched if reply.meta_info.finish_reason else None
         return Completion(
             prompt_ids=prompt_ids,
@@ -300,7 +306,9 @@ class SglangEngine(Engine):
         )
         return self.http.call(api.WEIGHTS_CHECKER, request.body())
 
-    def checksums(self, skip_tensor_list: Iterable[str] = (), selector: Selector = "all") -> EngineChecksumReport:
+    def checksums(
+        self, skip_tensor_list: Iterable[str] = (), selector: Selector = "all"
+    ) -> EngineChecksumReport:
         return api.parse_checksum_reply(*self._checker("checksum", selector, skip_tensor_list, False))
 
     def weights_check(
@@ -312,7 +320,10 @@ class SglangEngine(Engine):
     ) -> WeightsCheckResult:
         if action not in ("snapshot", "reset_tensors", "compare"):
             return WeightsCheckResult(
-                success=False, message=f"unknown action {action!r}", action=action, weight_version=self.weight_version
+                success=False,
+                message=f"unknown action {action!r}",
+                action=action,
+                weight_version=self.weight_version,
             )
         status, body = self._checker(action, selector, skip_tensor_list, allow_quant_error)
         return api.parse_check_reply(action, status, body, weight_version=self.weight_version)
@@ -337,7 +348,9 @@ def launch_server(config: Config, *, index: int, name: str) -> ServerProcess:
     generate, not merely listen). ``ServerStartError`` (one line naming the log) otherwise."""
     settings = config.sglang
     if config.model.path is None or not Path(config.model.path).is_dir():
-        raise ServerStartError(f"{name}: model path {config.model.path} is not a directory (server not started)")
+        raise ServerStartError(
+            f"{name}: model path {config.model.path} is not a directory (server not started)"
+        )
     base_gpu_id = first_gpu(index, settings.tp_size)
 
     def command(port: int) -> list[str]:

@@ -84,7 +84,9 @@ def decode_sdpa(
     batch, heads, _, dim = query.shape
     packed = query.reshape(batch, heads // groups, groups, dim)
     # The mask [batch, 1, 1, length] broadcasts over the K/V heads and each group's rows.
-    out = torch.nn.functional.scaled_dot_product_attention(packed, key, value, attn_mask=attention_mask, scale=scaling)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        packed, key, value, attn_mask=attention_mask, scale=scaling
+    )
     return out.reshape(batch, heads, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
@@ -137,7 +139,9 @@ def supports(model: PreTrainedModel) -> str | None:
     kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
     if kinds != {"full_attention"}:
         return f"layer types {sorted(kinds)} (needs full attention in every layer)"
-    experts = [key for key in ("num_experts", "num_local_experts", "n_routed_experts") if getattr(config, key, None)]
+    experts = [
+        key for key in ("num_experts", "num_local_experts", "n_routed_experts") if getattr(config, key, None)
+    ]
     if experts:
         return f"mixture-of-experts routing ({experts[0]}: data-dependent shapes a graph cannot hold)"
     rope = getattr(config, "rope_scaling", None) or getattr(config, "rope_parameters", None) or {}
@@ -154,7 +158,9 @@ class SlotCache:
     It implements the one method a Hugging Face attention layer calls on its cache.
     """
 
-    def __init__(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], slot: torch.Tensor) -> None:
+    def __init__(
+        self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], slot: torch.Tensor
+    ) -> None:
         self.keys, self.values, self.slot = list(keys), list(values), slot
 
     def update(
@@ -327,7 +333,9 @@ class StaticDecoder:
         with _CAPTURE_LOCK:
             self._capture_locked(buf, missing, temperature, top_p)
 
-    def _capture_locked(self, buf: _Buffers, missing: Sequence[int], temperature: float, top_p: float) -> None:
+    def _capture_locked(
+        self, buf: _Buffers, missing: Sequence[int], temperature: float, top_p: float
+    ) -> None:
         buf.row_ids.fill_(buf.capacity)
         buf.positions.zero_()
         buf.logits.zero_()
@@ -388,7 +396,9 @@ class StaticDecoder:
             out_logprobs=torch.zeros(capacity + 1, length, dtype=torch.float32, device=self.device),
         )
 
-    def _place(self, buf: _Buffers, source: Prefill | _Buffers, order: list[int], rows: list[int], width: int) -> None:
+    def _place(
+        self, buf: _Buffers, source: Prefill | _Buffers, order: list[int], rows: list[int], width: int
+    ) -> None:
         """Fill batch slots ``[0, len(order))`` from ``source``'s rows ``order`` (a prefill,
         or this buffer's own slots when freeing finished rows); ``rows`` are the chunk rows of
         the first slots, and the slots after them, which only fill a batch size, belong to no
@@ -510,7 +520,9 @@ class StaticDecoder:
             cancel_check()
         except BaseException:
             if step > seen:
-                self._look(buf.out_tokens[:rows, seen:step].cpu(), seen, ids, ended, eos_ids, ends, last=False)
+                self._look(
+                    buf.out_tokens[:rows, seen:step].cpu(), seen, ids, ended, eos_ids, ends, last=False
+                )
             if len(ended) < rows:
                 raise
             return False

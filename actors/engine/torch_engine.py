@@ -108,7 +108,9 @@ class TorchEngine(Engine):
         self._pad_id = pad if pad is not None else min(self._eos_ids, default=0)
         self._cache_kwarg = cache_kwarg(model)
         self._decoder = self._decoder_for(decode)
-        self.decode_mode = "eager" if self._decoder is None else "cuda_graph" if self._decoder.cuda_graphs else "static"
+        self.decode_mode = (
+            "eager" if self._decoder is None else "cuda_graph" if self._decoder.cuda_graphs else "static"
+        )
         """How this engine decodes: ``eager``, ``static`` or ``cuda_graph`` (see ``DECODE_MODES``)."""
 
     def _decoder_for(self, decode: str) -> StaticDecoder | None:
@@ -140,7 +142,12 @@ class TorchEngine(Engine):
         """Load the model and tokenizer of a Hugging Face directory onto ``device``."""
         model = load_model(path, dtype, torch.device(device))
         return cls(
-            model, load_tokenizer(path), name=name, max_batch_size=max_batch_size, transport=transport, decode=decode
+            model,
+            load_tokenizer(path),
+            name=name,
+            max_batch_size=max_batch_size,
+            transport=transport,
+            decode=decode,
         )
 
     @classmethod
@@ -234,7 +241,11 @@ class TorchEngine(Engine):
         if len(unique) < rows:
             expand = torch.tensor(source, dtype=torch.long, device=self.device)
             cache.batch_select_indices(expand)
-            logits, attention_mask, position_ids = logits[expand], attention_mask[expand], position_ids[expand]
+            logits, attention_mask, position_ids = (
+                logits[expand],
+                attention_mask[expand],
+                position_ids[expand],
+            )
         # What the static decoder copies: it decodes only models whose every layer is full
         # attention (``supports``), each then holding keys and values; the eager loop reads
         # the cache itself.
@@ -373,7 +384,9 @@ class TorchEngine(Engine):
         runs behind them on its stream, and the transport tells the producer when it may
         write its buffers again (``Transport.done_reading``)."""
         if self.transport is None:
-            raise ValueError(f"engine {self.name} has no transport to read {weights.transport}:{weights.key} from")
+            raise ValueError(
+                f"engine {self.name} has no transport to read {weights.transport}:{weights.key} from"
+            )
         if weights.transport != self.transport.name:
             raise ValueError(
                 f"engine {self.name} reads the {self.transport.name} transport, "
@@ -414,7 +427,11 @@ class TorchEngine(Engine):
             return self._last_plan[1]
         canary = [i for i, layout in enumerate(layouts) if [s.name for s in layout.slots] == [CANARY_TENSOR]]
         model = [i for i in range(len(layouts)) if i not in canary]
-        plan = None if len(canary) > 1 or tuple(layouts[i] for i in model) != self._buckets.layouts else (model, canary)
+        plan = (
+            None
+            if len(canary) > 1 or tuple(layouts[i] for i in model) != self._buckets.layouts
+            else (model, canary)
+        )
         self._last_plan = (layouts, plan)
         return plan
 
@@ -481,7 +498,9 @@ class TorchEngine(Engine):
         skip = list(skip_tensor_list)
         return {n: t for n, t in self._select(selector).items() if not is_skipped(n, skip)}
 
-    def checksums(self, skip_tensor_list: Iterable[str] = (), selector: Selector = "all") -> EngineChecksumReport:
+    def checksums(
+        self, skip_tensor_list: Iterable[str] = (), selector: Selector = "all"
+    ) -> EngineChecksumReport:
         """The fingerprints of the selected tensors, as one rank (this engine has no tensor
         parallelism); ``"draft"`` selects nothing."""
         # Every served tensor lives in the buckets: a selection is all of them or none.
@@ -509,7 +528,9 @@ class TorchEngine(Engine):
             return self._result(action, True, f"{action}: no draft model, nothing selected")
         if action == "snapshot":
             self._snapshot = {n: t.detach().to("cpu", copy=True) for n, t in selected.items()}
-            return self._result(action, True, f"snapshot of {len(selected)} tensors", num_tensors=len(selected))
+            return self._result(
+                action, True, f"snapshot of {len(selected)} tensors", num_tensors=len(selected)
+            )
         if action == "reset_tensors":
             self._reset(selected)
             message = f"reset {len(selected)} tensors to random data"
@@ -569,7 +590,12 @@ class TorchEngine(Engine):
             if absent:
                 parts.append(f"not in the snapshot: {name_list(absent)}")
             return self._result(
-                "compare", False, "; ".join(parts), num_tensors=len(selected), mismatched=differ, missing=absent
+                "compare",
+                False,
+                "; ".join(parts),
+                num_tensors=len(selected),
+                mismatched=differ,
+                missing=absent,
             )
         mode = "within one ULP" if allow_quant_error else "bitwise"
         message = f"{len(selected)} tensors equal the snapshot ({mode})"

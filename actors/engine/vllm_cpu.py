@@ -62,6 +62,8 @@ def servable_heads(hidden_size: int, num_attention_heads: int) -> int | None:
     fits = [
         heads
         for heads in range(1, hidden_size + 1)
-        if hidden_size % heads == 0 and (hidden_size // heads) % 2 == 0 and hidden_size // heads in CPU_HEAD_SIZES
+        if hidden_size % heads == 0
+        and (hidden_size // heads) % 2 == 0
+        and hidden_size // heads in CPU_HEAD_SIZES
     ]
     return min(fits, key=lambda heads: (abs(heads - num_attention_heads), heads), default=None)

@@ -172,7 +172,9 @@ def worker_checksums(results: list[Any]) -> WorkerChecksums:
     if not results:
         raise ChecksumReplyError("the worker extension gave no checksums (0 answers)")
     if len(results) > 1:
-        raise ChecksumReplyError(f"the worker extension answered from {len(results)} workers, one was expected")
+        raise ChecksumReplyError(
+            f"the worker extension answered from {len(results)} workers, one was expected"
+        )
     try:
         return msgspec.convert(results[0], WorkerChecksums)
     except msgspec.ValidationError as error:
@@ -423,7 +425,9 @@ class VllmEngine(Engine):
     def _completions(self, prompt_ids: list[int], n: int, reply: dict[str, Any]) -> list[Completion]:
         choices = sorted(reply["choices"], key=lambda choice: int(choice.get("index", 0)))
         if len(choices) != n:
-            raise VllmError(f"{self.name}: asked for {n} samples of a prompt, the server returned {len(choices)}")
+            raise VllmError(
+                f"{self.name}: asked for {n} samples of a prompt, the server returned {len(choices)}"
+            )
         return [self._completion(prompt_ids, choice) for choice in choices]
 
     def _completion(self, prompt_ids: list[int], choice: dict[str, Any]) -> Completion:
@@ -696,7 +700,9 @@ def launch_server(config: Config, *, index: int, name: str) -> ServerProcess:
     max_model_len = vllm.max_model_len or _max_positions(model_path)
     return start_on_a_port(
         name,
-        lambda port: server_command(python, model_path, port, vllm, dtype=config.model.dtype, max_model_len=max_model_len),
+        lambda port: server_command(
+            python, model_path, port, vllm, dtype=config.model.dtype, max_model_len=max_model_len
+        ),
         port=vllm.port + index if vllm.port else 0,
         log_path=log_path,
         env=server_env(vllm, index),

@@ -56,11 +56,13 @@ def check_readback(name: str, backend: str, unreadable: Sequence[str], verifier:
         suffixes = sorted({".".join(n.split(".")[-2:]) for n in uncovered})
         if all(suffix.endswith("proj.weight") for suffix in suffixes):
             suffixes = ["proj.weight"]
-        setting = "[" + ", ".join(json.dumps(s) for s in [*skip, *(s for s in suffixes if s not in skip)]) + "]"
+        setting = (
+            "[" + ", ".join(json.dumps(s) for s in [*skip, *(s for s in suffixes if s not in skip)]) + "]"
+        )
         raise UnverifiableTensors(
             f"{name} ({backend}) cannot read back {len(uncovered)} of the tensors it serves in the trainer's "
             f"layout ({name_list(uncovered, limit=3)}), so no publication's digests could match; set "
-            f"verifier.skip_tensor_list = {setting} (the behavioural probe, verifier.probe = \"auto\", then "
+            f'verifier.skip_tensor_list = {setting} (the behavioural probe, verifier.probe = "auto", then '
             "proves the skipped tensors)"
         )
     probed = verifier.probe == "on" or (verifier.probe == "auto" and not reads_back_every_tensor(backend))
@@ -111,7 +113,9 @@ class EngineWorker:
     def weight_version(self) -> str:
         return self.engine.weight_version
 
-    def generate(self, requests: Sequence[GenerateRequest], sampling: SamplingParams, seed: int) -> list[Completion]:
+    def generate(
+        self, requests: Sequence[GenerateRequest], sampling: SamplingParams, seed: int
+    ) -> list[Completion]:
         """One completion per request, sampled from a generator seeded with ``seed``;
         raises ``Cancelled`` once ``cancel`` was called."""
         import torch
@@ -157,7 +161,9 @@ class EngineWorker:
             checksum_error=error,
             canary=self.engine.served_canary() if self.engine.holds_canary else None,
             probe_logprobs=(
-                self.engine.probe_logprobs(probe.prompt_ids, probe.response_ids) if probe is not None else None
+                self.engine.probe_logprobs(probe.prompt_ids, probe.response_ids)
+                if probe is not None
+                else None
             ),
         )
 

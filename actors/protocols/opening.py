@@ -124,7 +124,11 @@ class UpdateCheck:
                 self.state = UpdateCheckState.DONE
                 return DONE
             return self._check(UpdateCheckState.COMPARE)
-        if state in _UPDATE_CHECKS and isinstance(fact, ChecksFinished) and _answers(fact, self._request_id(state)):
+        if (
+            state in _UPDATE_CHECKS
+            and isinstance(fact, ChecksFinished)
+            and _answers(fact, self._request_id(state))
+        ):
             return self._checked(state, fact.replies)
         return IGNORED
 
@@ -238,7 +242,11 @@ class RolloutOnlyProof:
         if state is ProofState.EVIDENCE and isinstance(fact, EvidenceWritten):
             self.state = ProofState.DONE
             return DONE
-        if state in _PROOF_ACTIONS and isinstance(fact, ChecksFinished) and _answers(fact, self._request_id(state)):
+        if (
+            state in _PROOF_ACTIONS
+            and isinstance(fact, ChecksFinished)
+            and _answers(fact, self._request_id(state))
+        ):
             return self._checked(state, fact.replies)
         return IGNORED
 
@@ -258,26 +266,36 @@ class RolloutOnlyProof:
             return self._evidence()
         if state is ProofState.COMPARE:
             # The seed reads the versions right after the republication, before comparing.
-            record.record_republished_versions(canonical_weight_versions([reply.weight_version for reply in replies]))
+            record.record_republished_versions(
+                canonical_weight_versions([reply.weight_version for reply in replies])
+            )
         if not all(reply.success for reply in replies):
-            raise RuntimeError(f"inference weight check {_PROOF_ACTIONS[state]!r} did not succeed on every engine")
+            raise RuntimeError(
+                f"inference weight check {_PROOF_ACTIONS[state]!r} did not succeed on every engine"
+            )
         if state is ProofState.SNAPSHOT:
             return self._check(ProofState.RESET_TENSORS)
         if state is ProofState.RESET_TENSORS:
             return self._check(ProofState.RESET)
         return self._check(ProofState.REPUBLISHED)  # compare
 
-    def _checksums(self, replies: tuple[WeightsCheckFinished, ...]) -> tuple[CanonicalChecksums, tuple[str, ...]]:
+    def _checksums(
+        self, replies: tuple[WeightsCheckFinished, ...]
+    ) -> tuple[CanonicalChecksums, tuple[str, ...]]:
         """The canonical checksums the replies' manifests hold, and the engines' versions."""
         engines = []
         for reply in replies:
             if not reply.success:
-                raise RuntimeError(f"inference weight checksum did not succeed: {reply.message or 'no ranks'}")
+                raise RuntimeError(
+                    f"inference weight checksum did not succeed: {reply.message or 'no ranks'}"
+                )
             try:
                 engines.append(self.read_manifest(reply.checksums_manifest, reply.digest))
             except ManifestError as error:
                 raise RuntimeError(f"inference weight checksum of {reply.engine}: {error}") from None
-        return canonical_checksums(engines), canonical_weight_versions([reply.weight_version for reply in replies])
+        return canonical_checksums(engines), canonical_weight_versions(
+            [reply.weight_version for reply in replies]
+        )
 
     def _evidence(self) -> PublicationEvidenceRequested:
         if self.effective_load is None or self.reference is None or self.checkpoint_iteration is None:
@@ -286,7 +304,9 @@ class RolloutOnlyProof:
             raise RuntimeError("run.rollout_only_publication_evidence is unset")
         self.state = ProofState.EVIDENCE
         evidence = self.record.evidence(
-            effective_load=self.effective_load, ref_load=self.reference, checkpoint_iteration=self.checkpoint_iteration
+            effective_load=self.effective_load,
+            ref_load=self.reference,
+            checkpoint_iteration=self.checkpoint_iteration,
         )
         return PublicationEvidenceRequested(path=self.evidence_path, evidence=evidence)
 

@@ -107,7 +107,9 @@ class _FusedLogprobsEntropy(torch.autograd.Function):
         return logp.reshape(shape), entropy.reshape(shape) if with_entropy else entropy
 
     @staticmethod
-    def backward(ctx: Any, grad_logp: Tensor | None, grad_entropy: Tensor | None) -> tuple[Tensor, None, None]:
+    def backward(
+        ctx: Any, grad_logp: Tensor | None, grad_entropy: Tensor | None
+    ) -> tuple[Tensor, None, None]:
         logits, targets, logsumexp, entropy = ctx.saved_tensors
         if not ctx.with_entropy:
             grad_entropy = None
@@ -131,7 +133,9 @@ class _FusedLogprobsEntropy(torch.autograd.Function):
         return grad.reshape(logits.shape), None, None
 
 
-def logprobs_and_entropy(logits: Tensor, targets: Tensor, with_entropy: bool = True) -> tuple[Tensor, Tensor | None]:
+def logprobs_and_entropy(
+    logits: Tensor, targets: Tensor, with_entropy: bool = True
+) -> tuple[Tensor, Tensor | None]:
     """``token_logprobs(logits, targets)`` and (with ``with_entropy``) ``entropy_from_logits(logits)``
     in one fused pass, in float32, with gradients for both and a fraction of their memory."""
     # ``Function.apply`` is unannotated in torch; it takes and returns what ``forward`` does.

@@ -113,7 +113,9 @@ class SaveStaging:
     stages into (as ``owner``) and ``trainer.save_staging``'s mode. Its methods that copy or
     stage (``snapshot``, ``stage``) run on a worker thread; the others on the actor's loop."""
 
-    def __init__(self, backend: TrainerBackend, stager: Stager, owner: str, mode: str, periodic: bool) -> None:
+    def __init__(
+        self, backend: TrainerBackend, stager: Stager, owner: str, mode: str, periodic: bool
+    ) -> None:
         self.backend = backend
         self.stager = stager
         self.owner = owner
@@ -270,7 +272,8 @@ class SaveStaging:
             return
         logger.info(
             "the first save's host memory pinned ahead of it: %.2f GB in %.2f s",
-            num_bytes / 1e9, time.perf_counter() - began,
+            num_bytes / 1e9,
+            time.perf_counter() - began,
         )
 
     async def close(self) -> None:

@@ -81,9 +81,7 @@ def pack_samples(samples: list[Sample], indices: list[int]) -> MicroBatch:
     for sample in samples:
         if not sample.prompt_ids:
             raise ValueError(f"sample {sample.index} has an empty prompt: nothing predicts its first token")
-    fed = [
-        (s.prompt_ids + s.response_ids)[:-1] if s.response_ids else list(s.prompt_ids) for s in samples
-    ]
+    fed = [(s.prompt_ids + s.response_ids)[:-1] if s.response_ids else list(s.prompt_ids) for s in samples]
     max_len = max(len(ids) for ids in fed)
     max_response = max(len(s.response_ids) for s in samples)
     input_rows, attention_rows, index_rows, target_rows = [], [], [], []
@@ -255,8 +253,12 @@ class TorchTrainerBackend(TrainerBackend):
         body: torch.nn.Module | None = getattr(model, model.base_model_prefix, None)
         if model.config.model_type in PLAIN_HEAD_MODELS and head is not None and body is not None:
             # The head's matmul only where a response token is predicted.
-            hidden = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-            logits: torch.Tensor = head(hidden.gather(1, index.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])))
+            hidden = body(
+                input_ids=input_ids, attention_mask=attention_mask, use_cache=False
+            ).last_hidden_state
+            logits: torch.Tensor = head(
+                hidden.gather(1, index.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+            )
             return logits
         logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
         return logits.gather(1, index.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
@@ -379,7 +381,9 @@ class TorchTrainerBackend(TrainerBackend):
                 self.optimizer.zero_grad(set_to_none=True)
                 if trainer.on_non_finite == "fail":
                     raise NonFiniteError(f"{what} (trainer.on_non_finite = 'fail')")
-                logger.warning("%s: the step is skipped (trainer.on_non_finite = %r)", what, trainer.on_non_finite)
+                logger.warning(
+                    "%s: the step is skipped (trainer.on_non_finite = %r)", what, trainer.on_non_finite
+                )
                 continue
             self.optimizer.step()
             self._num_optimizer_steps += 1
@@ -458,11 +462,15 @@ def copy_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> No
     known = set(model.state_dict())
     missing, unexpected = sorted(set(live) - set(weights)), sorted(set(weights) - known)
     if missing or unexpected:
-        raise ValueError(f"checkpoint weights do not fit the model: missing {missing}, unexpected {unexpected}")
+        raise ValueError(
+            f"checkpoint weights do not fit the model: missing {missing}, unexpected {unexpected}"
+        )
     for name, tensor in live.items():
         saved = weights[name]
         if saved.shape != tensor.shape:
-            raise ValueError(f"checkpoint tensor {name}: shape {tuple(saved.shape)}, model {tuple(tensor.shape)}")
+            raise ValueError(
+                f"checkpoint tensor {name}: shape {tuple(saved.shape)}, model {tuple(tensor.shape)}"
+            )
     with torch.no_grad():
         for name, tensor in live.items():
             tensor.copy_(weights[name])

@@ -22,7 +22,13 @@ BENCHES = (
     ["fingerprint.py", "--quick"],
     ["engine.py"],
     ["pinning.py"],
-    ["save_overlap.py", "--iterations", "150", "--ways", "pin_new,pin_reused,host_copy,torch_save,checkpoint,checkpoint_process"],
+    [
+        "save_overlap.py",
+        "--iterations",
+        "150",
+        "--ways",
+        "pin_new,pin_reused,host_copy,torch_save,checkpoint,checkpoint_process",
+    ],
 )
 
 

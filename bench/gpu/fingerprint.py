@@ -81,7 +81,9 @@ def main() -> None:
     copy_ms = do_bench(lambda: words.clone(), warmup=500, rep=500, return_mode="median")
     read_ms = do_bench(lambda: words.sum(), warmup=500, rep=500, return_mode="median")
     copy, read = gbps(copy_ms, 2 * num_bytes), gbps(read_ms)
-    print(f"copy (clone, read + write): {copy_ms:.3f} ms, {copy:.0f} GB/s; read (sum): {read_ms:.3f} ms, {read:.0f} GB/s")
+    print(
+        f"copy (clone, read + write): {copy_ms:.3f} ms, {copy:.0f} GB/s; read (sum): {read_ms:.3f} ms, {read:.0f} GB/s"
+    )
 
     # The kernels are timed as ``sum()`` is: queued, with no host wait inside the timed call
     # (``mix_sum`` also waits for its answer, a host round trip of tens of us, timed beside).
@@ -96,12 +98,15 @@ def main() -> None:
     settings = [default]
     if not args.quick:
         sweep = itertools.chain(
-            itertools.product((4096, 8192), (2, 4), (16,), (1, 2, 3, 4)), itertools.product((2048, 4096), (4,), (8,), (1, 3))
+            itertools.product((4096, 8192), (2, 4), (16,), (1, 2, 3, 4)),
+            itertools.product((2048, 4096), (4,), (8,), (1, 3)),
         )
         settings += [s for s in sweep if s != default]
     for block, per_sm, warps, stages in settings:
         chosen = {"block": block, "programs_per_sm": per_sm, "num_warps": warps, "stages": stages}
-        name = f"block {block}, {per_sm}/SM, {warps} warps, {stages} stages" + (" (default)" if chosen == dict(zip(chosen, default, strict=True)) else "")
+        name = f"block {block}, {per_sm}/SM, {warps} warps, {stages} stages" + (
+            " (default)" if chosen == dict(zip(chosen, default, strict=True)) else ""
+        )
         variants.append((name, lambda w, c=chosen: mix_sum(w, *K, **c), lambda c=chosen: launch(**c)))
 
     small = [1, 7, 1023, 1024, 1025, 4095, 4096, 4097, 8193, 2048 * 132 * 4 + 5, 3_000_001]
@@ -112,9 +117,13 @@ def main() -> None:
             assert fn(part) == reference(part), f"{name}: differs from the CPU reference at {size} words"  # type: ignore[operator]
         assert fn(words) == expected, f"{name}: differs from the CPU reference on the whole tensor"  # type: ignore[operator]
         whole_ms = do_bench(lambda f=fn: f(words), warmup=200, rep=300, return_mode="median")  # type: ignore[misc]
-        kernel_ms = whole_ms if kernel is None else do_bench(kernel, warmup=200, rep=300, return_mode="median")  # type: ignore[arg-type]
+        kernel_ms = (
+            whole_ms if kernel is None else do_bench(kernel, warmup=200, rep=300, return_mode="median")
+        )  # type: ignore[arg-type]
         rows.append((name, kernel_ms, gbps(kernel_ms), gbps(whole_ms)))
-    print("\n| kernel | ms | GB/s read | / copy rate | / read rate | GB/s with the host's wait |\n|---|---|---|---|---|---|")
+    print(
+        "\n| kernel | ms | GB/s read | / copy rate | / read rate | GB/s with the host's wait |\n|---|---|---|---|---|---|"
+    )
     for name, ms, rate, waited in rows:
         print(f"| {name} | {ms:.3f} | {rate:.0f} | {rate / copy:.2f} | {rate / read:.2f} | {waited:.0f} |")
     best = max(rows[1:], key=lambda r: r[2])

@@ -205,7 +205,9 @@ def engine_process(model_dir: str, run_id: str, pipe: Connection) -> None:
         gpu_timed, traced = kind == "gpu", kind == "traced"
         # The engine waits for the producer's ready event on its stream (the transport's
         # way), or, when ``host_wait``, on the host before it queues its copy.
-        plane.reader._wait_ready = (lambda event, device: event.synchronize()) if host_wait else CudaIpcReader._wait_ready
+        plane.reader._wait_ready = (
+            (lambda event, device: event.synchronize()) if host_wait else CudaIpcReader._wait_ready
+        )
         got = time.perf_counter_ns()
         ref = DataRef("cuda_ipc", key, "trainer")
         staged = plane.reader.get_buckets(ref)
@@ -343,14 +345,19 @@ def across_processes(
                 times[mark].append((ns - start) / 1e9)
         else:
             for name, seconds in (
-                ("whole", (answered - start) / 1e9), ("stage", (staged - start) / 1e9), ("share", (shared - staged) / 1e9),
-                ("engine", engine_s), ("engine_host", engine_host_s),
+                ("whole", (answered - start) / 1e9),
+                ("stage", (staged - start) / 1e9),
+                ("share", (shared - staged) / 1e9),
+                ("engine", engine_s),
+                ("engine_host", engine_host_s),
             ):
                 times[name].append(seconds)
         pool.give_back(key, reads)  # the engine's load is done: the Publisher's DataReleased
         plane.stager.free(ref)
     pipe.send((SPIN, False))
-    return {name: statistics.median(values) for name, values in times.items()} | {"allocated": pool.num_allocated}
+    return {name: statistics.median(values) for name, values in times.items()} | {
+        "allocated": pool.num_allocated
+    }
 
 
 def main() -> None:
@@ -398,7 +405,8 @@ def main() -> None:
     layout, buffer = staged.layouts[0], staged.buffers[0]
     for per_job in (2, 4, 8, 16, 32):
         sweep[per_job] = timed(
-            lambda p=per_job: segment_sums(buffer, layout, layout.slots, K1, K2, K3, tiles_per_job=p), args.reps
+            lambda p=per_job: segment_sums(buffer, layout, layout.slots, K1, K2, K3, tiles_per_job=p),
+            args.reps,
         )
     reference = fingerprints({n: t.cpu() for n, t in split_tied(trainer.state_dict())[0].items()})
     assert fingerprint_buckets(engine_buckets) == fingerprint_buckets(staged) == reference, (
@@ -420,7 +428,9 @@ def main() -> None:
     def stage_into(buckets: Buckets) -> None:
         buckets.copy_from(trainer_buckets)
 
-    across = functools.partial(across_processes, plane, ours, stage_into, trainer_buckets.layouts, args.reps, offset=offset)
+    across = functools.partial(
+        across_processes, plane, ours, stage_into, trainer_buckets.layouts, args.reps, offset=offset
+    )
     fresh = across(reuse=False)
     reused = across(reuse=True)
     synced = across(reuse=True, host_sync=True)
@@ -452,25 +462,55 @@ def main() -> None:
         *(
             row
             for label, cross in (
-                ("new buffers each time", fresh), ("staging reused", reused),
+                ("new buffers each time", fresh),
+                ("staging reused", reused),
                 ("staging reused, waited for on the host before sharing", synced),
                 ("staging reused, the engine waiting on the host for the ready event", host_waited),
                 ("staging reused, each process waiting for the other's message without sleeping", spun),
-                ("staging reused, the engine answering with its copy queued and the producer waiting for its read event", early),
+                (
+                    "staging reused, the engine answering with its copy queued and the producer waiting for its read event",
+                    early,
+                ),
                 ("the same, each process waiting for the other's message without sleeping", early_spun),
-                ("staging reused, right after the producer's own GPU work (as after a train step)", reused_after),
+                (
+                    "staging reused, right after the producer's own GPU work (as after a train step)",
+                    reused_after,
+                ),
                 ("the same, the engine answering with its copy queued", early_after),
                 ("the same, each process waiting for the other's message without sleeping", early_spun_after),
             )
             for row in (
-                (f"cuda_ipc, {label}: publish across processes (stage + share + open + load)", cross["whole"],
-                 rate(cross["whole"], 4 * num_bytes)),
-                (f"cuda_ipc, {label}: of which the staging (copy queued, or waited for)", cross["stage"], None),
-                (f"cuda_ipc, {label}: the staging's copy on the GPU", cross["stage_gpu"], rate(cross["stage_gpu"])),
+                (
+                    f"cuda_ipc, {label}: publish across processes (stage + share + open + load)",
+                    cross["whole"],
+                    rate(cross["whole"], 4 * num_bytes),
+                ),
+                (
+                    f"cuda_ipc, {label}: of which the staging (copy queued, or waited for)",
+                    cross["stage"],
+                    None,
+                ),
+                (
+                    f"cuda_ipc, {label}: the staging's copy on the GPU",
+                    cross["stage_gpu"],
+                    rate(cross["stage_gpu"]),
+                ),
                 (f"cuda_ipc, {label}: of which the sharing (put_buckets)", cross["share"], None),
-                (f"cuda_ipc, {label}: of which the engine's part (open + load)", cross["engine"], rate(cross["engine"])),
-                (f"cuda_ipc, {label}: of which the engine's host work until its copy is queued", cross["engine_host"], None),
-                (f"cuda_ipc, {label}: the engine's copy on the GPU", cross["engine_gpu"], rate(cross["engine_gpu"])),
+                (
+                    f"cuda_ipc, {label}: of which the engine's part (open + load)",
+                    cross["engine"],
+                    rate(cross["engine"]),
+                ),
+                (
+                    f"cuda_ipc, {label}: of which the engine's host work until its copy is queued",
+                    cross["engine_host"],
+                    None,
+                ),
+                (
+                    f"cuda_ipc, {label}: the engine's copy on the GPU",
+                    cross["engine_gpu"],
+                    rate(cross["engine_gpu"]),
+                ),
             )
         ),
     ]
@@ -478,7 +518,9 @@ def main() -> None:
     for name, seconds, gbps in rows:
         shown = f"{gbps:.0f} | {gbps / copy_rate:.2f}" if gbps is not None else "- | -"
         print(f"| {name} | {seconds * 1e3:.3f} | {shown} |")
-    print(f"| the pipe's round trip to the engine process, no work (the host's floor) | {ping_s * 1e3:.3f} | - | - |")
+    print(
+        f"| the pipe's round trip to the engine process, no work (the host's floor) | {ping_s * 1e3:.3f} | - | - |"
+    )
     print(f"| the same with a one-element kernel on each side, waited for | {gpu_ping_s * 1e3:.3f} | - | - |")
     print(
         f"\nA publication across processes (staging reused), traced: each mark's median, ms from its start. The GPU's "
@@ -497,9 +539,10 @@ def main() -> None:
         )
     gap = reused["the engine's copy starts (GPU)"] - reused["staging ends (GPU)"]
     span = reused["the engine's copy ends (GPU)"] - reused["staging starts (GPU)"]
-    print("\nbucket fingerprint by tiles per job: " + ", ".join(
-        f"{p}: {s * 1e3:.3f} ms ({rate(s, num_bytes):.0f} GB/s)" for p, s in sweep.items()
-    ))
+    print(
+        "\nbucket fingerprint by tiles per job: "
+        + ", ".join(f"{p}: {s * 1e3:.3f} ms ({rate(s, num_bytes):.0f} GB/s)" for p, s in sweep.items())
+    )
     variants = " ".join(
         f"cross_{name}_ms={cross['whole'] * 1e3:.3f} "
         f"cross_{name}_vs_copy={rate(cross['whole'], 4 * num_bytes) / copy_rate:.2f}"

@@ -29,4 +29,6 @@ def prepare_model(args: argparse.Namespace, max_position_embeddings: int = 2048)
         num_key_value_heads=args.kv_heads,
         max_position_embeddings=max_position_embeddings,
     )
-    return prepare_base_model(ModelConfig(builtin=builtin, dtype="bfloat16"), Path(tempfile.mkdtemp()), seed=1)
+    return prepare_base_model(
+        ModelConfig(builtin=builtin, dtype="bfloat16"), Path(tempfile.mkdtemp()), seed=1
+    )

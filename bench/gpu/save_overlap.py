@@ -59,7 +59,15 @@ from miles_events.checkpoint import format as checkpoint
 from miles_events.device.host_copy import PinnedPool, capture_point, copy_to_host
 from schemas.checkpoint import DataCursor, TrainerState
 
-QWEN_SHAPES = [(151936, 896)] + 24 * [(896, 896), (128, 896), (128, 896), (896, 896), (4864, 896), (4864, 896), (896, 4864)]
+QWEN_SHAPES = [(151936, 896)] + 24 * [
+    (896, 896),
+    (128, 896),
+    (128, 896),
+    (896, 896),
+    (4864, 896),
+    (4864, 896),
+    (896, 4864),
+]
 
 
 def state_tensors(gigabytes: float) -> list[torch.Tensor]:
@@ -97,8 +105,12 @@ def loop(layers: list[torch.Tensor], x: torch.Tensor, iterations: int, sync: str
 
 
 def copy_to(
-    hosts: list[torch.Tensor], tensors: list[torch.Tensor], stream: torch.cuda.Stream, poll: bool = False,
-    chunk_bytes: int | None = None, in_flight: int = 2,
+    hosts: list[torch.Tensor],
+    tensors: list[torch.Tensor],
+    stream: torch.cuda.Stream,
+    poll: bool = False,
+    chunk_bytes: int | None = None,
+    in_flight: int = 2,
 ) -> None:
     """Each tensor copied into its host tensor on ``stream``, waited for by a blocking
     synchronisation, or by polling an event (``poll``); queued all at once, or
@@ -165,8 +177,15 @@ def main() -> None:
     parser.add_argument("--state-gb", type=float, default=2.1)
     parser.add_argument("--iterations", type=int, default=300)
     parser.add_argument("--ways", default="", help="comma-separated ways to run (default: all)")
-    parser.add_argument("--dir", default=None, help="where checkpoints are written (default: the temporary dir)")
-    parser.add_argument("--loop-sync", default="item", choices=["item", "pinned", "stream"], help="how each loop iteration waits")
+    parser.add_argument(
+        "--dir", default=None, help="where checkpoints are written (default: the temporary dir)"
+    )
+    parser.add_argument(
+        "--loop-sync",
+        default="item",
+        choices=["item", "pinned", "stream"],
+        help="how each loop iteration waits",
+    )
     args = parser.parse_args()
     tensors = state_tensors(args.state_gb)
     num_bytes = sum(t.numel() * t.element_size() for t in tensors)
@@ -175,7 +194,9 @@ def main() -> None:
     stream = torch.cuda.Stream()
     reused = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
     host = [t.cpu() for t in tensors]
-    shm = Path(tempfile.mkdtemp(prefix="save-overlap-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    shm = Path(
+        tempfile.mkdtemp(prefix="save-overlap-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    )
 
     def pin_new() -> None:
         torch._C._host_emptyCache()
@@ -214,7 +235,8 @@ def main() -> None:
             torch.save(host, shm / "child-state.pt")
             ours, theirs = mp.get_context("spawn").Pipe()
             proc = mp.get_context("spawn").Process(
-                target=checkpoint_process, args=(str(shm / "child-state.pt"), str(disk / "child"), str(base), theirs)
+                target=checkpoint_process,
+                args=(str(shm / "child-state.pt"), str(disk / "child"), str(base), theirs),
             )
             proc.start()
             if not ours.poll(300) or ours.recv() != "ready":
@@ -232,7 +254,9 @@ def main() -> None:
         "pin_chunked": lambda: copy_to(reused, tensors, stream, chunk_bytes=32 << 20),
         "pin_chunked_polled": lambda: copy_to(reused, tensors, stream, poll=True, chunk_bytes=32 << 20),
         **{
-            f"pin_paced_{mb}mb": lambda mb=mb: copy_to(reused, tensors, stream, chunk_bytes=mb << 20, in_flight=1)
+            f"pin_paced_{mb}mb": lambda mb=mb: copy_to(
+                reused, tensors, stream, chunk_bytes=mb << 20, in_flight=1
+            )
             for mb in (8, 32, 128)
         },
         "host_copy": host_copy,
@@ -252,14 +276,18 @@ def main() -> None:
     for way in ways.values():
         way()
     print(f"state: {len(tensors)} tensors, {num_bytes / 1e9:.2f} GB; loop alone measured before each way")
-    print(f"{'way':12}{'loop ms':>10}{'alone ms':>10}{'slowdown':>10}{'save s':>9}{'GB/s':>7}{'stall/save ms':>15}")
+    print(
+        f"{'way':12}{'loop ms':>10}{'alone ms':>10}{'slowdown':>10}{'save s':>9}{'GB/s':>7}{'stall/save ms':>15}"
+    )
     results = []
     for name, way in ways.items():
         alone = statistics.median(loop(layers, x, args.iterations // 3, args.loop_sync) for _ in range(3))
         stop = threading.Event()
         times: list[float] = []
 
-        def beside(way: Callable[[], None] = way, stop: threading.Event = stop, times: list[float] = times) -> None:
+        def beside(
+            way: Callable[[], None] = way, stop: threading.Event = stop, times: list[float] = times
+        ) -> None:
             while not stop.is_set():
                 began = time.perf_counter()
                 way()

@@ -193,7 +193,11 @@ def _describe(error: msgspec.ValidationError) -> tuple[list[str], str]:
             hint = f" (moved to {moved})"
         elif struct is not None:
             close = difflib.get_close_matches(field, struct.__struct_fields__, n=1)
-            hint = f" (did you mean {close[0]}?)" if close else f" (known: {', '.join(struct.__struct_fields__)})"
+            hint = (
+                f" (did you mean {close[0]}?)"
+                if close
+                else f" (known: {', '.join(struct.__struct_fields__)})"
+            )
         return [*parts, field], f"unknown key{hint}"
     expected = _EXPECTED.match(what)
     if expected:
@@ -354,9 +358,7 @@ def _resolve(value: str, base: Path) -> str:
     return os.path.normpath(os.path.join(base, expanded))
 
 
-def resolve_paths(
-    config: Config, base_dir: Path, from_cwd: Collection[tuple[str, ...]] = ()
-) -> Config:
+def resolve_paths(config: Config, base_dir: Path, from_cwd: Collection[tuple[str, ...]] = ()) -> Config:
     """A copy with every path setting absolute: relative to ``base_dir``, or to the current
     directory for keys in ``from_cwd`` (those given on the command line). Empty and unset
     paths stay as they are."""
@@ -391,7 +393,9 @@ def validate(config: Config) -> None:
             key="run.overwrite",
         )
     if run.num_rollout != 0:
-        needed = "run.num_rollout is unset" if run.num_rollout is None else f"run.num_rollout = {run.num_rollout}"
+        needed = (
+            "run.num_rollout is unset" if run.num_rollout is None else f"run.num_rollout = {run.num_rollout}"
+        )
         if not data.prompt_data:
             raise ConfigError(f"data.prompt_data: required because {needed}", key="data.prompt_data")
         problem = not_a_file(data.prompt_data)
@@ -500,7 +504,9 @@ def _validate_builtin_model(config: Config) -> None:
         )
     if heads % kv_heads:
         key = "model.builtin.num_key_value_heads"
-        raise ConfigError(f"{key}: {kv_heads} must divide model.builtin.num_attention_heads ({heads})", key=key)
+        raise ConfigError(
+            f"{key}: {kv_heads} must divide model.builtin.num_attention_heads ({heads})", key=key
+        )
 
 
 def _validate_own_process(config: Config) -> None:
@@ -547,7 +553,9 @@ def _validate_loading(config: Config) -> None:
         return
     mode = "run.rollout_only_from_checkpoint"
     if run.load is None and run.ref_load is None:
-        raise ConfigError(f"run.load: {mode} needs the checkpoint root to serve (run.load or run.ref_load)", key="run.load")
+        raise ConfigError(
+            f"run.load: {mode} needs the checkpoint root to serve (run.load or run.ref_load)", key="run.load"
+        )
     if evidence is None:
         raise ConfigError(
             f"run.rollout_only_publication_evidence: required by {mode} (where its proof is written)",
@@ -565,7 +573,9 @@ def _validate_loading(config: Config) -> None:
             key="run.rollout_only_publication_evidence",
         )
     if run.resume:
-        raise ConfigError(f"run.resume: {mode} serves run.load and saves nothing to resume from", key="run.resume")
+        raise ConfigError(
+            f"run.resume: {mode} serves run.load and saves nothing to resume from", key="run.resume"
+        )
     if config.verifier.check_weight_update_equal:
         raise ConfigError(
             f"verifier.check_weight_update_equal: {mode} runs its own snapshot, reset and compare around a "

@@ -99,7 +99,9 @@ def rollout_memory(
     kv = 2 * shape.num_layers * rows * shape.num_kv_heads * shape.head_dim * tokens * shape.dtype_bytes
     engine = kv + 4 * rows * shape.vocab_size * 4
     micro = min(samples, micro_batch)
-    trainer = 4 * micro * tokens * shape.vocab_size * 4 + 16 * shape.num_layers * micro * tokens * shape.hidden_size
+    trainer = (
+        4 * micro * tokens * shape.vocab_size * 4 + 16 * shape.num_layers * micro * tokens * shape.hidden_size
+    )
     return RolloutMemory(
         samples=samples,
         batch_bytes=3 * samples * (SAMPLE_OVERHEAD + 16 * tokens),

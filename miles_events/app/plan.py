@@ -100,7 +100,9 @@ def make_plan(config: Config, runtime: str, run_id: str = "") -> PlannedRun:
         # As in miles: a given num_rollout has no epoch boundary, so no epoch-end triggers.
         num_rollout = config.run.num_rollout
     else:
-        num_prompts = len(load_prompts(data.prompt_data, data.input_key, data.label_key)) if data.prompt_data else 0
+        num_prompts = (
+            len(load_prompts(data.prompt_data, data.input_key, data.label_key)) if data.prompt_data else 0
+        )
         per_epoch = whole_batches_per_epoch(num_prompts, data.rollout_batch_size)
         num_rollout = per_epoch * config.run.num_epoch
     run = config.run
@@ -130,7 +132,9 @@ def make_plan(config: Config, runtime: str, run_id: str = "") -> PlannedRun:
         if not run.rollout_only_from_checkpoint:
             # Publications continue the saved version; rollout-only publishes "1" first.
             weight_version, resumed = state.weight_version, True
-        logger.info("starting from %s: rollout %d, weight version %s", checkpoint, start, state.weight_version)
+        logger.info(
+            "starting from %s: rollout %d, weight version %s", checkpoint, start, state.weight_version
+        )
     reference: Path | None = None
     if run.ref_load is not None and config.trainer.use_kl_loss:
         reference = checkpoint if loaded_ref else marked_checkpoint(Path(run.ref_load))[0]
@@ -197,7 +201,11 @@ def _resume_checkpoint(run_dir: Path) -> tuple[Path | None, str, tuple[SetAside,
     for path in choice.found:
         lineage = saved_lineage(path)
         if path not in examined and lineage and choice.lineage and lineage != choice.lineage:
-            moves.append(SetAside(path, "other-lineage", f"run.resume: {path.name} is another run's (lineage {lineage})"))
+            moves.append(
+                SetAside(
+                    path, "other-lineage", f"run.resume: {path.name} is another run's (lineage {lineage})"
+                )
+            )
     return choice.checkpoint, choice.lineage, tuple(moves)
 
 
@@ -223,7 +231,9 @@ def check_run_dir(config: Config) -> None:
     run_dir = Path(run.dir)
     existing = checkpoint_dirs(run_dir)
     if existing:
-        names = ", ".join(p.name for p in existing[:3]) + (f" and {len(existing) - 3} more" if len(existing) > 3 else "")
+        names = ", ".join(p.name for p in existing[:3]) + (
+            f" and {len(existing) - 3} more" if len(existing) > 3 else ""
+        )
         raise CheckpointError(
             f"run.dir {run_dir} holds another run's checkpoints ({names}): set run.resume = true to continue "
             "it, choose another run.dir, or set run.overwrite = true to move them aside and start over"

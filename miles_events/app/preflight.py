@@ -72,6 +72,7 @@ if TYPE_CHECKING:
 INPUT_ERRORS: tuple[type[Exception], ...] = (ConfigError, DataError)
 """What the checks raise for bad input; anything else is a bug."""
 
+
 def _gib(num_bytes: int) -> str:
     return f"{num_bytes / 2**30:,.1f} GiB"
 
@@ -168,10 +169,14 @@ def check_prompts(config: Config, read: dict[str, tuple[str, list[Prompt]]], mod
         try:
             encoded = tokenizer([p.prompt for p in prompts], add_special_tokens=True)["input_ids"]
         except Exception as error:  # the user's text and the user's tokenizer
-            raise DataError(f"{key}: {path}: {whose} cannot encode its prompts ({type(error).__name__}: {error})") from None
+            raise DataError(
+                f"{key}: {path}: {whose} cannot encode its prompts ({type(error).__name__}: {error})"
+            ) from None
         for prompt, ids in zip(prompts, encoded, strict=True):
             if not ids:
-                raise DataError(f"{key}: {path}:{prompt.line}: the prompt {_shown(prompt.prompt)} has no tokens with {whose}")
+                raise DataError(
+                    f"{key}: {path}:{prompt.line}: the prompt {_shown(prompt.prompt)} has no tokens with {whose}"
+                )
             if len(ids) > longest[0]:
                 longest = (len(ids), key, path, prompt.line)
     tokens, key, path, line = longest
@@ -222,7 +227,9 @@ def check_reward_fn(config: Config, read: dict[str, tuple[str, list[Prompt]]]) -
         try:
             signature.bind(first.prompt, first.label, first.label)
         except TypeError:
-            takes = ", ".join(str(p.replace(annotation=p.empty, default=p.empty)) for p in signature.parameters.values())
+            takes = ", ".join(
+                str(p.replace(annotation=p.empty, default=p.empty)) for p in signature.parameters.values()
+            )
             raise ConfigError(
                 f"rollout.reward_fn: {name} takes ({takes}), not (prompt, response, label)",
                 key="rollout.reward_fn",
@@ -257,7 +264,10 @@ def check_reward_fn(config: Config, read: dict[str, tuple[str, list[Prompt]]]) -
             key="rollout.reward_fn",
         )
     if not math.isfinite(real):
-        raise ConfigError(f"rollout.reward_fn: {name} returned {real}, not a finite number, {where}", key="rollout.reward_fn")
+        raise ConfigError(
+            f"rollout.reward_fn: {name} returned {real}, not a finite number, {where}",
+            key="rollout.reward_fn",
+        )
 
 
 def check_rollout_fits(config: Config, available: int | None, longest_prompt: int) -> None:
@@ -296,7 +306,9 @@ def check_rollout_fits(config: Config, available: int | None, longest_prompt: in
 def check_device(config: Config) -> None:
     """``rollout.decode = "cuda_graph"`` needs a GPU where the engines run: this host, unless
     the run joins a cluster (``ray.address``), whose hosts are not asked."""
-    if config.rollout.decode != "cuda_graph" or (config.ray.address is not None and config.run.runtime == "ray"):
+    if config.rollout.decode != "cuda_graph" or (
+        config.ray.address is not None and config.run.runtime == "ray"
+    ):
         return
     if not cuda_present():
         raise ConfigError(
@@ -310,7 +322,9 @@ def check_transport_device(config: Config) -> None:
     """``publisher.transport = "cuda_ipc"`` shares weights staged on a GPU: this host needs
     one, unless the run joins a cluster (``ray.address``), whose hosts are not asked.
     Without one every publication would go through shared memory instead."""
-    if config.publisher.transport != "cuda_ipc" or (config.ray.address is not None and config.run.runtime == "ray"):
+    if config.publisher.transport != "cuda_ipc" or (
+        config.ray.address is not None and config.run.runtime == "ray"
+    ):
         return
     if not cuda_present():
         raise ConfigError(
@@ -410,7 +424,9 @@ def check_model_and_prompts(config: Config, read: dict[str, tuple[str, list[Prom
     lines = done.stdout.splitlines()
     if done.returncode != 0 or not lines:
         stderr = done.stderr.decode(errors="replace").strip().splitlines()
-        raise RuntimeError(f"the model checks' process exited {done.returncode}: {stderr[-1] if stderr else ''}")
+        raise RuntimeError(
+            f"the model checks' process exited {done.returncode}: {stderr[-1] if stderr else ''}"
+        )
     outcome = msgspec.json.decode(lines[-1], type=_Outcome)
     if outcome.kind == "config":
         raise ConfigError(outcome.message, key=outcome.key)

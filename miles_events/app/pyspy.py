@@ -102,13 +102,17 @@ class PeriodicPySpyDump:
             if code == 0:
                 logger.warning("py-spy dump of %s (pid %d): %s", name, pid, path)
             else:
-                logger.error("py-spy could not dump %s (pid %d): %s", name, pid, text.strip().splitlines()[-1:] or "")
+                logger.error(
+                    "py-spy could not dump %s (pid %d): %s", name, pid, text.strip().splitlines()[-1:] or ""
+                )
         self.dumps += written
         return written
 
     async def run(self) -> None:
         if self.py_spy is None:
-            logger.error("%s is set but py-spy is not installed (pip install py-spy): no stack dumps", INTERVAL_ENV)
+            logger.error(
+                "%s is set but py-spy is not installed (pip install py-spy): no stack dumps", INTERVAL_ENV
+            )
             return
         while True:
             await self.clock.sleep(self.interval)

@@ -83,7 +83,9 @@ def _rows(cls: type, skip: AbstractSet[str] = frozenset()) -> list[str]:
         if field.name in skip:
             continue
         doc = docs.get(field.name, "")
-        rows.append(f"| `{field.name}` | `{type_name(hints[field.name])}` | `{default_text(field)}` | {doc} |")
+        rows.append(
+            f"| `{field.name}` | `{type_name(hints[field.name])}` | `{default_text(field)}` | {doc} |"
+        )
     return rows
 
 
@@ -137,7 +139,11 @@ def events_reference() -> str:
         if cls.__doc__:
             lines += [inspect.cleandoc(cls.__doc__), ""]
         emitted, handled = routes[cls]
-        lines += [f"- emitted by: {', '.join(emitted) or '-'}", f"- handled by: {', '.join(handled) or '-'}", ""]
+        lines += [
+            f"- emitted by: {', '.join(emitted) or '-'}",
+            f"- handled by: {', '.join(handled) or '-'}",
+            "",
+        ]
         rows = _rows(cls, skip=header)
         if rows:
             lines += ["| field | type | default | meaning |", "|---|---|---|---|", *rows, ""]
@@ -155,7 +161,11 @@ def _nested_records(cls: type) -> list[type]:
     found = []
     for field in msgspec.structs.fields(cls):
         hint = hints[field.name]
-        if isinstance(hint, type) and issubclass(hint, msgspec.Struct) and hint.__module__ == "schemas.events":
+        if (
+            isinstance(hint, type)
+            and issubclass(hint, msgspec.Struct)
+            and hint.__module__ == "schemas.events"
+        ):
             found.append(hint)
     return found
 
@@ -170,7 +180,9 @@ def event_routes() -> dict[type[Event], tuple[list[str], list[str]]]:
     for actor in ACTORS:
         for route in actor.routes():
             for event_type in route.emits or ():
-                triggers[event_type].setdefault(actor.name, []).extend(f"`{t.__name__}`" for t in route.handles)
+                triggers[event_type].setdefault(actor.name, []).extend(
+                    f"`{t.__name__}`" for t in route.handles
+                )
             for event_type in route.handles:
                 handled[event_type].append(actor.name)
         for event_type in actor.emits:

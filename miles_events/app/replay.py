@@ -65,7 +65,13 @@ _MAX_TEXT = 48
 _WHOLE_FIELDS = frozenset(("reason", "error", "traceback", "message"))
 """Text that says why something failed: never cut, in any event and at any depth."""
 _FAILURES = frozenset(
-    ("ActorFailed", "PublicationFailed", "PublicationMismatch", "PublicationEvidenceFailed", "CheckpointFailed")
+    (
+        "ActorFailed",
+        "PublicationFailed",
+        "PublicationMismatch",
+        "PublicationEvidenceFailed",
+        "CheckpointFailed",
+    )
 )
 """Events that report a failure: every field printed whole (no text cut, nothing counted)."""
 _BLOCK_INDENT = " " * 8
@@ -140,7 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
         "http://HOST:PORT/metrics until interrupted (0 picks a free port; filters are ignored)",
     )
     parser.add_argument(
-        "--host", default="127.0.0.1", metavar="H", help="the address --serve-metrics listens on (default 127.0.0.1)"
+        "--host",
+        default="127.0.0.1",
+        metavar="H",
+        help="the address --serve-metrics listens on (default 127.0.0.1)",
     )
     return parser
 
@@ -274,7 +283,12 @@ def _is_block(value: Any, whole: bool) -> bool:
     an event that reports a failure, a list of records (one a line)."""
     if isinstance(value, str):
         return whole and "\n" in value.rstrip("\n")
-    return whole and isinstance(value, list) and bool(value) and all(isinstance(v, msgspec.Struct) for v in value)
+    return (
+        whole
+        and isinstance(value, list)
+        and bool(value)
+        and all(isinstance(v, msgspec.Struct) for v in value)
+    )
 
 
 def _format_block(name: str, value: str | list[msgspec.Struct]) -> list[str]:
@@ -282,7 +296,8 @@ def _format_block(name: str, value: str | list[msgspec.Struct]) -> list[str]:
     if isinstance(value, str):
         return [f"{_BLOCK_INDENT}{name}:", *(inner + line for line in value.splitlines())]
     rows = [
-        " ".join(f"{k}={_format_value(v, True)}" for k, v in msgspec.structs.asdict(item).items()) for item in value
+        " ".join(f"{k}={_format_value(v, True)}" for k, v in msgspec.structs.asdict(item).items())
+        for item in value
     ]
     return [f"{_BLOCK_INDENT}{name} ({len(value)}):", *(inner + row for row in rows)]
 
@@ -436,7 +451,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if absent:
             known = ", ".join(sorted(in_log)) or "none"
             named = ",".join(absent)
-            err.write(f"replay: --source {named}: no event in {args.log} comes from it (its sources: {known})\n")
+            err.write(
+                f"replay: --source {named}: no event in {args.log} comes from it (its sources: {known})\n"
+            )
             return 2
     tracker = RolloutTracker() if args.rollout_id is not None else None
     selected = filter_events(
@@ -476,7 +493,9 @@ def _redrive(
 
     unknown = [n for n in names if n not in REDRIVABLE]
     if unknown:
-        err.write(f"replay: cannot re-drive {', '.join(unknown)} (choose from {', '.join(sorted(REDRIVABLE))})\n")
+        err.write(
+            f"replay: cannot re-drive {', '.join(unknown)} (choose from {', '.join(sorted(REDRIVABLE))})\n"
+        )
         return 2
     readable: list[Event] = []
     try:
@@ -512,7 +531,9 @@ def _redrive(
                 return 2
             result = asyncio.run(redrive(actor, recorded))
             verdict = "same decisions" if result.matches else "DIFFERENT: " + result.first_difference()
-            out.write(f"{name:12} run {run_id}: {result.inputs} events in, {len(result.produced)} decisions: {verdict}\n")
+            out.write(
+                f"{name:12} run {run_id}: {result.inputs} events in, {len(result.produced)} decisions: {verdict}\n"
+            )
             status = status or (0 if result.matches else 1)
     return status
 
@@ -528,7 +549,9 @@ def _describe_config(used_path: Path, used: Config, recorded_path: Path, started
     from miles_events.app.redrive import config_differences
 
     head = f"config {used_path}"
-    if used_path == recorded_path or (recorded_path.exists() and used_path.resolve() == recorded_path.resolve()):
+    if used_path == recorded_path or (
+        recorded_path.exists() and used_path.resolve() == recorded_path.resolve()
+    ):
         return f"{head}, the one recorded for the run"
     if not recorded_path.exists():
         # The digest alone says "the same" only while the config schema has not grown since.
@@ -578,7 +601,9 @@ def _serve_metrics(events: Iterable[Event], log: str, host: str, port: int, out:
     except TornRecordError as torn:
         err.write(f"replay: {log}: torn record at byte {torn.offset}: {torn.reason}\n")
     try:
-        server = MetricsServer(metrics.registry, host, port, hint="choose another --serve-metrics PORT (0 picks one)")
+        server = MetricsServer(
+            metrics.registry, host, port, hint="choose another --serve-metrics PORT (0 picks one)"
+        )
     except MetricsError as error:
         err.write(f"replay: {error}\n")
         return 2
@@ -591,4 +616,3 @@ def _serve_metrics(events: Iterable[Event], log: str, host: str, port: int, out:
         return 0
     finally:
         server.close()
-

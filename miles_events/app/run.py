@@ -47,9 +47,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m miles_events.run", description=__doc__.split("\n\n")[1])
     parser.add_argument("config", help="the run's TOML file")
     parser.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a key, e.g. run.num_rollout=3"
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a key, e.g. run.num_rollout=3",
     )
-    parser.add_argument("--dry-run", action="store_true", help="check the input, print the resolved config and exit")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="check the input, print the resolved config and exit"
+    )
     parser.add_argument(
         "--log-level",
         default=None,

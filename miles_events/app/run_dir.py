@@ -1,9 +1,9 @@
 """A run directory: where a run's files live, and taking it for one run.
 
-    <run.dir>/events.log               every event of every run in this directory
-    <run.dir>/configs/<run_id>.toml    the resolved config of each run
-    <run.dir>/base_model/              the built-in model, when used
-    <run.dir>/checkpoints/             see ``miles_events.checkpoint``
+<run.dir>/events.log               every event of every run in this directory
+<run.dir>/configs/<run_id>.toml    the resolved config of each run
+<run.dir>/base_model/              the built-in model, when used
+<run.dir>/checkpoints/             see ``miles_events.checkpoint``
 """
 
 from __future__ import annotations
@@ -47,7 +47,9 @@ def check_usable(run_dir: Path) -> None:
     try:
         check_appendable(event_log_path(run_dir))
     except OSError as error:
-        raise RunDirError(f"run.dir {run_dir}: {error.filename or event_log_path(run_dir)}: {error.strerror or error}") from None
+        raise RunDirError(
+            f"run.dir {run_dir}: {error.filename or event_log_path(run_dir)}: {error.strerror or error}"
+        ) from None
     except RuntimeError as error:  # the log's lock is held
         raise RunDirError(f"run.dir {run_dir} is in use by another run ({error})") from None
     except ValueError as error:  # not an event log
@@ -77,5 +79,7 @@ def open_event_log(run_dir: Path) -> EventLogWriter:
             damage.reason,
         )
     if writer.torn_copy is not None:
-        logger.warning("%s ended in a torn record (a crash?); its bytes are kept in %s", writer.path, writer.torn_copy)
+        logger.warning(
+            "%s ended in a torn record (a crash?); its bytes are kept in %s", writer.path, writer.torn_copy
+        )
     return writer

@@ -134,7 +134,9 @@ class Session:
             self.run_id, config.bus.mailbox_size, config.bus.stall_warning_seconds, self.clock
         )
         watch = bus.subscribe("session", (RunFinished, ActorFailed))
-        context = RunContext(self.run_id, config, self.run_dir, transport_name, plan, self.clock, self.preparation)
+        context = RunContext(
+            self.run_id, config, self.run_dir, transport_name, plan, self.clock, self.preparation
+        )
         runtime = make_runtime(context, transport, self.cluster)
         self.cluster = None  # the runtime's now
         hosts: list[SinkHost] = []

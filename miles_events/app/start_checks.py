@@ -107,7 +107,9 @@ def model_parameters(config: Config) -> int:
     if config.model.path is None:
         return builtin_parameter_count(config.model.builtin)
     path = Path(config.model.path)
-    weights = sum(p.stat().st_size for p in path.glob("*.safetensors")) + sum(p.stat().st_size for p in path.glob("*.bin"))
+    weights = sum(p.stat().st_size for p in path.glob("*.safetensors")) + sum(
+        p.stat().st_size for p in path.glob("*.bin")
+    )
     try:
         stored = json.loads((path / "config.json").read_text(encoding="utf-8"))
         dtype = str(stored.get("torch_dtype") or stored.get("dtype") or "float32")

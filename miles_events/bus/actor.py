@@ -143,7 +143,9 @@ class Actor(HandlerTable):
         current = _spawned_emits.get() or self._emitting
         method, allowed = current if current is not None else ("", self.emits)
         if type(event) not in allowed:
-            where = f"{type(self).__name__}.{method}" if method else f"{type(self).__name__} (outside a handler)"
+            where = (
+                f"{type(self).__name__}.{method}" if method else f"{type(self).__name__} (outside a handler)"
+            )
             raise UndeclaredEmit(
                 f"{where} published {type(event).__name__}, which it does not declare in emits="
             )

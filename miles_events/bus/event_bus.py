@@ -145,7 +145,11 @@ class EventBus:
     """Stamps, orders and fans out events to the mailboxes subscribed to their types."""
 
     def __init__(
-        self, run_id: str, mailbox_size: int = 4096, stall_warning_seconds: float = 30.0, clock: Clock = SYSTEM_CLOCK
+        self,
+        run_id: str,
+        mailbox_size: int = 4096,
+        stall_warning_seconds: float = 30.0,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.run_id = run_id
         self.clock = clock
@@ -162,9 +166,7 @@ class EventBus:
     def last_seq(self) -> int:
         return self._seq
 
-    def subscribe(
-        self, name: str, types: Iterable[type[Event]], max_size: int | None = None
-    ) -> Mailbox:
+    def subscribe(self, name: str, types: Iterable[type[Event]], max_size: int | None = None) -> Mailbox:
         """A new mailbox receiving every event that is an instance of one of ``types``."""
         mailbox = Mailbox(name, max_size or self.mailbox_size, tuple(types))
         self._mailboxes.append(mailbox)

@@ -51,7 +51,9 @@ class HostContext:
 
     async def start_workers(self, factory: WorkerFactory[T], ranks: int) -> list[Worker[T]]:
         if self._start_workers is None:
-            return await start_in_process(factory, ranks, self.config, self.transport, self.run_dir, self.run_id)
+            return await start_in_process(
+                factory, ranks, self.config, self.transport, self.run_dir, self.run_id
+            )
         return await self._start_workers(factory, ranks)
 
     async def publish(self, event: Event) -> None:
@@ -138,10 +140,16 @@ class ActorHost:
             await self.actor.handle(event)
         except BusClosed:
             # The run ended while this handler ran; what it had left to say has nowhere to go.
-            logger.warning("actor %s finished %s after the run ended; its events are dropped", self.name, type(event).__name__)
+            logger.warning(
+                "actor %s finished %s after the run ended; its events are dropped",
+                self.name,
+                type(event).__name__,
+            )
         except Exception as error:
             # One line for the console; the whole traceback goes into the event log.
-            logger.debug("actor %s failed on %s #%d", self.name, type(event).__name__, event.seq, exc_info=True)
+            logger.debug(
+                "actor %s failed on %s #%d", self.name, type(event).__name__, event.seq, exc_info=True
+            )
             self.failed = actor_failed(self.name, error, self.clock, event)
             try:
                 await self._publish(self.failed)

@@ -34,7 +34,9 @@ class RecordingContext:
     run_id: str = "redrive"
     run_dir: Path = Path(".")
     transport: Transport = field(default_factory=lambda: InProcessTransport("redrive"))
-    plan: RunPlan = field(default_factory=lambda: RunPlan(start_rollout_id=0, num_rollout=0, num_rollout_per_epoch=1))
+    plan: RunPlan = field(
+        default_factory=lambda: RunPlan(start_rollout_id=0, num_rollout=0, num_rollout_per_epoch=1)
+    )
     clock: Clock = SYSTEM_CLOCK
     published: list[Event] = field(default_factory=list)
 

@@ -79,7 +79,9 @@ class Worker(Protocol[T_co]):
         is raised here."""
         ...
 
-    def notify(self, method: Callable[Concatenate[T_co, P], object], *args: P.args, **kwargs: P.kwargs) -> None:
+    def notify(
+        self, method: Callable[Concatenate[T_co, P], object], *args: P.args, **kwargs: P.kwargs
+    ) -> None:
         """``method(*args, **kwargs)`` of the rank's object, without waiting for it (cheap
         methods only)."""
         ...
@@ -116,7 +118,9 @@ class InProcessWorker(Generic[T]):
             raise RuntimeError(f"rank {self.rank} is not built")
         return self._target
 
-    async def build(self, factory: WorkerFactory[T], config: Config, transport: Transport, place: RankPlace) -> None:
+    async def build(
+        self, factory: WorkerFactory[T], config: Config, transport: Transport, place: RankPlace
+    ) -> None:
         try:
             self._target = await self._run(factory, config, transport, place)
         except BaseException:
@@ -124,7 +128,9 @@ class InProcessWorker(Generic[T]):
             raise
 
     def _run(self, function: Callable[..., R], *args: Any, **kwargs: Any) -> asyncio.Future[R]:
-        return asyncio.get_running_loop().run_in_executor(self._thread, functools.partial(function, *args, **kwargs))
+        return asyncio.get_running_loop().run_in_executor(
+            self._thread, functools.partial(function, *args, **kwargs)
+        )
 
     async def call(self, method: Callable[Concatenate[T, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
         bound: Callable[P, R] = getattr(self.target, method_name(method))
@@ -156,7 +162,12 @@ async def build_in_process(
 
 
 async def start_in_process(
-    factory: WorkerFactory[T], ranks: int, config: Config, transport: Transport, run_dir: Path, run_id: str = ""
+    factory: WorkerFactory[T],
+    ranks: int,
+    config: Config,
+    transport: Transport,
+    run_dir: Path,
+    run_id: str = "",
 ) -> list[Worker[T]]:
     """Every rank in this process (the local runtime, and actors hosted in the driver)."""
     places = [RankPlace(rank, ranks, run_dir, run_id) for rank in range(ranks)]

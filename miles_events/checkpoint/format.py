@@ -315,7 +315,9 @@ def write_checkpoint(
         with concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="checkpoint") as pool:
             bulk = [
                 pool.submit(_write_hashed, partial / MODEL_FILE, lambda p: _write_weights(p, weights), fsync),
-                pool.submit(_write_hashed, partial / OPTIMIZER_FILE, lambda p: _write_state(p, optimizer), fsync),
+                pool.submit(
+                    _write_hashed, partial / OPTIMIZER_FILE, lambda p: _write_state(p, optimizer), fsync
+                ),
             ]
             rng_entry = _write_hashed(partial / RNG_FILE, lambda p: _write_state(p, rng), fsync)
             _write_file(partial / TRAINER_STATE_FILE, _pretty_json(trainer_state), fsync)

@@ -138,7 +138,9 @@ def marked_checkpoint(root: Path) -> tuple[Path, int]:
     try:
         text = marker.read_text(encoding="utf-8").strip()
     except FileNotFoundError:
-        raise CheckpointError(f"{root}: no {ITERATION_FILE} (not a checkpoint root the Saver wrote)") from None
+        raise CheckpointError(
+            f"{root}: no {ITERATION_FILE} (not a checkpoint root the Saver wrote)"
+        ) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{marker}: cannot read: {exc}") from None
     if not text.isdigit():

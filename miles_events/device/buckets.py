@@ -85,7 +85,9 @@ class Buckets:
         tensors, which are zeroed (``pack`` writes the rest)."""
         import torch
 
-        buffers = tuple(torch.empty(layout.numel, dtype=_torch_dtype(layout.dtype), device=device) for layout in layouts)
+        buffers = tuple(
+            torch.empty(layout.numel, dtype=_torch_dtype(layout.dtype), device=device) for layout in layouts
+        )
         buckets = cls(tuple(layouts), buffers)
         gaps = [g for g in buckets._gaps() if g.numel()]
         if gaps:
@@ -220,7 +222,9 @@ def fingerprint_buckets(buckets: Buckets, skip_tensor_list: Iterable[str] = ()) 
                 for slot, total in zip(slots, sums, strict=True):
                     result[slot.name] = fingerprint_from_sum(buffer.dtype, slot.shape, total)
             return result
-    return {name: tensor_fingerprint(t) for name, t in buckets.tensors().items() if not is_skipped(name, skip)}
+    return {
+        name: tensor_fingerprint(t) for name, t in buckets.tensors().items() if not is_skipped(name, skip)
+    }
 
 
 def require_finite_buckets(buckets: Buckets, what: str) -> None:

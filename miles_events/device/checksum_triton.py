@@ -98,7 +98,17 @@ def launch_mix_sum(
         full_tiles = n // block
         programs = _persistent_programs(full_tiles, words.device, programs_per_sm)
         _mix_sum_kernel[(programs,)](
-            words, out, n, full_tiles, full_tiles * block, k1, k2, k3, BLOCK=block, num_warps=num_warps, num_stages=stages
+            words,
+            out,
+            n,
+            full_tiles,
+            full_tiles * block,
+            k1,
+            k2,
+            k3,
+            BLOCK=block,
+            num_warps=num_warps,
+            num_stages=stages,
         )
 
 
@@ -115,7 +125,17 @@ def mix_sum(words: torch.Tensor, k1: int, k2: int, k3: int, **settings: int) -> 
 
 @triton.jit
 def _segment_jobs_kernel(
-    words_ptr, start_ptr, index_ptr, tiles_ptr, slot_ptr, out_ptr, k1, k2, k3, BLOCK: tl.constexpr, ALIGN: tl.constexpr
+    words_ptr,
+    start_ptr,
+    index_ptr,
+    tiles_ptr,
+    slot_ptr,
+    out_ptr,
+    k1,
+    k2,
+    k3,
+    BLOCK: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):
     """One job a program: up to a few whole tiles of ``BLOCK`` words of one tensor, from its
     word ``index`` at the bucket's word ``start``. The job's four numbers are read once;
@@ -173,7 +193,9 @@ def _segment_tiles(
         if whole:
             starts = np.arange(0, whole, tiles_per_job, dtype=np.int64)
             tiles = np.minimum(tiles_per_job, whole - starts)
-            jobs.append(np.stack([first + starts * block, starts * block, tiles, np.full(len(starts), number)]))
+            jobs.append(
+                np.stack([first + starts * block, starts * block, tiles, np.full(len(starts), number)])
+            )
         if words % block:
             tail.append((first + whole * block, whole * block, words % block, number))
     job_table = np.concatenate(jobs, axis=1) if jobs else np.zeros((4, 0), dtype=np.int64)
@@ -209,12 +231,34 @@ def segment_sums(
     if jobs.shape[1]:
         align = 32 if all((s.offset * buffer.element_size()) % 256 == 0 for s in slots) else 1
         _segment_jobs_kernel[(jobs.shape[1],)](
-            words, jobs[0], jobs[1], jobs[2], jobs[3], out, k1, k2, k3, BLOCK=block, ALIGN=align, num_warps=num_warps
+            words,
+            jobs[0],
+            jobs[1],
+            jobs[2],
+            jobs[3],
+            out,
+            k1,
+            k2,
+            k3,
+            BLOCK=block,
+            ALIGN=align,
+            num_warps=num_warps,
         )
     tails = tail.shape[1]
     if tails:
         programs = _persistent_programs(tails, buffer.device, programs_per_sm)
         _segment_tail_kernel[(programs,)](
-            words, tail[0], tail[1], tail[2], tail[3], out, tails, k1, k2, k3, BLOCK=block, num_warps=num_warps
+            words,
+            tail[0],
+            tail[1],
+            tail[2],
+            tail[3],
+            out,
+            tails,
+            k1,
+            k2,
+            k3,
+            BLOCK=block,
+            num_warps=num_warps,
         )
     return [int(v) for v in out.tolist()]

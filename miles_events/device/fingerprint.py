@@ -132,8 +132,6 @@ def _mix_sum_torch(words: torch.Tensor) -> int:
     return int(acc.item())
 
 
-def fingerprints(
-    tensors: Mapping[str, torch.Tensor], skip_tensor_list: Iterable[str] = ()
-) -> dict[str, str]:
+def fingerprints(tensors: Mapping[str, torch.Tensor], skip_tensor_list: Iterable[str] = ()) -> dict[str, str]:
     skip = list(skip_tensor_list)
     return {name: tensor_fingerprint(t) for name, t in tensors.items() if not is_skipped(name, skip)}

@@ -157,9 +157,13 @@ class HostBlock:
         self._map = _mapped(self.num_bytes)
         self.address = torch.frombuffer(self._map, dtype=torch.uint8).data_ptr()
         if pin:
-            error = int(torch.cuda.cudart().cudaHostRegister(self.address, self.num_bytes, HOST_REGISTER_PORTABLE))
+            error = int(
+                torch.cuda.cudart().cudaHostRegister(self.address, self.num_bytes, HOST_REGISTER_PORTABLE)
+            )
             if error != 0:
-                raise RuntimeError(f"pinning {self.num_bytes} bytes of host memory failed: CUDA error {error}")
+                raise RuntimeError(
+                    f"pinning {self.num_bytes} bytes of host memory failed: CUDA error {error}"
+                )
             # Unpinned before the mapping can go: tensors of it that outlive this object stay
             # valid, as ordinary memory. The process's end frees it either way.
             weakref.finalize(self, _unregister, self.address).atexit = False
@@ -301,7 +305,10 @@ class PinnedPool:
         offsets, num_bytes = block_offsets(signature)
         block = HostBlock(num_bytes, self.pin)
         return PinnedArena(
-            [block.tensor(offset, shape, dtype) for offset, (shape, dtype) in zip(offsets, signature, strict=True)],
+            [
+                block.tensor(offset, shape, dtype)
+                for offset, (shape, dtype) in zip(offsets, signature, strict=True)
+            ],
             block,
         )
 
@@ -326,14 +333,18 @@ class DeviceArenaPool(PinnedPool):
     def _arena(self, signature: Signature) -> PinnedArena:
         import torch
 
-        return PinnedArena([torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in signature])
+        return PinnedArena(
+            [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in signature]
+        )
 
 
 def _signature(tensors: list[torch.Tensor]) -> Signature:
     return tuple((tuple(t.shape), t.dtype) for t in tensors)
 
 
-def copy_to_host(obj: Any, after: torch.cuda.Event | None = None, pool: PinnedPool | None = None) -> tuple[Any, PinnedArena | None]:
+def copy_to_host(
+    obj: Any, after: torch.cuda.Event | None = None, pool: PinnedPool | None = None
+) -> tuple[Any, PinnedArena | None]:
     """``obj`` (tensors in dicts, lists and tuples, and ``Buckets``) with every CUDA tensor
     copied into pinned host memory, on a copy stream that first waits for ``after``, and the
     arena of ``pool`` the copies live in (for ``pool.give_back`` once they are no longer
@@ -365,7 +376,8 @@ def copy_to_host(obj: Any, after: torch.cuda.Event | None = None, pool: PinnedPo
     copied = map_tensors(obj, to_host)
     # A tensor that cannot be viewed flat is copied whole, as one piece of its size.
     pieces = [
-        (s.numel(), s.element_size()) if s.is_contiguous() else (1, s.numel() * s.element_size()) for _, s in pairs
+        (s.numel(), s.element_size()) if s.is_contiguous() else (1, s.numel() * s.element_size())
+        for _, s in pairs
     ]
     try:
         for chunk in plan_chunks(pieces, CHUNK_BYTES):

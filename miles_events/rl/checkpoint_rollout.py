@@ -68,13 +68,17 @@ class CheckpointRolloutProof:
 
     def record_republished_versions(self, versions: Sequence[str]) -> None:
         self.republished_versions = tuple(versions)
-        require_version_increment(self.served_versions, self.republished_versions, action="checkpoint republication")
+        require_version_increment(
+            self.served_versions, self.republished_versions, action="checkpoint republication"
+        )
 
     def record_republished(self, checksums: CanonicalChecksums) -> None:
         if checksums != self.served:
             raise RuntimeError("checkpoint-backed rollout weights changed across exact republication")
 
-    def evidence(self, *, effective_load: str, ref_load: str, checkpoint_iteration: int) -> CheckpointRolloutEvidence:
+    def evidence(
+        self, *, effective_load: str, ref_load: str, checkpoint_iteration: int
+    ) -> CheckpointRolloutEvidence:
         return CheckpointRolloutEvidence(
             effective_load=str(Path(effective_load).resolve()),
             ref_load=str(Path(ref_load).resolve()),

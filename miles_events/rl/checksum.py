@@ -17,6 +17,7 @@ from schemas.checksums import EngineChecksumReport, RankChecksums
 if TYPE_CHECKING:
     pass
 
+
 def is_skipped(name: str, skip_tensor_list: Iterable[str]) -> bool:
     return any(part in name for part in skip_tensor_list)
 
@@ -24,7 +25,9 @@ def is_skipped(name: str, skip_tensor_list: Iterable[str]) -> bool:
 def per_gpu_checksum(checksums: Mapping[str, str]) -> str:
     """SGLang's ``per_gpu_checksum``: sha256 over ``name + fingerprint`` of every tensor, in
     sorted name order, with no separators (``utils/weight_checker.py``)."""
-    return hashlib.sha256(b"".join(name.encode() + checksums[name].encode() for name in sorted(checksums))).hexdigest()
+    return hashlib.sha256(
+        b"".join(name.encode() + checksums[name].encode() for name in sorted(checksums))
+    ).hexdigest()
 
 
 def per_engine_checksum(per_gpu_checksums: Iterable[str]) -> str:

@@ -46,7 +46,11 @@ def write_manifest(run_dir: str | os.PathLike[str], checksums: Mapping[str, str]
     if final.exists():
         return digest, relative
     final.parent.mkdir(parents=True, exist_ok=True)
-    data = msgspec.msgpack.encode(ChecksumManifest(digest=digest, checksums=dict(sorted(checksums.items(), key=lambda item: checksum_order(item[0])))))
+    data = msgspec.msgpack.encode(
+        ChecksumManifest(
+            digest=digest, checksums=dict(sorted(checksums.items(), key=lambda item: checksum_order(item[0])))
+        )
+    )
     partial = final.with_name(f".{final.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.partial")
     try:
         with open(partial, "xb") as f:
@@ -91,5 +95,7 @@ def read_manifest(run_dir: str | os.PathLike[str], relative: str, digest: str) -
         raise ManifestError(f"checksums manifest {relative} does not decode: {error}") from None
     actual = per_gpu_checksum(manifest.checksums)
     if actual != digest:
-        raise ManifestError(f"checksums manifest {relative} holds the checksums of digest {actual}, not {digest}")
+        raise ManifestError(
+            f"checksums manifest {relative} holds the checksums of digest {actual}, not {digest}"
+        )
     return manifest.checksums

@@ -51,5 +51,7 @@ def require_finite_weights(tensors: Mapping[str, torch.Tensor], what: str) -> No
     """``NonFiniteError`` naming the tensors when any holds a non-finite value."""
     bad = non_finite_tensors(tensors)
     if bad:
-        shown = ", ".join(bad[:MAX_LISTED]) + (f" and {len(bad) - MAX_LISTED} more" if len(bad) > MAX_LISTED else "")
+        shown = ", ".join(bad[:MAX_LISTED]) + (
+            f" and {len(bad) - MAX_LISTED} more" if len(bad) > MAX_LISTED else ""
+        )
         raise NonFiniteError(f"{what}: non-finite values in {len(bad)} tensor(s) ({shown}); refused")

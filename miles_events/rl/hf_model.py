@@ -191,7 +191,9 @@ def prepare_base_model(config: ModelConfig, run_dir: Path, seed: int) -> Path:
     return target
 
 
-def load_model(path: str | Path, dtype: str = "float32", device: torch.device | None = None) -> PreTrainedModel:
+def load_model(
+    path: str | Path, dtype: str = "float32", device: torch.device | None = None
+) -> PreTrainedModel:
     """The causal LM of a Hugging Face directory, moved to ``device`` when one is given."""
     # safetensors only: a pickled weights file (pytorch_model.bin) is never loaded.
     from transformers import AutoModelForCausalLM

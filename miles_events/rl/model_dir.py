@@ -22,7 +22,14 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "sentencepiece.bpe.model")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+)
 """Files one of which holds a tokenizer's vocabulary: without any, transformers builds an
 empty tokenizer of the model's class instead of failing (every prompt then has no tokens)."""
 
@@ -78,7 +85,9 @@ def _check_architecture(path: Path, config: dict[str, Any]) -> Any:
     if model_type not in CONFIG_MAPPING:
         raise ModelDirError(f"{config_file}: model_type {model_type!r} is not an architecture {known} knows")
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise ModelDirError(f"{config_file}: model_type {model_type!r} has no causal language model in {known}")
+        raise ModelDirError(
+            f"{config_file}: model_type {model_type!r} has no causal language model in {known}"
+        )
     architectures = config.get("architectures") or []
     if not isinstance(architectures, list):
         raise ModelDirError(f"{config_file}: architectures is not a list of class names")
@@ -128,7 +137,9 @@ def _check_weights(path: Path) -> None:
             raise ModelDirError(f"{index}: not a safetensors index ({_first_line(error)})") from None
         missing = [name for name in named if not (path / str(name)).is_file()]
         if missing:
-            raise ModelDirError(f"{index} names {len(missing)} missing file(s): {', '.join(map(str, missing[:3]))}")
+            raise ModelDirError(
+                f"{index} names {len(missing)} missing file(s): {', '.join(map(str, missing[:3]))}"
+            )
     if not files:
         raise ModelDirError(f"{path} has no *.safetensors weights (the only weights that are loaded)")
     for file in files:

@@ -43,8 +43,12 @@ def probe_batch(vocab_size: int, seed: int) -> tuple[list[list[int]], list[list[
     if vocab_size < 2:
         raise ValueError(f"a probe needs a vocabulary of at least 2 tokens, got {vocab_size}")
     draw = random.Random(f"probe:{seed}")
-    prompts = [[draw.randrange(vocab_size) for _ in range(PROBE_PROMPT_TOKENS)] for _ in range(PROBE_SEQUENCES)]
-    responses = [[draw.randrange(vocab_size) for _ in range(PROBE_RESPONSE_TOKENS)] for _ in range(PROBE_SEQUENCES)]
+    prompts = [
+        [draw.randrange(vocab_size) for _ in range(PROBE_PROMPT_TOKENS)] for _ in range(PROBE_SEQUENCES)
+    ]
+    responses = [
+        [draw.randrange(vocab_size) for _ in range(PROBE_RESPONSE_TOKENS)] for _ in range(PROBE_SEQUENCES)
+    ]
     return prompts, responses
 
 

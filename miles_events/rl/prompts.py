@@ -84,14 +84,18 @@ def _text(record: dict[str, object], key: str, *, prompt: bool) -> str:
     if value is None:
         raise DataError(f"{key!r} is null; give a string")
     if prompt and isinstance(value, list):
-        raise DataError(f"{key!r} is a list: chat-message lists are not supported yet; give the prompt as a string")
+        raise DataError(
+            f"{key!r} is a list: chat-message lists are not supported yet; give the prompt as a string"
+        )
     if prompt and isinstance(value, dict):
         raise DataError(f"{key!r} is an object; give the prompt as a string")
     text = str(value)
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as error:  # JSON escapes half of a UTF-16 pair on its own: "\ud800"
-        raise DataError(f"{key!r} holds a lone surrogate ({text[error.start]!r}), which is not text") from None
+        raise DataError(
+            f"{key!r} holds a lone surrogate ({text[error.start]!r}), which is not text"
+        ) from None
     return text
 
 

@@ -38,7 +38,9 @@ def flatten_inference_engine_checksums(raw: Any) -> list[dict[str, str]]:
     distinct ``rank`` of its ``parallelism_info``, a dict or a list of dicts with roles, no
     GPU rank twice). Each error names the body: its server group and its place there."""
     try:
-        located = [(group, place, body) for group, bodies in enumerate(raw) for place, body in enumerate(bodies)]
+        located = [
+            (group, place, body) for group, bodies in enumerate(raw) for place, body in enumerate(bodies)
+        ]
     except TypeError as error:
         raise RuntimeError("inference weight check 'checksum' returned a malformed response") from error
     flattened = []
@@ -51,7 +53,9 @@ def flatten_inference_engine_checksums(raw: Any) -> list[dict[str, str]]:
         except msgspec.ValidationError as error:
             raise RuntimeError(f"inference weight checksum reply of {where} is malformed: {error}") from None
         if not report.success:
-            raise RuntimeError(f"inference weight checksum did not succeed on {where}: {report.message or 'no message'}")
+            raise RuntimeError(
+                f"inference weight checksum did not succeed on {where}: {report.message or 'no message'}"
+            )
         try:
             flattened.append(ranked_checksums(report))
         except ChecksumReplyError as error:

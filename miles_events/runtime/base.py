@@ -87,7 +87,11 @@ class Runtime(Protocol):
 
 
 def host_context(
-    run: RunContext, transport: Transport, name: str, publish: Publish, start_workers: StartWorkers | None = None
+    run: RunContext,
+    transport: Transport,
+    name: str,
+    publish: Publish,
+    start_workers: StartWorkers | None = None,
 ) -> HostContext:
     """The context of actor ``name`` of ``run``, publishing through ``publish``; its worker
     ranks started by ``start_workers`` (None: all in this process)."""

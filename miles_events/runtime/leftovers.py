@@ -108,7 +108,9 @@ def _ray_package() -> tuple[bytes, ...]:
     if spec is None or not spec.submodule_search_locations:
         return ()
     found = next(iter(spec.submodule_search_locations))
-    return tuple({os.fsencode(os.path.join(where, "")) for where in (os.path.abspath(found), os.path.realpath(found))})
+    return tuple(
+        {os.fsencode(os.path.join(where, "")) for where in (os.path.abspath(found), os.path.realpath(found))}
+    )
 
 
 def ray_processes() -> list[Process]:
@@ -195,7 +197,9 @@ def _clean_record(path: Path, dead: set[Process]) -> set[Process]:
         Path(leftover).unlink(missing_ok=True)
     path.unlink(missing_ok=True)
     if killed:
-        logger.warning("killed %d process(es) left by a run whose driver died (pid %d)", len(killed), driver[0])
+        logger.warning(
+            "killed %d process(es) left by a run whose driver died (pid %d)", len(killed), driver[0]
+        )
     return killed
 
 
@@ -216,5 +220,7 @@ def remove_dead_owners(root: Path, prefix: str) -> list[Path]:
             shutil.rmtree(directory, ignore_errors=True)
             removed.append(directory)
     if removed:
-        logger.warning("removed the data of %d run(s) whose driver died: %s", len(removed), ", ".join(map(str, removed)))
+        logger.warning(
+            "removed the data of %d run(s) whose driver died: %s", len(removed), ", ".join(map(str, removed))
+        )
     return removed

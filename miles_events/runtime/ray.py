@@ -367,7 +367,9 @@ class RayRuntime:
             self.cluster.shutdown()  # sized before the config was resolved, too small now
             self.cluster = None
         if self.cluster is None:
-            self.cluster = RayCluster(config.ray, bundles, remote_classes, process_modules(remote_classes, config)).start()
+            self.cluster = RayCluster(
+                config.ray, bundles, remote_classes, process_modules(remote_classes, config)
+            ).start()
         # Ray starts in a thread; meanwhile the driver starts the actors it hosts.
         try:
             for cls in actor_classes:
@@ -453,9 +455,15 @@ class RayRuntime:
             ) from None
         except Exception as error:
             cause = getattr(error, "cause", None)
-            detail = str(cause) if isinstance(cause, ActorStartError) else f"{preparation.what}: {describe_error(cause or error)}"
+            detail = (
+                str(cause)
+                if isinstance(cause, ActorStartError)
+                else f"{preparation.what}: {describe_error(cause or error)}"
+            )
             raise ActorStartError(f"{detail} ({where}'s process)") from None
-        logger.info("%s took %.1fs (%s's process)", preparation.what, self.run.clock.monotonic() - began, where)
+        logger.info(
+            "%s took %.1fs (%s's process)", preparation.what, self.run.clock.monotonic() - began, where
+        )
 
     def _create_remote(self, groups: dict[str, Any], placed: dict[str, Any]) -> list[tuple[type[Actor], Any]]:
         """Each placed actor as a Ray actor, on the first bundle of its ranks (created; its

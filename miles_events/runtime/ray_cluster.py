@@ -62,7 +62,10 @@ def stands_in_for_agents(ray_config: RayConfig) -> bool:
     if ray_config.agents != "stand_in":
         return False
     if os.environ.get(AGENT_PIPE_SETTING, "1").strip().lower() in ("0", "false"):
-        logger.warning("%s is off: the raylet's agents are Ray's own (ray.agents = \"stand_in\" needs it)", AGENT_PIPE_SETTING)
+        logger.warning(
+            "%s is off: the raylet's agents are Ray's own (ray.agents = \"stand_in\" needs it)",
+            AGENT_PIPE_SETTING,
+        )
         return False
     return True
 
@@ -89,7 +92,8 @@ def _agents_stood_in(command: list[str]) -> list[str]:
         persist_port(flags["session_dir"], flags["node_id"], port, -1)
     stand_in = subprocess.list2cmdline(AGENT_STAND_IN)
     return [
-        next((flag + stand_in for flag in AGENT_COMMAND_FLAGS if arg.startswith(flag)), arg) for arg in command
+        next((flag + stand_in for flag in AGENT_COMMAND_FLAGS if arg.startswith(flag)), arg)
+        for arg in command
     ]
 
 
@@ -142,7 +146,9 @@ ARENAS_MARK = "MILES_EVENTS_SET_MALLOC_ARENA_MAX"
 def _cluster_environment() -> Iterator[None]:
     """The environment Ray's servers start with (the workers they start inherit it); the
     driver's own is as it was once they have started."""
-    added = {} if "MALLOC_ARENA_MAX" in os.environ else {"MALLOC_ARENA_MAX": str(MALLOC_ARENAS), ARENAS_MARK: "1"}
+    added = (
+        {} if "MALLOC_ARENA_MAX" in os.environ else {"MALLOC_ARENA_MAX": str(MALLOC_ARENAS), ARENAS_MARK: "1"}
+    )
     os.environ.update(added)
     try:
         yield

@@ -57,7 +57,9 @@ class RankHost:
         log_level: int = logging.WARNING,
         actor: str = "",
     ) -> None:
-        log_into(Path(run_dir), log_level, f"{actor} rank {place.rank}".lstrip())  # its actor's level, the driver's
+        log_into(
+            Path(run_dir), log_level, f"{actor} rank {place.rank}".lstrip()
+        )  # its actor's level, the driver's
         if os.environ.pop(ARENAS_MARK, None):
             os.environ.pop("MALLOC_ARENA_MAX", None)
         config = msgspec.json.decode(config_json, type=Config)
@@ -176,4 +178,3 @@ async def start_ray_workers(
         return worker
 
     return await gather_workers([local(), *(remote(rank) for rank in range(1, ranks))])
-

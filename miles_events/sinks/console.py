@@ -59,7 +59,13 @@ SHOWN: tuple[type[Event], ...] = (
     PublicationVerified, PublicationMismatch, PublicationFailed, EvalFinished, CheckpointSaved,
     CheckpointFailed, ActorFailed, RunFinished, PublicationEvidenceWritten, PublicationEvidenceFailed,
 )  # fmt: skip
-STEP_PHASES = (("generate", "gen"), ("train", "train"), ("publish", "pub"), ("verify", "verify"), ("save", "save"))
+STEP_PHASES = (
+    ("generate", "gen"),
+    ("train", "train"),
+    ("publish", "pub"),
+    ("verify", "verify"),
+    ("save", "save"),
+)
 SPARK = "▁▂▃▄▅▆▇█"
 
 
@@ -294,8 +300,14 @@ class PlainProgress(ConsoleSink):
         if event.rollout_only:
             resumed += f", rollout-only from checkpoint iteration {event.checkpoint_iteration}"
         p = self.progress
-        todo = f"rollouts {p.start_rollout_id}..{p.num_rollout - 1} ({p.total} to run)" if p.total else p.nothing_to_run()
-        self._line(f"run {event.run_id} ({event.runtime}): {todo}, engines {', '.join(event.engines)}{resumed}")
+        todo = (
+            f"rollouts {p.start_rollout_id}..{p.num_rollout - 1} ({p.total} to run)"
+            if p.total
+            else p.nothing_to_run()
+        )
+        self._line(
+            f"run {event.run_id} ({event.runtime}): {todo}, engines {', '.join(event.engines)}{resumed}"
+        )
 
     @handles(RolloutGenerated)
     def _rollout_generated(self, event: RolloutGenerated) -> None:
@@ -346,7 +358,9 @@ class PlainProgress(ConsoleSink):
     @handles(PublicationFailed)
     def _publication_failed(self, event: PublicationFailed) -> None:
         self._publication(event.rollout_id, f"v{event.weight_version} publication failed")
-        self._line(f"weight version {event.weight_version}: publication failed ({event.phase}): {event.reason}")
+        self._line(
+            f"weight version {event.weight_version}: publication failed ({event.phase}): {event.reason}"
+        )
 
     @handles(EvalFinished)
     def _eval_finished(self, event: EvalFinished) -> None:
@@ -378,7 +392,9 @@ class PlainProgress(ConsoleSink):
     def _publication(self, rollout_id: int | None, outcome: str, verify_seconds: float | None = None) -> None:
         """The rollout's line, once its publication has an outcome."""
         if rollout_id is None:
-            self._line(f"{'initial publication' if self.initial_publications <= 1 else 'republication'} {outcome}")
+            self._line(
+                f"{'initial publication' if self.initial_publications <= 1 else 'republication'} {outcome}"
+            )
             return
         generated, train = self.generated.pop(rollout_id, None), self.trained.pop(rollout_id, None)
         published = self.published.pop(rollout_id, None)
@@ -439,16 +455,22 @@ def render_progress(progress: RunProgress, *, final: bool = False) -> Panel:
         recent = list(p.rewards)
         rows.add_row(
             "reward",
-            Text(f"{recent[-1]:.3f}  {sparkline(recent)}  min {min(recent):.3f} max {max(recent):.3f} (last {len(recent)})"),
+            Text(
+                f"{recent[-1]:.3f}  {sparkline(recent)}  min {min(recent):.3f} max {max(recent):.3f} (last {len(recent)})"
+            ),
         )
     if p.train is not None:
         m = p.train.metrics
         rows.add_row(
             "train",
-            Text(f"loss {m.loss:+.4f}  kl {m.kl:.4f}  grad {m.grad_norm:.3f}  entropy {m.entropy:.3f}  clip {m.clipfrac:.3f}"),
+            Text(
+                f"loss {m.loss:+.4f}  kl {m.kl:.4f}  grad {m.grad_norm:.3f}  entropy {m.entropy:.3f}  clip {m.clipfrac:.3f}"
+            ),
         )
     if p.step_seconds:
-        split = "  ".join(f"{label} {p.step_seconds[phase]:.2f}s" for phase, label in STEP_PHASES if phase in p.step_seconds)
+        split = "  ".join(
+            f"{label} {p.step_seconds[phase]:.2f}s" for phase, label in STEP_PHASES if phase in p.step_seconds
+        )
         rows.add_row("step time", Text(split))
     versions = Text(f"trainer {p.trainer_version}")
     for engine, version in p.engine_versions.items():
@@ -460,7 +482,10 @@ def render_progress(progress: RunProgress, *, final: bool = False) -> Panel:
         rows.add_row("checkpoint", Text(p.checkpoint_problem, style="bold red"))
     elif p.checkpoint is not None:
         c = p.checkpoint
-        rows.add_row("checkpoint", Text(f"rollout {c.rollout_id} (trained from version {c.weight_version}) -> {c.path}"))
+        rows.add_row(
+            "checkpoint",
+            Text(f"rollout {c.rollout_id} (trained from version {c.weight_version}) -> {c.path}"),
+        )
     if p.eval is not None:
         scores = " ".join(f"{metric_name(k)}={v:.4g}" for k, v in sorted(p.eval.metrics.items()))
         rows.add_row("eval", Text(f"{describe_eval(p.eval)}: {scores}"))
@@ -492,7 +517,9 @@ class RichProgress(ConsoleSink):
         self._last_refresh = float("-inf")
         self._timer: asyncio.Task[None] | None = None
         self._clock: Clock = SYSTEM_CLOCK
-        self.live = Live(render_progress(self.progress), console=self.console, auto_refresh=False, transient=True)
+        self.live = Live(
+            render_progress(self.progress), console=self.console, auto_refresh=False, transient=True
+        )
         self._moved: list[tuple[logging.StreamHandler, TextIO]] = []  # type: ignore[type-arg]
 
     async def start(self, context: SinkContext) -> None:

@@ -149,7 +149,10 @@ class BusCollector:
         self.bus = bus
 
     def _families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
-        depth, high = SPECS_BY_NAME["miles_bus_mailbox_depth"], SPECS_BY_NAME["miles_bus_mailbox_high_water_mark"]
+        depth, high = (
+            SPECS_BY_NAME["miles_bus_mailbox_depth"],
+            SPECS_BY_NAME["miles_bus_mailbox_high_water_mark"],
+        )
         return (
             GaugeMetricFamily(depth.name, depth.meaning, labels=depth.all_labels),
             GaugeMetricFamily(high.name, high.meaning, labels=high.all_labels),
@@ -182,18 +185,48 @@ class RunMetrics(Sink):
                 families[spec.name] = _Family(self._create(spec))
         self.families = families
         f = families.__getitem__
-        self.run_info, self.run_finished, self.rollout_num = f("miles_run_info"), f("miles_run_finished"), f("miles_rollout_num")
+        self.run_info, self.run_finished, self.rollout_num = (
+            f("miles_run_info"),
+            f("miles_run_finished"),
+            f("miles_rollout_num"),
+        )
         self.rollout_id, self.reward_mean = f("miles_rollout_id"), f("miles_rollout_reward_mean")
-        self.rollout_seconds, self.tokens_generated = f("miles_rollout_duration_seconds"), f("miles_tokens_generated_total")
-        self.staleness, self.loss, self.kl = f("miles_rollout_staleness"), f("miles_train_loss"), f("miles_train_kl")
-        self.grad_norm, self.entropy, self.clipfrac = f("miles_train_grad_norm"), f("miles_train_entropy"), f("miles_train_clipfrac")
-        self.train_tokens, self.train_seconds = f("miles_train_tokens_total"), f("miles_train_duration_seconds")
+        self.rollout_seconds, self.tokens_generated = (
+            f("miles_rollout_duration_seconds"),
+            f("miles_tokens_generated_total"),
+        )
+        self.staleness, self.loss, self.kl = (
+            f("miles_rollout_staleness"),
+            f("miles_train_loss"),
+            f("miles_train_kl"),
+        )
+        self.grad_norm, self.entropy, self.clipfrac = (
+            f("miles_train_grad_norm"),
+            f("miles_train_entropy"),
+            f("miles_train_clipfrac"),
+        )
+        self.train_tokens, self.train_seconds = (
+            f("miles_train_tokens_total"),
+            f("miles_train_duration_seconds"),
+        )
         self.eval_score, self.eval_seconds = f("miles_eval_score"), f("miles_eval_duration_seconds")
         self.weight_version, self.checksum = f("miles_weight_version"), f("miles_weight_checksum_info")
-        self.publications, self.publication_seconds = f("miles_publications_total"), f("miles_publication_duration_seconds")
-        self.verify_seconds, self.mismatched = f("miles_verification_duration_seconds"), f("miles_publication_mismatched_tensors")
-        self.checkpoints, self.checkpoint_seconds = f("miles_checkpoints_total"), f("miles_checkpoint_duration_seconds")
-        self.checkpoint_rollout, self.checkpoint_bytes = f("miles_checkpoint_last_rollout_id"), f("miles_checkpoint_bytes")
+        self.publications, self.publication_seconds = (
+            f("miles_publications_total"),
+            f("miles_publication_duration_seconds"),
+        )
+        self.verify_seconds, self.mismatched = (
+            f("miles_verification_duration_seconds"),
+            f("miles_publication_mismatched_tensors"),
+        )
+        self.checkpoints, self.checkpoint_seconds = (
+            f("miles_checkpoints_total"),
+            f("miles_checkpoint_duration_seconds"),
+        )
+        self.checkpoint_rollout, self.checkpoint_bytes = (
+            f("miles_checkpoint_last_rollout_id"),
+            f("miles_checkpoint_bytes"),
+        )
         self.actor_failures, self.events = f("miles_actor_failures_total"), f("miles_bus_events_total")
 
     def _create(self, spec: MetricSpec) -> Any:
@@ -203,7 +236,9 @@ class RunMetrics(Sink):
         if spec.kind == "gauge":
             return Gauge(spec.name, spec.meaning, labels, registry=self.registry)
         if spec.kind == "histogram":
-            return Histogram(spec.name, spec.meaning, labels, buckets=DURATION_BUCKETS, registry=self.registry)
+            return Histogram(
+                spec.name, spec.meaning, labels, buckets=DURATION_BUCKETS, registry=self.registry
+            )
         return Info(spec.name.removesuffix("_info"), spec.meaning, labels, registry=self.registry)
 
     def attach_bus(self, bus: EventBus) -> None:
@@ -282,11 +317,17 @@ class RunMetrics(Sink):
     @handles(WeightsLoaded)
     def _weights_loaded(self, e: WeightsLoaded) -> None:
         self.weight_version(e.run_id, "engine", e.engine).set(_version(e.weight_version))
-        self.checksum(e.run_id, "engine", e.engine).info({"weight_version": e.weight_version, "digest": e.digest})
+        self.checksum(e.run_id, "engine", e.engine).info(
+            {"weight_version": e.weight_version, "digest": e.digest}
+        )
 
     @handles(WeightsPublished)
     def _weights_published(self, e: WeightsPublished) -> None:
-        for phase, seconds in (("stage", e.stage_seconds), ("load", e.load_seconds), ("total", e.publish_seconds)):
+        for phase, seconds in (
+            ("stage", e.stage_seconds),
+            ("load", e.load_seconds),
+            ("total", e.publish_seconds),
+        ):
             if seconds > 0:
                 self.publication_seconds(e.run_id, phase).observe(seconds)
 
@@ -344,12 +385,16 @@ POLL_SECONDS = 0.05
 def _serve(registry: CollectorRegistry, host: str, port: int) -> tuple[ThreadingWSGIServer, threading.Thread]:
     """As ``prometheus_client.start_http_server`` (IPv4 or IPv6 as ``host`` is, a thread per
     request, no request lines), with a loop that stops within ``POLL_SECONDS``, not 0.5 s."""
-    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    family, _, _, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
 
     class MetricsHTTPServer(ThreadingWSGIServer):
         address_family = family
 
-    server = make_server(str(address[0]), port, make_wsgi_app(registry), MetricsHTTPServer, handler_class=_Quiet)
+    server = make_server(
+        str(address[0]), port, make_wsgi_app(registry), MetricsHTTPServer, handler_class=_Quiet
+    )
     thread = threading.Thread(
         target=server.serve_forever, kwargs={"poll_interval": POLL_SECONDS}, name="metrics-http", daemon=True
     )

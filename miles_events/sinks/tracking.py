@@ -212,7 +212,9 @@ class WandbSink(TrackingSink):
 
 
 def _missing(package: str, setting: str) -> TrackingError:
-    return TrackingError(f"{setting} = true needs the '{package}' package, which is not installed (pip install {package})")
+    return TrackingError(
+        f"{setting} = true needs the '{package}' package, which is not installed (pip install {package})"
+    )
 
 
 def check_tracking(config: Config) -> None:
@@ -320,7 +322,9 @@ def start_wandb(run: SinkContext) -> Any:
         )
     except Exception as error:
         first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        raise TrackingError(f"tracking.wandb: cannot start a {tracking.wandb_mode} run: {first_line}") from None
+        raise TrackingError(
+            f"tracking.wandb: cannot start a {tracking.wandb_mode} run: {first_line}"
+        ) from None
 
 
 def make_tracking(config: Config) -> list[TrackingSink]:

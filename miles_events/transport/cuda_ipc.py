@@ -92,7 +92,23 @@ def share(buffer: torch.Tensor, layout: BucketLayout) -> CudaIpcBuffer:
     from torch.multiprocessing.reductions import reduce_tensor
 
     _, args = reduce_tensor(buffer)
-    (_, _, _, tensor_offset, _, _, device, handle, size_bytes, offset_bytes, _, counter, counter_offset, event, sync) = args
+    (
+        _,
+        _,
+        _,
+        tensor_offset,
+        _,
+        _,
+        device,
+        handle,
+        size_bytes,
+        offset_bytes,
+        _,
+        counter,
+        counter_offset,
+        event,
+        sync,
+    ) = args
     return CudaIpcBuffer(
         layout=layout,
         device=int(device),
@@ -185,7 +201,6 @@ def _keep_recent(cache: OrderedDict, key: object, value: object, limit: int) -> 
     return dropped
 
 
-
 def _new_record_name() -> str:
     return _record_name()  # looked up at each call
 
@@ -256,7 +271,9 @@ class CudaIpcStager(Stager):
         if buckets.device.type != "cuda":
             return self.shm.put_buckets(key, buckets, owner)
         ready_event = self._record_ready(buckets.device)
-        shared = tuple(self._share(b, layout) for layout, b in zip(buckets.layouts, buckets.buffers, strict=True))
+        shared = tuple(
+            self._share(b, layout) for layout, b in zip(buckets.layouts, buckets.buffers, strict=True)
+        )
         with self._written_lock:  # a record is not dropped between its lookup and its link
             # Buffers staged into again are named by the record written for them before.
             written = self._written.pop(shared, None)
@@ -394,7 +411,9 @@ class CudaIpcReader(Reader):
         self._records: OrderedDict[bytes, tuple[Buckets, torch.cuda.Event | None]] = OrderedDict()
         """The buckets (and the producer's ready event) of the last records read, by the
         record's bytes."""
-        self._opened: OrderedDict[tuple[bytes, int, int], tuple[torch.Tensor, tuple[bytes, int]]] = OrderedDict()
+        self._opened: OrderedDict[tuple[bytes, int, int], tuple[torch.Tensor, tuple[bytes, int]]] = (
+            OrderedDict()
+        )
         """Buffers of other processes this one read, kept mapped, by (handle, offset, bytes),
         with the reference counter of the share they were opened from."""
         self._opened_events: OrderedDict[bytes, torch.cuda.Event] = OrderedDict()
@@ -443,8 +462,12 @@ class CudaIpcReader(Reader):
         known = self._records.get(data)
         if known is None:
             record = _DECODER.decode(data)
-            buckets = Buckets(tuple(b.layout for b in record.buffers), tuple(self._open(b) for b in record.buffers))
-            ready = None if record.ready_event is None else self._open_event(record.ready_event, buckets.device)
+            buckets = Buckets(
+                tuple(b.layout for b in record.buffers), tuple(self._open(b) for b in record.buffers)
+            )
+            ready = (
+                None if record.ready_event is None else self._open_event(record.ready_event, buckets.device)
+            )
             known = (buckets, ready)
         _keep_recent(self._records, data, known, OPEN_RECORDS)
         buckets, ready = known
@@ -475,7 +498,9 @@ class CudaIpcReader(Reader):
             with self._reading_lock:
                 hidden = self._read_handles.get(device.index)
                 if hidden is None:
-                    hidden = self._read_handles[device.index] = self.files.write_hidden(handle, _new_record_name)
+                    hidden = self._read_handles[device.index] = self.files.write_hidden(
+                        handle, _new_record_name
+                    )
             # Linked under a partial name and renamed: a key read again keeps a receipt.
             receipt = _receipt_prefix(ref.key) + f"{os.getpid()}-{device.index}"
             self.files.publish(receipt, lambda partial: _link_or_copy(hidden, partial))
@@ -509,7 +534,10 @@ class CudaIpcReader(Reader):
             buffer = open_shared(shared)
         else:
             buffer, opened_from = known
-            if tuple(buffer.shape) != (shared.layout.numel,) or str(buffer.dtype) != f"torch.{shared.layout.dtype}":
+            if (
+                tuple(buffer.shape) != (shared.layout.numel,)
+                or str(buffer.dtype) != f"torch.{shared.layout.dtype}"
+            ):
                 buffer = open_shared(shared)  # another view of the same memory (torch counts the share)
             elif counter != opened_from:
                 # Shared again by its producer: torch counts a reader per share, and this

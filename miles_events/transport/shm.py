@@ -87,7 +87,9 @@ class ShmStager(Stager):
 
     def put_tensors(self, key: str, tensors: dict[str, torch.Tensor], owner: str) -> DataRef:
         contiguous = {name: t.detach().contiguous().cpu() for name, t in tensors.items()}
-        path = self.files.publish(key, lambda p: _safetensors().save_file(contiguous, str(p), TENSORS_METADATA))
+        path = self.files.publish(
+            key, lambda p: _safetensors().save_file(contiguous, str(p), TENSORS_METADATA)
+        )
         return DataRef(self.name, key, owner, path.stat().st_size)
 
     def put_bytes(self, key: str, data: bytes, owner: str) -> DataRef:
