@@ -160,6 +160,27 @@ class Engine(ABC):
         """SGLang's ``snapshot``, ``reset_tensors`` or ``compare`` action (``checksum`` is
         ``checksums``); an unknown action is an unsuccessful result, not an exception."""
 
+    def check_result(
+        self,
+        action: str,
+        success: bool,
+        message: str,
+        *,
+        num_tensors: int = 0,
+        mismatched: Sequence[str] = (),
+        missing: Sequence[str] = (),
+    ) -> WeightsCheckResult:
+        """A ``weights_check`` answer at the version served now."""
+        return WeightsCheckResult(
+            success=success,
+            message=message,
+            action=action,
+            weight_version=self.weight_version,
+            num_tensors=num_tensors,
+            mismatched=list(mismatched),
+            missing=list(missing),
+        )
+
     def unreadable_tensors(self) -> list[str]:
         """The served tensors this engine cannot read back in the trainer's layout, which its
         ``checksums`` leave out (backends in ``PARTIAL_READBACK``); none by default."""

@@ -522,40 +522,22 @@ class TorchEngine(Engine):
         """
         if action not in TENSOR_CHECK_ACTIONS:
             known = ", ".join(TENSOR_CHECK_ACTIONS)
-            return self._result(action, False, f"unknown action {action!r}; known: {known} (and checksum)")
+            return self.check_result(
+                action, False, f"unknown action {action!r}; known: {known} (and checksum)"
+            )
         selected = self._selected(selector, skip_tensor_list)
         if selector == "draft":
-            return self._result(action, True, f"{action}: no draft model, nothing selected")
+            return self.check_result(action, True, f"{action}: no draft model, nothing selected")
         if action == "snapshot":
             self._snapshot = {n: t.detach().to("cpu", copy=True) for n, t in selected.items()}
-            return self._result(
+            return self.check_result(
                 action, True, f"snapshot of {len(selected)} tensors", num_tensors=len(selected)
             )
         if action == "reset_tensors":
             self._reset(selected)
             message = f"reset {len(selected)} tensors to random data"
-            return self._result(action, True, message, num_tensors=len(selected))
+            return self.check_result(action, True, message, num_tensors=len(selected))
         return self._compare(selected, allow_quant_error)
-
-    def _result(
-        self,
-        action: str,
-        success: bool,
-        message: str,
-        *,
-        num_tensors: int = 0,
-        mismatched: Sequence[str] = (),
-        missing: Sequence[str] = (),
-    ) -> WeightsCheckResult:
-        return WeightsCheckResult(
-            success=success,
-            message=message,
-            action=action,
-            weight_version=self._weight_version,
-            num_tensors=num_tensors,
-            mismatched=list(mismatched),
-            missing=list(missing),
-        )
 
     def _reset(self, selected: Mapping[str, torch.Tensor]) -> None:
         # A private generator: resetting must not move the process-wide RNG, which a
@@ -576,7 +558,7 @@ class TorchEngine(Engine):
 
     def _compare(self, selected: Mapping[str, torch.Tensor], allow_quant_error: bool) -> WeightsCheckResult:
         if self._snapshot is None:
-            return self._result("compare", False, "compare: no snapshot; run the snapshot action first")
+            return self.check_result("compare", False, "compare: no snapshot; run the snapshot action first")
         absent = sorted(n for n in selected if n not in self._snapshot)
         differ = sorted(
             n
@@ -589,7 +571,7 @@ class TorchEngine(Engine):
             ]
             if absent:
                 parts.append(f"not in the snapshot: {name_list(absent)}")
-            return self._result(
+            return self.check_result(
                 "compare",
                 False,
                 "; ".join(parts),
@@ -599,7 +581,7 @@ class TorchEngine(Engine):
             )
         mode = "within one ULP" if allow_quant_error else "bitwise"
         message = f"{len(selected)} tensors equal the snapshot ({mode})"
-        return self._result("compare", True, message, num_tensors=len(selected))
+        return self.check_result("compare", True, message, num_tensors=len(selected))
 
     def close(self) -> None:
         self._snapshot = None

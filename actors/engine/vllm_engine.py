@@ -603,37 +603,39 @@ class VllmEngine(Engine):
         ``reset_tensors`` overwrites every tensor not skipped, the unreadable ones included."""
         if action not in TENSOR_CHECK_ACTIONS:
             known = ", ".join(TENSOR_CHECK_ACTIONS)
-            return self._result(action, False, f"unknown action {action!r}; known: {known} (and checksum)")
+            return self.check_result(
+                action, False, f"unknown action {action!r}; known: {known} (and checksum)"
+            )
         if selector == "draft":
-            return self._result(action, True, f"{action}: no draft model, nothing selected")
+            return self.check_result(action, True, f"{action}: no draft model, nothing selected")
         if action == "reset_tensors":
             return self._reset_tensors(list(skip_tensor_list))
         try:
             readable = self.readable_checksums().checksums
         except ChecksumReplyError as error:
-            return self._result(action, False, f"{action}: {error}")
+            return self.check_result(action, False, f"{action}: {error}")
         skip = list(skip_tensor_list)
         current = {n: c for n, c in readable.items() if not is_skipped(n, skip)}
         if action == "snapshot":
             self._snapshot = current
-            return self._result(
+            return self.check_result(
                 action, True, f"snapshot of {len(current)} readable tensors", num_tensors=len(current)
             )
         if self._snapshot is None:
-            return self._result("compare", False, "compare: no snapshot; run the snapshot action first")
+            return self.check_result("compare", False, "compare: no snapshot; run the snapshot action first")
         absent = sorted(n for n in current if n not in self._snapshot)
         differ = sorted(n for n, c in current.items() if n in self._snapshot and self._snapshot[n] != c)
         if absent or differ:
             message = f"{len(differ)} of {len(current)} readable tensors differ from the snapshot: {name_list(differ)}"
             if absent:
                 message += f"; not in the snapshot: {name_list(absent)}"
-            return self._result(
+            return self.check_result(
                 "compare", False, message, num_tensors=len(current), mismatched=differ, missing=absent
             )
         mode = "fingerprints" + (
             " (one ULP is not told apart from other differences)" if allow_quant_error else ""
         )
-        return self._result(
+        return self.check_result(
             "compare",
             True,
             f"{len(current)} readable tensors equal the snapshot ({mode})",
@@ -652,26 +654,8 @@ class VllmEngine(Engine):
         finally:
             self._post("/resume")
         reset = int(results[0]["num_tensors"]) if results and isinstance(results[0], dict) else 0
-        return self._result("reset_tensors", True, f"reset {reset} tensors to random data", num_tensors=reset)
-
-    def _result(
-        self,
-        action: str,
-        success: bool,
-        message: str,
-        *,
-        num_tensors: int = 0,
-        mismatched: Sequence[str] = (),
-        missing: Sequence[str] = (),
-    ) -> WeightsCheckResult:
-        return WeightsCheckResult(
-            success=success,
-            message=message,
-            action=action,
-            weight_version=self._weight_version,
-            num_tensors=num_tensors,
-            mismatched=list(mismatched),
-            missing=list(missing),
+        return self.check_result(
+            "reset_tensors", True, f"reset {reset} tensors to random data", num_tensors=reset
         )
 
     def close(self) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from miles_events.util.registry import registered
 from schemas.data import DataRef
@@ -174,6 +174,30 @@ class Transport:
         """Drop everything of this run held by this transport."""
         self.reader.close()
         self.stager.close()
+
+
+class SharedFiles(Protocol):
+    """The directory two ends of a transport share (shared memory, the run's disk)."""
+
+    @property
+    def root(self) -> Path: ...
+
+    def remove(self) -> None:
+        """Remove the directory and everything in it."""
+
+
+class FilesTransport(Transport):
+    """A transport whose two ends share the files under ``files.root``, removed on close."""
+
+    files: SharedFiles
+
+    @property
+    def root(self) -> Path:
+        return self.files.root
+
+    def close(self) -> None:
+        super().close()
+        self.files.remove()
 
 
 TRANSPORTS: dict[str, str] = {

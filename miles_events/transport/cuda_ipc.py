@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from miles_events.transport.base import Reader, Stager, Transport
+from miles_events.transport.base import FilesTransport, Reader, Stager
 from miles_events.transport.shm import ShmFiles, ShmReader, ShmStager
 from schemas.data import BucketLayout, CudaIpcBuffer, CudaIpcRecord, DataRef
 
@@ -557,7 +557,7 @@ class CudaIpcReader(Reader):
         self.reads.clear()
 
 
-class CudaIpcTransport(Transport):
+class CudaIpcTransport(FilesTransport):
     name = "cuda_ipc"
     stager: CudaIpcStager
     reader: CudaIpcReader
@@ -566,11 +566,3 @@ class CudaIpcTransport(Transport):
         self.files = ShmFiles(run_id, root)
         stager = CudaIpcStager(self.files)
         super().__init__(run_id, stager, CudaIpcReader(self.files, local=stager))
-
-    @property
-    def root(self) -> Path:
-        return self.files.root
-
-    def close(self) -> None:
-        super().close()
-        self.files.remove()

@@ -15,7 +15,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from miles_events.checkpoint.format import load_state, save_state
-from miles_events.transport.base import TENSORS_METADATA, Reader, Stager, Transport, _safetensors
+from miles_events.transport.base import (
+    TENSORS_METADATA,
+    FilesTransport,
+    Reader,
+    Stager,
+    _safetensors,
+)
 from miles_events.transport.reaper import remove_later
 from schemas.data import DataRef
 
@@ -132,7 +138,7 @@ class DiskReader(Reader):
         return self.path(ref)
 
 
-class DiskTransport(Transport):
+class DiskTransport(FilesTransport):
     name = "disk"
     reader: DiskReader
 
@@ -145,11 +151,3 @@ class DiskTransport(Transport):
         if run_dir is None:
             raise ValueError("the disk transport needs the run directory")
         return cls(run_id, run_dir)
-
-    @property
-    def root(self) -> Path:
-        return self.files.root
-
-    def close(self) -> None:
-        super().close()
-        self.files.remove()

@@ -15,7 +15,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from miles_events.checkpoint.format import load_state, save_state
-from miles_events.transport.base import TENSORS_METADATA, Reader, Stager, Transport, _safetensors
+from miles_events.transport.base import (
+    TENSORS_METADATA,
+    FilesTransport,
+    Reader,
+    Stager,
+    _safetensors,
+)
 from miles_events.transport.reaper import remove_later
 from miles_events.util.file_modes import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE
 from schemas.data import DataRef
@@ -129,17 +135,9 @@ class ShmReader(Reader):
         return self.files.path(ref.key)
 
 
-class ShmTransport(Transport):
+class ShmTransport(FilesTransport):
     name = "shm"
 
     def __init__(self, run_id: str, root: Path | None = None) -> None:
         self.files = ShmFiles(run_id, root)
         super().__init__(run_id, ShmStager(self.files), ShmReader(self.files))
-
-    @property
-    def root(self) -> Path:
-        return self.files.root
-
-    def close(self) -> None:
-        super().close()
-        self.files.remove()
