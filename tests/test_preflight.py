@@ -210,43 +210,13 @@ def test_a_gpu_is_seen_without_torch_where_the_driver_lists_one_in_this_containe
     assert memory.cuda_present(), "ROCm"
 
 
-@pytest.mark.parametrize(
-    ("runtime", "address", "present", "refused"),
-    [
-        ("ray", None, False, True),
-        ("local", None, False, True),
-        ("local", "ray://head:10001", False, True),  # the local runtime runs its engines here
-        ("ray", "ray://head:10001", False, False),  # a joined cluster's hosts are not asked
-        ("ray", None, True, False),
-    ],
-)
-def test_cuda_graph_decoding_needs_a_gpu_where_the_engines_run(
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    runtime: str,
-    address: str | None,
-    present: bool,
-    refused: bool,
-) -> None:
-    import msgspec
-
-    from schemas.config import RayConfig, RolloutConfig
-
-    monkeypatch.setattr(preflight, "cuda_present", lambda: present)
-    config = msgspec.structs.replace(
-        data_config(tmp_path, runtime=runtime),
-        rollout=RolloutConfig(decode="cuda_graph"),
-        ray=RayConfig(address=address),
-    )
-    if refused:
-        with pytest.raises(ConfigError, match='rollout.decode: "cuda_graph" needs a CUDA GPU') as caught:
-            preflight.check_device(config)
-        assert caught.value.key == "rollout.decode"
-    else:
-        preflight.check_device(config)
-    preflight.check_device(msgspec.structs.replace(config, rollout=RolloutConfig(decode="auto")))
+GPU_SETTINGS = [
+    ("rollout", "decode", "cuda_graph", "auto", 'rollout.decode: "cuda_graph" needs a CUDA GPU'),
+    ("publisher", "transport", "cuda_ipc", "shm", 'publisher.transport: "cuda_ipc" needs a CUDA GPU'),
+]
 
 
+@pytest.mark.parametrize(("section", "key", "value", "other", "message"), GPU_SETTINGS)
 @pytest.mark.parametrize(
     ("runtime", "address", "present", "refused"),
     [
@@ -257,9 +227,14 @@ def test_cuda_graph_decoding_needs_a_gpu_where_the_engines_run(
         ("ray", None, True, False),
     ],
 )
-def test_the_cuda_ipc_transport_needs_a_gpu_where_the_actors_run(
+def test_a_setting_that_needs_a_gpu_is_refused_where_the_actors_run_without_one(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
+    section: str,
+    key: str,
+    value: str,
+    other: str,
+    message: str,
     runtime: str,
     address: str | None,
     present: bool,
@@ -267,24 +242,23 @@ def test_the_cuda_ipc_transport_needs_a_gpu_where_the_actors_run(
 ) -> None:
     import msgspec
 
-    from schemas.config import PublisherConfig, RayConfig
+    from schemas.config import RayConfig
 
     monkeypatch.setattr(preflight, "cuda_present", lambda: present)
-    config = msgspec.structs.replace(
-        data_config(tmp_path, runtime=runtime),
-        publisher=PublisherConfig(transport="cuda_ipc"),
-        ray=RayConfig(address=address),
-    )
+    base = data_config(tmp_path, runtime=runtime)
+
+    def with_value(chosen: str) -> Config:
+        changed = msgspec.structs.replace(getattr(base, section), **{key: chosen})
+        return msgspec.structs.replace(base, **{section: changed}, ray=RayConfig(address=address))
+
     if refused:
-        with pytest.raises(ConfigError, match='publisher.transport: "cuda_ipc" needs a CUDA GPU') as caught:
-            preflight.check_transport_device(config)
-        assert caught.value.key == "publisher.transport"
+        with pytest.raises(ConfigError, match=message) as caught:
+            preflight.check_device(with_value(value))
+        assert caught.value.key == f"{section}.{key}"
         assert "\n" not in str(caught.value)
     else:
-        preflight.check_transport_device(config)
-    preflight.check_transport_device(
-        msgspec.structs.replace(config, publisher=PublisherConfig(transport="shm"))
-    )
+        preflight.check_device(with_value(value))
+    preflight.check_device(with_value(other))
 
 
 def vllm_config(tmp_path: Path, **builtin: int) -> Config:

@@ -303,35 +303,36 @@ def check_rollout_fits(config: Config, available: int | None, longest_prompt: in
         )
 
 
+def gpu_settings(config: Config) -> list[tuple[str, str]]:
+    """The settings of ``config`` that need a CUDA GPU where the actors run, each as its key
+    and the line that says so and what to use instead."""
+    needs: list[tuple[str, str]] = []
+    if config.rollout.decode == "cuda_graph":
+        needs.append(
+            (
+                "rollout.decode",
+                '"cuda_graph" needs a CUDA GPU, and this host has none visible; use "auto", "static" or "eager"',
+            )
+        )
+    if config.publisher.transport == "cuda_ipc":
+        needs.append((
+            "publisher.transport",
+            '"cuda_ipc" needs a CUDA GPU, and this host has none visible (weights would go through shared '
+            'memory instead); use "auto", "shm" or "disk"',
+        ))  # fmt: skip
+    return needs
+
+
 def check_device(config: Config) -> None:
-    """``rollout.decode = "cuda_graph"`` needs a GPU where the engines run: this host, unless
-    the run joins a cluster (``ray.address``), whose hosts are not asked."""
-    if config.rollout.decode != "cuda_graph" or (
-        config.ray.address is not None and config.run.runtime == "ray"
-    ):
+    """``rollout.decode = "cuda_graph"`` and ``publisher.transport = "cuda_ipc"`` need a GPU
+    where the actors run: this host, unless the run joins a cluster (``ray.address``), whose
+    hosts are not asked."""
+    if config.ray.address is not None and config.run.runtime == "ray":
         return
-    if not cuda_present():
-        raise ConfigError(
-            'rollout.decode: "cuda_graph" needs a CUDA GPU, and this host has none visible; use "auto", '
-            '"static" or "eager"',
-            key="rollout.decode",
-        )
-
-
-def check_transport_device(config: Config) -> None:
-    """``publisher.transport = "cuda_ipc"`` shares weights staged on a GPU: this host needs
-    one, unless the run joins a cluster (``ray.address``), whose hosts are not asked.
-    Without one every publication would go through shared memory instead."""
-    if config.publisher.transport != "cuda_ipc" or (
-        config.ray.address is not None and config.run.runtime == "ray"
-    ):
-        return
-    if not cuda_present():
-        raise ConfigError(
-            'publisher.transport: "cuda_ipc" needs a CUDA GPU, and this host has none visible (weights would '
-            'go through shared memory instead); use "auto", "shm" or "disk"',
-            key="publisher.transport",
-        )
+    needs = gpu_settings(config)
+    if needs and not cuda_present():
+        key, why = needs[0]
+        raise ConfigError(f"{key}: {why}", key=key)
 
 
 def check_vllm_head_size(config: Config) -> None:
@@ -454,7 +455,6 @@ def check_input(config: Config) -> None:
     model's memory, the data files, the model directory, the prompts with the run's
     tokenizer, the reward function, then a rollout's memory."""
     check_device(config)
-    check_transport_device(config)
     check_vllm_head_size(config)
     check_group_size(config)
     available = available_memory()
