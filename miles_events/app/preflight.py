@@ -61,7 +61,7 @@ import msgspec
 from miles_events.app.config import ConfigError, load_config
 from miles_events.app.memory import ModelShape, available_memory, cuda_present, rollout_memory
 from miles_events.rl.model_dir import ModelDir, ModelDirError, inspect_model_dir
-from miles_events.rl.model_size import builtin_build_bytes, builtin_parameter_count
+from miles_events.rl.model_size import DTYPE_BYTES, builtin_build_bytes, builtin_parameter_count
 from miles_events.rl.prompts import DataError, Prompt, load_prompts, whole_batches_per_epoch
 from miles_events.util.registry import load_function
 from schemas.config import Config
@@ -275,7 +275,7 @@ def check_rollout_fits(config: Config, available: int | None, longest_prompt: in
     data, rollout = config.data, config.rollout
     if available is None:
         return
-    dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[config.model.dtype]
+    dtype_bytes = DTYPE_BYTES[config.model.dtype]
     try:
         shape = (
             ModelShape.from_model_dir(config.model.path, dtype_bytes)

@@ -35,11 +35,12 @@ from miles_events.app.pyspy import PySpyError, interval_from_env
 from miles_events.app.run_dir import RunDirError, check_usable
 from miles_events.checkpoint.format import CheckpointError
 from miles_events.rl.hf_model import BaseModelMismatch, base_model_built
-from miles_events.rl.model_size import builtin_parameter_count
+from miles_events.rl.model_size import DTYPE_BYTES, builtin_parameter_count
 from miles_events.rl.prompts import DataError
 from miles_events.sinks.base import Sink
 from miles_events.sinks.metrics import MetricsError
 from miles_events.sinks.tracking import TrackingError
+from miles_events.util.file_modes import nearest_existing
 from schemas.config import Config
 
 START_ERRORS: tuple[type[Exception], ...] = (
@@ -54,7 +55,6 @@ START_ERRORS: tuple[type[Exception], ...] = (
 )
 """What a start-up check raises for something the user can fix (exit 2)."""
 
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 OPTIMIZER_BYTES_PER_PARAMETER = 8
 """AdamW's two float32 moments, saved beside the weights."""
 
@@ -132,10 +132,7 @@ def disk_needed(config: Config, run_dir: Path) -> int:
 
 def check_disk(config: Config, run_dir: Path) -> None:
     """The run directory's file system has room for ``disk_needed``."""
-    existing = run_dir
-    while not existing.exists():
-        existing = existing.parent
-    free = shutil.disk_usage(existing).free
+    free = shutil.disk_usage(nearest_existing(run_dir)).free
     needed = disk_needed(config, run_dir)
     if needed > free:
         raise RunDirError(

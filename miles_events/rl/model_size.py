@@ -30,3 +30,8 @@ def builtin_parameter_count(config: BuiltinModelConfig, vocab_size: int = BUILTI
 def builtin_build_bytes(config: BuiltinModelConfig) -> int:
     """Bytes of the built-in model's parameters as the driver builds them."""
     return BUILT_BYTES_PER_PARAMETER * builtin_parameter_count(config)
+
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+"""Bytes of one value of each floating-point dtype a model is kept in (``model.dtype``, a
+Hugging Face config's ``torch_dtype``)."""

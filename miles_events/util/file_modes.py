@@ -32,13 +32,20 @@ def keep(path: Path) -> Path:
     return path
 
 
+def nearest_existing(path: Path) -> Path:
+    """``path`` made absolute, or the nearest of its parents that exists (what creating it
+    would write into)."""
+    existing = Path(os.path.abspath(path))
+    while not existing.exists() and not existing.is_symlink():
+        existing = existing.parent
+    return existing
+
+
 def why_unwritable(path: Path) -> str | None:
     """Why a run could not create or write the directory ``path``, asking without writing:
     it, or the nearest part of it that exists, must be a directory this process may write
     into (a read-only file system says no here, even to root). None when it can."""
-    existing = Path(os.path.abspath(path))
-    while not existing.exists() and not existing.is_symlink():
-        existing = existing.parent
+    existing = nearest_existing(path)
     if not existing.is_dir():
         return f"{existing} is not a directory"
     if not os.access(existing, os.W_OK | os.X_OK):
