@@ -32,8 +32,8 @@ from miles_events.runtime.local import LocalRuntime
 from miles_events.runtime.ray_cluster import RayCluster
 from miles_events.sinks.base import Sink, SinkContext, SinkHost
 from miles_events.sinks.event_log import EventLogSink
-from miles_events.transport.base import Transport, open_transport
-from miles_events.transport.shm import SHM_PREFIX, ShmTransport, shm_root
+from miles_events.transport.base import FilesTransport, Transport, open_transport
+from miles_events.transport.shm import SHM_PREFIX, ShmFiles, shm_root
 from schemas.config import Config
 from schemas.events import ActorFailed, RunFinished
 
@@ -46,6 +46,10 @@ class RunResult:
     finished: RunFinished
     run_dir: Path
     seconds: float
+
+
+SHARED_MEMORY_TRANSPORTS = frozenset({"shm", "cuda_ipc"})
+"""The transports whose files live in shared memory (CUDA IPC keeps all but GPU buckets there)."""
 
 
 def make_runtime(context: RunContext, transport: Transport, cluster: RayCluster | None = None) -> Runtime:
@@ -119,11 +123,11 @@ class Session:
             config_path.parent.mkdir(parents=True, exist_ok=True)
             config_path.write_text(dump_config(config))
             transport_name = Publisher.data_plane(config)
-            if transport_name == "shm":
-                remove_dead_owners(shm_root(), SHM_PREFIX)
+            if transport_name in SHARED_MEMORY_TRANSPORTS:
+                remove_dead_owners(shm_root(), SHM_PREFIX)  # what runs whose driver died left
             transport = open_transport(transport_name, self.run_id, self.run_dir)
-            if isinstance(transport, ShmTransport):
-                claim(transport.root)
+            if isinstance(transport, FilesTransport) and isinstance(transport.files, ShmFiles):
+                claim(transport.root)  # this run's directory in shared memory is this driver's
         except BaseException:
             # No actor has started: give the run directory, the sinks' holds and Ray back.
             for sink in self.sinks:
