@@ -25,6 +25,7 @@ import msgspec
 
 from actors.trainer_backend import backend_module, build_backend
 from actors.trainer_backend.base import TrainerBackend
+from actors.trainer_backend.rank_group import RankGroupBackend, uses_rank_group
 from actors.trainer_backend.save_staging import (
     PublicationsTakenUp,
     SaveStaging,
@@ -117,7 +118,13 @@ class Trainer(Actor):
 
     @classmethod
     def resources(cls, config: Config) -> WorkerGroup:
-        return WorkerGroup(role="actor", cpus_per_rank=1)
+        trainer = config.trainer
+        return WorkerGroup(
+            role="actor",
+            num_ranks=trainer.num_ranks,
+            cpus_per_rank=trainer.cpus_per_rank,
+            gpus_per_rank=trainer.gpus_per_rank,
+        )
 
     @classmethod
     def process_modules(cls, config: Config) -> list[str]:
@@ -147,7 +154,10 @@ class Trainer(Actor):
             # Only the count is needed: the data cursor saved with each checkpoint.
             self.num_prompts = len(load_prompts(data.prompt_data, data.input_key, data.label_key))
         config = self.config
-        self._backend = await anyio.to_thread.run_sync(lambda: build_backend(config))
+        if uses_rank_group(config):
+            self._backend = await RankGroupBackend.start(config, self.context)
+        else:
+            self._backend = await anyio.to_thread.run_sync(lambda: build_backend(config))
         self._saves = SaveStaging(
             self._backend,
             self.context.transport.stager,
@@ -178,12 +188,16 @@ class Trainer(Actor):
         self.backend.load_reference(read_checkpoint(path, verify=False).weights)
 
     async def stop(self) -> None:
-        if self._saves is not None:
-            await self._saves.close()
-        if self._published is not None:
-            self._free(self._published)
-            self._published = None
-        self._staging.clear()
+        try:
+            if self._saves is not None:
+                await self._saves.close()
+            if self._published is not None:
+                self._free(self._published)
+                self._published = None
+            self._staging.clear()
+        finally:
+            if self._backend is not None:
+                await self._backend.close()
 
     def _free(self, ref: DataRef) -> None:
         self.context.transport.stager.free(ref)

@@ -251,7 +251,24 @@ class VllmConfig(Section):
 
 class TrainerConfig(Section):
     backend: str = "torch"
-    """The trainer backend: ``torch`` (PyTorch in the Trainer's process, CPU or one GPU)."""
+    """The trainer backend: ``torch`` (PyTorch: CPU, or a GPU per rank)."""
+    num_ranks: PositiveInt = 1
+    """Trainer ranks: one ``torch.distributed`` process group (gloo on CPU, NCCL on GPU),
+    rank 0 in the Trainer's process, the others in processes of their own (Ray actors in the
+    bundles of the ``actor`` placement group on the ray runtime, spawned processes on the
+    local runtime). Each optimizer step's samples are split across the ranks."""
+    sharding: Literal["auto", "fsdp2", "ddp", "none"] = "auto"
+    """How the ranks share the model: ``fsdp2`` shards parameters, gradients and optimizer
+    state across them (torch FSDP2); ``ddp`` gives each a whole replica and all-reduces the
+    gradients; ``none``: one rank, no process group (the single-process trainer); ``auto``:
+    ``none`` for one rank, ``fsdp2`` for more."""
+    cpus_per_rank: PositiveFloat = 1.0
+    """CPUs reserved for each rank (its bundle of the ``actor`` placement group, on ray)."""
+    gpus_per_rank: NonNegativeFloat = 0.0
+    """GPUs reserved for each rank (its bundle of the ``actor`` placement group, on ray)."""
+    collective_timeout: PositiveFloat = 300.0
+    """Seconds the ranks' rendezvous, and each collective among them, may take: a rank
+    that died or hangs fails the others' collective within it, which ends the run."""
     lr: PositiveFloat = 1e-3
     """AdamW's learning rate (constant)."""
     weight_decay: NonNegativeFloat = 0.0

@@ -305,7 +305,7 @@ def test_each_distinct_prompt_runs_once_with_the_same_logprobs_and_gradients(
     results = []
     for micro in (pack_samples(samples, indices), pack_shared_prompts(samples, indices)):
         backend.model.zero_grad()
-        logp, entropy = backend._forward(backend.model, micro, with_entropy=True)
+        logp, entropy = backend._forward(micro, with_entropy=True)
         assert entropy is not None
         weights = torch.randn(logp.shape, generator=torch.Generator().manual_seed(1))
         ((logp + entropy) * weights * micro.mask).sum().backward()
@@ -326,7 +326,7 @@ def test_a_micro_batch_of_empty_responses_has_no_positions_on_either_path(
     backend = TorchTrainerBackend(make_config(base_model, tmp_path))
     samples = [sample(0, [], 0.0), sample(0, [], 0.0)]
     for micro in (pack_samples(samples, [0, 1]), pack_shared_prompts(samples, [0, 1])):
-        logp, entropy = backend._forward(backend.model, micro, with_entropy=True)
+        logp, entropy = backend._forward(micro, with_entropy=True)
         assert logp.shape == (2, 0) and entropy is not None and entropy.shape == (2, 0)
 
 

@@ -88,6 +88,9 @@ class TrainerBackend(ABC):
         """Every random number generator state training may draw from."""
         return capture_rng_state()
 
+    async def close(self) -> None:
+        """Release what the backend started (its ranks' processes); called once, at the end."""
+
 
 def capture_rng_state() -> dict[str, Any]:
     """The process's RNG states: torch CPU, every CUDA device when present, Python's ``random``."""

@@ -26,6 +26,7 @@ disagree with the ones of the training pass, and RL fine-tuning does not use it.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass
@@ -41,7 +42,8 @@ from actors.trainer_backend.grpo import (
     logprobs_and_entropy,
     policy_loss,
 )
-from miles_events.bus.cancel import Cancellation
+from actors.trainer_backend.parallel import Parallel, by_name, share
+from miles_events.bus.cancel import Cancellation, Cancelled
 from miles_events.device.buckets import Buckets, bucket_parameters
 from miles_events.rl.finite import NonFiniteError
 from miles_events.rl.hf_model import cache_kwarg, load_model, torch_dtype
@@ -170,28 +172,81 @@ def split(indices: list[int], size: int) -> list[list[int]]:
     return [indices[start : start + size] for start in range(0, len(indices), size)]
 
 
-class TorchTrainerBackend(TrainerBackend):
-    """GRPO on a Hugging Face causal LM in this process (CPU, or the current CUDA device)."""
+def empty_like(micro: MicroBatch) -> MicroBatch:
+    """``micro`` with every token masked: a forward and backward that changes nothing, run by
+    a rank with fewer micro-batches in a step than another (every rank runs the same
+    collectives)."""
+    return dataclasses.replace(micro, mask=torch.zeros_like(micro.mask))
 
-    def __init__(self, config: Config) -> None:
+
+class ResponseLogits(torch.nn.Module):
+    """The forward every micro-batch goes through: ``[batch, max_response_len, vocab]``
+    logits that predict each response token of a ``MicroBatch``. A module of its own so that
+    it can be the root of a sharded model (its hooks gather what no decoder layer owns)."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, index: torch.Tensor
+    ) -> torch.Tensor:
+        model = self.model
+        head: torch.nn.Module | None = model.get_output_embeddings()
+        body: torch.nn.Module | None = getattr(model, model.base_model_prefix, None)
+        if model.config.model_type in PLAIN_HEAD_MODELS and head is not None and body is not None:
+            # The head's matmul only where a response token is predicted.
+            hidden = body(
+                input_ids=input_ids, attention_mask=attention_mask, use_cache=False
+            ).last_hidden_state
+            logits: torch.Tensor = head(
+                hidden.gather(1, index.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+            )
+            return logits
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        return logits.gather(1, index.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+
+
+class TorchTrainerBackend(TrainerBackend):
+    """GRPO on a Hugging Face causal LM: in this process (CPU, or the current CUDA device),
+    or as one rank of a process group (``parallel``; see ``actors.trainer_backend.parallel``)."""
+
+    def __init__(self, config: Config, parallel: Parallel | None = None) -> None:
         if config.model.path is None:
             raise ValueError("model.path is unset: the session sets it to the base model before actors start")
         self.config = config
+        self.parallel = parallel or Parallel()
         trainer = config.trainer
         torch.manual_seed(config.run.seed)
-        self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        if torch.cuda.is_available():
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.device = torch.device("cpu")
         self.dtype = torch_dtype(config.model.dtype)
         self.model = load_model(config.model.path, config.model.dtype, self.device)
         self.model.eval()
-        # The weights live in one flat bucket per dtype (each parameter a view), before the
-        # optimizer sees them: a publication stages them with one copy per dtype.
-        self._buckets = bucket_parameters(self.model, split_tied(self.model.state_dict())[0])
+        unique, tied = split_tied(self.model.state_dict())
+        self._tied_names = set(tied)
+        """Names of tensors tied to one listed earlier (an output head sharing the embedding)."""
+        self._shapes = {name: t.shape for name, t in unique.items()}
+        """The whole (unsharded) shape of every tensor but the tied duplicates."""
+        self._parameter_names = [name for name, p in self.model.named_parameters() if p.requires_grad]
+        self._buckets: Buckets | None = None
+        if not self.parallel.sharded:
+            # The weights live in one flat bucket per dtype (each parameter a view), before the
+            # optimizer sees them: a publication stages them with one copy per dtype.
+            self._buckets = bucket_parameters(self.model, unique)
         self.reference: PreTrainedModel | None = None
+        self.reference_root: torch.nn.Module | None = None
         if trainer.use_kl_loss:
             # Frozen at the base weights for the whole run, resumed or not.
             self.reference = copy.deepcopy(self.model).requires_grad_(False)
+            self.reference_root = self.parallel.wrap(
+                ResponseLogits(self.reference), self.reference, trainable=False
+            )
+        self.root = self.parallel.wrap(ResponseLogits(self.model), self.model, trainable=True)
         self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad],
+            [p for p in self.root.parameters() if p.requires_grad],
             lr=trainer.lr,
             betas=(trainer.adam_beta1, trainer.adam_beta2),
             eps=trainer.adam_eps,
@@ -204,6 +259,7 @@ class TorchTrainerBackend(TrainerBackend):
     def _pack(self, samples: list[Sample], indices: list[int]) -> MicroBatch | SharedPromptBatch:
         if (
             self.config.trainer.shared_prompts
+            and not self.parallel.sharded
             and self.model.config.model_type in PLAIN_HEAD_MODELS
             and shares_prompts(samples)
         ):
@@ -240,45 +296,58 @@ class TorchTrainerBackend(TrainerBackend):
         logits: torch.Tensor = head(hidden)
         return logits
 
-    def _response_logits(self, model: PreTrainedModel, micro: MicroBatch | SharedPromptBatch) -> torch.Tensor:
-        """``[batch, max_response_len, vocab]``: the logits that predict each response token."""
-        if isinstance(micro, SharedPromptBatch):
+    def _response_logits(self, reference: bool, micro: MicroBatch | SharedPromptBatch) -> torch.Tensor:
+        """``[batch, max_response_len, vocab]``: the logits that predict each response token,
+        under the policy or (``reference``) the KL reference."""
+        if isinstance(micro, SharedPromptBatch):  # one process only (``_pack``)
+            model = self.reference if reference else self.model
+            assert model is not None
             return self._shared_prompt_logits(
                 getattr(model, model.base_model_prefix), model.get_output_embeddings(), micro
             )
-        input_ids = micro.input_ids.to(self.device)
-        attention_mask = micro.attention_mask.to(self.device)
-        index = micro.logit_index.to(self.device)
-        head: torch.nn.Module | None = model.get_output_embeddings()
-        body: torch.nn.Module | None = getattr(model, model.base_model_prefix, None)
-        if model.config.model_type in PLAIN_HEAD_MODELS and head is not None and body is not None:
-            # The head's matmul only where a response token is predicted.
-            hidden = body(
-                input_ids=input_ids, attention_mask=attention_mask, use_cache=False
-            ).last_hidden_state
-            logits: torch.Tensor = head(
-                hidden.gather(1, index.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
-            )
-            return logits
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-        return logits.gather(1, index.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+        root = self.reference_root if reference else self.root
+        assert root is not None
+        logits: torch.Tensor = root(
+            micro.input_ids.to(self.device),
+            micro.attention_mask.to(self.device),
+            micro.logit_index.to(self.device),
+        )
+        return logits
 
     def _forward(
-        self, model: PreTrainedModel, micro: MicroBatch | SharedPromptBatch, with_entropy: bool
+        self, micro: MicroBatch | SharedPromptBatch, with_entropy: bool, reference: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Response-aligned log-probabilities (and entropies) of ``micro`` under ``model``."""
-        logits = self._response_logits(model, micro)
+        """Response-aligned log-probabilities (and entropies) of ``micro`` under the policy
+        (or the reference)."""
+        logits = self._response_logits(reference, micro)
         return logprobs_and_entropy(logits, micro.targets.to(self.device), with_entropy)
 
     @torch.no_grad()
     def response_logprobs(self, samples: list[Sample]) -> list[torch.Tensor]:
         """Per-token log-probabilities of each sample's response under the current weights."""
         micro = self._pack(samples, list(range(len(samples))))
-        logp, _ = self._forward(self.model, micro, with_entropy=False)
+        logp, _ = self._forward(micro, with_entropy=False)
         return [logp[row, : len(s.response_ids)].cpu() for row, s in enumerate(samples)]
 
     def probe_logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
-        return teacher_forced_logprobs(self.model, prompt_ids, response_ids)
+        if not self.parallel.sharded:
+            return teacher_forced_logprobs(self.model, prompt_ids, response_ids)
+        # Through the sharded root, one sequence at a time as teacher_forced_logprobs runs them.
+        results: list[list[float]] = []
+        with torch.no_grad():
+            for prompt, response in zip(prompt_ids, response_ids, strict=True):
+                ids = (list(prompt) + list(response))[:-1]
+                index = list(range(len(prompt) - 1, len(prompt) - 1 + len(response)))
+                logits = self.root(
+                    torch.tensor([ids], device=self.device),
+                    torch.ones(1, len(ids), dtype=torch.long, device=self.device),
+                    torch.tensor([index], device=self.device),
+                )[0].float()
+                picked = torch.log_softmax(logits, dim=-1).gather(
+                    1, torch.tensor(list(response), device=self.device).unsqueeze(1)
+                )
+                results.append([float(v) for v in picked.squeeze(1).tolist()])
+        return results
 
     def _rollout_logprobs(self, samples: list[Sample], micro: MicroBatch | SharedPromptBatch) -> torch.Tensor:
         old = torch.zeros_like(micro.mask)
@@ -294,22 +363,47 @@ class TorchTrainerBackend(TrainerBackend):
 
     # --- training ------------------------------------------------------------------------
 
+    def _micro_batches(self, samples: list[Sample], step: list[int]) -> list[MicroBatch | SharedPromptBatch]:
+        """This rank's micro-batches of optimizer step ``step`` (sample positions): its part of
+        the step cut into ``micro_batch_size``, then empty ones up to the count of the rank
+        with the most."""
+        size = self.config.trainer.micro_batch_size
+        parallel = self.parallel
+        micros = [self._pack([samples[i] for i in part], part) for part in split(parallel.share(step), size)]
+        most = max(
+            -(-len(share(step, rank, parallel.world_size)) // size) for rank in range(parallel.world_size)
+        )
+        while len(micros) < most:
+            micros.append(empty_like(pack_samples([samples[step[0]]], step[:1])))
+        return micros
+
+    def _check_cancel(self, cancel: Cancellation | None) -> None:
+        """A cancellation point every rank passes together: one cancels, all leave."""
+        if cancel is None:
+            return
+        if not self.parallel.sharded:
+            cancel.check()
+        elif self.parallel.any(cancel.cancelled):
+            raise Cancelled(cancel.reason or "another trainer rank was cancelled")
+
     def train(self, batch: RolloutBatch, cancel: Cancellation | None = None) -> TrainMetrics:
         trainer = self.config.trainer
         samples = batch.samples
         if not samples:
             return TrainMetrics()
+        # Over the whole rollout, on every rank, before it is split.
         advantages = group_advantages(
             torch.tensor([s.reward for s in samples], dtype=torch.float32),
             torch.tensor([s.group for s in samples]),
             normalize_std=trainer.normalize_advantage_std,
         ).to(self.device)
         step_size = trainer.global_batch_size or len(samples)
-        steps = [
-            [self._pack([samples[i] for i in part], part) for part in split(step, trainer.micro_batch_size)]
-            for step in split(list(range(len(samples))), step_size)
-        ]
+        step_indices = split(list(range(len(samples))), step_size)
+        steps = [self._micro_batches(samples, step) for step in step_indices]
         micro_batches = [micro for step in steps for micro in step]
+        # Both FSDP2 and DDP average the ranks' gradients; each rank's loss is its part of
+        # the step's sum: scaled by the rank count, the average is that sum.
+        loss_scale = float(self.parallel.world_size)
 
         # Old (and reference) log-probabilities: fixed before the first optimizer step. The
         # first step's old ones are its own forward's (None here), taken as it trains.
@@ -318,16 +412,15 @@ class TorchTrainerBackend(TrainerBackend):
         ref_logps: list[torch.Tensor | None] = []
         with torch.no_grad():
             for position, micro in enumerate(micro_batches):
-                if cancel is not None:
-                    cancel.check()  # a cancellation point: nothing has changed yet
+                self._check_cancel(cancel)  # a cancellation point: nothing has changed yet
                 if trainer.use_rollout_logprobs:
                     old_logps.append(self._rollout_logprobs(samples, micro))
                 elif position < first_step:
                     old_logps.append(None)
                 else:
-                    old_logps.append(self._forward(self.model, micro, with_entropy=False)[0])
+                    old_logps.append(self._forward(micro, with_entropy=False)[0])
                 ref_logps.append(
-                    None if self.reference is None else self._forward(self.reference, micro, False)[0]
+                    None if self.reference is None else self._forward(micro, False, reference=True)[0]
                 )
 
         totals = dict.fromkeys(("loss", "pg_loss", "kl", "entropy", "clipfrac"), 0.0)
@@ -335,36 +428,38 @@ class TorchTrainerBackend(TrainerBackend):
         grad_norm = 0.0
         position = 0
         trained_steps = 0
-        for number, step in enumerate(steps, start=1):
-            step_tokens = int(sum(int(micro.mask.sum().item()) for micro in step))
+        for number, (step, indices) in enumerate(zip(steps, step_indices, strict=True), start=1):
+            # The whole step's tokens, every rank's part: each rank knows the whole rollout.
+            step_tokens = sum(len(samples[i].response_ids) for i in indices)
             step_totals = dict.fromkeys(totals, 0.0)
             self.optimizer.zero_grad(set_to_none=True)
-            for micro in step:
-                if cancel is not None and trained_steps == 0:
-                    cancel.check()  # before the first optimizer step only
+            for count, micro in enumerate(step, start=1):
+                if trained_steps == 0:
+                    self._check_cancel(cancel)  # before the first optimizer step only
                 old_logp, ref_logp = old_logps[position], ref_logps[position]
                 position += 1
                 mask = micro.mask.to(self.device)
-                logp, entropy = self._forward(self.model, micro, with_entropy=True)
-                if old_logp is None:
-                    old_logp = logp.detach()
-                if entropy is not None and not trainer.entropy_coef:
-                    entropy = entropy.detach()  # logged only: no backward through the softmax
-                terms = policy_loss(
-                    logp,
-                    old_logp,
-                    expand_advantages(advantages[micro.indices], mask),
-                    mask,
-                    eps_clip=trainer.eps_clip,
-                    eps_clip_high=trainer.eps_clip_high,
-                    entropy=entropy,
-                    entropy_coef=trainer.entropy_coef,
-                    ref_logp=ref_logp,
-                    kl_coef=trainer.kl_loss_coef if trainer.use_kl_loss else 0.0,
-                    kl_type=trainer.kl_loss_type,
-                    num_tokens=step_tokens,
-                )
-                terms.loss.backward()
+                with self.parallel.no_sync(self.root, last=count == len(step)):
+                    logp, entropy = self._forward(micro, with_entropy=True)
+                    if old_logp is None:
+                        old_logp = logp.detach()
+                    if entropy is not None and not trainer.entropy_coef:
+                        entropy = entropy.detach()  # logged only: no backward through the softmax
+                    terms = policy_loss(
+                        logp,
+                        old_logp,
+                        expand_advantages(advantages[micro.indices], mask),
+                        mask,
+                        eps_clip=trainer.eps_clip,
+                        eps_clip_high=trainer.eps_clip_high,
+                        entropy=entropy,
+                        entropy_coef=trainer.entropy_coef,
+                        ref_logp=ref_logp,
+                        kl_coef=trainer.kl_loss_coef if trainer.use_kl_loss else 0.0,
+                        kl_type=trainer.kl_loss_type,
+                        num_tokens=step_tokens,
+                    )
+                    (terms.loss * loss_scale if self.parallel.sharded else terms.loss).backward()
                 # Terms are sums / step_tokens: scale back to sums for the rollout-wide mean.
                 weight = max(step_tokens, 1)
                 values = torch.stack(
@@ -372,6 +467,7 @@ class TorchTrainerBackend(TrainerBackend):
                 ).tolist()  # one device-to-host read per micro-batch
                 for key, value in zip(step_totals, values, strict=True):
                     step_totals[key] += value * weight
+            step_totals = dict(zip(step_totals, self.parallel.sum(list(step_totals.values())), strict=True))
             step_grad_norm = self._clip_gradients()
             if not (math.isfinite(step_grad_norm) and all(math.isfinite(v) for v in step_totals.values())):
                 what = (
@@ -407,37 +503,68 @@ class TorchTrainerBackend(TrainerBackend):
         )
 
     def _clip_gradients(self) -> float:
-        """Clip to ``clip_grad`` (0: no clipping); return the norm before clipping."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if not params:
+        """Clip to ``clip_grad`` (0: no clipping); return the global norm before clipping."""
+        params = [p for p in self.root.parameters() if p.grad is not None]
+        if not params and not self.parallel.sharded:
             return 0.0
         max_norm = self.config.trainer.clip_grad
         if max_norm > 0:
             norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         else:
             norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-        return float(norm.item())
+        full_tensor = getattr(norm, "full_tensor", None)  # a sharded norm (FSDP2): reduced over the ranks
+        return float((full_tensor() if full_tensor is not None else norm).item())
 
     # --- state ---------------------------------------------------------------------------
 
     def named_weights(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         # state_dict() already omits non-persistent buffers (rotary inv_freq and the like);
         # tied duplicates (lm_head sharing the embedding) follow the one rule of rl.weights.
-        unique, _tied = split_tied(self.model.state_dict())
+        if self.parallel.sharded:
+            # Gathered whole on rank 0 (empty on the others); a tie is no longer shared storage.
+            gathered = self.parallel.full_weights(self.model)
+            unique = {name: t for name, t in gathered.items() if name not in self._tied_names}
+        else:
+            unique, _tied = split_tied(self.model.state_dict())
         return {name: t.detach() if dtype is None else t.detach().to(dtype) for name, t in unique.items()}
 
-    def weight_buckets(self) -> Buckets:
+    def weight_buckets(self) -> Buckets | None:
         return self._buckets
+
+    def state_bytes(self) -> int:
+        """Bytes of the parameters, gradients and optimizer state this rank holds (its shard)."""
+        total = 0
+        for parameter in self.root.parameters():
+            local = getattr(parameter, "to_local", None)
+            tensor = local() if local is not None else parameter
+            total += tensor.numel() * tensor.element_size()
+            if parameter.grad is not None:
+                grad = parameter.grad
+                grad_local = getattr(grad, "to_local", None)
+                grad = grad_local() if grad_local is not None else grad
+                total += grad.numel() * grad.element_size()
+        for state in self.optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    local = getattr(value, "to_local", None)
+                    tensor = local() if local is not None else value
+                    total += tensor.numel() * tensor.element_size()
+        return total
 
     @property
     def num_optimizer_steps(self) -> int:
         return self._num_optimizer_steps
 
     def optimizer_state_dict(self) -> dict[str, Any]:
-        return self.optimizer.state_dict()
+        # Keyed by parameter name: a checkpoint any number of ranks loads.
+        return self.parallel.optimizer_state(self.model, self.optimizer, self._parameter_names)
 
     def load_reference(self, weights: dict[str, torch.Tensor]) -> None:
-        if self.reference is not None:
+        if self.reference is None:
+            return
+        if self.parallel.sharded:
+            self.parallel.load_full_weights(self.reference, weights)
+        else:
             copy_weights(self.reference, weights)
 
     def load_state(
@@ -447,30 +574,39 @@ class TorchTrainerBackend(TrainerBackend):
         rng: dict[str, Any],
         num_optimizer_steps: int,
     ) -> None:
-        copy_weights(self.model, weights)
-        self.optimizer.load_state_dict(optimizer)
+        if self.parallel.sharded:
+            if self.parallel.rank == 0:
+                check_fits(self._shapes, self._shapes.keys() | self._tied_names, weights)
+            self.parallel.load_full_weights(self.model, weights)
+        else:
+            copy_weights(self.model, weights)
+        state = by_name(optimizer, self._parameter_names) if optimizer else optimizer
+        self.parallel.load_optimizer_state(self.model, self.optimizer, state, self._parameter_names)
         restore_rng_state(rng)
         self._num_optimizer_steps = num_optimizer_steps
+
+
+def check_fits(shapes: dict[str, torch.Size], known: set[str], weights: dict[str, torch.Tensor]) -> None:
+    """``ValueError`` naming what of checkpoint ``weights`` does not fit a model whose tensors
+    (tied duplicates left out) have ``shapes``, and whose state dict names ``known``."""
+    # A tied duplicate saved by another writer is harmless: its storage is restored
+    # through the name it is tied to.
+    missing, unexpected = sorted(set(shapes) - set(weights)), sorted(set(weights) - known)
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint weights do not fit the model: missing {missing}, unexpected {unexpected}"
+        )
+    for name, shape in shapes.items():
+        saved = weights[name]
+        if saved.shape != shape:
+            raise ValueError(f"checkpoint tensor {name}: shape {tuple(saved.shape)}, model {tuple(shape)}")
 
 
 def copy_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
     """Copy checkpoint ``weights`` (Hugging Face names, no tied duplicates needed) into
     ``model``; ``ValueError`` naming what does not fit, before anything is copied."""
     live, _tied = split_tied(model.state_dict())
-    # A tied duplicate saved by another writer is harmless: its storage is restored
-    # through the name it is tied to.
-    known = set(model.state_dict())
-    missing, unexpected = sorted(set(live) - set(weights)), sorted(set(weights) - known)
-    if missing or unexpected:
-        raise ValueError(
-            f"checkpoint weights do not fit the model: missing {missing}, unexpected {unexpected}"
-        )
-    for name, tensor in live.items():
-        saved = weights[name]
-        if saved.shape != tensor.shape:
-            raise ValueError(
-                f"checkpoint tensor {name}: shape {tuple(saved.shape)}, model {tuple(tensor.shape)}"
-            )
+    check_fits({name: t.shape for name, t in live.items()}, set(model.state_dict()), weights)
     with torch.no_grad():
         for name, tensor in live.items():
             tensor.copy_(weights[name])

@@ -383,6 +383,7 @@ def validate(config: Config) -> None:
     _validate_builtin_model(config)
     _validate_own_process(config)
     _validate_transport(config)
+    _validate_ranks(config)
     run, data, trainer = config.run, config.data, config.trainer
     if not run.dir.strip():
         raise ConfigError("run.dir: must name a directory (it is empty)", key="run.dir")
@@ -524,6 +525,17 @@ def _validate_own_process(config: Config) -> None:
                 f"{', '.join(light)} (the generator and the trainer always have one, the coordinator never)",
                 key="ray.own_process",
             )
+
+
+def _validate_ranks(config: Config) -> None:
+    """``trainer.sharding = "none"`` is the single-process trainer: one rank."""
+    trainer = config.trainer
+    if trainer.sharding == "none" and trainer.num_ranks > 1:
+        raise ConfigError(
+            f'trainer.sharding: "none" trains on one rank, not trainer.num_ranks = {trainer.num_ranks}; '
+            'shard with "fsdp2" (or "auto"), or replicate with "ddp"',
+            key="trainer.sharding",
+        )
 
 
 def _validate_transport(config: Config) -> None:

@@ -1,0 +1,297 @@
+"""The trainer as a group of N ranks: ``TrainerRank`` in each rank's process, and
+``RankGroupBackend``, the ``TrainerBackend`` the Trainer actor drives them through.
+
+The Trainer actor starts the ranks as its worker group (``miles_events.bus.workers``, each
+rank in a process of its own but rank 0, which shares the actor's): each builds a
+``TorchTrainerBackend`` over a ``ProcessGroup`` (``actors.trainer_backend.parallel``),
+meeting the others at a TCP store whose port the actor holds (chosen free when it is
+opened: no race for it). Every backend call then goes to every rank at once, with the same
+arguments (a rollout goes whole to each rank, which trains its part of it) but for state
+loaded from a checkpoint, which rank 0 alone is handed and broadcasts. What comes back
+comes from rank 0: the weights gathered for a publication or a save, the optimizer state,
+the metrics. A call that fails on any rank fails at once, naming the rank, without waiting
+for the others (they may be waiting for it in a collective, until their timeout).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import os
+import resource
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+import anyio.from_thread
+
+from actors.trainer_backend.base import TrainerBackend, capture_rng_state
+from miles_events.bus.cancel import Cancellation
+from miles_events.device.threads import phase_thread_count, phase_threads
+from schemas.events import TrainMetrics
+from schemas.rollout import RolloutBatch
+
+if TYPE_CHECKING:
+    import torch
+
+    from actors.trainer_backend.torch_backend import TorchTrainerBackend
+    from miles_events.bus.actor import ActorContext, RankPlace, Worker
+    from miles_events.transport.base import Transport
+    from schemas.config import Config
+
+R = TypeVar("R")
+
+CANCEL_POLL_SECONDS = 0.05
+"""How often a rollout's training looks for a cancellation to pass on to the ranks."""
+
+
+def sharding_of(config: Config) -> Literal["none", "fsdp2", "ddp"]:
+    """The run's sharding, ``auto`` resolved: none for one rank, fsdp2 for more."""
+    sharding = config.trainer.sharding
+    if sharding == "auto":
+        return "none" if config.trainer.num_ranks == 1 else "fsdp2"
+    return sharding
+
+
+def uses_rank_group(config: Config) -> bool:
+    """Whether the trainer runs as a group of ranks (a process group), even of one."""
+    return sharding_of(config) != "none"
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """What one rank's part of a rollout's training took."""
+
+    rank: int
+    pid: int
+    step_seconds: float
+    peak_memory_bytes: int
+    """The rank's peak: CUDA memory allocated at most on a GPU, else its process's peak RSS."""
+    state_bytes: int
+    """Parameters, gradients and optimizer state the rank holds (its shard under FSDP2)."""
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """The process's peak memory: allocated CUDA memory on a GPU, else the peak RSS."""
+    if device.type == "cuda":
+        import torch
+
+        return int(torch.cuda.max_memory_allocated(device))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
+
+
+def rank_report(backend: TorchTrainerBackend, rank: int, seconds: float) -> RankReport:
+    return RankReport(rank, os.getpid(), seconds, peak_memory_bytes(backend.device), backend.state_bytes())
+
+
+class TrainerRank:
+    """One rank of the trainer's group, in the process hosting it."""
+
+    def __init__(self, config: Config, place: RankPlace, store_address: tuple[str, int]) -> None:
+        import torch
+
+        from actors.trainer_backend.parallel import ProcessGroup
+        from actors.trainer_backend.torch_backend import TorchTrainerBackend
+
+        self.rank = place.rank
+        self.config = config
+        self.sharers = place.ranks_sharing_cores
+        torch.set_num_threads(phase_thread_count(config.trainer.num_threads, self.sharers))
+        if torch.cuda.is_available():
+            # Each rank sees its own GPU on the ray runtime; spawned here, rank r takes GPU r.
+            torch.cuda.set_device(place.rank % torch.cuda.device_count())
+            device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            device = torch.device("cpu")
+        sharding = sharding_of(config)
+        assert sharding != "none"
+        self.parallel = ProcessGroup(
+            sharding,
+            place.rank,
+            config.trainer.num_ranks,
+            store_address,
+            config.trainer.collective_timeout,
+            device,
+        )
+        self.backend = TorchTrainerBackend(config, self.parallel)
+        self.cancellation = Cancellation()
+
+    def train(self, batch: RolloutBatch) -> tuple[TrainMetrics, RankReport, int]:
+        self.cancellation = Cancellation()
+        started = time.perf_counter()
+        with phase_threads(self.config.trainer.num_threads, self.sharers):
+            metrics = self.backend.train(batch, self.cancellation)
+        report = rank_report(self.backend, self.rank, time.perf_counter() - started)
+        return metrics, report, self.backend.num_optimizer_steps
+
+    def cancel(self, reason: str) -> None:
+        self.cancellation.cancel(reason)
+
+    def named_weights(self, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+        return self.backend.named_weights(dtype)
+
+    def optimizer_state_dict(self) -> dict[str, Any]:
+        return self.backend.optimizer_state_dict()
+
+    def rng_state(self) -> dict[str, Any]:
+        return capture_rng_state()
+
+    def load_state(
+        self,
+        weights: dict[str, torch.Tensor],
+        optimizer: dict[str, Any],
+        rng: dict[str, Any],
+        num_optimizer_steps: int,
+    ) -> None:
+        self.backend.load_state(weights, optimizer, rng, num_optimizer_steps)
+
+    def load_reference(self, weights: dict[str, torch.Tensor]) -> None:
+        self.backend.load_reference(weights)
+
+    def probe_logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
+        return self.backend.probe_logprobs(prompt_ids, response_ids)
+
+    def close(self) -> None:
+        self.parallel.close()
+
+
+def trainer_rank(
+    config: Config, transport: Transport, place: RankPlace, *, store_address: tuple[str, int]
+) -> TrainerRank:
+    """The worker factory of the trainer's ranks (``functools.partial`` gives the store)."""
+    return TrainerRank(config, place, store_address)
+
+
+async def call_all(calls: Sequence[tuple[Worker[Any], Awaitable[R]]]) -> list[R]:
+    """Every rank's call at once; the results in rank order. The first to fail fails the
+    whole at once, its error naming the rank, without waiting for the others."""
+    tasks: list[asyncio.Future[R]] = [asyncio.ensure_future(call) for _, call in calls]
+    try:
+        pending = set(tasks)
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                error = task.exception()
+                if error is not None:
+                    worker = calls[tasks.index(task)][0]
+                    raise RankCallError(f"trainer rank {worker.rank} (pid {worker.pid}): {error}") from error
+        return [task.result() for task in tasks]
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+class RankCallError(RuntimeError):
+    """A trainer rank's call failed; the message names the rank and its process."""
+
+
+class RankGroupBackend(TrainerBackend):
+    """The trainer's ranks, driven as one backend from the Trainer actor (its methods are
+    called from worker threads of the actor's event loop, as every backend's are)."""
+
+    def __init__(self, config: Config, workers: list[Worker[TrainerRank]], store: Any) -> None:
+        self.config = config
+        self.workers = workers
+        self._store = store  # the rendezvous: held while the group lives
+        self._num_optimizer_steps = 0
+        self.last_reports: list[RankReport] = []
+        """Each rank's report of the last rollout trained, in rank order."""
+
+    @classmethod
+    async def start(cls, config: Config, context: ActorContext) -> RankGroupBackend:
+        """Open the rendezvous, start the ranks (their process group formed), or fail naming
+        the rank that did not start."""
+        from torch.distributed import TCPStore  # type: ignore[attr-defined]  # not in its __all__
+
+        ranks = config.trainer.num_ranks
+        timeout = datetime.timedelta(seconds=config.trainer.collective_timeout)
+        store = TCPStore("127.0.0.1", 0, ranks, is_master=True, timeout=timeout, wait_for_workers=False)
+        factory = partial(trainer_rank, store_address=("127.0.0.1", store.port))
+        workers = await context.start_workers(factory, ranks, own_processes=True)
+        return cls(config, workers, store)
+
+    def _on_loop(self, function: Callable[[], Coroutine[Any, Any, R]]) -> R:
+        return anyio.from_thread.run(function)
+
+    def _each(self, method: Callable[..., R], *args: Any) -> list[R]:
+        """``method(*args)`` on every rank; the results in rank order."""
+
+        async def run() -> list[R]:
+            return await call_all([(w, w.call(method, *args)) for w in self.workers])
+
+        return self._on_loop(run)
+
+    def _rank0_alone(self, method: Callable[..., R], full: tuple[Any, ...], empty: tuple[Any, ...]) -> R:
+        """``method`` on every rank, ``full`` given to rank 0 and ``empty`` to the others."""
+
+        async def run() -> list[R]:
+            return await call_all(
+                [(w, w.call(method, *(full if w.rank == 0 else empty))) for w in self.workers]
+            )
+
+        return self._on_loop(run)[0]
+
+    # --- training ----------------------------------------------------------------------------
+
+    def train(self, batch: RolloutBatch, cancel: Cancellation | None = None) -> TrainMetrics:
+        async def run() -> list[tuple[TrainMetrics, RankReport, int]]:
+            async def pass_on_cancellation() -> None:
+                while cancel is not None:
+                    if cancel.cancelled:  # sent again until the step ends: a rank may miss one
+                        for worker in self.workers:
+                            worker.notify(TrainerRank.cancel, cancel.reason)
+                    await asyncio.sleep(CANCEL_POLL_SECONDS)
+
+            watcher = asyncio.ensure_future(pass_on_cancellation())
+            try:
+                return await call_all([(w, w.call(TrainerRank.train, batch)) for w in self.workers])
+            finally:
+                watcher.cancel()
+
+        results = self._on_loop(run)
+        metrics, _report, self._num_optimizer_steps = results[0]
+        self.last_reports = [report for _metrics, report, _steps in results]
+        return metrics
+
+    # --- state -------------------------------------------------------------------------------
+
+    def named_weights(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        return self._each(TrainerRank.named_weights, dtype)[0]
+
+    @property
+    def num_optimizer_steps(self) -> int:
+        return self._num_optimizer_steps
+
+    def optimizer_state_dict(self) -> dict[str, Any]:
+        return self._each(TrainerRank.optimizer_state_dict)[0]
+
+    def rng_state(self) -> dict[str, Any]:
+        return self._each(TrainerRank.rng_state)[0]
+
+    def load_state(
+        self,
+        weights: dict[str, torch.Tensor],
+        optimizer: dict[str, Any],
+        rng: dict[str, Any],
+        num_optimizer_steps: int,
+    ) -> None:
+        # Rank 0 reads it and broadcasts; each rank takes the same RNG state.
+        self._rank0_alone(
+            TrainerRank.load_state,
+            (weights, optimizer, rng, num_optimizer_steps),
+            ({}, {}, rng, num_optimizer_steps),
+        )
+        self._num_optimizer_steps = num_optimizer_steps
+
+    def load_reference(self, weights: dict[str, torch.Tensor]) -> None:
+        self._rank0_alone(TrainerRank.load_reference, (weights,), ({},))
+
+    def probe_logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
+        return self._each(TrainerRank.probe_logprobs, prompt_ids, response_ids)[0]
+
+    async def close(self) -> None:
+        from miles_events.bus.actor import close_workers
+
+        await close_workers(self.workers)

@@ -1,0 +1,308 @@
+"""The PyTorch backend as N ranks of a process group (FSDP2, DDP) against one process.
+
+Each rank is a process spawned here, meeting the others at a TCP store this process holds,
+and trains a ``TorchTrainerBackend`` over a ``ProcessGroup``, as the Trainer's ranks do.
+Tolerance: the ranks add the same per-token terms in another order (each rank's part, then
+the reduction across ranks), so float32 gradients differ in their last bits (the gradient
+norms agree to 1e-6 relative). Adam's first steps divide each gradient element by its own
+magnitude: an element whose gradient is rounding noise (near 0) moves by up to ``lr`` either
+way, so no element-wise bound holds. What is compared is the whole update, the weights'
+change from the base model: the two updates differ by at most ``UPDATE_TOLERANCE`` of its
+L2 norm (measured: 3e-6 to 3e-5 over two rollouts of two steps each at lr 1e-2).
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import shutil
+import tempfile
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import torch
+
+from actors.trainer_backend.parallel import ProcessGroup, by_index, by_name, share
+from actors.trainer_backend.torch_backend import TorchTrainerBackend
+from schemas.config import Config, DataConfig, ModelConfig, RunConfig, TrainerConfig
+from schemas.rollout import RolloutBatch, Sample
+
+SEED = 11
+UPDATE_TOLERANCE = 1e-4
+"""The L2 norm of the difference of two runs' updates, relative to the update's."""
+TIMEOUT = 120.0
+
+
+def make_config(model: Path, **trainer: Any) -> Config:
+    trainer.setdefault("lr", 1e-2)
+    trainer.setdefault("shared_prompts", False)
+    return Config(
+        run=RunConfig(dir="unused", seed=SEED, runtime="local"),
+        model=ModelConfig(path=str(model)),
+        data=DataConfig(rollout_batch_size=4, n_samples_per_prompt=2),
+        trainer=TrainerConfig(**trainer),
+    )
+
+
+def rollout(rollout_id: int, count: int) -> RolloutBatch:
+    """``count`` samples in groups of two, responses of differing lengths, rewards that differ
+    within each group (every sample has an advantage)."""
+    generator = torch.Generator().manual_seed(rollout_id)
+    samples = []
+    for i in range(count):
+        length = 2 + (i * 3 + rollout_id) % 5
+        response = torch.randint(4, 16, (length,), generator=generator).tolist()
+        samples.append(
+            Sample(
+                index=i // 2,
+                group=i // 2,
+                prompt="",
+                label="",
+                prompt_ids=[4, 13 + i % 3, 5, 16],
+                response_ids=response,
+                response_logprobs=[-1.0] * length,
+                response="",
+                reward=float((i * 7 + rollout_id) % 3),
+                weight_version="default",
+                engine="test",
+                finish_reason="stop",
+            )
+        )
+    return RolloutBatch(rollout_id=rollout_id, samples=samples)
+
+
+def train_rank(
+    rank: int,
+    world_size: int,
+    port: int,
+    config_json: bytes,
+    batches: list[RolloutBatch],
+    results: Path,
+    load: dict[str, Any] | None,
+) -> None:
+    try:
+        config = msgspec.json.decode(config_json, type=Config)
+        torch.set_num_threads(1)
+        parallel = ProcessGroup(
+            "ddp" if config.trainer.sharding == "ddp" else "fsdp2",
+            rank,
+            world_size,
+            ("127.0.0.1", port),
+            TIMEOUT,
+            torch.device("cpu"),
+        )
+        backend = TorchTrainerBackend(config, parallel)
+        if load is not None:
+            backend.load_state(
+                load["weights"] if rank == 0 else {},
+                load["optimizer"] if rank == 0 else {},
+                load["rng"],
+                load["steps"],
+            )
+        metrics = [backend.train(batch) for batch in batches]
+        weights = backend.named_weights()
+        optimizer = backend.optimizer_state_dict()
+        state_bytes = backend.state_bytes()
+        parallel.close()
+        torch.save((rank, metrics, weights, optimizer, state_bytes, None), results / f"{rank}.pt")
+    except BaseException:
+        torch.save((rank, None, None, None, None, traceback.format_exc()), results / f"{rank}.pt")
+
+
+def train_ranks(
+    config: Config,
+    world_size: int,
+    batches: list[RolloutBatch],
+    load: dict[str, Any] | None = None,
+) -> list[tuple[Any, ...]]:
+    """Each rank's (rank, metrics, weights, optimizer state, state bytes), in rank order."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        world_size,
+        is_master=True,
+        timeout=datetime.timedelta(seconds=TIMEOUT),
+        wait_for_workers=False,
+    )
+    context = multiprocessing.get_context("spawn")
+    results = Path(tempfile.mkdtemp(prefix="ranks-"))
+    config_json = msgspec.json.encode(config)
+    processes = [
+        context.Process(
+            target=train_rank, args=(rank, world_size, store.port, config_json, batches, results, load)
+        )
+        for rank in range(world_size)
+    ]
+    for process in processes:
+        process.start()
+    try:
+        for process in processes:
+            process.join(TIMEOUT)
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+    got = [torch.load(results / f"{rank}.pt", weights_only=False) for rank in range(world_size)]
+    shutil.rmtree(results)
+    for rank, *_rest, error in got:
+        assert error is None, f"rank {rank} failed:\n{error}"
+    return [tuple(r[:-1]) for r in got]
+
+
+def train_one_process(
+    config: Config, batches: list[RolloutBatch], load: dict[str, Any] | None = None
+) -> tuple[list[Any], dict[str, torch.Tensor], dict[str, Any], int]:
+    backend = TorchTrainerBackend(config)
+    if load is not None:
+        backend.load_state(load["weights"], load["optimizer"], load["rng"], load["steps"])
+    metrics = [backend.train(batch) for batch in batches]
+    weights = {name: t.clone() for name, t in backend.named_weights().items()}
+    return metrics, weights, backend.optimizer_state_dict(), backend.state_bytes()
+
+
+def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert set(a) == set(b)
+    return max(float((a[name].float() - b[name].float()).abs().max()) for name in a)
+
+
+def update_difference(
+    base: dict[str, torch.Tensor], a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]
+) -> float:
+    """``|a - b| / |a - base|`` over every tensor (L2): how far two trainings' updates differ."""
+    assert set(a) == set(b) == set(base)
+    apart = sum(float(((a[n].double() - b[n].double()) ** 2).sum()) for n in a) ** 0.5
+    update = sum(float(((a[n].double() - base[n].double()) ** 2).sum()) for n in a) ** 0.5
+    assert update > 0, "nothing was trained"
+    return apart / update
+
+
+@pytest.fixture(scope="module")
+def base_weights(model: Path) -> dict[str, torch.Tensor]:
+    return {name: t.clone() for name, t in TorchTrainerBackend(make_config(model)).named_weights().items()}
+
+
+@pytest.fixture(scope="module")
+def model(built_in_model: Callable[[int], Path]) -> Path:
+    return built_in_model(SEED)
+
+
+# --- pure pieces -----------------------------------------------------------------------------
+
+
+def test_a_step_is_shared_in_contiguous_parts_that_differ_by_at_most_one():
+    step = list(range(10, 17))
+    parts = [share(step, rank, 3) for rank in range(3)]
+    assert parts == [[10, 11], [12, 13], [14, 15, 16]]
+    assert [share([1], rank, 2) for rank in range(2)] == [[], [1]]
+
+
+def test_an_optimizer_state_keyed_by_index_is_keyed_by_name_and_back():
+    state = {"state": {1: {"step": torch.tensor(2.0)}}, "param_groups": [{"lr": 0.1, "params": [0, 1]}]}
+    named = by_name(state, ["a", "b"])
+    assert named["state"].keys() == {"b"} and named["param_groups"][0]["params"] == ["a", "b"]
+    assert by_name(named, ["a", "b"]) is named
+    assert by_index(named, ["a", "b"])["param_groups"][0]["params"] == [0, 1]
+    with pytest.raises(ValueError, match="parameters the model does not have: \\['b'\\]"):
+        by_index(named, ["a"])
+
+
+def test_the_single_process_optimizer_state_is_keyed_by_parameter_name(model: Path):
+    config = make_config(model)
+    _metrics, _weights, optimizer, _bytes = train_one_process(config, [rollout(0, 8)])
+    names = [name for name, p in TorchTrainerBackend(config).model.named_parameters()]
+    assert set(optimizer["state"]) == set(names)
+    assert optimizer["param_groups"][0]["params"] == names
+
+
+def test_a_state_saved_before_any_step_leaves_the_optimizer_fresh(model: Path):
+    config = make_config(model)
+    untrained = TorchTrainerBackend(config)
+    saved = untrained.optimizer_state_dict()
+    assert saved["state"] == {}, "reading the state must not create it"
+    fresh, restored = TorchTrainerBackend(config), TorchTrainerBackend(config)
+    restored.load_state(dict(untrained.named_weights()), saved, untrained.rng_state(), 0)
+    batch = rollout(1, 8)
+    fresh.train(batch)
+    restored.train(batch)
+    assert max_difference(fresh.named_weights(), restored.named_weights()) == 0.0
+
+
+# --- N ranks against one process ----------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sharding", ["fsdp2", "ddp"])
+def test_two_ranks_train_the_weights_one_process_trains(
+    model: Path, base_weights: dict[str, torch.Tensor], sharding: str
+):
+    # Two rollouts of 8 samples, steps of 4, micro-batches of 1: each rank's half of a step
+    # is two micro-batches, accumulated.
+    batches = [rollout(0, 8), rollout(1, 8)]
+    one = make_config(model, global_batch_size=4, micro_batch_size=1)
+    metrics, weights, _optimizer, single_bytes = train_one_process(one, batches)
+    ranks = train_ranks(
+        make_config(model, global_batch_size=4, micro_batch_size=1, sharding=sharding), 2, batches
+    )
+    assert ranks[1][2] == {}, "only rank 0 holds the gathered weights"
+    assert update_difference(base_weights, weights, ranks[0][2]) <= UPDATE_TOLERANCE
+    for single, sharded in zip(metrics, ranks[0][1], strict=True):
+        assert sharded.num_optimizer_steps == single.num_optimizer_steps == 2
+        assert sharded.train_tokens == single.train_tokens
+        assert sharded.loss == pytest.approx(single.loss, abs=1e-6)
+        assert sharded.grad_norm == pytest.approx(single.grad_norm, rel=1e-5)
+        assert sharded.entropy == pytest.approx(single.entropy, rel=1e-5)
+    # Every rank reports the same global metrics.
+    assert ranks[1][1] == ranks[0][1]
+    if sharding == "fsdp2":
+        # Each rank holds about half the parameters, gradients and optimizer state.
+        for rank in ranks:
+            assert rank[4] == pytest.approx(single_bytes / 2, rel=0.1)
+
+
+@pytest.mark.slow
+def test_ranks_with_unequal_parts_train_what_one_process_trains(
+    model: Path, base_weights: dict[str, torch.Tensor]
+):
+    # Steps of 3 samples over 2 ranks: parts of 1 and 2, so one rank runs an empty micro-batch.
+    batches = [rollout(2, 6)]
+    single = make_config(model, global_batch_size=3, micro_batch_size=1)
+    _metrics, weights, _optimizer, _bytes = train_one_process(single, batches)
+    ranks = train_ranks(
+        make_config(model, global_batch_size=3, micro_batch_size=1, sharding="fsdp2"), 2, batches
+    )
+    assert update_difference(base_weights, weights, ranks[0][2]) <= UPDATE_TOLERANCE
+
+
+@pytest.mark.slow
+def test_a_two_rank_state_resumes_in_one_process_and_the_other_way(
+    model: Path, base_weights: dict[str, torch.Tensor]
+):
+    first, second = [rollout(3, 8)], [rollout(4, 8)]
+    config = make_config(model, global_batch_size=4, micro_batch_size=2)
+    sharded = make_config(model, global_batch_size=4, micro_batch_size=2, sharding="fsdp2")
+    _metrics, uninterrupted, _optimizer, _bytes = train_one_process(config, first + second)
+
+    # Two ranks, then one process.
+    (rank0, _rank1) = train_ranks(sharded, 2, first)
+    load = {"weights": rank0[2], "optimizer": rank0[3], "rng": _rng(), "steps": 2}
+    assert set(rank0[3]["state"]) == set(rank0[2]), "the optimizer state is keyed by parameter name"
+    _metrics, resumed, _optimizer, _bytes = train_one_process(config, second, load)
+    assert update_difference(base_weights, uninterrupted, resumed) <= UPDATE_TOLERANCE
+
+    # One process, then two ranks.
+    _metrics, weights, optimizer, _bytes = train_one_process(config, first)
+    load = {"weights": weights, "optimizer": optimizer, "rng": _rng(), "steps": 2}
+    (rank0, _rank1) = train_ranks(sharded, 2, second, load)
+    assert update_difference(base_weights, uninterrupted, rank0[2]) <= UPDATE_TOLERANCE
+
+
+def _rng() -> dict[str, Any]:
+    from actors.trainer_backend.base import capture_rng_state
+
+    return capture_rng_state()
