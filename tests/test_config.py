@@ -315,6 +315,16 @@ def test_resume_and_overwrite_together_are_refused(tmp_path: Path) -> None:
     assert "run.overwrite: cannot be set with run.resume" in message
 
 
+def test_no_sharding_with_several_trainer_ranks_is_refused(tmp_path: Path) -> None:
+    path = write_config(tmp_path, BASE)
+    message = error_of(path, ["trainer.num_ranks=2", 'trainer.sharding="none"'])
+    assert message.endswith(
+        'trainer.sharding: "none" trains on one rank, not trainer.num_ranks = 2; shard with "fsdp2" '
+        '(or "auto"), or replicate with "ddp"'
+    )
+    assert load_config(path, ["trainer.num_ranks=2"]).trainer.sharding == "auto"
+
+
 @pytest.mark.parametrize(("runtime", "refused"), [("ray", True), ("local", False)])
 def test_the_in_process_transport_needs_the_local_runtime(
     tmp_path: Path, runtime: str, refused: bool

@@ -213,6 +213,7 @@ def test_a_gpu_is_seen_without_torch_where_the_driver_lists_one_in_this_containe
 GPU_SETTINGS = [
     ("rollout", "decode", "cuda_graph", "auto", 'rollout.decode: "cuda_graph" needs a CUDA GPU'),
     ("publisher", "transport", "cuda_ipc", "shm", 'publisher.transport: "cuda_ipc" needs a CUDA GPU'),
+    ("trainer", "gpus_per_rank", 1.0, 0.0, "trainer.gpus_per_rank: 1 needs a CUDA GPU for each trainer rank"),
 ]
 
 
@@ -232,8 +233,8 @@ def test_a_setting_that_needs_a_gpu_is_refused_where_the_actors_run_without_one(
     monkeypatch: pytest.MonkeyPatch,
     section: str,
     key: str,
-    value: str,
-    other: str,
+    value: object,
+    other: object,
     message: str,
     runtime: str,
     address: str | None,
@@ -247,7 +248,7 @@ def test_a_setting_that_needs_a_gpu_is_refused_where_the_actors_run_without_one(
     monkeypatch.setattr(preflight, "cuda_present", lambda: present)
     base = data_config(tmp_path, runtime=runtime)
 
-    def with_value(chosen: str) -> Config:
+    def with_value(chosen: object) -> Config:
         changed = msgspec.structs.replace(getattr(base, section), **{key: chosen})
         return msgspec.structs.replace(base, **{section: changed}, ray=RayConfig(address=address))
 

@@ -320,6 +320,12 @@ def gpu_settings(config: Config) -> list[tuple[str, str]]:
             '"cuda_ipc" needs a CUDA GPU, and this host has none visible (weights would go through shared '
             'memory instead); use "auto", "shm" or "disk"',
         ))  # fmt: skip
+    if config.trainer.gpus_per_rank > 0:
+        needs.append((
+            "trainer.gpus_per_rank",
+            f"{config.trainer.gpus_per_rank:g} needs a CUDA GPU for each trainer rank, and this host has none "
+            "visible; use 0 (the ranks train on the CPU, over gloo)",
+        ))  # fmt: skip
     return needs
 
 
