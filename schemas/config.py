@@ -252,6 +252,15 @@ class VllmConfig(Section):
 class TrainerConfig(Section):
     backend: str = "torch"
     """The trainer backend: ``torch`` (PyTorch in the Trainer's process, CPU or one GPU)."""
+    num_ranks: PositiveInt = 1
+    """Trainer ranks: one torch.distributed process group, rank 0 in the Trainer's process,
+    the others in processes of their own (Ray actors in the actor placement group's bundles
+    on the ray runtime; spawned processes on the local runtime)."""
+    sharding: Literal["auto", "fsdp2", "ddp", "none"] = "auto"
+    """How the ranks share the model: ``fsdp2`` shards parameters, gradients and optimizer
+    state (torch FSDP2); ``ddp`` replicates the model and all-reduces gradients; ``none``: one
+    rank, no process group (today's single-process trainer); ``auto``: ``none`` for one rank,
+    ``fsdp2`` for more."""
     lr: PositiveFloat = 1e-3
     """AdamW's learning rate (constant)."""
     weight_decay: NonNegativeFloat = 0.0

@@ -155,8 +155,18 @@ def make_plan(config: Config, runtime: str, run_id: str = "") -> PlannedRun:
         checkpoint_iteration=iteration,
         lineage=lineage,
         probe=probe_publications(config),
+        trainer_ranks=config.trainer.num_ranks,
+        trainer_sharding=trainer_sharding(config),
     )
     return PlannedRun(plan, moves)
+
+
+def trainer_sharding(config: Config) -> str:
+    """``trainer.sharding`` resolved: "auto" is ``none`` for one rank, ``fsdp2`` for more."""
+    sharding = config.trainer.sharding
+    if sharding == "auto":
+        return "none" if config.trainer.num_ranks == 1 else "fsdp2"
+    return sharding
 
 
 def probe_publications(config: Config) -> bool:
