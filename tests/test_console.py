@@ -8,7 +8,6 @@ from io import StringIO
 from pathlib import Path
 from types import SimpleNamespace
 
-import msgspec
 import pytest
 from rich.console import Console
 
@@ -31,7 +30,6 @@ from schemas.events import (
     Event,
     PublicationMismatch,
     PublicationVerified,
-    RankStep,
     RolloutGenerated,
     RunFinished,
     RunStarted,
@@ -40,7 +38,7 @@ from schemas.events import (
     TrainStepFinished,
     WeightsPublished,
 )
-from tests.support import drive_sink
+from tests.support import drive_sink, not_console, with_ranks
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tiny_run" / "events.log"
 EVENTS: list[Event] = list(read_events(FIXTURE))
@@ -88,29 +86,6 @@ def rich_summary(output: str) -> str:
     return ANSI.sub("", output).rsplit("╭", 1)[1]
 
 
-def with_ranks(events: list[Event], ranks: int, sharding: str = "fsdp2") -> list[Event]:
-    """The fixture as a trainer of ``ranks`` ranks would have reported it: rank r of rollout i
-    took ``0.1 * (i + 1) + 0.01 * r`` seconds and peaked at ``400 + 10 * r`` MiB."""
-    out: list[Event] = []
-    for event in events:
-        if isinstance(event, RunStarted):
-            event = msgspec.structs.replace(event, trainer_ranks=ranks, trainer_sharding=sharding)
-        elif isinstance(event, TrainStepFinished):
-            reports = [
-                RankStep(
-                    rank=r,
-                    pid=1000 + r,
-                    step_seconds=0.1 * (event.rollout_id + 1) + 0.01 * r,
-                    peak_memory_bytes=(400 + 10 * r) << 20,
-                    state_bytes=(90 + r) << 20,
-                )
-                for r in range(ranks)
-            ]
-            event = msgspec.structs.replace(event, ranks=reports)
-        out.append(event)
-    return out
-
-
 async def test_plain_prints_one_line_per_rollout_with_reward_loss_times_and_verification():
     lines = [line for line in await plain_lines(EVENTS) if line.startswith("rollout ")]
     assert lines == [
@@ -151,6 +126,11 @@ async def test_plain_shows_a_two_rank_trainer_at_start_and_each_ranks_time_and_m
         "rollout 2 [3/3]: reward 0.023 loss +0.0076 kl 0.0000 grad 0.201 | gen 0.06s train 0.12s pub 0.04s verify 0.00s"
         " | ranks 0: 0.30s 400 MiB, 1: 0.31s 410 MiB | v4 verified",
     ]
+
+
+async def test_every_plain_line_of_a_two_rank_run_reads_as_the_consoles():
+    """The end-to-end tests tell the console's stdout from stray prints by how lines begin."""
+    assert not_console("\n".join(await plain_lines(with_ranks(EVENTS, 2)))) == []
 
 
 async def test_plain_prints_a_one_rank_trainer_as_it_always_did():
