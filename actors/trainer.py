@@ -58,6 +58,7 @@ from schemas.events import (
     ProbeBatch,
     PublicationVerified,
     PublishRequested,
+    RankStep,
     RolloutGenerated,
     SaveRequested,
     StepCancelled,
@@ -216,17 +217,18 @@ class Trainer(Actor):
         # The version being improved upon: the one in force when the batch arrives.
         version = self.weight_version
 
-        def read_and_train() -> tuple[RolloutBatch, TrainMetrics]:
+        def read_and_train() -> tuple[RolloutBatch, TrainMetrics, list[RankStep]]:
             data = self.context.transport.reader.get_bytes(event.batch)
             batch = msgspec.msgpack.decode(data, type=RolloutBatch)
             trainable = self._finite_part(batch)
             if not trainable.samples:
-                return batch, TrainMetrics()
+                return batch, TrainMetrics(), []
             with phase_threads(self.config.trainer.num_threads):
-                return batch, self.backend.train(trainable, self.cancel)
+                metrics = self.backend.train(trainable, self.cancel)
+            return batch, metrics, self.backend.rank_steps()
 
         try:
-            batch, metrics = await anyio.to_thread.run_sync(read_and_train)
+            batch, metrics, ranks = await anyio.to_thread.run_sync(read_and_train)
         except Cancelled as cancelled:
             await self.publish(DataReleased(ref=event.batch))
             await self.publish(
@@ -246,6 +248,7 @@ class Trainer(Actor):
                 metrics=metrics,
                 staleness_max=staleness_max(version, [s.weight_version for s in batch.samples]),
                 train_seconds=time.perf_counter() - started,
+                ranks=ranks,
             )
         )
 

@@ -269,6 +269,54 @@ def _throughput_and_latency() -> list[PanelSpec]:
     ]
 
 
+def _trainer_ranks() -> list[PanelSpec]:
+    def per_rank(metric: str) -> Query:
+        return Query(f'max by (rank) ({metric}{{run=~"$run"}})', "rank {{rank}}")
+
+    step = 'miles_trainer_rank_step_seconds{run=~"$run"}'
+    return [
+        stat(
+            "Trainer ranks",
+            "The trainer's ranks (trainer.num_ranks): one process each, in one torch.distributed group.",
+            Query('max by (run) (miles_trainer_ranks{run=~"$run"})', "ranks"),
+        ),
+        stat(
+            "Slowest / fastest rank",
+            "The last train step's slowest rank time over its fastest: 1 when the ranks are balanced.",
+            Query(f"max by (run) ({step}) / min by (run) ({step})", "ratio"),
+            thresholds=threshold_config((None, "green"), (1.2, "orange"), (1.5, "red")),
+        ),
+        timeseries(
+            "Step time per rank",
+            "Wall time of each rank's part of each train step.",
+            per_rank("miles_trainer_rank_step_seconds"),
+            unit="s",
+            width=16,
+        ),
+        stat(
+            "Peak memory (largest rank)",
+            "The largest peak memory of any rank: CUDA's max allocated bytes on a GPU, peak RSS on CPU.",
+            Query('max by (run) (miles_trainer_rank_peak_memory_bytes{run=~"$run"})', "peak"),
+            unit="bytes",
+            width=8,
+        ),
+        timeseries(
+            "Peak memory per rank",
+            "Each rank's peak memory so far: CUDA's max allocated bytes on a GPU, the process's peak RSS on CPU.",
+            per_rank("miles_trainer_rank_peak_memory_bytes"),
+            unit="bytes",
+            width=12,
+        ),
+        timeseries(
+            "Train state per rank",
+            "Parameters, gradients and optimizer state each rank holds: its shard under FSDP2, a replica under DDP.",
+            per_rank("miles_trainer_rank_state_bytes"),
+            unit="bytes",
+            width=12,
+        ),
+    ]
+
+
 def _bus_and_failures() -> list[PanelSpec]:
     return [
         timeseries(
@@ -398,8 +446,8 @@ def _inference_engines() -> list[PanelSpec]:
 
 
 def overview() -> Json:
-    """The RL overview of one run: weights, learning, throughput and latency, the bus, and
-    the inference servers' own metrics."""
+    """The RL overview of one run: weights, learning, throughput and latency, the trainer's
+    ranks, the bus, and the inference servers' own metrics."""
     return dashboard(
         "miles-rl-overview",
         "miles-events: RL overview",
@@ -409,6 +457,7 @@ def overview() -> Json:
             ("Weights & verification", _weights_and_verification()),
             ("Learning", _learning()),
             ("Throughput & latency", _throughput_and_latency()),
+            ("Trainer ranks", _trainer_ranks()),
             ("Bus & failures", _bus_and_failures()),
             ("Inference engines", _inference_engines()),
         ],

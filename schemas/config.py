@@ -328,6 +328,13 @@ class TrainerConfig(Section):
     are on a GPU, else ``inline``."""
 
 
+def resolved_sharding(trainer: TrainerConfig) -> Literal["none", "fsdp2", "ddp"]:
+    """``trainer.sharding`` resolved: ``auto`` is ``none`` for one rank, ``fsdp2`` for more."""
+    if trainer.sharding == "auto":
+        return "none" if trainer.num_ranks == 1 else "fsdp2"
+    return trainer.sharding
+
+
 class PublisherConfig(Section):
     transport: Literal["auto", "inprocess", "shm", "disk", "cuda_ipc"] = "auto"
     """``auto``: in-process on the local runtime, shared memory on ray; ``disk``: files under

@@ -47,8 +47,9 @@ class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag=Tru
     source: str = ""
 
     advisory_fields: ClassVar[tuple[str, ...]] = ()
-    """Fields that tell the receiver how to schedule its work, not what happens: a replay
-    does not compare them (a log written before one existed could not say it)."""
+    """Fields that are not decisions: advice to the receiver on how to schedule its work, or
+    measurements that differ from run to run as durations (``*_seconds``) do. A replay does
+    not compare them (a log written before one existed could not say it)."""
 
 
 # --- run lifecycle -------------------------------------------------------------------
@@ -72,6 +73,11 @@ class RunStarted(Event, frozen=True, kw_only=True):
     generate."""
     checkpoint_iteration: int | None = None
     """The iteration of the checkpoint root the trainer loaded, when it loaded one."""
+    trainer_ranks: int = 1
+    """``trainer.num_ranks``: the processes that train (1 in logs written before ranks)."""
+    trainer_sharding: str = "none"
+    """How the trainer's ranks share the model, ``trainer.sharding`` resolved: ``fsdp2``,
+    ``ddp``, or ``none`` (one rank, no process group)."""
 
 
 class StopRequested(Event, frozen=True, kw_only=True):
@@ -159,6 +165,24 @@ class TrainMetrics(msgspec.Struct, frozen=True, kw_only=True):
     num_optimizer_steps: int = 0
 
 
+class RankStep(msgspec.Struct, frozen=True, kw_only=True):
+    """One trainer rank's part of training on a rollout, as that rank measured it."""
+
+    rank: int
+    """The rank in the trainer's process group (0: the Trainer's own process)."""
+    pid: int
+    """The rank's process id."""
+    step_seconds: float
+    """Wall time of the rank's part of the rollout's training."""
+    peak_memory_bytes: int
+    """The rank process's peak memory so far: on a GPU, CUDA's maximum allocated bytes
+    (``torch.cuda.max_memory_allocated``: tensors, not the caching allocator's reserve);
+    on CPU, the process's peak resident set size (``getrusage``'s ``ru_maxrss``)."""
+    state_bytes: int
+    """Bytes of the model parameters, gradients and optimizer state this rank holds: its
+    shard under FSDP2, a whole replica under DDP."""
+
+
 class TrainStepFinished(Event, frozen=True, kw_only=True):
     rollout_id: int
     weight_version: str
@@ -168,6 +192,12 @@ class TrainStepFinished(Event, frozen=True, kw_only=True):
     staleness_max: int = 0
     """Trainer version minus the oldest version a sample was generated with."""
     train_seconds: float = 0.0
+    ranks: list[RankStep] = []
+    """One entry per trainer rank, in rank order. Empty from a single-process trainer that
+    did not report its ranks, and in logs written before they were reported. Timings,
+    memory and pids differ from run to run: a replay does not compare them."""
+
+    advisory_fields: ClassVar[tuple[str, ...]] = ("ranks",)
 
 
 class EvalRequested(Event, frozen=True, kw_only=True):

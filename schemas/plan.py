@@ -33,6 +33,10 @@ class RunPlan(msgspec.Struct, frozen=True, kw_only=True):
     lineage: str = ""
     """The run id of the fresh run this run continues (its own on a fresh run); every
     checkpoint it saves records it."""
+    trainer_ranks: int = 1
+    """``trainer.num_ranks``: the processes that train."""
+    trainer_sharding: str = "none"
+    """``trainer.sharding`` resolved: ``none`` for one rank, ``fsdp2`` for more on ``auto``."""
     probe: bool = False
     """Whether every publication carries the behavioural probe (``verifier.probe``: on, or
     auto with an engine that cannot read back every tensor it serves)."""

@@ -7,17 +7,19 @@ import asyncio
 import re
 from pathlib import Path
 
+import msgspec
+
 from miles_events.bus.clock import SYSTEM_CLOCK, ManualClock
 from miles_events.bus.event_bus import EventBus
 from miles_events.sinks.base import Sink, SinkContext, SinkHost
 from schemas.config import Config
-from schemas.events import Event
+from schemas.events import Event, RankStep, RunStarted, TrainStepFinished
 
-__all__ = ["cmdline", "drive_sink", "flip_byte", "not_console", "torch_save_bytes"]
+__all__ = ["cmdline", "drive_sink", "flip_byte", "not_console", "torch_save_bytes", "with_ranks"]
 
 CONSOLE_LINE = re.compile(
     r"(metrics: |run |initial |republication |weights republished |eval at |rollout |checkpoint |"
-    r"actor |weight version |the engines serve |publication evidence |events: )"
+    r"actor |weight version |the engines serve |publication evidence |events: |trainer: )"
 )
 """How each line the plain console (and the CLI around it) prints to stdout begins."""
 
@@ -25,6 +27,30 @@ CONSOLE_LINE = re.compile(
 def not_console(stdout: str) -> list[str]:
     """The lines of a run's stdout that are not the plain console's."""
     return [line for line in stdout.splitlines() if not CONSOLE_LINE.match(line)]
+
+
+def with_ranks(events: list[Event], ranks: int, sharding: str = "fsdp2") -> list[Event]:
+    """``events`` as a trainer of ``ranks`` ranks would have reported them: rank r of rollout
+    i took ``0.1 * (i + 1) + 0.01 * r`` seconds, peaked at ``400 + 10 * r`` MiB and held
+    ``90 + r`` MiB of state."""
+    out: list[Event] = []
+    for event in events:
+        if isinstance(event, RunStarted):
+            event = msgspec.structs.replace(event, trainer_ranks=ranks, trainer_sharding=sharding)
+        elif isinstance(event, TrainStepFinished):
+            reports = [
+                RankStep(
+                    rank=r,
+                    pid=1000 + r,
+                    step_seconds=0.1 * (event.rollout_id + 1) + 0.01 * r,
+                    peak_memory_bytes=(400 + 10 * r) << 20,
+                    state_bytes=(90 + r) << 20,
+                )
+                for r in range(ranks)
+            ]
+            event = msgspec.structs.replace(event, ranks=reports)
+        out.append(event)
+    return out
 
 
 async def drive_sink(

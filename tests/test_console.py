@@ -18,6 +18,7 @@ from miles_events.sinks.console import (
     PlainProgress,
     RichProgress,
     RunProgress,
+    describe_bytes,
     make_console,
     sparkline,
 )
@@ -37,7 +38,7 @@ from schemas.events import (
     TrainStepFinished,
     WeightsPublished,
 )
-from tests.support import drive_sink
+from tests.support import drive_sink, not_console, with_ranks
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tiny_run" / "events.log"
 EVENTS: list[Event] = list(read_events(FIXTURE))
@@ -108,6 +109,42 @@ async def test_plain_prints_start_publication_evals_checkpoints_and_end_in_event
     )
     assert lines[-1] == "run completed after rollout 2 [3/3] at weight version 4 in 0.9s"
     assert len(lines) == 12
+
+
+async def test_plain_shows_a_two_rank_trainer_at_start_and_each_ranks_time_and_memory_per_rollout():
+    lines = await plain_lines(with_ranks(EVENTS, 2))
+    assert lines[:2] == [
+        "run test-run (local): rollouts 0..2 (3 to run), engines engine-0, engine-1",
+        "trainer: 2 ranks, fsdp2",
+    ]
+    rollouts = [line for line in lines if line.startswith("rollout ")]
+    assert rollouts == [
+        "rollout 0 [1/3]: reward 0.008 loss -0.0037 kl 0.0000 grad 0.127 | gen 0.06s train 0.13s pub 0.02s verify 0.00s"
+        " | ranks 0: 0.10s 400 MiB, 1: 0.11s 410 MiB | v2 verified",
+        "rollout 1 [2/3]: reward 0.023 loss +0.0015 kl 0.0000 grad 0.239 | gen 0.07s train 0.13s pub 0.04s verify 0.00s"
+        " | ranks 0: 0.20s 400 MiB, 1: 0.21s 410 MiB | v3 verified",
+        "rollout 2 [3/3]: reward 0.023 loss +0.0076 kl 0.0000 grad 0.201 | gen 0.06s train 0.12s pub 0.04s verify 0.00s"
+        " | ranks 0: 0.30s 400 MiB, 1: 0.31s 410 MiB | v4 verified",
+    ]
+
+
+async def test_every_plain_line_of_a_two_rank_run_reads_as_the_consoles():
+    """The end-to-end tests tell the console's stdout from stray prints by how lines begin."""
+    assert not_console("\n".join(await plain_lines(with_ranks(EVENTS, 2)))) == []
+
+
+async def test_plain_prints_a_one_rank_trainer_as_it_always_did():
+    assert await plain_lines(with_ranks(EVENTS, 1, "none")) == await plain_lines(EVENTS)
+
+
+def test_memory_reads_in_mib_below_a_gib_and_in_gib_from_one():
+    assert [describe_bytes(n) for n in (0, 410 << 20, (1 << 30) - 1, 1 << 30, 75 * (1 << 30) // 2)] == [
+        "0 MiB",
+        "410 MiB",
+        "1024 MiB",
+        "1.0 GiB",
+        "37.5 GiB",
+    ]
 
 
 async def test_plain_output_is_the_same_on_every_replay():
@@ -315,6 +352,20 @@ async def test_rich_leaves_a_summary_with_reward_versions_and_verification():
     assert "gen 0.06s  train 0.12s  pub 0.04s  verify 0.00s  save 0.08s" in summary
     assert "rollout 2 (trained from version 3) -> /tmp/fx/checkpoints/rollout_000002" in summary
     assert "run completed after rollout 2 [3/3] at weight version 4" in summary
+
+
+async def test_rich_shows_the_trainers_ranks_and_each_ranks_last_time_and_memory():
+    console = rich_console()
+    await drive(lambda: RichProgress(console), with_ranks(EVENTS, 2))
+    summary = rich_summary(console.file.getvalue())  # type: ignore[attr-defined]
+    assert "ranks         2 ranks, fsdp2 · 0: 0.30s 400 MiB  1: 0.31s 410 MiB" in summary
+
+
+async def test_rich_shows_no_ranks_row_for_a_one_rank_trainer():
+    console = rich_console()
+    await drive(lambda: RichProgress(console), with_ranks(EVENTS, 1, "none"))
+    summary = rich_summary(console.file.getvalue())  # type: ignore[attr-defined]
+    assert "ranks" not in summary
 
 
 async def test_rich_summary_names_the_first_mismatched_tensor():

@@ -38,6 +38,12 @@ TSC = GRAFANA / ".typecheck" / "node_modules" / ".bin" / "tsc"
 REQUIRE = os.environ.get("MILES_REQUIRE_OBSERVABILITY") == "1"
 LIVE_ONLY_METRICS = ("miles_bus_mailbox_depth", "miles_bus_mailbox_high_water_mark")
 """Read from the live bus: absent from metrics rebuilt from an event log (docs/metrics.md)."""
+PER_RANK_METRICS = (
+    "miles_trainer_rank_step_seconds",
+    "miles_trainer_rank_peak_memory_bytes",
+    "miles_trainer_rank_state_bytes",
+)
+"""From ``TrainStepFinished.ranks``: absent from a run whose trainer does not report its ranks."""
 SERVER_METRIC = re.compile(r"\b(vllm|sglang):\w+")
 """The inference servers' own metrics: a run on the embedded engine has none; they are
 checked against a real vLLM server (tests/test_vllm_engine.py) and SGLang's own source."""
@@ -142,6 +148,50 @@ def test_queries_use_only_documented_metrics(dashboard: dict[str, Any]) -> None:
     names = {name for _, expr in expressions(dashboard) for name in re.findall(r"\bmiles_\w+", expr)}
     used = {re.sub(r"_(bucket|sum|count)$", "", name) for name in names}  # a histogram's series
     assert used - documented == set()
+
+
+def row_panels(dashboard: dict[str, Any], title: str) -> list[dict[str, Any]]:
+    """The panels of the expanded row ``title``: those after it, up to the next row."""
+    found: list[dict[str, Any]] | None = None
+    for panel in dashboard["panels"]:
+        if panel["type"] == "row":
+            if found is not None:
+                break
+            if panel["title"] == title:
+                found = []
+        elif found is not None:
+            found.append(panel)
+    assert found, f"no row {title!r}"
+    return found
+
+
+def test_the_trainer_ranks_row_shows_each_ranks_step_time_and_memory_from_the_exporters_gauges() -> None:
+    from miles_events.sinks.metrics import SPECS_BY_NAME
+
+    overview = json.loads((GRAFANA / "dashboards" / "miles-rl-overview.json").read_text())
+    by_title = {panel["title"]: panel for panel in row_panels(overview, "Trainer ranks")}
+    per_rank = {
+        "Step time per rank": ("miles_trainer_rank_step_seconds", "s"),
+        "Peak memory per rank": ("miles_trainer_rank_peak_memory_bytes", "bytes"),
+        "Train state per rank": ("miles_trainer_rank_state_bytes", "bytes"),
+    }
+    for title, (metric, unit) in per_rank.items():
+        (target,) = by_title[title]["targets"]
+        assert target["expr"] == f'max by (rank) ({metric}{{run=~"$run"}})', title
+        assert (
+            target["legendFormat"] == "rank {{rank}}"
+            and by_title[title]["fieldConfig"]["defaults"]["unit"] == unit
+        )
+        assert SPECS_BY_NAME[metric].labels == ("rank",)
+    (count,) = by_title["Trainer ranks"]["targets"]
+    assert "miles_trainer_ranks{" in count["expr"]
+    used = {
+        name
+        for panel in by_title.values()
+        for t in panel["targets"]
+        for name in re.findall(r"\bmiles_\w+", t["expr"])
+    }
+    assert used <= set(SPECS_BY_NAME)
 
 
 def test_the_engines_row_asks_each_server_backend_for_metrics_it_defines() -> None:
@@ -353,6 +403,8 @@ class ObservedRuns:
     replayed_run: str
     live_run: str
     processes: dict[str, tuple[subprocess.Popen[bytes], Path]]
+    ranks_reported: bool = False
+    """Whether the finished run's trainer reported its ranks (``TrainStepFinished.ranks``)."""
 
     def check_alive(self) -> None:
         for name, (process, log) in self.processes.items():
@@ -385,6 +437,13 @@ def run_command(
     )
     sets = [arg for setting in settings for arg in ("--set", setting)]
     return [sys.executable, "-m", "miles_events.run", "examples/tiny.toml", *sets]
+
+
+def ranks_reported(log: Path) -> bool:
+    from miles_events.bus.event_log import read_events
+    from schemas.events import TrainStepFinished
+
+    return any(e.ranks for e in read_events(log) if isinstance(e, TrainStepFinished))
 
 
 @contextlib.contextmanager
@@ -435,6 +494,7 @@ def observe_runs(prometheus: str, config: Path, tmp: Path) -> Iterator[ObservedR
             output = processes["finished run"][1].read_text()[-3000:]
             pytest.fail(f"the finished run ended with {status}:\n{output}")
         del processes["finished run"]
+        runs.ranks_reported = ranks_reported(tmp / "finished" / "events.log")
         replay = [sys.executable, "-m", "miles_events.replay", str(tmp / "finished" / "events.log")]
         start("replay", [*replay, "--serve-metrics", str(replay_port)])
         for _ in runs.poll(deadline_s=120):
@@ -490,22 +550,31 @@ def assert_all_return_data(
     pytest.fail(f"{len(pending)} of {len(named)} expressions returned no data for run {run_id}:\n{lines}")
 
 
-def run_expressions(dashboard: dict[str, Any]) -> list[tuple[str, str]]:
-    """The expressions on the run's own metrics (``miles_*``)."""
-    return [(n, e) for n, e in expressions(dashboard) if not SERVER_METRIC.search(e)]
+def run_expressions(observed: ObservedRuns, dashboard: dict[str, Any]) -> list[tuple[str, str]]:
+    """The expressions on the run's own metrics (``miles_*``). Those on per-rank metrics
+    only where the trainer reports its ranks; elsewhere Prometheus must still accept them."""
+    named = [(n, e) for n, e in expressions(dashboard) if not SERVER_METRIC.search(e)]
+    if observed.ranks_reported:
+        return named
+    for _, expr in named:
+        if any(metric in expr for metric in PER_RANK_METRICS):
+            query(observed.prometheus_url, substitute(expr, observed.live_run))
+    return [(n, e) for n, e in named if not any(m in e for m in PER_RANK_METRICS)]
 
 
 @pytest.mark.slow
 def test_every_query_returns_data_for_a_replayed_run(
     observed: ObservedRuns, dashboard: dict[str, Any]
 ) -> None:
-    named = [(n, e) for n, e in run_expressions(dashboard) if not any(m in e for m in LIVE_ONLY_METRICS)]
+    named = [
+        (n, e) for n, e in run_expressions(observed, dashboard) if not any(m in e for m in LIVE_ONLY_METRICS)
+    ]
     assert_all_return_data(observed, observed.replayed_run, named, deadline_s=45)
 
 
 @pytest.mark.slow
 def test_every_query_returns_data_for_a_live_run(observed: ObservedRuns, dashboard: dict[str, Any]) -> None:
-    assert_all_return_data(observed, observed.live_run, run_expressions(dashboard), deadline_s=45)
+    assert_all_return_data(observed, observed.live_run, run_expressions(observed, dashboard), deadline_s=45)
 
 
 @pytest.mark.slow

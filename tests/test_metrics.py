@@ -37,7 +37,9 @@ from schemas.events import (
     Event,
     PublicationMismatch,
     PublicationVerified,
+    RankStep,
     RunFinished,
+    RunStarted,
     TensorMismatch,
     TrainStepFinished,
     WeightsPublished,
@@ -48,6 +50,26 @@ REPO = Path(__file__).resolve().parents[1]
 FIXTURE_LOG = REPO / "tests" / "fixtures" / "tiny_run" / "events.log"
 FAILURE_ONLY = {"miles_actor_failures_total"}
 """Metrics that get a series only when something fails (the fixture run succeeded)."""
+PER_RANK = {
+    "miles_trainer_rank_step_seconds",
+    "miles_trainer_rank_peak_memory_bytes",
+    "miles_trainer_rank_state_bytes",
+}
+"""Metrics of a trainer that reports its ranks (``TrainStepFinished.ranks``; the fixture
+run's trainer did not)."""
+
+
+def two_rank_step(run_id: str = "r", rollout_id: int = 0) -> TrainStepFinished:
+    return TrainStepFinished(
+        rollout_id=rollout_id,
+        weight_version=str(rollout_id),
+        train_seconds=1.25,
+        ranks=[
+            RankStep(rank=0, pid=11, step_seconds=1.25, peak_memory_bytes=430 << 20, state_bytes=96 << 20),
+            RankStep(rank=1, pid=12, step_seconds=1.5, peak_memory_bytes=400 << 20, state_bytes=94 << 20),
+        ],
+        run_id=run_id,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -193,6 +215,35 @@ def test_mismatch_counts_and_records_the_mismatched_tensors(events: list[Event],
     assert value(metrics, "miles_verification_duration_seconds_count", run=run_id) == 1
 
 
+def test_a_two_rank_step_sets_each_ranks_time_and_memory_labelled_by_rank() -> None:
+    metrics = RunMetrics()
+    metrics.observe(two_rank_step())
+    for rank, seconds, peak, state in (("0", 1.25, 430 << 20, 96 << 20), ("1", 1.5, 400 << 20, 94 << 20)):
+        assert value(metrics, "miles_trainer_rank_step_seconds", run="r", rank=rank) == seconds
+        assert value(metrics, "miles_trainer_rank_peak_memory_bytes", run="r", rank=rank) == peak
+        assert value(metrics, "miles_trainer_rank_state_bytes", run="r", rank=rank) == state
+    assert value(metrics, "miles_trainer_ranks", run="r") == 2
+
+
+def test_the_trainer_rank_count_is_announced_at_run_start(observed: RunMetrics, run_id) -> None:
+    assert value(observed, "miles_trainer_ranks", run=run_id) == 1  # a log from before ranks
+    metrics = RunMetrics()
+    started = RunStarted(
+        runtime="local", config_digest="", start_rollout_id=0, num_rollout=2, num_rollout_per_epoch=None,
+        trainer_ranks=4, trainer_sharding="fsdp2", run_id="r",
+    )  # fmt: skip
+    metrics.observe(started)
+    assert value(metrics, "miles_trainer_ranks", run="r") == 4
+
+
+def test_a_step_without_rank_reports_leaves_the_last_ranks_values() -> None:
+    metrics = RunMetrics()
+    metrics.observe(two_rank_step())
+    metrics.observe(TrainStepFinished(rollout_id=1, weight_version="1", run_id="r"))
+    assert value(metrics, "miles_trainer_rank_step_seconds", run="r", rank="1") == 1.5
+    assert value(metrics, "miles_trainer_ranks", run="r") == 2
+
+
 def test_actor_failures_are_counted_per_actor() -> None:
     metrics = RunMetrics()
     metrics.observe(ActorFailed(actor="trainer", error="RuntimeError: boom", run_id="r"))
@@ -231,7 +282,7 @@ def test_every_documented_metric_gets_a_series_in_a_full_run(events: list[Event]
     for event in events:
         metrics.observe(event)
     with_samples = {exposed_name(f) for f in metrics.registry.collect() if f.samples}
-    assert with_samples == {spec.name for spec in METRICS} - FAILURE_ONLY
+    assert with_samples == {spec.name for spec in METRICS} - FAILURE_ONLY - PER_RANK
 
 
 def test_documented_labels_are_the_exposed_labels(events: list[Event]) -> None:
@@ -240,6 +291,7 @@ def test_documented_labels_are_the_exposed_labels(events: list[Event]) -> None:
     metrics = RunMetrics()
     metrics.attach_bus(bus)
     metrics.observe(ActorFailed(actor="trainer", error="e", run_id="r"))
+    metrics.observe(two_rank_step())
     for event in events:
         metrics.observe(event)
     exposed = {
@@ -297,6 +349,27 @@ async def test_live_exporter_serves_the_run_and_mailbox_depths(events: list[Even
     finally:
         bus.close()
         idle.close()
+        await host.join()
+        await exporter.close()
+
+
+async def test_the_live_exporter_serves_a_two_rank_steps_gauges_with_rank_labels() -> None:
+    bus = EventBus("ranked")
+    exporter, host = await serve(bus)
+    try:
+        await bus.publish(msgspec.structs.replace(two_rank_step(), run_id=""))
+        while host.mailbox.statistics().depth:
+            await asyncio.sleep(0.01)
+        found = await asyncio.to_thread(scrape, exporter.url)
+        seconds = {labels["rank"]: v for labels, v in found["miles_trainer_rank_step_seconds"]}
+        memory = {labels["rank"]: v for labels, v in found["miles_trainer_rank_peak_memory_bytes"]}
+        state = {labels["rank"]: v for labels, v in found["miles_trainer_rank_state_bytes"]}
+        assert seconds == {"0": 1.25, "1": 1.5}
+        assert memory == {"0": 430 << 20, "1": 400 << 20}
+        assert state == {"0": 96 << 20, "1": 94 << 20}
+        assert found["miles_trainer_ranks"] == [({"run": "ranked"}, 2)]
+    finally:
+        bus.close()
         await host.join()
         await exporter.close()
 

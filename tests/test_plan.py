@@ -12,7 +12,8 @@ from miles_events.app.plan import make_plan, set_aside_all
 from miles_events.checkpoint.format import CheckpointError, write_checkpoint
 from miles_events.rl.prompts import DataError
 from schemas.checkpoint import DataCursor, TrainerState
-from schemas.config import Config, DataConfig, RunConfig
+from schemas.config import Config, DataConfig, RunConfig, TrainerConfig
+from schemas.events import run_started
 
 TINY_PROMPTS = Path(__file__).resolve().parents[1] / "examples" / "data" / "arith_train.jsonl"
 
@@ -56,6 +57,18 @@ def test_a_fresh_plan_starts_at_rollout_zero_with_default_weights(tmp_path):
         None,
     )
     assert plan.engines == ("engine-0",) and plan.runtime == "ray"
+
+
+@pytest.mark.parametrize(
+    ("num_ranks", "sharding", "announced"),
+    [(1, "auto", (1, "none")), (2, "auto", (2, "fsdp2")), (4, "ddp", (4, "ddp"))],
+)
+def test_the_plan_carries_the_trainers_ranks_and_resolved_sharding(tmp_path, num_ranks, sharding, announced):
+    base = config(tmp_path, num_rollout=3)
+    trainer = TrainerConfig(num_ranks=num_ranks, sharding=sharding)
+    plan = make_plan(Config(run=base.run, data=base.data, trainer=trainer), "local").plan
+    assert (plan.trainer_ranks, plan.trainer_sharding) == announced
+    assert (run_started(plan).trainer_ranks, run_started(plan).trainer_sharding) == announced
 
 
 def test_start_rollout_id_overrides_the_start(tmp_path):

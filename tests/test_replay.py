@@ -15,7 +15,15 @@ from miles_events.app.redrive import build_actor, decision, redrive, split_runs
 from miles_events.app.replay import main as replay_main
 from miles_events.bus.event_log import FRAME_SIZE, LogReader, read_events
 from miles_events.rl.checksum_manifest import read_manifest, write_manifest
-from schemas.events import PublicationMismatch, PublicationVerified, SaveRequested, WeightsLoaded
+from schemas.events import (
+    PublicationMismatch,
+    PublicationVerified,
+    RankStep,
+    RunStarted,
+    SaveRequested,
+    TrainStepFinished,
+    WeightsLoaded,
+)
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tiny_run"
 
@@ -155,6 +163,26 @@ def test_a_decision_is_what_happens_not_the_header_timings_or_scheduling_advice(
     # A log written before the advice existed records the same decision.
     assert decision(asked) == decision(SaveRequested(rollout_id=4, reason="interval"))
     assert decision(asked) != decision(SaveRequested(rollout_id=4, reason="stop"))
+
+
+def test_a_train_steps_per_rank_timings_and_memory_are_not_part_of_its_decision():
+    """Each rank's time, memory and pid differ from run to run, as ``train_seconds`` does; a
+    log written before ranks were reported records the same decision."""
+    ranks = [
+        RankStep(rank=r, pid=100 + r, step_seconds=1.0 + r, peak_memory_bytes=1 << 30, state_bytes=1 << 20)
+        for r in (0, 1)
+    ]
+    step = TrainStepFinished(rollout_id=2, weight_version="2", train_seconds=2.5, ranks=ranks)
+    assert decision(step) == decision(TrainStepFinished(rollout_id=2, weight_version="2"))
+    assert decision(step) != decision(TrainStepFinished(rollout_id=3, weight_version="2"))
+
+
+def test_the_recorded_log_predates_ranks_and_reads_as_a_one_rank_trainer(recorded):
+    events, _ = recorded
+    steps = [e for e in events if isinstance(e, TrainStepFinished)]
+    (started,) = [e for e in events if isinstance(e, RunStarted)]
+    assert len(steps) == 3 and all(step.ranks == [] for step in steps)
+    assert (started.trainer_ranks, started.trainer_sharding) == (1, "none")
 
 
 @pytest.mark.parametrize(("rollout_id", "first", "last"), [(0, 9, 21), (1, 22, 40), (2, 41, 59)])

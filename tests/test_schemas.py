@@ -23,9 +23,11 @@ from schemas.events import (
     EVENT_TYPES_BY_NAME,
     Event,
     ProbeBatch,
+    RankStep,
     RolloutRequested,
     TensorMismatch,
     TrainMetrics,
+    TrainStepFinished,
 )
 from schemas.evidence import CheckpointRolloutEvidence
 
@@ -70,6 +72,8 @@ EXAMPLES: dict[str, dict[str, Any]] = {
         engines=["engine-0", "engine-1"],
         rollout_only=True,
         checkpoint_iteration=1,
+        trainer_ranks=2,
+        trainer_sharding="fsdp2",
     ),
     "StopRequested": dict(reason="sentinel file", now=True),
     "StepCancelled": dict(rollout_id=3, phase="generate", reason="interrupted by signal"),
@@ -107,6 +111,10 @@ EXAMPLES: dict[str, dict[str, Any]] = {
         ),
         staleness_max=1,
         train_seconds=3.0,
+        ranks=[
+            RankStep(rank=0, pid=101, step_seconds=2.5, peak_memory_bytes=3 << 30, state_bytes=1 << 30),
+            RankStep(rank=1, pid=102, step_seconds=2.25, peak_memory_bytes=5 << 29, state_bytes=1 << 30),
+        ],
     ),
     "EvalRequested": dict(rollout_id=5),
     "EvalFinished": dict(
@@ -273,3 +281,33 @@ def test_field_missing_from_an_older_writer_gets_its_default() -> None:
 def test_unknown_event_type_does_not_decode() -> None:
     with pytest.raises(msgspec.DecodeError):
         decode_event(msgspec.msgpack.encode({"type": "NoSuchEvent"}))
+
+
+def test_a_train_step_of_two_ranks_round_trips_with_each_ranks_numbers() -> None:
+    step = example("TrainStepFinished")
+    assert isinstance(step, TrainStepFinished)
+    decoded = decode_event(encode_event(step))
+    assert isinstance(decoded, TrainStepFinished)
+    assert [(r.rank, r.pid, r.step_seconds) for r in decoded.ranks] == [(0, 101, 2.5), (1, 102, 2.25)]
+    assert [r.peak_memory_bytes for r in decoded.ranks] == [3 << 30, 5 << 29]
+    assert event_from_json(event_to_json_bytes(step)) == step
+
+
+def test_a_train_step_and_run_start_written_before_ranks_read_as_one_unreported_rank() -> None:
+    old = decode_event(
+        msgspec.msgpack.encode({"type": "TrainStepFinished", "rollout_id": 1, "weight_version": "1"})
+    )
+    assert isinstance(old, TrainStepFinished) and old.ranks == []
+    started = decode_event(
+        msgspec.msgpack.encode(
+            {
+                "type": "RunStarted",
+                "runtime": "local",
+                "config_digest": "",
+                "start_rollout_id": 0,
+                "num_rollout": 1,
+                "num_rollout_per_epoch": None,
+            }
+        )
+    )
+    assert (started.trainer_ranks, started.trainer_sharding) == (1, "none")  # type: ignore[attr-defined]

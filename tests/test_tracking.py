@@ -17,7 +17,7 @@ from miles_events.sinks.base import SinkContext
 from miles_events.sinks.tracking import TrackingError, TrackingSink, WandbSink, make_tracking
 from schemas.config import Config, RunConfig, TrackingConfig
 from schemas.events import CheckpointSaved, Event, RunFinished
-from tests.support import drive_sink
+from tests.support import drive_sink, with_ranks
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tiny_run" / "events.log"
 EVENTS: list[Event] = list(read_events(FIXTURE))
@@ -68,6 +68,25 @@ async def test_tensorboard_logs_every_scalar_at_its_rollout_step(tmp_path):
     assert scalars["rollout/reward_mean"] == [(0, 0.0078125), (1, 0.0234375), (2, 0.0234375)]
     assert scalars["weights/version"] == [(0, 2.0), (1, 3.0), (2, 4.0)]
     assert [step for step, _ in scalars["checkpoint/save_seconds"]] == [1, 2]
+
+
+async def test_tensorboard_logs_each_ranks_time_and_memory_for_a_trainer_of_two_ranks(tmp_path):
+    config = config_with(tmp_path, tensorboard=True)
+    await drive(only(make_tracking(config)), with_ranks(EVENTS, 2), config, tmp_path)
+    scalars = tensorboard_scalars(tmp_path / "tensorboard" / "run-1")
+    assert scalars["train/rank1/step_seconds"] == [
+        (0, pytest.approx(0.11)),
+        (1, pytest.approx(0.21)),
+        (2, pytest.approx(0.31)),
+    ]
+    assert scalars["train/rank0/peak_memory_bytes"] == [(step, 400 * 2**20) for step in (0, 1, 2)]
+    assert scalars["train/rank1/state_bytes"] == [(step, 91 * 2**20) for step in (0, 1, 2)]
+
+
+async def test_a_trainer_of_one_rank_logs_no_per_rank_scalars(tmp_path):
+    config = config_with(tmp_path, tensorboard=True)
+    await drive(only(make_tracking(config)), with_ranks(EVENTS, 1, "none"), config, tmp_path)
+    assert not [tag for tag in tensorboard_scalars(tmp_path / "tensorboard" / "run-1") if "/rank" in tag]
 
 
 async def test_tensorboard_logs_evals_at_the_eval_rollout_id_including_before_training(tmp_path):
@@ -187,6 +206,23 @@ async def test_wandb_plots_every_section_against_rollout_id():
     assert {run.metrics[f"{s}/*"] for s in ("rollout", "train", "perf", "weights", "checkpoint", "eval")} == {
         "rollout_id"
     }
+
+
+async def test_wandb_logs_each_ranks_scalars_with_the_train_step_against_rollout_id():
+    run = FakeRun()
+    await drive(WandbSink(run), with_ranks(EVENTS, 2))
+    (row,) = [r for r in run.logged if r["rollout_id"] == 2 and "train/loss" in r]
+    assert {k: row[k] for k in row if "/rank" in k} == pytest.approx(
+        {
+            "train/rank0/step_seconds": 0.30,
+            "train/rank0/peak_memory_bytes": 400 * 2**20,
+            "train/rank0/state_bytes": 90 * 2**20,
+            "train/rank1/step_seconds": 0.31,
+            "train/rank1/peak_memory_bytes": 410 * 2**20,
+            "train/rank1/state_bytes": 91 * 2**20,
+        }
+    )
+    assert run.metrics["train/*"] == "rollout_id"
 
 
 async def test_wandb_keeps_a_checkpoint_that_finishes_after_later_rollouts():

@@ -6,6 +6,7 @@ import asyncio
 import copy
 import json
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -209,6 +210,20 @@ async def test_a_rollout_is_released_then_reported_as_a_train_step(base_model: P
     assert finished.metrics.train_tokens == 2 + 3 + 2 + 4
     assert finished.metrics.num_optimizer_steps == 1
     assert finished.metrics.grad_norm > 0
+
+
+async def test_a_one_process_train_step_reports_its_one_rank(base_model: Path, tmp_path: Path) -> None:
+    trainer, context = await started_trainer(make_config(base_model, tmp_path), tmp_path)
+    await trainer.handle(rollout_event(context, 0, two_group_samples()))
+    (finished,) = context.of_type(TrainStepFinished)
+    (rank,) = finished.ranks
+    assert (rank.rank, rank.pid) == (0, os.getpid())
+    assert 0 < rank.step_seconds <= finished.train_seconds
+    assert rank.peak_memory_bytes > 0
+    tensors = list(trainer.backend.model.parameters())
+    parameters = sum(p.numel() * p.element_size() for p in tensors)
+    # Parameters, Adam's two moments and its step count per tensor (gradients are freed).
+    assert rank.state_bytes == 3 * parameters + 4 * len(tensors)
 
 
 async def test_global_batch_size_sets_the_optimizer_steps_per_rollout(

@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
 
 from miles_events.bus.cancel import Cancellation
-from schemas.events import TrainMetrics
+from schemas.events import RankStep, TrainMetrics
 from schemas.rollout import RolloutBatch
 
 if TYPE_CHECKING:
@@ -87,6 +87,11 @@ class TrainerBackend(ABC):
     def rng_state(self) -> dict[str, Any]:
         """Every random number generator state training may draw from."""
         return capture_rng_state()
+
+    def rank_steps(self) -> list[RankStep]:
+        """What each rank's part of the last ``train`` took, in rank order (empty where the
+        backend does not say)."""
+        return []
 
     async def close(self) -> None:
         """Release what the backend started (its ranks' processes); called once, at the end."""

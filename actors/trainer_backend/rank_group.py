@@ -17,26 +17,22 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import os
-import resource
-import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio.from_thread
 
 from actors.trainer_backend.base import TrainerBackend, capture_rng_state
 from miles_events.bus.cancel import Cancellation
 from miles_events.device.threads import phase_thread_count, phase_threads
-from schemas.events import TrainMetrics
+from schemas.config import resolved_sharding
+from schemas.events import RankStep, TrainMetrics
 from schemas.rollout import RolloutBatch
 
 if TYPE_CHECKING:
     import torch
 
-    from actors.trainer_backend.torch_backend import TorchTrainerBackend
     from miles_events.bus.actor import ActorContext, RankPlace, Worker
     from miles_events.transport.base import Transport
     from schemas.config import Config
@@ -47,43 +43,9 @@ CANCEL_POLL_SECONDS = 0.05
 """How often a rollout's training looks for a cancellation to pass on to the ranks."""
 
 
-def sharding_of(config: Config) -> Literal["none", "fsdp2", "ddp"]:
-    """The run's sharding, ``auto`` resolved: none for one rank, fsdp2 for more."""
-    sharding = config.trainer.sharding
-    if sharding == "auto":
-        return "none" if config.trainer.num_ranks == 1 else "fsdp2"
-    return sharding
-
-
 def uses_rank_group(config: Config) -> bool:
     """Whether the trainer runs as a group of ranks (a process group), even of one."""
-    return sharding_of(config) != "none"
-
-
-@dataclass(frozen=True)
-class RankReport:
-    """What one rank's part of a rollout's training took."""
-
-    rank: int
-    pid: int
-    step_seconds: float
-    peak_memory_bytes: int
-    """The rank's peak: CUDA memory allocated at most on a GPU, else its process's peak RSS."""
-    state_bytes: int
-    """Parameters, gradients and optimizer state the rank holds (its shard under FSDP2)."""
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    """The process's peak memory: allocated CUDA memory on a GPU, else the peak RSS."""
-    if device.type == "cuda":
-        import torch
-
-        return int(torch.cuda.max_memory_allocated(device))
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
-
-
-def rank_report(backend: TorchTrainerBackend, rank: int, seconds: float) -> RankReport:
-    return RankReport(rank, os.getpid(), seconds, peak_memory_bytes(backend.device), backend.state_bytes())
+    return resolved_sharding(config.trainer) != "none"
 
 
 class TrainerRank:
@@ -105,7 +67,7 @@ class TrainerRank:
             device = torch.device("cuda", torch.cuda.current_device())
         else:
             device = torch.device("cpu")
-        sharding = sharding_of(config)
+        sharding = resolved_sharding(config.trainer)
         assert sharding != "none"
         self.parallel = ProcessGroup(
             sharding,
@@ -118,13 +80,11 @@ class TrainerRank:
         self.backend = TorchTrainerBackend(config, self.parallel)
         self.cancellation = Cancellation()
 
-    def train(self, batch: RolloutBatch) -> tuple[TrainMetrics, RankReport, int]:
+    def train(self, batch: RolloutBatch) -> tuple[TrainMetrics, list[RankStep], int]:
         self.cancellation = Cancellation()
-        started = time.perf_counter()
         with phase_threads(self.config.trainer.num_threads, self.sharers):
             metrics = self.backend.train(batch, self.cancellation)
-        report = rank_report(self.backend, self.rank, time.perf_counter() - started)
-        return metrics, report, self.backend.num_optimizer_steps
+        return metrics, self.backend.rank_steps(), self.backend.num_optimizer_steps
 
     def cancel(self, reason: str) -> None:
         self.cancellation.cancel(reason)
@@ -196,8 +156,7 @@ class RankGroupBackend(TrainerBackend):
         self.workers = workers
         self._store = store  # the rendezvous: held while the group lives
         self._num_optimizer_steps = 0
-        self.last_reports: list[RankReport] = []
-        """Each rank's report of the last rollout trained, in rank order."""
+        self._rank_steps: list[RankStep] = []
 
     @classmethod
     async def start(cls, config: Config, context: ActorContext) -> RankGroupBackend:
@@ -236,7 +195,7 @@ class RankGroupBackend(TrainerBackend):
     # --- training ----------------------------------------------------------------------------
 
     def train(self, batch: RolloutBatch, cancel: Cancellation | None = None) -> TrainMetrics:
-        async def run() -> list[tuple[TrainMetrics, RankReport, int]]:
+        async def run() -> list[tuple[TrainMetrics, list[RankStep], int]]:
             async def pass_on_cancellation() -> None:
                 while cancel is not None:
                     if cancel.cancelled:  # sent again until the step ends: a rank may miss one
@@ -252,8 +211,11 @@ class RankGroupBackend(TrainerBackend):
 
         results = self._on_loop(run)
         metrics, _report, self._num_optimizer_steps = results[0]
-        self.last_reports = [report for _metrics, report, _steps in results]
+        self._rank_steps = [step for _metrics, steps, _count in results for step in steps]
         return metrics
+
+    def rank_steps(self) -> list[RankStep]:
+        return self._rank_steps
 
     # --- state -------------------------------------------------------------------------------
 

@@ -29,6 +29,9 @@ import copy
 import dataclasses
 import logging
 import math
+import os
+import resource
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,7 +53,7 @@ from miles_events.rl.hf_model import cache_kwarg, load_model, torch_dtype
 from miles_events.rl.probe import teacher_forced_logprobs
 from miles_events.rl.weights import split_tied
 from schemas.config import Config
-from schemas.events import TrainMetrics
+from schemas.events import RankStep, TrainMetrics
 from schemas.rollout import RolloutBatch, Sample
 
 logger = logging.getLogger(__name__)
@@ -172,6 +175,13 @@ def split(indices: list[int], size: int) -> list[list[int]]:
     return [indices[start : start + size] for start in range(0, len(indices), size)]
 
 
+def peak_memory_bytes(device: torch.device) -> int:
+    """The process's peak memory: CUDA's most allocated on a GPU, else the peak RSS."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
+
+
 def empty_like(micro: MicroBatch) -> MicroBatch:
     """``micro`` with every token masked: a forward and backward that changes nothing, run by
     a rank with fewer micro-batches in a step than another (every rank runs the same
@@ -253,6 +263,7 @@ class TorchTrainerBackend(TrainerBackend):
             weight_decay=trainer.weight_decay,
         )
         self._num_optimizer_steps = 0
+        self._rank_step: RankStep | None = None
 
     # --- forward passes ------------------------------------------------------------------
 
@@ -387,6 +398,21 @@ class TorchTrainerBackend(TrainerBackend):
             raise Cancelled(cancel.reason or "another trainer rank was cancelled")
 
     def train(self, batch: RolloutBatch, cancel: Cancellation | None = None) -> TrainMetrics:
+        started = time.perf_counter()
+        metrics = self._train(batch, cancel)
+        self._rank_step = RankStep(
+            rank=self.parallel.rank,
+            pid=os.getpid(),
+            step_seconds=time.perf_counter() - started,
+            peak_memory_bytes=peak_memory_bytes(self.device),
+            state_bytes=self.state_bytes(),
+        )
+        return metrics
+
+    def rank_steps(self) -> list[RankStep]:
+        return [] if self._rank_step is None else [self._rank_step]
+
+    def _train(self, batch: RolloutBatch, cancel: Cancellation | None) -> TrainMetrics:
         trainer = self.config.trainer
         samples = batch.samples
         if not samples:

@@ -35,7 +35,7 @@ from miles_events.rl.prompts import load_prompts, whole_batches_per_epoch
 from miles_events.rl.versions import engine_names
 from miles_events.runtime.base import Preparation
 from schemas.checkpoint import TrainerState
-from schemas.config import Config
+from schemas.config import Config, resolved_sharding
 from schemas.plan import RunPlan
 
 logger = logging.getLogger(__name__)
@@ -155,6 +155,8 @@ def make_plan(config: Config, runtime: str, run_id: str = "") -> PlannedRun:
         checkpoint_iteration=iteration,
         lineage=lineage,
         probe=probe_publications(config),
+        trainer_ranks=config.trainer.num_ranks,
+        trainer_sharding=resolved_sharding(config.trainer),
     )
     return PlannedRun(plan, moves)
 

@@ -156,11 +156,14 @@ def events_reference() -> str:
 
 
 def _nested_records(cls: type) -> list[type]:
-    """Struct-typed fields of an event that are records of their own (not a DataRef)."""
+    """Struct-typed fields of an event that are records of their own (not a DataRef), and
+    the records of its list fields."""
     hints = typing.get_type_hints(cls)
     found = []
     for field in msgspec.structs.fields(cls):
         hint = hints[field.name]
+        if typing.get_origin(hint) is list:
+            (hint,) = typing.get_args(hint)
         if (
             isinstance(hint, type)
             and issubclass(hint, msgspec.Struct)

@@ -43,6 +43,7 @@ from schemas.events import (
     PublicationFailed,
     PublicationMismatch,
     PublicationVerified,
+    RankStep,
     RolloutGenerated,
     RunFinished,
     RunStarted,
@@ -90,6 +91,20 @@ def describe_eval(event: EvalFinished) -> str:
     return f"rollout {event.rollout_id} (weights {versions})" if versions else f"rollout {event.rollout_id}"
 
 
+def describe_bytes(count: int) -> str:
+    """``410 MiB`` below a GiB, ``37.5 GiB`` from one."""
+    if count < 1 << 30:
+        return f"{count / (1 << 20):.0f} MiB"
+    return f"{count / (1 << 30):.1f} GiB"
+
+
+def describe_ranks(ranks: list[RankStep], separator: str = ", ") -> str:
+    """``0: 1.21s 410 MiB, 1: 1.19s 402 MiB``: each rank's step time and peak memory."""
+    return separator.join(
+        f"{r.rank}: {r.step_seconds:.2f}s {describe_bytes(r.peak_memory_bytes)}" for r in ranks
+    )
+
+
 def describe_mismatch(event: PublicationMismatch) -> str:
     """``MISMATCH in 2 tensor(s), first engine-0:model.norm.weight``: the first is where to look."""
     first = event.mismatches[0] if event.mismatches else None
@@ -111,6 +126,8 @@ class RunProgress(HandlerTable):
         self.last_trained: int | None = None
         """The last rollout done: trained, or (rollout-only) generated."""
         self.rollout_only = False
+        self.trainer_ranks = 1
+        self.trainer_sharding = "none"
         self.rewards: deque[float] = deque(maxlen=recent)
         self.train: TrainStepFinished | None = None
         self.step_seconds: dict[str, float] = {}
@@ -133,6 +150,12 @@ class RunProgress(HandlerTable):
     def done(self) -> int:
         """Rollouts done so far in this run."""
         return 0 if self.last_trained is None else self.last_trained - self.start_rollout_id + 1
+
+    def trainer_shape(self) -> str:
+        """``2 ranks, fsdp2``; empty for a trainer of one rank."""
+        if self.trainer_ranks <= 1:
+            return ""
+        return f"{self.trainer_ranks} ranks, {self.trainer_sharding}"
 
     def rollout(self, rollout_id: int) -> str:
         """``rollout 4 [5/50]``: the rollout's id, then which of this run's rollouts it is."""
@@ -163,6 +186,7 @@ class RunProgress(HandlerTable):
         self.run_id, self.runtime = event.run_id, event.runtime
         self.start_rollout_id, self.num_rollout = event.start_rollout_id, event.num_rollout
         self.rollout_only = event.rollout_only
+        self.trainer_ranks, self.trainer_sharding = event.trainer_ranks, event.trainer_sharding
         self.started_at = event.time or None
         self.trainer_version = event.weight_version
         # Engines boot from the Hugging Face directory, even on resume, until the first publication.
@@ -274,9 +298,11 @@ class ConsoleSink(Sink):
 
 
 class PlainProgress(ConsoleSink):
-    """One line per rollout (reward, loss, step times, publication outcome), plus lines for
-    the start, evals, checkpoints, mismatches, failures and the end. ``quiet`` keeps only
-    the final line. Lines follow event order, so a given log always prints the same."""
+    """One line per rollout (reward, loss, step times, publication outcome; each rank's time
+    and peak memory for a trainer of several ranks), plus lines for the start (and the
+    trainer's ranks and sharding when it has several), evals, checkpoints, mismatches,
+    failures and the end. ``quiet`` keeps only the final line. Lines follow event order, so
+    a given log always prints the same."""
 
     def __init__(self, stream: TextIO | None = None, *, verify: bool = True, quiet: bool = False) -> None:
         super().__init__()
@@ -308,6 +334,8 @@ class PlainProgress(ConsoleSink):
         self._line(
             f"run {event.run_id} ({event.runtime}): {todo}, engines {', '.join(event.engines)}{resumed}"
         )
+        if p.trainer_shape():
+            self._line(f"trainer: {p.trainer_shape()}")
 
     @handles(RolloutGenerated)
     def _rollout_generated(self, event: RolloutGenerated) -> None:
@@ -408,6 +436,8 @@ class PlainProgress(ConsoleSink):
             times += f" pub {published.publish_seconds:.2f}s"
         if verify_seconds is not None:
             times += f" verify {verify_seconds:.2f}s"
+        if len(train.ranks) > 1:
+            times += f" | ranks {describe_ranks(train.ranks)}"
         self._line(
             f"{self.progress.rollout(rollout_id)}: {reward}"
             f"loss {m.loss:+.4f} kl {m.kl:.4f} grad {m.grad_norm:.3f} | {times} | {outcome}"
@@ -427,8 +457,9 @@ def _duration(seconds: float) -> str:
 
 
 def render_progress(progress: RunProgress, *, final: bool = False) -> Panel:
-    """The display: progress and ETA, reward trend, losses, step time split, versions,
-    the last publication's verification, checkpoint and eval; ``final`` for the summary."""
+    """The display: progress and ETA, reward trend, losses, step time split, the trainer's
+    ranks (several: each one's last step time and peak memory), versions, the last
+    publication's verification, checkpoint and eval; ``final`` for the summary."""
     p = progress
     rows = Table.grid(padding=(0, 2))
     rows.add_column(style="bold", no_wrap=True)
@@ -472,6 +503,10 @@ def render_progress(progress: RunProgress, *, final: bool = False) -> Panel:
             f"{label} {p.step_seconds[phase]:.2f}s" for phase, label in STEP_PHASES if phase in p.step_seconds
         )
         rows.add_row("step time", Text(split))
+    if p.trainer_shape():
+        ranks = p.train.ranks if p.train is not None else []
+        per_rank = f" · {describe_ranks(ranks, '  ')}" if len(ranks) > 1 else ""
+        rows.add_row("ranks", Text(p.trainer_shape() + per_rank))
     versions = Text(f"trainer {p.trainer_version}")
     for engine, version in p.engine_versions.items():
         versions.append(f"  {engine} {version}", style="" if version == p.trainer_version else "yellow")

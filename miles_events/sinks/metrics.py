@@ -99,6 +99,10 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("miles_train_clipfrac", "gauge", "", "Fraction of clipped ratios in the last train step.", "TrainStepFinished"),
     _m("miles_train_tokens_total", "counter", "", "Tokens trained on.", "TrainStepFinished.metrics.train_tokens"),
     _m("miles_train_duration_seconds", "histogram", "", "Time of a train step.", "TrainStepFinished.train_seconds"),
+    _m("miles_trainer_ranks", "gauge", "", "The trainer's ranks (`trainer.num_ranks`; 1 in a log written before ranks), then how many the last train step reported.", "RunStarted.trainer_ranks, TrainStepFinished.ranks"),
+    _m("miles_trainer_rank_step_seconds", "gauge", "rank", "Wall time of each trainer rank's part of the last train step.", "TrainStepFinished.ranks[].step_seconds"),
+    _m("miles_trainer_rank_peak_memory_bytes", "gauge", "rank", "Each trainer rank's peak memory so far: CUDA's max allocated bytes on a GPU, the process's peak RSS on CPU.", "TrainStepFinished.ranks[].peak_memory_bytes"),
+    _m("miles_trainer_rank_state_bytes", "gauge", "rank", "Parameters, gradients and optimizer state each trainer rank holds (its shard under FSDP2).", "TrainStepFinished.ranks[].state_bytes"),
     _m("miles_eval_score", "gauge", "metric", "The last evaluation, one series per metric it reports.", "EvalFinished.metrics"),
     _m("miles_eval_duration_seconds", "histogram", "", "Time of an evaluation.", "EvalFinished.eval_seconds"),
     _m("miles_weight_version", "gauge", "role engine", 'Weight version as a number (`"default"` = 0). `role="trainer"` (with `engine=""`): staged by the trainer; `role="engine"`: served by that engine. Trainer = the run\'s start version and engines = 0 at RunStarted.', "RunStarted, WeightsStaged, WeightsLoaded"),
@@ -209,6 +213,11 @@ class RunMetrics(Sink):
             f("miles_train_tokens_total"),
             f("miles_train_duration_seconds"),
         )
+        self.trainer_ranks, self.rank_seconds = f("miles_trainer_ranks"), f("miles_trainer_rank_step_seconds")
+        self.rank_peak_memory, self.rank_state = (
+            f("miles_trainer_rank_peak_memory_bytes"),
+            f("miles_trainer_rank_state_bytes"),
+        )
         self.eval_score, self.eval_seconds = f("miles_eval_score"), f("miles_eval_duration_seconds")
         self.weight_version, self.checksum = f("miles_weight_version"), f("miles_weight_checksum_info")
         self.publications, self.publication_seconds = (
@@ -271,6 +280,7 @@ class RunMetrics(Sink):
         for outcome in ("saved", "failed"):
             self.checkpoints(run, outcome)
         self.mismatched(run).set(0)
+        self.trainer_ranks(run).set(e.trainer_ranks)
         self.tokens_generated(run)
         self.train_tokens(run)
 
@@ -300,6 +310,14 @@ class RunMetrics(Sink):
         self.train_tokens(run).inc(m.train_tokens)
         if e.train_seconds > 0:
             self.train_seconds(run).observe(e.train_seconds)
+        # A trainer that does not report its ranks leaves their last values as they are.
+        if e.ranks:
+            self.trainer_ranks(run).set(len(e.ranks))
+        for r in e.ranks:
+            rank = str(r.rank)
+            self.rank_seconds(run, rank).set(r.step_seconds)
+            self.rank_peak_memory(run, rank).set(r.peak_memory_bytes)
+            self.rank_state(run, rank).set(r.state_bytes)
 
     @handles(EvalFinished)
     def _eval_finished(self, e: EvalFinished) -> None:

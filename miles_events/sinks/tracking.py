@@ -11,6 +11,8 @@ Every scalar is logged at step ``rollout_id``:
     rollout/reward_mean  rollout/response_tokens  perf/generate_seconds  (RolloutGenerated)
     train/loss  train/pg_loss  train/kl  train/entropy  train/grad_norm  train/clipfrac
     perf/train_seconds                                                   (TrainStepFinished)
+    train/rank<r>/step_seconds  train/rank<r>/peak_memory_bytes
+    train/rank<r>/state_bytes      (TrainStepFinished.ranks, a trainer of several ranks)
     perf/publish_seconds  weights/version                                (WeightsPublished)
     perf/verify_seconds                          (PublicationVerified / PublicationMismatch)
     weights/mismatched_tensors                                        (PublicationMismatch)
@@ -88,7 +90,7 @@ class TrackingSink(Sink):
 
     @handles(TrainStepFinished)
     def _train_step_finished(self, event: TrainStepFinished) -> None:
-        self._row(event, event.rollout_id, {
+        scalars = {
             "train/loss": event.metrics.loss,
             "train/pg_loss": event.metrics.pg_loss,
             "train/kl": event.metrics.kl,
@@ -96,7 +98,13 @@ class TrackingSink(Sink):
             "train/grad_norm": event.metrics.grad_norm,
             "train/clipfrac": event.metrics.clipfrac,
             "perf/train_seconds": event.train_seconds,
-        })  # fmt: skip
+        }
+        if len(event.ranks) > 1:
+            for r in event.ranks:
+                scalars[f"train/rank{r.rank}/step_seconds"] = r.step_seconds
+                scalars[f"train/rank{r.rank}/peak_memory_bytes"] = float(r.peak_memory_bytes)
+                scalars[f"train/rank{r.rank}/state_bytes"] = float(r.state_bytes)
+        self._row(event, event.rollout_id, scalars)
 
     @handles(WeightsPublished)
     def _weights_published(self, event: WeightsPublished) -> None:

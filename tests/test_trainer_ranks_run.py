@@ -1,0 +1,230 @@
+"""Runs whose trainer is two ranks, through the CLI as a user starts them: on both runtimes
+every publication verified, the checkpoint one Hugging Face directory, resume exact across
+a stop and across rank counts, and a rank that dies or hangs ending the run with one line
+naming it, leaving no process behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from miles_events.bus.event_log import read_events
+from miles_events.checkpoint.format import read_checkpoint
+from miles_events.checkpoint.resume import latest_checkpoint
+from schemas.events import (
+    PublicationVerified,
+    RunStarted,
+    TrainStepFinished,
+    WeightsStaged,
+)
+from tests.test_e2e import ROOT, SMALL, TINY, events, published_versions, rollouts, run_cli
+
+pytestmark = pytest.mark.slow
+
+TWO_RANKS = ("trainer.num_ranks=2", "trainer.num_threads=1")
+UPDATE_TOLERANCE = 1e-4
+"""As in tests/test_trainer_ranks.py: two trainings' updates differ by at most this part of
+the update's L2 norm when they differ only in how the ranks add up the gradient."""
+
+
+def digests(log: list) -> dict[str, str]:
+    """Weight version -> the digest staged for it (the last staging of a version)."""
+    return {e.weight_version: e.digest for e in log if isinstance(e, WeightsStaged)}
+
+
+def update_difference(
+    base: dict[str, torch.Tensor], a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]
+) -> float:
+    apart = sum(float(((a[n].double() - b[n].double()) ** 2).sum()) for n in a) ** 0.5
+    update = sum(float(((a[n].double() - base[n].double()) ** 2).sum()) for n in a) ** 0.5
+    return apart / update
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory):
+    runs = {}
+    for runtime in ("local", "ray"):
+        run_dir = tmp_path_factory.mktemp(f"ranks-{runtime}")
+        result = run_cli(
+            run_dir, f'run.runtime="{runtime}"', "run.num_rollout=3", "run.save_interval=2", *TWO_RANKS
+        )
+        runs[runtime] = (run_dir, result)
+    return runs
+
+
+@pytest.mark.parametrize("runtime", ["local", "ray"])
+def test_a_two_rank_run_verifies_every_publication(two_rank_runs, runtime):
+    run_dir, result = two_rank_runs[runtime]
+    assert result.returncode == 0, result.stderr[-3000:]
+    log = events(run_dir)
+    (started,) = [e for e in log if isinstance(e, RunStarted)]
+    assert (started.trainer_ranks, started.trainer_sharding) == (2, "fsdp2")
+    published = published_versions(log)
+    assert published == ["1", "2", "3", "4"]
+    assert [e.weight_version for e in log if isinstance(e, PublicationVerified)] == published
+    steps = [e for e in log if isinstance(e, TrainStepFinished)]
+    assert len(steps) == 3
+    for step in steps:
+        assert [r.rank for r in step.ranks] == [0, 1]
+        assert len({r.pid for r in step.ranks}) == 2, "each rank has a process of its own"
+        assert all(r.state_bytes > 0 and r.step_seconds > 0 for r in step.ranks)
+
+
+def test_both_runtimes_train_two_ranks_alike(two_rank_runs):
+    local, ray = (events(two_rank_runs[r][0]) for r in ("local", "ray"))
+    assert rollouts(local) == rollouts(ray)
+    assert digests(local) == digests(ray)
+
+
+@pytest.mark.parametrize("runtime", ["local", "ray"])
+def test_a_two_rank_checkpoint_is_one_directory_transformers_loads(two_rank_runs, runtime):
+    run_dir, _result = two_rank_runs[runtime]
+    checkpoint = latest_checkpoint(run_dir)
+    assert checkpoint is not None
+    model = AutoModelForCausalLM.from_pretrained(checkpoint)
+    saved = read_checkpoint(checkpoint)
+    for name, tensor in model.state_dict().items():
+        if name in saved.weights:
+            assert torch.equal(tensor, saved.weights[name]), name
+    assert set(saved.optimizer["state"]) <= set(model.state_dict()), "keyed by parameter name"
+
+
+def test_two_ranks_train_what_one_rank_trains(tmp_path):
+    common = ('run.runtime="local"', "run.num_rollout=1", "run.save_interval=1")
+    one = run_cli(tmp_path / "one", *common)
+    two = run_cli(tmp_path / "two", *common, *TWO_RANKS)
+    assert one.returncode == 0 and two.returncode == 0, (one.stderr + two.stderr)[-3000:]
+    (a,) = [e.metrics for e in events(tmp_path / "one") if isinstance(e, TrainStepFinished)]
+    (b,) = [e.metrics for e in events(tmp_path / "two") if isinstance(e, TrainStepFinished)]
+    assert b.train_tokens == a.train_tokens
+    assert b.loss == pytest.approx(a.loss, abs=1e-6)
+    assert b.grad_norm == pytest.approx(a.grad_norm, rel=1e-5)
+    one_weights = read_checkpoint(latest_checkpoint(tmp_path / "one")).weights
+    two_weights = read_checkpoint(latest_checkpoint(tmp_path / "two")).weights
+    base_model = AutoModelForCausalLM.from_pretrained(tmp_path / "one" / "base_model").state_dict()
+    base_weights = {name: base_model[name] for name in one_weights}
+    assert update_difference(base_weights, one_weights, two_weights) <= UPDATE_TOLERANCE
+
+
+def test_a_resumed_two_rank_run_ends_with_bitwise_the_weights_of_an_uninterrupted_one(tmp_path):
+    common = ('run.runtime="local"', "run.num_rollout=4", "run.save_interval=2", *TWO_RANKS)
+    whole = run_cli(tmp_path / "whole", *common)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    first = run_cli(tmp_path / "split", *common, "run.debug_exit_after_rollout=2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = run_cli(tmp_path / "split", *common, "run.resume=true")
+    assert second.returncode == 0, second.stderr[-3000:]
+    whole_log, split_log = events(tmp_path / "whole"), events(tmp_path / "split")
+    assert rollouts(split_log) == rollouts(whole_log)
+    assert digests(split_log) == digests(whole_log)
+    a = read_checkpoint(latest_checkpoint(tmp_path / "whole"))
+    b = read_checkpoint(latest_checkpoint(tmp_path / "split"))
+    for name, tensor in a.weights.items():
+        assert torch.equal(tensor, b.weights[name]), name
+
+
+@pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2)])
+def test_a_checkpoint_resumes_with_another_rank_count(tmp_path, before, after):
+    common = ('run.runtime="local"', "run.num_rollout=4", "run.save_interval=2", "trainer.num_threads=1")
+    first = run_cli(
+        tmp_path / "run", *common, f"trainer.num_ranks={before}", "run.debug_exit_after_rollout=2"
+    )
+    assert first.returncode == 0, first.stderr[-3000:]
+    first_log = events(tmp_path / "run")
+    second = run_cli(tmp_path / "run", *common, f"trainer.num_ranks={after}", "run.resume=true")
+    assert second.returncode == 0, second.stderr[-3000:]
+    log = events(tmp_path / "run")
+    resumed = log[len(first_log) :]
+    (started,) = [e for e in resumed if isinstance(e, RunStarted)]
+    assert started.resumed and started.trainer_ranks == after
+    # The resume republishes the saved weights: the same bytes as the first run published.
+    republished = next(e for e in resumed if isinstance(e, WeightsStaged))
+    assert republished.weight_version == "3"
+    assert republished.digest == digests(first_log)["3"]
+    assert [e.weight_version for e in resumed if isinstance(e, PublicationVerified)] == published_versions(
+        resumed
+    )
+
+
+# --- a rank that dies or hangs --------------------------------------------------------------
+
+
+def start_long_run(run_dir: Path, *overrides: str) -> subprocess.Popen:
+    args = [sys.executable, "-m", "miles_events.run", str(TINY), "--set", f'run.dir="{run_dir}"',
+            "--set", "metrics.port=0", "--set", 'console.mode="plain"']  # fmt: skip
+    for override in (*SMALL, 'run.runtime="local"', "run.num_rollout=50", *TWO_RANKS, *overrides):
+        args += ["--set", override]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env
+    )
+
+
+def rank_pids_once_trained(run_dir: Path, driver: subprocess.Popen, within: float = 120.0) -> list[int]:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        assert driver.poll() is None, driver.communicate()[1][-3000:]
+        log = run_dir / "events.log"
+        if log.exists():
+            steps = [e for e in read_events(log) if isinstance(e, TrainStepFinished)]
+            if steps:
+                return [r.pid for r in steps[0].ranks]
+        time.sleep(0.2)
+    raise AssertionError(f"no train step within {within}s")
+
+
+def gone(pid: int, within: float = 15.0) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_a_rank_killed_mid_run_ends_it_with_one_line_naming_the_rank(tmp_path):
+    driver = start_long_run(tmp_path / "run")
+    try:
+        pids = rank_pids_once_trained(tmp_path / "run", driver)
+        os.kill(pids[1], signal.SIGKILL)
+        _out, err = driver.communicate(timeout=120)
+    finally:
+        driver.kill()
+    assert driver.returncode == 1, err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, err[-3000:]
+    assert f"trainer rank 1 (pid {pids[1]})" in lines[0] and "SIGKILL" in lines[0], lines[0]
+    assert "Traceback" not in err
+    assert gone(driver.pid)
+
+
+def test_a_rank_that_hangs_ends_the_run_within_the_collective_timeout(tmp_path):
+    driver = start_long_run(tmp_path / "run", "trainer.collective_timeout=10")
+    try:
+        pids = rank_pids_once_trained(tmp_path / "run", driver)
+        os.kill(pids[1], signal.SIGSTOP)
+        started = time.monotonic()
+        _out, err = driver.communicate(timeout=120)
+        took = time.monotonic() - started
+    finally:
+        driver.kill()
+        try:
+            os.kill(pids[1], signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert driver.returncode == 1, err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, err[-3000:]
+    assert "trainer rank" in lines[0] and f"rank 1 (pid {pids[1]})" in lines[0], lines[0]
+    assert took < 60
+    assert gone(pids[1]), "the hung rank's process is ended with the run"
