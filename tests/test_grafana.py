@@ -38,12 +38,6 @@ TSC = GRAFANA / ".typecheck" / "node_modules" / ".bin" / "tsc"
 REQUIRE = os.environ.get("MILES_REQUIRE_OBSERVABILITY") == "1"
 LIVE_ONLY_METRICS = ("miles_bus_mailbox_depth", "miles_bus_mailbox_high_water_mark")
 """Read from the live bus: absent from metrics rebuilt from an event log (docs/metrics.md)."""
-PER_RANK_METRICS = (
-    "miles_trainer_rank_step_seconds",
-    "miles_trainer_rank_peak_memory_bytes",
-    "miles_trainer_rank_state_bytes",
-)
-"""From ``TrainStepFinished.ranks``: absent from a run whose trainer does not report its ranks."""
 SERVER_METRIC = re.compile(r"\b(vllm|sglang):\w+")
 """The inference servers' own metrics: a run on the embedded engine has none; they are
 checked against a real vLLM server (tests/test_vllm_engine.py) and SGLang's own source."""
@@ -403,8 +397,6 @@ class ObservedRuns:
     replayed_run: str
     live_run: str
     processes: dict[str, tuple[subprocess.Popen[bytes], Path]]
-    ranks_reported: bool = False
-    """Whether the finished run's trainer reported its ranks (``TrainStepFinished.ranks``)."""
 
     def check_alive(self) -> None:
         for name, (process, log) in self.processes.items():
@@ -437,13 +429,6 @@ def run_command(
     )
     sets = [arg for setting in settings for arg in ("--set", setting)]
     return [sys.executable, "-m", "miles_events.run", "examples/tiny.toml", *sets]
-
-
-def ranks_reported(log: Path) -> bool:
-    from miles_events.bus.event_log import read_events
-    from schemas.events import TrainStepFinished
-
-    return any(e.ranks for e in read_events(log) if isinstance(e, TrainStepFinished))
 
 
 @contextlib.contextmanager
@@ -494,7 +479,6 @@ def observe_runs(prometheus: str, config: Path, tmp: Path) -> Iterator[ObservedR
             output = processes["finished run"][1].read_text()[-3000:]
             pytest.fail(f"the finished run ended with {status}:\n{output}")
         del processes["finished run"]
-        runs.ranks_reported = ranks_reported(tmp / "finished" / "events.log")
         replay = [sys.executable, "-m", "miles_events.replay", str(tmp / "finished" / "events.log")]
         start("replay", [*replay, "--serve-metrics", str(replay_port)])
         for _ in runs.poll(deadline_s=120):
@@ -551,15 +535,9 @@ def assert_all_return_data(
 
 
 def run_expressions(observed: ObservedRuns, dashboard: dict[str, Any]) -> list[tuple[str, str]]:
-    """The expressions on the run's own metrics (``miles_*``). Those on per-rank metrics
-    only where the trainer reports its ranks; elsewhere Prometheus must still accept them."""
-    named = [(n, e) for n, e in expressions(dashboard) if not SERVER_METRIC.search(e)]
-    if observed.ranks_reported:
-        return named
-    for _, expr in named:
-        if any(metric in expr for metric in PER_RANK_METRICS):
-            query(observed.prometheus_url, substitute(expr, observed.live_run))
-    return [(n, e) for n, e in named if not any(m in e for m in PER_RANK_METRICS)]
+    """The expressions on the run's own metrics (``miles_*``); every trainer reports its
+    ranks (one, for the single-process trainer), so the per-rank ones are among them."""
+    return [(n, e) for n, e in expressions(dashboard) if not SERVER_METRIC.search(e)]
 
 
 @pytest.mark.slow
