@@ -128,8 +128,10 @@ async def start_ray_workers(
     first_bundle: int,
     timeout: float,
     actor: str = "",
+    own_processes: bool = False,
 ) -> list[Worker[T]]:
-    """Rank 0 here, ranks 1.. in their own processes, all started concurrently."""
+    """Rank 0 here, ranks 1.. in their own processes, all started concurrently (with or
+    without ``own_processes``: on ray, every rank but 0 has a process of its own)."""
     import ray
     from ray.exceptions import RayTaskError
     from ray.util import get_current_placement_group
