@@ -6,6 +6,7 @@ hang their actor and never outlive it."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import multiprocessing
 import os
@@ -311,11 +312,16 @@ async def test_a_spawned_rank_that_does_not_start_in_time_fails_the_start_and_is
     tmp_path: Path,
 ) -> None:
     (tmp_path / "rank-1.slow").touch()
+    unheard: list[dict[str, Any]] = []
+    asyncio.get_running_loop().set_exception_handler(lambda loop, context: unheard.append(context))
     started = time.monotonic()
     with pytest.raises(RuntimeError, match=r"^test rank 1 \(pid \d+\) did not start within 2s$"):
         await start_spawned(tmp_path, start_timeout=2)
     assert time.monotonic() - started < 15
     assert multiprocessing.active_children() == []
+    await asyncio.sleep(0.2)
+    gc.collect()
+    assert unheard == [], "no error is left for nobody to hear"
 
 
 async def test_closing_a_spawned_rank_does_not_wait_behind_a_stuck_call(tmp_path: Path) -> None:

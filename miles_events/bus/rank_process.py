@@ -251,6 +251,7 @@ class ProcessWorker(Generic[T]):
         try:
             await wait_for(asyncio.shield(self._started), timeout, SYSTEM_CLOCK)
         except TimeoutError:
+            self._started.cancel()  # nobody waits for it any more
             await self._stop(wait=False)
             raise RuntimeError(f"{self.name} (pid {self.pid}) did not start within {timeout:g}s") from None
         except RankDied as died:
