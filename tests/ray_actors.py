@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import time
 from pathlib import Path
 
 from miles_events.bus.actor import Actor, WorkerGroup, handles
-from miles_events.bus.workers import RankPlace, close_workers
+from miles_events.bus.workers import RankDied, RankPlace, close_workers
 from schemas.events import EvalRequested, RolloutGenerated, RolloutRequested, StopRequested
 
 logger = logging.getLogger(__name__)
@@ -112,6 +114,11 @@ class RankProbe:
     def fail(self) -> None:
         raise KeyError(f"rank {self.place.rank} was asked to fail")
 
+    def die(self) -> None:
+        """Killed in the middle of this call."""
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGKILL)
+
     def note(self, text: str) -> None:
         self.notified.append(text)
 
@@ -131,7 +138,8 @@ def rank_probe(config, transport, place: RankPlace) -> RankProbe:  # type: ignor
 class Ranked(Actor):
     """A model actor with a worker group of two ranks: on EvalRequested, answers with a
     StopRequested per rank (``rank:pid:ranks_sharing_cores:actor pid:notes:logging``); on RolloutRequested, asks rank 1
-    to fail and answers with the error it got."""
+    to fail and answers with the error it got; on RolloutRequested 66, has rank 1 killed in
+    the middle of a call, and answers with what that call and the next one raised."""
 
     name = "ranked"
 
@@ -157,6 +165,13 @@ class Ranked(Actor):
 
     @handles(RolloutRequested, emits=(StopRequested,))
     async def on_rollout(self, event: RolloutRequested) -> None:
+        if event.rollout_id == 66:
+            for method in (RankProbe.die, RankProbe.notes):
+                try:
+                    await self.workers[1].call(method)
+                except RankDied as error:
+                    await self.publish(StopRequested(reason=f"RankDied: {error}"))
+            return
         try:
             await self.workers[1].call(RankProbe.fail)
         except KeyError as error:

@@ -170,6 +170,50 @@ def test_kill_9_of_a_ray_driver_leaves_nothing_after_the_next_run(tmp_path):
     assert not (tmp_path / PROCESSES_FILE).exists(), "a clean shutdown removes its record"
 
 
+# A driver whose actor starts three ranks with processes of their own (``own_processes``):
+# it says their pids once rank 1 has started and rank 2 is still building (its
+# ``rank-2.slow``), then waits to be killed.
+RANKS_DRIVER = """
+import asyncio, multiprocessing, sys
+from pathlib import Path
+from miles_events.bus.workers import start_in_process
+from miles_events.transport.inprocess import InProcessTransport
+from schemas.config import Config
+from tests.test_workers import build_spawned
+
+async def main():
+    run_dir = Path(sys.argv[1])
+    (run_dir / "rank-2.slow").touch()
+    start = asyncio.ensure_future(start_in_process(build_spawned, 3, Config(), InProcessTransport("k"), run_dir,
+                                                   own_processes=True, actor="trainer"))
+    while len(multiprocessing.active_children()) < 2:
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(1)
+    print(*(p.pid for p in multiprocessing.active_children()), flush=True)
+    await start
+
+asyncio.run(main())
+"""
+
+
+def test_a_driver_killed_with_kill_9_leaves_no_rank_process_behind(tmp_path):
+    """Rank 1 serves calls; rank 2 is still building its object (it reads nothing from its
+    driver then): both go with the driver."""
+    driver = subprocess.Popen(
+        [sys.executable, "-c", RANKS_DRIVER, str(tmp_path)],
+        stdout=subprocess.PIPE, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )  # fmt: skip
+    try:
+        assert driver.stdout is not None
+        ranks = [int(pid) for pid in driver.stdout.readline().split()]
+        assert len(ranks) == 2 and all(start_time(pid) is not None for pid in ranks)
+        driver.send_signal(signal.SIGKILL)
+        driver.wait()
+        assert all(gone(pid, within=5) for pid in ranks), "a rank process outlived its driver"
+    finally:
+        driver.kill()
+
+
 SERVER_LAUNCHER = """
 import sys
 from pathlib import Path

@@ -255,13 +255,36 @@ async def test_a_worker_group_has_rank_0_in_its_actor_and_each_other_rank_in_a_p
     assert not running(rank_1), "the rank's process is gone"
 
 
-async def test_a_rank_that_cannot_start_fails_its_actors_start_with_its_error(tmp_path, monkeypatch):
+async def test_a_rank_killed_in_the_middle_of_a_call_fails_it_and_the_next_naming_the_rank(tmp_path):
+    bus, runtime = await start(tmp_path, [Ranked], RayConfig())
+    try:
+        replies = bus.subscribe("replies", (StopRequested,))
+        await bus.publish(EvalRequested(rollout_id=1))
+        rank_1_pid = int((await collect(replies, 2))[1].reason.split(":")[1])
+        started = time.monotonic()
+        await bus.publish(RolloutRequested(rollout_id=66))
+        died = [e.reason for e in await collect(replies, 2)]
+        assert time.monotonic() - started < 10
+        prefix = f"RankDied: ranked rank 1 (pid {rank_1_pid}) died: its Ray actor died"
+        assert all(reason.startswith(prefix) and "\n" not in reason for reason in died), died
+    finally:
+        bus.close()
+        await runtime.stop()
+        ShmTransport("ray-test").close()
+
+
+async def test_a_rank_that_cannot_start_fails_its_actors_start_naming_it_with_its_error(
+    tmp_path, monkeypatch
+):
     monkeypatch.setenv("MILES_TEST_FAILING_RANK", "1")
     config = Config(run=RunConfig(runtime="ray"))
     plan = RunPlan(start_rollout_id=0, num_rollout=1, num_rollout_per_epoch=1, runtime="ray")
     runtime = RayRuntime(RunContext("ray-test", config, tmp_path, "shm", plan), ShmTransport("ray-test"))
     try:
-        with pytest.raises(ActorStartError, match="ranked: OSError: rank 1 cannot start"):
+        with pytest.raises(
+            ActorStartError,
+            match="^ranked: RuntimeError: ranked rank 1 failed to start: OSError: rank 1 cannot start",
+        ):
             await runtime.start(EventBus("ray-test"), [Ranked])
     finally:
         await runtime.stop()

@@ -78,8 +78,11 @@ class ActorContext(Protocol):
         """A task the actor spawned raised: report it as the actor's failure."""
         ...
 
-    async def start_workers(self, factory: WorkerFactory[T], ranks: int) -> list[Worker[T]]:
-        """The ``ranks`` workers of the actor's worker group, started (``miles_events.bus.workers``)."""
+    async def start_workers(
+        self, factory: WorkerFactory[T], ranks: int, *, own_processes: bool = False
+    ) -> list[Worker[T]]:
+        """The ``ranks`` workers of the actor's worker group, started (``miles_events.bus.workers``);
+        ``own_processes``: every rank but 0 in a process of its own, on every runtime."""
         ...
 
 

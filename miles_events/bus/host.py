@@ -49,12 +49,21 @@ class HostContext:
     _start_workers: StartWorkers | None = field(default=None, repr=False)
     """How the runtime hosting the actor starts its ranks; None: all in this process."""
 
-    async def start_workers(self, factory: WorkerFactory[T], ranks: int) -> list[Worker[T]]:
+    async def start_workers(
+        self, factory: WorkerFactory[T], ranks: int, *, own_processes: bool = False
+    ) -> list[Worker[T]]:
         if self._start_workers is None:
             return await start_in_process(
-                factory, ranks, self.config, self.transport, self.run_dir, self.run_id
+                factory,
+                ranks,
+                self.config,
+                self.transport,
+                self.run_dir,
+                self.run_id,
+                own_processes=own_processes,
+                actor=self.name,
             )
-        return await self._start_workers(factory, ranks)
+        return await self._start_workers(factory, ranks, own_processes=own_processes)
 
     async def publish(self, event: Event) -> None:
         if not event.time or not event.source:

@@ -27,7 +27,8 @@ __all__ = ["RecordingContext", "feed"]
 @dataclass
 class RecordingContext:
     """An ``ActorContext`` that records publications instead of putting them on a bus. Its
-    worker ranks run in this process, as the local runtime runs them."""
+    worker ranks run as the local runtime runs them: in this process, or (``own_processes``)
+    every rank but 0 in a spawned process of its own."""
 
     config: Config
     name: str = "actor"
@@ -46,8 +47,19 @@ class RecordingContext:
     async def report_failure(self, error: BaseException) -> None:
         self.published.append(actor_failed(self.name, error, self.clock))
 
-    async def start_workers(self, factory: WorkerFactory[T], ranks: int) -> list[Worker[T]]:
-        return await start_in_process(factory, ranks, self.config, self.transport, self.run_dir, self.run_id)
+    async def start_workers(
+        self, factory: WorkerFactory[T], ranks: int, *, own_processes: bool = False
+    ) -> list[Worker[T]]:
+        return await start_in_process(
+            factory,
+            ranks,
+            self.config,
+            self.transport,
+            self.run_dir,
+            self.run_id,
+            own_processes=own_processes,
+            actor=self.name,
+        )
 
 
 async def feed(actor: Actor, *events: Event) -> list[Event]:

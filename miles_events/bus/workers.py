@@ -16,8 +16,17 @@ Where ranks run is the runtime's business: the local runtime, and every actor ho
 driver, run all of them in the actor's process, each call on a thread; the ray runtime hosts
 rank 0 in the actor's own process and every other rank in a Ray actor process of its own,
 placed in the bundle of the actor's placement group reserved for that rank (its own CPUs and
-GPUs). Ranks start concurrently; a rank that fails to start fails ``start_workers``, and the
-ranks that did start are closed.
+GPUs). An actor whose ranks must be processes (a torch.distributed group: one process per
+rank) asks ``start_workers(factory, N, own_processes=True)``: rank 0 stays in its process
+and, where ranks would be threads, ranks 1.. are spawned processes of their own
+(``miles_events.bus.rank_process``). Ranks start concurrently; a rank that fails to start
+fails ``start_workers``, and the ranks that did start are closed.
+
+A rank whose process ends (killed, crashed) fails its pending and later calls at once with
+``RankDied``, naming the rank, its pid and how it ended. ``call_all`` and ``call_each`` call
+every rank at once and raise the first failure as soon as it comes, without waiting for the
+other ranks (which may be stuck in a collective, waiting for the one that failed); the
+actor then closes the group.
 """
 
 from __future__ import annotations
@@ -67,6 +76,27 @@ def method_name(method: Callable[..., object]) -> str:
     return name
 
 
+class RankDied(RuntimeError):
+    """A rank's process ended: ``trainer rank 1 (pid 12345) died: killed by SIGKILL``."""
+
+
+class RankFailed(RuntimeError):
+    """A rank's call raised, in ``call_all``/``call_each``: ``rank 1: ValueError: ...``; the
+    rank's own exception is the ``__cause__``."""
+
+    def __init__(self, rank: int, error: BaseException) -> None:
+        super().__init__(f"rank {rank}: {brief_error(error)}")
+        self.rank = rank
+        self.error = error
+
+
+def brief_error(error: BaseException) -> str:
+    """``Type: message`` (its first line), without where it was raised (in a rank's process,
+    perhaps)."""
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+
+
 class Worker(Protocol[T_co]):
     """One rank of a worker group, seen from its actor; ``T_co`` is the class of the rank's object."""
 
@@ -92,9 +122,12 @@ class Worker(Protocol[T_co]):
 
 
 class StartWorkers(Protocol):
-    """How a runtime starts an actor's ranks: ``ranks`` objects built by ``factory``."""
+    """How a runtime starts an actor's ranks: ``ranks`` objects built by ``factory``; with
+    ``own_processes``, every rank but 0 in a process of its own."""
 
-    def __call__(self, factory: WorkerFactory[T], ranks: int) -> Awaitable[list[Worker[T]]]: ...
+    def __call__(
+        self, factory: WorkerFactory[T], ranks: int, *, own_processes: bool = False
+    ) -> Awaitable[list[Worker[T]]]: ...
 
 
 class InProcessWorker(Generic[T]):
@@ -168,10 +201,38 @@ async def start_in_process(
     transport: Transport,
     run_dir: Path,
     run_id: str = "",
+    *,
+    own_processes: bool = False,
+    actor: str = "",
+    log_into: Callable[[Path, int, str], object] | None = None,
+    start_timeout: float = 120.0,
 ) -> list[Worker[T]]:
-    """Every rank in this process (the local runtime, and actors hosted in the driver)."""
+    """Every rank in this process, each on a thread of its own (the local runtime, and
+    actors hosted in the driver); with ``own_processes``, rank 0 here and every other in a
+    spawned process of its own, which logs through ``log_into`` (the run's log) as
+    ``<actor> rank <r>`` and must start within ``start_timeout`` seconds."""
     places = [RankPlace(rank, ranks, run_dir, run_id) for rank in range(ranks)]
-    return list(await build_in_process(factory, config, transport, places))
+    if not own_processes:
+        return list(await build_in_process(factory, config, transport, places))
+    from miles_events.bus.rank_process import start_rank_process
+
+    async def local() -> Worker[T]:
+        (worker,) = await build_in_process(factory, config, transport, places[:1])
+        return worker
+
+    spawned = [
+        start_rank_process(
+            factory,
+            place,
+            config=config,
+            transport=transport.name,
+            actor=actor,
+            log_into=log_into,
+            start_timeout=start_timeout,
+        )
+        for place in places[1:]
+    ]
+    return await gather_workers([local(), *spawned])
 
 
 async def gather_workers(starts: Sequence[Awaitable[Any]]) -> list[Any]:
@@ -183,6 +244,41 @@ async def gather_workers(starts: Sequence[Awaitable[Any]]) -> list[Any]:
         return list(results)
     await close_workers([r for r in results if not isinstance(r, BaseException)])
     raise failed[0]
+
+
+async def call_each(workers: Sequence[Worker[T]], call: Callable[[Worker[T]], Awaitable[R]]) -> list[R]:
+    """``call(worker)`` for every worker at once; their results in rank order. The first
+    to fail raises at once, without waiting for the others (they are cancelled here, not in
+    their ranks): ``RankDied`` as it is, another exception as ``RankFailed`` naming the
+    rank. ``call_each(workers, lambda w: w.call(Rank.load, weights if w.rank == 0 else {}))``."""
+    tasks = [asyncio.ensure_future(call(worker)) for worker in workers]
+    try:
+        pending: set[asyncio.Future[R]] = set(tasks)
+        while pending:
+            _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+            failed = [
+                (worker, task)
+                for worker, task in zip(workers, tasks, strict=True)
+                if task.done() and not task.cancelled() and task.exception() is not None
+            ]
+            if failed:
+                worker, task = failed[0]
+                error = task.exception()
+                assert error is not None
+                if isinstance(error, RankDied):
+                    raise error
+                raise RankFailed(worker.rank, error) from error
+    finally:
+        for task in tasks:
+            task.cancel()
+    return [task.result() for task in tasks]
+
+
+async def call_all(
+    workers: Sequence[Worker[T]], method: Callable[Concatenate[T, P], R], *args: P.args, **kwargs: P.kwargs
+) -> list[R]:
+    """``method(*args, **kwargs)`` on every rank at once, as ``call_each``."""
+    return await call_each(workers, lambda worker: worker.call(method, *args, **kwargs))
 
 
 async def close_workers(workers: Sequence[Worker[object]]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -15,7 +16,8 @@ from miles_events.bus.clock import SYSTEM_CLOCK, Clock
 from miles_events.bus.errors import describe_error
 from miles_events.bus.event_bus import EventBus
 from miles_events.bus.host import ActorHost, HostContext, Publish
-from miles_events.bus.workers import StartWorkers
+from miles_events.bus.workers import StartWorkers, start_in_process
+from miles_events.runtime.run_log import log_into
 from miles_events.transport.base import Transport
 from schemas.config import Config
 from schemas.events import Event, StopRequested
@@ -94,7 +96,18 @@ def host_context(
     start_workers: StartWorkers | None = None,
 ) -> HostContext:
     """The context of actor ``name`` of ``run``, publishing through ``publish``; its worker
-    ranks started by ``start_workers`` (None: all in this process)."""
+    ranks started by ``start_workers`` (None: in this process, or those asked for in
+    processes of their own spawned, logging into the run's log)."""
+    if start_workers is None:
+        start_workers = functools.partial(
+            start_in_process,
+            config=run.config,
+            transport=transport,
+            run_dir=run.run_dir,
+            run_id=run.run_id,
+            actor=name,
+            log_into=log_into,
+        )
     return HostContext(
         run_id=run.run_id,
         name=name,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar
@@ -19,9 +20,11 @@ import msgspec
 from miles_events.bus.actor import WorkerGroup
 from miles_events.bus.clock import SYSTEM_CLOCK, wait_for
 from miles_events.bus.workers import (
+    RankDied,
     RankPlace,
     Worker,
     WorkerFactory,
+    brief_error,
     build_in_process,
     gather_workers,
     method_name,
@@ -85,24 +88,28 @@ class RankHost:
 
 
 class RayWorker(Generic[T]):
-    """The actor's side of a rank in its own process: a call sends the method's name."""
+    """The actor's side of a rank in its own process: a call sends the method's name. A
+    call to a rank whose Ray actor died raises ``RankDied``."""
 
-    def __init__(self, rank: int, handle: Any, pid: int) -> None:
+    def __init__(self, rank: int, handle: Any, pid: int, actor: str = "") -> None:
         self.rank = rank
         self.handle = handle
         self.pid = pid
+        self.name = f"{actor} rank {rank}".lstrip()
 
     async def call(self, method: Callable[Concatenate[T, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
         result: R = await self._call(method_name(method), args, kwargs)
         return result
 
     async def _call(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        from ray.exceptions import RayTaskError
+        from ray.exceptions import RayActorError, RayTaskError
 
         try:
             return await self.handle.call.remote(name, args, kwargs)
         except RayTaskError as error:
             raise (error.cause or error) from None  # the rank's own exception, as in process
+        except RayActorError as error:
+            raise RankDied(f"{self.name} (pid {self.pid}) died: {actor_death(error)}") from error
 
     def notify(self, method: Callable[Concatenate[T, P], object], *args: P.args, **kwargs: P.kwargs) -> None:
         self.handle.call.remote(method_name(method), args, kwargs)
@@ -112,8 +119,19 @@ class RayWorker(Generic[T]):
 
         try:
             await wait_for(self._call("close", (), {}), timeout, SYSTEM_CLOCK)
+        except RankDied:
+            pass  # nothing left to close
         finally:
             ray.kill(self.handle)
+
+
+def actor_death(error: BaseException) -> str:
+    """How a rank's Ray actor ended, in a few words, out of Ray's many lines."""
+    text = str(error)
+    detail = re.search(r"Worker exit detail: (.*?)(?:\.\s|\.$|$)", text, re.MULTILINE)
+    if detail:
+        return f"its Ray actor died ({detail.group(1).strip()})"
+    return "its Ray actor died"
 
 
 async def start_ray_workers(
@@ -128,10 +146,12 @@ async def start_ray_workers(
     first_bundle: int,
     timeout: float,
     actor: str = "",
+    own_processes: bool = False,
 ) -> list[Worker[T]]:
-    """Rank 0 here, ranks 1.. in their own processes, all started concurrently."""
+    """Rank 0 here, ranks 1.. in their own processes, all started concurrently (with or
+    without ``own_processes``: on ray, every rank but 0 has a process of its own)."""
     import ray
-    from ray.exceptions import RayTaskError
+    from ray.exceptions import RayActorError, RayTaskError
     from ray.util import get_current_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -163,15 +183,20 @@ async def start_ray_workers(
             logging.getLogger().getEffectiveLevel(),
             actor,
         )
+        name = f"{actor} rank {rank}".lstrip()
         try:
             pid: int = await wait_for(handle.started.remote(), timeout, SYSTEM_CLOCK)
         except TimeoutError:
             ray.kill(handle)
-            raise RuntimeError(f"rank {rank} did not start within {timeout:g}s") from None
+            raise RuntimeError(f"{name} did not start within {timeout:g}s") from None
         except RayTaskError as error:
             ray.kill(handle)
-            raise (error.cause or error) from None
-        return RayWorker(rank, handle, pid)
+            cause = error.cause or error
+            raise RuntimeError(f"{name} failed to start: {brief_error(cause)}") from cause
+        except RayActorError as error:
+            ray.kill(handle)
+            raise RuntimeError(f"{name} died while starting: {actor_death(error)}") from error
+        return RayWorker(rank, handle, pid, actor)
 
     async def local() -> Worker[T]:
         (worker,) = await build_in_process(factory, config, transport, [RankPlace(0, ranks, run_dir, run_id)])
