@@ -282,7 +282,11 @@ async def test_calling_every_rank_raises_the_first_failure_without_waiting_for_t
         assert await call_each(workers, lambda w: w.call(Spawned.add, w.rank, times=10)) == [0, 10]
         assert await call_all(workers, Spawned.fail_on, 5) == [0, 1]
         stuck = asyncio.ensure_future(workers[0].call(Spawned.wait, 30))
-        with pytest.raises(RankFailed, match=r"^rank 1: ValueError: rank 1 failed$") as raised:
+        message = (
+            rf"^rank 1 \(pid {workers[1].pid}\): ValueError: rank 1 failed; "
+            rf"not returned yet: rank 0 \(pid {workers[0].pid}\)$"
+        )
+        with pytest.raises(RankFailed, match=message) as raised:
             await asyncio.wait_for(
                 call_each(
                     workers, lambda w: w.call(Spawned.wait, 30) if w.rank == 0 else w.call(Spawned.fail_on, 1)

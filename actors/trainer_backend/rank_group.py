@@ -9,21 +9,23 @@ opened: no race for it). Every backend call then goes to every rank at once, wit
 arguments (a rollout goes whole to each rank, which trains its part of it) but for state
 loaded from a checkpoint, which rank 0 alone is handed and broadcasts. What comes back
 comes from rank 0: the weights gathered for a publication or a save, the optimizer state,
-the metrics. A call that fails on any rank fails at once, naming the rank, without waiting
-for the others (they may be waiting for it in a collective, until their timeout).
+the metrics. A call that fails on any rank fails at once, naming the rank, its process and
+the ranks that had not returned, without waiting for them (they may be waiting for it in a
+collective, until their timeout).
 """
 
 from __future__ import annotations
 
 import asyncio
 import datetime
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio.from_thread
 
 from actors.trainer_backend.base import TrainerBackend, capture_rng_state
+from miles_events.bus.actor import call_all, call_each, close_workers
 from miles_events.bus.cancel import Cancellation
 from miles_events.device.threads import phase_thread_count, phase_threads
 from schemas.config import resolved_sharding
@@ -124,29 +126,6 @@ def trainer_rank(
     return TrainerRank(config, place, store_address)
 
 
-async def call_all(calls: Sequence[tuple[Worker[Any], Awaitable[R]]]) -> list[R]:
-    """Every rank's call at once; the results in rank order. The first to fail fails the
-    whole at once, its error naming the rank, without waiting for the others."""
-    tasks: list[asyncio.Future[R]] = [asyncio.ensure_future(call) for _, call in calls]
-    try:
-        pending = set(tasks)
-        while pending:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
-            for task in done:
-                error = task.exception()
-                if error is not None:
-                    worker = calls[tasks.index(task)][0]
-                    raise RankCallError(f"trainer rank {worker.rank} (pid {worker.pid}): {error}") from error
-        return [task.result() for task in tasks]
-    finally:
-        for task in tasks:
-            task.cancel()
-
-
-class RankCallError(RuntimeError):
-    """A trainer rank's call failed; the message names the rank and its process."""
-
-
 class RankGroupBackend(TrainerBackend):
     """The trainer's ranks, driven as one backend from the Trainer actor (its methods are
     called from worker threads of the actor's event loop, as every backend's are)."""
@@ -178,7 +157,7 @@ class RankGroupBackend(TrainerBackend):
         """``method(*args)`` on every rank; the results in rank order."""
 
         async def run() -> list[R]:
-            return await call_all([(w, w.call(method, *args)) for w in self.workers])
+            return await call_all(self.workers, method, *args)
 
         return self._on_loop(run)
 
@@ -186,9 +165,7 @@ class RankGroupBackend(TrainerBackend):
         """``method`` on every rank, ``full`` given to rank 0 and ``empty`` to the others."""
 
         async def run() -> list[R]:
-            return await call_all(
-                [(w, w.call(method, *(full if w.rank == 0 else empty))) for w in self.workers]
-            )
+            return await call_each(self.workers, lambda w: w.call(method, *(full if w.rank == 0 else empty)))
 
         return self._on_loop(run)[0]
 
@@ -205,7 +182,7 @@ class RankGroupBackend(TrainerBackend):
 
             watcher = asyncio.ensure_future(pass_on_cancellation())
             try:
-                return await call_all([(w, w.call(TrainerRank.train, batch)) for w in self.workers])
+                return await call_all(self.workers, TrainerRank.train, batch)
             finally:
                 watcher.cancel()
 
@@ -254,6 +231,4 @@ class RankGroupBackend(TrainerBackend):
         return self._each(TrainerRank.probe_logprobs, prompt_ids, response_ids)[0]
 
     async def close(self) -> None:
-        from miles_events.bus.actor import close_workers
-
         await close_workers(self.workers)

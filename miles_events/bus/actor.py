@@ -18,7 +18,16 @@ from typing import Any, ClassVar, Literal, Protocol, TypeVar
 
 from miles_events.bus.clock import Clock
 from miles_events.bus.handlers import HandlerTable, handles
-from miles_events.bus.workers import RankPlace, Worker, WorkerFactory, close_workers
+from miles_events.bus.workers import (
+    RankDied,
+    RankFailed,
+    RankPlace,
+    Worker,
+    WorkerFactory,
+    call_all,
+    call_each,
+    close_workers,
+)
 from miles_events.transport.base import Transport
 from schemas.config import Config
 from schemas.events import Event, StopRequested
@@ -27,11 +36,15 @@ from schemas.plan import RunPlan
 __all__ = [
     "Actor",
     "ActorContext",
+    "RankDied",
+    "RankFailed",
     "RankPlace",
     "UndeclaredEmit",
     "Worker",
     "WorkerFactory",
     "WorkerGroup",
+    "call_all",
+    "call_each",
     "close_workers",
     "handles",
 ]

@@ -81,11 +81,16 @@ class RankDied(RuntimeError):
 
 
 class RankFailed(RuntimeError):
-    """A rank's call raised, in ``call_all``/``call_each``: ``rank 1: ValueError: ...``; the
-    rank's own exception is the ``__cause__``."""
+    """A rank's call raised, in ``call_all``/``call_each``: ``rank 1 (pid 123): ValueError:
+    ...``, and the ranks whose calls had not returned then (a collective that timed out
+    waiting for one names it so); the rank's own exception is the ``__cause__``."""
 
-    def __init__(self, rank: int, error: BaseException) -> None:
-        super().__init__(f"rank {rank}: {brief_error(error)}")
+    def __init__(
+        self, rank: int, pid: int, error: BaseException, unreturned: Sequence[tuple[int, int]] = ()
+    ) -> None:
+        waiting = ", ".join(f"rank {r} (pid {p})" for r, p in unreturned)
+        suffix = f"; not returned yet: {waiting}" if waiting else ""
+        super().__init__(f"rank {rank} (pid {pid}): {brief_error(error)}{suffix}")
         self.rank = rank
         self.error = error
 
@@ -267,7 +272,8 @@ async def call_each(workers: Sequence[Worker[T]], call: Callable[[Worker[T]], Aw
                 assert error is not None
                 if isinstance(error, RankDied):
                     raise error
-                raise RankFailed(worker.rank, error) from error
+                unreturned = [(w.rank, w.pid) for w, t in zip(workers, tasks, strict=True) if not t.done()]
+                raise RankFailed(worker.rank, worker.pid, error, unreturned) from error
     finally:
         for task in tasks:
             task.cancel()
