@@ -26,6 +26,7 @@ import msgspec
 import pytest
 import torch
 
+from actors.trainer_backend.grpo import expand_advantages, policy_loss
 from actors.trainer_backend.parallel import ProcessGroup, by_index, by_name, share
 from actors.trainer_backend.torch_backend import TorchTrainerBackend
 from schemas.config import Config, DataConfig, ModelConfig, RunConfig, TrainerConfig
@@ -83,6 +84,7 @@ def train_rank(
     batches: list[RolloutBatch],
     results: Path,
     load: dict[str, Any] | None,
+    device: str = "cpu",
 ) -> None:
     try:
         config = msgspec.json.decode(config_json, type=Config)
@@ -93,7 +95,7 @@ def train_rank(
             world_size,
             ("127.0.0.1", port),
             TIMEOUT,
-            torch.device("cpu"),
+            torch.device(device, 0) if device == "cuda" else torch.device("cpu"),
         )
         backend = TorchTrainerBackend(config, parallel)
         if load is not None:
@@ -118,6 +120,7 @@ def train_ranks(
     world_size: int,
     batches: list[RolloutBatch],
     load: dict[str, Any] | None = None,
+    device: str = "cpu",
 ) -> list[tuple[Any, ...]]:
     """Each rank's (rank, metrics, weights, optimizer state, state bytes), in rank order."""
     import torch.distributed as dist
@@ -135,7 +138,8 @@ def train_ranks(
     config_json = msgspec.json.encode(config)
     processes = [
         context.Process(
-            target=train_rank, args=(rank, world_size, store.port, config_json, batches, results, load)
+            target=train_rank,
+            args=(rank, world_size, store.port, config_json, batches, results, load, device),
         )
         for rank in range(world_size)
     ]
@@ -162,7 +166,7 @@ def train_one_process(
     if load is not None:
         backend.load_state(load["weights"], load["optimizer"], load["rng"], load["steps"])
     metrics = [backend.train(batch) for batch in batches]
-    weights = {name: t.clone() for name, t in backend.named_weights().items()}
+    weights = {name: t.cpu().clone() for name, t in backend.named_weights().items()}
     return metrics, weights, backend.optimizer_state_dict(), backend.state_bytes()
 
 
@@ -184,7 +188,9 @@ def update_difference(
 
 @pytest.fixture(scope="module")
 def base_weights(model: Path) -> dict[str, torch.Tensor]:
-    return {name: t.clone() for name, t in TorchTrainerBackend(make_config(model)).named_weights().items()}
+    return {
+        name: t.cpu().clone() for name, t in TorchTrainerBackend(make_config(model)).named_weights().items()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -200,6 +206,36 @@ def test_a_step_is_shared_in_contiguous_parts_that_differ_by_at_most_one():
     parts = [share(step, rank, 3) for rank in range(3)]
     assert parts == [[10, 11], [12, 13], [14, 15, 16]]
     assert [share([1], rank, 2) for rank in range(2)] == [[], [1]]
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 8])
+def test_the_ranks_losses_over_the_steps_tokens_add_up_to_the_undivided_steps_loss(world_size: int):
+    """The GRPO loss of each rank's part, each divided by the whole step's token count, sums
+    to the loss of the step on one rank: gradients summed over the ranks are the step's."""
+    generator = torch.Generator().manual_seed(world_size)
+    rows, width = 7, 5
+    logp = torch.randn(rows, width, generator=generator).clamp(max=0) - 0.1
+    old_logp = logp + 0.3 * torch.randn(rows, width, generator=generator)
+    ref_logp = logp + 0.2 * torch.randn(rows, width, generator=generator)
+    entropy = torch.rand(rows, width, generator=generator)
+    lengths = torch.tensor([5, 1, 3, 5, 2, 4, 1])
+    mask = (torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)).float()
+    advantages = expand_advantages(torch.randn(rows, generator=generator), mask)
+    settings = dict(eps_clip=0.2, eps_clip_high=0.28, entropy_coef=0.01, kl_coef=0.1, kl_type="k3")
+    whole = policy_loss(logp, old_logp, advantages, mask, entropy=entropy, ref_logp=ref_logp, **settings)
+    tokens = int(mask.sum())
+    parts = [share(list(range(rows)), rank, world_size) for rank in range(world_size)]
+    summed = [
+        policy_loss(
+            logp[part], old_logp[part], advantages[part], mask[part],
+            entropy=entropy[part], ref_logp=ref_logp[part], num_tokens=tokens, **settings,
+        )
+        for part in parts
+        if part
+    ]  # fmt: skip
+    for term in ("loss", "pg_loss", "kl", "entropy", "clipfrac"):
+        total = sum(float(getattr(terms, term)) for terms in summed)
+        assert total == pytest.approx(float(getattr(whole, term)), abs=1e-6), term
 
 
 def test_an_optimizer_state_keyed_by_index_is_keyed_by_name_and_back():
@@ -306,3 +342,17 @@ def _rng() -> dict[str, Any]:
     from actors.trainer_backend.base import capture_rng_state
 
     return capture_rng_state()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_one_fsdp2_rank_on_a_gpu_trains_what_one_process_trains(
+    model: Path, base_weights: dict[str, torch.Tensor]
+):
+    batches = [rollout(0, 8), rollout(1, 8)]
+    _metrics, weights, _optimizer, _bytes = train_one_process(
+        make_config(model, global_batch_size=4), batches
+    )
+    ranks = train_ranks(make_config(model, global_batch_size=4, sharding="fsdp2"), 1, batches, device="cuda")
+    cpu = {name: t.cpu() for name, t in ranks[0][2].items()}
+    assert update_difference(base_weights, {n: t.cpu() for n, t in weights.items()}, cpu) <= UPDATE_TOLERANCE

@@ -203,7 +203,7 @@ def test_a_rank_killed_mid_run_ends_it_with_one_line_naming_the_rank(tmp_path):
     assert driver.returncode == 1, err[-3000:]
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(lines) == 1, err[-3000:]
-    assert f"trainer rank 1 (pid {pids[1]})" in lines[0] and "SIGKILL" in lines[0], lines[0]
+    assert f"trainer rank 1 (pid {pids[1]}) died: killed by SIGKILL" in lines[0], lines[0]
     assert "Traceback" not in err
     assert gone(driver.pid)
 
@@ -225,6 +225,9 @@ def test_a_rank_that_hangs_ends_the_run_within_the_collective_timeout(tmp_path):
     assert driver.returncode == 1, err[-3000:]
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(lines) == 1, err[-3000:]
-    assert "trainer rank" in lines[0] and f"rank 1 (pid {pids[1]})" in lines[0], lines[0]
+    line = lines[0]
+    assert "actor trainer failed" in line and "Timed out waiting 10000ms" in line, line
+    assert f"still in the call: rank 1 (pid {pids[1]})" in line, line
+    assert ".cc:" not in line, "no C++ source location"
     assert took < 60
     assert gone(pids[1]), "the hung rank's process is ended with the run"

@@ -19,6 +19,7 @@ from schemas.events import (
     PublicationMismatch,
     PublicationVerified,
     RolloutGenerated,
+    TrainStepFinished,
     WeightsLoaded,
     WeightsStaged,
 )
@@ -47,10 +48,13 @@ def rollout_rewards(run_dir: Path) -> list[float]:
     return [e.reward_mean for e in read_events(run_dir / "events.log") if isinstance(e, RolloutGenerated)]
 
 
-def test_two_vllm_engines_learn_and_every_publication_reaches_both_verified(tmp_path: Path):
-    """The issue's end-to-end run: two real vLLM servers launched by the run, prompts spread
-    over both, every publication pushed to both through the worker extension and verified
-    (its canary the write proof), versions consecutive on each engine, and the reward up."""
+def test_two_vllm_engines_learn_from_two_trainer_ranks_and_every_publication_reaches_both_verified(
+    tmp_path: Path,
+):
+    """Two real vLLM servers launched by the run, prompts spread over both, a trainer of two
+    FSDP2 ranks whose gathered weights are published: every publication pushed to both
+    servers through the worker extension and verified (its canary the write proof), versions
+    consecutive on each engine, and the reward up."""
     run_dir = tmp_path / "run"
     num_rollout = 6
     command = vllm_run(
@@ -63,6 +67,8 @@ def test_two_vllm_engines_learn_and_every_publication_reaches_both_verified(tmp_
         "trainer.lr=0.01",
         'rollout.reward_fn="tests.e2e_rewards.starts_with_one"',
         "generator.num_engines=2",
+        "trainer.num_ranks=2",
+        "trainer.num_threads=1",
     )
     done = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -76,6 +82,8 @@ def test_two_vllm_engines_learn_and_every_publication_reaches_both_verified(tmp_
     assert [e.weight_version for e in verified] == [str(v) for v in range(1, num_rollout + 2)]
     assert all(e.engines == ["engine-0", "engine-1"] and e.write_proof == "canary" for e in verified)
     assert not [e for e in log if isinstance(e, PublicationMismatch)]
+    steps = [e for e in log if isinstance(e, TrainStepFinished)]
+    assert steps and all([r.rank for r in e.ranks] == [0, 1] for e in steps)
     rewards = rollout_rewards(run_dir)
     assert rewards[-1] > rewards[0] + 0.3, f"the reward rises: {rewards}"
     engine_logs = sorted(p.name for p in (run_dir / "vllm").glob("*.log"))

@@ -23,6 +23,7 @@ from miles_events.bus.workers import (
     RankFailed,
     RankPlace,
     Worker,
+    brief_error,
     call_all,
     call_each,
     close_workers,
@@ -157,6 +158,10 @@ class Spawned:
             raise ValueError(f"rank {rank} failed")
         return self.place.rank
 
+    def exit_after(self, seconds: float) -> None:
+        time.sleep(seconds)
+        os._exit(3)
+
     def wait(self, seconds: float) -> bool:
         """Until ``release``, or ``seconds``: whether it was released."""
         return self.released.wait(seconds)
@@ -284,7 +289,7 @@ async def test_calling_every_rank_raises_the_first_failure_without_waiting_for_t
         stuck = asyncio.ensure_future(workers[0].call(Spawned.wait, 30))
         message = (
             rf"^rank 1 \(pid {workers[1].pid}\): ValueError: rank 1 failed; "
-            rf"not returned yet: rank 0 \(pid {workers[0].pid}\)$"
+            rf"still in the call: rank 0 \(pid {workers[0].pid}\)$"
         )
         with pytest.raises(RankFailed, match=message) as raised:
             await asyncio.wait_for(
@@ -297,6 +302,21 @@ async def test_calling_every_rank_raises_the_first_failure_without_waiting_for_t
         assert not stuck.done()
     finally:
         workers[0].notify(Spawned.release)
+        await close_workers(workers)
+
+
+async def test_a_failure_that_a_ranks_death_causes_is_reported_as_that_death(tmp_path: Path) -> None:
+    """Rank 1 dies; rank 0's collective fails first (here: it fails at once): the death is
+    what is reported, naming rank 1."""
+    workers = await start_spawned(tmp_path)
+    try:
+        with pytest.raises(
+            RankDied, match=rf"^test rank 1 \(pid {workers[1].pid}\) died: exited with code 3$"
+        ):
+            await call_each(
+                workers, lambda w: w.call(Spawned.fail) if w.rank == 0 else w.call(Spawned.exit_after, 0.3)
+            )
+    finally:
         await close_workers(workers)
 
 
@@ -369,3 +389,11 @@ async def test_a_runs_spawned_ranks_log_into_its_log_naming_the_rank(tmp_path: P
         await close_workers(workers)
     log = run_log_path(tmp_path).read_text()
     assert f"WARNING [trainer rank 1 pid {workers[1].pid}] tests.rank: hello from rank 1" in log, log
+
+
+def test_a_brief_error_leaves_out_a_libraries_cxx_source_location() -> None:
+    error = RuntimeError(
+        "[/__w/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer"
+    )
+    assert brief_error(error) == "RuntimeError: Connection closed by peer"
+    assert brief_error(ValueError("[1, 2] is not a shape")) == "ValueError: [1, 2] is not a shape"

@@ -96,6 +96,11 @@ class Parallel:
     world_size = 1
 
     @property
+    def group_device(self) -> torch.device | None:
+        """The device the group's collectives run on (None: the backend chooses)."""
+        return None
+
+    @property
     def sharded(self) -> bool:
         """Whether the model's modules are wrapped for a process group (forwards go through
         the root module given to ``wrap``)."""
@@ -190,6 +195,10 @@ class ProcessGroup(Parallel):
     @property
     def sharded(self) -> bool:
         return True
+
+    @property
+    def group_device(self) -> torch.device:
+        return self.device
 
     def wrap(self, root: torch.nn.Module, model: torch.nn.Module, trainable: bool) -> torch.nn.Module:
         if self.sharding == "ddp":

@@ -41,6 +41,10 @@ if TYPE_CHECKING:
 
 R = TypeVar("R")
 
+FAILED_CLOSE_SECONDS = 5.0
+"""How long each rank of a group that failed may take to close before its process is ended:
+a rank stuck in a collective, or stopped, never closes."""
+
 CANCEL_POLL_SECONDS = 0.05
 """How often a rollout's training looks for a cancellation to pass on to the ranks."""
 
@@ -136,6 +140,8 @@ class RankGroupBackend(TrainerBackend):
         self._store = store  # the rendezvous: held while the group lives
         self._num_optimizer_steps = 0
         self._rank_steps: list[RankStep] = []
+        self._failed = False
+        """Whether a call failed on some rank (the others may be stuck in a collective)."""
 
     @classmethod
     async def start(cls, config: Config, context: ActorContext) -> RankGroupBackend:
@@ -151,7 +157,11 @@ class RankGroupBackend(TrainerBackend):
         return cls(config, workers, store)
 
     def _on_loop(self, function: Callable[[], Coroutine[Any, Any, R]]) -> R:
-        return anyio.from_thread.run(function)
+        try:
+            return anyio.from_thread.run(function)
+        except BaseException:
+            self._failed = True
+            raise
 
     def _each(self, method: Callable[..., R], *args: Any) -> list[R]:
         """``method(*args)`` on every rank; the results in rank order."""
@@ -231,4 +241,4 @@ class RankGroupBackend(TrainerBackend):
         return self._each(TrainerRank.probe_logprobs, prompt_ids, response_ids)[0]
 
     async def close(self) -> None:
-        await close_workers(self.workers)
+        await close_workers(self.workers, FAILED_CLOSE_SECONDS if self._failed else None)

@@ -228,7 +228,9 @@ class TorchTrainerBackend(TrainerBackend):
         self.parallel = parallel or Parallel()
         trainer = config.trainer
         torch.manual_seed(config.run.seed)
-        if torch.cuda.is_available():
+        if self.parallel.group_device is not None:
+            self.device = self.parallel.group_device
+        elif torch.cuda.is_available():
             self.device = torch.device("cuda", torch.cuda.current_device())
         else:
             self.device = torch.device("cpu")

@@ -36,6 +36,7 @@ import concurrent.futures
 import functools
 import logging
 import os
+import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,6 +81,11 @@ class RankDied(RuntimeError):
     """A rank's process ended: ``trainer rank 1 (pid 12345) died: killed by SIGKILL``."""
 
 
+DEATH_GRACE_SECONDS = 2.0
+"""How long ``call_each`` waits, once a rank's call failed, for another rank's death to be
+seen: that death, not the failure it caused in a collective, is what it reports."""
+
+
 class RankFailed(RuntimeError):
     """A rank's call raised, in ``call_all``/``call_each``: ``rank 1 (pid 123): ValueError:
     ...``, and the ranks whose calls had not returned then (a collective that timed out
@@ -89,17 +95,21 @@ class RankFailed(RuntimeError):
         self, rank: int, pid: int, error: BaseException, unreturned: Sequence[tuple[int, int]] = ()
     ) -> None:
         waiting = ", ".join(f"rank {r} (pid {p})" for r, p in unreturned)
-        suffix = f"; not returned yet: {waiting}" if waiting else ""
+        suffix = f"; still in the call: {waiting}" if waiting else ""
         super().__init__(f"rank {rank} (pid {pid}): {brief_error(error)}{suffix}")
         self.rank = rank
         self.error = error
 
 
+_SOURCE_LOCATION = re.compile(r"^\[[^\]\s]+\.(?:c|cc|cpp|cu|h|hpp):\d+\]\s*")
+"""The C++ source location some libraries open their messages with (gloo's, NCCL's)."""
+
+
 def brief_error(error: BaseException) -> str:
     """``Type: message`` (its first line), without where it was raised (in a rank's process,
-    perhaps)."""
+    perhaps, or in a library's C++ source)."""
     text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+    return f"{type(error).__name__}: {_SOURCE_LOCATION.sub('', text[0])}" if text else type(error).__name__
 
 
 class Worker(Protocol[T_co]):
@@ -121,8 +131,9 @@ class Worker(Protocol[T_co]):
         methods only)."""
         ...
 
-    async def close(self) -> None:
-        """The object's ``close()`` if it has one; then the rank's process, if its own, goes."""
+    async def close(self, timeout: float | None = None) -> None:
+        """The object's ``close()`` if it has one, waited for ``timeout`` seconds at most
+        (None: the worker's own bound); then the rank's process, if its own, goes."""
         ...
 
 
@@ -177,11 +188,14 @@ class InProcessWorker(Generic[T]):
     def notify(self, method: Callable[Concatenate[T, P], object], *args: P.args, **kwargs: P.kwargs) -> None:
         getattr(self.target, method_name(method))(*args, **kwargs)
 
-    async def close(self) -> None:
+    async def close(self, timeout: float | None = None) -> None:
         try:
             close = getattr(self._target, "close", None)
             if close is not None:
-                await asyncio.to_thread(close)
+                try:
+                    await asyncio.wait_for(asyncio.to_thread(close), timeout)
+                except TimeoutError:
+                    logger.warning("rank %d did not close within %gs", self.rank, timeout)
         finally:
             self._thread.shutdown(wait=False, cancel_futures=True)
 
@@ -272,6 +286,15 @@ async def call_each(workers: Sequence[Worker[T]], call: Callable[[Worker[T]], Aw
                 assert error is not None
                 if isinstance(error, RankDied):
                     raise error
+                if pending:
+                    # A rank's collective fails when a peer dies: the death, which may be
+                    # a moment behind, is the cause to report.
+                    await asyncio.wait(pending, timeout=DEATH_GRACE_SECONDS)
+                    for other in tasks:
+                        if other.done() and not other.cancelled() and isinstance(other.exception(), RankDied):
+                            died = other.exception()
+                            assert died is not None
+                            raise died
                 unreturned = [(w.rank, w.pid) for w, t in zip(workers, tasks, strict=True) if not t.done()]
                 raise RankFailed(worker.rank, worker.pid, error, unreturned) from error
     finally:
@@ -287,9 +310,10 @@ async def call_all(
     return await call_each(workers, lambda worker: worker.call(method, *args, **kwargs))
 
 
-async def close_workers(workers: Sequence[Worker[object]]) -> None:
-    """Close every worker, concurrently; a failure to close is logged, not raised."""
-    results = await asyncio.gather(*(w.close() for w in workers), return_exceptions=True)
+async def close_workers(workers: Sequence[Worker[object]], timeout: float | None = None) -> None:
+    """Close every worker, concurrently, each within ``timeout`` (None: its own bound); a
+    failure to close is logged, not raised."""
+    results = await asyncio.gather(*(w.close(timeout) for w in workers), return_exceptions=True)
     for worker, result in zip(workers, results, strict=True):
         if isinstance(result, BaseException):
             logger.warning("closing rank %d failed: %s", worker.rank, result)

@@ -42,6 +42,9 @@ T = TypeVar("T")
 P = ParamSpec("P")
 R = TypeVar("R")
 
+CLOSE_SECONDS = 60.0
+"""How long a rank's close may take before its Ray actor is killed."""
+
 RANK_CONCURRENCY = 4
 """Calls one rank process runs at once (a long call, and the notifications beside it)."""
 
@@ -114,11 +117,13 @@ class RayWorker(Generic[T]):
     def notify(self, method: Callable[Concatenate[T, P], object], *args: P.args, **kwargs: P.kwargs) -> None:
         self.handle.call.remote(method_name(method), args, kwargs)
 
-    async def close(self, timeout: float = 60.0) -> None:
+    async def close(self, timeout: float | None = None) -> None:
         import ray
 
         try:
-            await wait_for(self._call("close", (), {}), timeout, SYSTEM_CLOCK)
+            await wait_for(
+                self._call("close", (), {}), CLOSE_SECONDS if timeout is None else timeout, SYSTEM_CLOCK
+            )
         except RankDied:
             pass  # nothing left to close
         finally:
