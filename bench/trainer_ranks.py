@@ -33,8 +33,8 @@ process may run on), so both N use the whole machine.
    beside each step its CPU use (the ranks' CPU time over wall time x cores): on a shared
    machine, a step that got less than the whole machine shows it (two OpenMP threads
    stall badly when another process takes one of the two cores). Then ``--profile-steps``
-   more steps of N = 2, each under its own ``torch.profiler`` on rank 0; the one of median
-   wall time has its main thread's time split into: collectives (the ``c10d``/``gloo``
+   more steps of N = 2, each under its own ``torch.profiler`` on rank 0, the main thread's
+   time of each split (the fastest one's in full) into: collectives (the ``c10d``/``gloo``
    ops, everything inside them, and the self time of FSDP2's ``all_gather``,
    ``post_backward_reduce`` and ``post_backward_rs_wait`` scopes, where the rank waits on
    a synchronous collective: transfer and waiting for the other rank), FSDP2's own work
@@ -527,20 +527,22 @@ def time_report(
 
 
 def split_report(arm: Arm, profiled: list[tuple[float, dict[str, float]]], median: float) -> dict[str, str]:
-    """The split of the profiled step of median wall time (its parts add up to it)."""
-    ordered = sorted(profiled, key=lambda step: step[0])
-    seconds, split = ordered[(len(ordered) - 1) // 2]
-    print(
-        f"\n{arm.key} rank 0 under torch.profiler, {len(profiled)} steps of "
-        + ", ".join(f"{wall * 1000:.0f}" for wall, _ in profiled)
-        + f" ms (unprofiled median {median * 1000:.0f} ms); the split of the median one, {seconds * 1000:.0f} ms:"
-    )
+    """Each profiled step's split; the fastest one's in full (the least disturbed by other
+    load on a shared machine, as the best steps are; its parts add up to its wall time)."""
     labels = {
         "collectives": "collectives (issue, transfer, wait for the other rank)",
         "fsdp": "FSDP2's own work (copy-in/out, hooks)",
         "ops": "other ops (the model's compute, optimizer)",
         "python": "the rest (Python between ops)",
     }
+    print(
+        f"\n{arm.key} rank 0 under torch.profiler, {len(profiled)} steps (unprofiled median "
+        f"{median * 1000:.0f} ms); % of each step: " + ", ".join(labels)
+    )
+    for wall, split in profiled:
+        print(f"  {wall * 1000:6.0f} ms: " + ", ".join(f"{100 * split[key] / wall:.0f}%" for key in labels))
+    seconds, split = min(profiled, key=lambda step: step[0])
+    print(f"the fastest, {seconds * 1000:.0f} ms:")
     for key, label in labels.items():
         print(f"  {label:56}{split[key] * 1000:8.0f} ms {100 * split[key] / seconds:6.1f}%")
     print(f"  {'(gloo threads busy, beside the main thread)':56}{split['gloo_threads'] * 1000:8.0f} ms")
