@@ -1,13 +1,14 @@
-"""The GPU benchmark set in one command: publication, fingerprint, engine decoding, saves.
+"""The GPU benchmark set in one command: publication, fingerprint, engine decoding, saves,
+the trainer's FSDP2 path.
 
     python bench/gpu/all.py
 
-Runs ``publication.py``, ``fingerprint.py --quick``, ``engine.py``, ``pinning.py`` and ``save_overlap.py``
-one after the other (each in its own process, so none inherits another's allocations),
-streams their tables,
-and ends with their ``RESULT`` lines together. Each bench reports its ratios against a
+Runs ``publication.py``, ``fingerprint.py --quick``, ``engine.py``, ``pinning.py``,
+``save_overlap.py`` and ``../trainer_ranks.py --device cuda`` (the 1.5B shape) one after the
+other (each in its own process, so none inherits another's allocations), streams their
+tables, and ends with their ``RESULT`` lines together. Each bench reports its ratios against a
 baseline it measures in the same run: a copy of the same bytes, HF ``generate``, the loop
-without a save (or a pinning) beside it.
+without a save (or a pinning) beside it, the single-process trainer.
 """
 
 from __future__ import annotations
@@ -28,6 +29,14 @@ BENCHES = (
         "150",
         "--ways",
         "pin_new,pin_reused,host_copy,torch_save,checkpoint,checkpoint_process",
+    ],
+    # The CPU bench's CUDA mode: FSDP2 on one rank against the single process, one GPU.
+    [
+        "../trainer_ranks.py",
+        "--device",
+        "cuda",
+        *("--hidden", "1536", "--layers", "28", "--intermediate", "8960", "--heads", "12", "--kv-heads", "2"),
+        *("--samples", "64", "--micro-batch", "8", "--prompt-tokens", "64", "--response-tokens", "256"),
     ],
 )
 
