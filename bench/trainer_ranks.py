@@ -41,6 +41,9 @@ process may run on), so both N use the whole machine.
    (copy-in/out of the gathered and reduced buffers, its hooks), the other ops (the
    model's compute, the optimizer), and the rest of the wall time (Python between ops).
    The gloo threads' busy time is shown beside it.
+3. A publication's staging on the trainer, each round after the step: the weights copied
+   into staging buckets in the model's dtype (``weights_copy``, as ``Trainer._stage_weights``
+   does), gathered whole on rank 0 first when sharded; the slowest rank's time, medians.
 
 ``--device cuda`` (one GPU, N = 1; skipped with a message and exit code 0 without CUDA):
 FSDP2 on one rank (NCCL) against the single process, the same model in ``--dtype``
@@ -235,6 +238,7 @@ def rank_main(
         import msgspec
 
         from actors.trainer_backend.parallel import ProcessGroup
+        from actors.trainer_backend.save_staging import weights_copy
         from actors.trainer_backend.torch_backend import TorchTrainerBackend
         from schemas.config import Config
 
@@ -288,6 +292,15 @@ def rank_main(
                     torch.cuda.synchronize()
                 reply["seconds"] = time.perf_counter() - start
                 reply["cpu_seconds"] = time.process_time() - cpu_start
+                # What a publication costs the trainer before the transport: the weights
+                # copied into staging buckets in the engines' dtype (gathered on rank 0 first
+                # when sharded), as ``Trainer._stage_weights`` does.
+                start = time.perf_counter()
+                staged = weights_copy(backend, backend.dtype)
+                if cuda:
+                    torch.cuda.synchronize()
+                reply["publish_seconds"] = time.perf_counter() - start
+                del staged
                 if hook is not None:
                     hook.remove()
                     reply.update(at_step, state_bytes_after=backend.state_bytes())
@@ -644,14 +657,30 @@ def main() -> int:
         times: dict[Arm, list[float]] = {arm: [] for arm in timed}
         cpu: dict[Arm, list[float]] = {arm: [] for arm in timed}
         norms: dict[Arm, list[float]] = {arm: [] for arm in timed}
+        publish: dict[Arm, list[float]] = {arm: [] for arm in timed}
         for round_number in range(args.rounds):
             for arm in timed:
                 replies = groups[arm].ask("train", rollout_id=warmup + round_number, measure=False)
                 times[arm].append(max(r["seconds"] for r in replies))
                 cpu[arm].append(sum(r["cpu_seconds"] for r in replies))
                 norms[arm].append(replies[0]["grad_norm"])
+                publish[arm].append(max(r["publish_seconds"] for r in replies))
         goal = 1.1 if cuda else None
         timing = time_report(timed, times, cpu, args.cores, goal)
+        staged = {arm: statistics.median(publish[arm]) for arm in timed}
+        base, other = timed
+        print(
+            "a publication's weights staged (gathered on rank 0 when sharded, copied into buckets), "
+            f"median ms: {base.key} {staged[base] * 1000:.1f}, {other.key} {staged[other] * 1000:.1f}: "
+            f"{staged[other] / staged[base]:.2f}x"
+        )
+        timing.update(
+            {
+                f"publish_ms_{base.key}": f"{staged[base] * 1000:.1f}",
+                f"publish_ms_{other.key}": f"{staged[other] * 1000:.1f}",
+                "publish_ratio": f"{staged[other] / staged[base]:.2f}",
+            }
+        )
         apart = max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(*norms.values(), strict=True))
         print(f"gradient norms of the two arms, largest relative difference over the rounds: {apart:.1e}")
 

@@ -14,7 +14,9 @@ L2 norm (measured: 3e-6 to 3e-5 over two rollouts of two steps each at lr 1e-2).
 from __future__ import annotations
 
 import datetime
+import math
 import multiprocessing
+import os
 import shutil
 import tempfile
 import traceback
@@ -22,14 +24,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import anyio
 import msgspec
 import pytest
 import torch
 
+from actors.trainer import Trainer
 from actors.trainer_backend.grpo import expand_advantages, policy_loss
 from actors.trainer_backend.parallel import ProcessGroup, by_index, by_name, share
 from actors.trainer_backend.torch_backend import TorchTrainerBackend
+from miles_events.bus.testing import RecordingContext
+from miles_events.rl.finite import NonFiniteError
 from schemas.config import Config, DataConfig, ModelConfig, RunConfig, TrainerConfig
+from schemas.events import RolloutGenerated, StepCancelled, StopRequested, TrainStepFinished
 from schemas.rollout import RolloutBatch, Sample
 
 SEED = 11
@@ -302,6 +309,16 @@ def test_two_ranks_train_the_weights_one_process_trains(
 
 
 @pytest.mark.slow
+def test_fsdp2_on_one_rank_trains_what_one_process_trains(model: Path, base_weights: dict[str, torch.Tensor]):
+    # One rank keeps its parameters gathered and reduces gradients once per step (four
+    # micro-batches accumulated unreduced).
+    batches = [rollout(0, 8), rollout(1, 8)]
+    _metrics, weights, _optimizer, _bytes = train_one_process(make_config(model, micro_batch_size=2), batches)
+    ranks = train_ranks(make_config(model, micro_batch_size=2, sharding="fsdp2"), 1, batches)
+    assert update_difference(base_weights, weights, ranks[0][2]) <= UPDATE_TOLERANCE
+
+
+@pytest.mark.slow
 def test_ranks_with_unequal_parts_train_what_one_process_trains(
     model: Path, base_weights: dict[str, torch.Tensor]
 ):
@@ -356,3 +373,75 @@ def test_one_fsdp2_rank_on_a_gpu_trains_what_one_process_trains(
     ranks = train_ranks(make_config(model, global_batch_size=4, sharding="fsdp2"), 1, batches, device="cuda")
     cpu = {name: t.cpu() for name, t in ranks[0][2].items()}
     assert update_difference(base_weights, {n: t.cpu() for n, t in weights.items()}, cpu) <= UPDATE_TOLERANCE
+
+
+# --- the Trainer actor over two ranks --------------------------------------------------------
+
+
+async def two_rank_trainer(model: Path, run_dir: Path, **trainer: Any) -> tuple[Trainer, RecordingContext]:
+    config = msgspec.structs.replace(
+        make_config(model, num_ranks=2, num_threads=1, **trainer), run=RunConfig(dir=str(run_dir), seed=SEED)
+    )
+    context = RecordingContext(config, name="trainer", run_dir=run_dir)
+    actor = Trainer(config, context)
+    await actor.start()
+    return actor, context
+
+
+def staged_rollout(context: RecordingContext, batch: RolloutBatch) -> RolloutGenerated:
+    ref = context.transport.stager.put_bytes(
+        f"rollout-{batch.rollout_id}", msgspec.msgpack.encode(batch), owner="generator"
+    )
+    return RolloutGenerated(
+        rollout_id=batch.rollout_id, batch=ref, num_samples=len(batch.samples), reward_mean=0.0,
+        weight_versions=["default"],
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+async def test_a_cut_step_of_two_ranks_is_cancelled_on_both_and_keeps_nothing(model: Path, tmp_path: Path):
+    trainer, context = await two_rank_trainer(model, tmp_path)
+    try:
+        before = await anyio.to_thread.run_sync(trainer.backend.named_weights)
+        trainer.interrupt(StopRequested(reason="cut", now=True))
+        await trainer.handle(staged_rollout(context, rollout(0, 8)))
+        (cancelled,) = [e for e in context.published if isinstance(e, StepCancelled)]
+        assert (cancelled.phase, cancelled.reason) == ("train", "cut")
+        after = await anyio.to_thread.run_sync(trainer.backend.named_weights)
+        assert all(torch.equal(t, before[n]) for n, t in after.items())
+        assert trainer.backend.num_optimizer_steps == 0
+    finally:
+        await trainer.stop()
+
+
+@pytest.mark.slow
+async def test_a_step_of_two_ranks_reports_each_rank_rank_0_in_the_actors_process(
+    model: Path, tmp_path: Path
+):
+    trainer, context = await two_rank_trainer(model, tmp_path)
+    try:
+        await trainer.handle(staged_rollout(context, rollout(1, 8)))
+        (finished,) = [e for e in context.published if isinstance(e, TrainStepFinished)]
+        assert [r.rank for r in finished.ranks] == [0, 1]
+        assert finished.ranks[0].pid == os.getpid() != finished.ranks[1].pid
+        assert finished.metrics.num_optimizer_steps == 1 == trainer.backend.num_optimizer_steps
+    finally:
+        await trainer.stop()
+
+
+@pytest.mark.slow
+async def test_a_non_finite_loss_on_two_ranks_fails_as_it_does_on_one(model: Path, tmp_path: Path):
+    # NaN old log-probabilities (the engine's, with use_rollout_logprobs) make the loss NaN
+    # on both ranks: the error is the trainer's own, not a rank failure.
+    trainer, context = await two_rank_trainer(model, tmp_path, use_rollout_logprobs=True)
+    try:
+        batch = rollout(0, 8)
+        nan = [
+            msgspec.structs.replace(s, response_logprobs=[math.nan] * len(s.response_ids))
+            for s in batch.samples
+        ]
+        with pytest.raises(NonFiniteError, match="rollout 0, optimizer step 1 of 1: non-finite loss"):
+            await trainer.handle(staged_rollout(context, msgspec.structs.replace(batch, samples=nan)))
+        assert trainer.backend.num_optimizer_steps == 0
+    finally:
+        await trainer.stop()

@@ -212,11 +212,14 @@ class ProcessGroup(Parallel):
 
         # One unit per decoder layer (its parameters gathered only while it runs), then the
         # root's: what no layer owns (embeddings, final norm, output head, tied or not).
+        # On one rank there is nothing to save by freeing the gathered parameters between
+        # uses: they stay gathered from the first forward to the optimizer step.
+        reshard = self.world_size > 1
         layer_classes = set(getattr(model, "_no_split_modules", None) or ())
         for module in model.modules():
             if type(module).__name__ in layer_classes:
-                fully_shard(module, mesh=self.mesh)
-        fully_shard(root, mesh=self.mesh)
+                fully_shard(module, mesh=self.mesh, reshard_after_forward=reshard)
+        fully_shard(root, mesh=self.mesh, reshard_after_forward=reshard)
         return root
 
     def share(self, indices: list[int]) -> list[int]:
@@ -233,10 +236,15 @@ class ProcessGroup(Parallel):
         return self.sum([1.0 if flag else 0.0])[0] > 0
 
     def no_sync(self, module: torch.nn.Module, last: bool) -> contextlib.AbstractContextManager[object]:
+        from torch.distributed.fsdp import FSDPModule
         from torch.nn.parallel import DistributedDataParallel
 
         if self.sharding == "ddp" and not last and isinstance(module, DistributedDataParallel):
             return module.no_sync()
+        if self.world_size == 1 and not last and isinstance(module, FSDPModule):
+            # One rank: gradients are reduced once per step, the parameters kept gathered
+            # (several ranks reduce-scatter each micro-batch's, holding only their shard).
+            return _deferred(module)
         return contextlib.nullcontext()
 
     def _options(self, broadcast_from_rank0: bool = False, strict: bool = True) -> StateDictOptions:
@@ -291,10 +299,13 @@ class ProcessGroup(Parallel):
 
 
 @contextlib.contextmanager
-def rank_failures(rank: int) -> Iterator[None]:
-    """Errors of a collective re-raised as one line naming this rank."""
+def _deferred(module: Any) -> Iterator[None]:
+    """A backward of an FSDP2 module that neither reduces its gradients nor frees its
+    gathered parameters (the step's last backward does both)."""
+    module.set_requires_gradient_sync(False)
+    module.set_reshard_after_backward(False)
     try:
         yield
-    except RuntimeError as error:
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise RuntimeError(f"trainer rank {rank}: {first}") from error
+    finally:
+        module.set_requires_gradient_sync(True)
+        module.set_reshard_after_backward(True)

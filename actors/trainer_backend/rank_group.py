@@ -25,9 +25,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import anyio.from_thread
 
 from actors.trainer_backend.base import TrainerBackend, capture_rng_state
-from miles_events.bus.actor import call_all, call_each, close_workers
-from miles_events.bus.cancel import Cancellation
+from miles_events.bus.actor import RankFailed, call_all, call_each, close_workers
+from miles_events.bus.cancel import Cancellation, Cancelled
 from miles_events.device.threads import phase_thread_count, phase_threads
+from miles_events.rl.finite import NonFiniteError
 from schemas.config import resolved_sharding
 from schemas.events import RankStep, TrainMetrics
 from schemas.rollout import RolloutBatch
@@ -44,6 +45,11 @@ R = TypeVar("R")
 FAILED_CLOSE_SECONDS = 5.0
 """How long each rank of a group that failed may take to close before its process is ended:
 a rank stuck in a collective, or stopped, never closes."""
+
+TRAINING_OUTCOMES = (Cancelled, NonFiniteError)
+"""A rank's errors that are the step's outcome, the same on every rank (a cancellation
+point passed together, a non-finite loss or norm reduced over all ranks): raised as the
+single-process trainer raises them, not as a rank's failure."""
 
 CANCEL_POLL_SECONDS = 0.05
 """How often a rollout's training looks for a cancellation to pass on to the ranks."""
@@ -159,6 +165,12 @@ class RankGroupBackend(TrainerBackend):
     def _on_loop(self, function: Callable[[], Coroutine[Any, Any, R]]) -> R:
         try:
             return anyio.from_thread.run(function)
+        except RankFailed as failed:
+            self._failed = True
+            if isinstance(failed.error, TRAINING_OUTCOMES):
+                # What every rank decided alike (they agree on both): the trainer's own error.
+                raise failed.error from None
+            raise
         except BaseException:
             self._failed = True
             raise

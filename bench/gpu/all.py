@@ -36,7 +36,7 @@ BENCHES = (
         "--device",
         "cuda",
         *("--hidden", "1536", "--layers", "28", "--intermediate", "8960", "--heads", "12", "--kv-heads", "2"),
-        *("--samples", "64", "--micro-batch", "8", "--prompt-tokens", "64", "--response-tokens", "256"),
+        *("--samples", "128", "--micro-batch", "32", "--prompt-tokens", "64", "--response-tokens", "256"),
     ],
 )
 
