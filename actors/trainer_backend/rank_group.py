@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import threading
 from collections.abc import Callable, Coroutine
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -90,16 +91,29 @@ class TrainerRank:
             device,
         )
         self.backend = TorchTrainerBackend(config, self.parallel)
-        self.cancellation = Cancellation()
+        self._lock = threading.Lock()
+        self._cancellations: dict[int, Cancellation] = {}
+        """Each training call's cancellation, by its number: one asked for before its call
+        arrives (a notification may overtake the call) is there when it does."""
 
-    def train(self, batch: RolloutBatch) -> tuple[TrainMetrics, list[RankStep], int]:
-        self.cancellation = Cancellation()
-        with phase_threads(self.config.trainer.num_threads, self.sharers):
-            metrics = self.backend.train(batch, self.cancellation)
+    def _cancellation(self, call: int) -> Cancellation:
+        with self._lock:
+            return self._cancellations.setdefault(call, Cancellation())
+
+    def train(self, batch: RolloutBatch, call: int) -> tuple[TrainMetrics, list[RankStep], int]:
+        """Train on this rank's part of ``batch``; ``call`` numbers the group's training calls."""
+        cancellation = self._cancellation(call)
+        try:
+            with phase_threads(self.config.trainer.num_threads, self.sharers):
+                metrics = self.backend.train(batch, cancellation)
+        finally:
+            with self._lock:
+                self._cancellations.pop(call, None)
         return metrics, self.backend.rank_steps(), self.backend.num_optimizer_steps
 
-    def cancel(self, reason: str) -> None:
-        self.cancellation.cancel(reason)
+    def cancel(self, reason: str, call: int) -> None:
+        """Cut training call ``call`` at its next cancellation point (a call over is left be)."""
+        self._cancellation(call).cancel(reason)
 
     def named_weights(self, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
         return self.backend.named_weights(dtype)
@@ -148,6 +162,8 @@ class RankGroupBackend(TrainerBackend):
         self._rank_steps: list[RankStep] = []
         self._failed = False
         """Whether a call failed on some rank (the others may be stuck in a collective)."""
+        self._calls = 0
+        """Training calls so far: each rank's cancellation names the call it cuts."""
 
     @classmethod
     async def start(cls, config: Config, context: ActorContext) -> RankGroupBackend:
@@ -194,17 +210,20 @@ class RankGroupBackend(TrainerBackend):
     # --- training ----------------------------------------------------------------------------
 
     def train(self, batch: RolloutBatch, cancel: Cancellation | None = None) -> TrainMetrics:
+        self._calls += 1
+        call = self._calls
+
         async def run() -> list[tuple[TrainMetrics, list[RankStep], int]]:
             async def pass_on_cancellation() -> None:
-                while cancel is not None:
-                    if cancel.cancelled:  # sent again until the step ends: a rank may miss one
-                        for worker in self.workers:
-                            worker.notify(TrainerRank.cancel, cancel.reason)
+                while cancel is not None and not cancel.cancelled:
                     await asyncio.sleep(CANCEL_POLL_SECONDS)
+                if cancel is not None:
+                    for worker in self.workers:
+                        worker.notify(TrainerRank.cancel, cancel.reason, call)
 
             watcher = asyncio.ensure_future(pass_on_cancellation())
             try:
-                return await call_all(self.workers, TrainerRank.train, batch)
+                return await call_all(self.workers, TrainerRank.train, batch, call)
             finally:
                 watcher.cancel()
 
