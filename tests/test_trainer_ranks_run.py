@@ -6,6 +6,7 @@ naming it, leaving no process behind."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -48,21 +49,41 @@ def update_difference(
     return apart / update
 
 
+COMMON = ("run.num_rollout=3", "run.save_interval=2", "trainer.num_threads=1")
+"""Three rollouts, checkpoints after the second and the last."""
+
+
 @pytest.fixture(scope="module")
-def two_rank_runs(tmp_path_factory):
-    runs = {}
-    for runtime in ("local", "ray"):
-        run_dir = tmp_path_factory.mktemp(f"ranks-{runtime}")
-        result = run_cli(
-            run_dir, f'run.runtime="{runtime}"', "run.num_rollout=3", "run.save_interval=2", *TWO_RANKS
-        )
-        runs[runtime] = (run_dir, result)
-    return runs
+def runs(tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+    """Whole two-rank runs on each runtime, and the first two rollouts of the same run with
+    two ranks and with one (a checkpoint after the second), which the tests resume."""
+    made = {}
+    for name, overrides in {
+        "local": ('run.runtime="local"', "trainer.num_ranks=2"),
+        "ray": ('run.runtime="ray"', "trainer.num_ranks=2"),
+        "first-2": ('run.runtime="local"', "trainer.num_ranks=2", "run.debug_exit_after_rollout=2"),
+        "first-1": ('run.runtime="local"', "trainer.num_ranks=1", "run.debug_exit_after_rollout=2"),
+    }.items():
+        run_dir = tmp_path_factory.mktemp(name)
+        made[name] = (run_dir, run_cli(run_dir, *COMMON, *overrides))
+    return made
+
+
+def resumed(runs, first: str, ranks: int, into: Path) -> tuple[list, list]:
+    """``first``'s run dir copied to ``into`` and resumed there with ``ranks`` ranks: the
+    events of the first part, and of the resume."""
+    source, result = runs[first]
+    assert result.returncode == 0, result.stderr[-3000:]
+    shutil.copytree(source, into)
+    before = events(into)
+    result = run_cli(into, 'run.runtime="local"', *COMMON, f"trainer.num_ranks={ranks}", "run.resume=true")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return before, events(into)[len(before) :]
 
 
 @pytest.mark.parametrize("runtime", ["local", "ray"])
-def test_a_two_rank_run_verifies_every_publication(two_rank_runs, runtime):
-    run_dir, result = two_rank_runs[runtime]
+def test_a_two_rank_run_verifies_every_publication(runs, runtime):
+    run_dir, result = runs[runtime]
     assert result.returncode == 0, result.stderr[-3000:]
     log = events(run_dir)
     (started,) = [e for e in log if isinstance(e, RunStarted)]
@@ -78,15 +99,15 @@ def test_a_two_rank_run_verifies_every_publication(two_rank_runs, runtime):
         assert all(r.state_bytes > 0 and r.step_seconds > 0 for r in step.ranks)
 
 
-def test_both_runtimes_train_two_ranks_alike(two_rank_runs):
-    local, ray = (events(two_rank_runs[r][0]) for r in ("local", "ray"))
+def test_both_runtimes_train_two_ranks_alike(runs):
+    local, ray = (events(runs[r][0]) for r in ("local", "ray"))
     assert rollouts(local) == rollouts(ray)
     assert digests(local) == digests(ray)
 
 
 @pytest.mark.parametrize("runtime", ["local", "ray"])
-def test_a_two_rank_checkpoint_is_one_directory_transformers_loads(two_rank_runs, runtime):
-    run_dir, _result = two_rank_runs[runtime]
+def test_a_two_rank_checkpoint_is_one_directory_transformers_loads(runs, runtime):
+    run_dir, _result = runs[runtime]
     checkpoint = latest_checkpoint(run_dir)
     assert checkpoint is not None
     model = AutoModelForCausalLM.from_pretrained(checkpoint)
@@ -97,61 +118,45 @@ def test_a_two_rank_checkpoint_is_one_directory_transformers_loads(two_rank_runs
     assert set(saved.optimizer["state"]) <= set(model.state_dict()), "keyed by parameter name"
 
 
-def test_two_ranks_train_what_one_rank_trains(tmp_path):
-    common = ('run.runtime="local"', "run.num_rollout=1", "run.save_interval=1")
-    one = run_cli(tmp_path / "one", *common)
-    two = run_cli(tmp_path / "two", *common, *TWO_RANKS)
-    assert one.returncode == 0 and two.returncode == 0, (one.stderr + two.stderr)[-3000:]
-    (a,) = [e.metrics for e in events(tmp_path / "one") if isinstance(e, TrainStepFinished)]
-    (b,) = [e.metrics for e in events(tmp_path / "two") if isinstance(e, TrainStepFinished)]
-    assert b.train_tokens == a.train_tokens
-    assert b.loss == pytest.approx(a.loss, abs=1e-6)
-    assert b.grad_norm == pytest.approx(a.grad_norm, rel=1e-5)
-    one_weights = read_checkpoint(latest_checkpoint(tmp_path / "one")).weights
-    two_weights = read_checkpoint(latest_checkpoint(tmp_path / "two")).weights
-    base_model = AutoModelForCausalLM.from_pretrained(tmp_path / "one" / "base_model").state_dict()
+def test_two_ranks_train_what_one_rank_trains(runs):
+    two_dir, one_dir = runs["first-2"][0], runs["first-1"][0]
+    two = [e.metrics for e in events(two_dir) if isinstance(e, TrainStepFinished)]
+    one = [e.metrics for e in events(one_dir) if isinstance(e, TrainStepFinished)]
+    # The first rollout is the same one: same samples, same weights.
+    assert two[0].train_tokens == one[0].train_tokens
+    assert two[0].loss == pytest.approx(one[0].loss, abs=1e-6)
+    assert two[0].grad_norm == pytest.approx(one[0].grad_norm, rel=1e-5)
+    one_weights = read_checkpoint(latest_checkpoint(one_dir)).weights
+    two_weights = read_checkpoint(latest_checkpoint(two_dir)).weights
+    base_model = AutoModelForCausalLM.from_pretrained(one_dir / "base_model").state_dict()
     base_weights = {name: base_model[name] for name in one_weights}
     assert update_difference(base_weights, one_weights, two_weights) <= UPDATE_TOLERANCE
 
 
-def test_a_resumed_two_rank_run_ends_with_bitwise_the_weights_of_an_uninterrupted_one(tmp_path):
-    common = ('run.runtime="local"', "run.num_rollout=4", "run.save_interval=2", *TWO_RANKS)
-    whole = run_cli(tmp_path / "whole", *common)
-    assert whole.returncode == 0, whole.stderr[-3000:]
-    first = run_cli(tmp_path / "split", *common, "run.debug_exit_after_rollout=2")
-    assert first.returncode == 0, first.stderr[-3000:]
-    second = run_cli(tmp_path / "split", *common, "run.resume=true")
-    assert second.returncode == 0, second.stderr[-3000:]
-    whole_log, split_log = events(tmp_path / "whole"), events(tmp_path / "split")
-    assert rollouts(split_log) == rollouts(whole_log)
-    assert digests(split_log) == digests(whole_log)
-    a = read_checkpoint(latest_checkpoint(tmp_path / "whole"))
-    b = read_checkpoint(latest_checkpoint(tmp_path / "split"))
+def test_a_resumed_two_rank_run_ends_with_bitwise_the_weights_of_an_uninterrupted_one(runs, tmp_path):
+    _first, second = resumed(runs, "first-2", 2, tmp_path / "run")
+    whole = events(runs["local"][0])
+    split = events(tmp_path / "run")
+    assert rollouts(split) == rollouts(whole)
+    assert digests(split) == digests(whole)
+    assert [e.weight_version for e in second if isinstance(e, PublicationVerified)] == ["3", "4"]
+    a = read_checkpoint(latest_checkpoint(runs["local"][0]))
+    b = read_checkpoint(latest_checkpoint(tmp_path / "run"))
+    assert a.trainer_state.rollout_id == b.trainer_state.rollout_id == 2
     for name, tensor in a.weights.items():
         assert torch.equal(tensor, b.weights[name]), name
 
 
-@pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2)])
-def test_a_checkpoint_resumes_with_another_rank_count(tmp_path, before, after):
-    common = ('run.runtime="local"', "run.num_rollout=4", "run.save_interval=2", "trainer.num_threads=1")
-    first = run_cli(
-        tmp_path / "run", *common, f"trainer.num_ranks={before}", "run.debug_exit_after_rollout=2"
-    )
-    assert first.returncode == 0, first.stderr[-3000:]
-    first_log = events(tmp_path / "run")
-    second = run_cli(tmp_path / "run", *common, f"trainer.num_ranks={after}", "run.resume=true")
-    assert second.returncode == 0, second.stderr[-3000:]
-    log = events(tmp_path / "run")
-    resumed = log[len(first_log) :]
-    (started,) = [e for e in resumed if isinstance(e, RunStarted)]
+@pytest.mark.parametrize(("first", "after"), [("first-2", 1), ("first-1", 2)])
+def test_a_checkpoint_resumes_with_another_rank_count(runs, tmp_path, first, after):
+    before, second = resumed(runs, first, after, tmp_path / "run")
+    (started,) = [e for e in second if isinstance(e, RunStarted)]
     assert started.resumed and started.trainer_ranks == after
     # The resume republishes the saved weights: the same bytes as the first run published.
-    republished = next(e for e in resumed if isinstance(e, WeightsStaged))
+    republished = next(e for e in second if isinstance(e, WeightsStaged))
     assert republished.weight_version == "3"
-    assert republished.digest == digests(first_log)["3"]
-    assert [e.weight_version for e in resumed if isinstance(e, PublicationVerified)] == published_versions(
-        resumed
-    )
+    assert republished.digest == digests(before)["3"]
+    assert [e.weight_version for e in second if isinstance(e, PublicationVerified)] == ["3", "4"]
 
 
 # --- a rank that dies or hangs --------------------------------------------------------------
@@ -209,7 +214,7 @@ def test_a_rank_killed_mid_run_ends_it_with_one_line_naming_the_rank(tmp_path):
 
 
 def test_a_rank_that_hangs_ends_the_run_within_the_collective_timeout(tmp_path):
-    driver = start_long_run(tmp_path / "run", "trainer.collective_timeout=10")
+    driver = start_long_run(tmp_path / "run", "trainer.collective_timeout=5")
     try:
         pids = rank_pids_once_trained(tmp_path / "run", driver)
         os.kill(pids[1], signal.SIGSTOP)
@@ -226,7 +231,7 @@ def test_a_rank_that_hangs_ends_the_run_within_the_collective_timeout(tmp_path):
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(lines) == 1, err[-3000:]
     line = lines[0]
-    assert "actor trainer failed" in line and "Timed out waiting 10000ms" in line, line
+    assert "actor trainer failed" in line and "Timed out waiting 5000ms" in line, line
     assert f"still in the call: rank 1 (pid {pids[1]})" in line, line
     assert ".cc:" not in line, "no C++ source location"
     assert took < 60
