@@ -309,6 +309,20 @@ def test_two_ranks_train_the_weights_one_process_trains(
 
 
 @pytest.mark.slow
+def test_two_ranks_with_a_kl_loss_train_what_one_process_trains(
+    model: Path, base_weights: dict[str, torch.Tensor]
+):
+    # The reference is sharded as the policy is; its log-probabilities enter every step's loss.
+    batches = [rollout(5, 8), rollout(6, 8)]
+    kl = {"use_kl_loss": True, "kl_loss_coef": 0.5, "global_batch_size": 4}
+    metrics, weights, _optimizer, _bytes = train_one_process(make_config(model, **kl), batches)
+    ranks = train_ranks(make_config(model, sharding="fsdp2", **kl), 2, batches)
+    assert metrics[1].kl > 0
+    assert ranks[0][1][1].kl == pytest.approx(metrics[1].kl, rel=1e-4)
+    assert update_difference(base_weights, weights, ranks[0][2]) <= UPDATE_TOLERANCE
+
+
+@pytest.mark.slow
 def test_fsdp2_on_one_rank_trains_what_one_process_trains(model: Path, base_weights: dict[str, torch.Tensor]):
     # One rank keeps its parameters gathered and reduces gradients once per step (four
     # micro-batches accumulated unreduced).
@@ -333,12 +347,13 @@ def test_ranks_with_unequal_parts_train_what_one_process_trains(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("sharding", ["fsdp2", "ddp"])
 def test_a_two_rank_state_resumes_in_one_process_and_the_other_way(
-    model: Path, base_weights: dict[str, torch.Tensor]
+    model: Path, base_weights: dict[str, torch.Tensor], sharding: str
 ):
     first, second = [rollout(3, 8)], [rollout(4, 8)]
     config = make_config(model, global_batch_size=4, micro_batch_size=2)
-    sharded = make_config(model, global_batch_size=4, micro_batch_size=2, sharding="fsdp2")
+    sharded = make_config(model, global_batch_size=4, micro_batch_size=2, sharding=sharding)
     _metrics, uninterrupted, _optimizer, _bytes = train_one_process(config, first + second)
 
     # Two ranks, then one process.
