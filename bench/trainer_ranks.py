@@ -81,6 +81,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402  (after the repository root is on the path, for plain python3)
 
+from actors.trainer_backend.parallel import local_shard  # noqa: E402
+
 GROUP_SIZE = 4
 """Samples per prompt in the bench's rollouts."""
 SEED = 1
@@ -140,12 +142,6 @@ def rollout(rollout_id: int, settings: dict[str, Any]) -> Any:
     return RolloutBatch(rollout_id=rollout_id, samples=samples)
 
 
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard; any other tensor as it is."""
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if to_local is not None else tensor
-
-
 def held_bytes(backend: Any) -> dict[str, int]:
     """Parameters, gradients and optimizer state: the bytes of the distinct storages behind
     this rank's local tensors (a count independent of ``state_bytes()``: a flat bucket or a
@@ -155,7 +151,7 @@ def held_bytes(backend: Any) -> dict[str, int]:
     def storages(tensors: list[torch.Tensor]) -> int:
         total = 0
         for tensor in tensors:
-            storage = local(tensor).untyped_storage()
+            storage = local_shard(tensor).untyped_storage()
             if storage.nbytes() and storage.data_ptr() not in seen:
                 seen.add(storage.data_ptr())
                 total += storage.nbytes()

@@ -33,6 +33,7 @@ from actors.trainer import Trainer
 from actors.trainer_backend.grpo import expand_advantages, policy_loss
 from actors.trainer_backend.parallel import ProcessGroup, by_index, by_name, share
 from actors.trainer_backend.torch_backend import TorchTrainerBackend
+from miles_events.bus.actor import RankFailed
 from miles_events.bus.testing import RecordingContext
 from miles_events.rl.finite import NonFiniteError
 from schemas.config import Config, DataConfig, ModelConfig, RunConfig, TrainerConfig
@@ -458,5 +459,22 @@ async def test_a_non_finite_loss_on_two_ranks_fails_as_it_does_on_one(model: Pat
         with pytest.raises(NonFiniteError, match="rollout 0, optimizer step 1 of 1: non-finite loss"):
             await trainer.handle(staged_rollout(context, msgspec.structs.replace(batch, samples=nan)))
         assert trainer.backend.num_optimizer_steps == 0
+    finally:
+        await trainer.stop()
+
+
+@pytest.mark.slow
+async def test_a_reference_that_does_not_fit_two_ranks_is_refused_naming_the_tensors(
+    model: Path, tmp_path: Path
+):
+    trainer, _context = await two_rank_trainer(model, tmp_path, use_kl_loss=True, kl_loss_coef=0.1)
+    try:
+        weights = await anyio.to_thread.run_sync(trainer.backend.named_weights)
+        del weights["model.norm.weight"]
+        with pytest.raises(
+            RankFailed,
+            match=r"rank 0 .*checkpoint weights do not fit the model: missing \['model.norm.weight'\]",
+        ):
+            await anyio.to_thread.run_sync(trainer.backend.load_reference, weights)
     finally:
         await trainer.stop()

@@ -46,6 +46,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from miles_events.rl.weights import split_tied
+
 Sharding = Literal["none", "fsdp2", "ddp"]
 
 
@@ -53,6 +55,13 @@ def share(indices: list[int], rank: int, world_size: int) -> list[int]:
     """Rank ``rank``'s contiguous part of ``indices`` (parts differ in length by at most one)."""
     count = len(indices)
     return indices[rank * count // world_size : (rank + 1) * count // world_size]
+
+
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """A sharded tensor's (a DTensor's) part on this rank; any other tensor as it is."""
+    to_local = getattr(tensor, "to_local", None)
+    local: torch.Tensor = to_local() if to_local is not None else tensor
+    return local
 
 
 def by_name(optimizer_state: dict[str, Any], names: list[str]) -> dict[str, Any]:
@@ -131,10 +140,13 @@ class Parallel:
         return model.state_dict()
 
     def load_full_weights(self, model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
-        """Load ``full_weights``' form, given on rank 0 (the others pass ``{}``)."""
-        set_model_state_dict(
-            model, cast(dict[str, Any], weights), options=StateDictOptions(full_state_dict=True, strict=False)
-        )
+        """Load ``full_weights``' form, given on rank 0 (the others pass ``{}``), whose
+        names and shapes were checked against the model's (a tied tensor is restored through
+        the name it is tied to)."""
+        live, _tied = split_tied(model.state_dict())
+        with torch.no_grad():
+            for name, tensor in live.items():
+                tensor.copy_(weights[name])
 
     def optimizer_state(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, names: list[str]

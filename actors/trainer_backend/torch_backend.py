@@ -45,7 +45,7 @@ from actors.trainer_backend.grpo import (
     logprobs_and_entropy,
     policy_loss,
 )
-from actors.trainer_backend.parallel import Parallel, by_name, share
+from actors.trainer_backend.parallel import Parallel, by_name, local_shard, share
 from miles_events.bus.cancel import Cancellation, Cancelled
 from miles_events.device.buckets import Buckets, bucket_parameters
 from miles_events.rl.finite import NonFiniteError
@@ -547,13 +547,12 @@ class TorchTrainerBackend(TrainerBackend):
 
     def named_weights(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         # state_dict() already omits non-persistent buffers (rotary inv_freq and the like);
-        # tied duplicates (lm_head sharing the embedding) follow the one rule of rl.weights.
-        if self.parallel.sharded:
-            # Gathered whole on rank 0 (empty on the others); a tie is no longer shared storage.
-            gathered = self.parallel.full_weights(self.model)
-            unique = {name: t for name, t in gathered.items() if name not in self._tied_names}
-        else:
-            unique, _tied = split_tied(self.model.state_dict())
+        # tied duplicates (lm_head sharing the embedding) follow the one rule of rl.weights,
+        # applied at start (once gathered from shards, a tie is no longer shared storage).
+        # Sharded, they are gathered whole on rank 0 (empty on the others).
+        unique = {
+            n: t for n, t in self.parallel.full_weights(self.model).items() if n not in self._tied_names
+        }
         return {name: t.detach() if dtype is None else t.detach().to(dtype) for name, t in unique.items()}
 
     def weight_buckets(self) -> Buckets | None:
@@ -561,23 +560,18 @@ class TorchTrainerBackend(TrainerBackend):
 
     def state_bytes(self) -> int:
         """Bytes of the parameters, gradients and optimizer state this rank holds (its shard)."""
-        total = 0
-        for parameter in self.root.parameters():
-            local = getattr(parameter, "to_local", None)
-            tensor = local() if local is not None else parameter
-            total += tensor.numel() * tensor.element_size()
-            if parameter.grad is not None:
-                grad = parameter.grad
-                grad_local = getattr(grad, "to_local", None)
-                grad = grad_local() if grad_local is not None else grad
-                total += grad.numel() * grad.element_size()
-        for state in self.optimizer.state.values():
-            for value in state.values():
-                if isinstance(value, torch.Tensor):
-                    local = getattr(value, "to_local", None)
-                    tensor = local() if local is not None else value
-                    total += tensor.numel() * tensor.element_size()
-        return total
+        parameters = list(self.root.parameters())
+        tensors = [
+            *parameters,
+            *(p.grad for p in parameters if p.grad is not None),
+            *(
+                v
+                for state in self.optimizer.state.values()
+                for v in state.values()
+                if isinstance(v, torch.Tensor)
+            ),
+        ]
+        return sum(local_shard(t).numel() * local_shard(t).element_size() for t in tensors)
 
     @property
     def num_optimizer_steps(self) -> int:
@@ -587,13 +581,17 @@ class TorchTrainerBackend(TrainerBackend):
         # Keyed by parameter name: a checkpoint any number of ranks loads.
         return self.parallel.optimizer_state(self.model, self.optimizer, self._parameter_names)
 
+    def _load_weights(self, model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+        """Checkpoint ``weights`` (Hugging Face names, no tied duplicates needed) into the
+        policy or the reference: checked where they are given (rank 0) before anything is
+        copied, ``ValueError`` naming what does not fit."""
+        if self.parallel.rank == 0:
+            check_fits(self._shapes, self._shapes.keys() | self._tied_names, weights)
+        self.parallel.load_full_weights(model, weights)
+
     def load_reference(self, weights: dict[str, torch.Tensor]) -> None:
-        if self.reference is None:
-            return
-        if self.parallel.sharded:
-            self.parallel.load_full_weights(self.reference, weights)
-        else:
-            copy_weights(self.reference, weights)
+        if self.reference is not None:
+            self._load_weights(self.reference, weights)
 
     def load_state(
         self,
@@ -602,12 +600,7 @@ class TorchTrainerBackend(TrainerBackend):
         rng: dict[str, Any],
         num_optimizer_steps: int,
     ) -> None:
-        if self.parallel.sharded:
-            if self.parallel.rank == 0:
-                check_fits(self._shapes, self._shapes.keys() | self._tied_names, weights)
-            self.parallel.load_full_weights(self.model, weights)
-        else:
-            copy_weights(self.model, weights)
+        self._load_weights(self.model, weights)
         state = by_name(optimizer, self._parameter_names) if optimizer else optimizer
         self.parallel.load_optimizer_state(self.model, self.optimizer, state, self._parameter_names)
         restore_rng_state(rng)
@@ -628,13 +621,3 @@ def check_fits(shapes: dict[str, torch.Size], known: set[str], weights: dict[str
         saved = weights[name]
         if saved.shape != shape:
             raise ValueError(f"checkpoint tensor {name}: shape {tuple(saved.shape)}, model {tuple(shape)}")
-
-
-def copy_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
-    """Copy checkpoint ``weights`` (Hugging Face names, no tied duplicates needed) into
-    ``model``; ``ValueError`` naming what does not fit, before anything is copied."""
-    live, _tied = split_tied(model.state_dict())
-    check_fits({name: t.shape for name, t in live.items()}, set(model.state_dict()), weights)
-    with torch.no_grad():
-        for name, tensor in live.items():
-            tensor.copy_(weights[name])
