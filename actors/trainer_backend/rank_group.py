@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio.from_thread
 
-from actors.trainer_backend.base import TrainerBackend, capture_rng_state
+from actors.trainer_backend.base import TrainerBackend
 from miles_events.bus.actor import RankFailed, call_all, call_each, close_workers
 from miles_events.bus.cancel import Cancellation, Cancelled
 from miles_events.device.threads import phase_thread_count, phase_threads
@@ -122,7 +122,7 @@ class TrainerRank:
         return self.backend.optimizer_state_dict()
 
     def rng_state(self) -> dict[str, Any]:
-        return capture_rng_state()
+        return self.backend.rng_state()
 
     def load_state(
         self,

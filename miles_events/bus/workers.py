@@ -271,32 +271,32 @@ async def call_each(workers: Sequence[Worker[T]], call: Callable[[Worker[T]], Aw
     their ranks): ``RankDied`` as it is, another exception as ``RankFailed`` naming the
     rank. ``call_each(workers, lambda w: w.call(Rank.load, weights if w.rank == 0 else {}))``."""
     tasks = [asyncio.ensure_future(call(worker)) for worker in workers]
+
+    def raised() -> list[tuple[Worker[T], BaseException]]:
+        """(worker, its exception) of every call that has raised, in rank order."""
+        return [
+            (worker, error)
+            for worker, task in zip(workers, tasks, strict=True)
+            if task.done() and not task.cancelled() and (error := task.exception()) is not None
+        ]
+
     try:
         pending: set[asyncio.Future[R]] = set(tasks)
         while pending:
             _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
-            failed = [
-                (worker, task)
-                for worker, task in zip(workers, tasks, strict=True)
-                if task.done() and not task.cancelled() and task.exception() is not None
-            ]
-            if failed:
-                worker, task = failed[0]
-                error = task.exception()
-                assert error is not None
-                if isinstance(error, RankDied):
-                    raise error
-                if pending:
-                    # A rank's collective fails when a peer dies: the death, which may be
-                    # a moment behind, is the cause to report.
-                    await asyncio.wait(pending, timeout=DEATH_GRACE_SECONDS)
-                    for other in tasks:
-                        if other.done() and not other.cancelled() and isinstance(other.exception(), RankDied):
-                            died = other.exception()
-                            assert died is not None
-                            raise died
-                unreturned = [(w.rank, w.pid) for w, t in zip(workers, tasks, strict=True) if not t.done()]
-                raise RankFailed(worker.rank, worker.pid, error, unreturned) from error
+            failed = raised()
+            if not failed:
+                continue
+            if pending and not isinstance(failed[0][1], RankDied):
+                # A rank's collective fails when a peer dies: the death, which may be a
+                # moment behind, is the cause to report.
+                await asyncio.wait(pending, timeout=DEATH_GRACE_SECONDS)
+            died = [error for _, error in raised() if isinstance(error, RankDied)]
+            if died:
+                raise died[0]
+            worker, error = failed[0]
+            unreturned = [(w.rank, w.pid) for w, t in zip(workers, tasks, strict=True) if not t.done()]
+            raise RankFailed(worker.rank, worker.pid, error, unreturned) from error
     finally:
         for task in tasks:
             task.cancel()
