@@ -310,9 +310,7 @@ async def test_a_failure_that_a_ranks_death_causes_is_reported_as_that_death(tmp
     what is reported, naming rank 1."""
     workers = await start_spawned(tmp_path)
     try:
-        with pytest.raises(
-            RankDied, match=rf"^test rank 1 \(pid {workers[1].pid}\) died: exited with code 3$"
-        ):
+        with pytest.raises(RankDied, match=rf"^test rank 1 \(pid {workers[1].pid}\) died: exit code 3$"):
             await call_each(
                 workers, lambda w: w.call(Spawned.fail) if w.rank == 0 else w.call(Spawned.exit_after, 0.3)
             )

@@ -33,6 +33,8 @@ from typing import Any
 
 import httpx
 
+from miles_events.util.exit_status import exit_status
+
 HOST = "127.0.0.1"
 LOG_TAIL_BYTES = 64 * 1024
 """How much of the log's end is read for the gist of a failed start."""
@@ -257,7 +259,7 @@ class ServerProcess:
                     gist = log_gist(self.log_path)
                     error = PortTaken if "address already in use" in gist.lower() else ServerStartError
                     raise error(
-                        f"{self.name}: the server exited during start ({_exit_status(code)}): "
+                        f"{self.name}: the server exited during start ({exit_status(code)}): "
                         f"{gist} (log {self.log_path})"
                     )
                 try:
@@ -309,7 +311,7 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             return ""
         why = death_gist(self.log_path)
-        return f", the server process has exited ({_exit_status(code)})" + (f": {why}" if why else "")
+        return f", the server process has exited ({exit_status(code)})" + (f": {why}" if why else "")
 
     def close(self, grace: float = 10.0) -> None:
         """End the server's whole process group: SIGTERM, then SIGKILL after ``grace`` s.
@@ -388,15 +390,6 @@ def _start_time(pid: int) -> int:
     except OSError:
         return 0
     return int(stat[stat.rindex(")") + 2 :].split()[19])
-
-
-def _exit_status(code: int) -> str:
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
 
 
 @atexit.register

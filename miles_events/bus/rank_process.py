@@ -48,6 +48,7 @@ from miles_events.bus.clock import SYSTEM_CLOCK, wait_for
 from miles_events.bus.errors import describe_error
 from miles_events.bus.workers import RankDied, RankPlace, WorkerFactory, brief_error, method_name
 from miles_events.transport.base import open_transport
+from miles_events.util.exit_status import exit_status
 from schemas.config import Config
 
 logger = logging.getLogger(__name__)
@@ -124,18 +125,6 @@ def _raised(failure: Failure) -> BaseException:
     return error
 
 
-def how_it_ended(exitcode: int | None) -> str:
-    """``killed by SIGKILL``, ``exited with code 3``."""
-    if exitcode is None:
-        return "ended"
-    if exitcode < 0:
-        try:
-            return f"killed by {signal.Signals(-exitcode).name}"
-        except ValueError:
-            return f"killed by signal {-exitcode}"
-    return f"exited with code {exitcode}"
-
-
 class ProcessWorker(Generic[T]):
     """The actor's side of a rank in a spawned process: a call sends the method's name and
     its arguments, pickled; the reply carries the result or the exception."""
@@ -184,7 +173,7 @@ class ProcessWorker(Generic[T]):
         if self._process.exitcode is None:
             self._process.kill()
             self._process.join()
-        how = how_it_ended(self._process.exitcode)
+        how = exit_status(self._process.exitcode)
         if self._closing:
             message = f"{self.name} (pid {self.pid}) was closed"
         else:
@@ -261,7 +250,7 @@ class ProcessWorker(Generic[T]):
             raise RuntimeError(f"{self.name} failed to start: {brief_error(error)}") from error
 
     def _how(self) -> str:
-        return how_it_ended(self._process.exitcode)
+        return exit_status(self._process.exitcode)
 
     async def call(self, method: Callable[Concatenate[T, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
         result: R = await self._request("call", method_name(method), args, kwargs)
