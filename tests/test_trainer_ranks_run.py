@@ -231,7 +231,12 @@ def test_a_rank_that_hangs_ends_the_run_within_the_collective_timeout(tmp_path):
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(lines) == 1, err[-3000:]
     line = lines[0]
-    assert "actor trainer failed" in line and "Timed out waiting 5000ms" in line, line
+    # Stopped in a collective, rank 0's times out; stopped between calls, rank 1 is late.
+    assert "actor trainer failed" in line, line
+    assert (
+        "Timed out waiting 5000ms" in line
+        or f"rank 1 (pid {pids[1]}): TimeoutError: did not return within 5s" in line
+    ), line
     assert f"still in the call: rank 1 (pid {pids[1]})" in line, line
     assert ".cc:" not in line, "no C++ source location"
     assert took < 60

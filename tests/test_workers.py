@@ -153,7 +153,7 @@ class Spawned:
     def fail(self) -> None:
         raise KeyError(f"rank {self.place.rank} was asked to fail")
 
-    def fail_on(self, rank: int) -> int:
+    def fail_on(self, rank: int, data: bytes = b"") -> int:
         if self.place.rank == rank:
             raise ValueError(f"rank {rank} failed")
         return self.place.rank
@@ -303,6 +303,66 @@ async def test_calling_every_rank_raises_the_first_failure_without_waiting_for_t
     finally:
         workers[0].notify(Spawned.release)
         await close_workers(workers)
+
+
+def resume_later(pid: int, seconds: float) -> threading.Event:
+    """Sends ``pid`` SIGCONT after ``seconds`` (a test that would hang on a stopped rank
+    fails instead): the event is set once it was sent."""
+    resumed = threading.Event()
+
+    def resume() -> None:
+        time.sleep(seconds)
+        resumed.set()
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+    threading.Thread(target=resume, daemon=True).start()
+    return resumed
+
+
+async def test_a_call_too_large_for_the_pipe_to_a_stopped_rank_never_blocks_the_event_loop(
+    tmp_path: Path,
+) -> None:
+    """Rank 1's process is stopped (SIGSTOP) and reads nothing: sending it more than its
+    pipe holds waits off the event loop, so rank 0's failure (as a collective's timeout)
+    is raised naming rank 1 as still in the call, and closing the group ends rank 1."""
+    workers = await start_spawned(tmp_path)
+    stopped = workers[1].pid
+    os.kill(stopped, signal.SIGSTOP)
+    resumed = resume_later(stopped, 20)
+    try:
+        message = rf"^rank 0 .*ValueError: rank 0 failed; still in the call: rank 1 \(pid {stopped}\)$"
+        with pytest.raises(RankFailed, match=message):
+            await asyncio.wait_for(call_all(workers, Spawned.fail_on, 0, b"x" * (32 << 20)), 15)
+        await close_workers(workers, 1)
+        assert not resumed.is_set(), "the event loop waited for the stopped rank"
+    finally:
+        await close_workers(workers, 1)
+    assert not running(stopped)
+
+
+async def test_a_rank_that_does_not_return_within_the_straggler_bound_of_the_first_fails_the_call(
+    tmp_path: Path,
+) -> None:
+    """A call without a collective (nothing times out in a rank): once rank 0 returned,
+    rank 1, stopped, is given ``straggler_timeout`` seconds and is then named."""
+    workers = await start_spawned(tmp_path)
+    stopped = workers[1].pid
+    os.kill(stopped, signal.SIGSTOP)
+    resumed = resume_later(stopped, 20)
+    try:
+        message = (
+            rf"^rank 1 \(pid {stopped}\): TimeoutError: did not return within 0.5s of rank 0; "
+            rf"still in the call: rank 1 \(pid {stopped}\)$"
+        )
+        with pytest.raises(RankFailed, match=message):
+            await call_each(workers, lambda w: w.call(Spawned.pid), straggler_timeout=0.5)
+        assert not resumed.is_set()
+    finally:
+        await close_workers(workers, 1)
+    assert not running(stopped)
 
 
 async def test_a_failure_that_a_ranks_death_causes_is_reported_as_that_death(tmp_path: Path) -> None:

@@ -19,14 +19,14 @@ from __future__ import annotations
 import asyncio
 import datetime
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio.from_thread
 
 from actors.trainer_backend.base import TrainerBackend
-from miles_events.bus.actor import RankFailed, call_all, call_each, close_workers
+from miles_events.bus.actor import RankFailed, call_each, close_workers
 from miles_events.bus.cancel import Cancellation, Cancelled
 from miles_events.device.threads import phase_thread_count, phase_threads
 from miles_events.rl.finite import NonFiniteError
@@ -191,21 +191,26 @@ class RankGroupBackend(TrainerBackend):
             self._failed = True
             raise
 
+    def _call(self, call: Callable[[Worker[TrainerRank]], Awaitable[R]]) -> list[R]:
+        """``call(worker)`` for every rank, each returning within the collective timeout of
+        the first (a rank stopped outside a collective fails the call, naming it)."""
+
+        async def run() -> list[R]:
+            return await call_each(
+                self.workers, call, straggler_timeout=self.config.trainer.collective_timeout
+            )
+
+        return self._on_loop(run)
+
     def _each(self, method: Callable[..., R], *args: Any) -> list[R]:
         """``method(*args)`` on every rank; the results in rank order."""
 
-        async def run() -> list[R]:
-            return await call_all(self.workers, method, *args)
-
-        return self._on_loop(run)
+        return self._call(lambda w: w.call(method, *args))
 
     def _rank0_alone(self, method: Callable[..., R], full: tuple[Any, ...], empty: tuple[Any, ...]) -> R:
         """``method`` on every rank, ``full`` given to rank 0 and ``empty`` to the others."""
 
-        async def run() -> list[R]:
-            return await call_each(self.workers, lambda w: w.call(method, *(full if w.rank == 0 else empty)))
-
-        return self._on_loop(run)[0]
+        return self._call(lambda w: w.call(method, *(full if w.rank == 0 else empty)))[0]
 
     # --- training ----------------------------------------------------------------------------
 
@@ -223,7 +228,11 @@ class RankGroupBackend(TrainerBackend):
 
             watcher = asyncio.ensure_future(pass_on_cancellation())
             try:
-                return await call_all(self.workers, TrainerRank.train, batch, call)
+                return await call_each(
+                    self.workers,
+                    lambda w: w.call(TrainerRank.train, batch, call),
+                    straggler_timeout=self.config.trainer.collective_timeout,
+                )
             finally:
                 watcher.cancel()
 

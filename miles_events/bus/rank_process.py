@@ -31,6 +31,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
+import queue
 import signal
 import threading
 import time
@@ -39,6 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any, Concatenate, Generic, NoReturn, ParamSpec, TypeVar
 
@@ -149,8 +151,11 @@ class ProcessWorker(Generic[T]):
         self._done: asyncio.Future[None] = self._loop.create_future()
         self._started: asyncio.Future[Any] = self._loop.create_future()
         self._pending[_START] = self._started
+        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         self._reader = threading.Thread(target=self._read, name=f"{self.name} reader", daemon=True)
         self._reader.start()
+        self._writer = threading.Thread(target=self._write, name=f"{self.name} writer", daemon=True)
+        self._writer.start()
 
     # The reader: the replies as they come, and the end of the process.
 
@@ -164,8 +169,8 @@ class ProcessWorker(Generic[T]):
                         self._deliver(self._conn.recv())
                     break
                 self._deliver(self._conn.recv())
-        except EOFError:
-            pass
+        except (EOFError, ConnectionResetError):
+            pass  # it ended (with what it had not read yet: reset); how is said below
         except Exception as error:  # a reply that cannot be read: the rank is lost
             logger.error("%s (pid %d): a reply could not be read: %s", self.name, self.pid, error)
             self._process.kill()
@@ -183,6 +188,7 @@ class ProcessWorker(Generic[T]):
         with self._lock:
             self._ended = message
             pending, self._pending = self._pending, {}
+        self._outbox.put(None)
         with self._send_lock:
             self._conn.close()
         for future in pending.values():
@@ -212,9 +218,22 @@ class ProcessWorker(Generic[T]):
 
     # The actor's side.
 
+    def _write(self) -> None:
+        """The writer: sends what the actor's side queued, in order. A rank whose process is
+        stopped reads nothing, and a message larger than the pipe holds then blocks its send:
+        here, never on the actor's event loop. Once the process ends the send fails, and the
+        reader fails the calls."""
+        while (message := self._outbox.get()) is not None:
+            try:
+                with self._send_lock:
+                    self._conn.send_bytes(message)
+            except OSError:
+                pass  # the process is gone, or going: its reader fails the calls
+
     def _send(self, message: tuple[Any, ...]) -> None:
-        with self._send_lock:
-            self._conn.send(message)
+        """Queue ``message`` for the writer, pickled here (what does not pickle raises to the
+        caller)."""
+        self._outbox.put(ForkingPickler.dumps(message))
 
     async def _request(self, kind: str, *payload: Any) -> Any:
         """Send a request; its reply's value, or its exception raised."""
@@ -225,10 +244,7 @@ class ProcessWorker(Generic[T]):
             call_id = next(self._ids)
             self._pending[call_id] = future
         try:
-            try:
-                self._send((kind, call_id, *payload))
-            except OSError:
-                pass  # the process is gone: its reader fails the call
+            self._send((kind, call_id, *payload))
             return await future
         finally:
             with self._lock:
@@ -260,10 +276,7 @@ class ProcessWorker(Generic[T]):
         name = method_name(method)
         if self._ended is not None:
             return  # as a notification to a Ray actor that is gone: nothing to tell
-        try:
-            self._send(("notify", 0, name, args, kwargs))
-        except OSError:
-            pass
+        self._send(("notify", 0, name, args, kwargs))
 
     async def close(self, timeout: float | None = None) -> None:
         """The object's ``close()`` (within ``timeout``, default ``close_timeout``, beside
@@ -340,9 +353,7 @@ async def start_rank_process(
         log_into=log_into,
     )
     try:
-        worker._send(("start", _START, start))
-    except OSError:
-        pass  # it died already: ``started`` says so
+        worker._send(("start", _START, start))  # if it died already, ``started`` says so
     except BaseException:
         await worker._stop()
         raise

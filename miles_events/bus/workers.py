@@ -265,11 +265,19 @@ async def gather_workers(starts: Sequence[Awaitable[Any]]) -> list[Any]:
     raise failed[0]
 
 
-async def call_each(workers: Sequence[Worker[T]], call: Callable[[Worker[T]], Awaitable[R]]) -> list[R]:
+async def call_each(
+    workers: Sequence[Worker[T]],
+    call: Callable[[Worker[T]], Awaitable[R]],
+    *,
+    straggler_timeout: float | None = None,
+) -> list[R]:
     """``call(worker)`` for every worker at once; their results in rank order. The first
     to fail raises at once, without waiting for the others (they are cancelled here, not in
     their ranks): ``RankDied`` as it is, another exception as ``RankFailed`` naming the
-    rank. ``call_each(workers, lambda w: w.call(Rank.load, weights if w.rank == 0 else {}))``."""
+    rank. Once one rank has returned, each other has ``straggler_timeout`` seconds (None:
+    no bound) to return, or it fails as ``RankFailed`` with a ``TimeoutError`` (a rank that
+    hangs outside any collective would otherwise be waited for forever).
+    ``call_each(workers, lambda w: w.call(Rank.load, weights if w.rank == 0 else {}))``."""
     tasks = [asyncio.ensure_future(call(worker)) for worker in workers]
 
     def raised() -> list[tuple[Worker[T], BaseException]]:
@@ -280,10 +288,21 @@ async def call_each(workers: Sequence[Worker[T]], call: Callable[[Worker[T]], Aw
             if task.done() and not task.cancelled() and (error := task.exception()) is not None
         ]
 
+    def unreturned() -> list[tuple[int, int]]:
+        return [(w.rank, w.pid) for w, t in zip(workers, tasks, strict=True) if not t.done()]
+
     try:
         pending: set[asyncio.Future[R]] = set(tasks)
+        first: int | None = None  # the first rank that returned
         while pending:
-            _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+            bound = None if first is None else straggler_timeout
+            done, pending = await asyncio.wait(pending, timeout=bound, return_when=asyncio.FIRST_COMPLETED)
+            if not done:
+                straggler = next(w for w, t in zip(workers, tasks, strict=True) if not t.done())
+                late = TimeoutError(f"did not return within {bound:g}s of rank {first}")
+                raise RankFailed(straggler.rank, straggler.pid, late, unreturned())
+            if first is None:
+                first = next(w.rank for w, t in zip(workers, tasks, strict=True) if t in done)
             failed = raised()
             if not failed:
                 continue
@@ -295,8 +314,7 @@ async def call_each(workers: Sequence[Worker[T]], call: Callable[[Worker[T]], Aw
             if died:
                 raise died[0]
             worker, error = failed[0]
-            unreturned = [(w.rank, w.pid) for w, t in zip(workers, tasks, strict=True) if not t.done()]
-            raise RankFailed(worker.rank, worker.pid, error, unreturned) from error
+            raise RankFailed(worker.rank, worker.pid, error, unreturned()) from error
     finally:
         for task in tasks:
             task.cancel()
@@ -304,9 +322,13 @@ async def call_each(workers: Sequence[Worker[T]], call: Callable[[Worker[T]], Aw
 
 
 async def call_all(
-    workers: Sequence[Worker[T]], method: Callable[Concatenate[T, P], R], *args: P.args, **kwargs: P.kwargs
+    workers: Sequence[Worker[T]],
+    method: Callable[Concatenate[T, P], R],
+    *args: P.args,
+    **kwargs: P.kwargs,
 ) -> list[R]:
-    """``method(*args, **kwargs)`` on every rank at once, as ``call_each``."""
+    """``method(*args, **kwargs)`` on every rank at once, as ``call_each`` (without a bound
+    on stragglers: ``call_each`` gives one)."""
     return await call_each(workers, lambda worker: worker.call(method, *args, **kwargs))
 
 
