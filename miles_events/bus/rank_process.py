@@ -151,7 +151,7 @@ class ProcessWorker(Generic[T]):
         self._done: asyncio.Future[None] = self._loop.create_future()
         self._started: asyncio.Future[Any] = self._loop.create_future()
         self._pending[_START] = self._started
-        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
         self._reader = threading.Thread(target=self._read, name=f"{self.name} reader", daemon=True)
         self._reader.start()
         self._writer = threading.Thread(target=self._write, name=f"{self.name} writer", daemon=True)
