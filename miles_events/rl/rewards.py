@@ -29,3 +29,28 @@ def first_char(prompt: str, response: str, label: str) -> float:
     """1.0 when the response begins with the label's first character (one-token answers)."""
     label = label.strip()
     return float(bool(label) and response.startswith(label))
+
+
+_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def final_answer(response: str) -> str | None:
+    """The answer a reply gives: the last number inside its last ``\\boxed{...}``, else its
+    last number (thousands' commas dropped); None when it has none."""
+    boxed = _BOXED.findall(response)
+    text = boxed[-1] if boxed else response
+    numbers = _NUMBER.findall(text.replace(",", ""))
+    return numbers[-1] if numbers else None
+
+
+def math_answer(prompt: str, response: str, label: str) -> float:
+    """1.0 when the reply's final answer (``final_answer``) equals the label as a number
+    (``12`` and ``12.0`` alike)."""
+    answer = final_answer(response)
+    if answer is None:
+        return 0.0
+    try:
+        return float(float(answer) == float(label.strip().replace(",", "")))
+    except ValueError:
+        return 0.0
