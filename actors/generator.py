@@ -37,6 +37,7 @@ import asyncio
 import hashlib
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
+from functools import partial
 from typing import ClassVar, Concatenate, ParamSpec, TypeVar
 
 import anyio
@@ -56,8 +57,9 @@ from miles_events.bus.actor import (
 )
 from miles_events.bus.cancel import Cancellation, Cancelled
 from miles_events.bus.errors import describe_error
-from miles_events.rl.hf_model import modeling_module
+from miles_events.rl.hf_model import chat_template, load_tokenizer, modeling_module
 from miles_events.rl.prompts import Prompt, load_prompts, rollout_prompts
+from miles_events.rl.rewards import RewardFn, reward_of
 from miles_events.rl.versions import engine_names
 from miles_events.util.registry import load_function
 from schemas.config import Config
@@ -77,7 +79,6 @@ from schemas.events import (
 )
 from schemas.rollout import RolloutBatch, Sample
 
-RewardFn = Callable[[str, str, str], float]
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -119,11 +120,17 @@ class Generator(Actor):
             raise RuntimeError(
                 "model.path is unset: the session sets it to the base model before actors start"
             )
-        if data.prompt_data:
-            self.prompts = load_prompts(data.prompt_data, data.input_key, data.label_key)
-        self.eval_prompts = (
-            load_prompts(data.eval_data, data.input_key, data.label_key) if data.eval_data else self.prompts
+        template = chat_template(load_tokenizer(self.config.model.path)) if data.apply_chat_template else None
+        read = partial(
+            load_prompts,
+            input_key=data.input_key,
+            label_key=data.label_key,
+            chat=data.apply_chat_template,
+            template=template,
         )
+        if data.prompt_data:
+            self.prompts = read(data.prompt_data)
+        self.eval_prompts = read(data.eval_data) if data.eval_data else self.prompts
         self.reward_fn = load_function(rollout.reward_fn)
         # Every engine starts at once: servers launch and load their models concurrently.
         self.engine_names = list(engine_names(self.config))
@@ -308,7 +315,11 @@ class Generator(Actor):
                     response_ids=completion.response_ids,
                     response_logprobs=completion.response_logprobs,
                     response=completion.response,
-                    reward=float(self.reward_fn(prompt.prompt, completion.response, prompt.label)),
+                    reward=float(
+                        reward_of(
+                            self.reward_fn, prompt.prompt, completion.response, prompt.label, prompt.row
+                        )
+                    ),
                     weight_version=completion.weight_version,
                     engine=engine,
                     finish_reason=completion.finish_reason,

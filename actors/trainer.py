@@ -153,7 +153,9 @@ class Trainer(Actor):
         data = self.config.data
         if data.prompt_data:
             # Only the count is needed: the data cursor saved with each checkpoint.
-            self.num_prompts = len(load_prompts(data.prompt_data, data.input_key, data.label_key))
+            self.num_prompts = len(
+                load_prompts(data.prompt_data, data.input_key, data.label_key, chat=data.apply_chat_template)
+            )
         config = self.config
         if uses_rank_group(config):
             self._backend = await RankGroupBackend.start(config, self.context)

@@ -127,6 +127,10 @@ class DataConfig(Section):
     """The key of each JSONL line holding the prompt."""
     label_key: str = "label"
     """The key holding the label the reward function compares with."""
+    apply_chat_template: bool = False
+    """Apply the tokenizer's chat template (with the generation prompt) to each prompt: a
+    list of chat messages (``[{"role": "user", "content": "..."}]``) as it is, a string as one
+    user message. Off, a prompt must be a string, given to the engines as it is."""
     rollout_batch_size: PositiveInt = 8
     """Prompts per rollout."""
     n_samples_per_prompt: PositiveInt = 8

@@ -45,3 +45,11 @@ def nan(prompt: str, response: str, label: str) -> float:
 def true_when_right(prompt: str, response: str, label: str) -> bool:
     """A bool is a number (0 or 1)."""
     return response.strip() == label.strip()
+
+
+def row_weight(prompt: str, response: str, label: str, *, row: dict[str, object]) -> float:
+    """The row's ``weight`` column, whatever the response: a run's rewards show the row
+    reached the reward function."""
+    weight = row["weight"]
+    assert isinstance(weight, float)
+    return weight

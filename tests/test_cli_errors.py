@@ -350,8 +350,20 @@ BAD_INPUT = {
     "a chat-message list": (
         b'{"input": [{"role": "user", "content": "1+1="}], "label": "2"}\n',
         [],
-        "data.prompt_data: {tmp}/prompts.jsonl:5: 'input' is a list: chat-message lists are not supported yet; "
-        "give the prompt as a string",
+        "data.prompt_data: {tmp}/prompts.jsonl:5: 'input' is a list of chat messages; set "
+        "data.apply_chat_template = true to render it with the tokenizer's chat template",
+    ),
+    "a chat message without content": (
+        b'{"input": [{"role": "user"}], "label": "2"}\n',
+        ["data.apply_chat_template=true"],
+        "data.prompt_data: {tmp}/prompts.jsonl:5: 'input': message 0 is not "
+        '{{"role": ..., "content": ...}} with strings',
+    ),
+    "a chat template the tokenizer does not have": (
+        b"",
+        ["data.apply_chat_template=true"],
+        "data.apply_chat_template: the built-in model's tokenizer has no chat template; give the prompts as "
+        "text and turn it off",
     ),
     "a prompt without tokens": (
         b'{"input": "abc", "label": "2"}\n',
@@ -392,7 +404,7 @@ BAD_INPUT = {
     "a reward of the wrong signature": (
         None,
         ['rollout.reward_fn="tests.e2e_rewards.two_arguments"'],
-        "rollout.reward_fn: tests.e2e_rewards.two_arguments takes (prompt, response), not (prompt, response, label)",
+        "rollout.reward_fn: tests.e2e_rewards.two_arguments takes (prompt, response), not (prompt, response, label) or (prompt, response, label, *, row)",
     ),
     "a raising reward": (
         None,

@@ -490,7 +490,7 @@ def reward_config(tmp_path: Path, reward_fn: str) -> Config:
         (
             "tests.e2e_rewards.two_arguments",
             "rollout.reward_fn: tests.e2e_rewards.two_arguments takes (prompt, response), not "
-            "(prompt, response, label)",
+            "(prompt, response, label) or (prompt, response, label, *, row)",
         ),
         (
             "tests.e2e_rewards.broken",

@@ -108,17 +108,79 @@ def test_a_null_input_or_label_is_refused(tmp_path: Path, key: str) -> None:
     assert error_of(tmp_path, GOOD + line) == f":2: {key!r} is null; give a string"
 
 
-def test_a_chat_message_list_is_refused_as_not_supported_yet(tmp_path: Path) -> None:
+def test_a_chat_message_list_without_the_chat_template_names_the_setting(tmp_path: Path) -> None:
     """It was turned into the text of a Python list."""
     line = b'{"input": [{"role": "user", "content": "1+1="}], "label": "2"}\n'
     assert error_of(tmp_path, line) == (
-        ":1: 'input' is a list: chat-message lists are not supported yet; give the prompt as a string"
+        ":1: 'input' is a list of chat messages; set data.apply_chat_template = true to render it with the "
+        "tokenizer's chat template"
     )
 
 
 def test_an_object_as_the_input_is_refused(tmp_path: Path) -> None:
     line = b'{"input": {"text": "1+1="}, "label": "2"}\n'
-    assert error_of(tmp_path, line) == ":1: 'input' is an object; give the prompt as a string"
+    assert error_of(tmp_path, line) == (
+        ":1: 'input' is an object; give the prompt as a string or a list of chat messages"
+    )
+
+
+def render(messages) -> str:
+    """A chat template of the usual shape: each message on its turn, the assistant's turn opened."""
+    return "".join(f"<{m['role']}>{m['content']}</{m['role']}>" for m in messages) + "<assistant>"
+
+
+def test_with_the_chat_template_a_chat_and_a_string_are_rendered_and_the_row_is_kept(tmp_path: Path) -> None:
+    path = tmp_path / "p.jsonl"
+    path.write_text(
+        '{"input": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1="}], '
+        '"label": "2", "level": 1}\n'
+        '{"input": "2+2=", "label": "4", "level": 2}\n'
+    )
+    chat, text = load_prompts(path, "input", "label", chat=True, template=render)
+    assert chat.prompt == "<system>Be brief.</system><user>1+1=</user><assistant>"
+    assert text.prompt == "<user>2+2=</user><assistant>"
+    assert chat.messages == ({"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1="})
+    assert text.messages == ({"role": "user", "content": "2+2="},)
+    assert (chat.row["level"], text.row["level"]) == (1, 2)
+    assert chat.row["input"][1]["content"] == "1+1=", "the row is the file's, whole"
+    unrendered = load_prompts(path, "input", "label", chat=True)
+    assert [p.prompt for p in unrendered] == ["Be brief.\n1+1=", "2+2="], "without a template: the contents"
+
+
+@pytest.mark.parametrize(
+    ("messages", "expected"),
+    [
+        ("[]", "'input' is an empty list of chat messages"),
+        (
+            '[{"role": "user", "content": 3}]',
+            '\'input\': message 0 is not {"role": ..., "content": ...} with strings',
+        ),
+        ('["hi"]', '\'input\': message 0 is not {"role": ..., "content": ...} with strings'),
+        (
+            '[{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}]',
+            "'input': message 1 has the role 'robot', not one of system, user, assistant, tool",
+        ),
+    ],
+)
+def test_a_chat_that_is_not_one_is_named(tmp_path: Path, messages: str, expected: str) -> None:
+    path = tmp_path / "p.jsonl"
+    path.write_text(f'{{"input": {messages}, "label": "2"}}\n')
+    with pytest.raises(DataError) as raised:
+        load_prompts(path, "input", "label", chat=True, template=render)
+    assert str(raised.value) == f"{path}:1: {expected}"
+
+
+def test_a_template_that_cannot_render_a_chat_names_the_line(tmp_path: Path) -> None:
+    def failing(messages) -> str:
+        raise ValueError("Conversation roles must alternate user/assistant")
+
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"input": "1+1=", "label": "2"}\n')
+    with pytest.raises(DataError) as raised:
+        load_prompts(path, "input", "label", chat=True, template=failing)
+    assert str(raised.value) == (
+        f"{path}:1: the chat template cannot render it (ValueError: Conversation roles must alternate user/assistant)"
+    )
 
 
 def test_each_prompt_knows_its_line(tmp_path: Path) -> None:

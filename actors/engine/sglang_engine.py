@@ -36,6 +36,7 @@ from actors.engine.base import (
 )
 from actors.engine.server_process import ServerProcess, ServerStartError, start_on_a_port
 from miles_events.bus.cancel import Cancellation
+from miles_events.rl.hf_model import generation_eos_ids
 from miles_events.transport.base import Transport
 from schemas.checksums import (
     CheckAction,
@@ -112,6 +113,8 @@ class SglangEngine(Engine):
         self.metrics_url = f"{self.http.url}/metrics"
         self.transport = transport
         self._tokenizer = tokenizer
+        self._stop_token_ids = generation_eos_ids(config.model.path) if config.model.path else []
+        """The generation config's EOS ids, sent with each request (``stop_token_ids``)."""
         self._weight_version = self._served_version()
 
     @classmethod
@@ -232,6 +235,7 @@ class SglangEngine(Engine):
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             stop=list(sampling.stop) or None,
+            stop_token_ids=None if sampling.ignore_eos else self._stop_token_ids or None,
             ignore_eos=sampling.ignore_eos,
             sampling_seed=seed,
         )

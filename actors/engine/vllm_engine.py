@@ -71,7 +71,7 @@ from actors.engine.vllm_cpu import CPU_HEAD_SIZES, DEFAULT_PYTHON, REPO_ROOT, is
 from miles_events.bus.cancel import Cancellation, Cancelled
 from miles_events.rl.canary import CANARY_TENSOR, split_canary
 from miles_events.rl.checksum import ChecksumReplyError, is_skipped
-from miles_events.rl.hf_model import load_tokenizer
+from miles_events.rl.hf_model import generation_eos_ids, load_tokenizer
 from miles_events.transport.base import Transport
 from schemas.checksums import EngineChecksumReport, Selector, TensorCheckAction, WeightsCheckResult
 from schemas.config import Config, VllmConfig
@@ -208,6 +208,9 @@ class VllmEngine(Engine):
         """The launched server; None when connected to ``urls``."""
         self.holds_canary = config.publication == "push"
         self.tokenizer = load_tokenizer(self.model_path)
+        self._stop_token_ids = generation_eos_ids(self.model_path)
+        """The generation config's EOS ids: the server is told them (its sampling defaults
+        come from the request, not the model's generation config)."""
         self._tensor_shapes = base_model_tensors(self.model_path)
         self._client = httpx.Client(base_url=self.url, timeout=config.request_timeout)
         self._snapshot: dict[str, str] | None = None
@@ -366,6 +369,7 @@ class VllmEngine(Engine):
             "max_tokens": sampling.max_new_tokens,
             "logprobs": 0,  # the sampled token's only
             "stop": list(sampling.stop),
+            "stop_token_ids": [] if sampling.ignore_eos else self._stop_token_ids,
             "ignore_eos": sampling.ignore_eos,
             "skip_special_tokens": True,
             "detokenize": True,

@@ -101,7 +101,9 @@ def make_plan(config: Config, runtime: str, run_id: str = "") -> PlannedRun:
         num_rollout = config.run.num_rollout
     else:
         num_prompts = (
-            len(load_prompts(data.prompt_data, data.input_key, data.label_key)) if data.prompt_data else 0
+            len(load_prompts(data.prompt_data, data.input_key, data.label_key, chat=data.apply_chat_template))
+            if data.prompt_data
+            else 0
         )
         per_epoch = whole_batches_per_epoch(num_prompts, data.rollout_batch_size)
         num_rollout = per_epoch * config.run.num_epoch

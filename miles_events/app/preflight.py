@@ -62,7 +62,8 @@ from miles_events.app.config import ConfigError, load_config
 from miles_events.app.memory import ModelShape, available_memory, cuda_present, rollout_memory
 from miles_events.rl.model_dir import ModelDir, ModelDirError, inspect_model_dir
 from miles_events.rl.model_size import DTYPE_BYTES, builtin_build_bytes, builtin_parameter_count
-from miles_events.rl.prompts import DataError, Prompt, load_prompts, whole_batches_per_epoch
+from miles_events.rl.prompts import ChatTemplate, DataError, Prompt, load_prompts, whole_batches_per_epoch
+from miles_events.rl.rewards import reward_of, takes_row
 from miles_events.util.registry import load_function
 from schemas.config import Config
 
@@ -94,14 +95,20 @@ def check_builtin_fits(config: Config, available: int | None) -> None:
         )
 
 
-def read_data(config: Config) -> dict[str, tuple[str, list[Prompt]]]:
-    """Every data file the actors read, read as they read it: ``{key: (path, prompts)}``."""
+def read_data(config: Config, template: ChatTemplate | None = None) -> dict[str, tuple[str, list[Prompt]]]:
+    """Every data file the actors read, read as they read it: ``{key: (path, prompts)}``
+    (chats rendered with ``template``, the run's tokenizer's, where given)."""
     data = config.data
     read: dict[str, tuple[str, list[Prompt]]] = {}
     for key, path in (("data.prompt_data", data.prompt_data), ("data.eval_data", data.eval_data)):
         if path:
             try:
-                read[key] = (path, load_prompts(path, data.input_key, data.label_key))
+                read[key] = (
+                    path,
+                    load_prompts(
+                        path, data.input_key, data.label_key, chat=data.apply_chat_template, template=template
+                    ),
+                )
             except DataError as error:
                 raise DataError(f"{key}: {error}") from None
     return read
@@ -145,6 +152,24 @@ def check_model_path(config: Config) -> ModelDir | None:
 
 def _shown(text: str, limit: int = 40) -> str:
     return repr(text) if len(text) <= limit else repr(text[:limit]) + "..."
+
+
+def check_chat_template(config: Config, model: ModelDir | None) -> ChatTemplate | None:
+    """With ``data.apply_chat_template``, the run's tokenizer's chat template (an error where
+    it has none)."""
+    if not config.data.apply_chat_template:
+        return None
+    from miles_events.rl.hf_model import NoChatTemplate, builtin_tokenizer, chat_template
+
+    tokenizer = builtin_tokenizer(config.model.builtin) if model is None else model.tokenizer
+    whose = "the built-in model's tokenizer" if model is None else f"the tokenizer of {config.model.path}"
+    try:
+        return chat_template(tokenizer)
+    except NoChatTemplate:
+        raise ConfigError(
+            f"data.apply_chat_template: {whose} has no chat template; give the prompts as text and turn it off",
+            key="data.apply_chat_template",
+        ) from None
 
 
 def check_prompts(config: Config, read: dict[str, tuple[str, list[Prompt]]], model: ModelDir | None) -> None:
@@ -225,13 +250,16 @@ def check_reward_fn(config: Config, read: dict[str, tuple[str, list[Prompt]]]) -
         signature = None
     if signature is not None:
         try:
-            signature.bind(first.prompt, first.label, first.label)
+            if takes_row(reward_fn):
+                signature.bind(first.prompt, first.label, first.label, row=first.row)
+            else:
+                signature.bind(first.prompt, first.label, first.label)
         except TypeError:
             takes = ", ".join(
                 str(p.replace(annotation=p.empty, default=p.empty)) for p in signature.parameters.values()
             )
             raise ConfigError(
-                f"rollout.reward_fn: {name} takes ({takes}), not (prompt, response, label)",
+                f"rollout.reward_fn: {name} takes ({takes}), not (prompt, response, label) or (prompt, response, label, *, row)",
                 key="rollout.reward_fn",
             ) from None
     where = f"on the first prompt of {key} ({path}:{first.line}) with its label as the response"
@@ -239,7 +267,9 @@ def check_reward_fn(config: Config, read: dict[str, tuple[str, list[Prompt]]]) -
 
     def score() -> None:
         try:
-            outcome.append(("returned", reward_fn(first.prompt, first.label, first.label)))
+            outcome.append(
+                ("returned", reward_of(reward_fn, first.prompt, first.label, first.label, first.row))
+            )
         except BaseException as error:  # SystemExit too: this thread's end, not the process's
             outcome.append(("raised", error))
 
@@ -410,7 +440,9 @@ def check_model_and_prompts(config: Config, read: dict[str, tuple[str, list[Prom
     child process (the driver of a ray run imports neither), the same checks with the same
     one-line errors."""
     if config.run.runtime == "local":
-        check_prompts(config, read, check_model_path(config))
+        model = check_model_path(config)
+        template = check_chat_template(config, model)
+        check_prompts(config, read if template is None else read_data(config, template), model)
         return
     code = "from miles_events.app.preflight import model_checks_child; model_checks_child()"
     python_path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
@@ -446,7 +478,8 @@ def model_checks_child() -> None:
     ``_Outcome`` (JSON) as the last line of stdout."""
     config = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=Config)
     try:
-        check_prompts(config, read_data(config), check_model_path(config))
+        model = check_model_path(config)
+        check_prompts(config, read_data(config, check_chat_template(config, model)), model)
         outcome = _Outcome()
     except ConfigError as error:
         outcome = _Outcome(kind="config", message=str(error), key=error.key)

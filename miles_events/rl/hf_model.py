@@ -14,6 +14,7 @@ import importlib.machinery
 import inspect
 import shutil
 import tempfile
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -218,3 +219,38 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path))
+
+
+class NoChatTemplate(ValueError):
+    """``data.apply_chat_template`` with a tokenizer that has no chat template."""
+
+
+def chat_template(tokenizer: PreTrainedTokenizerBase) -> Callable[[Sequence[Mapping[str, str]]], str]:
+    """The tokenizer's chat template as a ``ChatTemplate`` (``miles_events.rl.prompts``): a
+    chat rendered as text with the generation prompt added, which the engines tokenize as
+    they tokenize any prompt."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise NoChatTemplate("its tokenizer has no chat template")
+
+    def render(messages: Sequence[Mapping[str, str]]) -> str:
+        text = tokenizer.apply_chat_template(
+            [dict(m) for m in messages], add_generation_prompt=True, tokenize=False
+        )
+        assert isinstance(text, str)
+        return text
+
+    return render
+
+
+def generation_eos_ids(path: str | Path) -> list[int]:
+    """The end-of-sequence ids of the model's ``generation_config.json`` (an id or a list;
+    none without the file), where engines stop besides at the tokenizer's EOS."""
+    import json
+
+    file = Path(path) / "generation_config.json"
+    try:
+        configured = json.loads(file.read_text(encoding="utf-8")).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        return []
+    ids = configured if isinstance(configured, list) else [configured]
+    return sorted({int(i) for i in ids if isinstance(i, int)})

@@ -10,23 +10,35 @@ from __future__ import annotations
 import json
 import os
 import stat
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 from schemas.checkpoint import DataCursor
 
-if TYPE_CHECKING:
-    pass
+Message = Mapping[str, str]
+"""One chat message: ``{"role": "user", "content": "..."}``."""
+
+ChatTemplate = Callable[[Sequence[Message]], str]
+"""Renders a chat as the prompt text the engines get (the generation prompt added)."""
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
 @dataclass(frozen=True)
 class Prompt:
     index: int
     prompt: str
+    """The text the engines get: the chat template applied, where it is."""
     label: str
     line: int = 0
     """The line of its file (from 1; 0: not from a file)."""
+    messages: tuple[Message, ...] | None = None
+    """The chat the prompt was rendered from (a string prompt is one user message), where
+    the chat template is applied."""
+    row: Mapping[str, Any] = field(default_factory=dict)
+    """The whole row of the data file, every column, for a reward function that takes it."""
 
 
 class DataError(ValueError):
@@ -76,6 +88,53 @@ def _read_text(path: Path) -> str:
         ) from None
 
 
+def _messages(value: list[object], key: str) -> tuple[Message, ...]:
+    """``value`` as chat messages, or a ``DataError`` naming the first that is not one."""
+    if not value:
+        raise DataError(f"{key!r} is an empty list of chat messages")
+    messages: list[Message] = []
+    for number, message in enumerate(value):
+        if (
+            not isinstance(message, dict)
+            or not isinstance(message.get("role"), str)
+            or not isinstance(message.get("content"), str)
+        ):
+            raise DataError(f'{key!r}: message {number} is not {{"role": ..., "content": ...}} with strings')
+        if message["role"] not in CHAT_ROLES:
+            raise DataError(
+                f"{key!r}: message {number} has the role {message['role']!r}, not one of {', '.join(CHAT_ROLES)}"
+            )
+        _check_text(message["content"], key)
+        messages.append({"role": message["role"], "content": message["content"]})
+    return tuple(messages)
+
+
+def _check_text(text: str, key: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:  # JSON escapes half of a UTF-16 pair on its own: "\ud800"
+        raise DataError(
+            f"{key!r} holds a lone surrogate ({text[error.start]!r}), which is not text"
+        ) from None
+
+
+def _prompt(record: dict[str, object], key: str, chat: bool) -> tuple[str, tuple[Message, ...] | None]:
+    """The prompt's text and, where ``chat`` (the chat template is applied), its messages (a
+    string is one user message); the text of a chat is its messages' contents, one a line,
+    until the template renders it."""
+    value = record[key]
+    if isinstance(value, list):
+        if not chat:
+            raise DataError(
+                f"{key!r} is a list of chat messages; set data.apply_chat_template = true to render it "
+                "with the tokenizer's chat template"
+            )
+        messages = _messages(value, key)
+        return "\n".join(m["content"] for m in messages), messages
+    text = _text(record, key, prompt=True)
+    return text, (({"role": "user", "content": text},) if chat else None)
+
+
 def _text(record: dict[str, object], key: str, *, prompt: bool) -> str:
     """``record[key]`` as the text the engines and the reward function get: a string as it
     is, a number as it reads (a label ``7`` is ``"7"``); a ``DataError`` (less the place, which
@@ -83,29 +142,37 @@ def _text(record: dict[str, object], key: str, *, prompt: bool) -> str:
     value = record[key]
     if value is None:
         raise DataError(f"{key!r} is null; give a string")
-    if prompt and isinstance(value, list):
-        raise DataError(
-            f"{key!r} is a list: chat-message lists are not supported yet; give the prompt as a string"
-        )
     if prompt and isinstance(value, dict):
-        raise DataError(f"{key!r} is an object; give the prompt as a string")
+        raise DataError(f"{key!r} is an object; give the prompt as a string or a list of chat messages")
     text = str(value)
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as error:  # JSON escapes half of a UTF-16 pair on its own: "\ud800"
-        raise DataError(
-            f"{key!r} holds a lone surrogate ({text[error.start]!r}), which is not text"
-        ) from None
+    _check_text(text, key)
     return text
 
 
-def _parse_record(path: Path, number: int, line: str, input_key: str, label_key: str) -> tuple[str, str]:
-    """(input, label) of one JSONL line."""
+def _parse_record(
+    path: Path,
+    number: int,
+    line: str,
+    input_key: str,
+    label_key: str,
+    chat: bool,
+    template: ChatTemplate | None,
+) -> tuple[str, str, tuple[Message, ...] | None, dict[str, Any]]:
+    """(prompt text, label, chat messages, the whole row) of one JSONL line."""
     try:
         record = json.loads(line)
         if not isinstance(record, dict) or input_key not in record or label_key not in record:
             raise DataError(f"needs the keys {input_key!r} and {label_key!r}")
-        return _text(record, input_key, prompt=True), _text(record, label_key, prompt=False)
+        text, messages = _prompt(record, input_key, chat)
+        label = _text(record, label_key, prompt=False)
+        if messages is not None and template is not None:
+            try:
+                text = template(messages)
+            except Exception as error:  # the user's template on the user's chat
+                raise DataError(
+                    f"the chat template cannot render it ({type(error).__name__}: {error})"
+                ) from None
+        return text, label, messages, record
     except json.JSONDecodeError as error:
         raise DataError(f"{path}:{number}: not valid JSON ({error.msg})") from None
     except RecursionError:
@@ -117,13 +184,25 @@ def _parse_record(path: Path, number: int, line: str, input_key: str, label_key:
         raise DataError(f"{path}:{number}: not usable JSON ({reason})") from None
 
 
-def load_prompts(path: str | Path, input_key: str, label_key: str) -> list[Prompt]:
+def load_prompts(
+    path: str | Path,
+    input_key: str,
+    label_key: str,
+    *,
+    chat: bool = False,
+    template: ChatTemplate | None = None,
+) -> list[Prompt]:
+    """The prompts of a JSONL file. With ``chat`` (``data.apply_chat_template``) a prompt may
+    be a list of chat messages, and ``template`` (the tokenizer's, where the caller has it)
+    renders each prompt's chat into the text the engines get."""
     prompts: list[Prompt] = []
     path = Path(path)
     for number, line in enumerate(_read_text(path).splitlines(), start=1):
         if line.strip():
-            prompt, label = _parse_record(path, number, line, input_key, label_key)
-            prompts.append(Prompt(len(prompts), prompt, label, number))
+            prompt, label, messages, row = _parse_record(
+                path, number, line, input_key, label_key, chat, template
+            )
+            prompts.append(Prompt(len(prompts), prompt, label, number, messages, row))
     if not prompts:
         raise DataError(f"{path}: no prompts")
     return prompts

@@ -1,14 +1,38 @@
 """Reward functions, loaded by dotted path from ``rollout.reward_fn`` (``rl.registry``).
 
-A reward function is ``fn(prompt: str, response: str, label: str) -> float``.
+A reward function is ``fn(prompt: str, response: str, label: str) -> float``; one that also
+declares a parameter ``row`` (``fn(prompt, response, label, *, row)``) is given the data
+file's whole row too, as a dict of every column (a difficulty level, test cases, ...).
+``prompt`` is the text the engine was given (the chat template applied, where it is).
 """
 
 from __future__ import annotations
 
+import inspect
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
-RewardFn = Callable[[str, str, str], float]
+RewardFn = Callable[..., float]
+
+
+def takes_row(fn: Callable[..., object]) -> bool:
+    """Whether the reward function declares ``row`` (by keyword)."""
+    try:
+        parameter = inspect.signature(fn).parameters.get("row")
+    except (TypeError, ValueError):
+        return False
+    return parameter is not None and parameter.kind in (
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+        inspect.Parameter.KEYWORD_ONLY,
+    )
+
+
+def reward_of(fn: RewardFn, prompt: str, response: str, label: str, row: Mapping[str, Any]) -> Any:
+    """``fn``'s reward for a response, given the row where it takes one."""
+    if takes_row(fn):
+        return fn(prompt, response, label, row=dict(row))
+    return fn(prompt, response, label)
 
 
 def exact_match(prompt: str, response: str, label: str) -> float:
