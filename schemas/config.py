@@ -274,7 +274,21 @@ class TrainerConfig(Section):
     """Seconds the ranks' rendezvous, and each collective among them, may take: a rank
     that died or hangs fails the others' collective within it, which ends the run."""
     lr: PositiveFloat = 1e-3
-    """AdamW's learning rate (constant)."""
+    """AdamW's learning rate: the peak of the schedule (``lr_warmup_steps``, ``lr_decay_style``)."""
+    lr_warmup_steps: NonNegativeInt = 0
+    """Optimizer steps over which the learning rate rises linearly from ``lr_warmup_init``
+    to ``lr`` (step k of the warmup trains at ``lr_warmup_init + (lr - lr_warmup_init) * k /
+    lr_warmup_steps``)."""
+    lr_warmup_init: NonNegativeFloat = 0.0
+    """The learning rate of the first warmup step."""
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    """After the warmup: ``lr`` throughout, or a linear or cosine decay to ``min_lr``."""
+    lr_decay_steps: PositiveInt | None = None
+    """The optimizer step at which the decay reaches ``min_lr``, counted from step 0 with
+    the warmup included (as Megatron's ``lr_decay_iters``); the rate stays there after.
+    Unset: the run's optimizer steps (``run.num_rollout`` rollouts from rollout 0)."""
+    min_lr: NonNegativeFloat = 0.0
+    """Where the decay ends."""
     weight_decay: NonNegativeFloat = 0.0
     """AdamW's decoupled weight decay."""
     adam_beta1: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.9

@@ -163,6 +163,8 @@ class TrainMetrics(msgspec.Struct, frozen=True, kw_only=True):
     clipfrac: float = 0.0
     train_tokens: int = 0
     num_optimizer_steps: int = 0
+    lr: float = 0.0
+    """The learning rate of the rollout's last optimizer step (``trainer.lr_decay_style``)."""
 
 
 class RankStep(msgspec.Struct, frozen=True, kw_only=True):

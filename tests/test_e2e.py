@@ -26,6 +26,7 @@ from miles_events.app.session import Session
 from miles_events.bus.event_log import read_events
 from miles_events.checkpoint.format import read_checkpoint
 from miles_events.checkpoint.resume import latest_checkpoint
+from miles_events.rl.lr_schedule import LrSchedule
 from miles_events.rl.probe import PROBE_TENSOR
 from miles_events.runtime.leftovers import descendants
 from schemas.events import (
@@ -204,7 +205,16 @@ def test_the_recorded_log_redrives_to_the_same_decisions(local_run):
 
 
 def test_resume_continues_with_the_same_rollouts_versions_and_weights(tmp_path):
-    common = ('run.runtime="local"', "run.num_rollout=4", "run.save_interval=2")
+    """Mid-way through a learning-rate schedule (two optimizer steps a rollout: a warmup of
+    three, then a cosine decay over the run's eight): the same rates, the same weights."""
+    common = (
+        'run.runtime="local"',
+        "run.num_rollout=4",
+        "run.save_interval=2",
+        "trainer.lr_warmup_steps=3",
+        'trainer.lr_decay_style="cosine"',
+        "trainer.min_lr=0.0001",
+    )
     whole = run_cli(tmp_path / "whole", *common)
     assert whole.returncode == 0, whole.stderr[-2000:]
     first = run_cli(tmp_path / "split", *common, "run.debug_exit_after_rollout=2")
@@ -241,6 +251,12 @@ def test_resume_continues_with_the_same_rollouts_versions_and_weights(tmp_path):
     )
     for name, tensor in a.weights.items():
         assert torch.equal(tensor, b.weights[name]), name
+    lrs = [e.metrics.lr for e in whole_log if isinstance(e, TrainStepFinished)]
+    schedule = LrSchedule(
+        lr=0.001, min_lr=0.0001, warmup_init=0.0, warmup_steps=3, decay_style="cosine", decay_steps=8
+    )
+    assert lrs == [schedule.lr_at(step) for step in (1, 3, 5, 7)], "each rollout's last step's rate"
+    assert [e.metrics.lr for e in split_log if isinstance(e, TrainStepFinished)] == lrs
 
 
 def test_a_run_publishes_through_the_disk_transport(tmp_path):

@@ -50,6 +50,7 @@ from miles_events.bus.cancel import Cancellation, Cancelled
 from miles_events.device.buckets import Buckets, bucket_parameters
 from miles_events.rl.finite import NonFiniteError
 from miles_events.rl.hf_model import cache_kwarg, load_model, torch_dtype
+from miles_events.rl.lr_schedule import LrSchedule
 from miles_events.rl.probe import teacher_forced_logprobs
 from miles_events.rl.weights import split_tied
 from schemas.config import Config
@@ -265,6 +266,7 @@ class TorchTrainerBackend(TrainerBackend):
             weight_decay=trainer.weight_decay,
         )
         self._num_optimizer_steps = 0
+        self.lr_schedule = LrSchedule.of(config)
         self._rank_step: RankStep | None = None
 
     # --- forward passes ------------------------------------------------------------------
@@ -454,6 +456,7 @@ class TorchTrainerBackend(TrainerBackend):
         totals = dict.fromkeys(("loss", "pg_loss", "kl", "entropy", "clipfrac"), 0.0)
         total_tokens = 0
         grad_norm = 0.0
+        lr = self.lr_schedule.lr_at(self._num_optimizer_steps)
         position = 0
         trained_steps = 0
         for number, (step, indices) in enumerate(zip(steps, step_indices, strict=True), start=1):
@@ -509,6 +512,9 @@ class TorchTrainerBackend(TrainerBackend):
                     "%s: the step is skipped (trainer.on_non_finite = %r)", what, trainer.on_non_finite
                 )
                 continue
+            lr = self.lr_schedule.lr_at(self._num_optimizer_steps)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
             self.optimizer.step()
             self._num_optimizer_steps += 1
             trained_steps += 1
@@ -528,6 +534,7 @@ class TorchTrainerBackend(TrainerBackend):
             clipfrac=totals["clipfrac"] / denominator,
             train_tokens=total_tokens,
             num_optimizer_steps=trained_steps,
+            lr=lr,
         )
 
     def _clip_gradients(self) -> float:

@@ -60,6 +60,7 @@ import msgspec
 
 from miles_events.app.config import ConfigError, load_config
 from miles_events.app.memory import ModelShape, available_memory, cuda_present, rollout_memory
+from miles_events.rl.lr_schedule import LrSchedule, ScheduleError
 from miles_events.rl.model_dir import ModelDir, ModelDirError, inspect_model_dir
 from miles_events.rl.model_size import DTYPE_BYTES, builtin_build_bytes, builtin_parameter_count
 from miles_events.rl.prompts import ChatTemplate, DataError, Prompt, load_prompts, whole_batches_per_epoch
@@ -489,6 +490,14 @@ def model_checks_child() -> None:
     sys.stdout.flush()
 
 
+def check_lr_schedule(config: Config) -> None:
+    """The learning-rate schedule can be followed (``miles_events.rl.lr_schedule``)."""
+    try:
+        LrSchedule.of(config)
+    except ScheduleError as error:
+        raise ConfigError(str(error), key=str(error).partition(":")[0]) from None
+
+
 def check_input(config: Config) -> None:
     """The checks beyond ``validate``: the engines' device, the group size, the built-in
     model's memory, the data files, the model directory, the prompts with the run's
@@ -496,6 +505,7 @@ def check_input(config: Config) -> None:
     check_device(config)
     check_vllm_head_size(config)
     check_group_size(config)
+    check_lr_schedule(config)
     available = available_memory()
     check_builtin_fits(config, available)
     read = read_data(config)

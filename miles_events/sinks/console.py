@@ -495,7 +495,8 @@ def render_progress(progress: RunProgress, *, final: bool = False) -> Panel:
         rows.add_row(
             "train",
             Text(
-                f"loss {m.loss:+.4f}  kl {m.kl:.4f}  grad {m.grad_norm:.3f}  entropy {m.entropy:.3f}  clip {m.clipfrac:.3f}"
+                f"loss {m.loss:+.4f}  kl {m.kl:.4f}  grad {m.grad_norm:.3f}  lr {m.lr:.3g}  entropy {m.entropy:.3f}  "
+                f"clip {m.clipfrac:.3f}"
             ),
         )
     if p.step_seconds:

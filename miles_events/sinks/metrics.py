@@ -95,6 +95,7 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("miles_train_loss", "gauge", "", "Loss of the last train step.", "TrainStepFinished.metrics"),
     _m("miles_train_kl", "gauge", "", "KL to the reference of the last train step.", "TrainStepFinished"),
     _m("miles_train_grad_norm", "gauge", "", "Gradient norm of the last train step.", "TrainStepFinished"),
+    _m("miles_train_lr", "gauge", "", "Learning rate of the last optimizer step.", "TrainStepFinished"),
     _m("miles_train_entropy", "gauge", "", "Policy entropy of the last train step.", "TrainStepFinished"),
     _m("miles_train_clipfrac", "gauge", "", "Fraction of clipped ratios in the last train step.", "TrainStepFinished"),
     _m("miles_train_tokens_total", "counter", "", "Tokens trained on.", "TrainStepFinished.metrics.train_tokens"),
@@ -209,6 +210,7 @@ class RunMetrics(Sink):
             f("miles_train_entropy"),
             f("miles_train_clipfrac"),
         )
+        self.lr = f("miles_train_lr")
         self.train_tokens, self.train_seconds = (
             f("miles_train_tokens_total"),
             f("miles_train_duration_seconds"),
@@ -304,6 +306,7 @@ class RunMetrics(Sink):
         self.loss(run).set(m.loss)
         self.kl(run).set(m.kl)
         self.grad_norm(run).set(m.grad_norm)
+        self.lr(run).set(m.lr)
         self.entropy(run).set(m.entropy)
         self.clipfrac(run).set(m.clipfrac)
         self.staleness(run).set(e.staleness_max)

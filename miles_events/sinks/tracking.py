@@ -9,7 +9,7 @@ the run stops with one line before any work is done.
 Every scalar is logged at step ``rollout_id``:
 
     rollout/reward_mean  rollout/response_tokens  perf/generate_seconds  (RolloutGenerated)
-    train/loss  train/pg_loss  train/kl  train/entropy  train/grad_norm  train/clipfrac
+    train/loss  train/pg_loss  train/kl  train/entropy  train/grad_norm  train/lr  train/clipfrac
     perf/train_seconds                                                   (TrainStepFinished)
     train/rank<r>/step_seconds  train/rank<r>/peak_memory_bytes
     train/rank<r>/state_bytes      (TrainStepFinished.ranks, a trainer of several ranks)
@@ -96,6 +96,7 @@ class TrackingSink(Sink):
             "train/kl": event.metrics.kl,
             "train/entropy": event.metrics.entropy,
             "train/grad_norm": event.metrics.grad_norm,
+            "train/lr": event.metrics.lr,
             "train/clipfrac": event.metrics.clipfrac,
             "perf/train_seconds": event.train_seconds,
         }
