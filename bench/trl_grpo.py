@@ -13,16 +13,19 @@ made of comes from the project, read from the same TOML (and ``--set`` overrides
   they are loaded from it with ``load_model`` / ``load_tokenizer``, as the actors do;
 - the prompts: ``rollout_prompts(prompts, k, rollout_batch_size, seed, rollout_shuffle)``
   for every rollout ``k``, concatenated in that order (``shuffle_dataset=False``): TRL's
-  rollout ``k`` gets the prompts the run's rollout ``k`` gets. Plain text, no chat template;
-  TRL tokenizes them as the project's engine does (``add_special_tokens=True``, checked
+  rollout ``k`` gets the prompts the run's rollout ``k`` gets, as the text the run's engines
+  get (chats rendered with the model's chat template where ``data.apply_chat_template``;
+  ``model.gguf`` converted as a run converts it); TRL tokenizes them as the project's engine does (``add_special_tokens=True``, checked
   on the first batch) and decodes completions without special tokens, as the engine does;
 - the reward: ``rollout.reward_fn`` (``exact_match`` in the embedded default), one call per
-  completion with (prompt, completion, label);
+  completion with (prompt, completion, label), and the data row where it takes one;
 - the GRPO settings: ``n_samples_per_prompt`` generations, ``rollout_batch_size`` prompts
   per generation, optimizer steps of ``trainer.global_batch_size`` samples (4 of 1024 per
   rollout of 4096), one pass (``num_iterations=1``), ``loss_type="bnpo"`` (a token mean per
   optimizer step, as the project's trainer), no KL (``beta=0``), the config's learning
-  rate, clip range, gradient clipping, Adam settings and weight decay, a constant schedule,
+  rate and its schedule (``trainer.lr_warmup_steps``, ``lr_decay_style``: transformers'
+  ``constant_with_warmup``, ``linear`` or ``cosine_with_min_lr``; a schedule they cannot
+  follow exactly is refused), clip range, gradient clipping, Adam settings and weight decay,
   float32, no gradient checkpointing, ``rollout.max_new_tokens``, temperature and top-p
   from the config, top-k off. ``max_steps`` is 4 per rollout; no eval, no saving, no
   reporting.
@@ -68,8 +71,11 @@ from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from miles_events.app.config import load_config
-from miles_events.rl.hf_model import load_model, load_tokenizer, prepare_base_model
+from miles_events.app.preflight import resolve_model_source
+from miles_events.rl.hf_model import chat_template, load_model, load_tokenizer, prepare_base_model
+from miles_events.rl.lr_schedule import LrSchedule
 from miles_events.rl.prompts import load_prompts, rollout_prompts
+from miles_events.rl.rewards import reward_of
 from miles_events.util.registry import load_function
 from schemas.config import Config
 
@@ -164,12 +170,18 @@ class TimedGRPOTrainer(GRPOTrainer):
         return output
 
 
-def reward_function(config: Config, timing: Timing):
-    """The run's ``rollout.reward_fn`` as a TRL reward function (prompt, completion, label)."""
+def reward_function(config: Config, timing: Timing, rows: list[dict[str, Any]]):
+    """The run's ``rollout.reward_fn`` as a TRL reward function (prompt, completion, label,
+    and the data row where it takes one: the dataset's ``row`` column indexes ``rows``)."""
     fn = load_function(config.rollout.reward_fn)
 
-    def reward(prompts: list[str], completions: list[str], label: list[str], **kwargs: Any) -> list[float]:
-        rewards = [float(fn(p, c, lab)) for p, c, lab in zip(prompts, completions, label, strict=True)]
+    def reward(
+        prompts: list[str], completions: list[str], label: list[str], row: list[int], **kwargs: Any
+    ) -> list[float]:
+        rewards = [
+            float(reward_of(fn, p, c, lab, rows[r]))
+            for p, c, lab, r in zip(prompts, completions, label, row, strict=True)
+        ]
         if timing.in_generation:
             timing.current["rewards"].extend(rewards)
         return rewards
@@ -178,18 +190,45 @@ def reward_function(config: Config, timing: Timing):
     return reward
 
 
-def prompt_dataset(config: Config) -> Dataset:
-    """The prompts of every rollout, in the run's order."""
+def prompt_dataset(config: Config, tokenizer: Any) -> tuple[Dataset, list[dict[str, Any]]]:
+    """The prompts of every rollout, in the run's order, as the text the run's engines get
+    (chats rendered with the tokenizer's template where ``data.apply_chat_template``), and
+    the data rows they index."""
     data = config.data
-    prompts = load_prompts(data.prompt_data, data.input_key, data.label_key)
+    template = chat_template(tokenizer) if data.apply_chat_template else None
+    prompts = load_prompts(
+        data.prompt_data, data.input_key, data.label_key, chat=data.apply_chat_template, template=template
+    )
     rows = [
-        {"prompt": p.prompt, "label": p.label}
+        {"prompt": p.prompt, "label": p.label, "row": p.index}
         for k in range(config.run.num_rollout or 0)
         for p in rollout_prompts(
             prompts, k, data.rollout_batch_size, config.run.seed, shuffle=data.rollout_shuffle
         )
     ]
-    return Dataset.from_list(rows)
+    return Dataset.from_list(rows), [dict(p.row) for p in prompts]
+
+
+def lr_schedule(config: Config, max_steps: int) -> dict[str, Any]:
+    """The run's learning-rate schedule in transformers' terms (its schedulers warm up from
+    0 and decay over the whole training): what they cannot follow exactly is refused."""
+    schedule = LrSchedule.of(config)
+    if schedule.warmup_init != 0.0:
+        raise SystemExit("trainer.lr_warmup_init: TRL's schedulers warm up from 0")
+    style = schedule.decay_style
+    if style != "constant" and schedule.decay_steps != max_steps:
+        raise SystemExit(
+            f"trainer.lr_decay_steps: TRL's schedulers decay over the whole run ({max_steps} steps)"
+        )
+    if style == "linear" and schedule.min_lr != 0.0:
+        raise SystemExit("trainer.min_lr: TRL's linear schedule decays to 0")
+    names = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine_with_min_lr"}
+    kwargs = {"min_lr": schedule.min_lr} if style == "cosine" else {}
+    return {
+        "lr_scheduler_type": names[style],
+        "warmup_steps": schedule.warmup_steps,
+        "lr_scheduler_kwargs": kwargs,
+    }
 
 
 def grpo_config(config: Config, output_dir: str) -> GRPOConfig:
@@ -221,8 +260,7 @@ def grpo_config(config: Config, output_dir: str) -> GRPOConfig:
         epsilon=trainer.eps_clip,
         epsilon_high=trainer.eps_clip_high if trainer.eps_clip_high is not None else trainer.eps_clip,
         learning_rate=trainer.lr,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
+        **lr_schedule(config, (samples // step) * (config.run.num_rollout or 0)),
         weight_decay=trainer.weight_decay,
         adam_beta1=trainer.adam_beta1,
         adam_beta2=trainer.adam_beta2,
@@ -283,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    config = load_config(args.config, args.overrides)
+    config = resolve_model_source(load_config(args.config, args.overrides))
     if not config.run.num_rollout:
         raise SystemExit("run.num_rollout must be set (the TRL arm runs a fixed number of rollouts)")
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="trl-grpo-"))
@@ -293,12 +331,13 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = load_tokenizer(model_dir)
 
     timing = Timing()
+    dataset, data_rows = prompt_dataset(config, tokenizer)
     training_args = grpo_config(config, str(work / "trl-output"))
     trainer = TimedGRPOTrainer(
         model=model,
-        reward_funcs=reward_function(config, timing),
+        reward_funcs=reward_function(config, timing, data_rows),
         args=training_args,
-        train_dataset=prompt_dataset(config),
+        train_dataset=dataset,
         processing_class=tokenizer,
         callbacks=[StepTimes(timing)],
     )
