@@ -44,7 +44,7 @@ import anyio
 import msgspec
 
 from actors.engine import engine_module
-from actors.engine.base import Completion, SamplingParams
+from actors.engine.base import Completion, GenerateRequest, SamplingParams
 from actors.engine.worker import EngineWorker, engine_worker
 from miles_events.bus.actor import (
     Actor,
@@ -58,7 +58,7 @@ from miles_events.bus.actor import (
 from miles_events.bus.cancel import Cancellation, Cancelled
 from miles_events.bus.errors import describe_error
 from miles_events.rl.hf_model import chat_template, load_tokenizer, modeling_module
-from miles_events.rl.prompts import Prompt, load_prompts, rollout_prompts
+from miles_events.rl.prompts import Prompt, load_prompts, rollout_prompts, with_template_ids
 from miles_events.rl.rewards import RewardFn, reward_of
 from miles_events.rl.versions import engine_names
 from miles_events.util.registry import load_function
@@ -120,7 +120,8 @@ class Generator(Actor):
             raise RuntimeError(
                 "model.path is unset: the session sets it to the base model before actors start"
             )
-        template = chat_template(load_tokenizer(self.config.model.path)) if data.apply_chat_template else None
+        tokenizer = load_tokenizer(self.config.model.path) if data.apply_chat_template else None
+        template = chat_template(tokenizer) if tokenizer is not None else None
         read = partial(
             load_prompts,
             input_key=data.input_key,
@@ -131,6 +132,14 @@ class Generator(Actor):
         if data.prompt_data:
             self.prompts = read(data.prompt_data)
         self.eval_prompts = read(data.eval_data) if data.eval_data else self.prompts
+        if tokenizer is not None:
+
+            def encode(texts: list[str]) -> list[list[int]]:
+                return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+            same = self.eval_prompts is self.prompts
+            self.prompts = with_template_ids(self.prompts, encode)
+            self.eval_prompts = self.prompts if same else with_template_ids(self.eval_prompts, encode)
         self.reward_fn = load_function(rollout.reward_fn)
         # Every engine starts at once: servers launch and load their models concurrently.
         self.engine_names = list(engine_names(self.config))
@@ -247,7 +256,11 @@ class Generator(Actor):
 
         async def run(index: int) -> None:
             groups = per_engine[index]
-            requests = [prompts[g].prompt for g in groups for _ in range(n_samples)]
+            requests: list[GenerateRequest] = [
+                prompts[g].prompt if prompts[g].ids is None else list(prompts[g].ids or ())
+                for g in groups
+                for _ in range(n_samples)
+            ]
             seed = engine_seed(self.config.run.seed, kind, rollout_id, index)
             completions = await self._on_engine(index, EngineWorker.generate, requests, sampling, seed)
             self.cancel.check()

@@ -111,9 +111,10 @@ class StepTimes(TrainerCallback):
         self.timing.train_end = time.time()
 
 
-def engine_prompt_ids(tokenizer, prompts: list[str]) -> list[list[int]]:
-    """The ids the project's engine gives these prompts (``TorchEngine.encode``)."""
-    return [list(tokenizer(prompt, add_special_tokens=True)["input_ids"]) for prompt in prompts]
+def engine_prompt_ids(tokenizer, prompts: list[str], rendered_chats: bool = False) -> list[list[int]]:
+    """The ids the project's engines get for these prompts: text as ``TorchEngine.encode``
+    tokenizes it, a rendered chat without special tokens added (the Generator's ids)."""
+    return [list(tokenizer(prompt, add_special_tokens=not rendered_chats)["input_ids"]) for prompt in prompts]
 
 
 class TimedGRPOTrainer(GRPOTrainer):
@@ -121,6 +122,8 @@ class TimedGRPOTrainer(GRPOTrainer):
     against the project's engine on the first one."""
 
     timing: Timing
+    rendered_chats: bool = False
+    """Whether the prompts are chats rendered with the template (``data.apply_chat_template``)."""
 
     def _generate_and_score_completions(self, inputs):
         if not self.model.training:
@@ -154,7 +157,7 @@ class TimedGRPOTrainer(GRPOTrainer):
     def _tokenize_prompts(self, prompts):
         prompt_ids, images, fields = super()._tokenize_prompts(prompts)
         if self.timing.in_generation and len(self.timing.rollouts) == 1:
-            expected = engine_prompt_ids(self.processing_class, prompts)
+            expected = engine_prompt_ids(self.processing_class, prompts, self.rendered_chats)
             same = [list(ids) for ids in prompt_ids] == expected
             self.timing.current["prompt_ids_as_engine"] = same
             if not same:
@@ -342,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         callbacks=[StepTimes(timing)],
     )
     trainer.timing = timing
+    trainer.rendered_chats = config.data.apply_chat_template
     trainer.train()
     steps_per_rollout = training_args.steps_per_generation
     rollouts = summary(timing, steps_per_rollout)

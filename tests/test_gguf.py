@@ -40,6 +40,7 @@ def test_a_file_that_is_not_gguf_is_refused_before_any_conversion(tmp_path: Path
     assert not (tmp_path / "cache").exists()
 
 
+@pytest.mark.slow
 def test_a_truncated_gguf_file_fails_its_conversion_in_one_line_and_leaves_no_cache_entry(
     tmp_path: Path,
 ) -> None:

@@ -9,7 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from miles_events.rl.prompts import DataError, epoch_order, load_prompts, whole_batches_per_epoch
+from miles_events.rl.prompts import (
+    DataError,
+    epoch_order,
+    load_prompts,
+    whole_batches_per_epoch,
+    with_template_ids,
+)
 
 GOOD = b'{"input": "1+1=", "label": "2"}\n'
 
@@ -209,3 +215,18 @@ def test_any_seed_the_config_takes_orders_the_data() -> None:
     order = epoch_order(50, 2**63 - 1, 7, shuffle=True)
     assert sorted(order) == list(range(50))
     assert order == epoch_order(50, 2**63 - 1, 7, shuffle=True) != epoch_order(50, 2**63 - 1, 8, shuffle=True)
+
+
+def test_rendered_chats_carry_the_ids_of_their_text_without_added_special_tokens(tmp_path: Path) -> None:
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"input": "1+1=", "label": "2"}\n{"input": "2+2=", "label": "4"}\n')
+    seen: list[list[str]] = []
+
+    def encode(texts: list[str]) -> list[list[int]]:
+        seen.append(texts)
+        return [[len(t), 7] for t in texts]
+
+    prompts = with_template_ids(load_prompts(path, "input", "label", chat=True, template=render), encode)
+    assert seen == [["<user>1+1=</user><assistant>", "<user>2+2=</user><assistant>"]]
+    assert [p.ids for p in prompts] == [(28, 7), (28, 7)]
+    assert load_prompts(path, "input", "label")[0].ids is None, "text prompts are tokenized by the engines"

@@ -194,7 +194,9 @@ def check_prompts(config: Config, read: dict[str, tuple[str, list[Prompt]]], mod
     longest = (0, "", "", 0)  # tokens, key, path, line
     for key, (path, prompts) in read.items():
         try:
-            encoded = tokenizer([p.prompt for p in prompts], add_special_tokens=True)["input_ids"]
+            # A rendered chat carries the template's own special tokens; text gets the tokenizer's.
+            special = not config.data.apply_chat_template
+            encoded = tokenizer([p.prompt for p in prompts], add_special_tokens=special)["input_ids"]
         except Exception as error:  # the user's text and the user's tokenizer
             raise DataError(
                 f"{key}: {path}: {whose} cannot encode its prompts ({type(error).__name__}: {error})"

@@ -11,7 +11,7 @@ import json
 import os
 import stat
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,10 @@ class Prompt:
     the chat template is applied."""
     row: Mapping[str, Any] = field(default_factory=dict)
     """The whole row of the data file, every column, for a reward function that takes it."""
+    ids: tuple[int, ...] | None = None
+    """The token ids the engines get, where the chat template rendered the prompt: its text
+    tokenized without adding special tokens (the template writes its own; adding a BOS
+    again would double it). None: the engines tokenize ``prompt`` as text."""
 
 
 class DataError(ValueError):
@@ -206,6 +210,13 @@ def load_prompts(
     if not prompts:
         raise DataError(f"{path}: no prompts")
     return prompts
+
+
+def with_template_ids(prompts: list[Prompt], encode: Callable[[list[str]], list[list[int]]]) -> list[Prompt]:
+    """``prompts`` with the ids ``encode`` (the tokenizer, adding no special tokens) gives
+    their rendered text."""
+    encoded = encode([p.prompt for p in prompts])
+    return [replace(p, ids=tuple(ids)) for p, ids in zip(prompts, encoded, strict=True)]
 
 
 def num_rollout_per_epoch(num_prompts: int, rollout_batch_size: int) -> int:
