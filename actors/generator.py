@@ -11,7 +11,8 @@ models concurrently), and every call below goes to all of them at once. It react
 - ``RolloutRequested``: samples ``n_samples_per_prompt`` completions for each prompt of the
   rollout (one group per prompt; groups go to engines round-robin), scores them with the
   reward function, puts the ``RolloutBatch`` in the data plane and emits
-  ``RolloutGenerated``. Each engine samples with a ``torch.Generator`` seeded from
+  ``RolloutGenerated`` (with ``rollout.log_samples`` of the samples, texts cut short, for
+  the event log). Each engine samples with a ``torch.Generator`` seeded from
   (run seed, rollout_id, engine index), so a resumed run regenerates identical samples.
 - ``EvalRequested``: the same on the eval prompts at ``eval_temperature``; ``EvalFinished``.
 - ``WeightsStaged``: every engine loads the staged weights from their handle and
@@ -60,6 +61,7 @@ from miles_events.bus.errors import describe_error
 from miles_events.rl.hf_model import chat_template, load_tokenizer, modeling_module
 from miles_events.rl.prompts import Prompt, load_prompts, rollout_prompts, with_template_ids
 from miles_events.rl.rewards import RewardFn, reward_of
+from miles_events.rl.sample_excerpts import kept_samples
 from miles_events.rl.versions import engine_names
 from miles_events.util.registry import load_function
 from schemas.config import Config
@@ -201,6 +203,7 @@ class Generator(Actor):
                 weight_versions=sorted_versions(s.weight_version for s in samples),
                 response_tokens=sum(len(s.response_ids) for s in samples),
                 generate_seconds=time.perf_counter() - started,
+                samples=kept_samples(samples, rollout.log_samples, rollout.log_sample_chars),
             )
         )
 
@@ -243,6 +246,7 @@ class Generator(Actor):
                 metrics=metrics,
                 weight_versions=sorted_versions(s.weight_version for s in samples),
                 eval_seconds=time.perf_counter() - started,
+                samples=kept_samples(samples, rollout.log_samples, rollout.log_sample_chars),
             )
         )
 

@@ -175,6 +175,13 @@ class RolloutConfig(Section):
     num_threads: NonNegativeInt = 0
     """torch threads of each engine while it generates; 0: the cores of the Generator's
     process, shared by its engines (the Trainer is idle meanwhile in the synchronous loop)."""
+    log_samples: NonNegativeInt = 4
+    """Samples of each rollout and each evaluation kept in the event log (prompt, response,
+    label, reward, response tokens): the first sample of each prompt, then the second, and so
+    on; ``replay --samples`` prints them. 0: none."""
+    log_sample_chars: PositiveInt = 400
+    """Longest prompt, response or label a kept sample holds, in characters; a longer one
+    keeps its beginning and its end, joined by ``…``."""
 
 
 class GeneratorConfig(Section):

@@ -134,6 +134,39 @@ class RolloutRequested(Event, frozen=True, kw_only=True):
     rollout_id: int
 
 
+class SampleExcerpt(msgspec.Struct, frozen=True, kw_only=True):
+    """One sample of a rollout or an evaluation, kept in the event log so that a reader can
+    see what the policy wrote (``python -m miles_events.replay LOG --samples``).
+
+    Texts (prompt, response, label) longer than ``rollout.log_sample_chars`` keep their
+    beginning and their end, joined by ``…``; ``prompt_chars`` and ``response_chars`` are
+    the lengths before the cut.
+    """
+
+    index: int
+    """Position of the prompt in the dataset."""
+    group: int
+    """The prompt's group in its rollout (samples of one prompt share it)."""
+    prompt: str
+    """The prompt text as the engine was given it."""
+    response: str
+    """The text the engine returned."""
+    label: str
+    """The prompt's label, as the reward function was given it."""
+    reward: float
+    """What the reward function gave the response."""
+    response_tokens: int
+    """Tokens of the response (the whole response, not the kept text)."""
+    finish_reason: str
+    """``"stop"`` or ``"length"``, as in ``schemas.rollout.Sample``."""
+    weight_version: str
+    """The weight version of the engine that sampled it."""
+    prompt_chars: int
+    """Characters of the whole prompt."""
+    response_chars: int
+    """Characters of the whole response."""
+
+
 class RolloutGenerated(Event, frozen=True, kw_only=True):
     rollout_id: int
     batch: DataRef
@@ -144,6 +177,11 @@ class RolloutGenerated(Event, frozen=True, kw_only=True):
     """The distinct weight versions the samples were generated with, sorted."""
     response_tokens: int = 0
     generate_seconds: float = 0.0
+    samples: list[SampleExcerpt] = []
+    """``rollout.log_samples`` of the rollout's samples, their texts cut to
+    ``rollout.log_sample_chars``: the first sample of each prompt in group order, then the
+    second of each, and so on. Empty with ``rollout.log_samples = 0`` and in logs written
+    before samples were kept."""
 
 
 class TrainMetrics(msgspec.Struct, frozen=True, kw_only=True):
@@ -211,6 +249,9 @@ class EvalFinished(Event, frozen=True, kw_only=True):
     metrics: dict[str, float]
     weight_versions: list[str] = []
     eval_seconds: float = 0.0
+    samples: list[SampleExcerpt] = []
+    """``rollout.log_samples`` of the evaluation's samples, chosen and cut as
+    ``RolloutGenerated.samples``."""
 
 
 # --- publication saga --------------------------------------------------------------------

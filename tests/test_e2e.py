@@ -22,16 +22,19 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from actors.engine.worker import engine_worker
 from actors.generator import Generator
 from miles_events.app.config import load_config
+from miles_events.app.run_series import run_series
 from miles_events.app.session import Session
 from miles_events.bus.event_log import read_events
 from miles_events.checkpoint.format import read_checkpoint
 from miles_events.checkpoint.resume import latest_checkpoint
 from miles_events.rl.lr_schedule import LrSchedule
 from miles_events.rl.probe import PROBE_TENSOR
+from miles_events.rl.rewards import exact_match
 from miles_events.runtime.leftovers import descendants
 from schemas.events import (
     ActorFailed,
     CheckpointSaved,
+    EvalFinished,
     PublicationMismatch,
     PublicationVerified,
     RolloutGenerated,
@@ -46,6 +49,7 @@ from schemas.events import (
     WeightsStaged,
 )
 from tests.support import cmdline, not_console
+from tests.test_replay_plot import png_size
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "examples" / "tiny.toml"
@@ -202,6 +206,64 @@ def test_the_recorded_log_redrives_to_the_same_decisions(local_run):
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("same decisions") == 2
+
+
+def test_the_log_keeps_a_few_samples_of_each_rollout_and_evaluation(local_run):
+    run_dir, result = local_run
+    assert result.returncode == 0, result.stderr[-2000:]
+    log = events(run_dir)
+    generated = [e for e in log if isinstance(e, RolloutGenerated)]
+    evaluated = [e for e in log if isinstance(e, EvalFinished)]
+    assert len(generated) == 3 and evaluated
+    for event in generated:
+        # 16 prompts of 8 samples each: the first sample of the first 4 prompts.
+        assert [s.group for s in event.samples] == [0, 1, 2, 3]
+    for event in (*generated, *evaluated):
+        assert len(event.samples) == 4  # rollout.log_samples's default
+        for kept in event.samples:
+            # Arithmetic prompts are far shorter than rollout.log_sample_chars: kept whole.
+            assert (kept.prompt_chars, kept.response_chars) == (len(kept.prompt), len(kept.response))
+            assert kept.reward == exact_match(kept.prompt, kept.response, kept.label)
+            assert 0 < kept.response_tokens <= 3 and kept.weight_version in event.weight_versions
+
+
+def test_replay_plots_a_fresh_run_and_prints_its_samples(local_run, tmp_path):
+    run_dir, _ = local_run
+    log = events(run_dir)
+    out = tmp_path / "run.png"
+    plotted = subprocess.run(
+        [sys.executable, "-m", "miles_events.replay", str(run_dir), "--plot", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert plotted.returncode == 0, plotted.stderr
+    assert png_size(out) == (1000, 1200)
+    [series] = run_series(log)
+    assert series.reward_mean == [
+        (e.rollout_id, e.reward_mean) for e in log if isinstance(e, RolloutGenerated)
+    ]
+    evaluated = [e for e in log if isinstance(e, EvalFinished)]
+    assert series.eval_scores["eval/accuracy"] == [
+        (e.rollout_id, e.metrics["eval/accuracy"]) for e in evaluated
+    ]
+    assert [step.rollout_id for step in series.step_times] == [0, 1, 2]
+    assert all(step.wall >= step.generate + step.train + step.publish > 0 for step in series.step_times)
+
+    printed = subprocess.run(
+        [sys.executable, "-m", "miles_events.replay", str(run_dir), "--samples"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert printed.returncode == 0, printed.stderr
+    lines = printed.stdout.splitlines()
+    assert lines[0].startswith("rollout 2: 4 of 128 samples kept, reward mean ")
+    evals_at_last = sum(e.rollout_id == 2 for e in evaluated)
+    assert sum(line.startswith("  [") for line in lines) == 4 * (1 + evals_at_last)
+    assert sum(line.startswith("    response: ") for line in lines) == 4 * (1 + evals_at_last)
 
 
 def test_resume_continues_with_the_same_rollouts_versions_and_weights(tmp_path):

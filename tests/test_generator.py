@@ -21,6 +21,7 @@ from miles_events.rl.checksum import per_gpu_checksum
 from miles_events.rl.checksum_manifest import read_manifest, write_manifest
 from miles_events.rl.hf_model import load_model
 from miles_events.rl.prompts import load_prompts, rollout_prompts
+from miles_events.rl.sample_excerpts import ELISION, cut_text
 from miles_events.transport.base import Transport
 from miles_events.transport.inprocess import InProcessTransport
 from schemas.checksums import EngineChecksumReport
@@ -249,6 +250,48 @@ async def test_eval_reports_reward_mean_and_full_credit_accuracy(
         assert event.metrics["eval/num_samples"] == 6
         assert event.metrics["eval/reward_mean"] == (0.5 if reward_fn == "half_reward" else 1.0)
         assert event.metrics["eval/accuracy"] == accuracy
+
+
+async def test_a_rollout_keeps_the_first_sample_of_its_first_prompts_in_its_event(
+    model_dir: Path, prompt_file: Path, tmp_path: Path
+) -> None:
+    config = make_config(model_dir, prompt_file, tmp_path, log_samples=3, log_sample_chars=3)
+    generator, context = await started(config, tmp_path)
+    await generator.handle(RolloutRequested(rollout_id=0))
+    [event] = context.of(RolloutGenerated)
+    samples = batch_of(context, event).samples
+    firsts = [next(s for s in samples if s.group == group) for group in range(3)]
+    assert [
+        (k.index, k.group, k.reward, k.response_tokens, k.finish_reason, k.weight_version)
+        for k in event.samples
+    ] == [
+        (s.index, s.group, s.reward, len(s.response_ids), s.finish_reason, s.weight_version) for s in firsts
+    ]
+    for kept, whole in zip(event.samples, firsts, strict=True):
+        assert (kept.prompt, kept.response, kept.label) == (
+            cut_text(whole.prompt, 3),
+            cut_text(whole.response, 3),
+            cut_text(whole.label, 3),
+        )
+        assert (kept.prompt_chars, kept.response_chars) == (len(whole.prompt), len(whole.response))
+    assert all(len(kept.prompt) == 3 and ELISION in kept.prompt for kept in event.samples)  # 4 characters
+
+
+async def test_an_eval_keeps_samples_too_and_zero_keeps_none(
+    model_dir: Path, prompt_file: Path, tmp_path: Path
+) -> None:
+    generator, context = await started(make_config(model_dir, prompt_file, tmp_path), tmp_path)
+    await generator.handle(EvalRequested(rollout_id=0))
+    [event] = context.of(EvalFinished)
+    prompts = load_prompts(prompt_file, "input", "label")
+    assert [(k.index, k.prompt, k.label) for k in event.samples] == [
+        (p.index, p.prompt, p.label) for p in prompts[:4]
+    ]
+    config = make_config(model_dir, prompt_file, tmp_path, log_samples=0)
+    generator, context = await started(config, tmp_path)
+    await generator.handle(RolloutRequested(rollout_id=0))
+    await generator.handle(EvalRequested(rollout_id=0))
+    assert [e.samples for e in context.events] == [[], []]
 
 
 async def test_eval_falls_back_to_the_prompt_data(actor: Started, prompt_file: Path) -> None:

@@ -25,6 +25,7 @@ from schemas.events import (
     ProbeBatch,
     RankStep,
     RolloutRequested,
+    SampleExcerpt,
     TensorMismatch,
     TrainMetrics,
     TrainStepFinished,
@@ -41,6 +42,19 @@ STATE = TrainerState(
     data=DataCursor(next_rollout_id=4, epoch=1, offset=16),
     seed=1234,
     run_id="run-7",
+)
+SAMPLE = SampleExcerpt(
+    index=17,
+    group=0,
+    prompt="3+4=",
+    response="7",
+    label="7",
+    reward=1.0,
+    response_tokens=2,
+    finish_reason="stop",
+    weight_version="3",
+    prompt_chars=4,
+    response_chars=1,
 )
 
 EVIDENCE = CheckpointRolloutEvidence(
@@ -95,6 +109,7 @@ EXAMPLES: dict[str, dict[str, Any]] = {
         weight_versions=["2", "3"],
         response_tokens=900,
         generate_seconds=1.5,
+        samples=[SAMPLE],
     ),
     "TrainStepFinished": dict(
         rollout_id=3,
@@ -118,7 +133,11 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     ),
     "EvalRequested": dict(rollout_id=5),
     "EvalFinished": dict(
-        rollout_id=5, metrics={"accuracy": 0.5, "reward": 0.25}, weight_versions=["5"], eval_seconds=2.0
+        rollout_id=5,
+        metrics={"accuracy": 0.5, "reward": 0.25},
+        weight_versions=["5"],
+        eval_seconds=2.0,
+        samples=[SAMPLE],
     ),
     "PublishRequested": dict(rollout_id=3),
     "WeightsStaged": dict(

@@ -11,6 +11,15 @@ no event of the log comes from, and a negative ``--rollout-id``, are errors; fil
 select nothing (a rollout the log does not reach) print a one-line note on stderr, status 0.
 ``LOG`` may also be a run directory holding ``events.log``.
 
+``--plot OUT`` draws the log's runs into one figure (``miles_events.app.plot``): mean reward,
+evaluation scores, KL, response length and time per rollout over the rollout id; OUT's
+extension picks the format. ``--samples [ROLLOUT_ID|all]`` prints the prompts, responses and
+rewards a rollout and its evaluation kept (``rollout.log_samples``; the last rollout by
+default; ``miles_events.app.replay_samples``). Neither takes the filters. A torn tail is a
+warning for ``--plot`` (it draws what was read), exit 1 for ``--samples`` after printing;
+an OUT whose directory is missing or cannot be written in, or whose extension matplotlib
+does not write, is refused before the log is read.
+
 Damage in the middle of the log (valid records after it) is skipped: every readable record
 is printed, and one warning line per damaged byte range goes to stderr (``replay: warning:
 LOG: bytes START..END damaged, skipped (REASON)``, END exclusive).
@@ -39,8 +48,10 @@ from typing import Any, NoReturn, TextIO
 
 import msgspec
 
+from miles_events.app.replay_samples import SamplesChoice, parse_choice
 from miles_events.app.run_dir import EVENT_LOG, event_log_path, run_config_path
 from miles_events.bus.codec import event_to_json_bytes
+from miles_events.bus.errors import describe_error
 from miles_events.bus.event_log import (
     DamagedRange,
     NotAnEventLogError,
@@ -75,6 +86,9 @@ _FAILURES = frozenset(
 )
 """Events that report a failure: every field printed whole (no text cut, nothing counted)."""
 _BLOCK_INDENT = " " * 8
+_KEPT_SAMPLES = "samples"
+"""The field of the samples a rollout or an evaluation kept: counted on the event's line
+(``--samples`` prints them), left out when empty."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -150,6 +164,23 @@ def build_parser() -> argparse.ArgumentParser:
         default="127.0.0.1",
         metavar="H",
         help="the address --serve-metrics listens on (default 127.0.0.1)",
+    )
+    parser.add_argument(
+        "--plot",
+        default=None,
+        metavar="OUT",
+        help="draw the log's runs into OUT (its extension picks the format: .png, .svg, .pdf, ...): "
+        "mean reward, evaluation scores, KL, response length and time per rollout, by rollout id",
+    )
+    parser.add_argument(
+        "--samples",
+        nargs="?",
+        const="last",
+        default=None,
+        type=parse_choice,
+        metavar="ROLLOUT_ID",
+        help="print the prompts, responses and rewards that rollout ROLLOUT_ID and its evaluation "
+        "kept (rollout.log_samples); without a value the last rollout, 'all' every one",
     )
     return parser
 
@@ -316,6 +347,10 @@ def format_event(event: Event) -> str:
     for name, value in zip(event.__struct_fields__, msgspec.structs.astuple(event), strict=True):
         if name in _HEADER_FIELDS or value is None:
             continue
+        if name == _KEPT_SAMPLES and isinstance(value, list):
+            if value:
+                parts.append(f"{name}=<{len(value)} kept>")
+            continue
         whole = failure or name in _WHOLE_FIELDS
         if _is_block(value, whole):
             blocks.extend(_format_block(name, value))
@@ -413,6 +448,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.rollout_id is not None and args.rollout_id < 0:
             sys.stderr.write(f"replay: --rollout-id {args.rollout_id}: a rollout id is 0 or more\n")
             return 2
+        _check_views(parser, args)
     except SystemExit as exit_request:
         # argparse exits on --help and on bad arguments; callers of main() get a status.
         return exit_request.code if isinstance(exit_request.code, int) else 2
@@ -422,6 +458,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         path = _resolve_log(args.log)
         if args.config is not None:
             _regular_file(Path(args.config), f"--config {args.config}")
+        plot_path = _plot_output(args.plot) if args.plot is not None else None
         events = read_events(path, on_damage=_damage_warning(args.log, out, err))
     except _Unusable as error:
         err.write(f"replay: {error}\n")
@@ -440,6 +477,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         err.write(f"replay: {args.log}: torn record at byte {torn.offset}: {torn.reason}\n")
         return 1
 
+    if plot_path is not None:
+        return _plot(events, args.log, plot_path, out, err)
+    if args.samples is not None:
+        return _samples(events, args.samples, args.log, args.json, out, err)
     if args.serve_metrics is not None:
         return _serve_metrics(events, args.log, args.host, args.serve_metrics, out, err)
     if args.redrive:
@@ -478,6 +519,116 @@ def main(argv: Sequence[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, out.fileno())
         return 141
+    return 0
+
+
+def _check_views(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--plot`` and ``--samples`` each read the whole log their own way: neither combines
+    with the other, with ``--redrive`` or ``--serve-metrics``, or with the event filters
+    (``--plot`` not with ``--json`` either); a usage error otherwise."""
+    view = "--plot" if args.plot is not None else "--samples" if args.samples is not None else None
+    if view is None:
+        return
+    given = {
+        "--samples": view == "--plot" and args.samples is not None,
+        "--redrive": bool(args.redrive),
+        "--serve-metrics": args.serve_metrics is not None,
+        "--type": bool(args.types),
+        "--source": bool(args.sources),
+        "--rollout-id": args.rollout_id is not None,
+        "--config": args.config is not None,
+        "--json": view == "--plot" and args.json,
+    }
+    clashing = [name for name, present in given.items() if present]
+    if clashing:
+        parser.error(f"{view} cannot be combined with {', '.join(clashing)}")
+
+
+def _plot_output(out: str) -> Path:
+    """Where ``--plot`` writes, checked before the log is read (``_Unusable`` naming why not)."""
+    from miles_events.app.plot import PlotOutputError, check_output
+
+    try:
+        return check_output(out)
+    except PlotOutputError as error:
+        raise _Unusable(str(error)) from None
+
+
+def _readable(events: Iterable[Event]) -> tuple[list[Event], TornRecordError | None]:
+    """Every readable event, and the torn record that ended the log early (None when the
+    log was read to its end)."""
+    readable: list[Event] = []
+    try:
+        for event in events:
+            readable.append(event)
+    except TornRecordError as torn:
+        return readable, torn
+    return readable, None
+
+
+def _plot(events: Iterable[Event], log: str, path: Path, out: TextIO, err: TextIO) -> int:
+    """Draw the readable part of the log into ``path`` (a torn tail is a warning); 1 when
+    not one event is readable, 2 when the file cannot be written."""
+    from miles_events.app.plot import write_plot
+    from miles_events.app.run_series import run_series
+
+    readable, torn = _readable(events)
+    if torn is not None:
+        err.write(
+            f"replay: warning: {log}: torn record at byte {torn.offset}: {torn.reason}; "
+            f"plotting the {len(readable)} records before it\n"
+        )
+    if not readable:
+        err.write(f"replay: {log}: no event to plot\n")
+        return 1
+    runs = run_series(readable)
+    try:
+        write_plot(runs, path)
+    except OSError as error:
+        err.write(f"replay: --plot {path}: cannot write it ({error.strerror or error})\n")
+        return 2
+    except Exception as error:  # a format whose writer needs what is missing here (LaTeX for .pgf)
+        err.write(f"replay: --plot {path}: matplotlib cannot write it ({describe_error(error)})\n")
+        return 2
+    for run in runs:
+        counts = (
+            (len(run.reward_mean), "rollout"),
+            (run.evaluations, "evaluation"),
+            (run.train_steps, "train step"),
+        )
+        out.write(
+            f"run {run.run_id}: "
+            + ", ".join(f"{n} {what}{'' if n == 1 else 's'}" for n, what in counts)
+            + "\n"
+        )
+    out.write(f"plotted to {path}\n")
+    return 0
+
+
+def _samples(
+    events: Iterable[Event], choice: SamplesChoice, log: str, as_json: bool, out: TextIO, err: TextIO
+) -> int:
+    """Print the samples ``choice`` selects from the readable part of the log; 1 when the
+    log ends in a torn record (after printing what was read), a note on ``err`` when
+    nothing matches."""
+    from miles_events.app.replay_samples import print_samples, select
+
+    readable, torn = _readable(events)
+    selection = select(readable, choice)
+    try:
+        print_samples(selection, as_json, out)
+        out.flush()
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, out.fileno())
+        return 141
+    if not selection.rollout_ids:
+        err.write(f"replay: no rollout or evaluation in {log}\n")
+    elif not selection.events:
+        err.write(f"replay: no rollout {choice} in {log} (its rollouts: {_ranges(selection.rollout_ids)})\n")
+    if torn is not None:
+        err.write(f"replay: {log}: torn record at byte {torn.offset}: {torn.reason}\n")
+        return 1
     return 0
 
 
