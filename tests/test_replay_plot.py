@@ -61,7 +61,7 @@ def test_the_series_of_a_recorded_run_are_what_its_events_say() -> None:
     assert [x for x, _ in run.eval_response_length] == [0, 1, 2]
     assert (run.train_steps, run.evaluations) == (3, 3)
     assert [x for x, _ in run.kl] == [0, 1, 2] and not run.kl_reported()  # no reference model
-    assert run.lr == []
+    assert not run.lr_reported(), "a log from before the rate was reported reads it as 0"
 
     by_rollout = {e.rollout_id: e for e in events if isinstance(e, RolloutRequested)}
     generated = {e.rollout_id: e.generate_seconds for e in events if isinstance(e, RolloutGenerated)}
