@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import re
 from pathlib import Path
+from types import ModuleType
 
 import msgspec
 
@@ -108,3 +110,15 @@ def torch_save_bytes(obj: object) -> bytes:
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     return buffer.getvalue()
+
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def example_script(name: str) -> ModuleType:
+    """The script ``examples/<name>.py``, imported as a module of that name."""
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -2,28 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
 from miles_events.rl.hf_model import build_arith_tokenizer
 from miles_events.rl.prompts import load_prompts
+from tests.support import EXAMPLES, example_script
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-
-
-def _load_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("make_arith_data", EXAMPLES / "make_arith_data.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-make_arith_data = _load_script()
+make_arith_data = example_script("make_arith_data")
 
 
 def _read(path: Path) -> list[dict[str, str]]:

@@ -3,28 +3,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
 from miles_events.rl.rewards import final_answer, math_answer
+from tests.support import EXAMPLES, example_script
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-
-
-def _load_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("make_math_data", EXAMPLES / "make_math_data.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-make_math_data = _load_script()
+make_math_data = example_script("make_math_data")
 
 
 def solve(text: str) -> int:
