@@ -286,8 +286,10 @@ class TrainerConfig(Section):
     gpus_per_rank: NonNegativeFloat = 0.0
     """GPUs reserved for each rank (its bundle of the ``actor`` placement group, on ray)."""
     collective_timeout: PositiveFloat = 300.0
-    """Seconds the ranks' rendezvous, and each collective among them, may take: a rank
-    that died or hangs fails the others' collective within it, which ends the run."""
+    """Seconds each collective among the ranks may take: a rank that died or hangs fails the
+    others' collective within it, which ends the run. Their rendezvous at start may take
+    this or two minutes, whichever is longer (each rank starts a process and builds its
+    model first)."""
     lr: PositiveFloat = 1e-3
     """AdamW's learning rate: the peak of the schedule (``lr_warmup_steps``, ``lr_decay_style``)."""
     lr_warmup_steps: NonNegativeInt = 0

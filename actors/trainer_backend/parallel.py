@@ -170,6 +170,17 @@ class Parallel:
         """Leave the process group, if any."""
 
 
+RENDEZVOUS_SECONDS = 120.0
+"""The least time the ranks are given to meet: each is a process that starts, imports torch
+and builds its model first, which a busy host slows far beyond a collective's time."""
+
+
+def rendezvous_seconds(collective_timeout: float) -> float:
+    """How long the ranks' rendezvous may take: the collective timeout, or
+    ``RENDEZVOUS_SECONDS`` where that is longer."""
+    return max(collective_timeout, RENDEZVOUS_SECONDS)
+
+
 class ProcessGroup(Parallel):
     """This process as rank ``rank`` of ``world_size``, sharding as ``sharding`` says."""
 
@@ -189,20 +200,25 @@ class ProcessGroup(Parallel):
         self.world_size = world_size
         self.device = device
         timeout = datetime.timedelta(seconds=timeout_seconds)
+        meeting = datetime.timedelta(seconds=rendezvous_seconds(timeout_seconds))
         host, port = store_address
         from torch.distributed import TCPStore  # type: ignore[attr-defined]  # not in its __all__
 
-        store = TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+        store = TCPStore(host, port, world_size, is_master=False, timeout=meeting)
         dist.init_process_group(
             "nccl" if device.type == "cuda" else "gloo",
             store=store,
             rank=rank,
             world_size=world_size,
-            timeout=timeout,
+            timeout=meeting,
         )
         from torch.distributed.device_mesh import init_device_mesh
 
         self.mesh = init_device_mesh(device.type, (world_size,))
+        # Met: from here each collective has the collective timeout.
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        _set_pg_timeout(timeout, None)
 
     @property
     def sharded(self) -> bool:

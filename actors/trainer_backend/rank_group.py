@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import anyio.from_thread
 
 from actors.trainer_backend.base import TrainerBackend
+from actors.trainer_backend.parallel import rendezvous_seconds
 from miles_events.bus.actor import RankFailed, call_each, close_workers
 from miles_events.bus.cancel import Cancellation, Cancelled
 from miles_events.device.threads import phase_thread_count, phase_threads
@@ -172,7 +173,7 @@ class RankGroupBackend(TrainerBackend):
         from torch.distributed import TCPStore  # type: ignore[attr-defined]  # not in its __all__
 
         ranks = config.trainer.num_ranks
-        timeout = datetime.timedelta(seconds=config.trainer.collective_timeout)
+        timeout = datetime.timedelta(seconds=rendezvous_seconds(config.trainer.collective_timeout))
         store = TCPStore("127.0.0.1", 0, ranks, is_master=True, timeout=timeout, wait_for_workers=False)
         factory = partial(trainer_rank, store_address=("127.0.0.1", store.port))
         workers = await context.start_workers(factory, ranks, own_processes=True)
