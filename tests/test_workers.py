@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from miles_events.bus.rank_process import STOP_GRACE
 from miles_events.bus.workers import (
     RankDied,
     RankFailed,
@@ -427,6 +428,22 @@ async def test_a_spawned_rank_whose_close_hangs_is_terminated_after_its_bound(tm
     assert (tmp_path / "rank-1.closed").exists() and not running(workers[1].pid)
     (tmp_path / "hang-on-close").unlink()
     await workers[0].close()
+
+
+async def test_a_stopped_rank_that_misses_its_close_bound_ends_at_its_sigterm(tmp_path: Path) -> None:
+    """A stopped process acts on SIGTERM only once continued: it is continued with it, so it
+    ends then, without sitting out the grace after the SIGTERM until it is killed."""
+    workers = await start_spawned(tmp_path)
+    stopped = workers[1].pid
+    os.kill(stopped, signal.SIGSTOP)
+    resume_later(stopped, 20)
+    try:
+        started = time.monotonic()
+        await workers[1].close(timeout=0.5)
+        assert time.monotonic() - started < 0.5 + STOP_GRACE
+        assert not running(stopped)
+    finally:
+        await close_workers(workers, 1)
 
 
 async def test_a_runs_spawned_ranks_log_into_its_log_naming_the_rank(tmp_path: Path) -> None:

@@ -300,11 +300,18 @@ class ProcessWorker(Generic[T]):
         if failure is not None:
             raise failure
 
+    def _terminate(self) -> None:
+        """SIGTERM, then SIGCONT: a stopped process (SIGSTOP, a debugger) acts on the SIGTERM
+        only once continued, and would otherwise sit out the grace until it is killed."""
+        self._process.terminate()
+        if self._process.pid is not None:
+            os.kill(self._process.pid, signal.SIGCONT)
+
     async def _stop(self, wait: bool = True) -> None:
         """The process ended: waits for it to exit (if ``wait``), then terminates it, then
         kills it."""
         self._closing = True
-        for end in (None, self._process.terminate, self._process.kill)[0 if wait else 1 :]:
+        for end in (None, self._terminate, self._process.kill)[0 if wait else 1 :]:
             if self._done.done():
                 break
             if end is not None:
