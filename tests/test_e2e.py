@@ -239,7 +239,7 @@ def test_replay_plots_a_fresh_run_and_prints_its_samples(local_run, tmp_path):
         timeout=120,
     )
     assert plotted.returncode == 0, plotted.stderr
-    assert png_size(out) == (1000, 1200)
+    assert png_size(out) == (1000, 1420), "six panels: the run reports its learning rate"
     [series] = run_series(log)
     assert series.reward_mean == [
         (e.rollout_id, e.reward_mean) for e in log if isinstance(e, RolloutGenerated)
