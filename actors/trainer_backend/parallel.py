@@ -170,17 +170,6 @@ class Parallel:
         """Leave the process group, if any."""
 
 
-RENDEZVOUS_SECONDS = 120.0
-"""The least time the ranks are given to meet: each is a process that starts, imports torch
-and builds its model first, which a busy host slows far beyond a collective's time."""
-
-
-def rendezvous_seconds(collective_timeout: float) -> float:
-    """How long the ranks' rendezvous may take: the collective timeout, or
-    ``RENDEZVOUS_SECONDS`` where that is longer."""
-    return max(collective_timeout, RENDEZVOUS_SECONDS)
-
-
 class ProcessGroup(Parallel):
     """This process as rank ``rank`` of ``world_size``, sharding as ``sharding`` says."""
 
@@ -192,7 +181,10 @@ class ProcessGroup(Parallel):
         store_address: tuple[str, int],
         timeout_seconds: float,
         device: torch.device,
+        rendezvous_seconds: float | None = None,
     ) -> None:
+        """``timeout_seconds`` bounds each collective; ``rendezvous_seconds`` (default: the
+        same) the ranks' meeting at start."""
         import torch.distributed as dist
 
         self.sharding = sharding
@@ -200,7 +192,7 @@ class ProcessGroup(Parallel):
         self.world_size = world_size
         self.device = device
         timeout = datetime.timedelta(seconds=timeout_seconds)
-        meeting = datetime.timedelta(seconds=rendezvous_seconds(timeout_seconds))
+        meeting = datetime.timedelta(seconds=rendezvous_seconds or timeout_seconds)
         host, port = store_address
         from torch.distributed import TCPStore  # type: ignore[attr-defined]  # not in its __all__
 

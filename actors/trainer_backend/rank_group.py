@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import anyio.from_thread
 
 from actors.trainer_backend.base import TrainerBackend
-from actors.trainer_backend.parallel import rendezvous_seconds
 from miles_events.bus.actor import RankFailed, call_each, close_workers
 from miles_events.bus.cancel import Cancellation, Cancelled
 from miles_events.device.threads import phase_thread_count, phase_threads
@@ -55,6 +54,17 @@ single-process trainer raises them, not as a rank's failure."""
 
 CANCEL_POLL_SECONDS = 0.05
 """How often a rollout's training looks for a cancellation to pass on to the ranks."""
+
+
+RENDEZVOUS_SECONDS = 120.0
+"""The least time the ranks are given to meet: each is a process that starts, imports torch
+and builds its model first, which a busy host slows far beyond a collective's time."""
+
+
+def rendezvous_seconds(collective_timeout: float) -> float:
+    """How long the ranks' rendezvous may take: the collective timeout, or
+    ``RENDEZVOUS_SECONDS`` where that is longer."""
+    return max(collective_timeout, RENDEZVOUS_SECONDS)
 
 
 def uses_rank_group(config: Config) -> bool:
@@ -90,6 +100,7 @@ class TrainerRank:
             store_address,
             config.trainer.collective_timeout,
             device,
+            rendezvous_seconds(config.trainer.collective_timeout),
         )
         self.backend = TorchTrainerBackend(config, self.parallel)
         self._lock = threading.Lock()
