@@ -64,7 +64,7 @@ from miles_events.rl.rewards import RewardFn, reward_of
 from miles_events.rl.sample_excerpts import kept_samples
 from miles_events.rl.versions import engine_names
 from miles_events.util.registry import load_function
-from schemas.config import Config
+from schemas.config import Config, skip_tensor_list
 from schemas.events import (
     DataReleased,
     EvalFinished,
@@ -351,7 +351,7 @@ class Generator(Actor):
         # Every engine loads at once and resolves the handle itself (the staged data belongs
         # to the trainer).
         # The skip list applies here as on the trainer: digests are compared whole.
-        skip = list(self.config.verifier.skip_tensor_list)
+        skip = skip_tensor_list(self.config)
 
         async def load(index: int) -> Event:
             started = time.perf_counter()

@@ -51,7 +51,7 @@ from miles_events.rl.probe import probe_batch, probe_vocab_size
 from miles_events.rl.prompts import data_cursor, load_prompts
 from miles_events.rl.versions import next_version, version_number
 from schemas.checkpoint import TrainerState
-from schemas.config import Config
+from schemas.config import Config, skip_tensor_list
 from schemas.data import DataRef
 from schemas.events import (
     DataReleased,
@@ -294,7 +294,7 @@ class Trainer(Actor):
             Buckets(buckets.layouts[-1:], buckets.buffers[-1:]).pack(canary)
             require_finite_buckets(buckets, f"weight version {version}")
             # The skip list applies here as on the engines: digests are compared whole.
-            checksums = fingerprint_buckets(buckets, [*self.config.verifier.skip_tensor_list, CANARY_TENSOR])
+            checksums = fingerprint_buckets(buckets, [*skip_tensor_list(self.config), CANARY_TENSOR])
             ref = self.context.transport.stager.put_buckets(key, buckets, owner=self.name)
         except BaseException:
             self._staging.give_back(key)  # nobody has read it

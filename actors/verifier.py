@@ -41,7 +41,7 @@ from miles_events.rl.checksum import checksum_order, is_skipped
 from miles_events.rl.checksum_manifest import ManifestError, read_manifest
 from miles_events.rl.probe import PROBE_TENSOR, max_difference, probe_tolerance
 from miles_events.rl.versions import version_number
-from schemas.config import Config
+from schemas.config import Config, skip_tensor_list
 from schemas.events import (
     ProbeBatch,
     PublicationMismatch,
@@ -94,7 +94,7 @@ class Verifier(Actor):
         """The tensors behind the digests that differ, from their manifests (read off the
         event loop; the trainer's once), in engine order; an engine whose checksum reply
         could not be used is one entry giving why."""
-        run_dir, skip = self.context.run_dir, list(self.config.verifier.skip_tensor_list)
+        run_dir, skip = self.context.run_dir, skip_tensor_list(self.config)
 
         def unnamed(engine: str, loaded: WeightsLoaded | None, reason: str) -> TensorMismatch:
             return TensorMismatch(

@@ -363,6 +363,19 @@ class TrainerConfig(Section):
     are on a GPU, else ``inline``."""
 
 
+ENGINE_SKIP_TENSOR_LIST: dict[str, list[str]] = {"vllm": ["proj.weight"]}
+"""``verifier.skip_tensor_list`` where unset, per engine backend (others: nothing)."""
+
+
+def skip_tensor_list(config: Config) -> list[str]:
+    """The tensors the run's digests leave out: ``verifier.skip_tensor_list``, or where unset
+    the engine backend's default (``ENGINE_SKIP_TENSOR_LIST``)."""
+    explicit = config.verifier.skip_tensor_list
+    if explicit is not None:
+        return list(explicit)
+    return list(ENGINE_SKIP_TENSOR_LIST.get(config.generator.engine, []))
+
+
 def resolved_sharding(trainer: TrainerConfig) -> Literal["none", "fsdp2", "ddp"]:
     """``trainer.sharding`` resolved: ``auto`` is ``none`` for one rank, ``fsdp2`` for more."""
     if trainer.sharding == "auto":
@@ -389,8 +402,11 @@ class VerifierConfig(Section):
     equal the trainer's of what it published."""
     continue_on_mismatch: bool = False
     """A mismatch is logged and the run goes on; unset, it stops the run naming the tensor."""
-    skip_tensor_list: list[str] = []
-    """Substrings of tensor names left out of the comparison."""
+    skip_tensor_list: list[str] | None = None
+    """Substrings of tensor names left out of the digests on both sides (the behavioural
+    probe then proves those tensors). Unset: what the engine backend cannot read back in
+    the trainer's layout: ``["proj.weight"]`` for ``vllm`` (it fuses q/k/v and gate/up, and
+    its CPU build repacks linear weights), nothing for ``torch`` and ``sglang``."""
     check_weight_update_equal: bool = False
     """The seed's check around the first publication: every engine snapshots what it serves
     and resets it to random data, the trainer publishes, and every engine must then serve

@@ -16,7 +16,7 @@ from actors.engine.worker import EngineWorker, UnverifiableTensors, check_readba
 from miles_events.bus.workers import RankPlace
 from miles_events.rl.checksum import per_gpu_checksum
 from schemas.checksums import EngineChecksumReport, WeightsCheckResult
-from schemas.config import Config, GeneratorConfig, RunConfig, VerifierConfig
+from schemas.config import Config, GeneratorConfig, RunConfig, VerifierConfig, skip_tensor_list
 from schemas.data import DataRef
 from schemas.events import WeightsCheckFinished, WeightsCheckRequested, WeightsLoaded
 
@@ -55,7 +55,11 @@ def test_an_engine_whose_unreadable_tensors_are_not_skipped_stops_the_rank_namin
     tmp_path: Path,
 ):
     with pytest.raises(UnverifiableTensors) as caught:
-        EngineWorker(run_config(tmp_path), PartialReadback(), RankPlace(0, 1, tmp_path))  # type: ignore[arg-type]
+        EngineWorker(
+            run_config(tmp_path, skip_tensor_list=[]),
+            PartialReadback(),
+            RankPlace(0, 1, tmp_path),  # type: ignore[arg-type]
+        )
     message = str(caught.value)
     assert "\n" not in message
     assert message.startswith(
@@ -69,23 +73,44 @@ def test_an_engine_whose_unreadable_tensors_are_not_skipped_stops_the_rank_namin
     ), message
 
 
+def test_vllm_leaves_its_fused_and_repacked_projections_to_the_probe_unless_told_otherwise(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+):
+    config = run_config(tmp_path)
+    assert config.verifier.skip_tensor_list is None
+    assert skip_tensor_list(config) == ["proj.weight"]
+    for engine in ("torch", "sglang"):
+        assert (
+            skip_tensor_list(msgspec.structs.replace(config, generator=GeneratorConfig(engine=engine))) == []
+        )
+    assert skip_tensor_list(run_config(tmp_path, skip_tensor_list=["norm"])) == ["norm"]
+    with caplog.at_level(logging.WARNING, logger="actors.engine.worker"):
+        worker = EngineWorker(config, PartialReadback(), RankPlace(0, 1, tmp_path))  # type: ignore[arg-type]
+    assert not caplog.records, "the default's tensors are probed: nothing goes unverified"
+    worker.close()
+
+
 def test_the_suggested_skip_list_keeps_what_is_skipped_already_and_adds_what_is_missing():
     verifier = VerifierConfig(skip_tensor_list=["norm", "down_proj"])
     with pytest.raises(
         UnverifiableTensors, match=r'verifier.skip_tensor_list = \["norm", "down_proj", "proj.weight"\]'
     ):
-        check_readback("engine-1", "vllm", REPACKED, verifier)
+        check_readback("engine-1", "vllm", REPACKED, verifier, verifier.skip_tensor_list or [])
     with pytest.raises(UnverifiableTensors, match=r'= \["fc1.weight", "fc2.weight"\]') as caught:
         check_readback(
-            "engine-1", "vllm", ["model.layers.0.fc2.weight", "model.layers.0.fc1.weight"], VerifierConfig()
+            "engine-1",
+            "vllm",
+            ["model.layers.0.fc2.weight", "model.layers.0.fc1.weight"],
+            VerifierConfig(),
+            [],
         )
     assert "cannot read back 2 of the tensors" in str(caught.value)
 
 
 def test_skipped_unreadable_tensors_pass_and_so_does_a_run_that_verifies_nothing():
-    check_readback("engine-0", "vllm", REPACKED, VerifierConfig(skip_tensor_list=["proj.weight"]))
-    check_readback("engine-0", "vllm", REPACKED, VerifierConfig(enabled=False))
-    check_readback("engine-0", "torch", [], VerifierConfig())
+    check_readback("engine-0", "vllm", REPACKED, VerifierConfig(), ["proj.weight"])
+    check_readback("engine-0", "vllm", REPACKED, VerifierConfig(enabled=False), [])
+    check_readback("engine-0", "torch", [], VerifierConfig(), [])
 
 
 def test_skipped_tensors_the_probe_does_not_prove_either_are_said_to_be_unverified(
@@ -93,7 +118,7 @@ def test_skipped_tensors_the_probe_does_not_prove_either_are_said_to_be_unverifi
 ):
     verifier = VerifierConfig(skip_tensor_list=["proj.weight"], probe="off")
     with caplog.at_level(logging.WARNING, logger="actors.engine.worker"):
-        check_readback("engine-0", "vllm", REPACKED, verifier)
+        check_readback("engine-0", "vllm", REPACKED, verifier, verifier.skip_tensor_list or [])
     [record] = caplog.records
     assert record.getMessage().startswith(
         "engine-0: 10 tensors are neither in the digests (verifier.skip_tensor_list) nor probed "
@@ -101,7 +126,9 @@ def test_skipped_tensors_the_probe_does_not_prove_either_are_said_to_be_unverifi
     )
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="actors.engine.worker"):
-        check_readback("engine-0", "vllm", REPACKED, msgspec.structs.replace(verifier, probe="auto"))
+        check_readback(
+            "engine-0", "vllm", REPACKED, msgspec.structs.replace(verifier, probe="auto"), ["proj.weight"]
+        )
     assert not caplog.records
 
 

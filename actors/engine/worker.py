@@ -33,7 +33,7 @@ from miles_events.rl.checksum import ChecksumReplyError, is_skipped, ranked_chec
 from miles_events.rl.checksum_manifest import write_manifest
 from miles_events.rl.versions import engine_names
 from miles_events.transport.base import Transport
-from schemas.config import Config, VerifierConfig
+from schemas.config import Config, VerifierConfig, skip_tensor_list
 from schemas.data import DataRef
 from schemas.events import ProbeBatch, WeightsCheckFinished, WeightsCheckRequested, WeightsLoaded
 
@@ -43,14 +43,16 @@ class UnverifiableTensors(ValueError):
     ``verifier.skip_tensor_list`` leaves them in the digests: no publication could verify."""
 
 
-def check_readback(name: str, backend: str, unreadable: Sequence[str], verifier: VerifierConfig) -> None:
+def check_readback(
+    name: str, backend: str, unreadable: Sequence[str], verifier: VerifierConfig, skip: Sequence[str]
+) -> None:
     """Raise ``UnverifiableTensors`` (one line: a few of the tensors, and the
     ``verifier.skip_tensor_list`` that leaves them out) when engine ``name`` cannot read back
     tensors that verification would put in its digests. Skipped, they are proven by the
     behavioural probe; where the probe is off, a warning says they are not verified at all."""
     if not verifier.enabled or not unreadable:
         return
-    skip = list(verifier.skip_tensor_list)
+    skip = list(skip)
     uncovered = sorted(n for n in unreadable if not is_skipped(n, skip))
     if uncovered:
         suffixes = sorted({".".join(n.split(".")[-2:]) for n in uncovered})
@@ -82,7 +84,13 @@ class EngineWorker:
     (``check_readback``) when its digests could never match the trainer's."""
 
     def __init__(self, config: Config, engine: Engine, place: RankPlace) -> None:
-        check_readback(engine.name, config.generator.engine, engine.unreadable_tensors(), config.verifier)
+        check_readback(
+            engine.name,
+            config.generator.engine,
+            engine.unreadable_tensors(),
+            config.verifier,
+            skip_tensor_list(config),
+        )
         self.config = config
         self.engine = engine
         self.place = place
