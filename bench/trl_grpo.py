@@ -27,8 +27,9 @@ made of comes from the project, read from the same TOML (and ``--set`` overrides
   ``constant_with_warmup``, ``linear`` or ``cosine_with_min_lr``; a schedule they cannot
   follow exactly is refused), clip range, gradient clipping, Adam settings and weight decay,
   float32, no gradient checkpointing, ``rollout.max_new_tokens``, temperature and top-p
-  from the config, top-k off. ``max_steps`` is 4 per rollout; no eval, no saving, no
-  reporting.
+  from the config, top-k off. ``max_steps`` is 4 per rollout; no saving, no reporting;
+- the eval: the run's (``HeldOutEval``), at the same rollouts, in a callback, with
+  ``model.generate``; TRL's own eval loop is off (``eval_strategy="no"``).
 
 Measured per rollout (one generation of 4096 completions and its 4 optimizer steps):
 ``start`` (when ``_generate_and_score_completions`` is entered), ``generate_seconds`` (that
@@ -36,7 +37,9 @@ call, less the old-log-probability pass it makes, which the project's trainer co
 training), ``sample_seconds`` (``_generate``: tokenize, ``model.generate``, decode),
 ``old_logprob_seconds``, ``train_seconds`` (from the end of the generation call to the end
 of the 4th optimizer step, plus the old-log-probability pass), ``end``, and the rewards the
-reward function returned. Times are ``time.time()``; written as JSON to ``--out``.
+reward function returned; per eval: ``rollout_id`` (the rollout after which it ran; 0 for
+the one before training), ``start``, ``seconds``, ``accuracy``, ``reward_mean``. Times are
+``time.time()``; written as JSON to ``--out``.
 """
 
 from __future__ import annotations
@@ -70,9 +73,16 @@ from datasets import Dataset
 from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
+from actors.coordinator import should_run_periodic_action
 from miles_events.app.config import load_config
 from miles_events.app.preflight import resolve_model_source
-from miles_events.rl.hf_model import chat_template, load_model, load_tokenizer, prepare_base_model
+from miles_events.rl.hf_model import (
+    chat_template,
+    generation_eos_ids,
+    load_model,
+    load_tokenizer,
+    prepare_base_model,
+)
 from miles_events.rl.lr_schedule import LrSchedule
 from miles_events.rl.prompts import load_prompts, rollout_prompts
 from miles_events.rl.rewards import reward_of
@@ -171,6 +181,109 @@ class TimedGRPOTrainer(GRPOTrainer):
         output = super()._get_per_token_logps_and_entropies(*args, **kwargs)
         self.timing.current["old_logprob_seconds"] += time.perf_counter() - started
         return output
+
+
+class HeldOutEval(TrainerCallback):
+    """The run's evaluation, at the rollouts the run evaluates at: before the first rollout
+    (unless ``run.skip_eval_before_train``) and after rollout ``k`` where the Coordinator's
+    ``should_run_periodic_action(k, run.eval_interval, per_epoch)`` holds. Each eval prompt
+    (``data.eval_data``, rendered as the run renders it) gets ``eval_n_samples_per_prompt``
+    responses of at most ``rollout.max_new_tokens`` tokens, greedy at ``eval_temperature = 0``
+    (else sampled at it), stopping at the tokenizer's and the generation config's EOS ids, as
+    the embedded engine; ``accuracy`` is the fraction of rewards >= 1, as ``eval/accuracy``."""
+
+    def __init__(self, config: Config, tokenizer: Any, model_dir: Path, steps_per_rollout: int) -> None:
+        data = config.data
+        template = chat_template(tokenizer) if data.apply_chat_template else None
+        read = lambda path: load_prompts(  # noqa: E731
+            path, data.input_key, data.label_key, chat=data.apply_chat_template, template=template
+        )
+        train = read(data.prompt_data)
+        self.prompts = read(data.eval_data) if data.eval_data else train
+        self.per_epoch = len(train) // data.rollout_batch_size or None
+        self.config, self.tokenizer, self.steps_per_rollout = config, tokenizer, steps_per_rollout
+        self.reward_fn = load_function(config.rollout.reward_fn)
+        eos = set(generation_eos_ids(model_dir))
+        if tokenizer.eos_token_id is not None:
+            eos.add(int(tokenizer.eos_token_id))
+        self.eos_ids = sorted(eos)
+        self.evals: list[dict[str, Any]] = []
+
+    def due_after(self, rollout_id: int) -> bool:
+        return should_run_periodic_action(rollout_id, self.config.run.eval_interval, self.per_epoch)
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if self.config.run.eval_interval is not None and not self.config.run.skip_eval_before_train:
+            self.evaluate(model, 0)
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step % self.steps_per_rollout == 0:
+            rollout_id = state.global_step // self.steps_per_rollout - 1
+            if self.due_after(rollout_id):
+                self.evaluate(model, rollout_id)
+
+    @torch.no_grad()
+    def evaluate(self, model, rollout_id: int, batch_size: int = 50) -> None:
+        started, clock = time.time(), time.perf_counter()
+        rollout, data = self.config.rollout, self.config.data
+        tokenizer = self.tokenizer
+        rendered = data.apply_chat_template
+        was_training, side = model.training, tokenizer.padding_side
+        model.eval()
+        tokenizer.padding_side = "left"
+        rewards: list[float] = []
+        lengths: list[int] = []
+        greedy = rollout.eval_temperature == 0
+        try:
+            for first in range(0, len(self.prompts), batch_size):
+                batch = self.prompts[first : first + batch_size]
+                ids = engine_prompt_ids(tokenizer, [p.prompt for p in batch], rendered)
+                width = max(map(len, ids))
+                pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
+                input_ids = torch.tensor([[pad] * (width - len(i)) + i for i in ids])
+                mask = torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids])
+                out = model.generate(
+                    input_ids=input_ids.to(model.device),
+                    attention_mask=mask.to(model.device),
+                    max_new_tokens=rollout.max_new_tokens,
+                    do_sample=not greedy,
+                    temperature=None if greedy else rollout.eval_temperature,
+                    top_p=None if greedy else rollout.top_p,
+                    top_k=None,
+                    num_return_sequences=data.eval_n_samples_per_prompt,
+                    eos_token_id=self.eos_ids,
+                    pad_token_id=pad,
+                )
+                responses = out[:, width:].tolist()
+                for index, response in enumerate(responses):
+                    prompt = batch[index // data.eval_n_samples_per_prompt]
+                    ends = [i for i, token in enumerate(response) if token in self.eos_ids]
+                    response = response[: ends[0] + 1] if ends else response
+                    lengths.append(len(response))
+                    text = tokenizer.decode(response, skip_special_tokens=True)
+                    rewards.append(
+                        float(reward_of(self.reward_fn, prompt.prompt, text, prompt.label, dict(prompt.row)))
+                    )
+        finally:
+            tokenizer.padding_side = side
+            model.train(was_training)
+        self.evals.append(
+            {
+                "rollout_id": rollout_id,
+                "start": started,
+                "seconds": time.perf_counter() - clock,
+                "accuracy": statistics.fmean(float(r >= 1.0) for r in rewards),
+                "reward_mean": statistics.fmean(rewards),
+                "response_length_mean": statistics.fmean(lengths),
+                "num_samples": len(rewards),
+            }
+        )
+        print(
+            f"eval at rollout {rollout_id}: accuracy {self.evals[-1]['accuracy']:.3f}"
+            f" ({len(rewards)} samples, {self.evals[-1]['seconds']:.1f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def reward_function(config: Config, timing: Timing, rows: list[dict[str, Any]]):
@@ -336,13 +449,14 @@ def main(argv: list[str] | None = None) -> int:
     timing = Timing()
     dataset, data_rows = prompt_dataset(config, tokenizer)
     training_args = grpo_config(config, str(work / "trl-output"))
+    held_out = HeldOutEval(config, tokenizer, model_dir, training_args.steps_per_generation)
     trainer = TimedGRPOTrainer(
         model=model,
         reward_funcs=reward_function(config, timing, data_rows),
         args=training_args,
         train_dataset=dataset,
         processing_class=tokenizer,
-        callbacks=[StepTimes(timing)],
+        callbacks=[StepTimes(timing), held_out],
     )
     trainer.timing = timing
     trainer.rendered_chats = config.data.apply_chat_template
@@ -392,6 +506,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         },
         "rollouts": rollouts,
+        "evals": held_out.evals,
     }
     Path(args.out).write_text(json.dumps(result, indent=1, default=str))
     return 0

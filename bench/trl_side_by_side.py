@@ -22,8 +22,11 @@ Round ``r`` runs every arm for the ``r``-th seed, the arms' order rotated by one
 - per rollout: the median interval between the starts of consecutive rollouts (ours:
   ``RolloutRequested`` times in the event log; TRL: entering
   ``_generate_and_score_completions``), leaving out the first interval (warm-up) and every
-  interval in which our run evaluated (``EvalRequested``; after every ``run.eval_interval``-th
-  rollout): TRL has no eval, so the same rollouts are left out of its intervals too;
+  interval in which an arm evaluated (after every ``run.eval_interval``-th rollout: ours
+  ``EvalFinished``, TRL's arm the same eval in a callback), from every arm;
+- the held-out accuracy (``eval/accuracy``) of every eval, and the loop seconds (from the
+  first rollout's start, evals left out) to the first eval reaching ``--target-accuracy``
+  (default: the lowest of the arms' best accuracies in the round, one every arm reached);
 - the generation + training split, medians over the same rollouts: ours
   ``RolloutGenerated.generate_seconds`` and ``TrainStepFinished.train_seconds``; TRL its
   generate-and-score call and the time to the end of the rollout's last optimizer step,
@@ -42,10 +45,13 @@ Round ``r`` runs every arm for the ``r``-th seed, the arms' order rotated by one
 Printed: the exact command of every arm, each round's ratios (ours/TRL per rollout, ray/local
 per rollout, ray's fixed cost over local's, ray's PSS over local's), a table over the seeds,
 and one line ``RESULT ray_vs_trl=... local_vs_trl=... ray_vs_local=... ray_fixed_extra_s=...
-ray_pss_vs_local=... rollouts_to_0.9_ours=... rollouts_to_0.9_trl=...`` (ratios: medians of
-the per-round ratios; rollouts: one per seed, ``/``-separated). ``--json PATH`` writes all
-of it. Another model: ``--config`` a TOML with ``model.path`` (the TRL arm loads it with
-transformers, as the run's actors do).
+ray_pss_vs_local=... rollouts_to_0.9_ours=... rollouts_to_0.9_trl=... eval_accuracy_ours=...
+eval_accuracy_trl=... seconds_to_accuracy_ours=... seconds_to_accuracy_trl=...`` (ratios:
+medians of the per-round ratios; rollouts, last eval's accuracy and seconds to accuracy: one
+per seed, ``/``-separated). ``--json PATH`` writes all of it. Another model and task:
+``--config`` a TOML with ``model.path`` or ``model.gguf`` (the TRL arm loads the same
+converted checkpoint with transformers, as the run's actors do), e.g.
+``--config examples/smollm2_math.toml --arms local,trl --seeds 1 --rollouts 20``.
 """
 
 from __future__ import annotations
@@ -73,7 +79,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from miles_events.app.config import load_config
 from miles_events.bus.event_log import read_events
 from schemas.config import Config
-from schemas.events import EvalRequested, RolloutGenerated, RolloutRequested, TrainStepFinished
+from schemas.events import EvalFinished, EvalRequested, RolloutGenerated, RolloutRequested, TrainStepFinished
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -89,6 +95,10 @@ RESULT_KEYS = (
     "ray_pss_vs_local",
     "rollouts_to_0.9_ours",
     "rollouts_to_0.9_trl",
+    "eval_accuracy_ours",
+    "eval_accuracy_trl",
+    "seconds_to_accuracy_ours",
+    "seconds_to_accuracy_trl",
 )
 
 
@@ -247,12 +257,25 @@ class Rollout:
 
 
 @dataclass
+class Eval:
+    rollout_id: int
+    """The rollout after which it ran (0 also for the one before training)."""
+    start: float
+    seconds: float
+    accuracy: float
+
+
+@dataclass
 class RunLog:
     """One arm's record of its loop: rollouts, the loop's span, evals."""
 
     rollouts: list[Rollout]
     loop_seconds: float
-    eval_times: list[float] = field(default_factory=list)
+    evals: list[Eval] = field(default_factory=list)
+
+    @property
+    def eval_times(self) -> list[float]:
+        return [e.start for e in self.evals]
 
 
 def read_our_run(run_dir: Path) -> RunLog:
@@ -275,11 +298,20 @@ def read_our_run(run_dir: Path) -> RunLog:
         for k in sorted(starts)
         if k in generated and k in trained
     ]
-    return RunLog(
-        rollouts=rollouts,
-        loop_seconds=log[-1].time - log[0].time,
-        eval_times=[e.time for e in log if isinstance(e, EvalRequested)],
-    )
+    finished = [e for e in log if isinstance(e, EvalFinished)]
+    evals = [
+        Eval(
+            rollout_id=e.rollout_id,
+            start=e.time - e.eval_seconds,
+            seconds=e.eval_seconds,
+            accuracy=e.metrics.get("eval/accuracy", math.nan),
+        )
+        for e in finished
+    ]
+    # An eval asked for but not finished (the run stopped) still took part of its interval.
+    asked = [e.time for e in log if isinstance(e, EvalRequested)][len(finished) :]
+    evals += [Eval(rollout_id=-1, start=t, seconds=0.0, accuracy=math.nan) for t in asked]
+    return RunLog(rollouts=rollouts, loop_seconds=log[-1].time - log[0].time, evals=evals)
 
 
 def read_trl_run(result: dict[str, Any]) -> RunLog:
@@ -295,7 +327,24 @@ def read_trl_run(result: dict[str, Any]) -> RunLog:
         )
         for r in result["rollouts"]
     ]
-    return RunLog(rollouts=rollouts, loop_seconds=result["train_end"] - result["train_begin"])
+    evals = [
+        Eval(rollout_id=e["rollout_id"], start=e["start"], seconds=e["seconds"], accuracy=e["accuracy"])
+        for e in result.get("evals", [])
+    ]
+    return RunLog(rollouts=rollouts, loop_seconds=result["train_end"] - result["train_begin"], evals=evals)
+
+
+def seconds_to_accuracy(log: RunLog, target: float) -> float | None:
+    """Loop seconds, evals not counted, from the first rollout's start to the first eval
+    whose accuracy reaches ``target`` (0 for the eval before training); None: none does."""
+    if not log.rollouts:
+        return None
+    begin = log.rollouts[0].start
+    for e in sorted(log.evals, key=lambda e: e.start):
+        if e.accuracy >= target:
+            earlier = sum(x.seconds for x in log.evals if begin <= x.start < e.start)
+            return max(e.start - begin - earlier, 0.0)
+    return None
 
 
 def intervals(rollouts: Sequence[Rollout]) -> dict[int, float]:
@@ -342,6 +391,11 @@ class ArmResult:
     generate_seconds: float = math.nan
     train_seconds: float = math.nan
     rollouts_to_target: int | None = None
+    evals: list[Eval] = field(default_factory=list)
+    target_accuracy: float = math.nan
+    """The held-out accuracy ``seconds_to_accuracy`` counts up to (``--target-accuracy``, or
+    the lowest of the arms' best in the round: one every arm reached)."""
+    seconds_to_accuracy: float | None = None
     torch_threads: int | None = None
     log_dir: str = ""
     error: str = ""
@@ -371,6 +425,24 @@ def summarize(result: ArmResult, log: RunLog, excluded: set[int], target: float)
     result.generate_seconds = median_or_nan(by_id[k].generate_seconds for k in counted)
     result.train_seconds = median_or_nan(by_id[k].train_seconds for k in counted)
     result.rollouts_to_target = rollouts_to(log.rollouts, target)
+    result.evals = sorted(log.evals, key=lambda e: e.start)
+
+
+def set_accuracy_target(arms: dict[str, ArmResult], logs: dict[str, RunLog], target: float | None) -> None:
+    """Each arm's loop seconds to ``target`` held-out accuracy; unset, to the lowest of the
+    arms' best accuracies (the one every arm reached)."""
+    bests = [max((e.accuracy for e in log.evals if not math.isnan(e.accuracy)), default=math.nan)
+             for log in logs.values()]  # fmt: skip
+    if target is None:
+        target = min(bests) if bests and not any(math.isnan(b) for b in bests) else math.nan
+    for arm, log in logs.items():
+        arms[arm].target_accuracy = target
+        arms[arm].seconds_to_accuracy = None if math.isnan(target) else seconds_to_accuracy(log, target)
+
+
+def accuracy_curve(evals: Sequence[Eval]) -> str:
+    """``0.140@0 0.230@9 ...``: accuracy at the rollout after which each eval ran."""
+    return " ".join(f"{e.accuracy:.3f}@{e.rollout_id}" for e in evals if not math.isnan(e.accuracy)) or "n/a"
 
 
 # --- running the arms ------------------------------------------------------------------
@@ -575,6 +647,12 @@ def format_round(seed: int, order: Sequence[str], arms: dict[str, ArmResult], ta
             f" at rollout {reached(r.rollouts_to_target)}; the PSS sampler took {fmt(r.sampler_cpu_seconds, 1)} s"
             f" of CPU for {r.pss_samples} samples" + (f"  ERROR: {r.error}" if r.error else "")
         )
+        if r.evals:
+            lines.append(
+                f"        held-out accuracy {accuracy_curve(r.evals)} (accuracy@rollout); loop seconds to"
+                f" accuracy {fmt(r.target_accuracy, 3)}: "
+                + (f"{r.seconds_to_accuracy:.1f}" if r.seconds_to_accuracy is not None else "not reached")
+            )
     ratios = round_ratios(arms)
     lines.append(
         f"  ratios: ray/trl {times(ratios['ray_vs_trl'])}, local/trl {times(ratios['local_vs_trl'])} per rollout;"
@@ -626,6 +704,21 @@ def format_table(rounds: Sequence[dict[str, ArmResult]], target: float) -> list[
             lambda arm: " / ".join(reached(a.rollouts_to_target) for a in per_arm[arm]),
         ),
     ]
+    if any(a.evals for results in per_arm.values() for a in results):
+        rows += [
+            (
+                "held-out accuracy (accuracy@rollout, per seed)",
+                lambda arm: " / ".join(accuracy_curve(a.evals) for a in per_arm[arm]),
+            ),
+            (
+                "loop seconds, evals left out, to held-out accuracy (per seed)",
+                lambda arm: " / ".join(
+                    (f"{a.seconds_to_accuracy:.0f} s" if a.seconds_to_accuracy is not None else "not reached")
+                    + f" to {fmt(a.target_accuracy, 3)}"
+                    for a in per_arm[arm]
+                ),
+            ),
+        ]
     lines = ["| | " + " | ".join(title for title, _ in present) + " |", "|---|" + "---|" * len(present)]
     lines += [
         "| " + label + " | " + " | ".join(cell(arm) for _, arm in present) + " |" for label, cell in rows
@@ -648,6 +741,20 @@ def result_values(rounds: Sequence[dict[str, ArmResult]]) -> dict[str, str]:
     ours = "ray" if any("ray" in r for r in rounds) else "local"
     values["rollouts_to_0.9_ours"] = per_seed(ours)
     values["rollouts_to_0.9_trl"] = per_seed("trl")
+    for key, arm in (("ours", ours), ("trl", "trl")):
+        found = [r[arm] for r in rounds if arm in r]
+        finals = [
+            next((e.accuracy for e in reversed(a.evals) if not math.isnan(e.accuracy)), math.nan)
+            for a in found
+        ]
+        values[f"eval_accuracy_{key}"] = "/".join(fmt(v, 3) for v in finals) or "n/a"
+        values[f"seconds_to_accuracy_{key}"] = (
+            "/".join(
+                fmt(a.seconds_to_accuracy if a.seconds_to_accuracy is not None else math.nan, 0)
+                for a in found
+            )
+            or "n/a"
+        )
     return values
 
 
@@ -691,6 +798,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )  # fmt: skip
     parser.add_argument(
         "--target", type=float, default=0.9, help="the mean reward 'rollouts to' counts up to"
+    )
+    parser.add_argument(
+        "--target-accuracy",
+        type=float,
+        help="the held-out accuracy (eval/accuracy) whose loop seconds are reported"
+        " (default: the lowest of the arms' best in each round)",
     )
     parser.add_argument("--json", type=Path, help="write every measurement here")
     parser.add_argument("--work-dir", type=Path, help="run directories and logs (default: a temporary one)")
@@ -788,11 +901,12 @@ def main(argv: list[str] | None = None) -> int:
                 f" {done.pss_samples} PSS samples in {fmt(done.sampler_cpu_seconds, 1)} s of CPU",
                 flush=True,
             )
-        # TRL has no eval: the rollouts in which our runs evaluated are left out of every arm.
-        excluded = set().union(*(eval_intervals(logs[a]) for a in OURS if a in logs))
+        # The rollouts in which any arm evaluated are left out of every arm.
+        excluded = set().union(*(eval_intervals(log) for log in logs.values()))
         for arm, log in logs.items():
             results[arm].eval_intervals = sorted(excluded)
             summarize(results[arm], log, excluded, args.target)
+        set_accuracy_target(results, logs, args.target_accuracy)
         rounds.append(results)
         write_json(args, work, config, rounds)  # a bench cut short keeps the rounds it finished
         lines = format_round(seed, order, results, args.target)
@@ -803,8 +917,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(
         f"Per rollout: medians of the intervals between rollout starts, less the first (warm-up) and the"
-        f" {len(left_out)} in which our runs evaluated (rollouts {','.join(map(str, left_out)) or 'none'}),"
-        " left out of TRL's too."
+        f" {len(left_out)} in which an arm evaluated (rollouts {','.join(map(str, left_out)) or 'none'}),"
+        " left out of every arm."
     )
     table = format_table(rounds, args.target)
     print("\n".join(table))

@@ -94,11 +94,56 @@ def test_table_and_result_line():
     line = bench.result_line(bench.result_values(rounds))
     assert line == (
         "RESULT ray_vs_trl=1.200 local_vs_trl=0.800 ray_vs_local=1.500 ray_fixed_extra_s=0.0 ray_pss_vs_local=1.000"
-        " rollouts_to_0.9_ours=21/22/23 rollouts_to_0.9_trl=18/18/none"
+        " rollouts_to_0.9_ours=21/22/23 rollouts_to_0.9_trl=18/18/none eval_accuracy_ours=n/a/n/a/n/a"
+        " eval_accuracy_trl=n/a/n/a/n/a seconds_to_accuracy_ours=n/a/n/a/n/a seconds_to_accuracy_trl=n/a/n/a/n/a"
     )
     assert list(bench.parse_result_line(line)) == list(bench.RESULT_KEYS)
     with pytest.raises(ValueError):
         bench.parse_result_line("ray_vs_trl=1")
+
+
+def run_log(starts: list[float], evals: list[tuple[int, float, float, float]]) -> bench.RunLog:
+    return bench.RunLog(
+        rollouts=[
+            bench.Rollout(rollout_id=k, start=t, generate_seconds=1.0, train_seconds=1.0, reward_mean=0.5,
+                          num_completions=32)
+            for k, t in enumerate(starts)
+        ],
+        loop_seconds=starts[-1] - starts[0],
+        evals=[bench.Eval(rollout_id=k, start=t, seconds=d, accuracy=a) for k, t, d, a in evals],
+    )  # fmt: skip
+
+
+def test_time_to_a_held_out_accuracy_leaves_the_evals_out():
+    # Rollouts every 10 s, an eval of 5 s before rollout 0 and after rollouts 1 and 3.
+    ours = run_log(
+        [0.0, 10.0, 25.0, 35.0, 50.0], [(0, -5.0, 5.0, 0.1), (1, 20.0, 5.0, 0.3), (3, 45.0, 5.0, 0.5)]
+    )
+    assert bench.seconds_to_accuracy(ours, 0.1) == 0.0
+    assert bench.seconds_to_accuracy(ours, 0.3) == 20.0
+    assert bench.seconds_to_accuracy(ours, 0.4) == 40.0  # 45 s less the 5 s eval after rollout 1
+    assert bench.seconds_to_accuracy(ours, 0.6) is None
+    assert bench.eval_intervals(ours) == {1, 3}
+    theirs = run_log([0.0, 20.0, 40.0, 60.0, 80.0], [(0, -5.0, 5.0, 0.1), (3, 75.0, 5.0, 0.35)])
+    arms = {"local": arm("local"), "trl": arm("trl")}
+    bench.set_accuracy_target(arms, {"local": ours, "trl": theirs}, None)
+    # Unset, the target is the best accuracy every arm reached: TRL's 0.35.
+    assert arms["local"].target_accuracy == arms["trl"].target_accuracy == 0.35
+    assert (arms["local"].seconds_to_accuracy, arms["trl"].seconds_to_accuracy) == (40.0, 75.0)
+    bench.set_accuracy_target(arms, {"local": ours, "trl": theirs}, 0.5)
+    assert (arms["local"].seconds_to_accuracy, arms["trl"].seconds_to_accuracy) == (40.0, None)
+    for name, log in (("local", ours), ("trl", theirs)):
+        bench.summarize(arms[name], log, excluded={1, 3}, target=0.9)
+    values = bench.result_values([arms])
+    assert values["eval_accuracy_ours"] == "0.500" and values["eval_accuracy_trl"] == "0.350"
+    assert values["seconds_to_accuracy_ours"] == "40" and values["seconds_to_accuracy_trl"] == "n/a"
+    assert bench.format_table([arms], 0.9)[-2:] == [
+        "| held-out accuracy (accuracy@rollout, per seed) | 0.100@0 0.300@1 0.500@3 | 0.100@0 0.350@3 |",
+        "| loop seconds, evals left out, to held-out accuracy (per seed) | 40 s to 0.500 | not reached to 0.500 |",
+    ]
+    assert "held-out accuracy 0.100@0 0.300@1 0.500@3" in "\n".join(
+        bench.format_round(1, ["local", "trl"], arms, 0.9)
+    )
 
 
 def test_round_lines_name_every_arm_and_the_ratios():
@@ -187,6 +232,12 @@ def test_trl_results_are_read_as_rollouts():
     }  # fmt: skip
     log = bench.read_trl_run(result)
     assert log.loop_seconds == 10.0 and log.eval_times == []
+    result["evals"] = [
+        {"rollout_id": 0, "start": 99.0, "seconds": 1.0, "accuracy": 0.25, "reward_mean": 0.25}
+    ]
+    assert bench.read_trl_run(result).evals == [
+        bench.Eval(rollout_id=0, start=99.0, seconds=1.0, accuracy=0.25)
+    ]
     assert bench.intervals(log.rollouts) == {0: 3.0, 1: 3.0}
     assert bench.rollouts_to(log.rollouts, 0.5) == 2
 
