@@ -8,6 +8,10 @@ checkpoints, hands the references back to their owner with ``DataReleased`` and 
 the run with that reason), never an exception in the actor, and older checkpoints stay
 as they were.
 
+With PPO (``trainer.use_critic``) a checkpoint also holds the critic: the Saver waits for
+the critic's ``CriticStateStaged`` of the same save and writes both, the critic in the
+checkpoint's ``critic/``, as one atomic checkpoint.
+
 It also writes a rollout-only run's publication evidence (``PublicationEvidenceRequested``):
 created exclusively with mode 0600 and fsynced; an existing file is never replaced but
 reported as ``PublicationEvidenceFailed``.
@@ -21,15 +25,16 @@ from pathlib import Path
 
 import anyio.to_thread
 
-from miles_events.bus.actor import Actor, WorkerGroup, handles
+from miles_events.bus.actor import Actor, ActorContext, WorkerGroup, handles
 from miles_events.bus.errors import describe_error
-from miles_events.checkpoint.format import write_checkpoint
+from miles_events.checkpoint.format import CriticParts, write_checkpoint
 from miles_events.checkpoint.prune import prune_checkpoints
 from miles_events.rl.checkpoint_rollout import write_evidence
 from schemas.config import Config
 from schemas.events import (
     CheckpointFailed,
     CheckpointSaved,
+    CriticStateStaged,
     DataReleased,
     PublicationEvidenceFailed,
     PublicationEvidenceRequested,
@@ -41,7 +46,7 @@ log = logging.getLogger(__name__)
 
 
 def _dir_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
 class Saver(Actor):
@@ -49,17 +54,32 @@ class Saver(Actor):
 
     name = "saver"
 
+    def __init__(self, config: Config, context: ActorContext) -> None:
+        super().__init__(config, context)
+        self._policy_states: dict[int, list[TrainStateStaged]] = {}
+        self._critic_states: dict[int, list[CriticStateStaged]] = {}
+        """PPO: each save's two halves, until both are in (one list entry per save)."""
+
     @classmethod
     def resources(cls, config: Config) -> WorkerGroup:
         return WorkerGroup(role="service", cpus_per_rank=0.5)
 
-    def _write(self, event: TrainStateStaged) -> Path:
+    def _write(self, event: TrainStateStaged, critic_event: CriticStateStaged | None) -> Path:
         """Read the staged state and write the checkpoint (runs in a worker thread)."""
         reader = self.context.transport.reader
         # The staged file where the transport keeps one: copied, never decoded.
         weights = reader.tensors_file(event.weights) or reader.get_tensors(event.weights)
         optimizer = reader.state_file(event.optimizer) or reader.get_state(event.optimizer)
         rng = reader.state_file(event.rng) or reader.get_state(event.rng)
+        critic = None
+        if critic_event is not None:
+            critic = CriticParts(
+                weights=reader.tensors_file(critic_event.weights) or reader.get_tensors(critic_event.weights),
+                optimizer=reader.state_file(critic_event.optimizer)
+                or reader.get_state(critic_event.optimizer),
+                rng=reader.state_file(critic_event.rng) or reader.get_state(critic_event.rng),
+                num_optimizer_steps=critic_event.num_optimizer_steps,
+            )
         if self.config.model.path is None:
             raise ValueError("model.path is unset: no base model to copy config and tokenizer from")
         return write_checkpoint(
@@ -71,6 +91,7 @@ class Saver(Actor):
             rng=rng,
             trainer_state=event.trainer_state,
             fsync=self.config.saver.fsync,
+            critic=critic,
         )
 
     def _prune(self) -> None:
@@ -83,27 +104,50 @@ class Saver(Actor):
         for path in removed:
             log.info("removed old checkpoint dir %s", path)
 
-    async def _release(self, event: TrainStateStaged) -> None:
-        # The Trainer owns the staged data and frees it once told we are done with it.
-        for ref in (event.weights, event.optimizer, event.rng):
-            await self.publish(DataReleased(ref=ref))
+    async def _release(self, *events: TrainStateStaged | CriticStateStaged | None) -> None:
+        # The Trainer (and the critic) own the staged data and free it once told we are done with it.
+        for event in events:
+            if event is not None:
+                for ref in (event.weights, event.optimizer, event.rng):
+                    await self.publish(DataReleased(ref=ref))
 
     @handles(TrainStateStaged, emits=(DataReleased, CheckpointSaved, CheckpointFailed))
     async def on_train_state_staged(self, event: TrainStateStaged) -> None:
-        """Save the staged state of ``event.rollout_id`` and report the outcome."""
+        if not self.config.trainer.use_critic:
+            await self._save(event, None)
+            return
+        self._policy_states.setdefault(event.rollout_id, []).append(event)
+        await self._save_when_whole(event.rollout_id)
+
+    @handles(CriticStateStaged, emits=(DataReleased, CheckpointSaved, CheckpointFailed))
+    async def on_critic_state_staged(self, event: CriticStateStaged) -> None:
+        self._critic_states.setdefault(event.rollout_id, []).append(event)
+        await self._save_when_whole(event.rollout_id)
+
+    async def _save_when_whole(self, rollout_id: int) -> None:
+        policy, critic = self._policy_states.get(rollout_id), self._critic_states.get(rollout_id)
+        if policy and critic:
+            first, critic_first = policy.pop(0), critic.pop(0)
+            for states in (self._policy_states, self._critic_states):
+                if not states[rollout_id]:
+                    del states[rollout_id]
+            await self._save(first, critic_first)
+
+    async def _save(self, event: TrainStateStaged, critic: CriticStateStaged | None) -> None:
+        """Save the staged state of ``event.rollout_id`` (and the critic's) and report the outcome."""
         started = time.perf_counter()
         try:
-            final = await anyio.to_thread.run_sync(self._write, event)
+            final = await anyio.to_thread.run_sync(self._write, event, critic)
             num_bytes = await anyio.to_thread.run_sync(_dir_bytes, final)
         except Exception as exc:
             reason = describe_error(exc)
             log.error("checkpoint of rollout %d failed: %s", event.rollout_id, reason)
-            await self._release(event)
+            await self._release(event, critic)
             await self.publish(CheckpointFailed(rollout_id=event.rollout_id, reason=reason))
             return
         await anyio.to_thread.run_sync(self._prune)
         save_seconds = time.perf_counter() - started
-        await self._release(event)
+        await self._release(event, critic)
         log.info(
             "saved rollout %d (version %s, %d bytes) to %s in %.2fs",
             event.rollout_id,

@@ -41,11 +41,7 @@ from miles_events.device.staging import StagingPool
 from miles_events.device.threads import phase_threads
 from miles_events.rl.canary import CANARY_TENSOR, publication_canary
 from miles_events.rl.checksum_manifest import remove_manifest, write_manifest
-from miles_events.rl.finite import (
-    NonFiniteError,
-    describe_samples,
-    non_finite_rewards,
-)
+from miles_events.rl.finite import finite_part
 from miles_events.rl.hf_model import modeling_module, torch_dtype
 from miles_events.rl.probe import probe_batch, probe_vocab_size
 from miles_events.rl.prompts import data_cursor, load_prompts
@@ -54,6 +50,7 @@ from schemas.checkpoint import TrainerState
 from schemas.config import Config, skip_tensor_list
 from schemas.data import DataRef
 from schemas.events import (
+    CriticStepFinished,
     DataReleased,
     ProbeBatch,
     PublicationVerified,
@@ -69,7 +66,7 @@ from schemas.events import (
     WeightsPublished,
     WeightsStaged,
 )
-from schemas.rollout import RolloutBatch
+from schemas.rollout import CriticValues, RolloutBatch
 
 if TYPE_CHECKING:
     import torch
@@ -114,6 +111,9 @@ class Trainer(Actor):
         with one waits for."""
         self._last_trained: tuple[int, str] | None = None
         """(rollout id, the version it improved upon) of the last rollout trained."""
+        self._generated: dict[int, RolloutGenerated] = {}
+        self._valued: dict[int, CriticStepFinished] = {}
+        """PPO: rollouts generated, and rollouts the critic valued, until both are in."""
         self._probe_ids: tuple[list[list[int]], list[list[int]]] | None = None
         """The run's probe batch (prompt ids, response ids), when publications carry a probe."""
 
@@ -215,34 +215,64 @@ class Trainer(Actor):
     async def on_rollout_generated(self, event: RolloutGenerated) -> None:
         if self.context.plan.rollout_only:
             return  # rollout-only from a checkpoint: nothing is trained (the loop releases the batch)
+        if not self.config.trainer.use_critic:
+            await self._train_rollout(event, None)
+            return
+        # PPO: the critic values the rollout first (the seed's order); trained once it has.
+        self._generated[event.rollout_id] = event
+        await self._train_when_valued(event.rollout_id)
+
+    @handles(CriticStepFinished, emits=(DataReleased, TrainStepFinished, StepCancelled))
+    async def on_critic_step_finished(self, event: CriticStepFinished) -> None:
+        self._valued[event.rollout_id] = event
+        await self._train_when_valued(event.rollout_id)
+
+    async def _train_when_valued(self, rollout_id: int) -> None:
+        if rollout_id in self._generated and rollout_id in self._valued:
+            await self._train_rollout(self._generated.pop(rollout_id), self._valued.pop(rollout_id))
+
+    async def _train_rollout(self, event: RolloutGenerated, valued: CriticStepFinished | None) -> None:
+        """Train on the rollout (with PPO, on the GAE advantages of the critic's values
+        ``valued``; before ``num_critic_only_steps``, not at all), then release its data."""
         started = time.perf_counter()
         # The version being improved upon: the one in force when the batch arrives.
         version = self.weight_version
+        trainer = self.config.trainer
+        critic_only = valued is not None and event.rollout_id < trainer.num_critic_only_steps
+        reader = self.context.transport.reader
 
         def read_and_train() -> tuple[RolloutBatch, TrainMetrics, list[RankStep]]:
-            data = self.context.transport.reader.get_bytes(event.batch)
-            batch = msgspec.msgpack.decode(data, type=RolloutBatch)
-            trainable = self._finite_part(batch)
+            batch = msgspec.msgpack.decode(reader.get_bytes(event.batch), type=RolloutBatch)
+            if critic_only:
+                return batch, TrainMetrics(), []
+            trainable = finite_part(batch, trainer.on_non_finite)
             if not trainable.samples:
                 return batch, TrainMetrics(), []
-            with phase_threads(self.config.trainer.num_threads):
+            if valued is not None:
+                trainable = self._with_advantages(trainable, reader.get_bytes(valued.values))
+            with phase_threads(trainer.num_threads):
                 metrics = self.backend.train(trainable, self.cancel)
             return batch, metrics, self.backend.rank_steps()
 
+        released = [event.batch] + ([valued.values] if valued is not None else [])
         try:
             batch, metrics, ranks = await anyio.to_thread.run_sync(read_and_train)
         except Cancelled as cancelled:
-            await self.publish(DataReleased(ref=event.batch))
+            for ref in released:
+                await self.publish(DataReleased(ref=ref))
             await self.publish(
                 StepCancelled(rollout_id=event.rollout_id, phase="train", reason=str(cancelled))
             )
             return
         except BaseException:
             # Released even when training raises (the seed's ``finally``): its owner frees it.
-            await self.publish(DataReleased(ref=event.batch))
+            for ref in released:
+                await self.publish(DataReleased(ref=ref))
             raise
-        await self.publish(DataReleased(ref=event.batch))
-        self._last_trained = (event.rollout_id, version)
+        for ref in released:
+            await self.publish(DataReleased(ref=ref))
+        if not critic_only:
+            self._last_trained = (event.rollout_id, version)
         await self.publish(
             TrainStepFinished(
                 rollout_id=event.rollout_id,
@@ -250,27 +280,37 @@ class Trainer(Actor):
                 metrics=metrics,
                 staleness_max=staleness_max(version, [s.weight_version for s in batch.samples]),
                 train_seconds=time.perf_counter() - started,
+                critic_only=critic_only,
                 ranks=ranks,
             )
         )
 
-    def _finite_part(self, batch: RolloutBatch) -> RolloutBatch:
-        """The batch to train on, as ``trainer.on_non_finite`` says for non-finite rewards."""
-        rewards = [s.reward for s in batch.samples]
-        bad = non_finite_rewards(rewards)
-        if not bad:
-            return batch
-        policy = self.config.trainer.on_non_finite
-        what = describe_samples(batch.rollout_id, bad, rewards)
-        if policy == "fail":
-            raise NonFiniteError(f"{what} (trainer.on_non_finite = 'fail')")
-        if policy == "skip_step":
-            logger.warning("%s: the rollout is not trained on (trainer.on_non_finite = 'skip_step')", what)
-            return msgspec.structs.replace(batch, samples=[])
-        logger.warning("%s: those samples are left out (trainer.on_non_finite = 'skip_sample')", what)
-        drop = set(bad)
+    def _with_advantages(self, batch: RolloutBatch, values_data: bytes) -> RolloutBatch:
+        """``batch`` with every sample's GAE advantages from the critic's values of it."""
+        from actors.trainer_backend.ppo import sample_advantages
+
+        trainer = self.config.trainer
+        valued = msgspec.msgpack.decode(values_data, type=CriticValues).values
+        missing = [i for i in range(len(batch.samples)) if i not in valued]
+        if missing:
+            raise ValueError(
+                f"rollout {batch.rollout_id}: the critic valued {len(valued)} of {len(batch.samples)} samples "
+                f"(none for sample position {missing[0]})"
+            )
+        values = [valued[i] for i in range(len(batch.samples))]
+        advantages = sample_advantages(
+            [s.reward for s in batch.samples],
+            values,
+            gamma=trainer.gamma,
+            lambd=trainer.lambd,
+            normalize=trainer.normalize_advantages,
+        )
         return msgspec.structs.replace(
-            batch, samples=[s for i, s in enumerate(batch.samples) if i not in drop]
+            batch,
+            samples=[
+                msgspec.structs.replace(sample, advantages=a)
+                for sample, a in zip(batch.samples, advantages, strict=True)
+            ],
         )
 
     # --- publication -----------------------------------------------------------------------

@@ -71,6 +71,11 @@ class RunConfig(Section):
     names the checkpoint. Its weights, optimizer and RNG state are restored and the run goes
     on at the rollout after it, with its weight version. A checkpoint of this run, found by
     ``run.resume``, takes precedence. Unset: ``run.ref_load``."""
+    critic_load: str | None = None
+    """A checkpoint root the critic starts from (the seed's ``critic_load``), laid out as
+    ``load`` (an earlier PPO run's ``<dir>/checkpoints``): its ``critic/`` value model. A
+    checkpoint of this run, found by ``run.resume``, takes precedence. Unset: the policy's
+    base model with a value head of zeros."""
     ref_load: str | None = None
     """The reference model's checkpoint root (miles' ``--ref-load``), laid out as ``load``:
     with ``trainer.use_kl_loss`` the KL reference is its weights, and it is what the trainer
@@ -336,6 +341,29 @@ class TrainerConfig(Section):
     """Weight of the entropy bonus (subtracted from the loss)."""
     normalize_advantage_std: bool = True
     """GRPO divides by the group's reward std; Dr.GRPO does not."""
+    use_critic: bool = False
+    """PPO with a value model (the seed's ``use_critic``): a critic, a trainer group of its
+    own (``critic_num_ranks`` ranks in the ``critic`` placement group, its own AdamW at
+    ``critic_lr``), values every response token before it trains on the rollout with PPO's
+    clipped value loss (``value_clip``); the policy trains on the GAE advantages of those
+    values (``gamma``, ``lambd``) with PPO's clipped loss. Unset: GRPO (group-normalised
+    rewards, no critic)."""
+    num_critic_only_steps: NonNegativeInt = 0
+    """The first rollouts of the run train the critic alone: the policy trains (and is
+    saved) from rollout ``num_critic_only_steps`` on, as in the seed's ``train()``."""
+    critic_num_ranks: PositiveInt | None = None
+    """The critic's ranks (its process group, sharded as ``sharding`` says); unset: ``num_ranks``."""
+    critic_lr: PositiveFloat | None = None
+    """The critic's peak learning rate (same schedule as the policy's); unset: ``lr``."""
+    gamma: Annotated[float, msgspec.Meta(ge=0, le=1)] = 1.0
+    """GAE's discount per response token."""
+    lambd: Annotated[float, msgspec.Meta(ge=0, le=1)] = 1.0
+    """GAE's lambda (the seed's ``lambd``): 1 gives Monte-Carlo returns, 0 one-step TD."""
+    value_clip: PositiveFloat | None = 0.2
+    """The critic's values move at most this far from the values it gave the rollout before
+    the clipped value loss stops pulling them; unset: no clipping."""
+    normalize_advantages: bool = True
+    """Whiten the GAE advantages over the rollout's response tokens (mean 0, std 1)."""
     on_non_finite: Literal["fail", "skip_sample", "skip_step"] = "fail"
     """A NaN or infinite reward, loss or gradient norm: ``fail`` stops the run with one line
     naming the rollout and the samples (or the optimizer step); ``skip_sample`` leaves the
@@ -374,6 +402,22 @@ def skip_tensor_list(config: Config) -> list[str]:
     if explicit is not None:
         return list(explicit)
     return list(ENGINE_SKIP_TENSOR_LIST.get(config.generator.engine, []))
+
+
+def critic_config(config: Config) -> Config:
+    """The run's config as the critic's trainer group sees it (``trainer.use_critic``): its
+    own rank count and learning rate (``trainer.critic_num_ranks``, ``trainer.critic_lr``),
+    no KL reference."""
+    trainer = config.trainer
+    return msgspec.structs.replace(
+        config,
+        trainer=msgspec.structs.replace(
+            trainer,
+            num_ranks=trainer.critic_num_ranks or trainer.num_ranks,
+            lr=trainer.critic_lr or trainer.lr,
+            use_kl_loss=False,
+        ),
+    )
 
 
 def resolved_sharding(trainer: TrainerConfig) -> Literal["none", "fsdp2", "ddp"]:

@@ -232,10 +232,46 @@ class TrainStepFinished(Event, frozen=True, kw_only=True):
     staleness_max: int = 0
     """Trainer version minus the oldest version a sample was generated with."""
     train_seconds: float = 0.0
+    critic_only: bool = False
+    """PPO before ``trainer.num_critic_only_steps``: the critic trained, the policy did not."""
     ranks: list[RankStep] = []
     """One entry per trainer rank, in rank order. Empty from a single-process trainer that
     did not report its ranks, and in logs written before they were reported. Timings,
     memory and pids differ from run to run: a replay does not compare them."""
+
+    advisory_fields: ClassVar[tuple[str, ...]] = ("ranks",)
+
+
+class CriticMetrics(msgspec.Struct, frozen=True, kw_only=True):
+    """What training the critic on one rollout did: token-level means over every response
+    token of the rollout (each optimizer step's weighted by its tokens)."""
+
+    value_loss: float = 0.0
+    """PPO's clipped value loss, ``0.5 * max((V - R)^2, (V_clip - R)^2)``."""
+    value_clipfrac: float = 0.0
+    """Share of tokens whose clipped error was the larger."""
+    value_mean: float = 0.0
+    """The critic's values of the rollout before it trained on it."""
+    return_mean: float = 0.0
+    """The GAE returns it was trained towards."""
+    grad_norm: float = 0.0
+    train_tokens: int = 0
+    num_optimizer_steps: int = 0
+    lr: float = 0.0
+
+
+class CriticStepFinished(Event, frozen=True, kw_only=True):
+    """The critic valued every response token of rollout ``rollout_id`` (with its weights
+    before this rollout: the values PPO's advantages are computed from) and then trained on
+    it. ``values`` holds them in the data plane (msgpack: sample position -> one value per
+    response token), owned by the critic until the policy's trainer releases it."""
+
+    rollout_id: int
+    values: DataRef
+    metrics: CriticMetrics = CriticMetrics()
+    train_seconds: float = 0.0
+    ranks: list[RankStep] = []
+    """One entry per critic rank, as ``TrainStepFinished.ranks``."""
 
     advisory_fields: ClassVar[tuple[str, ...]] = ("ranks",)
 
@@ -461,6 +497,17 @@ class TrainStateStaged(Event, frozen=True, kw_only=True):
     reason: str = "interval"
 
 
+class CriticStateStaged(Event, frozen=True, kw_only=True):
+    """The critic's state after training ``rollout_id`` is in the data plane, as
+    ``TrainStateStaged``'s: a PPO run's checkpoint holds both (its ``critic/`` directory)."""
+
+    rollout_id: int
+    weights: DataRef
+    optimizer: DataRef
+    rng: DataRef
+    num_optimizer_steps: int
+
+
 class CheckpointSaved(Event, frozen=True, kw_only=True):
     rollout_id: int
     path: str
@@ -487,6 +534,7 @@ AnyEvent = (
     | RolloutRequested
     | RolloutGenerated
     | TrainStepFinished
+    | CriticStepFinished
     | EvalRequested
     | EvalFinished
     | PublishRequested
@@ -503,6 +551,7 @@ AnyEvent = (
     | PublicationEvidenceFailed
     | SaveRequested
     | TrainStateStaged
+    | CriticStateStaged
     | CheckpointSaved
     | CheckpointFailed
 )

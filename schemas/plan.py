@@ -25,6 +25,9 @@ class RunPlan(msgspec.Struct, frozen=True, kw_only=True):
     reference_checkpoint: str | None = None
     """The checkpoint whose weights are the KL reference (``run.ref_load``'s); None: the base
     model."""
+    critic_checkpoint: str | None = None
+    """PPO (``trainer.use_critic``): the checkpoint whose ``critic/`` the critic restores (the
+    loaded one where it holds a critic, else ``run.critic_load``'s); None: a new critic."""
     rollout_only: bool = False
     """``run.rollout_only_from_checkpoint``: prove the checkpoint's publication, then only
     generate."""

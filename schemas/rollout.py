@@ -22,8 +22,20 @@ class Sample(msgspec.Struct, frozen=True, kw_only=True):
     engine: str
     finish_reason: str
     """``"stop"`` (a stop token or string) or ``"length"`` (max new tokens)."""
+    advantages: list[float] = []
+    """Each response token's advantage, where the trainer is given them (PPO with a critic:
+    the GAE of the critic's values); empty: GRPO's group-normalised reward for every token."""
 
 
 class RolloutBatch(msgspec.Struct, frozen=True, kw_only=True):
     rollout_id: int
     samples: list[Sample]
+
+
+class CriticValues(msgspec.Struct, frozen=True, kw_only=True):
+    """The critic's values of a rollout, as ``CriticStepFinished`` stages them: sample
+    position (in the rollout's trainable samples) -> the value of the state in which each
+    of its response tokens was chosen."""
+
+    rollout_id: int
+    values: dict[int, list[float]]

@@ -71,6 +71,7 @@ TOP_LEVEL = {"miles_events"}
 OWN_BACKENDS = {
     "actors.generator": ("actors.engine",),
     "actors.trainer": ("actors.trainer_backend",),
+    "actors.critic": ("actors.trainer_backend",),  # PPO's critic: a trainer group of its own
     "actors.engine": ("actors.engine",),
     "actors.trainer_backend": ("actors.trainer_backend",),
 }

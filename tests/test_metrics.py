@@ -31,8 +31,11 @@ from miles_events.sinks.metrics import (
     metrics_exporter,
 )
 from schemas.config import Config
+from schemas.data import DataRef
 from schemas.events import (
     ActorFailed,
+    CriticMetrics,
+    CriticStepFinished,
     EvalFinished,
     Event,
     PublicationMismatch,
@@ -57,6 +60,34 @@ PER_RANK = {
 }
 """Metrics of a trainer that reports its ranks (``TrainStepFinished.ranks``; the fixture
 run's trainer did not)."""
+PPO_ONLY = {
+    "miles_critic_value_loss",
+    "miles_critic_value_clipfrac",
+    "miles_critic_value_mean",
+    "miles_critic_return_mean",
+    "miles_critic_duration_seconds",
+}
+"""Metrics of PPO's critic (``CriticStepFinished``; the fixture run is GRPO)."""
+
+
+def critic_step(run_id: str = "r", rollout_id: int = 0) -> CriticStepFinished:
+    return CriticStepFinished(
+        rollout_id=rollout_id,
+        values=DataRef("inprocess", f"critic-values-r{rollout_id}", "critic", 8),
+        metrics=CriticMetrics(value_loss=0.25, value_clipfrac=0.125, value_mean=0.5, return_mean=0.75),
+        train_seconds=0.5,
+        run_id=run_id,
+    )
+
+
+def test_a_critic_step_sets_the_critic_metrics() -> None:
+    metrics = RunMetrics()
+    metrics.observe(critic_step())
+    assert value(metrics, "miles_critic_value_loss", run="r") == 0.25
+    assert value(metrics, "miles_critic_value_clipfrac", run="r") == 0.125
+    assert value(metrics, "miles_critic_value_mean", run="r") == 0.5
+    assert value(metrics, "miles_critic_return_mean", run="r") == 0.75
+    assert value(metrics, "miles_critic_duration_seconds_count", run="r") == 1
 
 
 def two_rank_step(run_id: str = "r", rollout_id: int = 0) -> TrainStepFinished:
@@ -282,7 +313,7 @@ def test_every_documented_metric_gets_a_series_in_a_full_run(events: list[Event]
     for event in events:
         metrics.observe(event)
     with_samples = {exposed_name(f) for f in metrics.registry.collect() if f.samples}
-    assert with_samples == {spec.name for spec in METRICS} - FAILURE_ONLY - PER_RANK
+    assert with_samples == {spec.name for spec in METRICS} - FAILURE_ONLY - PER_RANK - PPO_ONLY
 
 
 def test_documented_labels_are_the_exposed_labels(events: list[Event]) -> None:
@@ -292,6 +323,7 @@ def test_documented_labels_are_the_exposed_labels(events: list[Event]) -> None:
     metrics.attach_bus(bus)
     metrics.observe(ActorFailed(actor="trainer", error="e", run_id="r"))
     metrics.observe(two_rank_step())
+    metrics.observe(critic_step())
     for event in events:
         metrics.observe(event)
     exposed = {

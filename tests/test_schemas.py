@@ -21,6 +21,7 @@ from schemas.data import DataRef
 from schemas.events import (
     EVENT_TYPES,
     EVENT_TYPES_BY_NAME,
+    CriticMetrics,
     Event,
     ProbeBatch,
     RankStep,
@@ -126,10 +127,27 @@ EXAMPLES: dict[str, dict[str, Any]] = {
         ),
         staleness_max=1,
         train_seconds=3.0,
+        critic_only=False,
         ranks=[
             RankStep(rank=0, pid=101, step_seconds=2.5, peak_memory_bytes=3 << 30, state_bytes=1 << 30),
             RankStep(rank=1, pid=102, step_seconds=2.25, peak_memory_bytes=5 << 29, state_bytes=1 << 30),
         ],
+    ),
+    "CriticStepFinished": dict(
+        rollout_id=3,
+        values=DataRef("inprocess", "critic-values-r3", "critic", 64),
+        metrics=CriticMetrics(
+            value_loss=0.125,
+            value_clipfrac=0.25,
+            value_mean=0.5,
+            return_mean=0.75,
+            grad_norm=1.5,
+            train_tokens=2048,
+            num_optimizer_steps=4,
+            lr=0.001,
+        ),
+        train_seconds=2.0,
+        ranks=[RankStep(rank=0, pid=103, step_seconds=1.5, peak_memory_bytes=1 << 30, state_bytes=1 << 29)],
     ),
     "EvalRequested": dict(rollout_id=5),
     "EvalFinished": dict(
@@ -225,6 +243,13 @@ EXAMPLES: dict[str, dict[str, Any]] = {
         rng=DataRef("shm", "rng-3", "trainer", 5),
         trainer_state=STATE,
         reason="last",
+    ),
+    "CriticStateStaged": dict(
+        rollout_id=3,
+        weights=DataRef("shm", "critic-weights-3", "critic", 20),
+        optimizer=DataRef("shm", "critic-optimizer-3", "critic", 10),
+        rng=DataRef("shm", "critic-rng-3", "critic", 5),
+        num_optimizer_steps=12,
     ),
     "CheckpointSaved": dict(
         rollout_id=3,

@@ -31,7 +31,7 @@ from miles_events.bus.cancel import Cancellation, Cancelled
 from miles_events.device.threads import phase_thread_count, phase_threads
 from miles_events.rl.finite import NonFiniteError
 from schemas.config import resolved_sharding
-from schemas.events import RankStep, TrainMetrics
+from schemas.events import CriticMetrics, RankStep, TrainMetrics
 from schemas.rollout import RolloutBatch
 
 if TYPE_CHECKING:
@@ -75,7 +75,9 @@ def uses_rank_group(config: Config) -> bool:
 class TrainerRank:
     """One rank of the trainer's group, in the process hosting it."""
 
-    def __init__(self, config: Config, place: RankPlace, store_address: tuple[str, int]) -> None:
+    def __init__(
+        self, config: Config, place: RankPlace, store_address: tuple[str, int], role: str = "actor"
+    ) -> None:
         import torch
 
         from actors.trainer_backend.parallel import ProcessGroup
@@ -102,7 +104,12 @@ class TrainerRank:
             device,
             rendezvous_seconds(config.trainer.collective_timeout),
         )
-        self.backend = TorchTrainerBackend(config, self.parallel)
+        if role == "critic":
+            from actors.trainer_backend.critic_backend import TorchCriticBackend
+
+            self.backend: TorchTrainerBackend = TorchCriticBackend(config, self.parallel)
+        else:
+            self.backend = TorchTrainerBackend(config, self.parallel)
         self._lock = threading.Lock()
         self._cancellations: dict[int, Cancellation] = {}
         """Each training call's cancellation, by its number: one asked for before its call
@@ -122,6 +129,22 @@ class TrainerRank:
             with self._lock:
                 self._cancellations.pop(call, None)
         return metrics, self.backend.rank_steps(), self.backend.num_optimizer_steps
+
+    def train_critic(
+        self, batch: RolloutBatch, call: int
+    ) -> tuple[CriticMetrics, list[RankStep], int, dict[int, list[float]]]:
+        """The critic's ``train``: its metrics, and the values this rank computed."""
+        from actors.trainer_backend.critic_backend import TorchCriticBackend
+
+        assert isinstance(self.backend, TorchCriticBackend)
+        cancellation = self._cancellation(call)
+        try:
+            with phase_threads(self.config.trainer.num_threads, self.sharers):
+                metrics = self.backend.train_critic(batch, cancellation)
+        finally:
+            with self._lock:
+                self._cancellations.pop(call, None)
+        return metrics, self.backend.rank_steps(), self.backend.num_optimizer_steps, self.backend.values
 
     def cancel(self, reason: str, call: int) -> None:
         """Cut training call ``call`` at its next cancellation point (a call over is left be)."""
@@ -156,10 +179,16 @@ class TrainerRank:
 
 
 def trainer_rank(
-    config: Config, transport: Transport, place: RankPlace, *, store_address: tuple[str, int]
+    config: Config,
+    transport: Transport,
+    place: RankPlace,
+    *,
+    store_address: tuple[str, int],
+    role: str = "actor",
 ) -> TrainerRank:
-    """The worker factory of the trainer's ranks (``functools.partial`` gives the store)."""
-    return TrainerRank(config, place, store_address)
+    """The worker factory of the trainer's (or the critic's) ranks (``functools.partial``
+    gives the store and the role)."""
+    return TrainerRank(config, place, store_address, role)
 
 
 class RankGroupBackend(TrainerBackend):
@@ -176,17 +205,20 @@ class RankGroupBackend(TrainerBackend):
         """Whether a call failed on some rank (the others may be stuck in a collective)."""
         self._calls = 0
         """Training calls so far: each rank's cancellation names the call it cuts."""
+        self.values: dict[int, list[float]] = {}
+        """The critic's: the last rollout's values, from every rank."""
 
     @classmethod
-    async def start(cls, config: Config, context: ActorContext) -> RankGroupBackend:
+    async def start(cls, config: Config, context: ActorContext, role: str = "actor") -> RankGroupBackend:
         """Open the rendezvous, start the ranks (their process group formed), or fail naming
-        the rank that did not start."""
+        the rank that did not start. ``role``: ``critic`` builds the critic's value model
+        (``config`` is then the critic's, ``critic_backend.critic_config``)."""
         from torch.distributed import TCPStore  # type: ignore[attr-defined]  # not in its __all__
 
         ranks = config.trainer.num_ranks
         timeout = datetime.timedelta(seconds=rendezvous_seconds(config.trainer.collective_timeout))
         store = TCPStore("127.0.0.1", 0, ranks, is_master=True, timeout=timeout, wait_for_workers=False)
-        factory = partial(trainer_rank, store_address=("127.0.0.1", store.port))
+        factory = partial(trainer_rank, store_address=("127.0.0.1", store.port), role=role)
         workers = await context.start_workers(factory, ranks, own_processes=True)
         return cls(config, workers, store)
 
@@ -226,11 +258,14 @@ class RankGroupBackend(TrainerBackend):
 
     # --- training ----------------------------------------------------------------------------
 
-    def train(self, batch: RolloutBatch, cancel: Cancellation | None = None) -> TrainMetrics:
+    def _training_call(
+        self, method: Callable[..., R], batch: RolloutBatch, cancel: Cancellation | None
+    ) -> list[R]:
+        """``method(batch, call)`` on every rank, a cancellation passed on to each of them."""
         self._calls += 1
         call = self._calls
 
-        async def run() -> list[tuple[TrainMetrics, list[RankStep], int]]:
+        async def run() -> list[R]:
             async def pass_on_cancellation() -> None:
                 while cancel is not None and not cancel.cancelled:
                     await asyncio.sleep(CANCEL_POLL_SECONDS)
@@ -242,19 +277,30 @@ class RankGroupBackend(TrainerBackend):
             try:
                 return await call_each(
                     self.workers,
-                    lambda w: w.call(TrainerRank.train, batch, call),
+                    lambda w: w.call(method, batch, call),
                     straggler_timeout=self.config.trainer.collective_timeout,
                 )
             finally:
                 watcher.cancel()
 
-        results = self._on_loop(run)
+        return self._on_loop(run)
+
+    def train(self, batch: RolloutBatch, cancel: Cancellation | None = None) -> TrainMetrics:
+        results = self._training_call(TrainerRank.train, batch, cancel)
         metrics, _report, self._num_optimizer_steps = results[0]
         self._rank_steps = [step for _metrics, steps, _count in results for step in steps]
         return metrics
 
     def rank_steps(self) -> list[RankStep]:
         return self._rank_steps
+
+    def train_critic(self, batch: RolloutBatch, cancel: Cancellation | None = None) -> CriticMetrics:
+        """The critic's ranks train on ``batch``; ``values`` gathers what each computed."""
+        results = self._training_call(TrainerRank.train_critic, batch, cancel)
+        metrics, _report, self._num_optimizer_steps, _values = results[0]
+        self._rank_steps = [step for _metrics, steps, _count, _v in results for step in steps]
+        self.values = {index: v for *_rest, values in results for index, v in values.items()}
+        return metrics
 
     # --- state -------------------------------------------------------------------------------
 

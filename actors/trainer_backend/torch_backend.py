@@ -190,6 +190,15 @@ def empty_like(micro: MicroBatch) -> MicroBatch:
     return dataclasses.replace(micro, mask=torch.zeros_like(micro.mask))
 
 
+def output_head(model: PreTrainedModel) -> torch.nn.Module | None:
+    """The layer that turns the last hidden state into the model's outputs: the LM head of a
+    causal LM, the ``score`` layer of a value model (a ``*ForTokenClassification``)."""
+    head: torch.nn.Module | None = model.get_output_embeddings()
+    if head is None:
+        head = getattr(model, "score", None)
+    return head
+
+
 class ResponseLogits(torch.nn.Module):
     """The forward every micro-batch goes through: ``[batch, max_response_len, vocab]``
     logits that predict each response token of a ``MicroBatch``. A module of its own so that
@@ -203,7 +212,7 @@ class ResponseLogits(torch.nn.Module):
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, index: torch.Tensor
     ) -> torch.Tensor:
         model = self.model
-        head: torch.nn.Module | None = model.get_output_embeddings()
+        head = output_head(model)
         body: torch.nn.Module | None = getattr(model, model.base_model_prefix, None)
         if model.config.model_type in PLAIN_HEAD_MODELS and head is not None and body is not None:
             # The head's matmul only where a response token is predicted.
@@ -236,7 +245,7 @@ class TorchTrainerBackend(TrainerBackend):
         else:
             self.device = torch.device("cpu")
         self.dtype = torch_dtype(config.model.dtype)
-        self.model = load_model(config.model.path, config.model.dtype, self.device)
+        self.model = self._build_model(config.model.path)
         self.model.eval()
         unique, tied = split_tied(self.model.state_dict())
         self._tied_names = set(tied)
@@ -251,7 +260,7 @@ class TorchTrainerBackend(TrainerBackend):
             self._buckets = bucket_parameters(self.model, unique)
         self.reference: PreTrainedModel | None = None
         self.reference_root: torch.nn.Module | None = None
-        if trainer.use_kl_loss:
+        if trainer.use_kl_loss and self.has_reference:
             # Frozen at the base weights for the whole run, resumed or not.
             self.reference = copy.deepcopy(self.model).requires_grad_(False)
             self.reference_root = self.parallel.wrap(
@@ -268,6 +277,13 @@ class TorchTrainerBackend(TrainerBackend):
         self._num_optimizer_steps = 0
         self.lr_schedule = LrSchedule.of(config)
         self._rank_step: RankStep | None = None
+
+    has_reference = True
+    """Whether ``trainer.use_kl_loss`` gives this backend a KL reference (the policy's)."""
+
+    def _build_model(self, path: str) -> PreTrainedModel:
+        """The model trained, from the Hugging Face directory ``path``, on ``self.device``."""
+        return load_model(path, self.config.model.dtype, self.device)
 
     # --- forward passes ------------------------------------------------------------------
 
@@ -317,9 +333,9 @@ class TorchTrainerBackend(TrainerBackend):
         if isinstance(micro, SharedPromptBatch):  # one process only (``_pack``)
             model = self.reference if reference else self.model
             assert model is not None
-            return self._shared_prompt_logits(
-                getattr(model, model.base_model_prefix), model.get_output_embeddings(), micro
-            )
+            head = output_head(model)
+            assert head is not None
+            return self._shared_prompt_logits(getattr(model, model.base_model_prefix), head, micro)
         root = self.reference_root if reference else self.root
         assert root is not None
         logits: torch.Tensor = root(
@@ -365,16 +381,22 @@ class TorchTrainerBackend(TrainerBackend):
         return results
 
     def _rollout_logprobs(self, samples: list[Sample], micro: MicroBatch | SharedPromptBatch) -> torch.Tensor:
-        old = torch.zeros_like(micro.mask)
+        return self._per_token(samples, micro, "response_logprobs", "rollout logprobs")
+
+    def _per_token(
+        self, samples: list[Sample], micro: MicroBatch | SharedPromptBatch, field: str, what: str
+    ) -> torch.Tensor:
+        """``[batch, max_response_len]``: each sample's per-token ``field``, response-aligned."""
+        out = torch.zeros_like(micro.mask)
         for row, index in enumerate(micro.indices):
             sample = samples[index]
-            if len(sample.response_logprobs) != len(sample.response_ids):
+            values = getattr(sample, field)
+            if len(values) != len(sample.response_ids):
                 raise ValueError(
-                    f"sample {sample.index}: {len(sample.response_logprobs)} rollout logprobs "
-                    f"for {len(sample.response_ids)} response tokens"
+                    f"sample {sample.index}: {len(values)} {what} for {len(sample.response_ids)} response tokens"
                 )
-            old[row, : len(sample.response_ids)] = torch.tensor(sample.response_logprobs)
-        return old.to(self.device)
+            out[row, : len(sample.response_ids)] = torch.tensor(values, dtype=out.dtype)
+        return out.to(self.device)
 
     # --- training ------------------------------------------------------------------------
 
@@ -421,7 +443,9 @@ class TorchTrainerBackend(TrainerBackend):
         samples = batch.samples
         if not samples:
             return TrainMetrics()
-        # Over the whole rollout, on every rank, before it is split.
+        # Given per token (PPO: the GAE of the critic's values), or GRPO's over the whole
+        # rollout, on every rank, before it is split.
+        per_token = any(s.advantages for s in samples)
         advantages = group_advantages(
             torch.tensor([s.reward for s in samples], dtype=torch.float32),
             torch.tensor([s.group for s in samples]),
@@ -479,7 +503,9 @@ class TorchTrainerBackend(TrainerBackend):
                     terms = policy_loss(
                         logp,
                         old_logp,
-                        expand_advantages(advantages[micro.indices], mask),
+                        self._per_token(samples, micro, "advantages", "advantages") * mask
+                        if per_token
+                        else expand_advantages(advantages[micro.indices], mask),
                         mask,
                         eps_clip=trainer.eps_clip,
                         eps_clip_high=trainer.eps_clip_high,

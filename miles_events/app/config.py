@@ -37,6 +37,7 @@ PATH_KEYS: tuple[tuple[str, str], ...] = (
     ("run", "save_trigger_sentinel"),
     ("run", "load"),
     ("run", "ref_load"),
+    ("run", "critic_load"),
     ("run", "rollout_only_publication_evidence"),
     ("data", "prompt_data"),
     ("data", "eval_data"),
@@ -387,6 +388,7 @@ def validate(config: Config) -> None:
     _validate_own_process(config)
     _validate_transport(config)
     _validate_ranks(config)
+    _validate_critic(config)
     run, data, trainer = config.run, config.data, config.trainer
     if config.model.gguf is not None and config.model.path is not None:
         raise ConfigError(
@@ -546,6 +548,30 @@ def _validate_ranks(config: Config) -> None:
         )
 
 
+def _validate_critic(config: Config) -> None:
+    """The critic's settings need ``trainer.use_critic`` (PPO), and its ranks a sharding."""
+    trainer = config.trainer
+    if not trainer.use_critic:
+        if trainer.num_critic_only_steps:
+            raise ConfigError(
+                f"trainer.num_critic_only_steps: {trainer.num_critic_only_steps} rollouts train a critic, "
+                "which needs trainer.use_critic = true",
+                key="trainer.num_critic_only_steps",
+            )
+        if config.run.critic_load is not None:
+            raise ConfigError(
+                "run.critic_load: a critic needs trainer.use_critic = true", key="run.critic_load"
+            )
+        return
+    critic_ranks = trainer.critic_num_ranks or trainer.num_ranks
+    if trainer.sharding == "none" and critic_ranks > 1:
+        raise ConfigError(
+            f'trainer.sharding: "none" trains on one rank, not trainer.critic_num_ranks = {critic_ranks}; '
+            'shard with "fsdp2" (or "auto"), or replicate with "ddp"',
+            key="trainer.sharding",
+        )
+
+
 def _validate_transport(config: Config) -> None:
     """``publisher.transport = "inprocess"`` keeps data in one process: the local runtime's."""
     if config.publisher.transport == "inprocess" and config.run.runtime != "local":
@@ -560,7 +586,11 @@ def _validate_loading(config: Config) -> None:
     """``run.load`` / ``run.ref_load`` and the rollout-only mode (the checkpoints themselves
     are verified by the run plan)."""
     run = config.run
-    for key, value in (("run.load", run.load), ("run.ref_load", run.ref_load)):
+    for key, value in (
+        ("run.load", run.load),
+        ("run.ref_load", run.ref_load),
+        ("run.critic_load", run.critic_load),
+    ):
         if value is not None and not os.path.isdir(value):
             raise ConfigError(f"{key}: no such directory {value}", key=key)
     evidence = run.rollout_only_publication_evidence
@@ -572,6 +602,12 @@ def _validate_loading(config: Config) -> None:
             )
         return
     mode = "run.rollout_only_from_checkpoint"
+    if config.trainer.use_critic:
+        # The seed's refusal, word for word.
+        raise ConfigError(
+            "trainer.use_critic: checkpoint-backed rollout-only mode cannot use external sync or a critic",
+            key="trainer.use_critic",
+        )
     if run.load is None and run.ref_load is None:
         raise ConfigError(
             f"run.load: {mode} needs the checkpoint root to serve (run.load or run.ref_load)", key="run.load"

@@ -22,7 +22,7 @@ import msgspec
 
 from actors.engine import reads_back_every_tensor
 from miles_events.app.config import config_digest
-from miles_events.checkpoint.format import CheckpointError, checkpoint_rollout_id
+from miles_events.checkpoint.format import CheckpointError, checkpoint_rollout_id, has_critic
 from miles_events.checkpoint.resume import (
     checkpoint_dirs,
     choose_resume_checkpoint,
@@ -140,6 +140,16 @@ def make_plan(config: Config, runtime: str, run_id: str = "") -> PlannedRun:
     reference: Path | None = None
     if run.ref_load is not None and config.trainer.use_kl_loss:
         reference = checkpoint if loaded_ref else marked_checkpoint(Path(run.ref_load))[0]
+    critic: Path | None = None
+    if config.trainer.use_critic:
+        if checkpoint is not None and has_critic(checkpoint):
+            critic = checkpoint
+        elif run.critic_load is not None:
+            critic = marked_checkpoint(Path(run.critic_load))[0]
+            if not has_critic(critic):
+                raise CheckpointError(
+                    f"run.critic_load: checkpoint {critic} holds no critic (no critic/ in its manifest)"
+                )
     if run.start_rollout_id is not None:
         start = run.start_rollout_id
     plan = RunPlan(
@@ -153,6 +163,7 @@ def make_plan(config: Config, runtime: str, run_id: str = "") -> PlannedRun:
         config_digest=config_digest(config),
         load_checkpoint=str(checkpoint) if checkpoint is not None else None,
         reference_checkpoint=str(reference) if reference is not None else None,
+        critic_checkpoint=str(critic) if critic is not None else None,
         rollout_only=run.rollout_only_from_checkpoint,
         checkpoint_iteration=iteration,
         lineage=lineage,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from actors.coordinator import Coordinator
+from actors.critic import Critic
 from actors.generator import Generator
 from actors.publisher import Publisher
 from actors.saver import Saver
@@ -15,5 +16,6 @@ from miles_events.sinks.event_log import EventLogSink
 from miles_events.sinks.metrics import RunMetrics
 from miles_events.sinks.tracking import TrackingSink
 
-ACTORS: tuple[type[Actor], ...] = (Generator, Trainer, Publisher, Verifier, Saver, Coordinator)
+ACTORS: tuple[type[Actor], ...] = (Generator, Trainer, Critic, Publisher, Verifier, Saver, Coordinator)
+"""Every actor a run may have; a run has those ``wanted`` by its config."""
 SINKS: tuple[type[Sink], ...] = (EventLogSink, RunMetrics, ConsoleSink, TrackingSink)

@@ -85,6 +85,7 @@ class Session:
         with nothing written."""
         if Coordinator not in actor_classes:
             raise ValueError("a run needs the Coordinator among its actors: nothing else runs the loop")
+        actor_classes = [cls for cls in actor_classes if cls.wanted(config)]
         self.run_id = run_id or new_run_id()
         checked = check_start(config, sinks or [], self.run_id)
         self.config = checked.config

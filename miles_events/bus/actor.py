@@ -135,6 +135,11 @@ class Actor(HandlerTable):
         cls._emit_routes = {}
 
     @classmethod
+    def wanted(cls, config: Config) -> bool:
+        """Whether a run of ``config`` has this actor (the critic only where PPO needs one)."""
+        return True
+
+    @classmethod
     def resources(cls, config: Config) -> WorkerGroup:
         return WorkerGroup()
 

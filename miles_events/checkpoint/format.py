@@ -10,7 +10,11 @@ Layout under a run directory::
         config.json, generation_config.json, tokenizer files   (copied from the base model)
         optimizer.pt, rng.pt      torch.save files of the trainer's optimizer and RNG state
         trainer_state.json        schemas.checkpoint.TrainerState
-        manifest.json             sha256 and size of every other file; written last
+        critic/                   PPO's value model (``trainer.use_critic``), a Hugging Face
+                                  directory too (``*ForTokenClassification``, one label):
+          model.safetensors, config.json, optimizer.pt, rng.pt, critic_state.json
+        manifest.json             sha256 and size of every other file (``critic/`` ones
+                                  included); written last
 
 ``AutoModelForCausalLM.from_pretrained(dir)`` and ``AutoTokenizer.from_pretrained(dir)``
 load a checkpoint directory as it is. A checkpoint is complete exactly when its manifest
@@ -55,6 +59,8 @@ OPTIMIZER_FILE = "optimizer.pt"
 RNG_FILE = "rng.pt"
 TRAINER_STATE_FILE = "trainer_state.json"
 MANIFEST_FILE = "manifest.json"
+CRITIC_DIR = "critic"
+CRITIC_STATE_FILE = "critic_state.json"
 REQUIRED_FILES = (MODEL_FILE, "config.json", OPTIMIZER_FILE, RNG_FILE, TRAINER_STATE_FILE)
 
 FINAL_NAME = re.compile(r"^rollout_(\d+)$")
@@ -86,6 +92,25 @@ class LoadedCheckpoint:
     rng: dict[str, Any]
     trainer_state: TrainerState
     manifest: Manifest
+
+
+@dataclass
+class CriticParts:
+    """The critic's part of a checkpoint: as ``write_checkpoint``'s weights, optimizer and
+    RNG state, and its optimizer step count."""
+
+    weights: dict[str, torch.Tensor] | Path
+    optimizer: Path | Any
+    rng: Path | Any
+    num_optimizer_steps: int
+
+
+@dataclass
+class LoadedCritic:
+    weights: dict[str, torch.Tensor]
+    optimizer: dict[str, Any]
+    rng: dict[str, Any]
+    num_optimizer_steps: int
 
 
 def checkpoint_name(rollout_id: int) -> str:
@@ -216,14 +241,54 @@ def _copy_base_files(base_model_dir: Path, target: Path, fsync: bool) -> None:
 def _manifest_for(
     directory: Path, rollout_id: int, weight_version: str, hashed: dict[str, ManifestEntry] | None = None
 ) -> Manifest:
-    """Every file of ``directory`` but the manifest, hashed here unless in ``hashed``."""
+    """Every file of ``directory`` (and of its ``critic/``) but the manifest, hashed here
+    unless in ``hashed`` (by its path in the checkpoint)."""
     hashed = hashed or {}
-    files = [
-        hashed.get(p.name) or ManifestEntry(path=p.name, sha256=_sha256(p), num_bytes=p.stat().st_size)
-        for p in sorted(directory.iterdir())
-        if p.is_file() and p.name != MANIFEST_FILE
-    ]
+    paths = [p for p in sorted(directory.iterdir()) if p.is_file() and p.name != MANIFEST_FILE]
+    if (directory / CRITIC_DIR).is_dir():
+        paths += [p for p in sorted((directory / CRITIC_DIR).iterdir()) if p.is_file()]
+    files = []
+    for p in paths:
+        name = p.relative_to(directory).as_posix()
+        files.append(
+            hashed.get(name) or ManifestEntry(path=name, sha256=_sha256(p), num_bytes=p.stat().st_size)
+        )
     return Manifest(rollout_id=rollout_id, weight_version=weight_version, files=files)
+
+
+def value_model_config(base_config: dict[str, Any]) -> dict[str, Any]:
+    """The ``config.json`` of the policy's value model: its architecture as a
+    ``*ForTokenClassification`` of one label."""
+    config = dict(base_config)
+    config["architectures"] = [
+        name.replace("ForCausalLM", "ForTokenClassification")
+        for name in base_config.get("architectures") or []
+    ]
+    config["id2label"] = {"0": "LABEL_0"}
+    config["label2id"] = {"LABEL_0": 0}
+    return config
+
+
+def _write_critic(
+    target: Path, base_model_dir: Path, critic: CriticParts, fsync: bool
+) -> list[ManifestEntry]:
+    """The critic's files under ``target`` (a checkpoint's ``critic/``); their manifest entries."""
+    import json
+
+    target.mkdir()
+    entries = [
+        _write_hashed(target / MODEL_FILE, lambda p: _write_weights(p, critic.weights), fsync),
+        _write_hashed(target / OPTIMIZER_FILE, lambda p: _write_state(p, critic.optimizer), fsync),
+        _write_hashed(target / RNG_FILE, lambda p: _write_state(p, critic.rng), fsync),
+    ]
+    base = json.loads((base_model_dir / "config.json").read_text(encoding="utf-8"))
+    _write_file(target / "config.json", _pretty_json(value_model_config(base)), fsync)
+    _write_file(
+        target / CRITIC_STATE_FILE, _pretty_json({"num_optimizer_steps": critic.num_optimizer_steps}), fsync
+    )
+    if fsync:
+        _fsync_path(target)
+    return [msgspec.structs.replace(e, path=f"{CRITIC_DIR}/{e.path}") for e in entries]
 
 
 def _exchange(a: Path, b: Path) -> bool:
@@ -291,8 +356,10 @@ def write_checkpoint(
     rng: Path | Any,
     trainer_state: TrainerState,
     fsync: bool = True,
+    critic: CriticParts | None = None,
 ) -> Path:
-    """Write the checkpoint of ``rollout_id`` atomically and point ``latest`` at it.
+    """Write the checkpoint of ``rollout_id`` atomically and point ``latest`` at it (with
+    ``critic``, PPO's value model in its ``critic/``).
 
     ``weights`` are tensors, or a safetensors file of them, copied as it is (a transport's
     staged file: the copy needs no torch). ``optimizer`` and ``rng`` are states (dicts of
@@ -323,6 +390,11 @@ def write_checkpoint(
             _write_file(partial / TRAINER_STATE_FILE, _pretty_json(trainer_state), fsync)
             _copy_base_files(Path(base_model_dir), partial, fsync)
             hashed = {entry.path: entry for entry in (rng_entry, *(future.result() for future in bulk))}
+            if critic is not None:
+                hashed |= {
+                    e.path: e
+                    for e in _write_critic(partial / CRITIC_DIR, Path(base_model_dir), critic, fsync)
+                }
         manifest = _manifest_for(partial, rollout_id, trainer_state.weight_version, hashed)
         _write_file(partial / MANIFEST_FILE, _pretty_json(manifest), fsync)
         if fsync:
@@ -362,8 +434,10 @@ def verify_checkpoint(path: Path) -> Manifest:
         if required not in listed:
             raise CheckpointError(f"checkpoint {path}: manifest does not list {required}")
     for entry in manifest.files:
-        # Manifest entries are plain names inside the checkpoint, never paths out of it.
-        if Path(entry.path).name != entry.path or entry.path in ("", ".", ".."):
+        # Manifest entries are plain names inside the checkpoint (or its critic/), never
+        # paths out of it.
+        name = entry.path.removeprefix(f"{CRITIC_DIR}/")
+        if Path(name).name != name or name in ("", ".", ".."):
             raise CheckpointError(f"checkpoint {path}: bad manifest entry {entry.path!r}")
         file = path / entry.path
         if not file.is_file():
@@ -414,6 +488,29 @@ def read_checkpoint(path: Path, verify: bool = True) -> LoadedCheckpoint:
         rng=_torch_load(path / RNG_FILE),
         trainer_state=msgspec.json.decode((path / TRAINER_STATE_FILE).read_bytes(), type=TrainerState),
         manifest=manifest,
+    )
+
+
+def has_critic(path: Path) -> bool:
+    """Whether the checkpoint ``path`` holds a critic (its manifest lists one)."""
+    return f"{CRITIC_DIR}/{MODEL_FILE}" in {entry.path for entry in _read_manifest(Path(path)).files}
+
+
+def read_critic(path: Path) -> LoadedCritic:
+    """The critic of the checkpoint ``path`` (verified already, as the run plan does);
+    ``CheckpointError`` when it holds none."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not has_critic(path):
+        raise CheckpointError(f"checkpoint {path} holds no critic ({CRITIC_DIR}/ is not in its manifest)")
+    critic = path / CRITIC_DIR
+    state = msgspec.json.decode((critic / CRITIC_STATE_FILE).read_bytes())
+    return LoadedCritic(
+        weights=load_file(str(critic / MODEL_FILE)),
+        optimizer=_torch_load(critic / OPTIMIZER_FILE),
+        rng=_torch_load(critic / RNG_FILE),
+        num_optimizer_steps=int(state["num_optimizer_steps"]),
     )
 
 

@@ -10,12 +10,19 @@ value are never published or saved.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
+import msgspec
+
+from schemas.rollout import RolloutBatch
+
 if TYPE_CHECKING:
     import torch
+
+logger = logging.getLogger(__name__)
 
 
 MAX_LISTED = 10
@@ -34,6 +41,26 @@ def describe_samples(rollout_id: int, indices: Sequence[int], rewards: Sequence[
     shown = ", ".join(f"{i} ({rewards[i]})" for i in indices[:MAX_LISTED])
     more = f" and {len(indices) - MAX_LISTED} more" if len(indices) > MAX_LISTED else ""
     return f"rollout {rollout_id}: non-finite reward in {len(indices)} sample(s): {shown}{more}"
+
+
+def finite_part(batch: RolloutBatch, policy: str, who: str = "the trainer") -> RolloutBatch:
+    """The part of ``batch`` to train on, as ``trainer.on_non_finite`` (``policy``) says for
+    non-finite rewards; ``who`` trains on it (logged)."""
+    rewards = [s.reward for s in batch.samples]
+    bad = non_finite_rewards(rewards)
+    if not bad:
+        return batch
+    what = describe_samples(batch.rollout_id, bad, rewards)
+    if policy == "fail":
+        raise NonFiniteError(f"{what} (trainer.on_non_finite = 'fail')")
+    if policy == "skip_step":
+        logger.warning(
+            "%s: %s does not train on the rollout (trainer.on_non_finite = 'skip_step')", what, who
+        )
+        return msgspec.structs.replace(batch, samples=[])
+    logger.warning("%s: %s leaves those samples out (trainer.on_non_finite = 'skip_sample')", what, who)
+    drop = set(bad)
+    return msgspec.structs.replace(batch, samples=[s for i, s in enumerate(batch.samples) if i not in drop])
 
 
 def non_finite_tensors(tensors: Mapping[str, torch.Tensor]) -> list[str]:

@@ -36,6 +36,7 @@ from schemas.events import (
     ActorFailed,
     CheckpointFailed,
     CheckpointSaved,
+    CriticStepFinished,
     EvalFinished,
     Event,
     PublicationEvidenceFailed,
@@ -59,6 +60,7 @@ SHOWN: tuple[type[Event], ...] = (
     RunStarted, RolloutGenerated, TrainStepFinished, WeightsStaged, WeightsLoaded, WeightsPublished,
     PublicationVerified, PublicationMismatch, PublicationFailed, EvalFinished, CheckpointSaved,
     CheckpointFailed, ActorFailed, RunFinished, PublicationEvidenceWritten, PublicationEvidenceFailed,
+    CriticStepFinished,
 )  # fmt: skip
 STEP_PHASES = (
     ("generate", "gen"),
@@ -311,6 +313,7 @@ class PlainProgress(ConsoleSink):
         self.quiet = quiet
         self.generated: dict[int, RolloutGenerated] = {}
         self.trained: dict[int, TrainStepFinished] = {}
+        self.valued: dict[int, CriticStepFinished] = {}
         self.published: dict[int, WeightsPublished] = {}
         self.initial_publications = 0
         """Publications before the first rollout (rollout-only republishes once)."""
@@ -358,6 +361,10 @@ class PlainProgress(ConsoleSink):
     @handles(TrainStepFinished)
     def _train_step_finished(self, event: TrainStepFinished) -> None:
         self.trained[event.rollout_id] = event
+
+    @handles(CriticStepFinished)
+    def _critic_step_finished(self, event: CriticStepFinished) -> None:
+        self.valued[event.rollout_id] = event
 
     @handles(WeightsPublished)
     def _weights_published(self, event: WeightsPublished) -> None:
@@ -426,10 +433,13 @@ class PlainProgress(ConsoleSink):
             return
         generated, train = self.generated.pop(rollout_id, None), self.trained.pop(rollout_id, None)
         published = self.published.pop(rollout_id, None)
+        critic = self.valued.pop(rollout_id, None)
         if train is None:
             return
         reward = f"reward {generated.reward_mean:.3f} " if generated else ""
         times = f"gen {generated.generate_seconds:.2f}s " if generated else ""
+        if critic is not None:
+            times += f"critic {critic.train_seconds:.2f}s "
         times += f"train {train.train_seconds:.2f}s"
         m = train.metrics
         if published is not None:
@@ -438,10 +448,12 @@ class PlainProgress(ConsoleSink):
             times += f" verify {verify_seconds:.2f}s"
         if len(train.ranks) > 1:
             times += f" | ranks {describe_ranks(train.ranks)}"
-        self._line(
-            f"{self.progress.rollout(rollout_id)}: {reward}"
-            f"loss {m.loss:+.4f} kl {m.kl:.4f} grad {m.grad_norm:.3f} | {times} | {outcome}"
+        losses = (
+            "critic only" if train.critic_only else f"loss {m.loss:+.4f} kl {m.kl:.4f} grad {m.grad_norm:.3f}"
         )
+        if critic is not None:
+            losses += f" vloss {critic.metrics.value_loss:.4f}"
+        self._line(f"{self.progress.rollout(rollout_id)}: {reward}{losses} | {times} | {outcome}")
 
     def _end(self) -> None:
         if not self.ended:

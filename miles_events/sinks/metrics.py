@@ -34,6 +34,7 @@ from schemas.events import (
     ActorFailed,
     CheckpointFailed,
     CheckpointSaved,
+    CriticStepFinished,
     EvalFinished,
     Event,
     PublicationFailed,
@@ -104,6 +105,11 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("miles_trainer_rank_step_seconds", "gauge", "rank", "Wall time of each trainer rank's part of the last train step.", "TrainStepFinished.ranks[].step_seconds"),
     _m("miles_trainer_rank_peak_memory_bytes", "gauge", "rank", "Each trainer rank's peak memory so far: CUDA's max allocated bytes on a GPU, the process's peak RSS on CPU.", "TrainStepFinished.ranks[].peak_memory_bytes"),
     _m("miles_trainer_rank_state_bytes", "gauge", "rank", "Parameters, gradients and optimizer state each trainer rank holds (its shard under FSDP2).", "TrainStepFinished.ranks[].state_bytes"),
+    _m("miles_critic_value_loss", "gauge", "", "PPO: the critic's clipped value loss on the last rollout.", "CriticStepFinished.metrics.value_loss"),
+    _m("miles_critic_value_clipfrac", "gauge", "", "PPO: share of tokens whose value error was clipped in the critic's last step.", "CriticStepFinished.metrics.value_clipfrac"),
+    _m("miles_critic_value_mean", "gauge", "", "PPO: the critic's mean value of the last rollout's tokens.", "CriticStepFinished.metrics.value_mean"),
+    _m("miles_critic_return_mean", "gauge", "", "PPO: the mean GAE return the critic trained towards on the last rollout.", "CriticStepFinished.metrics.return_mean"),
+    _m("miles_critic_duration_seconds", "histogram", "", "PPO: time of a critic step (valuing a rollout and training on it).", "CriticStepFinished.train_seconds"),
     _m("miles_eval_score", "gauge", "metric", "The last evaluation, one series per metric it reports.", "EvalFinished.metrics"),
     _m("miles_eval_duration_seconds", "histogram", "", "Time of an evaluation.", "EvalFinished.eval_seconds"),
     _m("miles_weight_version", "gauge", "role engine", 'Weight version as a number (`"default"` = 0). `role="trainer"` (with `engine=""`): staged by the trainer; `role="engine"`: served by that engine. Trainer = the run\'s start version and engines = 0 at RunStarted.', "RunStarted, WeightsStaged, WeightsLoaded"),
@@ -321,6 +327,16 @@ class RunMetrics(Sink):
             self.rank_seconds(run, rank).set(r.step_seconds)
             self.rank_peak_memory(run, rank).set(r.peak_memory_bytes)
             self.rank_state(run, rank).set(r.state_bytes)
+
+    @handles(CriticStepFinished)
+    def _critic_step_finished(self, e: CriticStepFinished) -> None:
+        f, m = self.families.__getitem__, e.metrics
+        f("miles_critic_value_loss")(e.run_id).set(m.value_loss)
+        f("miles_critic_value_clipfrac")(e.run_id).set(m.value_clipfrac)
+        f("miles_critic_value_mean")(e.run_id).set(m.value_mean)
+        f("miles_critic_return_mean")(e.run_id).set(m.return_mean)
+        if e.train_seconds > 0:
+            f("miles_critic_duration_seconds")(e.run_id).observe(e.train_seconds)
 
     @handles(EvalFinished)
     def _eval_finished(self, e: EvalFinished) -> None:

@@ -11,6 +11,9 @@ Every scalar is logged at step ``rollout_id``:
     rollout/reward_mean  rollout/response_tokens  perf/generate_seconds  (RolloutGenerated)
     train/loss  train/pg_loss  train/kl  train/entropy  train/grad_norm  train/lr  train/clipfrac
     perf/train_seconds                                                   (TrainStepFinished)
+    train/critic/value_loss  train/critic/value_clipfrac  train/critic/value_mean
+    train/critic/return_mean  train/critic/grad_norm  train/critic/lr
+    perf/critic_seconds                              (CriticStepFinished, PPO with a critic)
     train/rank<r>/step_seconds  train/rank<r>/peak_memory_bytes
     train/rank<r>/state_bytes      (TrainStepFinished.ranks, a trainer of several ranks)
     perf/publish_seconds  weights/version                                (WeightsPublished)
@@ -42,6 +45,7 @@ from miles_events.util.file_modes import why_unwritable
 from schemas.config import Config
 from schemas.events import (
     CheckpointSaved,
+    CriticStepFinished,
     EvalFinished,
     Event,
     PublicationMismatch,
@@ -106,6 +110,19 @@ class TrackingSink(Sink):
                 scalars[f"train/rank{r.rank}/peak_memory_bytes"] = float(r.peak_memory_bytes)
                 scalars[f"train/rank{r.rank}/state_bytes"] = float(r.state_bytes)
         self._row(event, event.rollout_id, scalars)
+
+    @handles(CriticStepFinished)
+    def _critic_step_finished(self, event: CriticStepFinished) -> None:
+        m = event.metrics
+        self._row(event, event.rollout_id, {
+            "train/critic/value_loss": m.value_loss,
+            "train/critic/value_clipfrac": m.value_clipfrac,
+            "train/critic/value_mean": m.value_mean,
+            "train/critic/return_mean": m.return_mean,
+            "train/critic/grad_norm": m.grad_norm,
+            "train/critic/lr": m.lr,
+            "perf/critic_seconds": event.train_seconds,
+        })  # fmt: skip
 
     @handles(WeightsPublished)
     def _weights_published(self, event: WeightsPublished) -> None:
