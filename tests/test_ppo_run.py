@@ -127,3 +127,24 @@ def test_rollout_only_refuses_a_critic_with_the_seeds_message(tmp_path):
     assert result.returncode == 2
     assert "checkpoint-backed rollout-only mode cannot use external sync or a critic" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_a_critic_of_two_ranks_on_ray_in_its_own_placement_group(tmp_path):
+    result = run_cli(
+        tmp_path,
+        'run.runtime="ray"',
+        "trainer.use_critic=true",
+        "trainer.critic_num_ranks=2",
+        "run.num_rollout=2",
+        "run.save_interval=2",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    log = events(tmp_path)
+    critic = [e for e in log if isinstance(e, CriticStepFinished)]
+    assert [e.rollout_id for e in critic] == [0, 1]
+    assert all([r.rank for r in e.ranks] == [0, 1] and len({r.pid for r in e.ranks}) == 2 for e in critic)
+    trained = [e for e in log if isinstance(e, TrainStepFinished)]
+    assert all(len(e.ranks) <= 1 for e in trained), "the policy keeps its own single rank"
+    assert {r.pid for e in critic for r in e.ranks}.isdisjoint({r.pid for e in trained for r in e.ranks})
+    assert read_critic(latest_checkpoint(tmp_path)).num_optimizer_steps == 4  # 2 rollouts of 2 steps
+    assert "vloss" in result.stdout and "critic" in result.stdout

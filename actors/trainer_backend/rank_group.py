@@ -30,7 +30,7 @@ from miles_events.bus.actor import RankFailed, call_each, close_workers
 from miles_events.bus.cancel import Cancellation, Cancelled
 from miles_events.device.threads import phase_thread_count, phase_threads
 from miles_events.rl.finite import NonFiniteError
-from schemas.config import resolved_sharding
+from schemas.config import critic_config, resolved_sharding
 from schemas.events import CriticMetrics, RankStep, TrainMetrics
 from schemas.rollout import RolloutBatch
 
@@ -83,6 +83,8 @@ class TrainerRank:
         from actors.trainer_backend.parallel import ProcessGroup
         from actors.trainer_backend.torch_backend import TorchTrainerBackend
 
+        if role == "critic":  # the run's config reaches every rank: the critic's own view of it
+            config = critic_config(config)
         self.rank = place.rank
         self.config = config
         self.sharers = place.ranks_sharing_cores
