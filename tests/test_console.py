@@ -443,3 +443,12 @@ def test_final_line_of_a_completed_run_has_no_trailing_reason():
     progress.apply(EVENTS[0])
     progress.apply(RunFinished(status="completed", last_rollout_id=2, weight_version="4"))
     assert progress.final_line() == "run completed after rollout 2 [3/3] at weight version 4"
+
+
+async def test_a_ppo_run_shows_the_critic_only_step_and_the_critics_value_loss():
+    ppo = list(read_events(Path(__file__).parent / "fixtures" / "ppo_run" / "events.log"))
+    rollout_lines = [line for line in await plain_lines(ppo) if line.startswith("rollout ")]
+    assert len(rollout_lines) == 3
+    assert "reward 0.008 critic only vloss 0.0036 | gen " in rollout_lines[0]
+    assert " critic 0.06s train 0.00s " in rollout_lines[0]
+    assert all(" loss " in line and " vloss " in line for line in rollout_lines[1:]), rollout_lines

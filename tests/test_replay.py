@@ -270,3 +270,19 @@ def test_redrive_says_when_no_recorded_config_is_there_to_compare_with(tmp_path,
     assert config_line == (
         f"run {events[0].run_id}: config {given}; the recorded {missing} is missing: not compared"
     )
+
+
+PPO_FIXTURE = Path(__file__).parent / "fixtures" / "ppo_run"
+
+
+@pytest.mark.parametrize("name", ["coordinator", "verifier", "publisher"])
+async def test_a_ppo_run_with_a_critic_redrives_to_the_recorded_decisions(name):
+    runs = split_runs(read_events(PPO_FIXTURE / "events.log"))
+    ((run_id, events),) = runs.items()
+    config = load_config(PPO_FIXTURE / "configs" / f"{run_id}.toml", check=False)
+    assert config.trainer.use_critic and config.trainer.num_critic_only_steps == 1
+    kinds = [type(e).__name__ for e in events]
+    assert kinds.count("CriticStepFinished") == 3 and kinds.count("CriticStateStaged") == 2
+    result = await redrive(build_actor(name, config, events, run_dir=PPO_FIXTURE), events)
+    assert result.inputs > 0 and result.expected
+    assert result.matches, result.first_difference()
