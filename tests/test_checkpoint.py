@@ -526,3 +526,56 @@ async def test_saver_failure_keeps_older_checkpoint(base_dir: Path, tmp_path: Pa
 def test_saver_asks_for_half_a_cpu() -> None:
     assert Saver.name == "saver"
     assert Saver.resources(Config()).cpus_per_rank == 0.5
+
+
+# --- PPO's critic in the checkpoint ----------------------------------------------------
+
+
+def test_a_critic_is_written_into_critic_and_every_file_of_it_is_verified(
+    base_dir: Path, tmp_path: Path
+) -> None:
+    critic = ckpt.CriticParts(
+        weights={"model.embed_tokens.weight": torch.full((4, 2), 0.5), "score.weight": torch.ones(1, 2)},
+        optimizer={"state": {}, "param_groups": []},
+        rng={"torch": torch.get_rng_state()},
+        num_optimizer_steps=6,
+    )
+    path = write_checkpoint(
+        tmp_path, base_dir, 2, _small_weights(1.0), {"state": {}}, {"torch": torch.get_rng_state()}, _state(2),
+        fsync=False, critic=critic,
+    )  # fmt: skip
+    listed = {entry.path for entry in verify_checkpoint(path).files}
+    assert {
+        "critic/model.safetensors",
+        "critic/optimizer.pt",
+        "critic/rng.pt",
+        "critic/config.json",
+    } <= listed
+    assert ckpt.has_critic(path)
+    loaded = ckpt.read_critic(path)
+    assert loaded.num_optimizer_steps == 6 and torch.equal(loaded.weights["score.weight"], torch.ones(1, 2))
+    config = (path / "critic" / "config.json").read_text()
+    assert "ForTokenClassification" in config and "ForCausalLM" not in config
+    _flip_byte(path / "critic" / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"critic/model\.safetensors"):
+        verify_checkpoint(path)
+
+
+def test_a_checkpoint_without_a_critic_says_so(base_dir: Path, tmp_path: Path) -> None:
+    path = _write(tmp_path, base_dir, 0)
+    assert not ckpt.has_critic(path)
+    with pytest.raises(CheckpointError, match="holds no critic"):
+        ckpt.read_critic(path)
+
+
+def test_a_manifest_entry_leading_out_of_the_critic_directory_is_refused(
+    base_dir: Path, tmp_path: Path
+) -> None:
+    import json
+
+    path = _write(tmp_path, base_dir, 0)
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["files"].append({"path": "critic/../../evil", "sha256": "0" * 64, "num_bytes": 1})
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="bad manifest entry"):
+        verify_checkpoint(path)
