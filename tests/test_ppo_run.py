@@ -148,3 +148,34 @@ def test_a_critic_of_two_ranks_on_ray_in_its_own_placement_group(tmp_path):
     assert {r.pid for e in critic for r in e.ranks}.isdisjoint({r.pid for e in trained for r in e.ranks})
     assert read_critic(latest_checkpoint(tmp_path)).num_optimizer_steps == 4  # 2 rollouts of 2 steps
     assert "vloss" in result.stdout and "critic" in result.stdout
+
+
+def test_a_critic_starts_from_run_critic_load(ppo_runs, tmp_path):
+    source = latest_checkpoint(ppo_runs / "whole")
+    # A learning rate too small to move it: the saved critic is the loaded one.
+    result = run_cli(
+        tmp_path,
+        *PPO,
+        f'run.critic_load="{ppo_runs / "whole" / "checkpoints"}"',
+        "trainer.critic_lr=1e-12",
+        "run.num_rollout=1",
+        "run.save_interval=1",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    loaded, saved = read_critic(source), read_critic(latest_checkpoint(tmp_path))
+    assert loaded.weights["score.weight"].abs().sum() > 0
+    for name, tensor in loaded.weights.items():
+        torch.testing.assert_close(saved.weights[name], tensor, rtol=0, atol=1e-6)
+    # Its optimizer steps go on from the loaded critic's.
+    assert saved.num_optimizer_steps == loaded.num_optimizer_steps + 2
+
+
+def test_run_critic_load_without_a_critic_in_the_checkpoint_is_one_line(tmp_path):
+    grpo = run_cli(tmp_path / "grpo", 'run.runtime="local"', "run.num_rollout=1", "run.save_interval=1")
+    assert grpo.returncode == 0, grpo.stderr[-2000:]
+    result = run_cli(
+        tmp_path / "ppo", *PPO, f'run.critic_load="{tmp_path / "grpo" / "checkpoints"}"', "run.num_rollout=1"
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "run.critic_load: checkpoint" in result.stderr and "holds no critic" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
