@@ -1139,3 +1139,25 @@ async def test_a_cancelled_step_keeps_nothing_and_says_so(base_model: Path, tmp_
     assert context.of_type(DataReleased) and not context.of_type(TrainStepFinished)
     assert all(torch.equal(t, before[n]) for n, t in weights_of(trainer).items())
     assert trainer.backend.num_optimizer_steps == 0
+
+
+def test_bfloat16_autocast_trains_the_float32_weights_near_the_float32_step(
+    base_model: Path, tmp_path: Path
+) -> None:
+    samples = two_group_samples()
+    logprobs, weights, losses = {}, {}, {}
+    for mode in ("off", "bfloat16"):
+        torch.manual_seed(0)
+        backend = TorchTrainerBackend(make_config(base_model, tmp_path, autocast=mode))
+        logprobs[mode] = torch.cat(backend.response_logprobs(samples))
+        losses[mode] = backend.train(RolloutBatch(rollout_id=0, samples=samples)).loss
+        weights[mode] = backend.named_weights()
+    # The model stays float32 (what is published and saved); the products ran in bfloat16.
+    assert all(t.dtype == torch.float32 for t in weights["bfloat16"].values())
+    assert not torch.equal(logprobs["off"], logprobs["bfloat16"])
+    torch.testing.assert_close(logprobs["bfloat16"], logprobs["off"], rtol=0, atol=5e-2)
+    assert losses["bfloat16"] == pytest.approx(losses["off"], abs=1e-2)
+    moved = [n for n, t in weights["bfloat16"].items() if not torch.equal(t, weights["off"][n])]
+    assert moved, "a step in bfloat16 differs from the float32 one"
+    for name, tensor in weights["bfloat16"].items():
+        torch.testing.assert_close(tensor, weights["off"][name], rtol=0, atol=2e-2)

@@ -329,7 +329,14 @@ class TorchTrainerBackend(TrainerBackend):
 
     def _response_logits(self, reference: bool, micro: MicroBatch | SharedPromptBatch) -> torch.Tensor:
         """``[batch, max_response_len, vocab]``: the logits that predict each response token,
-        under the policy or (``reference``) the KL reference."""
+        under the policy or (``reference``) the KL reference; their matrix products in
+        bfloat16 with ``trainer.autocast``."""
+        if self.config.trainer.autocast == "bfloat16":
+            with torch.autocast(self.device.type, dtype=torch.bfloat16):
+                return self._response_logits_as_is(reference, micro)
+        return self._response_logits_as_is(reference, micro)
+
+    def _response_logits_as_is(self, reference: bool, micro: MicroBatch | SharedPromptBatch) -> torch.Tensor:
         if isinstance(micro, SharedPromptBatch):  # one process only (``_pack``)
             model = self.reference if reference else self.model
             assert model is not None
