@@ -16,7 +16,6 @@ each step minimises ``ppo.value_loss`` around them.
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from typing import Any
@@ -34,7 +33,6 @@ from actors.trainer_backend.torch_backend import (
     split,
 )
 from miles_events.bus.cancel import Cancellation
-from miles_events.rl.finite import NonFiniteError
 from miles_events.rl.hf_model import torch_dtype
 from schemas.config import Config, critic_config
 from schemas.events import CriticMetrics, RankStep
@@ -163,24 +161,17 @@ class TorchCriticBackend(TorchTrainerBackend):
                 ).tolist()
                 for key, value in zip(step_totals, parts, strict=True):
                     step_totals[key] += value * weight
-            step_totals = dict(zip(step_totals, self.parallel.sum(list(step_totals.values())), strict=True))
-            step_grad_norm = self._clip_gradients()
-            if not (math.isfinite(step_grad_norm) and all(math.isfinite(v) for v in step_totals.values())):
-                self.optimizer.zero_grad(set_to_none=True)
-                what = (
+            stepped = self._optimizer_step(
+                step_totals,
+                lambda _reduced, norm, number=number: (
                     f"critic, rollout {batch.rollout_id}, optimizer step {number} of {len(steps)}: non-finite "
-                    f"value loss or gradient norm (grad norm {step_grad_norm})"
-                )
-                if trainer.on_non_finite == "fail":
-                    raise NonFiniteError(f"{what} (trainer.on_non_finite = 'fail')")
+                    f"value loss or gradient norm (grad norm {norm})"
+                ),
+            )
+            if stepped is None:
                 continue
-            lr = self.lr_schedule.lr_at(self._num_optimizer_steps)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            self.optimizer.step()
-            self._num_optimizer_steps += 1
+            step_totals, grad_norm, lr = stepped
             trained_steps += 1
-            grad_norm = step_grad_norm
             total_tokens += step_tokens
             for key, value in step_totals.items():
                 totals[key] += value

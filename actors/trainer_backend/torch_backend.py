@@ -32,6 +32,7 @@ import math
 import os
 import resource
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -531,27 +532,17 @@ class TorchTrainerBackend(TrainerBackend):
                 ).tolist()  # one device-to-host read per micro-batch
                 for key, value in zip(step_totals, values, strict=True):
                     step_totals[key] += value * weight
-            step_totals = dict(zip(step_totals, self.parallel.sum(list(step_totals.values())), strict=True))
-            step_grad_norm = self._clip_gradients()
-            if not (math.isfinite(step_grad_norm) and all(math.isfinite(v) for v in step_totals.values())):
-                what = (
+            stepped = self._optimizer_step(
+                step_totals,
+                lambda reduced, norm, number=number, tokens=step_tokens: (
                     f"rollout {batch.rollout_id}, optimizer step {number} of {len(steps)}: non-finite loss or "
-                    f"gradient norm (loss {step_totals['loss'] / max(step_tokens, 1)}, grad norm {step_grad_norm})"
-                )
-                self.optimizer.zero_grad(set_to_none=True)
-                if trainer.on_non_finite == "fail":
-                    raise NonFiniteError(f"{what} (trainer.on_non_finite = 'fail')")
-                logger.warning(
-                    "%s: the step is skipped (trainer.on_non_finite = %r)", what, trainer.on_non_finite
-                )
+                    f"gradient norm (loss {reduced['loss'] / max(tokens, 1)}, grad norm {norm})"
+                ),
+            )
+            if stepped is None:
                 continue
-            lr = self.lr_schedule.lr_at(self._num_optimizer_steps)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            self.optimizer.step()
-            self._num_optimizer_steps += 1
+            step_totals, grad_norm, lr = stepped
             trained_steps += 1
-            grad_norm = step_grad_norm
             total_tokens += step_tokens
             for key, value in step_totals.items():
                 totals[key] += value
@@ -569,6 +560,31 @@ class TorchTrainerBackend(TrainerBackend):
             num_optimizer_steps=trained_steps,
             lr=lr,
         )
+
+    def _optimizer_step(
+        self, step_totals: dict[str, float], describe: Callable[[dict[str, float], float], str]
+    ) -> tuple[dict[str, float], float, float] | None:
+        """End an optimizer step whose gradients are in: its totals summed over the ranks, the
+        gradients clipped, the optimizer stepped at the schedule's rate. Returns (totals,
+        gradient norm, learning rate), or None when a total or the norm is not finite: the
+        step is then skipped, or ``NonFiniteError`` raised (``describe(totals, norm)`` says
+        which step), as ``trainer.on_non_finite`` says."""
+        totals = dict(zip(step_totals, self.parallel.sum(list(step_totals.values())), strict=True))
+        grad_norm = self._clip_gradients()
+        if not (math.isfinite(grad_norm) and all(math.isfinite(v) for v in totals.values())):
+            what = describe(totals, grad_norm)
+            self.optimizer.zero_grad(set_to_none=True)
+            policy = self.config.trainer.on_non_finite
+            if policy == "fail":
+                raise NonFiniteError(f"{what} (trainer.on_non_finite = 'fail')")
+            logger.warning("%s: the step is skipped (trainer.on_non_finite = %r)", what, policy)
+            return None
+        lr = self.lr_schedule.lr_at(self._num_optimizer_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self._num_optimizer_steps += 1
+        return totals, grad_norm, lr
 
     def _clip_gradients(self) -> float:
         """Clip to ``clip_grad`` (0: no clipping); return the global norm before clipping."""
