@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import anyio
 import msgspec
 
-from actors.trainer_backend.rank_group import RankGroupBackend, uses_rank_group
+from actors.trainer_backend.rank_group import RankGroupBackend, trainer_worker_group, uses_rank_group
 from actors.trainer_backend.save_staging import SaveStaging
 from miles_events.bus.actor import Actor, ActorContext, WorkerGroup, handles
 from miles_events.bus.cancel import Cancellation, Cancelled
@@ -67,13 +67,7 @@ class Critic(Actor):
 
     @classmethod
     def resources(cls, config: Config) -> WorkerGroup:
-        trainer = critic_config(config).trainer
-        return WorkerGroup(
-            role="critic",
-            num_ranks=trainer.num_ranks,
-            cpus_per_rank=trainer.cpus_per_rank,
-            gpus_per_rank=trainer.gpus_per_rank,
-        )
+        return trainer_worker_group("critic", critic_config(config))
 
     @classmethod
     def process_modules(cls, config: Config) -> list[str]:

@@ -25,7 +25,7 @@ import msgspec
 
 from actors.trainer_backend import backend_module, build_backend
 from actors.trainer_backend.base import TrainerBackend
-from actors.trainer_backend.rank_group import RankGroupBackend, uses_rank_group
+from actors.trainer_backend.rank_group import RankGroupBackend, trainer_worker_group, uses_rank_group
 from actors.trainer_backend.save_staging import (
     PublicationsTakenUp,
     SaveStaging,
@@ -119,13 +119,7 @@ class Trainer(Actor):
 
     @classmethod
     def resources(cls, config: Config) -> WorkerGroup:
-        trainer = config.trainer
-        return WorkerGroup(
-            role="actor",
-            num_ranks=trainer.num_ranks,
-            cpus_per_rank=trainer.cpus_per_rank,
-            gpus_per_rank=trainer.gpus_per_rank,
-        )
+        return trainer_worker_group("actor", config)
 
     @classmethod
     def process_modules(cls, config: Config) -> list[str]:

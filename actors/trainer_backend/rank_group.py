@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import anyio.from_thread
 
 from actors.trainer_backend.base import TrainerBackend
-from miles_events.bus.actor import RankFailed, call_each, close_workers
+from miles_events.bus.actor import RankFailed, Role, WorkerGroup, call_each, close_workers
 from miles_events.bus.cancel import Cancellation, Cancelled
 from miles_events.device.threads import phase_thread_count, phase_threads
 from miles_events.rl.finite import NonFiniteError
@@ -65,6 +65,18 @@ def rendezvous_seconds(collective_timeout: float) -> float:
     """How long the ranks' rendezvous may take: the collective timeout, or
     ``RENDEZVOUS_SECONDS`` where that is longer."""
     return max(collective_timeout, RENDEZVOUS_SECONDS)
+
+
+def trainer_worker_group(role: Role, config: Config) -> WorkerGroup:
+    """The worker group of a trainer role (``actor``: the policy's; ``critic``: PPO's
+    critic, given the critic's config): its ranks and what each reserves."""
+    trainer = config.trainer
+    return WorkerGroup(
+        role=role,
+        num_ranks=trainer.num_ranks,
+        cpus_per_rank=trainer.cpus_per_rank,
+        gpus_per_rank=trainer.gpus_per_rank,
+    )
 
 
 def uses_rank_group(config: Config) -> bool:
