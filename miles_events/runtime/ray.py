@@ -302,7 +302,7 @@ def placement_bundles(
     """
     groups: dict[str, tuple[list[dict[str, float]], list[tuple[type[Actor], WorkerGroup, int]]]] = {}
     for cls in actor_classes:
-        if not own_process(cls, config):
+        if not cls.wanted(config) or not own_process(cls, config):
             continue
         group = cls.resources(config)
         colocated = config.ray.colocate and group.role in ("rollout", "actor")
