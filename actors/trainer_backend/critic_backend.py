@@ -163,10 +163,8 @@ class TorchCriticBackend(TorchTrainerBackend):
                     step_totals[key] += value * weight
             stepped = self._optimizer_step(
                 step_totals,
-                lambda _reduced, norm, number=number: (
-                    f"critic, rollout {batch.rollout_id}, optimizer step {number} of {len(steps)}: non-finite "
-                    f"value loss or gradient norm (grad norm {norm})"
-                ),
+                f"critic, rollout {batch.rollout_id}, optimizer step {number} of {len(steps)}",
+                step_tokens,
             )
             if stepped is None:
                 continue

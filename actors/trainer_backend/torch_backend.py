@@ -32,7 +32,6 @@ import math
 import os
 import resource
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -534,10 +533,8 @@ class TorchTrainerBackend(TrainerBackend):
                     step_totals[key] += value * weight
             stepped = self._optimizer_step(
                 step_totals,
-                lambda reduced, norm, number=number, tokens=step_tokens: (
-                    f"rollout {batch.rollout_id}, optimizer step {number} of {len(steps)}: non-finite loss or "
-                    f"gradient norm (loss {reduced['loss'] / max(tokens, 1)}, grad norm {norm})"
-                ),
+                f"rollout {batch.rollout_id}, optimizer step {number} of {len(steps)}",
+                step_tokens,
             )
             if stepped is None:
                 continue
@@ -562,17 +559,22 @@ class TorchTrainerBackend(TrainerBackend):
         )
 
     def _optimizer_step(
-        self, step_totals: dict[str, float], describe: Callable[[dict[str, float], float], str]
+        self, step_totals: dict[str, float], where: str, step_tokens: int
     ) -> tuple[dict[str, float], float, float] | None:
-        """End an optimizer step whose gradients are in: its totals summed over the ranks, the
-        gradients clipped, the optimizer stepped at the schedule's rate. Returns (totals,
-        gradient norm, learning rate), or None when a total or the norm is not finite: the
-        step is then skipped, or ``NonFiniteError`` raised (``describe(totals, norm)`` says
-        which step), as ``trainer.on_non_finite`` says."""
+        """End an optimizer step whose gradients are in: its totals (sums over its
+        ``step_tokens`` tokens, the loss first) summed over the ranks, the gradients clipped,
+        the optimizer stepped at the schedule's rate. Returns (totals, gradient norm,
+        learning rate), or None when a total or the norm is not finite: the step is then
+        skipped, or ``NonFiniteError`` raised naming it (``where``), as
+        ``trainer.on_non_finite`` says."""
         totals = dict(zip(step_totals, self.parallel.sum(list(step_totals.values())), strict=True))
         grad_norm = self._clip_gradients()
         if not (math.isfinite(grad_norm) and all(math.isfinite(v) for v in totals.values())):
-            what = describe(totals, grad_norm)
+            loss_key = next(iter(totals))
+            what = (
+                f"{where}: non-finite loss or gradient norm ({loss_key} {totals[loss_key] / max(step_tokens, 1)}, "
+                f"grad norm {grad_norm})"
+            )
             self.optimizer.zero_grad(set_to_none=True)
             policy = self.config.trainer.on_non_finite
             if policy == "fail":
