@@ -49,8 +49,11 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def base_model(run_dir: Path) -> Path:
     # The project's built-in model and its character-level WordLevel tokenizer, as a run
     # builds them, but 128 wide: vLLM's CPU attention has no kernel for the default's head
-    # dimension of 16 (64 / 4 heads) and refuses it at the first request; 32 it serves.
-    return prepare_base_model(ModelConfig(builtin=BuiltinModelConfig(hidden_size=128)), run_dir, seed=1234)
+    # dimension of 16 (64 / 4 heads) and refuses it at the first request; 32 it serves. Its
+    # LM head is the embedding (as SmolLM2's): a reload must refresh the head's kernel too.
+    return prepare_base_model(
+        ModelConfig(builtin=BuiltinModelConfig(hidden_size=128, tie_word_embeddings=True)), run_dir, seed=1234
+    )
 
 
 @pytest.fixture(scope="module")

@@ -524,6 +524,8 @@ class VllmEngine(Engine):
             else:
                 directory = self._write_weights_dir(contiguous, weight_version)
                 self.collective_rpc("reload_weights", weights_path=str(directory))
+                # A tied LM head's packed copy is not redone by the reload (the extension's).
+                self.collective_rpc("miles_refresh_shared_weights")
             self._post("/update_weight_version", json={"new_version": str(weight_version)})
             self._post("/reset_prefix_cache")
         finally:

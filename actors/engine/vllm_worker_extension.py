@@ -53,12 +53,36 @@ class MilesWorkerExtension:
             yield from tensors.items()
 
         self.model_runner.reload_weights(weights_iterator=weights())  # type: ignore[attr-defined]
+        self.miles_refresh_shared_weights()
         if target is not None:
             self._miles_canary = target
         return {
             "num_tensors": len(tensors),
             "num_bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
         }
+
+    def miles_refresh_shared_weights(self) -> list[str]:
+        """Re-derive the kernel copies of every layer whose weight is another layer's (a
+        tied LM head, which shares the embedding's): a reload processes only the layers
+        whose weights it loaded, and on CPU a layer's processing packs a copy of its weight
+        for its matrix product, so the tied head would go on multiplying by the weights it
+        was first given. Returns the layers refreshed."""
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        holders: dict[int, list[tuple[str, torch.nn.Module]]] = {}
+        for name, module in model.named_modules():
+            weight = module._parameters.get("weight")
+            if weight is not None:
+                holders.setdefault(id(weight), []).append((name, module))
+        refreshed: list[str] = []
+        for modules in holders.values():
+            if len(modules) < 2:
+                continue
+            for name, module in modules:
+                method = getattr(module, "quant_method", None)
+                if method is not None and hasattr(method, "process_weights_after_loading"):
+                    method.process_weights_after_loading(module)
+                    refreshed.append(name)
+        return refreshed
 
     def miles_push_weights(self, payload_b64: str) -> dict[str, Any]:
         """Load the safetensors bytes ``payload_b64`` (base64) into the served model."""
@@ -80,6 +104,7 @@ class MilesWorkerExtension:
         dtype = next(self.model_runner.get_model().parameters()).dtype  # type: ignore[attr-defined]
         tensors = {name: torch.randn(shape, generator=generator).to(dtype) for name, shape in wanted.items()}
         self.model_runner.reload_weights(weights_iterator=iter(tensors.items()))  # type: ignore[attr-defined]
+        self.miles_refresh_shared_weights()
         return {"num_tensors": len(tensors)}
 
     def miles_canary(self) -> str:
