@@ -267,7 +267,7 @@ def test_static_decoding_is_cancelled_where_eager_decoding_is_and_rewinds_the_ge
     static = TorchEngine.from_pretrained(model_dir, max_batch_size=16, decode="static")
     assert static._decoder is not None
     static._decoder.sync_every = 16  # the host looks later than rows end
-    sampling = SamplingParams(temperature=1.0, max_new_tokens=60)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=40)  # over two of the static loop's looks
     counted = CancelAfter(10**9)
     eager.generate(PROMPTS * 2, sampling, seeded(1), counted)
     # Every check the eager loop makes, and a few after its last (where the static loop,
