@@ -144,6 +144,18 @@ def test_a_learning_rate_gets_a_panel_only_when_the_trainer_reports_one() -> Non
     ]
 
 
+def test_a_ppo_run_gets_a_panel_of_the_critics_value_loss() -> None:
+    [ppo] = run_series(read_events(Path(__file__).parent / "fixtures" / "ppo_run" / "events.log"))
+    assert [rollout for rollout, _ in ppo.value_loss] == [0, 1, 2]
+    assert all(loss > 0 for _, loss in ppo.value_loss)
+    assert "critic value loss" in panel_titles([ppo])
+    assert "critic value loss" not in panel_titles([RunSeries("grpo")])
+    figure = draw([ppo])
+    [axis] = [ax for ax in figure.axes if ax.get_title(loc="left") == "critic value loss"]
+    [line] = axis.get_lines()
+    assert list(line.get_ydata()) == [loss for _, loss in ppo.value_loss]
+
+
 def test_a_panel_with_nothing_to_show_says_so() -> None:
     [run] = run_series(read_events(ROLLOUT_ONLY / "events.log"))
     texts = panel_texts(draw([run]))

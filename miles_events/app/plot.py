@@ -2,7 +2,7 @@
 
 One figure, its panels sharing the rollout-id axis: the mean reward of each rollout, the
 evaluations' scores, the trainer's KL, the learning rate (only when the trainer reports
-one), the mean response length, and each rollout's time split into generation, training
+one), the critic's value loss (only with PPO's critic), the mean response length, and each rollout's time split into generation, training
 and publication beside its wall time. A panel with nothing to show says why in its middle.
 Several runs in one log (a resumed run appends under its own id) are drawn side by side,
 each named in the legend. The series come from ``miles_events.app.run_series``; this module
@@ -97,6 +97,8 @@ def panel_titles(runs: Sequence[RunSeries]) -> list[str]:
     titles = ["mean reward", "evaluation", "KL"]
     if any(run.lr_reported() for run in runs):
         titles.append("learning rate")
+    if any(run.value_loss for run in runs):
+        titles.append("critic value loss")
     return [*titles, "mean response length (tokens)", "time per rollout (s)"]
 
 
@@ -146,6 +148,12 @@ def draw(runs: Sequence[RunSeries]) -> Figure:
         _lines(kl, [(label("KL", run), run.kl, "o") for run in runs], "")
     if "learning rate" in by_title:
         _lines(by_title["learning rate"], [(label("lr", run), run.lr, "o") for run in runs], "")
+    if "critic value loss" in by_title:
+        _lines(
+            by_title["critic value loss"],
+            [(label("value loss", run), run.value_loss, "o") for run in runs],
+            "",
+        )
     _lines(
         by_title["mean response length (tokens)"],
         [

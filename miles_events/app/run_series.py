@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from schemas.events import (
+    CriticStepFinished,
     EvalFinished,
     Event,
     RolloutGenerated,
@@ -59,6 +60,8 @@ class RunSeries:
     """The trainer's KL to the reference model at each train step."""
     lr: list[Point] = field(default_factory=list)
     """The learning rate of each train step, when the trainer's metrics report one."""
+    value_loss: list[Point] = field(default_factory=list)
+    """PPO: the critic's clipped value loss on each rollout (``CriticStepFinished``)."""
     response_length: list[Point] = field(default_factory=list)
     """Mean response tokens of each rollout's samples."""
     eval_response_length: list[Point] = field(default_factory=list)
@@ -120,6 +123,8 @@ class _RunReader:
             if isinstance(lr, int | float):
                 series.lr.append((event.rollout_id, float(lr)))
             self.train[event.rollout_id] = event.train_seconds
+        elif isinstance(event, CriticStepFinished):
+            series.value_loss.append((event.rollout_id, event.metrics.value_loss))
         elif isinstance(event, WeightsPublished) and event.rollout_id is not None:
             self.publish[event.rollout_id] = event.publish_seconds
         elif isinstance(event, EvalFinished):
