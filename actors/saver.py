@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 import anyio.to_thread
 
@@ -64,22 +65,22 @@ class Saver(Actor):
     def resources(cls, config: Config) -> WorkerGroup:
         return WorkerGroup(role="service", cpus_per_rank=0.5)
 
+    def _staged(self, event: TrainStateStaged | CriticStateStaged) -> tuple[Any, Any, Any]:
+        """The weights, optimizer and RNG state ``event`` staged: the staged file where the
+        transport keeps one (copied, never decoded), else what it holds."""
+        reader = self.context.transport.reader
+        return (
+            reader.tensors_file(event.weights) or reader.get_tensors(event.weights),
+            reader.state_file(event.optimizer) or reader.get_state(event.optimizer),
+            reader.state_file(event.rng) or reader.get_state(event.rng),
+        )
+
     def _write(self, event: TrainStateStaged, critic_event: CriticStateStaged | None) -> Path:
         """Read the staged state and write the checkpoint (runs in a worker thread)."""
-        reader = self.context.transport.reader
-        # The staged file where the transport keeps one: copied, never decoded.
-        weights = reader.tensors_file(event.weights) or reader.get_tensors(event.weights)
-        optimizer = reader.state_file(event.optimizer) or reader.get_state(event.optimizer)
-        rng = reader.state_file(event.rng) or reader.get_state(event.rng)
+        weights, optimizer, rng = self._staged(event)
         critic = None
         if critic_event is not None:
-            critic = CriticParts(
-                weights=reader.tensors_file(critic_event.weights) or reader.get_tensors(critic_event.weights),
-                optimizer=reader.state_file(critic_event.optimizer)
-                or reader.get_state(critic_event.optimizer),
-                rng=reader.state_file(critic_event.rng) or reader.get_state(critic_event.rng),
-                num_optimizer_steps=critic_event.num_optimizer_steps,
-            )
+            critic = CriticParts(*self._staged(critic_event), critic_event.num_optimizer_steps)
         if self.config.model.path is None:
             raise ValueError("model.path is unset: no base model to copy config and tokenizer from")
         return write_checkpoint(

@@ -248,23 +248,20 @@ class Trainer(Actor):
                 metrics = self.backend.train(trainable, self.cancel)
             return batch, metrics, self.backend.rank_steps()
 
-        released = [event.batch] + ([valued.values] if valued is not None else [])
+        cancelled: Cancelled | None = None
         try:
             batch, metrics, ranks = await anyio.to_thread.run_sync(read_and_train)
-        except Cancelled as cancelled:
-            for ref in released:
+        except Cancelled as error:
+            cancelled = error
+        finally:
+            # Released even when training raises (the seed's ``finally``): its owner frees it.
+            for ref in [event.batch] + ([valued.values] if valued is not None else []):
                 await self.publish(DataReleased(ref=ref))
+        if cancelled is not None:
             await self.publish(
                 StepCancelled(rollout_id=event.rollout_id, phase="train", reason=str(cancelled))
             )
             return
-        except BaseException:
-            # Released even when training raises (the seed's ``finally``): its owner frees it.
-            for ref in released:
-                await self.publish(DataReleased(ref=ref))
-            raise
-        for ref in released:
-            await self.publish(DataReleased(ref=ref))
         if not critic_only:
             self._last_trained = (event.rollout_id, version)
         await self.publish(

@@ -16,8 +16,6 @@ each step minimises ``ppo.value_loss`` around them.
 
 from __future__ import annotations
 
-import os
-import time
 from typing import Any
 
 import torch
@@ -29,13 +27,12 @@ from actors.trainer_backend.torch_backend import (
     MicroBatch,
     SharedPromptBatch,
     TorchTrainerBackend,
-    peak_memory_bytes,
     split,
 )
 from miles_events.bus.cancel import Cancellation
 from miles_events.rl.hf_model import torch_dtype
 from schemas.config import Config, critic_config
-from schemas.events import CriticMetrics, RankStep
+from schemas.events import CriticMetrics
 from schemas.rollout import RolloutBatch, Sample
 
 
@@ -91,16 +88,7 @@ class TorchCriticBackend(TorchTrainerBackend):
 
     def train_critic(self, batch: RolloutBatch, cancel: Cancellation | None = None) -> CriticMetrics:
         """Value every response token of ``batch`` (``self.values``), then train on it."""
-        started = time.perf_counter()
-        metrics = self._train_critic(batch, cancel)
-        self._rank_step = RankStep(
-            rank=self.parallel.rank,
-            pid=os.getpid(),
-            step_seconds=time.perf_counter() - started,
-            peak_memory_bytes=peak_memory_bytes(self.device),
-            state_bytes=self.state_bytes(),
-        )
-        return metrics
+        return self._reported(lambda: self._train_critic(batch, cancel))
 
     def _train_critic(self, batch: RolloutBatch, cancel: Cancellation | None) -> CriticMetrics:
         trainer = self.config.trainer

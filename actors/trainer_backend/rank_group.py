@@ -133,15 +133,20 @@ class TrainerRank:
         with self._lock:
             return self._cancellations.setdefault(call, Cancellation())
 
-    def train(self, batch: RolloutBatch, call: int) -> tuple[TrainMetrics, list[RankStep], int]:
-        """Train on this rank's part of ``batch``; ``call`` numbers the group's training calls."""
+    def _training(self, call: int, train: Callable[[Cancellation], R]) -> R:
+        """``train(cancellation)`` with the phase's threads; ``call`` numbers the group's
+        training calls (each one's cancellation, asked for before or during it)."""
         cancellation = self._cancellation(call)
         try:
             with phase_threads(self.config.trainer.num_threads, self.sharers):
-                metrics = self.backend.train(batch, cancellation)
+                return train(cancellation)
         finally:
             with self._lock:
                 self._cancellations.pop(call, None)
+
+    def train(self, batch: RolloutBatch, call: int) -> tuple[TrainMetrics, list[RankStep], int]:
+        """Train on this rank's part of ``batch``; ``call`` numbers the group's training calls."""
+        metrics = self._training(call, lambda cancellation: self.backend.train(batch, cancellation))
         return metrics, self.backend.rank_steps(), self.backend.num_optimizer_steps
 
     def train_critic(
@@ -150,15 +155,10 @@ class TrainerRank:
         """The critic's ``train``: its metrics, and the values this rank computed."""
         from actors.trainer_backend.critic_backend import TorchCriticBackend
 
-        assert isinstance(self.backend, TorchCriticBackend)
-        cancellation = self._cancellation(call)
-        try:
-            with phase_threads(self.config.trainer.num_threads, self.sharers):
-                metrics = self.backend.train_critic(batch, cancellation)
-        finally:
-            with self._lock:
-                self._cancellations.pop(call, None)
-        return metrics, self.backend.rank_steps(), self.backend.num_optimizer_steps, self.backend.values
+        backend = self.backend
+        assert isinstance(backend, TorchCriticBackend)
+        metrics = self._training(call, lambda cancellation: backend.train_critic(batch, cancellation))
+        return metrics, backend.rank_steps(), backend.num_optimizer_steps, backend.values
 
     def cancel(self, reason: str, call: int) -> None:
         """Cut training call ``call`` at its next cancellation point (a call over is left be)."""
@@ -226,7 +226,7 @@ class RankGroupBackend(TrainerBackend):
     async def start(cls, config: Config, context: ActorContext, role: str = "actor") -> RankGroupBackend:
         """Open the rendezvous, start the ranks (their process group formed), or fail naming
         the rank that did not start. ``role``: ``critic`` builds the critic's value model
-        (``config`` is then the critic's, ``critic_backend.critic_config``)."""
+        (``config`` is then the critic's, ``schemas.config.critic_config``)."""
         from torch.distributed import TCPStore  # type: ignore[attr-defined]  # not in its __all__
 
         ranks = config.trainer.num_ranks

@@ -32,8 +32,9 @@ import math
 import os
 import resource
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -58,6 +59,8 @@ from schemas.events import RankStep, TrainMetrics
 from schemas.rollout import RolloutBatch, Sample
 
 logger = logging.getLogger(__name__)
+
+R = TypeVar("R")
 
 PLAIN_HEAD_MODELS = frozenset({"qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "llama", "mistral"})
 """Architectures whose logits are the output head applied to the base model's last hidden
@@ -431,8 +434,12 @@ class TorchTrainerBackend(TrainerBackend):
             raise Cancelled(cancel.reason or "another trainer rank was cancelled")
 
     def train(self, batch: RolloutBatch, cancel: Cancellation | None = None) -> TrainMetrics:
+        return self._reported(lambda: self._train(batch, cancel))
+
+    def _reported(self, train: Callable[[], R]) -> R:
+        """``train()``, what it took on this rank kept for ``rank_steps``."""
         started = time.perf_counter()
-        metrics = self._train(batch, cancel)
+        result = train()
         self._rank_step = RankStep(
             rank=self.parallel.rank,
             pid=os.getpid(),
@@ -440,7 +447,7 @@ class TorchTrainerBackend(TrainerBackend):
             peak_memory_bytes=peak_memory_bytes(self.device),
             state_bytes=self.state_bytes(),
         )
-        return metrics
+        return result
 
     def rank_steps(self) -> list[RankStep]:
         return [] if self._rank_step is None else [self._rank_step]
