@@ -31,10 +31,14 @@ import enum
 import functools
 import logging
 import os
+from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import anyio.to_thread
+import msgspec
 
+from actors.protocols.memory import MemoryCommand, MemoryPlan
 from actors.protocols.opening import Opening, opening_protocol
 from actors.protocols.steps import (
     PUBLISHED,
@@ -56,6 +60,11 @@ from schemas.events import (
     DataReleased,
     EvalFinished,
     EvalRequested,
+    Event,
+    MemoryOffloaded,
+    MemoryOnloaded,
+    OffloadRequested,
+    OnloadRequested,
     PublicationEvidenceFailed,
     PublicationEvidenceRequested,
     PublicationEvidenceWritten,
@@ -115,12 +124,23 @@ class PendingEval:
     then: AfterEval
 
 
+# What offload and onload publish (run.offload_train, run.offload_rollout).
+MEMORY = (OffloadRequested, OnloadRequested)
 # What the opening's steps may publish, and what the loop's start may.
-OPENING = (WeightsCheckRequested, PublishRequested, PublicationEvidenceRequested)
-LOOP_START = (EvalRequested, RolloutRequested, RunFinished)
+OPENING = (WeightsCheckRequested, PublishRequested, PublicationEvidenceRequested, *MEMORY)
+LOOP_START = (EvalRequested, RolloutRequested, RunFinished, *MEMORY)
 # Once a publication is through: the opening's next step, or the loop's next step (a stop
 # saves the step it ends after).
-AFTER_PUBLICATION = (WeightsCheckRequested, EvalRequested, RolloutRequested, RunFinished, SaveRequested)
+AFTER_PUBLICATION = (
+    WeightsCheckRequested,
+    EvalRequested,
+    RolloutRequested,
+    RunFinished,
+    SaveRequested,
+    *MEMORY,
+)
+# Once the memory asked for is moved: whatever was waiting for it.
+AFTER_MEMORY: tuple[type[Event], ...] = tuple(dict.fromkeys((*OPENING, *LOOP_START, *AFTER_PUBLICATION)))
 
 
 class Coordinator(Actor):
@@ -157,6 +177,15 @@ class Coordinator(Actor):
         self.served_version = "default"
         """The version every engine serves: the last ``WeightsPublished``'s (the Publisher
         follows each engine; a publication that failed part-way leaves some a version ahead)."""
+        self.memory = MemoryPlan.of(config)
+        """What offload and onload ask for at each point of the loop (nothing without them)."""
+        self._memory_queue: deque[tuple[deque[MemoryCommand], Callable[[], Awaitable[None]]]] = deque()
+        """Memory commands still to publish, each run of them with what follows it."""
+        self._memory_waiting: str | None = None
+        """The request id of the memory command in flight."""
+        self._memory_requests = 0
+        self._engines_released: set[str] = set()
+        """The kinds of the engines' memory released and not resumed."""
 
     # -- the opening ------------------------------------------------------------------
 
@@ -164,9 +193,10 @@ class Coordinator(Actor):
         """Every actor has started: the run begins."""
         await self.publish(run_started(self.plan))
 
-    @handles(RunStarted, emits=(WeightsCheckRequested, PublishRequested))
+    @handles(RunStarted, emits=(WeightsCheckRequested, PublishRequested, *MEMORY))
     async def on_run_started(self, event: RunStarted) -> None:
-        await self._follow(self._opening.step(STARTED))
+        # With offload, the engines and the trainer begin offloaded, as the seed creates them.
+        await self._after_memory(self.memory.at_start(), lambda: self._follow(self._opening.step(STARTED)))
 
     @handles(WeightsCheckFinished, emits=(*OPENING, *LOOP_START))
     async def on_weights_check_finished(self, event: WeightsCheckFinished) -> None:
@@ -195,7 +225,10 @@ class Coordinator(Actor):
         if isinstance(command, Failed):
             await self._finish("failed", command.reason)
         elif isinstance(command, Done):
-            await self._loop_begins()
+            # The seed's ``onload_kv`` once the opening's publications are through.
+            await self._after_memory(self.memory.after_publication(None), self._loop_begins)
+        elif isinstance(command, PublishRequested):
+            await self._publish_after_memory(command)
         else:
             if isinstance(command, WeightsCheckRequested):
                 self._check = EngineReplies(command.request_id, self.plan.engines)
@@ -248,7 +281,8 @@ class Coordinator(Actor):
 
     async def _published(self, rollout_id: int | None) -> None:
         """A publication is through. ``rollout_id`` None: the opening's (the initial
-        publication, or the proof's); else the one after training rollout ``rollout_id``."""
+        publication, or the proof's); else the one after training rollout ``rollout_id``,
+        which the engines' KV cache follows back (the seed's ``onload_kv``)."""
         if self._finishing is not None:
             return
         if rollout_id is None:
@@ -256,7 +290,16 @@ class Coordinator(Actor):
                 await self._finish("stopped", self._stop)  # nothing trained yet: nothing to save
             else:
                 await self._follow(self._opening.step(PUBLISHED))
-        elif self._stop is not None:
+        else:
+            await self._after_memory(
+                self.memory.after_publication(rollout_id), functools.partial(self._step_published, rollout_id)
+            )
+
+    async def _step_published(self, rollout_id: int) -> None:
+        """Step ``rollout_id``'s publication is through (and the engines' memory back)."""
+        if self._finishing is not None:
+            return
+        if self._stop is not None:
             # The step's publication is through: as the seed's ``should_stop`` break, the
             # run ends here (once the step is saved).
             await self._stop_now()
@@ -301,11 +344,15 @@ class Coordinator(Actor):
         else:
             await self._next_step(pending.rollout_id)
 
-    @handles(RolloutGenerated, emits=(DataReleased, RolloutRequested, RunFinished))
+    @handles(RolloutGenerated, emits=(DataReleased, RolloutRequested, RunFinished, *MEMORY))
     async def on_rollout_generated(self, event: RolloutGenerated) -> None:
-        """Rollout-only: the rollout is the whole step. Its batch goes back untrained, as the
-        seed's loop removes the rollout's data refs before it continues."""
+        """Training: the engines release their memory for the step (the seed's
+        ``offload(tags)``), which the first group to train waits for. Rollout-only: the
+        rollout is the whole step. Its batch goes back untrained, as the seed's loop removes
+        the rollout's data refs before it continues."""
         if not self.plan.rollout_only:
+            if self._finishing is None:
+                await self._after_memory(self.memory.after_generation(event.rollout_id), _nothing)
             return
         self.last_rollout_id = event.rollout_id
         await self.publish(DataReleased(ref=event.batch))
@@ -323,7 +370,7 @@ class Coordinator(Actor):
         else:
             await self._finish("completed")
 
-    @handles(TrainStepFinished, emits=(SaveRequested, PublishRequested))
+    @handles(TrainStepFinished, emits=(SaveRequested, PublishRequested, *MEMORY))
     async def on_train_step_finished(self, event: TrainStepFinished) -> None:
         rollout_id = event.rollout_id
         self.last_rollout_id = rollout_id
@@ -360,7 +407,69 @@ class Coordinator(Actor):
     async def _save_then_publish(self, rollout_id: int, reason: SaveReason | None) -> None:
         if reason is not None:
             await self._save(rollout_id, reason, publication_follows=True)
-        await self.publish(PublishRequested(rollout_id=rollout_id))
+        await self._publish_after_memory(PublishRequested(rollout_id=rollout_id))
+
+    # -- offload and onload ---------------------------------------------------------------
+
+    async def _publish_after_memory(self, command: PublishRequested) -> None:
+        """Publish once the memory moves before a publication are done (the seed's
+        ``offload_train()`` after a step, then ``onload_weights``)."""
+        await self._after_memory(
+            self.memory.before_publication(command.rollout_id), functools.partial(self.publish, command)
+        )
+
+    async def _after_memory(self, commands: list[MemoryCommand], then: Callable[[], Awaitable[None]]) -> None:
+        """Publish ``commands`` one at a time, each once the one before is answered, then
+        ``then()``; behind any commands still in flight. An engine onload of nothing
+        released is left out."""
+        wanted = deque(c for c in commands if not self._needless(c))
+        if not wanted and not self._memory_queue and self._memory_waiting is None:
+            await then()
+            return
+        self._memory_queue.append((wanted, then))
+        if self._memory_waiting is None:
+            await self._next_memory_command()
+
+    def _needless(self, command: MemoryCommand) -> bool:
+        return (
+            isinstance(command, OnloadRequested)
+            and command.target == "rollout"
+            and not self._engines_released.intersection(command.tags)
+        )
+
+    async def _next_memory_command(self) -> None:
+        # A ``then()`` may queue (and publish) commands of its own: the loop stops there.
+        while self._memory_queue and self._memory_waiting is None:
+            commands, then = self._memory_queue[0]
+            if commands:
+                command = commands.popleft()
+                self._memory_requests += 1
+                self._memory_waiting = f"memory-{self._memory_requests}"
+                await self.publish(msgspec.structs.replace(command, request_id=self._memory_waiting))
+                return
+            self._memory_queue.popleft()
+            await then()
+
+    @handles(MemoryOffloaded, emits=AFTER_MEMORY)
+    async def on_memory_offloaded(self, event: MemoryOffloaded) -> None:
+        if event.target == "rollout":
+            self._engines_released.update(event.tags)
+        await self._memory_answered(event.request_id)
+
+    @handles(MemoryOnloaded, emits=AFTER_MEMORY)
+    async def on_memory_onloaded(self, event: MemoryOnloaded) -> None:
+        if event.target == "rollout":
+            self._engines_released.difference_update(event.tags)
+        await self._memory_answered(event.request_id)
+
+    async def _memory_answered(self, request_id: str) -> None:
+        if not request_id or request_id != self._memory_waiting:
+            return  # a trainer group's own (it onloads and offloads itself around its step)
+        self._memory_waiting = None
+        if self._finishing is not None:
+            self._memory_queue.clear()  # once finishing, nothing new is asked for
+            return
+        await self._next_memory_command()
 
     async def _save(self, rollout_id: int, reason: SaveReason, publication_follows: bool = False) -> None:
         self._saved.add(rollout_id)
@@ -369,7 +478,7 @@ class Coordinator(Actor):
             SaveRequested(rollout_id=rollout_id, reason=reason, publication_follows=publication_follows)
         )
 
-    @handles(CheckpointSaved, emits=(RunFinished, SaveRequested, PublishRequested))
+    @handles(CheckpointSaved, emits=(RunFinished, SaveRequested, PublishRequested, *MEMORY))
     async def on_checkpoint_saved(self, event: CheckpointSaved) -> None:
         self._pending_saves.discard(event.rollout_id)
         waiting, self._save_waiting = self._save_waiting, None
@@ -454,3 +563,7 @@ class Coordinator(Actor):
         if self.finished is None:
             self.finished = finished
             await self.publish(finished)
+
+
+async def _nothing() -> None:
+    """What follows a memory move that nothing waits for here."""

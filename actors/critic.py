@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING
 import anyio
 import msgspec
 
+from actors.protocols.memory import RolloutGate, gates_training
+from actors.trainer_backend.offload import offload_group, onload_group
 from actors.trainer_backend.rank_group import RankGroupBackend, trainer_worker_group, uses_rank_group
 from actors.trainer_backend.save_staging import SaveStaging
 from miles_events.bus.actor import Actor, ActorContext, WorkerGroup, handles
@@ -36,6 +38,10 @@ from schemas.events import (
     CriticStateStaged,
     CriticStepFinished,
     DataReleased,
+    MemoryOffloaded,
+    MemoryOnloaded,
+    OffloadRequested,
+    OnloadRequested,
     RankStep,
     RolloutGenerated,
     SaveRequested,
@@ -60,6 +66,8 @@ class Critic(Actor):
         self._saves: SaveStaging | None = None
         self.cancel = Cancellation()
         self._num_saves = 0
+        self._gate: RolloutGate[RolloutGenerated] = RolloutGate(gates_training(config, "critic"))
+        """Rollouts held until the engines released their memory (``run.offload_rollout``)."""
 
     @classmethod
     def wanted(cls, config: Config) -> bool:
@@ -121,10 +129,37 @@ class Critic(Actor):
             metrics = backend.train_critic(batch, self.cancel)
         return metrics, backend.values, backend.rank_steps()
 
-    @handles(RolloutGenerated, emits=(CriticStepFinished, StepCancelled))
+    @handles(RolloutGenerated, emits=(CriticStepFinished, StepCancelled, MemoryOnloaded, MemoryOffloaded))
     async def on_rollout_generated(self, event: RolloutGenerated) -> None:
+        ready = self._gate.arrived(event.rollout_id, event)
+        if ready is not None:
+            await self._train_rollout(ready)
+
+    @handles(MemoryOffloaded, emits=(CriticStepFinished, StepCancelled, MemoryOnloaded, MemoryOffloaded))
+    async def on_memory_offloaded(self, event: MemoryOffloaded) -> None:
+        ready = self._gate.released(event)
+        if ready is not None:
+            await self._train_rollout(ready)
+
+    @handles(OffloadRequested, emits=(MemoryOffloaded,))
+    async def on_offload_requested(self, event: OffloadRequested) -> None:
+        """The seed's ``critic_model.offload()``."""
+        if event.target == "critic":
+            await self.publish(
+                await offload_group(self.backend, "critic", event.rollout_id, event.request_id)
+            )
+
+    @handles(OnloadRequested, emits=(MemoryOnloaded,))
+    async def on_onload_requested(self, event: OnloadRequested) -> None:
+        """The seed's ``critic_model.onload()``."""
+        if event.target == "critic":
+            await self.publish(await onload_group(self.backend, "critic", event.rollout_id, event.request_id))
+
+    async def _train_rollout(self, event: RolloutGenerated) -> None:
         # The batch stays the Generator's: the Trainer, which reads it after this, releases it.
         started = time.perf_counter()
+        if self.backend.offloaded:  # the seed's ``train`` wakes the model up
+            await self.publish(await onload_group(self.backend, "critic", event.rollout_id))
 
         def read_and_train() -> tuple[CriticMetrics, dict[int, list[float]], list[RankStep]]:
             batch = msgspec.msgpack.decode(
@@ -142,6 +177,8 @@ class Critic(Actor):
                 StepCancelled(rollout_id=event.rollout_id, phase="train", reason=str(cancelled))
             )
             return
+        if self.config.run.offload_train:  # the seed offloads the critic right after its step
+            await self.publish(await offload_group(self.backend, "critic", event.rollout_id))
         ref = self.context.transport.stager.put_bytes(
             f"critic-values-r{event.rollout_id}",
             msgspec.msgpack.encode(CriticValues(rollout_id=event.rollout_id, values=values)),

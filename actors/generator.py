@@ -39,7 +39,7 @@ import hashlib
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from functools import partial
-from typing import ClassVar, Concatenate, ParamSpec, TypeVar
+from typing import Any, ClassVar, Concatenate, ParamSpec, TypeVar
 
 import anyio
 import msgspec
@@ -70,6 +70,11 @@ from schemas.events import (
     EvalFinished,
     EvalRequested,
     Event,
+    MemoryOffloaded,
+    MemoryOnloaded,
+    MemoryPart,
+    OffloadRequested,
+    OnloadRequested,
     RolloutGenerated,
     RolloutRequested,
     StepCancelled,
@@ -392,6 +397,38 @@ class Generator(Actor):
 
         await self._on_every_engine(check)
 
+    # --- offload and onload ----------------------------------------------------------------
+
+    @handles(OffloadRequested, emits=(MemoryOffloaded,))
+    async def on_offload_requested(self, event: OffloadRequested) -> None:
+        """The seed's ``rollout_manager.offload(tags)``: every engine releases its memory of
+        kinds ``event.tags`` (``release_memory_occupation``); one ``MemoryOffloaded``."""
+        if event.target == "rollout":
+            started = time.perf_counter()
+            parts = await self._on_memory(EngineWorker.release_memory, event.tags)
+            seconds = time.perf_counter() - started
+            await self.publish(MemoryOffloaded(**_memory_reply(event), parts=parts, seconds=seconds))
+
+    @handles(OnloadRequested, emits=(MemoryOnloaded,))
+    async def on_onload_requested(self, event: OnloadRequested) -> None:
+        """The seed's ``onload_weights`` / ``onload_kv``: every engine resumes its memory of
+        kinds ``event.tags``; one ``MemoryOnloaded``."""
+        if event.target == "rollout":
+            started = time.perf_counter()
+            parts = await self._on_memory(EngineWorker.resume_memory, event.tags)
+            seconds = time.perf_counter() - started
+            await self.publish(MemoryOnloaded(**_memory_reply(event), parts=parts, seconds=seconds))
+
+    async def _on_memory(
+        self, method: Callable[[EngineWorker, Sequence[str]], MemoryPart], tags: Sequence[str]
+    ) -> list[MemoryPart]:
+        """``method(tags)`` on every engine at once; their parts in engine order."""
+        return list(
+            await asyncio.gather(
+                *(self._on_engine(index, method, list(tags)) for index in range(len(self.engines)))
+            )
+        )
+
     @handles(DataReleased, emits=())
     async def on_data_released(self, event: DataReleased) -> None:
         if event.ref.owner == self.name:
@@ -400,6 +437,16 @@ class Generator(Actor):
 
 class EngineFailed(RuntimeError):
     """A call on one engine failed; the message starts with the engine's name."""
+
+
+def _memory_reply(event: OffloadRequested | OnloadRequested) -> dict[str, Any]:
+    """The fields a memory fact copies from the request it answers."""
+    return {
+        "target": event.target,
+        "tags": list(event.tags),
+        "rollout_id": event.rollout_id,
+        "request_id": event.request_id,
+    }
 
 
 def engine_seed(run_seed: int, kind: str, rollout_id: int, engine_index: int) -> int:

@@ -23,8 +23,10 @@ from typing import TYPE_CHECKING
 import anyio
 import msgspec
 
+from actors.protocols.memory import RolloutGate, gates_training
 from actors.trainer_backend import backend_module, build_backend
 from actors.trainer_backend.base import TrainerBackend
+from actors.trainer_backend.offload import offload_group, onload_group
 from actors.trainer_backend.rank_group import RankGroupBackend, trainer_worker_group, uses_rank_group
 from actors.trainer_backend.save_staging import (
     PublicationsTakenUp,
@@ -52,6 +54,10 @@ from schemas.data import DataRef
 from schemas.events import (
     CriticStepFinished,
     DataReleased,
+    MemoryOffloaded,
+    MemoryOnloaded,
+    OffloadRequested,
+    OnloadRequested,
     ProbeBatch,
     PublicationVerified,
     PublishRequested,
@@ -116,6 +122,13 @@ class Trainer(Actor):
         """PPO: rollouts generated, and rollouts the critic valued, until both are in."""
         self._probe_ids: tuple[list[list[int]], list[list[int]]] | None = None
         """The run's probe batch (prompt ids, response ids), when publications carry a probe."""
+        self._offloaded_probe: ProbeBatch | None = None
+        """The probe answered with the weights as they were offloaded (``run.offload_train``):
+        the offloaded model runs no forward."""
+        self._gate: RolloutGate[RolloutGenerated] = RolloutGate(
+            gates_training(config, "actor") and not context.plan.rollout_only
+        )
+        """Rollouts held until the engines released their memory (``run.offload_rollout``)."""
 
     @classmethod
     def resources(cls, config: Config) -> WorkerGroup:
@@ -205,21 +218,62 @@ class Trainer(Actor):
         if event.now:
             self.cancel.cancel(event.reason)
 
-    @handles(RolloutGenerated, emits=(DataReleased, TrainStepFinished, StepCancelled))
+    @handles(
+        RolloutGenerated,
+        emits=(DataReleased, TrainStepFinished, StepCancelled, MemoryOnloaded, MemoryOffloaded),
+    )
     async def on_rollout_generated(self, event: RolloutGenerated) -> None:
         if self.context.plan.rollout_only:
             return  # rollout-only from a checkpoint: nothing is trained (the loop releases the batch)
         if not self.config.trainer.use_critic:
-            await self._train_rollout(event, None)
+            ready = self._gate.arrived(event.rollout_id, event)
+            if ready is not None:
+                await self._train_rollout(ready, None)
             return
         # PPO: the critic values the rollout first (the seed's order); trained once it has.
         self._generated[event.rollout_id] = event
         await self._train_when_valued(event.rollout_id)
 
-    @handles(CriticStepFinished, emits=(DataReleased, TrainStepFinished, StepCancelled))
+    @handles(
+        CriticStepFinished,
+        emits=(DataReleased, TrainStepFinished, StepCancelled, MemoryOnloaded, MemoryOffloaded),
+    )
     async def on_critic_step_finished(self, event: CriticStepFinished) -> None:
         self._valued[event.rollout_id] = event
         await self._train_when_valued(event.rollout_id)
+
+    # --- offload and onload ------------------------------------------------------------------
+
+    @handles(
+        MemoryOffloaded,
+        emits=(DataReleased, TrainStepFinished, StepCancelled, MemoryOnloaded, MemoryOffloaded),
+    )
+    async def on_memory_offloaded(self, event: MemoryOffloaded) -> None:
+        ready = self._gate.released(event)
+        if ready is not None:
+            await self._train_rollout(ready, None)
+
+    @handles(OffloadRequested, emits=(MemoryOffloaded,))
+    async def on_offload_requested(self, event: OffloadRequested) -> None:
+        """The seed's ``actor_model.offload()``."""
+        if event.target == "actor":
+            await self._offload(event.rollout_id, event.request_id)
+
+    @handles(OnloadRequested, emits=(MemoryOnloaded,))
+    async def on_onload_requested(self, event: OnloadRequested) -> None:
+        """The seed's ``actor_model.onload()``."""
+        if event.target == "actor":
+            await self._onload(event.rollout_id, event.request_id)
+
+    async def _offload(self, rollout_id: int | None, request_id: str = "") -> None:
+        if not self.backend.offloaded:
+            self._offloaded_probe = await anyio.to_thread.run_sync(self._probe)
+            self._staging.drop_idle()
+        await self.publish(await offload_group(self.backend, "actor", rollout_id, request_id))
+
+    async def _onload(self, rollout_id: int | None, request_id: str = "") -> None:
+        await self.publish(await onload_group(self.backend, "actor", rollout_id, request_id))
+        self._offloaded_probe = None
 
     async def _train_when_valued(self, rollout_id: int) -> None:
         if rollout_id in self._generated and rollout_id in self._valued:
@@ -234,6 +288,8 @@ class Trainer(Actor):
         trainer = self.config.trainer
         critic_only = valued is not None and event.rollout_id < trainer.num_critic_only_steps
         reader = self.context.transport.reader
+        if not critic_only and self.backend.offloaded:
+            await self._onload(event.rollout_id)  # the seed's ``train`` wakes the model up
 
         def read_and_train() -> tuple[RolloutBatch, TrainMetrics, list[RankStep]]:
             batch = msgspec.msgpack.decode(reader.get_bytes(event.batch), type=RolloutBatch)
@@ -264,6 +320,11 @@ class Trainer(Actor):
             return
         if not critic_only:
             self._last_trained = (event.rollout_id, version)
+            if not self.config.run.offload_train:
+                if valued is None:  # the seed's ``clear_memory()`` (not with a critic)
+                    await anyio.to_thread.run_sync(self.backend.clear_memory)
+            elif valued is not None:  # with a critic, each group offloads after its step
+                await self._offload(event.rollout_id)
         await self.publish(
             TrainStepFinished(
                 rollout_id=event.rollout_id,
@@ -310,6 +371,8 @@ class Trainer(Actor):
         """The publication's behavioural probe with the weights as they are now."""
         if self._probe_ids is None:
             return None
+        if self.backend.offloaded:
+            return self._offloaded_probe
         prompts, responses = self._probe_ids
         return ProbeBatch(prompts, responses, self.backend.probe_logprobs(prompts, responses))
 

@@ -88,6 +88,22 @@ class RunConfig(Section):
     rollout_only_publication_evidence: str | None = None
     """Where that proof is written (JSON, created with mode 0600 and fsynced); an existing
     file is an error, never overwritten. Required by ``rollout_only_from_checkpoint``."""
+    offload_train: bool = False
+    """Move the trainer's (and the critic's) weights, gradients and optimizer state off the
+    device while the engines have it (the seed's ``offload_train``): after each step, and
+    back at the start of the next; saves and publications read the host copy. Without it,
+    the trainer clears its device cache after each step (the seed's ``clear_memory``)."""
+    offload_rollout: bool = False
+    """Release the engines' device memory while the trainer trains (the seed's
+    ``offload_rollout``): CUDA graphs and the ``offload_rollout_level`` parts after each
+    rollout's generation, the weights back before each publication, the KV cache and CUDA
+    graphs back after it. The embedded engine keeps a host copy of its weights; SGLang
+    releases and resumes memory occupation by tag; vLLM sleeps and wakes up (not on CPU)."""
+    offload_rollout_level: list[Literal["kv_cache", "weight"]] = msgspec.field(
+        default_factory=lambda: ["kv_cache", "weight"]
+    )
+    """What ``offload_rollout`` releases besides the CUDA graphs (the seed's
+    ``offload_rollout_level``): ``kv_cache``, ``weight``, or both."""
 
 
 class BuiltinModelConfig(Section):

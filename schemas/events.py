@@ -524,6 +524,82 @@ class CheckpointFailed(Event, frozen=True, kw_only=True):
     reason: str
 
 
+# --- offload and onload (run.offload_train, run.offload_rollout) ----------------------------
+
+MemoryTarget = Literal["rollout", "actor", "critic"]
+"""Whose device memory: the engines' (``rollout``), the trainer's (``actor``) or the critic's."""
+MemoryTag = Literal["cuda_graph", "kv_cache", "weights"]
+"""An engine's kinds of device memory, by SGLang's names (``GPU_MEMORY_TYPE_*``). A trainer
+group has one kind: all it holds (weights, gradients, optimizer state); its tags are empty."""
+
+
+class MemoryPart(msgspec.Struct, frozen=True, kw_only=True):
+    """What one engine, or one trainer rank, released or took back."""
+
+    name: str
+    """``engine-0``..., or ``rank-0``..."""
+    device: str
+    """Where the memory was: ``cuda:0``, ``cpu``."""
+    bytes: int
+    """Tensor bytes moved to a host copy or dropped (offload), or put back (onload); a
+    server engine, which does not say, reports 0."""
+    device_free_before: int = 0
+    """The device's free bytes (``torch.cuda.mem_get_info``) before; 0 off CUDA."""
+    device_free_after: int = 0
+    """... and after: on CUDA, what really came free (or was taken) is the difference."""
+    seconds: float = 0.0
+
+
+class OffloadRequested(Event, frozen=True, kw_only=True):
+    """Release ``target``'s device memory of kinds ``tags`` (the seed's
+    ``rollout_manager.offload(tags)``, ``actor_model.offload()``)."""
+
+    target: MemoryTarget
+    tags: list[MemoryTag] = []
+    rollout_id: int | None = None
+    """The step it belongs to; None before the first rollout."""
+    request_id: str = ""
+
+
+class OnloadRequested(Event, frozen=True, kw_only=True):
+    """Take ``target``'s device memory of kinds ``tags`` back (the seed's ``onload_weights``,
+    ``onload_kv``, ``actor_model.onload()``)."""
+
+    target: MemoryTarget
+    tags: list[MemoryTag] = []
+    rollout_id: int | None = None
+    request_id: str = ""
+
+
+class MemoryOffloaded(Event, frozen=True, kw_only=True):
+    """``target`` released its memory of kinds ``tags``: one part per engine or rank. A
+    trainer group that offloads itself (after a PPO step, as the seed's ``train()`` does)
+    says so with an empty ``request_id``."""
+
+    target: MemoryTarget
+    tags: list[MemoryTag] = []
+    rollout_id: int | None = None
+    request_id: str = ""
+    parts: list[MemoryPart] = []
+    seconds: float = 0.0
+
+    advisory_fields: ClassVar[tuple[str, ...]] = ("parts",)
+
+
+class MemoryOnloaded(Event, frozen=True, kw_only=True):
+    """``target`` took its memory of kinds ``tags`` back. A trainer group onloads itself at
+    the start of its next step (``request_id`` empty)."""
+
+    target: MemoryTarget
+    tags: list[MemoryTag] = []
+    rollout_id: int | None = None
+    request_id: str = ""
+    parts: list[MemoryPart] = []
+    seconds: float = 0.0
+
+    advisory_fields: ClassVar[tuple[str, ...]] = ("parts",)
+
+
 AnyEvent = (
     RunStarted
     | StopRequested
@@ -554,6 +630,10 @@ AnyEvent = (
     | CriticStateStaged
     | CheckpointSaved
     | CheckpointFailed
+    | OffloadRequested
+    | OnloadRequested
+    | MemoryOffloaded
+    | MemoryOnloaded
 )
 """The tagged union every decoder uses; the tag is the class name, under ``"type"``."""
 

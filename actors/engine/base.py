@@ -210,6 +210,27 @@ class Engine(ABC):
         """The fingerprint of the canary of the payload loaded last; "" before any."""
         return ""
 
+    def release_memory(self, tags: Sequence[str]) -> int:
+        """SGLang's ``release_memory_occupation``: free the device memory of kinds ``tags``
+        (``cuda_graph``, ``kv_cache``, ``weights``) until ``resume_memory`` takes it back; the
+        engine refuses to generate, load or fingerprint meanwhile. Returns the tensor bytes
+        released where the engine knows them (0 for a server). Engines that cannot
+        (``releases_memory`` False) raise ``NotImplementedError``."""
+        raise NotImplementedError(f"{self.name} cannot release its device memory (run.offload_rollout)")
+
+    def resume_memory(self, tags: Sequence[str]) -> int:
+        """SGLang's ``resume_memory_occupation`` of kinds ``tags``; the weights come back as
+        they were released (a host copy) until the next load overwrites them. Returns the
+        tensor bytes taken back where the engine knows them."""
+        raise NotImplementedError(f"{self.name} cannot resume its device memory (run.offload_rollout)")
+
+    releases_memory: ClassVar[bool] = False
+    """Whether ``release_memory`` / ``resume_memory`` work (``run.offload_rollout``)."""
+
+    memory_device: str = "server"
+    """Where the memory ``release_memory`` frees is: ``cuda:0``, ``cpu``, or ``server`` for
+    a server engine (its own process and device)."""
+
     def close(self) -> None:
         """Release the engine's memory."""
 

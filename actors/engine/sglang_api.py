@@ -562,6 +562,11 @@ def flush_cache_with_retry(
 MemoryTag = Literal["weights", "kv_cache", "cuda_graph"]
 
 
+def memory_tags(tags: Iterable[str]) -> list[MemoryTag]:
+    """``tags`` checked against SGLang's memory kinds (``ValueError`` naming an unknown one)."""
+    return msgspec.convert(list(tags), list[MemoryTag])
+
+
 class ReleaseMemoryOccupationRequest(Request):
     """``tags`` None: everything. The server must be idle (flush its cache first)."""
 

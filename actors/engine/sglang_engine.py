@@ -156,6 +156,7 @@ class SglangEngine(Engine):
             nccl_port=nccl_port,
             base_gpu_id=base_gpu_id,
             random_seed=config.run.seed,
+            enable_memory_saver=config.run.offload_rollout,
             extra_args=tuple(settings.extra_args),
         )
 
@@ -296,6 +297,28 @@ class SglangEngine(Engine):
         finally:
             self.http.ok(api.CONTINUE_GENERATION, api.ContinueGenerationRequest().body())
         return weights.num_bytes
+
+    # --- offload and onload ------------------------------------------------------------------
+
+    releases_memory = True
+
+    def release_memory(self, tags: Sequence[str]) -> int:
+        """``/release_memory_occupation`` of ``tags``, once the server is idle (its cache
+        flushed); the server, launched with ``--enable-memory-saver``, keeps the weights'
+        host copy itself."""
+        self._flush_cache()
+        self.http.ok(
+            api.RELEASE_MEMORY_OCCUPATION,
+            api.ReleaseMemoryOccupationRequest(tags=api.memory_tags(tags)).body(),
+        )
+        return 0
+
+    def resume_memory(self, tags: Sequence[str]) -> int:
+        """``/resume_memory_occupation`` of ``tags``."""
+        self.http.ok(
+            api.RESUME_MEMORY_OCCUPATION, api.ResumeMemoryOccupationRequest(tags=api.memory_tags(tags)).body()
+        )
+        return 0
 
     # --- the weights checker -------------------------------------------------------------------
 

@@ -282,8 +282,26 @@ class StaticDecoder:
                 self._capture_stream = torch.cuda.Stream(self.device)
 
     def close(self) -> None:
-        """Free the buffers and graphs."""
+        """Free the buffers and graphs (the KV cache): the next decode allocates them again."""
         self._buffers.clear()
+
+    def drop_graphs(self) -> int:
+        """Free the captured CUDA graphs, keeping the buffers: the next decode captures them
+        again. Returns how many were dropped."""
+        dropped = 0
+        for buf in self._buffers.values():
+            dropped += len(buf.graphs)
+            buf.graphs.clear()
+        return dropped
+
+    def buffer_bytes(self) -> int:
+        """Bytes of the buffers held between decodes (the KV cache and the step's tensors)."""
+        total = 0
+        for buf in self._buffers.values():
+            tensors = [*buf.keys, *buf.values, buf.logits, buf.tokens, buf.positions, buf.mask, buf.slot]
+            tensors += [buf.step, buf.row_ids, buf.uniforms, buf.out_tokens, buf.out_logprobs]
+            total += sum(t.numel() * t.element_size() for t in tensors)
+        return total
 
     def _on_device(self) -> contextlib.AbstractContextManager[Any]:
         """This decoder's GPU as the thread's current device (its streams, its graphs)."""

@@ -54,6 +54,7 @@ from actors.engine.static_decode import Decoded, EndCheck, Prefill, RowEnd, Stat
 from miles_events.bus.cancel import Cancellation
 from miles_events.device.buckets import Buckets, bucket_parameters, fingerprint_buckets
 from miles_events.device.fingerprint import tensor_fingerprint
+from miles_events.device.offload import HOST, move_buckets
 from miles_events.rl.canary import CANARY_BYTES, CANARY_TENSOR, split_canary
 from miles_events.rl.checksum import is_skipped
 from miles_events.rl.hf_model import cache_kwarg, load_model, load_tokenizer
@@ -112,6 +113,9 @@ class TorchEngine(Engine):
             "eager" if self._decoder is None else "cuda_graph" if self._decoder.cuda_graphs else "static"
         )
         """How this engine decodes: ``eager``, ``static`` or ``cuda_graph`` (see ``DECODE_MODES``)."""
+        self._released: set[str] = set()
+        """The kinds of memory released (``release_memory``) and not resumed yet."""
+        self.memory_device = str(self.device)
 
     def _decoder_for(self, decode: str) -> StaticDecoder | None:
         if decode not in DECODE_MODES:
@@ -189,6 +193,7 @@ class TorchEngine(Engine):
         cancel: Cancellation | None = None,
     ) -> list[Completion]:
         """Sample one completion per request (see the module docstring for the semantics)."""
+        self._require_resident("generate", ("weights", "kv_cache", "cuda_graph"))
         encoded: dict[str, list[int]] = {}  # a group's samples share one prompt text
 
         def encode(request: GenerateRequest) -> list[int]:
@@ -367,6 +372,7 @@ class TorchEngine(Engine):
     def probe_logprobs(
         self, prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]]
     ) -> list[list[float]]:
+        self._require_resident("answer the probe", ("weights",))
         return teacher_forced_logprobs(self.model, prompt_ids, response_ids)
 
     def _decode(self, ids: list[int]) -> str:
@@ -392,6 +398,7 @@ class TorchEngine(Engine):
                 f"engine {self.name} reads the {self.transport.name} transport, "
                 f"not {weights.transport} ({weights.key})"
             )
+        self._require_resident("load weights", ("weights",))
         staged = self.transport.reader.get_buckets(weights)
         if staged is not None and self._load_buckets(staged, weight_version):
             num_bytes = staged.tensor_bytes
@@ -503,6 +510,7 @@ class TorchEngine(Engine):
     ) -> EngineChecksumReport:
         """The fingerprints of the selected tensors, as one rank (this engine has no tensor
         parallelism); ``"draft"`` selects nothing."""
+        self._require_resident("fingerprint its weights", ("weights",))
         # Every served tensor lives in the buckets: a selection is all of them or none.
         checksums = fingerprint_buckets(self._buckets, skip_tensor_list) if self._select(selector) else {}
         return single_rank_report(checksums, f"checksums of {len(checksums)} tensors")
@@ -525,6 +533,7 @@ class TorchEngine(Engine):
             return self.check_result(
                 action, False, f"unknown action {action!r}; known: {known} (and checksum)"
             )
+        self._require_resident(f"run {action}", ("weights",))
         selected = self._selected(selector, skip_tensor_list)
         if selector == "draft":
             return self.check_result(action, True, f"{action}: no draft model, nothing selected")
@@ -582,6 +591,56 @@ class TorchEngine(Engine):
         mode = "within one ULP" if allow_quant_error else "bitwise"
         message = f"{len(selected)} tensors equal the snapshot ({mode})"
         return self.check_result("compare", True, message, num_tensors=len(selected))
+
+    # --- offload and onload ----------------------------------------------------------------
+
+    releases_memory = True
+
+    def _require_resident(self, what: str, needs: Sequence[str]) -> None:
+        released = sorted(self._released.intersection(needs))
+        if released:
+            raise RuntimeError(
+                f"{self.name} cannot {what} while its {', '.join(released)} memory is released "
+                "(offloaded): resume it first"
+            )
+
+    def release_memory(self, tags: Sequence[str]) -> int:
+        """Free what ``tags`` name: ``cuda_graph`` the captured graphs, ``kv_cache`` the
+        static decoder's buffers (and the graphs, which replay them), ``weights`` the served
+        weights, to a host copy (the graphs go too: they captured the weights' addresses).
+        Returns the tensor bytes freed on the device."""
+        unknown = sorted(set(tags) - {"cuda_graph", "kv_cache", "weights"})
+        if unknown:
+            raise ValueError(
+                f"{self.name}: unknown memory tags {unknown}; known: cuda_graph, kv_cache, weights"
+            )
+        freed = 0
+        if self._decoder is not None:
+            if "kv_cache" in tags:
+                freed += self._decoder.buffer_bytes()
+                self._decoder.close()
+            elif "cuda_graph" in tags or "weights" in tags:
+                self._decoder.drop_graphs()
+        if "weights" in tags and "weights" not in self._released:
+            freed += self._move_weights(torch.device(HOST))
+        self._released.update(tags)
+        return freed
+
+    def resume_memory(self, tags: Sequence[str]) -> int:
+        """Take back what ``tags`` name: the weights from their host copy to the device; the
+        KV cache and the graphs are allocated and captured again by the next decode."""
+        resumed = 0
+        if "weights" in tags and "weights" in self._released:
+            resumed += self._move_weights(self.device)
+        self._released.difference_update(tags)
+        return resumed
+
+    def _move_weights(self, device: torch.device) -> int:
+        owners = self.model.state_dict(keep_vars=True)
+        self._buckets = move_buckets(owners, self._buckets, device)
+        self._served = self._buckets.tensors()
+        self._last_plan = None
+        return self._buckets.num_bytes
 
     def close(self) -> None:
         self._snapshot = None

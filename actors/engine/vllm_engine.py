@@ -100,8 +100,10 @@ def server_command(
     *,
     dtype: str,
     max_model_len: int,
+    sleep_mode: bool = False,
 ) -> list[str]:
-    """The command line of one launched server."""
+    """The command line of one launched server (with ``sleep_mode``, ``--enable-sleep-mode``:
+    ``run.offload_rollout``)."""
     return [
         str(python),
         "-m",
@@ -122,6 +124,7 @@ def server_command(
         "vllm",  # sampling defaults come from the request, not the model's generation_config
         "--worker-extension-cls",
         WORKER_EXTENSION,
+        *(["--enable-sleep-mode"] if sleep_mode else []),
         *config.extra_args,
     ]
 
@@ -664,6 +667,29 @@ class VllmEngine(Engine):
             "reset_tensors", True, f"reset {reset} tensors to random data", num_tensors=reset
         )
 
+    # --- offload and onload ------------------------------------------------------------------
+
+    releases_memory = True
+
+    def release_memory(self, tags: Sequence[str]) -> int:
+        """vLLM's sleep mode (a server started with ``--enable-sleep-mode``; its dev routes,
+        ``vllm/entrypoints/serve/dev/sleep/api_router.py``): with ``weights``, ``/sleep``
+        at level 1 (the weights to host memory, the KV cache discarded) once running requests
+        finish (``mode=wait``); the KV cache alone, ``/release_kv_cache_memory``. vLLM has no
+        CUDA graphs of its own to release apart (they live in the KV pool's)."""
+        if "weights" in tags:
+            self._post("/sleep", params={"level": 1, "mode": "wait"})
+        elif "kv_cache" in tags:
+            self._post("/release_kv_cache_memory")
+        return 0
+
+    def resume_memory(self, tags: Sequence[str]) -> int:
+        """``/wake_up`` with vLLM's tags (``weights``, ``kv_cache``) among ``tags``."""
+        woken = [tag for tag in ("weights", "kv_cache") if tag in tags]
+        if woken:
+            self._post("/wake_up", params={"tags": woken})
+        return 0
+
     def close(self) -> None:
         """Close the HTTP client and end a launched server's whole process group."""
         self._client.close()
@@ -691,7 +717,13 @@ def launch_server(config: Config, *, index: int, name: str) -> ServerProcess:
     return start_on_a_port(
         name,
         lambda port: server_command(
-            python, model_path, port, vllm, dtype=config.model.dtype, max_model_len=max_model_len
+            python,
+            model_path,
+            port,
+            vllm,
+            dtype=config.model.dtype,
+            max_model_len=max_model_len,
+            sleep_mode=config.run.offload_rollout,
         ),
         port=vllm.port + index if vllm.port else 0,
         log_path=log_path,

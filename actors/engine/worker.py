@@ -28,6 +28,7 @@ from actors.engine.base import (
 from actors.engine.scrape_target import remove_target, write_target
 from miles_events.bus.actor import RankPlace
 from miles_events.bus.cancel import Cancellation
+from miles_events.device.offload import Measured
 from miles_events.device.threads import phase_threads
 from miles_events.rl.checksum import ChecksumReplyError, is_skipped, ranked_checksums, report_checksums
 from miles_events.rl.checksum_manifest import write_manifest
@@ -35,7 +36,7 @@ from miles_events.rl.versions import engine_names
 from miles_events.transport.base import Transport
 from schemas.config import Config, VerifierConfig, skip_tensor_list
 from schemas.data import DataRef
-from schemas.events import ProbeBatch, WeightsCheckFinished, WeightsCheckRequested, WeightsLoaded
+from schemas.events import MemoryPart, ProbeBatch, WeightsCheckFinished, WeightsCheckRequested, WeightsLoaded
 
 
 class UnverifiableTensors(ValueError):
@@ -228,6 +229,18 @@ class EngineWorker:
             weight_version=self.engine.weight_version,
             request_id=request.request_id,
         )
+
+    def release_memory(self, tags: Sequence[str]) -> MemoryPart:
+        """The engine's ``release_memory(tags)``, measured where its memory is."""
+        with Measured(self.name, self.engine.memory_device) as measure:
+            num_bytes = self.engine.release_memory(list(tags))
+        return measure.part(num_bytes)
+
+    def resume_memory(self, tags: Sequence[str]) -> MemoryPart:
+        """The engine's ``resume_memory(tags)``, measured where its memory is."""
+        with Measured(self.name, self.engine.memory_device) as measure:
+            num_bytes = self.engine.resume_memory(list(tags))
+        return measure.part(num_bytes)
 
     def close(self) -> None:
         if self.scrape_target is not None:

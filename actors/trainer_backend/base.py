@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
 
 from miles_events.bus.cancel import Cancellation
-from schemas.events import RankStep, TrainMetrics
+from schemas.events import MemoryPart, RankStep, TrainMetrics
 from schemas.rollout import RolloutBatch
 
 if TYPE_CHECKING:
@@ -92,6 +92,23 @@ class TrainerBackend(ABC):
         """What each rank's part of the last ``train`` took, in rank order (empty where the
         backend does not say)."""
         return []
+
+    offloaded: bool = False
+    """Whether the state lives in its host copy (``offload``) until ``onload``."""
+
+    def offload(self) -> list[MemoryPart]:
+        """The seed's ``offload()``: the weights, gradients and optimizer state (and a KL
+        reference) to a host copy, freeing the device; ``named_weights``, the optimizer's and
+        the RNG's state still read (from the host), but ``train`` refuses until ``onload``.
+        One part per rank."""
+        raise NotImplementedError(f"{type(self).__name__} cannot offload (run.offload_train)")
+
+    def onload(self) -> list[MemoryPart]:
+        """The seed's ``onload()``: the state back on the device. One part per rank."""
+        raise NotImplementedError(f"{type(self).__name__} cannot onload (run.offload_train)")
+
+    def clear_memory(self) -> None:
+        """The seed's ``clear_memory()`` after a step: the device's cached blocks given back."""
 
     async def close(self) -> None:
         """Release what the backend started (its ranks' processes); called once, at the end."""

@@ -88,6 +88,7 @@ class TorchCriticBackend(TorchTrainerBackend):
 
     def train_critic(self, batch: RolloutBatch, cancel: Cancellation | None = None) -> CriticMetrics:
         """Value every response token of ``batch`` (``self.values``), then train on it."""
+        self._require_onloaded("train")
         return self._reported(lambda: self._train_critic(batch, cancel))
 
     def _train_critic(self, batch: RolloutBatch, cancel: Cancellation | None) -> CriticMetrics:

@@ -31,7 +31,7 @@ from miles_events.bus.cancel import Cancellation, Cancelled
 from miles_events.device.threads import phase_thread_count, phase_threads
 from miles_events.rl.finite import NonFiniteError
 from schemas.config import critic_config, resolved_sharding
-from schemas.events import CriticMetrics, RankStep, TrainMetrics
+from schemas.events import CriticMetrics, MemoryPart, RankStep, TrainMetrics
 from schemas.rollout import RolloutBatch
 
 if TYPE_CHECKING:
@@ -187,6 +187,15 @@ class TrainerRank:
 
     def probe_logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
         return self.backend.probe_logprobs(prompt_ids, response_ids)
+
+    def offload(self) -> list[MemoryPart]:
+        return self.backend.offload()
+
+    def onload(self) -> list[MemoryPart]:
+        return self.backend.onload()
+
+    def clear_memory(self) -> None:
+        self.backend.clear_memory()
 
     def close(self) -> None:
         self.parallel.close()
@@ -351,6 +360,19 @@ class RankGroupBackend(TrainerBackend):
 
     def probe_logprobs(self, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> list[list[float]]:
         return self._each(TrainerRank.probe_logprobs, prompt_ids, response_ids)[0]
+
+    def offload(self) -> list[MemoryPart]:
+        parts = [part for rank in self._each(TrainerRank.offload) for part in rank]
+        self.offloaded = True
+        return parts
+
+    def onload(self) -> list[MemoryPart]:
+        parts = [part for rank in self._each(TrainerRank.onload) for part in rank]
+        self.offloaded = False
+        return parts
+
+    def clear_memory(self) -> None:
+        self._each(TrainerRank.clear_memory)
 
     async def close(self) -> None:
         await close_workers(self.workers, FAILED_CLOSE_SECONDS if self._failed else None)

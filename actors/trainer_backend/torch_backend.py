@@ -49,13 +49,14 @@ from actors.trainer_backend.grpo import (
 from actors.trainer_backend.parallel import Parallel, by_name, local_shard, share
 from miles_events.bus.cancel import Cancellation, Cancelled
 from miles_events.device.buckets import Buckets, bucket_parameters
+from miles_events.device.offload import HOST, Measured, move_buckets, move_loose, move_optimizer_state
 from miles_events.rl.finite import NonFiniteError
 from miles_events.rl.hf_model import cache_kwarg, load_model, torch_dtype
 from miles_events.rl.lr_schedule import LrSchedule
 from miles_events.rl.probe import teacher_forced_logprobs
 from miles_events.rl.weights import split_tied
 from schemas.config import Config
-from schemas.events import RankStep, TrainMetrics
+from schemas.events import MemoryPart, RankStep, TrainMetrics
 from schemas.rollout import RolloutBatch, Sample
 
 logger = logging.getLogger(__name__)
@@ -278,6 +279,7 @@ class TorchTrainerBackend(TrainerBackend):
             weight_decay=trainer.weight_decay,
         )
         self._num_optimizer_steps = 0
+        self.offloaded = False
         self.lr_schedule = LrSchedule.of(config)
         self._rank_step: RankStep | None = None
 
@@ -434,7 +436,12 @@ class TorchTrainerBackend(TrainerBackend):
             raise Cancelled(cancel.reason or "another trainer rank was cancelled")
 
     def train(self, batch: RolloutBatch, cancel: Cancellation | None = None) -> TrainMetrics:
+        self._require_onloaded("train")
         return self._reported(lambda: self._train(batch, cancel))
+
+    def _require_onloaded(self, what: str) -> None:
+        if self.offloaded:
+            raise RuntimeError(f"the trainer cannot {what} while offloaded: onload it first")
 
     def _reported(self, train: Callable[[], R]) -> R:
         """``train()``, what it took on this rank kept for ``rank_steps``."""
@@ -645,6 +652,50 @@ class TorchTrainerBackend(TrainerBackend):
     def optimizer_state_dict(self) -> dict[str, Any]:
         # Keyed by parameter name: a checkpoint any number of ranks loads.
         return self.parallel.optimizer_state(self.model, self.optimizer, self._parameter_names)
+
+    # --- offload and onload ----------------------------------------------------------------
+
+    def offload(self) -> list[MemoryPart]:
+        with Measured(f"rank-{self.parallel.rank}", self.device) as measure:
+            moved = self._move_state(torch.device(HOST)) if not self.offloaded else 0
+            self.offloaded = True
+        return [measure.part(moved)]
+
+    def onload(self) -> list[MemoryPart]:
+        with Measured(f"rank-{self.parallel.rank}", self.device) as measure:
+            moved = self._move_state(self.device) if self.offloaded else 0
+            self.offloaded = False
+        return [measure.part(moved)]
+
+    def _move_state(self, device: torch.device) -> int:
+        """The weights (bucket by bucket where they live in buckets), the optimizer's state
+        and the KL reference to ``device``; gradients, recomputed every step, are dropped.
+        Sharded over a process group on the CPU, nothing moves (there is no device memory
+        to release); on GPUs the wrapped module moves as a whole."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.parallel.sharded:
+            if self.device.type == HOST:
+                return 0
+            moved = 0
+            for module in (self.root, self.reference_root):
+                if module is not None:
+                    module.to(device)
+                    moved += sum(
+                        local_shard(p).numel() * local_shard(p).element_size() for p in module.parameters()
+                    )
+            return moved + move_optimizer_state(self.optimizer, device)
+        moved = 0
+        if self._buckets is not None:
+            moved += self._buckets.num_bytes
+            self._buckets = move_buckets(self.model.state_dict(keep_vars=True), self._buckets, device)
+        if self.reference is not None:
+            moved += move_loose(self.reference.parameters(), device)
+        return moved + move_optimizer_state(self.optimizer, device)
+
+    def clear_memory(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
 
     def _load_weights(self, model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
         """Checkpoint ``weights`` (Hugging Face names, no tied duplicates needed) into the

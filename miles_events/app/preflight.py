@@ -375,6 +375,23 @@ def check_device(config: Config) -> None:
         raise ConfigError(f"{key}: {why}", key=key)
 
 
+def check_vllm_offload(config: Config) -> None:
+    """``run.offload_rollout`` with vLLM servers launched from its CPU build: refused, since
+    vLLM on CPU refuses sleep mode (``--enable-sleep-mode``), which releasing an engine's
+    memory needs."""
+    from actors.engine.vllm_cpu import DEFAULT_PYTHON, serves_on_cpu
+
+    vllm = config.vllm
+    if not config.run.offload_rollout or config.generator.engine != "vllm" or vllm.urls:
+        return
+    if serves_on_cpu(Path(vllm.python) if vllm.python else DEFAULT_PYTHON):
+        raise ConfigError(
+            "run.offload_rollout: vLLM on CPU has no sleep mode, which releasing an engine's memory needs "
+            '(generator.engine = "vllm"); leave it off, or use generator.engine = "torch"',
+            key="run.offload_rollout",
+        )
+
+
 def check_vllm_head_size(config: Config) -> None:
     """``generator.engine = "vllm"`` with servers launched from vLLM's CPU build
     (``actors.engine.vllm_cpu``): the model's attention head size is one it has kernels for
@@ -507,6 +524,7 @@ def check_input(config: Config) -> None:
     tokenizer, the reward function, then a rollout's memory."""
     check_device(config)
     check_vllm_head_size(config)
+    check_vllm_offload(config)
     check_group_size(config)
     check_lr_schedule(config)
     available = available_memory()

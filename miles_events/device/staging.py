@@ -87,6 +87,11 @@ class StagingPool:
         with self._lock:
             self._lent.pop(key, None)
 
+    def drop_idle(self) -> None:
+        """Free the idle buckets (an offload): the next publication allocates again."""
+        with self._lock:
+            self._idle.clear()
+
     def clear(self) -> None:
         with self._lock:
             self._idle.clear()
