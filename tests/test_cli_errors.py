@@ -486,3 +486,18 @@ def test_an_unknown_log_level_is_exit_2_with_one_line(
         "",
         "error: --log-level: unknown level 'loud'; known: DEBUG, INFO, WARNING, ERROR, CRITICAL\n",
     )
+
+
+@pytest.mark.parametrize("flags", [[], ["--dry-run"]])
+def test_offloading_vllm_engines_on_the_cpu_is_exit_2_with_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str]
+) -> None:
+    config = write_config(
+        tmp_path,
+        '[generator]\nengine = "vllm"\n[model.builtin]\nnum_attention_heads = 2\nnum_key_value_heads = 2\n',
+    )
+    assert main([str(config), "--set", "run.offload_rollout=true", *flags]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert err.startswith("error: run.offload_rollout: vLLM on CPU has no sleep mode"), err
+    assert not (tmp_path / "run").exists()

@@ -56,7 +56,9 @@ def test_released_weights_go_to_a_host_copy_and_come_back_bit_for_bit(model_dir:
 def test_a_released_engine_refuses_to_generate_load_or_fingerprint_until_resumed(model_dir: Path) -> None:
     engine = TorchEngine.from_pretrained(model_dir)
     engine.release_memory(["cuda_graph", "kv_cache"])
-    with pytest.raises(RuntimeError, match="cannot generate while its cuda_graph, kv_cache memory is released"):
+    with pytest.raises(
+        RuntimeError, match="cannot generate while its cuda_graph, kv_cache memory is released"
+    ):
         generate(engine)
     engine.checksums()  # the weights are still there
     engine.release_memory(["weights"])
@@ -98,11 +100,22 @@ def test_an_unknown_tag_is_refused_naming_it(model_dir: Path) -> None:
 def batch(rollout_id: int) -> RolloutBatch:
     samples = [
         Sample(
-            index=g, group=g, prompt="", label="", prompt_ids=[3, 4, 5], response_ids=response,
-            response_logprobs=[-1.0] * len(response), response="", reward=reward, weight_version="1",
-            engine="engine-0", finish_reason="stop",
+            index=g,
+            group=g,
+            prompt="",
+            label="",
+            prompt_ids=[3, 4, 5],
+            response_ids=response,
+            response_logprobs=[-1.0] * len(response),
+            response="",
+            reward=reward,
+            weight_version="1",
+            engine="engine-0",
+            finish_reason="stop",
         )  # fmt: skip
-        for g, (response, reward) in enumerate([([7, 1], 1.0), ([9, 10, 1], 0.0), ([8, 1], 0.0), ([6, 6, 1], 1.0)])
+        for g, (response, reward) in enumerate(
+            [([7, 1], 1.0), ([9, 10, 1], 0.0), ([8, 1], 0.0), ([6, 6, 1], 1.0)]
+        )
     ]
     return RolloutBatch(rollout_id=rollout_id, samples=[*samples[:2], *samples[2:]])
 
@@ -128,7 +141,9 @@ def state_of(backend: TorchTrainerBackend) -> list[bytes]:
     return weights + moments
 
 
-def test_an_offloaded_trainer_trains_on_exactly_as_one_never_offloaded(model_dir: Path, tmp_path: Path) -> None:
+def test_an_offloaded_trainer_trains_on_exactly_as_one_never_offloaded(
+    model_dir: Path, tmp_path: Path
+) -> None:
     plain, moved = backend_of(model_dir, tmp_path / "a"), backend_of(model_dir, tmp_path / "b")
     for rollout_id in range(3):
         plain.train(batch(rollout_id))
@@ -194,7 +209,11 @@ def test_with_a_critic_the_groups_offload_themselves_and_the_critic_waits_for_th
 
 @pytest.mark.parametrize(
     ("levels", "tags"),
-    [([], ["cuda_graph"]), (["kv_cache"], ["cuda_graph", "kv_cache"]), (["weight"], ["cuda_graph", "weights"])],
+    [
+        ([], ["cuda_graph"]),
+        (["kv_cache"], ["cuda_graph", "kv_cache"]),
+        (["weight"], ["cuda_graph", "weights"]),
+    ],
 )
 def test_the_offload_level_adds_to_the_cuda_graphs(levels: list[str], tags: list[str]) -> None:
     assert offload_tags(levels) == tags
@@ -237,7 +256,9 @@ def test_on_a_gpu_each_level_frees_device_memory_and_generation_comes_back_the_s
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_on_a_gpu_the_offloaded_trainer_frees_its_state_and_trains_on_alike(model_dir: Path, tmp_path: Path) -> None:
+def test_on_a_gpu_the_offloaded_trainer_frees_its_state_and_trains_on_alike(
+    model_dir: Path, tmp_path: Path
+) -> None:
     plain, moved = backend_of(model_dir, tmp_path / "a"), backend_of(model_dir, tmp_path / "b")
     plain.train(batch(0))
     moved.train(batch(0))

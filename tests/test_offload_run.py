@@ -84,7 +84,9 @@ def test_the_memory_moves_follow_the_seeds_sequence(runs):
     saved_step = [*step[:4], "save", *step[4:]]
     sequence = moves(log)
     # Evaluations come once the engines have their KV cache back.
-    assert all(sequence[i - 1] == "on rollout kv_cache,cuda_graph" for i, m in enumerate(sequence) if m == "eval")
+    assert all(
+        sequence[i - 1] == "on rollout kv_cache,cuda_graph" for i, m in enumerate(sequence) if m == "eval"
+    )
     assert [m for m in sequence if m != "eval"] == [
         "off rollout cuda_graph,kv_cache,weights",  # created offloaded
         "off actor",
@@ -106,10 +108,14 @@ def test_the_memory_moves_follow_the_seeds_sequence(runs):
 
 def test_offloaded_training_publishes_the_same_weights_as_training_in_place(runs):
     digests = {
-        name: [e.digest for e in events(runs / name) if isinstance(e, WeightsStaged)] for name in ("plain", "offload")
+        name: [e.digest for e in events(runs / name) if isinstance(e, WeightsStaged)]
+        for name in ("plain", "offload")
     }
     assert len(digests["plain"]) == 4 and digests["offload"] == digests["plain"]
-    saved = {name: [e.rollout_id for e in events(runs / name) if isinstance(e, CheckpointSaved)] for name in digests}
+    saved = {
+        name: [e.rollout_id for e in events(runs / name) if isinstance(e, CheckpointSaved)]
+        for name in digests
+    }
     assert saved["offload"] == saved["plain"] == [1, 2]
 
 
@@ -125,7 +131,12 @@ def test_with_a_critic_each_group_offloads_itself_after_its_step(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     log = events(tmp_path)
     sequence = moves(log)
-    assert sequence[:4] == ["off rollout cuda_graph,kv_cache,weights", "off actor", "off critic", "on rollout weights"]
+    assert sequence[:4] == [
+        "off rollout cuda_graph,kv_cache,weights",
+        "off actor",
+        "off critic",
+        "on rollout weights",
+    ]
     # Rollout 0 is the critic's alone; from rollout 1 on, critic then actor, each offloaded
     # right after its step; the engines keep their weights (level kv_cache): no onload_weights.
     first = sequence.index("rollout")

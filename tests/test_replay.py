@@ -286,3 +286,20 @@ async def test_a_ppo_run_with_a_critic_redrives_to_the_recorded_decisions(name):
     result = await redrive(build_actor(name, config, events, run_dir=PPO_FIXTURE), events)
     assert result.inputs > 0 and result.expected
     assert result.matches, result.first_difference()
+
+
+OFFLOAD_FIXTURE = Path(__file__).parent / "fixtures" / "offload_run"
+
+
+@pytest.mark.parametrize("name", ["coordinator", "verifier", "publisher"])
+async def test_a_run_with_offload_redrives_to_the_recorded_decisions(name):
+    runs = split_runs(read_events(OFFLOAD_FIXTURE / "events.log"))
+    ((run_id, events),) = runs.items()
+    config = load_config(OFFLOAD_FIXTURE / "configs" / f"{run_id}.toml", check=False)
+    assert config.run.offload_train and config.run.offload_rollout
+    kinds = [type(e).__name__ for e in events]
+    # Two at the start, then per step: after generation, the trainer's, onload weights, onload KV.
+    assert kinds.count("OffloadRequested") == 2 + 2 * 3 and kinds.count("OnloadRequested") == 2 + 2 * 3
+    result = await redrive(build_actor(name, config, events, run_dir=OFFLOAD_FIXTURE), events)
+    assert result.inputs > 0 and result.expected
+    assert result.matches, result.first_difference()

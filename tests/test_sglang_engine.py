@@ -264,3 +264,26 @@ def test_engines_launched_from_one_process_take_their_own_gpus():
 
     assert [first_gpu(i, 2, visible=4) for i in range(2)] == [None, 2], "two servers of TP 2 on four GPUs"
     assert first_gpu(1, 1, visible=1) is None, "a process that sees only its own GPU (a Ray rank)"
+
+
+def test_offload_releases_and_resumes_memory_occupation_by_tag_once_the_server_is_idle(setup):
+    engine, server, _ = setup
+    assert engine.releases_memory
+    engine.release_memory(["cuda_graph", "kv_cache", "weights"])
+    paths = [path.split("?")[0] for _, path, _ in server.state.requests]
+    assert paths[-2:] == ["/flush_cache", "/release_memory_occupation"]  # idle first, as SGLang needs
+    bodies = {path: body for _, path, body in server.state.requests}
+    assert bodies["/release_memory_occupation"] == {"tags": ["cuda_graph", "kv_cache", "weights"]}
+    assert server.state.released == {"cuda_graph", "kv_cache", "weights"}
+    engine.resume_memory(["weights"])  # the seed's onload_weights
+    assert server.state.released == {"cuda_graph", "kv_cache"}
+    engine.resume_memory(["kv_cache", "cuda_graph"])  # onload_kv
+    assert server.state.released == set() and server.state.refused == []
+    with pytest.raises(ValueError):
+        engine.release_memory(["gpu"])
+
+
+def test_a_launched_server_has_the_memory_saver_exactly_when_the_rollout_offloads():
+    on = Config(model=ModelConfig(path="/m"), run=RunConfig(offload_rollout=True))
+    assert SglangEngine.launch_args(on, port=1).enable_memory_saver
+    assert not SglangEngine.launch_args(Config(model=ModelConfig(path="/m")), port=1).enable_memory_saver

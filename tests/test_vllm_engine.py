@@ -433,3 +433,54 @@ def test_the_dashboards_engines_row_reads_a_real_servers_metrics(engine: VllmEng
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=30)
+
+
+# --- sleep mode: what the CPU build cannot run, checked against vLLM's own routes ----------------
+
+SLEEP_ROUTES = """
+import inspect, json
+from vllm.entrypoints.serve.dev.sleep import api_router as module
+routes = {r.path: {"methods": sorted(r.methods), "query": [p.name for p in r.dependant.query_params]}
+          for r in module.router.routes}
+print(json.dumps({"routes": routes, "wake_up": inspect.getsource(module.wake_up)}))
+"""
+
+
+def test_offload_maps_onto_vllms_own_sleep_routes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's sleep mode does not run on CPU (the input checks refuse it there), so what the
+    engine sends is checked against the routes of the installed vLLM itself."""
+    import json
+
+    from actors.engine.vllm_engine import DEFAULT_PYTHON, server_command
+
+    reply = subprocess.run(
+        [str(DEFAULT_PYTHON), "-c", SLEEP_ROUTES], capture_output=True, text=True, timeout=120, check=True
+    )
+    found = json.loads(reply.stdout.strip().splitlines()[-1])
+    routes = found["routes"]
+    assert routes["/sleep"] == {"methods": ["POST"], "query": ["level", "mode"]}
+    assert routes["/release_kv_cache_memory"]["methods"] == ["POST"]
+    assert routes["/wake_up"]["methods"] == ["POST"] and 'query_params.getlist("tags")' in found["wake_up"]
+    sent: list[tuple[str, dict]] = []
+    engine = VllmEngine.__new__(VllmEngine)
+    monkeypatch.setattr(engine, "_post", lambda route, **kwargs: sent.append((route, kwargs)))
+    engine.release_memory(["cuda_graph", "kv_cache", "weights"])
+    engine.release_memory(["cuda_graph", "kv_cache"])
+    engine.release_memory(["cuda_graph"])
+    engine.resume_memory(["weights"])
+    engine.resume_memory(["kv_cache", "cuda_graph"])
+    assert sent == [
+        ("/sleep", {"params": {"level": 1, "mode": "wait"}}),
+        ("/release_kv_cache_memory", {}),
+        ("/wake_up", {"params": {"tags": ["weights"]}}),
+        ("/wake_up", {"params": {"tags": ["kv_cache"]}}),
+    ]
+    for route, _ in sent:
+        assert route in routes
+    config = VllmConfig()
+    assert "--enable-sleep-mode" in server_command(
+        "py", "/m", 1, config, dtype="float32", max_model_len=8, sleep_mode=True
+    )
+    assert "--enable-sleep-mode" not in server_command(
+        "py", "/m", 1, config, dtype="float32", max_model_len=8
+    )

@@ -77,7 +77,9 @@ def engine_levels(path: Path, args: argparse.Namespace) -> dict[str, dict[str, f
     reference = generate()
     results: dict[str, dict[str, list[float]]] = {}
     for level, tags in LEVELS.items():
-        row = results.setdefault(level, {k: [] for k in ("released", "offload_s", "weights_back", "weights_s", "kv_back", "kv_s")})
+        row = results.setdefault(
+            level, {k: [] for k in ("released", "offload_s", "weights_back", "weights_s", "kv_back", "kv_s")}
+        )
         for _ in range(args.reps):
             assert generate() == reference, "generation changed before the offload"
             seconds, freed, _ = timed(lambda: engine.release_memory(tags))
@@ -134,9 +136,10 @@ def trainer_offload(path: Path, args: argparse.Namespace) -> dict[str, float]:
         rows["taken"].append(-freed)
         rows["onload_s"].append(seconds)
         after = state()
-        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(reference, after, strict=True)), (
-            "the trainer's state changed across an offload"
-        )
+        assert all(
+            torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+            for a, b in zip(reference, after, strict=True)
+        ), "the trainer's state changed across an offload"
         # The baseline: one device-to-host copy of the same bytes into pinned memory.
         source = torch.empty(held, dtype=torch.uint8, device="cuda")
         target = torch.empty(held, dtype=torch.uint8, pin_memory=True)
@@ -166,7 +169,9 @@ def main() -> int:
     path = prepare_model(args)
     print(f"device: {torch.cuda.get_device_name()}; total {gib(torch.cuda.mem_get_info()[1]):.1f} GiB")
     engine = engine_levels(path, args)
-    print("engine level       released GiB  offload s  weights back GiB  onload_weights s  kv back GiB  onload_kv s")
+    print(
+        "engine level       released GiB  offload s  weights back GiB  onload_weights s  kv back GiB  onload_kv s"
+    )
     for level, row in engine.items():
         print(
             f"{level:<18} {gib(row['released']):>12.3f} {row['offload_s']:>10.4f} {gib(row['weights_back']):>17.3f}"
@@ -183,8 +188,14 @@ def main() -> int:
         "RESULT "
         + " ".join(
             [
-                *(f"engine_{lvl.replace('+', '_')}_released_gib={gib(r['released']):.3f}" for lvl, r in engine.items()),
-                *(f"engine_{lvl.replace('+', '_')}_offload_s={r['offload_s']:.4f}" for lvl, r in engine.items()),
+                *(
+                    f"engine_{lvl.replace('+', '_')}_released_gib={gib(r['released']):.3f}"
+                    for lvl, r in engine.items()
+                ),
+                *(
+                    f"engine_{lvl.replace('+', '_')}_offload_s={r['offload_s']:.4f}"
+                    for lvl, r in engine.items()
+                ),
                 f"engine_onload_weights_s={full['weights_s']:.4f}",
                 f"engine_onload_kv_s={full['kv_s']:.4f}",
                 f"trainer_released_gib={gib(trainer['released']):.3f}",
