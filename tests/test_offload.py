@@ -112,7 +112,7 @@ def batch(rollout_id: int) -> RolloutBatch:
             weight_version="1",
             engine="engine-0",
             finish_reason="stop",
-        )  # fmt: skip
+        )
         for g, (response, reward) in enumerate(
             [([7, 1], 1.0), ([9, 10, 1], 0.0), ([8, 1], 0.0), ([6, 6, 1], 1.0)]
         )

@@ -82,7 +82,7 @@ def engine_levels(path: Path, args: argparse.Namespace) -> dict[str, dict[str, f
         )
         for _ in range(args.reps):
             assert generate() == reference, "generation changed before the offload"
-            seconds, freed, _ = timed(lambda: engine.release_memory(tags))
+            seconds, freed, _ = timed(lambda tags=tags: engine.release_memory(tags))
             row["released"].append(freed)
             row["offload_s"].append(seconds)
             seconds, freed, _ = timed(lambda: engine.resume_memory(["weights"]))
