@@ -22,6 +22,9 @@ models concurrently), and every call below goes to all of them at once. It react
   as it and the engines before it are done.
 - ``WeightsCheckRequested``: SGLang's weight-checker action on every engine; one
   ``WeightsCheckFinished`` per engine, in engine order.
+- ``OffloadRequested`` / ``OnloadRequested`` of ``rollout``: every engine releases or
+  resumes its memory of the tags asked for (``run.offload_rollout``); one
+  ``MemoryOffloaded`` / ``MemoryOnloaded`` with a part per engine.
 - ``DataReleased`` of a batch it owns: frees it.
 
 A failure on one engine fails the handler with the engine's name in its message.

@@ -38,6 +38,7 @@ from schemas.events import (
     CriticStepFinished,
     EvalFinished,
     Event,
+    MemoryOffloaded,
     PublicationMismatch,
     PublicationVerified,
     RankStep,
@@ -60,6 +61,12 @@ PER_RANK = {
 }
 """Metrics of a trainer that reports its ranks (``TrainStepFinished.ranks``; the fixture
 run's trainer did not)."""
+OFFLOAD_ONLY = {
+    "miles_memory_moved_bytes",
+    "miles_memory_device_freed_bytes",
+    "miles_memory_move_duration_seconds",
+}
+"""Metrics of runs that offload (``run.offload_train``, ``run.offload_rollout``)."""
 PPO_ONLY = {
     "miles_critic_value_loss",
     "miles_critic_value_clipfrac",
@@ -313,7 +320,7 @@ def test_every_documented_metric_gets_a_series_in_a_full_run(events: list[Event]
     for event in events:
         metrics.observe(event)
     with_samples = {exposed_name(f) for f in metrics.registry.collect() if f.samples}
-    assert with_samples == {spec.name for spec in METRICS} - FAILURE_ONLY - PER_RANK - PPO_ONLY
+    assert with_samples == {spec.name for spec in METRICS} - FAILURE_ONLY - PER_RANK - PPO_ONLY - OFFLOAD_ONLY
 
 
 def test_documented_labels_are_the_exposed_labels(events: list[Event]) -> None:
@@ -324,6 +331,7 @@ def test_documented_labels_are_the_exposed_labels(events: list[Event]) -> None:
     metrics.observe(ActorFailed(actor="trainer", error="e", run_id="r"))
     metrics.observe(two_rank_step())
     metrics.observe(critic_step())
+    metrics.observe(MemoryOffloaded(run_id="r", target="rollout"))
     for event in events:
         metrics.observe(event)
     exposed = {
@@ -532,3 +540,25 @@ def test_replay_of_a_torn_log_serves_the_complete_records(tmp_path: Path, events
     assert "miles_run_finished" in found
     assert status == 0
     assert f"replay: {torn}: torn record at byte" in err
+
+
+def test_each_memory_move_sets_its_bytes_freed_memory_and_duration() -> None:
+    from schemas.events import MemoryOnloaded, MemoryPart
+
+    metrics = RunMetrics()
+    part = MemoryPart(
+        name="engine-0", device="cuda:0", bytes=300, device_free_before=1000, device_free_after=1400
+    )
+    metrics.observe(
+        MemoryOffloaded(run_id="r", target="rollout", tags=["weights"], parts=[part, part], seconds=0.5)
+    )
+    metrics.observe(
+        MemoryOnloaded(run_id="r", target="actor", parts=[MemoryPart(name="rank-0", device="cpu", bytes=7)])
+    )
+    labels = {"run": "r", "target": "rollout", "direction": "offload"}
+    assert metrics.registry.get_sample_value("miles_memory_moved_bytes", labels) == 600
+    assert metrics.registry.get_sample_value("miles_memory_device_freed_bytes", labels) == 800
+    assert metrics.registry.get_sample_value("miles_memory_move_duration_seconds_sum", labels) == 0.5
+    onload = {"run": "r", "target": "actor", "direction": "onload"}
+    assert metrics.registry.get_sample_value("miles_memory_moved_bytes", onload) == 7
+    assert metrics.registry.get_sample_value("miles_memory_device_freed_bytes", onload) == 0

@@ -39,6 +39,8 @@ from schemas.events import (
     CriticStepFinished,
     EvalFinished,
     Event,
+    MemoryOffloaded,
+    MemoryOnloaded,
     PublicationEvidenceFailed,
     PublicationEvidenceWritten,
     PublicationFailed,
@@ -60,7 +62,7 @@ SHOWN: tuple[type[Event], ...] = (
     RunStarted, RolloutGenerated, TrainStepFinished, WeightsStaged, WeightsLoaded, WeightsPublished,
     PublicationVerified, PublicationMismatch, PublicationFailed, EvalFinished, CheckpointSaved,
     CheckpointFailed, ActorFailed, RunFinished, PublicationEvidenceWritten, PublicationEvidenceFailed,
-    CriticStepFinished,
+    CriticStepFinished, MemoryOffloaded, MemoryOnloaded,
 )  # fmt: skip
 STEP_PHASES = (
     ("generate", "gen"),
@@ -317,6 +319,8 @@ class PlainProgress(ConsoleSink):
         self.published: dict[int, WeightsPublished] = {}
         self.initial_publications = 0
         """Publications before the first rollout (rollout-only republishes once)."""
+        self.memory_seconds: dict[int, float] = {}
+        """Seconds a rollout's step spent offloading and onloading, until its line."""
         self.ended = False
 
     def _line(self, text: str, *, final: bool = False) -> None:
@@ -349,6 +353,13 @@ class PlainProgress(ConsoleSink):
             )
         else:
             self.generated[event.rollout_id] = event
+
+    @handles(MemoryOffloaded, MemoryOnloaded)
+    def _memory_moved(self, event: MemoryOffloaded | MemoryOnloaded) -> None:
+        if event.rollout_id is not None:
+            self.memory_seconds[event.rollout_id] = self.memory_seconds.get(event.rollout_id, 0.0) + event.seconds
+            return
+        self._line(describe_memory(event))
 
     @handles(PublicationEvidenceWritten)
     def _evidence_written(self, event: PublicationEvidenceWritten) -> None:
@@ -442,6 +453,9 @@ class PlainProgress(ConsoleSink):
             times += f"critic {critic.train_seconds:.2f}s "
         times += f"train {train.train_seconds:.2f}s"
         m = train.metrics
+        memory = self.memory_seconds.pop(rollout_id, None)
+        if memory is not None:
+            times += f" offload {memory:.2f}s"
         if published is not None:
             times += f" pub {published.publish_seconds:.2f}s"
         if verify_seconds is not None:
@@ -462,6 +476,17 @@ class PlainProgress(ConsoleSink):
 
     def finish(self) -> None:
         self._end()
+
+
+def describe_memory(event: MemoryOffloaded | MemoryOnloaded) -> str:
+    """One line for a memory move: whose, what, the bytes moved and, on a GPU, what came free."""
+    verb = "offloaded" if isinstance(event, MemoryOffloaded) else "onloaded"
+    whose = {"rollout": "engines", "actor": "trainer", "critic": "critic"}[event.target]
+    what = f" ({', '.join(event.tags)})" if event.tags else ""
+    moved = sum(part.bytes for part in event.parts)
+    freed = sum(part.device_free_after - part.device_free_before for part in event.parts if part.device_free_before)
+    device = f", device free {freed / 2**30:+.2f} GiB" if freed else ""
+    return f"{whose} {verb}{what}: {moved / 2**20:.1f} MiB in {event.seconds:.2f}s{device}"
 
 
 def _duration(seconds: float) -> str:

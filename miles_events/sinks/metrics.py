@@ -37,6 +37,8 @@ from schemas.events import (
     CriticStepFinished,
     EvalFinished,
     Event,
+    MemoryOffloaded,
+    MemoryOnloaded,
     PublicationFailed,
     PublicationMismatch,
     PublicationVerified,
@@ -110,6 +112,9 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("miles_critic_value_mean", "gauge", "", "PPO: the critic's mean value of the last rollout's tokens.", "CriticStepFinished.metrics.value_mean"),
     _m("miles_critic_return_mean", "gauge", "", "PPO: the mean GAE return the critic trained towards on the last rollout.", "CriticStepFinished.metrics.return_mean"),
     _m("miles_critic_duration_seconds", "histogram", "", "PPO: time of a critic step (valuing a rollout and training on it).", "CriticStepFinished.train_seconds"),
+    _m("miles_memory_moved_bytes", "gauge", "target direction", "Offload and onload: tensor bytes the last move of `target` (`rollout`, `actor`, `critic`) moved in `direction` (`offload`, `onload`), all engines or ranks together.", "MemoryOffloaded, MemoryOnloaded"),
+    _m("miles_memory_device_freed_bytes", "gauge", "target direction", "On a GPU, the device memory the last move really freed (offload) or took (onload, negative), from `torch.cuda.mem_get_info`; 0 off CUDA.", "MemoryOffloaded, MemoryOnloaded (parts)"),
+    _m("miles_memory_move_duration_seconds", "histogram", "target direction", "Time of an offload or onload.", "MemoryOffloaded.seconds, MemoryOnloaded.seconds"),
     _m("miles_eval_score", "gauge", "metric", "The last evaluation, one series per metric it reports.", "EvalFinished.metrics"),
     _m("miles_eval_duration_seconds", "histogram", "", "Time of an evaluation.", "EvalFinished.eval_seconds"),
     _m("miles_weight_version", "gauge", "role engine", 'Weight version as a number (`"default"` = 0). `role="trainer"` (with `engine=""`): staged by the trainer; `role="engine"`: served by that engine. Trainer = the run\'s start version and engines = 0 at RunStarted.', "RunStarted, WeightsStaged, WeightsLoaded"),
@@ -337,6 +342,15 @@ class RunMetrics(Sink):
         f("miles_critic_return_mean")(e.run_id).set(m.return_mean)
         if e.train_seconds > 0:
             f("miles_critic_duration_seconds")(e.run_id).observe(e.train_seconds)
+
+    @handles(MemoryOffloaded, MemoryOnloaded)
+    def _memory_moved(self, e: MemoryOffloaded | MemoryOnloaded) -> None:
+        f = self.families.__getitem__
+        direction = "offload" if isinstance(e, MemoryOffloaded) else "onload"
+        f("miles_memory_moved_bytes")(e.run_id, e.target, direction).set(sum(p.bytes for p in e.parts))
+        freed = sum(p.device_free_after - p.device_free_before for p in e.parts)
+        f("miles_memory_device_freed_bytes")(e.run_id, e.target, direction).set(freed)
+        f("miles_memory_move_duration_seconds")(e.run_id, e.target, direction).observe(e.seconds)
 
     @handles(EvalFinished)
     def _eval_finished(self, e: EvalFinished) -> None:
