@@ -268,7 +268,6 @@ def test_engines_launched_from_one_process_take_their_own_gpus():
 
 def test_offload_releases_and_resumes_memory_occupation_by_tag_once_the_server_is_idle(setup):
     engine, server, _ = setup
-    assert engine.releases_memory
     engine.release_memory(["cuda_graph", "kv_cache", "weights"])
     paths = [path.split("?")[0] for _, path, _ in server.state.requests]
     assert paths[-2:] == ["/flush_cache", "/release_memory_occupation"]  # idle first, as SGLang needs

@@ -214,8 +214,8 @@ class Engine(ABC):
         """SGLang's ``release_memory_occupation``: free the device memory of kinds ``tags``
         (``cuda_graph``, ``kv_cache``, ``weights``) until ``resume_memory`` takes it back; the
         engine refuses to generate, load or fingerprint meanwhile. Returns the tensor bytes
-        released where the engine knows them (0 for a server). Engines that cannot
-        (``releases_memory`` False) raise ``NotImplementedError``."""
+        released where the engine knows them (0 for a server). An engine that cannot
+        raises ``NotImplementedError``."""
         raise NotImplementedError(f"{self.name} cannot release its device memory (run.offload_rollout)")
 
     def resume_memory(self, tags: Sequence[str]) -> int:
@@ -223,9 +223,6 @@ class Engine(ABC):
         they were released (a host copy) until the next load overwrites them. Returns the
         tensor bytes taken back where the engine knows them."""
         raise NotImplementedError(f"{self.name} cannot resume its device memory (run.offload_rollout)")
-
-    releases_memory: ClassVar[bool] = False
-    """Whether ``release_memory`` / ``resume_memory`` work (``run.offload_rollout``)."""
 
     memory_device: str = "server"
     """Where the memory ``release_memory`` frees is: ``cuda:0``, ``cpu``, or ``server`` for

@@ -300,8 +300,6 @@ class SglangEngine(Engine):
 
     # --- offload and onload ------------------------------------------------------------------
 
-    releases_memory = True
-
     def release_memory(self, tags: Sequence[str]) -> int:
         """``/release_memory_occupation`` of ``tags``, once the server is idle (its cache
         flushed); the server, launched with ``--enable-memory-saver``, keeps the weights'

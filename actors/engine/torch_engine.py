@@ -594,8 +594,6 @@ class TorchEngine(Engine):
 
     # --- offload and onload ----------------------------------------------------------------
 
-    releases_memory = True
-
     def _require_resident(self, what: str, needs: Sequence[str]) -> None:
         released = sorted(self._released.intersection(needs))
         if released:

@@ -669,8 +669,6 @@ class VllmEngine(Engine):
 
     # --- offload and onload ------------------------------------------------------------------
 
-    releases_memory = True
-
     def release_memory(self, tags: Sequence[str]) -> int:
         """vLLM's sleep mode (a server started with ``--enable-sleep-mode``; its dev routes,
         ``vllm/entrypoints/serve/dev/sleep/api_router.py``): with ``weights``, ``/sleep``

@@ -357,7 +357,9 @@ class PlainProgress(ConsoleSink):
     @handles(MemoryOffloaded, MemoryOnloaded)
     def _memory_moved(self, event: MemoryOffloaded | MemoryOnloaded) -> None:
         if event.rollout_id is not None:
-            self.memory_seconds[event.rollout_id] = self.memory_seconds.get(event.rollout_id, 0.0) + event.seconds
+            self.memory_seconds[event.rollout_id] = (
+                self.memory_seconds.get(event.rollout_id, 0.0) + event.seconds
+            )
             return
         self._line(describe_memory(event))
 
@@ -484,7 +486,9 @@ def describe_memory(event: MemoryOffloaded | MemoryOnloaded) -> str:
     whose = {"rollout": "engines", "actor": "trainer", "critic": "critic"}[event.target]
     what = f" ({', '.join(event.tags)})" if event.tags else ""
     moved = sum(part.bytes for part in event.parts)
-    freed = sum(part.device_free_after - part.device_free_before for part in event.parts if part.device_free_before)
+    freed = sum(
+        part.device_free_after - part.device_free_before for part in event.parts if part.device_free_before
+    )
     device = f", device free {freed / 2**30:+.2f} GiB" if freed else ""
     return f"{whose} {verb}{what}: {moved / 2**20:.1f} MiB in {event.seconds:.2f}s{device}"
 
