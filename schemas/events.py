@@ -550,10 +550,7 @@ class MemoryPart(msgspec.Struct, frozen=True, kw_only=True):
     seconds: float = 0.0
 
 
-class OffloadRequested(Event, frozen=True, kw_only=True):
-    """Release ``target``'s device memory of kinds ``tags`` (the seed's
-    ``rollout_manager.offload(tags)``, ``actor_model.offload()``)."""
-
+class _MemoryCommand(Event, frozen=True, kw_only=True):
     target: MemoryTarget
     tags: list[MemoryTag] = []
     rollout_id: int | None = None
@@ -561,43 +558,33 @@ class OffloadRequested(Event, frozen=True, kw_only=True):
     request_id: str = ""
 
 
-class OnloadRequested(Event, frozen=True, kw_only=True):
+class OffloadRequested(_MemoryCommand, frozen=True, kw_only=True):
+    """Release ``target``'s device memory of kinds ``tags`` (the seed's
+    ``rollout_manager.offload(tags)``, ``actor_model.offload()``)."""
+
+
+class OnloadRequested(_MemoryCommand, frozen=True, kw_only=True):
     """Take ``target``'s device memory of kinds ``tags`` back (the seed's ``onload_weights``,
     ``onload_kv``, ``actor_model.onload()``)."""
 
-    target: MemoryTarget
-    tags: list[MemoryTag] = []
-    rollout_id: int | None = None
-    request_id: str = ""
 
-
-class MemoryOffloaded(Event, frozen=True, kw_only=True):
-    """``target`` released its memory of kinds ``tags``: one part per engine or rank. A
-    trainer group that offloads itself (after a PPO step, as the seed's ``train()`` does)
-    says so with an empty ``request_id``."""
-
-    target: MemoryTarget
-    tags: list[MemoryTag] = []
-    rollout_id: int | None = None
-    request_id: str = ""
+class _MemoryFact(_MemoryCommand, frozen=True, kw_only=True):
     parts: list[MemoryPart] = []
+    """One per engine or trainer rank."""
     seconds: float = 0.0
 
     advisory_fields: ClassVar[tuple[str, ...]] = ("parts",)
 
 
-class MemoryOnloaded(Event, frozen=True, kw_only=True):
+class MemoryOffloaded(_MemoryFact, frozen=True, kw_only=True):
+    """``target`` released its memory of kinds ``tags``, as the request with ``request_id``
+    asked. A trainer group that offloads itself (after a PPO step, as the seed's
+    ``train()`` does) says so with an empty ``request_id``."""
+
+
+class MemoryOnloaded(_MemoryFact, frozen=True, kw_only=True):
     """``target`` took its memory of kinds ``tags`` back. A trainer group onloads itself at
     the start of its next step (``request_id`` empty)."""
-
-    target: MemoryTarget
-    tags: list[MemoryTag] = []
-    rollout_id: int | None = None
-    request_id: str = ""
-    parts: list[MemoryPart] = []
-    seconds: float = 0.0
-
-    advisory_fields: ClassVar[tuple[str, ...]] = ("parts",)
 
 
 AnyEvent = (

@@ -272,34 +272,28 @@ def test_redrive_says_when_no_recorded_config_is_there_to_compare_with(tmp_path,
     )
 
 
-PPO_FIXTURE = Path(__file__).parent / "fixtures" / "ppo_run"
+FIXTURES = Path(__file__).parent / "fixtures"
 
 
-@pytest.mark.parametrize("name", ["coordinator", "verifier", "publisher"])
-async def test_a_ppo_run_with_a_critic_redrives_to_the_recorded_decisions(name):
-    runs = split_runs(read_events(PPO_FIXTURE / "events.log"))
-    ((run_id, events),) = runs.items()
-    config = load_config(PPO_FIXTURE / "configs" / f"{run_id}.toml", check=False)
-    assert config.trainer.use_critic and config.trainer.num_critic_only_steps == 1
-    kinds = [type(e).__name__ for e in events]
-    assert kinds.count("CriticStepFinished") == 3 and kinds.count("CriticStateStaged") == 2
-    result = await redrive(build_actor(name, config, events, run_dir=PPO_FIXTURE), events)
-    assert result.inputs > 0 and result.expected
-    assert result.matches, result.first_difference()
-
-
-OFFLOAD_FIXTURE = Path(__file__).parent / "fixtures" / "offload_run"
-
-
-@pytest.mark.parametrize("name", ["coordinator", "verifier", "publisher"])
-async def test_a_run_with_offload_redrives_to_the_recorded_decisions(name):
-    runs = split_runs(read_events(OFFLOAD_FIXTURE / "events.log"))
-    ((run_id, events),) = runs.items()
-    config = load_config(OFFLOAD_FIXTURE / "configs" / f"{run_id}.toml", check=False)
+def offload_counts(config, kinds) -> None:
     assert config.run.offload_train and config.run.offload_rollout
-    kinds = [type(e).__name__ for e in events]
     # Two at the start, then per step: after generation, the trainer's, onload weights, onload KV.
     assert kinds.count("OffloadRequested") == 2 + 2 * 3 and kinds.count("OnloadRequested") == 2 + 2 * 3
-    result = await redrive(build_actor(name, config, events, run_dir=OFFLOAD_FIXTURE), events)
+
+
+def ppo_counts(config, kinds) -> None:
+    assert config.trainer.use_critic and config.trainer.num_critic_only_steps == 1
+    assert kinds.count("CriticStepFinished") == 3 and kinds.count("CriticStateStaged") == 2
+
+
+@pytest.mark.parametrize("name", ["coordinator", "verifier", "publisher"])
+@pytest.mark.parametrize(("fixture", "check"), [("ppo_run", ppo_counts), ("offload_run", offload_counts)])
+async def test_a_run_of_a_seed_branch_redrives_to_the_recorded_decisions(name, fixture, check):
+    """PPO with a critic, and offload and onload, each re-driven from a recorded run."""
+    runs = split_runs(read_events(FIXTURES / fixture / "events.log"))
+    ((run_id, events),) = runs.items()
+    config = load_config(FIXTURES / fixture / "configs" / f"{run_id}.toml", check=False)
+    check(config, [type(e).__name__ for e in events])
+    result = await redrive(build_actor(name, config, events, run_dir=FIXTURES / fixture), events)
     assert result.inputs > 0 and result.expected
     assert result.matches, result.first_difference()

@@ -23,6 +23,7 @@ from schemas.events import (
     EVENT_TYPES_BY_NAME,
     CriticMetrics,
     Event,
+    MemoryPart,
     ProbeBatch,
     RankStep,
     RolloutRequested,
@@ -250,6 +251,35 @@ EXAMPLES: dict[str, dict[str, Any]] = {
         optimizer=DataRef("shm", "critic-optimizer-3", "critic", 10),
         rng=DataRef("shm", "critic-rng-3", "critic", 5),
         num_optimizer_steps=12,
+    ),
+    "OffloadRequested": dict(
+        target="rollout", tags=["cuda_graph", "kv_cache"], rollout_id=3, request_id="memory-5"
+    ),
+    "OnloadRequested": dict(target="actor", tags=[], rollout_id=None, request_id="memory-1"),
+    "MemoryOffloaded": dict(
+        target="rollout",
+        tags=["cuda_graph", "kv_cache", "weights"],
+        rollout_id=3,
+        request_id="memory-5",
+        parts=[
+            MemoryPart(
+                name="engine-0",
+                device="cuda:0",
+                bytes=1 << 30,
+                device_free_before=10,
+                device_free_after=20,
+                seconds=0.5,
+            )
+        ],
+        seconds=0.5,
+    ),
+    "MemoryOnloaded": dict(
+        target="critic",
+        tags=[],
+        rollout_id=4,
+        request_id="",
+        parts=[MemoryPart(name="rank-1", device="cpu", bytes=64)],
+        seconds=0.25,
     ),
     "CheckpointSaved": dict(
         rollout_id=3,
