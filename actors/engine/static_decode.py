@@ -284,6 +284,7 @@ class StaticDecoder:
     def close(self) -> None:
         """Free the buffers and graphs (the KV cache): the next decode allocates them again."""
         self._buffers.clear()
+        self._new_pool()
 
     def drop_graphs(self) -> int:
         """Free the captured CUDA graphs, keeping the buffers: the next decode captures them
@@ -292,7 +293,16 @@ class StaticDecoder:
         for buf in self._buffers.values():
             dropped += len(buf.graphs)
             buf.graphs.clear()
+        self._new_pool()
         return dropped
+
+    def _new_pool(self) -> None:
+        """Graphs captured from now on share a new memory pool: the old one went with the
+        graphs that used it (the caching allocator frees a private pool once its last graph
+        is destroyed, and refuses a capture into it after that)."""
+        if self._pool is not None:
+            with torch.cuda.device(self.device):
+                self._pool = torch.cuda.graph_pool_handle()
 
     def buffer_bytes(self) -> int:
         """Bytes of the buffers held between decodes (the KV cache and the step's tensors)."""

@@ -54,7 +54,7 @@ from actors.engine.static_decode import Decoded, EndCheck, Prefill, RowEnd, Stat
 from miles_events.bus.cancel import Cancellation
 from miles_events.device.buckets import Buckets, bucket_parameters, fingerprint_buckets
 from miles_events.device.fingerprint import tensor_fingerprint
-from miles_events.device.offload import HOST, move_buckets
+from miles_events.device.offload import HOST, HostCopies, move_buckets
 from miles_events.rl.canary import CANARY_BYTES, CANARY_TENSOR, split_canary
 from miles_events.rl.checksum import is_skipped
 from miles_events.rl.hf_model import cache_kwarg, load_model, load_tokenizer
@@ -113,6 +113,8 @@ class TorchEngine(Engine):
             "eager" if self._decoder is None else "cuda_graph" if self._decoder.cuda_graphs else "static"
         )
         """How this engine decodes: ``eager``, ``static`` or ``cuda_graph`` (see ``DECODE_MODES``)."""
+        self._host_copies = HostCopies()
+        """The weights' pinned host copy, kept from one offload to the next (on a GPU)."""
         self._released: set[str] = set()
         """The kinds of memory released (``release_memory``) and not resumed yet."""
         self.memory_device = str(self.device)
@@ -635,7 +637,7 @@ class TorchEngine(Engine):
 
     def _move_weights(self, device: torch.device) -> int:
         owners = self.model.state_dict(keep_vars=True)
-        self._buckets = move_buckets(owners, self._buckets, device)
+        self._buckets = move_buckets(owners, self._buckets, device, self._host_copies)
         self._served = self._buckets.tensors()
         self._last_plan = None
         return self._buckets.num_bytes

@@ -49,7 +49,14 @@ from actors.trainer_backend.grpo import (
 from actors.trainer_backend.parallel import Parallel, by_name, local_shard, share
 from miles_events.bus.cancel import Cancellation, Cancelled
 from miles_events.device.buckets import Buckets, bucket_parameters
-from miles_events.device.offload import HOST, Measured, move_buckets, move_loose, move_optimizer_state
+from miles_events.device.offload import (
+    HOST,
+    HostCopies,
+    Measured,
+    move_buckets,
+    move_loose,
+    move_optimizer_state,
+)
 from miles_events.rl.finite import NonFiniteError
 from miles_events.rl.hf_model import cache_kwarg, load_model, torch_dtype
 from miles_events.rl.lr_schedule import LrSchedule
@@ -280,6 +287,8 @@ class TorchTrainerBackend(TrainerBackend):
         )
         self._num_optimizer_steps = 0
         self.offloaded = False
+        self._host_copies = HostCopies()
+        """The state's pinned host copies, kept from one offload to the next (on a GPU)."""
         self.lr_schedule = LrSchedule.of(config)
         self._rank_step: RankStep | None = None
 
@@ -683,14 +692,14 @@ class TorchTrainerBackend(TrainerBackend):
                     moved += sum(
                         local_shard(p).numel() * local_shard(p).element_size() for p in module.parameters()
                     )
-            return moved + move_optimizer_state(self.optimizer, device)
-        moved = 0
+            return moved + move_optimizer_state(self.optimizer, device, self._host_copies)
+        moved, copies = 0, self._host_copies
         if self._buckets is not None:
             moved += self._buckets.num_bytes
-            self._buckets = move_buckets(self.model.state_dict(keep_vars=True), self._buckets, device)
+            self._buckets = move_buckets(self.model.state_dict(keep_vars=True), self._buckets, device, copies)
         if self.reference is not None:
-            moved += move_loose(self.reference.parameters(), device)
-        return moved + move_optimizer_state(self.optimizer, device)
+            moved += move_loose(self.reference.parameters(), device, copies)
+        return moved + move_optimizer_state(self.optimizer, device, copies)
 
     def clear_memory(self) -> None:
         if self.device.type == "cuda":

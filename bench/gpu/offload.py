@@ -137,7 +137,7 @@ def trainer_offload(path: Path, args: argparse.Namespace) -> dict[str, float]:
         rows["onload_s"].append(seconds)
         after = state()
         assert all(
-            torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+            torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
             for a, b in zip(reference, after, strict=True)
         ), "the trainer's state changed across an offload"
         # The baseline: one device-to-host copy of the same bytes into pinned memory.

@@ -77,20 +77,49 @@ class Measured:
         )
 
 
-def copy_to(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """A copy of ``tensor`` on ``device`` in fresh memory (pinned on the host when the
-    tensor is on a GPU), even when it is there already."""
+class HostCopies:
+    """The pinned host copies of a GPU's tensors, kept once taken and reused by the next
+    offload of the same tensor (by key): pinning host memory costs far more than copying
+    into it, and an offload comes every step. What it holds stays taken (as SGLang's CPU
+    backup of the weights does); off a GPU nothing is kept."""
+
+    def __init__(self) -> None:
+        self._copies: dict[object, torch.Tensor] = {}
+
+    def take(self, key: object, like: torch.Tensor) -> torch.Tensor:
+        import torch
+
+        copy = self._copies.get(key)
+        if copy is None or copy.shape != like.shape or copy.dtype != like.dtype:
+            copy = self._copies[key] = torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
+        return copy
+
+
+def copy_to(
+    tensor: torch.Tensor, device: torch.device | str, copies: HostCopies | None = None, key: object = None
+) -> torch.Tensor:
+    """A copy of ``tensor`` on ``device`` in other memory than its own, even when it is
+    there already: from a GPU to the host, pinned (``copies``' under ``key`` where given)."""
     import torch
 
     device = torch.device(device)
-    pin = device.type == HOST and tensor.is_cuda
-    copy = torch.empty(tensor.shape, dtype=tensor.dtype, device=device, pin_memory=pin)
+    if device.type == HOST and tensor.is_cuda:
+        copy = (
+            copies.take(key, tensor)
+            if copies is not None
+            else torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        )
+    else:
+        copy = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
     copy.copy_(tensor.detach())
     return copy
 
 
 def move_buckets(
-    owners: MutableMapping[str, torch.Tensor], buckets: Buckets, device: torch.device | str
+    owners: MutableMapping[str, torch.Tensor],
+    buckets: Buckets,
+    device: torch.device | str,
+    copies: HostCopies | None = None,
 ) -> Buckets:
     """``buckets`` copied to ``device``, and every tensor of ``owners`` (state-dict name ->
     the parameter or buffer object, ``module.state_dict(keep_vars=True)``) that is a view of
@@ -98,40 +127,47 @@ def move_buckets(
     ``owners``; they are freed once the caller drops them."""
     import torch
 
-    moved = Buckets(buckets.layouts, tuple(copy_to(buffer, device) for buffer in buckets.buffers))
+    moved = Buckets(
+        buckets.layouts,
+        tuple(copy_to(buffer, device, copies, ("bucket", i)) for i, buffer in enumerate(buckets.buffers)),
+    )
     with torch.no_grad():
         for name, view in moved.tensors().items():
             owners[name].data = view
     return moved
 
 
-def move_loose(tensors: Iterable[torch.Tensor], device: torch.device | str) -> int:
+def move_loose(
+    tensors: Iterable[torch.Tensor], device: torch.device | str, copies: HostCopies | None = None
+) -> int:
     """Move each parameter (or tensor held as a parameter's ``.data``) to ``device`` in place
     (its ``.data`` re-pointed); returns the bytes moved."""
     import torch
 
     moved = 0
     with torch.no_grad():
-        for tensor in tensors:
-            tensor.data = copy_to(tensor.data, device)
+        for index, tensor in enumerate(tensors):
+            tensor.data = copy_to(tensor.data, device, copies, ("loose", index))
             moved += tensor.numel() * tensor.element_size()
     return moved
 
 
-def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device | str) -> int:
+def move_optimizer_state(
+    optimizer: torch.optim.Optimizer, device: torch.device | str, copies: HostCopies | None = None
+) -> int:
     """Move every tensor of the optimizer's per-parameter state to ``device`` (Adam's moments
     and step counts; a CPU step count stays where it is); returns the bytes moved."""
     import torch
 
     moved = 0
     target = torch.device(device)
-    for state in optimizer.state.values():
+    for index, state in enumerate(optimizer.state.values()):
         for key, value in list(state.items()):
             if not isinstance(value, torch.Tensor):
                 continue
             if key == "step" and value.device.type == HOST and value.dim() == 0:
                 continue  # Adam keeps its step count on the host unless capturable
-            state[key] = copy_to(value, target)
+            state[key] = copy_to(value, target, copies, ("optimizer", index, key))
             moved += value.numel() * value.element_size()
     return moved
 
