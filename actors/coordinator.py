@@ -19,6 +19,11 @@ Read top to bottom, the handlers are the loop:
     StopRequested            -> after the current step's publication (or eval): save that
                                 step unless it was saved, then finish
     failure facts            -> RunFinished(failed) with one clear line
+    external policy sync     -> with ``run.external_policy_sync_path``, the plugin's hooks
+                                (``PolicySyncRequested``) in the seed's places: initialize
+                                before the opening, after_inference_publication after each
+                                publication, after_local_train between a step's training and
+                                its save, finalize before a completed or stopped RunFinished
 
 The Coordinator holds no model and calls no actor: it reads facts and publishes commands.
 Which version each engine serves is the Publisher's to follow; the Coordinator hears it in
@@ -56,6 +61,9 @@ from schemas.events import (
     DataReleased,
     EvalFinished,
     EvalRequested,
+    PolicySyncFailed,
+    PolicySyncFinished,
+    PolicySyncRequested,
     PublicationEvidenceFailed,
     PublicationEvidenceRequested,
     PublicationEvidenceWritten,
@@ -120,7 +128,14 @@ OPENING = (WeightsCheckRequested, PublishRequested, PublicationEvidenceRequested
 LOOP_START = (EvalRequested, RolloutRequested, RunFinished)
 # Once a publication is through: the opening's next step, or the loop's next step (a stop
 # saves the step it ends after).
-AFTER_PUBLICATION = (WeightsCheckRequested, EvalRequested, RolloutRequested, RunFinished, SaveRequested)
+AFTER_PUBLICATION = (
+    WeightsCheckRequested,
+    EvalRequested,
+    RolloutRequested,
+    RunFinished,
+    SaveRequested,
+    PolicySyncRequested,
+)
 
 
 class Coordinator(Actor):
@@ -157,6 +172,12 @@ class Coordinator(Actor):
         self.served_version = "default"
         """The version every engine serves: the last ``WeightsPublished``'s (the Publisher
         follows each engine; a publication that failed part-way leaves some a version ahead)."""
+        self._sync = config.run.external_policy_sync_path is not None
+        """An external policy synchronizer runs its hooks around the loop (``PolicySyncRequested``)."""
+        self._until_stopped = self._sync and config.run.external_policy_sync_run_until_stop
+        """Rollouts go on past ``num_rollout`` until the synchronizer stops the run."""
+        self._finalize_asked = False
+        self._finalized = False
 
     # -- the opening ------------------------------------------------------------------
 
@@ -164,8 +185,11 @@ class Coordinator(Actor):
         """Every actor has started: the run begins."""
         await self.publish(run_started(self.plan))
 
-    @handles(RunStarted, emits=(WeightsCheckRequested, PublishRequested))
+    @handles(RunStarted, emits=(WeightsCheckRequested, PublishRequested, PolicySyncRequested))
     async def on_run_started(self, event: RunStarted) -> None:
+        if self._sync:  # the seed's initialize, before anything is published
+            await self.publish(PolicySyncRequested(hook="initialize"))
+            return
         await self._follow(self._opening.step(STARTED))
 
     @handles(WeightsCheckFinished, emits=(*OPENING, *LOOP_START))
@@ -211,7 +235,7 @@ class Coordinator(Actor):
         start, num_rollout, run = self.plan.start_rollout_id, self.plan.num_rollout, self.run
         if num_rollout == 0 and run.eval_interval is not None:
             await self._eval(0, AfterEval.FINISH)
-        elif start >= num_rollout:
+        elif start >= num_rollout and not self._until_stopped:
             await self._finish("completed", "no rollouts left to run")
         elif run.eval_interval is not None and not run.skip_eval_before_train:
             await self._eval(start, AfterEval.FIRST_ROLLOUT)
@@ -251,6 +275,12 @@ class Coordinator(Actor):
         publication, or the proof's); else the one after training rollout ``rollout_id``."""
         if self._finishing is not None:
             return
+        if self._sync:  # the seed's after_inference_publication, then the loop goes on
+            await self.publish(PolicySyncRequested(hook="after_inference_publication", rollout_id=rollout_id))
+        else:
+            await self._after_published(rollout_id)
+
+    async def _after_published(self, rollout_id: int | None) -> None:
         if rollout_id is None:
             if self._stop is not None:
                 await self._finish("stopped", self._stop)  # nothing trained yet: nothing to save
@@ -273,7 +303,7 @@ class Coordinator(Actor):
         if debug_exit is not None and rollout_id - self.plan.start_rollout_id + 1 >= debug_exit:
             logger.info("debug_exit_after_rollout=%d reached at rollout_id=%d", debug_exit, rollout_id)
             await self._finish("completed", f"debug_exit_after_rollout={debug_exit}")
-        elif rollout_id + 1 < self.plan.num_rollout:
+        elif rollout_id + 1 < self.plan.num_rollout or self._until_stopped:
             await self._request_rollout(rollout_id + 1)
         else:
             await self._finish("completed")
@@ -323,12 +353,19 @@ class Coordinator(Actor):
         else:
             await self._finish("completed")
 
-    @handles(TrainStepFinished, emits=(SaveRequested, PublishRequested))
+    @handles(TrainStepFinished, emits=(SaveRequested, PublishRequested, PolicySyncRequested))
     async def on_train_step_finished(self, event: TrainStepFinished) -> None:
         rollout_id = event.rollout_id
         self.last_rollout_id = rollout_id
         if self._finishing is not None:
             return  # once finishing, nothing new is asked for
+        if self._sync:  # the seed's after_local_train, before the step's save and publication
+            await self.publish(PolicySyncRequested(hook="after_local_train", rollout_id=rollout_id))
+        else:
+            await self._step_trained(rollout_id)
+
+    async def _step_trained(self, rollout_id: int) -> None:
+        """Save the trained step if one is due, then publish it."""
         sentinel = self.run.save_trigger_sentinel
         reason: SaveReason | None = None
         if sentinel is not None and os.path.exists(sentinel):
@@ -451,6 +488,43 @@ class Coordinator(Actor):
             await self._publish_finished(finished)
 
     async def _publish_finished(self, finished: RunFinished) -> None:
+        if self._sync and not self._finalized and finished.status != "failed":
+            # The seed's finalize, once, before a completed or stopped run ends.
+            if not self._finalize_asked:
+                self._finalize_asked = True
+                self.spawn(self.publish(PolicySyncRequested(hook="finalize")), emits=(PolicySyncRequested,))
+            return
         if self.finished is None:
             self.finished = finished
             await self.publish(finished)
+
+    # -- the external policy synchronizer (``run.external_policy_sync_path``) ---------------
+
+    @handles(PolicySyncFinished, emits=(*AFTER_PUBLICATION, PublishRequested))
+    async def on_policy_sync_finished(self, event: PolicySyncFinished) -> None:
+        """A hook is through: the loop goes on where it asked for it."""
+        hook, rollout_id = event.hook, event.rollout_id
+        if hook == "finalize":
+            self._finalized = True
+            if self._finishing is not None:
+                await self._publish_finished(self._finishing)
+            return
+        if self._finishing is not None:
+            return
+        if hook == "initialize":
+            await self._follow(self._opening.step(STARTED))
+        elif hook == "after_local_train" and rollout_id is not None:
+            if event.stop and self._stop is None:
+                # The seed's ``should_stop``: the run ends after this step's publication.
+                self._stop = f"the external policy synchronizer stopped the run after rollout {rollout_id}"
+                logger.info("%s", self._stop)
+            await self._step_trained(rollout_id)
+        elif hook == "after_inference_publication":
+            await self._after_published(rollout_id)
+
+    @handles(PolicySyncFailed, emits=(RunFinished,))
+    async def on_policy_sync_failed(self, event: PolicySyncFailed) -> None:
+        where = f" (rollout {event.rollout_id})" if event.rollout_id is not None else ""
+        if event.hook == "finalize":
+            self._finishing = None  # the run that was ending fails instead
+        await self._finish("failed", f"external policy sync {event.hook}{where} failed: {event.reason}")

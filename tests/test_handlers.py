@@ -149,12 +149,14 @@ def test_the_coordinator_asks_for_a_save_only_after_a_step_a_save_or_a_stop():
     assert emitted_on(Coordinator, SaveRequested) == {
         "TrainStepFinished", "CheckpointSaved", "StepCancelled",
         "WeightsPublished", "PublicationVerified", "PublicationMismatch", "EvalFinished",
+        "PolicySyncFinished",  # an external policy synchronizer's hook after a step or a publication
     }  # fmt: skip
 
 
 def test_only_the_opening_asks_for_weight_checks_and_an_eval_never_asks_for_another():
     assert emitted_on(Coordinator, WeightsCheckRequested) == {
         "RunStarted", "WeightsCheckFinished", "WeightsPublished", "PublicationVerified", "PublicationMismatch",
+        "PolicySyncFinished",  # the opening goes on after initialize / after_inference_publication(None)
     }  # fmt: skip
     assert "EvalFinished" not in emitted_on(Coordinator, EvalRequested)
     assert emitted_on(Coordinator, PublicationEvidenceRequested) == {"WeightsCheckFinished"}
