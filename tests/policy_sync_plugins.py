@@ -49,3 +49,19 @@ NOT_CALLABLE = 3
 
 class NoCriticSync(RecordingSync):
     """A plugin that does not declare critic support."""
+
+
+class CriticSync(RecordingSync):
+    """Declares critic support; reads the critic's weights and loads them back after every step."""
+
+    supports_critic = True
+
+    async def after_local_train(
+        self, *, rollout_id: int, actor_model: Any, rollout_data: Any, **kwargs: Any
+    ) -> bool:
+        critic = kwargs["critic_model"]
+        trained = await critic.weights()
+        CALLS.append(("critic", rollout_id, trained.digest, await critic.load_weights(trained.tensors)))
+        return await super().after_local_train(
+            rollout_id=rollout_id, actor_model=actor_model, rollout_data=rollout_data
+        )

@@ -365,6 +365,23 @@ def test_a_live_run_until_stopped_goes_past_num_rollout_until_the_plugin_stops_i
     assert saves[-1] == (2, "stop"), "the step a stop ends after is saved"
 
 
+def test_a_plugin_declaring_critic_support_reads_and_loads_the_critics_weights(tmp_path: Path):
+    finished, _ = live_run(
+        tmp_path,
+        "run.num_rollout=2",
+        "trainer.use_critic=true",
+        'run.external_policy_sync_path="tests.policy_sync_plugins:CriticSync"',
+    )
+    assert finished.status == "completed", finished.reason
+    calls = policy_sync_plugins.CALLS
+    assert calls[0][0] == "initialize" and calls[0][2] == ["critic_model"]
+    critic = [call for call in calls if call[0] == "critic"]
+    assert [call[1] for call in critic] == [0, 1]
+    assert all(read == loaded for _, _, read, loaded in critic)
+    policy = {call[1]: call[3] for call in calls if call[0] == "after_local_train"}
+    assert {call[1]: call[2] for call in critic} != policy, "the critic's weights are its own"
+
+
 # --- the shared-directory plugin's files ------------------------------------------------------
 
 
