@@ -5,7 +5,9 @@ It exists only in a run that names one. At start it builds the plugin (``policy_
 unset becomes the run id). On ``PolicySyncRequested(hook, rollout_id)`` it runs the hook in a
 task of its own (a hook awaits replies that reach this actor's handlers), one hook at a
 time, and answers ``PolicySyncFinished`` (with the truthy result of ``after_local_train`` as
-``stop``) or ``PolicySyncFailed`` with one line. Its handlers meanwhile keep what the hooks
+``stop``) or ``PolicySyncFailed`` with one line. A stop ``now`` (a second signal, or a step
+past ``run.stop_grace_seconds``) cuts the hook in progress: it fails, and the run with it,
+since what a cut plugin left behind is unknown. Its handlers meanwhile keep what the hooks
 are given: the replies to the facades' commands, each engine's served version and the last
 publication (``rollout_manager``, ``publication_info``), the last rollout (``rollout_data``).
 """
@@ -41,6 +43,7 @@ from schemas.events import (
     PolicySyncRequested,
     PublicationVerified,
     RolloutGenerated,
+    StopRequested,
     WeightsLoaded,
     WeightsPublished,
     WeightsStaged,
@@ -73,6 +76,10 @@ class PolicySyncDriver(Actor):
             else None
         )
         self._one_at_a_time = asyncio.Lock()
+        self._running: asyncio.Task[None] | None = None
+        """The task of the hook in progress."""
+        self._cut: str | None = None
+        """Why the hook in progress was cut (a stop ``now``)."""
         self._staged: dict[str, WeightsStaged] = {}
         """Weight version -> its staging (the digest a publication's info carries)."""
         self._rollouts: dict[int, RolloutSummary] = {}
@@ -97,11 +104,28 @@ class PolicySyncDriver(Actor):
     async def on_policy_sync_requested(self, event: PolicySyncRequested) -> None:
         self.spawn(self._run_hook(event), emits=HOOK_EMITS)
 
+    def interrupt(self, event: StopRequested) -> None:
+        if event.now and self._running is not None and not self._running.done():
+            self._cut = event.reason
+            self._running.cancel()
+
     async def _run_hook(self, event: PolicySyncRequested) -> None:
         async with self._one_at_a_time:
             started = time.perf_counter()
+            self._running, self._cut = asyncio.current_task(), None
             try:
                 result = await self._call(event)
+            except asyncio.CancelledError:
+                if self._cut is None:
+                    raise  # the run is ending: nobody waits for an answer
+                task = asyncio.current_task()
+                if task is not None:
+                    task.uncancel()
+                reason = f"cut by a stop: {self._cut}"
+                await self.publish(
+                    PolicySyncFailed(hook=event.hook, rollout_id=event.rollout_id, reason=reason)
+                )
+                return
             except Exception as error:  # the run fails with it, named
                 logger.debug("policy sync %s failed", event.hook, exc_info=True)
                 reason = (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from schemas.config import Config
@@ -65,3 +66,10 @@ class CriticSync(RecordingSync):
         return await super().after_local_train(
             rollout_id=rollout_id, actor_model=actor_model, rollout_data=rollout_data
         )
+
+
+class HangingSync(RecordingSync):
+    """A plugin whose ``initialize`` never returns."""
+
+    async def initialize(self, *, actor_model: Any, rollout_manager: Any, **kwargs: Any) -> None:
+        await asyncio.Event().wait()

@@ -12,13 +12,14 @@ import pytest
 import torch
 
 from actors.coordinator import Coordinator
+from actors.policy_sync import PolicySyncDriver
 from miles_events.app.config import load_config
 from miles_events.app.roster import ACTORS
 from miles_events.app.run import main
 from miles_events.app.session import Session
 from miles_events.bus.event_log import read_events
 from miles_events.bus.testing import RecordingContext, feed
-from miles_events.policy_sync.api import PolicySyncError
+from miles_events.policy_sync.api import EXACT_INFO_MISSING, PolicySyncError
 from miles_events.policy_sync.shared_dir import (
     SharedDirSync,
     average_round,
@@ -38,6 +39,7 @@ from schemas.events import (
     RunFinished,
     RunStarted,
     SaveRequested,
+    StopRequested,
     TrainMetrics,
     TrainStepFinished,
 )
@@ -273,6 +275,37 @@ async def test_without_a_plugin_the_loop_asks_for_no_hook():
     )
     out = await feed(c, started(c), verified(1, None), trained(0), verified(2, 0))
     assert not [e for e in out if isinstance(e, PolicySyncRequested)]
+
+
+def driver(path: str) -> PolicySyncDriver:
+    config = Config(run=RunConfig(external_policy_sync_path=path))
+    actor = PolicySyncDriver(config, RecordingContext(config, name="policy_sync"))
+    return actor
+
+
+async def test_a_hook_that_raises_is_answered_with_one_line_naming_why():
+    actor = driver(RECORDING)
+    await actor.start()
+    await feed(actor, PolicySyncRequested(hook="after_inference_publication", rollout_id=None))
+    await spawned()
+    (failed,) = actor.context.published  # type: ignore[attr-defined]
+    assert isinstance(failed, PolicySyncFailed)
+    assert failed.reason == f"RuntimeError: {EXACT_INFO_MISSING}", "no publication is through yet"
+
+
+async def test_a_stop_now_cuts_a_hanging_hook_which_fails():
+    actor = driver("tests.policy_sync_plugins:HangingSync")
+    await actor.start()
+    await feed(actor, PolicySyncRequested(hook="initialize"))
+    await spawned()
+    assert actor.context.published == []  # type: ignore[attr-defined]
+    actor.interrupt(StopRequested(reason="signal", now=False))
+    await spawned()
+    assert actor.context.published == []  # type: ignore[attr-defined]
+    actor.interrupt(StopRequested(reason="second signal", now=True))
+    await spawned()
+    (failed,) = actor.context.published  # type: ignore[attr-defined]
+    assert isinstance(failed, PolicySyncFailed) and failed.reason == "cut by a stop: second signal"
 
 
 # --- a live run ----------------------------------------------------------------------------
