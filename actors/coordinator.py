@@ -19,6 +19,11 @@ Read top to bottom, the handlers are the loop:
     StopRequested            -> after the current step's publication (or eval): save that
                                 step unless it was saved, then finish
     failure facts            -> RunFinished(failed) with one clear line
+    external policy sync     -> with ``run.external_policy_sync_path``, the plugin's hooks
+                                (``PolicySyncRequested``) in the seed's places: initialize
+                                before the opening, after_inference_publication after each
+                                publication, after_local_train between a step's training and
+                                its save, finalize before a completed or stopped RunFinished
 
 The Coordinator holds no model and calls no actor: it reads facts and publishes commands.
 Which version each engine serves is the Publisher's to follow; the Coordinator hears it in
@@ -65,6 +70,9 @@ from schemas.events import (
     MemoryOnloaded,
     OffloadRequested,
     OnloadRequested,
+    PolicySyncFailed,
+    PolicySyncFinished,
+    PolicySyncRequested,
     PublicationEvidenceFailed,
     PublicationEvidenceRequested,
     PublicationEvidenceWritten,
@@ -137,10 +145,13 @@ AFTER_PUBLICATION = (
     RolloutRequested,
     RunFinished,
     SaveRequested,
+    PolicySyncRequested,
     *MEMORY,
 )
 # Once the memory asked for is moved: whatever was waiting for it.
-AFTER_MEMORY: tuple[type[Event], ...] = tuple(dict.fromkeys((*OPENING, *LOOP_START, *AFTER_PUBLICATION)))
+# (The opening's evidence follows weight checks only, never a memory move.)
+_AFTER_ANYTHING: tuple[type[Event], ...] = (*OPENING, *LOOP_START, *AFTER_PUBLICATION)
+AFTER_MEMORY = tuple(e for e in dict.fromkeys(_AFTER_ANYTHING) if e is not PublicationEvidenceRequested)
 
 
 class Coordinator(Actor):
@@ -186,6 +197,12 @@ class Coordinator(Actor):
         self._memory_requests = 0
         self._engines_released: set[str] = set()
         """The kinds of the engines' memory released and not resumed."""
+        self._sync = config.run.external_policy_sync_path is not None
+        """An external policy synchronizer runs its hooks around the loop (``PolicySyncRequested``)."""
+        self._until_stopped = self._sync and config.run.external_policy_sync_run_until_stop
+        """Rollouts go on past ``num_rollout`` until the synchronizer stops the run."""
+        self._finalize_asked = False
+        self._finalized = False
 
     # -- the opening ------------------------------------------------------------------
 
@@ -193,10 +210,19 @@ class Coordinator(Actor):
         """Every actor has started: the run begins."""
         await self.publish(run_started(self.plan))
 
-    @handles(RunStarted, emits=(WeightsCheckRequested, PublishRequested, *MEMORY))
+    @handles(RunStarted, emits=(WeightsCheckRequested, PublishRequested, PolicySyncRequested, *MEMORY))
     async def on_run_started(self, event: RunStarted) -> None:
         # With offload, the engines and the trainer begin offloaded, as the seed creates them.
-        await self._after_memory(self.memory.at_start(), lambda: self._follow(self._opening.step(STARTED)))
+        await self._after_memory(self.memory.at_start(), self._initialize_or_open)
+
+    async def _initialize_or_open(self) -> None:
+        if self._sync:  # the seed's initialize (with the trainer onloaded), before anything is published
+            await self._after_memory(
+                self.memory.before_initialize(),
+                functools.partial(self.publish, PolicySyncRequested(hook="initialize")),
+            )
+        else:
+            await self._follow(self._opening.step(STARTED))
 
     @handles(WeightsCheckFinished, emits=(*OPENING, *LOOP_START))
     async def on_weights_check_finished(self, event: WeightsCheckFinished) -> None:
@@ -244,7 +270,7 @@ class Coordinator(Actor):
         start, num_rollout, run = self.plan.start_rollout_id, self.plan.num_rollout, self.run
         if num_rollout == 0 and run.eval_interval is not None:
             await self._eval(0, AfterEval.FINISH)
-        elif start >= num_rollout:
+        elif start >= num_rollout and not self._until_stopped:
             await self._finish("completed", "no rollouts left to run")
         elif run.eval_interval is not None and not run.skip_eval_before_train:
             await self._eval(start, AfterEval.FIRST_ROLLOUT)
@@ -285,6 +311,12 @@ class Coordinator(Actor):
         which the engines' KV cache follows back (the seed's ``onload_kv``)."""
         if self._finishing is not None:
             return
+        if self._sync:  # the seed's after_inference_publication, then the loop goes on
+            await self.publish(PolicySyncRequested(hook="after_inference_publication", rollout_id=rollout_id))
+        else:
+            await self._after_published(rollout_id)
+
+    async def _after_published(self, rollout_id: int | None) -> None:
         if rollout_id is None:
             if self._stop is not None:
                 await self._finish("stopped", self._stop)  # nothing trained yet: nothing to save
@@ -316,7 +348,7 @@ class Coordinator(Actor):
         if debug_exit is not None and rollout_id - self.plan.start_rollout_id + 1 >= debug_exit:
             logger.info("debug_exit_after_rollout=%d reached at rollout_id=%d", debug_exit, rollout_id)
             await self._finish("completed", f"debug_exit_after_rollout={debug_exit}")
-        elif rollout_id + 1 < self.plan.num_rollout:
+        elif rollout_id + 1 < self.plan.num_rollout or self._until_stopped:
             await self._request_rollout(rollout_id + 1)
         else:
             await self._finish("completed")
@@ -370,12 +402,19 @@ class Coordinator(Actor):
         else:
             await self._finish("completed")
 
-    @handles(TrainStepFinished, emits=(SaveRequested, PublishRequested, *MEMORY))
+    @handles(TrainStepFinished, emits=(SaveRequested, PublishRequested, PolicySyncRequested, *MEMORY))
     async def on_train_step_finished(self, event: TrainStepFinished) -> None:
         rollout_id = event.rollout_id
         self.last_rollout_id = rollout_id
         if self._finishing is not None:
             return  # once finishing, nothing new is asked for
+        if self._sync:  # the seed's after_local_train, before the step's save and publication
+            await self.publish(PolicySyncRequested(hook="after_local_train", rollout_id=rollout_id))
+        else:
+            await self._step_trained(rollout_id)
+
+    async def _step_trained(self, rollout_id: int) -> None:
+        """Save the trained step if one is due, then publish it."""
         sentinel = self.run.save_trigger_sentinel
         reason: SaveReason | None = None
         if sentinel is not None and os.path.exists(sentinel):
@@ -560,9 +599,53 @@ class Coordinator(Actor):
             await self._publish_finished(finished)
 
     async def _publish_finished(self, finished: RunFinished) -> None:
+        if self._sync and not self._finalized and finished.status != "failed":
+            # The seed's finalize, once, before a completed or stopped run ends.
+            if not self._finalize_asked:
+                self._finalize_asked = True
+                self.spawn(self.publish(PolicySyncRequested(hook="finalize")), emits=(PolicySyncRequested,))
+            return
         if self.finished is None:
             self.finished = finished
             await self.publish(finished)
+
+    # -- the external policy synchronizer (``run.external_policy_sync_path``) ---------------
+
+    @handles(PolicySyncFinished, emits=(*AFTER_PUBLICATION, PublishRequested))
+    async def on_policy_sync_finished(self, event: PolicySyncFinished) -> None:
+        """A hook is through: the loop goes on where it asked for it."""
+        hook, rollout_id = event.hook, event.rollout_id
+        if hook == "finalize":
+            self._finalized = True
+            if self._finishing is not None:
+                await self._publish_finished(self._finishing)
+            return
+        if self._finishing is not None:
+            return
+        if hook == "initialize":
+            # With offload, the seed gives the trainer's memory back before the publication.
+            await self._after_memory(
+                self.memory.after_initialize(), lambda: self._follow(self._opening.step(STARTED))
+            )
+        elif hook == "after_local_train" and rollout_id is not None:
+            if event.stop and self._stop is None:
+                # The seed's ``should_stop``: the run ends after this step's publication.
+                self._stop = f"the external policy synchronizer stopped the run after rollout {rollout_id}"
+                logger.info("%s", self._stop)
+            await self._step_trained(rollout_id)
+        elif hook == "after_inference_publication" and rollout_id is None:
+            await self._after_memory(
+                self.memory.after_initial_sync(), functools.partial(self._after_published, rollout_id)
+            )
+        elif hook == "after_inference_publication":
+            await self._after_published(rollout_id)
+
+    @handles(PolicySyncFailed, emits=(RunFinished,))
+    async def on_policy_sync_failed(self, event: PolicySyncFailed) -> None:
+        where = f" (rollout {event.rollout_id})" if event.rollout_id is not None else ""
+        if event.hook == "finalize":
+            self._finishing = None  # the run that was ending fails instead
+        await self._finish("failed", f"external policy sync {event.hook}{where} failed: {event.reason}")
 
 
 async def _nothing() -> None:

@@ -104,6 +104,20 @@ class RunConfig(Section):
     )
     """What ``offload_rollout`` releases besides the CUDA graphs (the seed's
     ``offload_rollout_level``): ``kv_cache``, ``weight``, or both."""
+    external_policy_sync_path: str | None = None
+    """An external policy synchronizer (the seed's plugin): a dotted path
+    ``package.module:factory`` (or ``package.module.factory``) of a callable that is given
+    the run's config and returns the plugin. Its hooks run around the loop: ``initialize``
+    before the first publication, ``after_inference_publication`` after every verified
+    publication, ``after_local_train`` after every step's training (before its save and
+    publication; a truthy result stops the run after that publication), ``finalize`` before
+    a completed or stopped run ends. ``miles_events.policy_sync.shared_dir:SharedDirSync``
+    averages the policies of several runs through a shared directory (``[policy_sync]``).
+    The factory is called once when the config is checked (it should only read its
+    settings) and once when the run starts."""
+    external_policy_sync_run_until_stop: bool = False
+    """With an external policy synchronizer: rollouts go on past ``num_rollout`` until the
+    plugin's ``after_local_train`` stops the run (or a signal does)."""
 
 
 class BuiltinModelConfig(Section):
@@ -503,6 +517,31 @@ class SaverConfig(Section):
     """Sync every file and directory of a checkpoint to disk before it is installed."""
 
 
+class PolicySyncConfig(Section):
+    """The settings of ``miles_events.policy_sync.shared_dir:SharedDirSync``, the shipped
+    external policy synchronizer (``run.external_policy_sync_path``): runs that share a
+    directory (one host, or hosts sharing a file system) average their policies after every
+    step. Other plugins may read them too."""
+
+    directory: str = ""
+    """The directory the runs share; each round's weights are written under it. Required
+    by the shared-directory plugin."""
+    peers: PositiveInt = 2
+    """How many runs take part, this one included: a round waits for every one of them."""
+    peer: str = ""
+    """This run's name among them (its file name in each round); unique across the runs.
+    Unset: the run id."""
+    timeout_seconds: PositiveFloat = 600.0
+    """How long a round waits for the other runs' weights before the run fails, naming the
+    runs that did not write theirs."""
+    sync_initial: bool = True
+    """Average the runs' starting weights too (before the first publication), so that
+    every run starts from the same policy."""
+    request_timeout_seconds: PositiveFloat = 300.0
+    """How long a plugin's request to the trainer or the critic (read the trained weights,
+    load weights) may take before the hook fails."""
+
+
 class BusConfig(Section):
     mailbox_size: PositiveInt = 4096
     """Events a subscriber's mailbox holds; a publisher to a full one waits."""
@@ -593,3 +632,4 @@ class Config(Section):
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
     console: ConsoleConfig = msgspec.field(default_factory=ConsoleConfig)
     tracking: TrackingConfig = msgspec.field(default_factory=TrackingConfig)
+    policy_sync: PolicySyncConfig = msgspec.field(default_factory=PolicySyncConfig)

@@ -587,6 +587,86 @@ class MemoryOnloaded(_MemoryFact, frozen=True, kw_only=True):
     the start of its next step (``request_id`` empty)."""
 
 
+# --- external policy sync (``run.external_policy_sync_path``) -------------------------------
+
+PolicySyncHook = Literal["initialize", "after_inference_publication", "after_local_train", "finalize"]
+"""The hooks of an external policy synchronizer, as the seed calls them."""
+ModelRole = Literal["actor", "critic"]
+"""Whose weights: the policy's trainer (``actor``) or PPO's critic."""
+
+
+class PolicySyncRequested(Event, frozen=True, kw_only=True):
+    """The Coordinator asks the policy-sync driver to run one hook of the plugin."""
+
+    hook: PolicySyncHook
+    rollout_id: int | None = None
+    """The step the hook is about; None for ``initialize``, ``finalize`` and the
+    ``after_inference_publication`` of the initial publication."""
+
+
+class PolicySyncFinished(Event, frozen=True, kw_only=True):
+    hook: PolicySyncHook
+    rollout_id: int | None = None
+    stop: bool = False
+    """``after_local_train`` returned a truthy value: the run stops after this step's
+    publication."""
+    seconds: float = 0.0
+
+    advisory_fields: ClassVar[tuple[str, ...]] = ("seconds",)
+
+
+class PolicySyncFailed(Event, frozen=True, kw_only=True):
+    """A hook raised or timed out: the run fails with this reason."""
+
+    hook: PolicySyncHook
+    rollout_id: int | None = None
+    reason: str
+
+
+class ModelWeightsRequested(Event, frozen=True, kw_only=True):
+    """Stage the current trained weights of ``role`` in the data plane (for a plugin)."""
+
+    request_id: str
+    role: ModelRole = "actor"
+
+
+class ModelWeightsStaged(Event, frozen=True, kw_only=True):
+    """The answer to ``ModelWeightsRequested``: the weights (Hugging Face names, the train
+    dtype) in the data plane, owned by the trainer until the reader releases them with
+    ``DataReleased``; ``digest`` is ``miles_events.device.fingerprint.weights_digest`` of them."""
+
+    request_id: str
+    role: ModelRole = "actor"
+    weights: DataRef
+    digest: str
+    num_tensors: int
+    weight_version: str
+    """The trainer's version (the one last published); "" for the critic."""
+
+
+class ModelWeightsLoadRequested(Event, frozen=True, kw_only=True):
+    """Load ``weights`` (a plugin's, in the data plane, owned by the requester) into the
+    live model of ``role``, keeping its optimizer state. The policy's next publication
+    publishes them."""
+
+    request_id: str
+    role: ModelRole = "actor"
+    weights: DataRef
+    digest: str
+    """``weights_digest`` of them, checked before they are loaded."""
+
+
+class ModelWeightsLoaded(Event, frozen=True, kw_only=True):
+    """The answer to ``ModelWeightsLoadRequested``; the reader is done with its weights."""
+
+    request_id: str
+    role: ModelRole = "actor"
+    digest: str = ""
+    """``weights_digest`` of the model's weights after the load; "" when it failed."""
+    error: str = ""
+    """Why the weights were not loaded (one line); "" when they were."""
+
+
 AnyEvent = (
     RunStarted
     | StopRequested
@@ -621,6 +701,13 @@ AnyEvent = (
     | OnloadRequested
     | MemoryOffloaded
     | MemoryOnloaded
+    | PolicySyncRequested
+    | PolicySyncFinished
+    | PolicySyncFailed
+    | ModelWeightsRequested
+    | ModelWeightsStaged
+    | ModelWeightsLoadRequested
+    | ModelWeightsLoaded
 )
 """The tagged union every decoder uses; the tag is the class name, under ``"type"``."""
 

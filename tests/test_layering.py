@@ -2,6 +2,7 @@
 
     schemas  <-  util  <-  rl  <-  device, checkpoint  <-  transport  <-  bus  <-  runtime
                                                             bus, rl   <-  sinks
+    schemas, util, rl, device, transport  <-  policy_sync (the plugin API and its shipped plugin)
     (the framework above)  <-  actors  <-  miles_events.app
     schemas, util, rl  <-  actors.protocols (the Coordinator's state machines)  <-  actors
 
@@ -32,7 +33,8 @@ TRANSPORT = "miles_events.transport"
 BUS = "miles_events.bus"
 RUNTIME = "miles_events.runtime"
 SINKS = "miles_events.sinks"
-FRAMEWORK = (UTIL, RL, DEVICE, CHECKPOINT, TRANSPORT, BUS, RUNTIME, SINKS)
+POLICY_SYNC = "miles_events.policy_sync"
+FRAMEWORK = (UTIL, RL, DEVICE, CHECKPOINT, TRANSPORT, BUS, RUNTIME, SINKS, POLICY_SYNC)
 ALLOWED: dict[str, tuple[str, ...]] = {
     "schemas": ("schemas",),
     UTIL: ("schemas", UTIL),
@@ -43,6 +45,8 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     BUS: ("schemas", UTIL, BUS, TRANSPORT),
     RUNTIME: ("schemas", UTIL, BUS, TRANSPORT, RUNTIME),
     SINKS: ("schemas", UTIL, BUS, RL, SINKS),
+    # External policy synchronizers: their API works through events and the data plane.
+    POLICY_SYNC: ("schemas", UTIL, RL, DEVICE, TRANSPORT, POLICY_SYNC),
     # The actor API of the framework, not the bus itself, its host, codec or log.
     "actors": (
         "schemas",
@@ -56,6 +60,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
         DEVICE,
         CHECKPOINT,
         TRANSPORT,
+        POLICY_SYNC,
         "actors.protocols",
     ),
     # The Coordinator's state machines: not actors, pure (no bus, no device, no transport).

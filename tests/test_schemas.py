@@ -289,6 +289,25 @@ EXAMPLES: dict[str, dict[str, Any]] = {
         save_seconds=1.0,
     ),
     "CheckpointFailed": dict(rollout_id=3, reason="disk full"),
+    "PolicySyncRequested": dict(hook="after_local_train", rollout_id=3),
+    "PolicySyncFinished": dict(hook="after_local_train", rollout_id=3, stop=True, seconds=0.5),
+    "PolicySyncFailed": dict(hook="initialize", rollout_id=3, reason="no peer"),
+    "ModelWeightsRequested": dict(request_id="sync-1", role="critic"),
+    "ModelWeightsStaged": dict(
+        request_id="sync-1",
+        role="critic",
+        weights=DataRef("shm", "policy-sync-sync-1", "critic", 20),
+        digest="ab" * 32,
+        num_tensors=7,
+        weight_version="3",
+    ),
+    "ModelWeightsLoadRequested": dict(
+        request_id="sync-2",
+        role="critic",
+        weights=DataRef("shm", "policy-sync-sync-2", "policy_sync", 20),
+        digest="cd" * 32,
+    ),
+    "ModelWeightsLoaded": dict(request_id="sync-2", role="critic", digest="cd" * 32, error="no fit"),
 }
 
 

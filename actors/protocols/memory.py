@@ -86,6 +86,25 @@ class MemoryPlan:
                 commands.append(OffloadRequested(target="critic"))
         return commands
 
+    def _trainer_groups(self, command: type[OffloadRequested] | type[OnloadRequested]) -> list[MemoryCommand]:
+        if not self.offload_train:
+            return []
+        return [command(target="actor"), *([command(target="critic")] if self.use_critic else [])]
+
+    def before_initialize(self) -> list[MemoryCommand]:
+        """An external policy synchronizer initializes with the trainer onloaded."""
+        return self._trainer_groups(OnloadRequested)
+
+    def after_initialize(self) -> list[MemoryCommand]:
+        """Offloading both, the seed gives the trainer's memory back before the engines
+        take their weights back for the first publication."""
+        return self._trainer_groups(OffloadRequested) if self.offload_rollout else []
+
+    def after_initial_sync(self) -> list[MemoryCommand]:
+        """Offloading the trainer alone, the seed offloads it once the synchronizer has
+        heard of the first publication."""
+        return [] if self.offload_rollout else self._trainer_groups(OffloadRequested)
+
     def after_generation(self, rollout_id: int) -> list[MemoryCommand]:
         if not self.offload_rollout:
             return []

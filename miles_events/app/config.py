@@ -28,6 +28,7 @@ import msgspec
 
 from actors.engine import check_engine, check_probe
 from actors.trainer_backend import check_backend
+from miles_events.policy_sync.loader import load_policy_sync
 from miles_events.rl.prompts import not_a_file
 from miles_events.util.registry import load_function
 from schemas.config import Config
@@ -46,6 +47,7 @@ PATH_KEYS: tuple[tuple[str, str], ...] = (
     ("vllm", "python"),
     ("tracking", "tensorboard_dir"),
     ("tracking", "wandb_dir"),
+    ("policy_sync", "directory"),
 )
 """(section, key) of every setting that is a filesystem path."""
 
@@ -418,6 +420,7 @@ def validate(config: Config) -> None:
         if problem is not None:
             raise ConfigError(f"data.prompt_data: {data.prompt_data} {problem}", key="data.prompt_data")
     _validate_loading(config)
+    _validate_policy_sync(config)
     if data.eval_data:
         problem = not_a_file(data.eval_data)
         if problem == "no such file":
@@ -582,6 +585,24 @@ def _validate_transport(config: Config) -> None:
         )
 
 
+def _validate_policy_sync(config: Config) -> None:
+    """``run.external_policy_sync_path`` imports, builds a plugin with every hook, and one
+    that declares critic support where the run has a critic (the seed's check at load)."""
+    key = "run.external_policy_sync_path"
+    if config.run.external_policy_sync_path is None:
+        if config.run.external_policy_sync_run_until_stop:
+            raise ConfigError(
+                "run.external_policy_sync_run_until_stop: only an external policy synchronizer can stop such "
+                "a run; set run.external_policy_sync_path",
+                key="run.external_policy_sync_run_until_stop",
+            )
+        return
+    try:
+        load_policy_sync(config)
+    except ValueError as error:
+        raise ConfigError(f"{key}: {error}", key=key) from None
+
+
 def _validate_loading(config: Config) -> None:
     """``run.load`` / ``run.ref_load`` and the rollout-only mode (the checkpoints themselves
     are verified by the run plan)."""
@@ -602,12 +623,15 @@ def _validate_loading(config: Config) -> None:
             )
         return
     mode = "run.rollout_only_from_checkpoint"
-    if config.trainer.use_critic:
-        # The seed's refusal, word for word.
-        raise ConfigError(
-            "trainer.use_critic: checkpoint-backed rollout-only mode cannot use external sync or a critic",
-            key="trainer.use_critic",
-        )
+    for key, used in (
+        ("trainer.use_critic", config.trainer.use_critic),
+        ("run.external_policy_sync_path", run.external_policy_sync_path is not None),
+    ):
+        if used:
+            # The seed's refusal, word for word.
+            raise ConfigError(
+                f"{key}: checkpoint-backed rollout-only mode cannot use external sync or a critic", key=key
+            )
     if run.load is None and run.ref_load is None:
         raise ConfigError(
             f"run.load: {mode} needs the checkpoint root to serve (run.load or run.ref_load)", key="run.load"

@@ -135,3 +135,12 @@ def _mix_sum_torch(words: torch.Tensor) -> int:
 def fingerprints(tensors: Mapping[str, torch.Tensor], skip_tensor_list: Iterable[str] = ()) -> dict[str, str]:
     skip = list(skip_tensor_list)
     return {name: tensor_fingerprint(t) for name, t in tensors.items() if not is_skipped(name, skip)}
+
+
+def weights_digest(tensors: Mapping[str, torch.Tensor]) -> str:
+    """64 hex digits identifying a set of named tensors: every name with its tensor's
+    fingerprint (dtype, shape and data), in name order."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        digest.update(f"{name}\0{tensor_fingerprint(tensors[name])}\n".encode())
+    return digest.hexdigest()
