@@ -24,7 +24,7 @@ import anyio
 import msgspec
 
 from actors.protocols.memory import RolloutGate, gates_training
-from actors.trainer_backend.model_weights import load_weights, stage_weights
+from actors.trainer_backend.model_weights import weights_loaded, weights_staged
 from actors.trainer_backend.offload import offload_group, onload_group
 from actors.trainer_backend.rank_group import RankGroupBackend, trainer_worker_group, uses_rank_group
 from actors.trainer_backend.save_staging import SaveStaging
@@ -211,38 +211,15 @@ class Critic(Actor):
 
     @handles(ModelWeightsRequested, emits=(ModelWeightsStaged,))
     async def on_model_weights_requested(self, event: ModelWeightsRequested) -> None:
-        if event.role != "critic":
-            return
-        key, transport = f"policy-sync-{event.request_id}", self.context.transport
-        ref, digest, count = await anyio.to_thread.run_sync(
-            stage_weights, self.backend, transport, key, self.name
-        )
-        await self.publish(
-            ModelWeightsStaged(
-                request_id=event.request_id,
-                role="critic",
-                weights=ref,
-                digest=digest,
-                num_tensors=count,
-                weight_version="",
+        if event.role == "critic":
+            await self.publish(
+                await weights_staged(self.backend, self.context.transport, event, self.name, "")
             )
-        )
 
     @handles(ModelWeightsLoadRequested, emits=(ModelWeightsLoaded,))
     async def on_model_weights_load_requested(self, event: ModelWeightsLoadRequested) -> None:
-        if event.role != "critic":
-            return
-        transport = self.context.transport
-        try:
-            digest = await anyio.to_thread.run_sync(
-                load_weights, self.backend, transport, event.weights, event.digest
-            )
-        except ValueError as error:
-            await self.publish(
-                ModelWeightsLoaded(request_id=event.request_id, role="critic", error=str(error))
-            )
-            return
-        await self.publish(ModelWeightsLoaded(request_id=event.request_id, role="critic", digest=digest))
+        if event.role == "critic":
+            await self.publish(await weights_loaded(self.backend, self.context.transport, event))
 
     # --- checkpoints -----------------------------------------------------------------------
 

@@ -26,7 +26,7 @@ import msgspec
 from actors.protocols.memory import RolloutGate, gates_training
 from actors.trainer_backend import backend_module, build_backend
 from actors.trainer_backend.base import TrainerBackend
-from actors.trainer_backend.model_weights import load_weights, stage_weights
+from actors.trainer_backend.model_weights import weights_loaded, weights_staged
 from actors.trainer_backend.offload import offload_group, onload_group
 from actors.trainer_backend.rank_group import RankGroupBackend, trainer_worker_group, uses_rank_group
 from actors.trainer_backend.save_staging import (
@@ -474,43 +474,27 @@ class Trainer(Actor):
 
     @handles(ModelWeightsRequested, emits=(ModelWeightsStaged,))
     async def on_model_weights_requested(self, event: ModelWeightsRequested) -> None:
-        if event.role != "actor":
-            return
-        key, transport = f"policy-sync-{event.request_id}", self.context.transport
-        ref, digest, count = await anyio.to_thread.run_sync(
-            stage_weights, self.backend, transport, key, self.name
-        )
-        await self.publish(
-            ModelWeightsStaged(
-                request_id=event.request_id,
-                weights=ref,
-                digest=digest,
-                num_tensors=count,
-                weight_version=self.weight_version,
+        if event.role == "actor":
+            transport = self.context.transport
+            await self.publish(
+                await weights_staged(self.backend, transport, event, self.name, self.weight_version)
             )
-        )
 
     @handles(ModelWeightsLoadRequested, emits=(ModelWeightsLoaded, MemoryOnloaded, MemoryOffloaded))
     async def on_model_weights_load_requested(self, event: ModelWeightsLoadRequested) -> None:
         if event.role != "actor":
             return
-        transport = self.context.transport
         # Offloaded, the trainer wakes up to load them, so that the next publication's probe
         # is answered with them, and goes back to sleep.
         offloaded = self.backend.offloaded
         if offloaded:
             await self._onload(None)
         try:
-            digest = await anyio.to_thread.run_sync(
-                load_weights, self.backend, transport, event.weights, event.digest
-            )
-        except ValueError as error:  # weights that do not fit the model: the model is as it was
-            await self.publish(ModelWeightsLoaded(request_id=event.request_id, error=str(error)))
-            return
+            loaded = await weights_loaded(self.backend, self.context.transport, event)
         finally:
             if offloaded:
                 await self._offload(None)
-        await self.publish(ModelWeightsLoaded(request_id=event.request_id, digest=digest))
+        await self.publish(loaded)
 
     # --- checkpoints -----------------------------------------------------------------------
 

@@ -6,9 +6,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import anyio
+
 from miles_events.device.fingerprint import weights_digest
 from miles_events.transport.base import Transport
 from schemas.data import DataRef
+from schemas.events import (
+    ModelWeightsLoaded,
+    ModelWeightsLoadRequested,
+    ModelWeightsRequested,
+    ModelWeightsStaged,
+)
 
 if TYPE_CHECKING:
     from actors.trainer_backend.base import TrainerBackend
@@ -37,3 +45,35 @@ def load_weights(backend: TrainerBackend, transport: Transport, ref: DataRef, di
         weights, backend.optimizer_state_dict(), backend.rng_state(), backend.num_optimizer_steps
     )
     return weights_digest(backend.named_weights())
+
+
+async def weights_staged(
+    backend: TrainerBackend,
+    transport: Transport,
+    event: ModelWeightsRequested,
+    owner: str,
+    weight_version: str,
+) -> ModelWeightsStaged:
+    """Stage the model's weights (off the event loop) for ``event``: the fact that answers it."""
+    key = f"policy-sync-{event.request_id}"
+    ref, digest, count = await anyio.to_thread.run_sync(stage_weights, backend, transport, key, owner)
+    return ModelWeightsStaged(
+        request_id=event.request_id,
+        role=event.role,
+        weights=ref,
+        digest=digest,
+        num_tensors=count,
+        weight_version=weight_version,
+    )
+
+
+async def weights_loaded(
+    backend: TrainerBackend, transport: Transport, event: ModelWeightsLoadRequested
+) -> ModelWeightsLoaded:
+    """Load ``event``'s weights (off the event loop): the fact that answers it, with the
+    error when they do not fit (the model as it was)."""
+    try:
+        digest = await anyio.to_thread.run_sync(load_weights, backend, transport, event.weights, event.digest)
+    except ValueError as error:
+        return ModelWeightsLoaded(request_id=event.request_id, role=event.role, error=str(error))
+    return ModelWeightsLoaded(request_id=event.request_id, role=event.role, digest=digest)
