@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from miles_events.rl.weights import split_tied
+from miles_events.util.durable import fsync_path
 from miles_events.util.file_modes import keep
 from schemas.checkpoint import Manifest, ManifestEntry, TrainerState
 
@@ -127,14 +128,6 @@ def checkpoint_rollout_id(path: Path) -> int | None:
 # --- writing ---------------------------------------------------------------------------
 
 
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_file(path: Path, data: bytes, fsync: bool) -> None:
     with open(path, "xb") as f:
         f.write(data)
@@ -185,7 +178,7 @@ def _write_hashed(path: Path, write: Callable[[Path], None], fsync: bool) -> Man
     """``write`` the file ``path``, sync it, and its manifest entry."""
     write(path)
     if fsync:
-        _fsync_path(path)
+        fsync_path(path)
     return ManifestEntry(path=path.name, sha256=_sha256(path), num_bytes=path.stat().st_size)
 
 
@@ -235,7 +228,7 @@ def _copy_base_files(base_model_dir: Path, target: Path, fsync: bool) -> None:
             continue
         shutil.copyfile(source, target / name)
         if fsync:
-            _fsync_path(target / name)
+            fsync_path(target / name)
 
 
 def _manifest_for(
@@ -287,7 +280,7 @@ def _write_critic(
         target / CRITIC_STATE_FILE, _pretty_json({"num_optimizer_steps": critic.num_optimizer_steps}), fsync
     )
     if fsync:
-        _fsync_path(target)
+        fsync_path(target)
     return [msgspec.structs.replace(e, path=f"{CRITIC_DIR}/{e.path}") for e in entries]
 
 
@@ -317,7 +310,7 @@ def _install(partial: Path, final: Path, fsync: bool) -> None:
     # After an exchange, ``partial`` holds the previous checkpoint until it is removed.
     if _exchange(partial, final):
         if fsync:
-            _fsync_path(root)
+            fsync_path(root)
         shutil.rmtree(partial, ignore_errors=True)
         return
     aside = root / f".{final.name}.old-{os.getpid()}"
@@ -329,7 +322,7 @@ def _install(partial: Path, final: Path, fsync: bool) -> None:
         os.rename(aside, final)
         raise
     if fsync:
-        _fsync_path(root)
+        fsync_path(root)
     shutil.rmtree(aside, ignore_errors=True)
 
 
@@ -344,7 +337,7 @@ def _point_latest(root: Path, name: str, rollout_id: int, fsync: bool) -> None:
     _replace_file(root, LATEST_FILE, name + "\n", fsync)
     _replace_file(root, ITERATION_FILE, f"{rollout_id}\n", fsync)
     if fsync:
-        _fsync_path(root)
+        fsync_path(root)
 
 
 def write_checkpoint(
@@ -398,13 +391,13 @@ def write_checkpoint(
         manifest = _manifest_for(partial, rollout_id, trainer_state.weight_version, hashed)
         _write_file(partial / MANIFEST_FILE, _pretty_json(manifest), fsync)
         if fsync:
-            _fsync_path(partial)
+            fsync_path(partial)
         _install(partial, final, fsync)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
     if fsync:
-        _fsync_path(root)
+        fsync_path(root)
     _point_latest(root, name, rollout_id, fsync)
     return final
 

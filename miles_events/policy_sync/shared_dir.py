@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from miles_events.policy_sync.api import ModelFacade, PolicySyncError, RolloutManager, RolloutSummary
+from miles_events.util.durable import fsync_path
 from schemas.config import Config
 
 if TYPE_CHECKING:
@@ -63,25 +64,16 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_atomically(path: Path, write: Any) -> None:
     """``write(temporary path)``, fsynced, then renamed to ``path`` (readers see all or nothing)."""
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         write(temporary)
-        with open(temporary, "rb+") as file:
-            os.fsync(file.fileno())
+        fsync_path(temporary)
         os.replace(temporary, path)
     finally:
         temporary.unlink(missing_ok=True)
-    _fsync_dir(path.parent)
+    fsync_path(path.parent)
 
 
 def write_round(round_dir: Path, peer: str, tensors: dict[str, torch.Tensor]) -> str:

@@ -33,6 +33,7 @@ from miles_events.rl.publication_checks import (
     require_initial_version_publication,
     require_version_increment,
 )
+from miles_events.util.durable import fsync_path
 from miles_events.util.file_modes import PRIVATE_FILE_MODE
 from schemas.evidence import CheckpointRolloutEvidence
 
@@ -111,8 +112,4 @@ def write_evidence(path: str | os.PathLike[str], evidence: CheckpointRolloutEvid
         stream.write(evidence_bytes(evidence))
         stream.flush()
         os.fsync(stream.fileno())
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
+    fsync_path(path.parent)
