@@ -178,7 +178,6 @@ def summary(commands: list[OffloadRequested | OnloadRequested]) -> list[tuple[st
 
 def test_without_offload_no_point_of_the_loop_moves_memory() -> None:
     memory = plan()
-    assert not memory.enabled
     assert [memory.at_start(), memory.after_generation(0), memory.before_publication(0)] == [[], [], []]
     assert memory.after_publication(0) == []
 

@@ -286,15 +286,12 @@ class StaticDecoder:
         self._buffers.clear()
         self._new_pool()
 
-    def drop_graphs(self) -> int:
+    def drop_graphs(self) -> None:
         """Free the captured CUDA graphs, keeping the buffers: the next decode captures them
-        again. Returns how many were dropped."""
-        dropped = 0
+        again."""
         for buf in self._buffers.values():
-            dropped += len(buf.graphs)
             buf.graphs.clear()
         self._new_pool()
-        return dropped
 
     def _new_pool(self) -> None:
         """Graphs captured from now on share a new memory pool: the old one went with the

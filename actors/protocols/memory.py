@@ -72,19 +72,9 @@ class MemoryPlan:
             config.trainer.use_critic,
         )
 
-    @property
-    def enabled(self) -> bool:
-        return self.offload_train or self.offload_rollout
-
     def at_start(self) -> list[MemoryCommand]:
-        commands: list[MemoryCommand] = []
-        if self.offload_rollout:
-            commands.append(OffloadRequested(target="rollout", tags=list(ALL_TAGS)))
-        if self.offload_train:
-            commands.append(OffloadRequested(target="actor"))
-            if self.use_critic:
-                commands.append(OffloadRequested(target="critic"))
-        return commands
+        engines = [OffloadRequested(target="rollout", tags=list(ALL_TAGS))] if self.offload_rollout else []
+        return [*engines, *self._trainer_groups(OffloadRequested)]
 
     def _trainer_groups(self, command: type[OffloadRequested] | type[OnloadRequested]) -> list[MemoryCommand]:
         if not self.offload_train:

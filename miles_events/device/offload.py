@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, MutableMapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from miles_events.device.buckets import Buckets
 from schemas.events import MemoryPart
@@ -170,7 +170,3 @@ def move_optimizer_state(
             state[key] = copy_to(value, target, copies, ("optimizer", index, key))
             moved += value.numel() * value.element_size()
     return moved
-
-
-def tensor_bytes(tensors: Iterable[Any]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
