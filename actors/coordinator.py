@@ -9,7 +9,8 @@ Read top to bottom, the handlers are the loop:
                                 snapshot, reset, checksums, republish, compare, checksums,
                                 evidence)
     opening through          -> eval-only / eval before train / first rollout
-    TrainStepFinished(k)     -> save if periodic / last / sentinel (removing it), then publish
+    TrainStepFinished(k)     -> save if periodic / last / sentinel (removing it) / asked
+                                (``CheckpointRequested``), then publish
                                 (a save due while the last is being written waits for it)
     publication of k through -> periodic eval, then rollout k+1 or finish
     EvalFinished             -> what the eval was asked before (``AfterEval``)
@@ -61,6 +62,7 @@ from schemas.config import Config
 from schemas.events import (
     ActorFailed,
     CheckpointFailed,
+    CheckpointRequested,
     CheckpointSaved,
     DataReleased,
     EvalFinished,
@@ -181,6 +183,8 @@ class Coordinator(Actor):
         self._saved: set[int] = set()
         """Rollouts a save was asked for."""
         self._stop: str | None = None
+        self._save_asked: str | None = None
+        """Why a checkpoint was asked for (``CheckpointRequested``), until the next step saves."""
         """Why a stop was asked for: the run finishes after the current step."""
         self._finishing: RunFinished | None = None
         self.finished: RunFinished | None = None
@@ -417,7 +421,10 @@ class Coordinator(Actor):
         """Save the trained step if one is due, then publish it."""
         sentinel = self.run.save_trigger_sentinel
         reason: SaveReason | None = None
-        if sentinel is not None and os.path.exists(sentinel):
+        if self._save_asked is not None:
+            logger.info("saving rollout %d: %s", rollout_id, self._save_asked)
+            reason, self._save_asked = "request", None
+        elif sentinel is not None and os.path.exists(sentinel):
             reason = "sentinel"
             # One touch, one save: the file goes once its save is asked for, before the
             # next rollout (the seed removes it right after its synchronous save).
@@ -544,6 +551,12 @@ class Coordinator(Actor):
     async def on_actor_failed(self, event: ActorFailed) -> None:
         on = f" on {event.event_type}" if event.event_type else ""
         await self._finish("failed", f"actor {event.actor} failed{on}: {event.error}")
+
+    @handles(CheckpointRequested, emits=())
+    async def on_checkpoint_requested(self, event: CheckpointRequested) -> None:
+        """A checkpoint asked for (the control server's save): the step in progress is saved
+        once trained, as a touch of the save-trigger sentinel would."""
+        self._save_asked = event.reason or "a checkpoint was asked for"
 
     @handles(StopRequested, emits=())
     async def on_stop_requested(self, event: StopRequested) -> None:

@@ -39,6 +39,7 @@ from schemas.events import (
     CriticStateStaged,
     CriticStepFinished,
     DataReleased,
+    Event,
     MemoryOffloaded,
     MemoryOnloaded,
     ModelWeightsLoaded,
@@ -122,8 +123,8 @@ class Critic(Actor):
             if self._backend is not None:
                 await self._backend.close()
 
-    def interrupt(self, event: StopRequested) -> None:
-        if event.now:
+    def interrupt(self, event: Event) -> None:
+        if isinstance(event, StopRequested) and event.now:
             self.cancel.cancel(event.reason)
 
     # --- training --------------------------------------------------------------------------

@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
+import os
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from functools import partial
@@ -49,6 +51,14 @@ import msgspec
 
 from actors.engine import engine_module
 from actors.engine.base import Completion, GenerateRequest, SamplingParams
+from actors.engine.cells import (
+    FAULT_SIGNALS,
+    CellState,
+    EngineCell,
+    check_restart,
+    restart_backoff,
+    stand_in,
+)
 from actors.engine.worker import EngineWorker, engine_worker
 from miles_events.bus.actor import (
     Actor,
@@ -56,10 +66,12 @@ from miles_events.bus.actor import (
     Worker,
     WorkerFactory,
     WorkerGroup,
+    brief_error,
     close_workers,
     handles,
 )
 from miles_events.bus.cancel import Cancellation, Cancelled
+from miles_events.bus.clock import wait_for
 from miles_events.bus.errors import describe_error
 from miles_events.rl.hf_model import chat_template, load_tokenizer, modeling_module
 from miles_events.rl.prompts import Prompt, load_prompts, rollout_prompts, with_template_ids
@@ -67,12 +79,20 @@ from miles_events.rl.rewards import RewardFn, reward_of
 from miles_events.rl.sample_excerpts import kept_samples
 from miles_events.rl.versions import engine_names
 from miles_events.util.registry import load_function
-from schemas.config import Config, skip_tensor_list
+from schemas.config import Config, engines_heal, engines_isolated, skip_tensor_list
 from schemas.events import (
+    CellFailed,
+    CellHealth,
+    CellRestarted,
+    CellResumed,
+    CellSuspended,
+    CellSuspendRequested,
     DataReleased,
     EvalFinished,
     EvalRequested,
     Event,
+    FaultInjected,
+    FaultInjectionRequested,
     MemoryOffloaded,
     MemoryOnloaded,
     MemoryPart,
@@ -89,8 +109,14 @@ from schemas.events import (
 )
 from schemas.rollout import RolloutBatch, Sample
 
+logger = logging.getLogger(__name__)
+
 P = ParamSpec("P")
 R = TypeVar("R")
+
+
+HEALING: tuple[type[Event], ...] = (CellFailed, CellRestarted, WeightsLoaded)
+"""What a handler publishes when an engine it calls fails and is restarted."""
 
 
 class Generator(Actor):
@@ -110,12 +136,23 @@ class Generator(Actor):
         self.prompts: list[Prompt] = []
         self.eval_prompts: list[Prompt] = []
         self.reward_fn: RewardFn | None = None
+        self.heals = engines_heal(config)
+        self.cells: list[EngineCell] = []
+        """The engines as cells, in engine order (their state when they heal)."""
+        self.served: WeightsStaged | None = None
+        """The publication every engine loaded last: what a restarted engine loads again."""
+        self.rollout_in_flight: int | None = None
 
     @classmethod
     def resources(cls, config: Config) -> WorkerGroup:
         # A rank per engine: on the ray runtime engine 0 shares the Generator's process and
         # each other engine gets a process, and a bundle of CPUs and GPUs, of its own.
-        return WorkerGroup(role="rollout", num_ranks=config.generator.num_engines, cpus_per_rank=1)
+        # Engines that heal each have a process of their own, engine 0 included: on ray the
+        # group then holds a bundle for the Generator and one per engine.
+        isolated = engines_isolated(config)
+        return WorkerGroup(
+            role="rollout", num_ranks=config.generator.num_engines + int(isolated), cpus_per_rank=1
+        )
 
     @classmethod
     def process_modules(cls, config: Config) -> list[str]:
@@ -153,7 +190,24 @@ class Generator(Actor):
         self.reward_fn = load_function(rollout.reward_fn)
         # Every engine starts at once: servers launch and load their models concurrently.
         self.engine_names = list(engine_names(self.config))
-        self.engines = await self.context.start_workers(type(self).build_worker, len(self.engine_names))
+        self.engines = await self.context.start_workers(
+            type(self).build_worker,
+            len(self.engine_names),
+            own_processes=("all" if engines_isolated(self.config) else False),
+        )
+        self.cells = [EngineCell(index, name) for index, name in enumerate(self.engine_names)]
+        if self.heals:
+            await asyncio.gather(*(self._describe(index) for index in range(len(self.cells))))
+
+    async def _describe(self, index: int) -> None:
+        """Learn engine ``index``'s processes and health route (once it started)."""
+        cell, worker = self.cells[index], self.engines[index]
+        cell.pids = await worker.call(EngineWorker.process_ids)
+        cell.health_url = await worker.call(EngineWorker.health_url)
+
+    async def ready(self) -> None:
+        if self.heals:
+            self.spawn(self._watch_health(), emits=(CellHealth, CellFailed))
 
     async def stop(self) -> None:
         engines, self.engines = self.engines, []
@@ -170,13 +224,20 @@ class Generator(Actor):
             stop=tuple(rollout.stop),
         )
 
-    def interrupt(self, event: StopRequested) -> None:
-        if event.now:
+    interrupt_types = (StopRequested, FaultInjectionRequested, CellSuspendRequested)
+
+    def interrupt(self, event: Event) -> None:
+        # Faults and suspensions land beside the handler in progress (mid-rollout).
+        if isinstance(event, FaultInjectionRequested):
+            self.spawn(self._inject(event), emits=(FaultInjected,))
+        elif isinstance(event, CellSuspendRequested) and event.suspend:
+            self.spawn(self._suspend(event), emits=(CellSuspended,))
+        elif isinstance(event, StopRequested) and event.now:
             self.cancel.cancel(event.reason)
             for engine in self.engines:
                 engine.notify(EngineWorker.cancel, event.reason)
 
-    @handles(RolloutRequested, emits=(RolloutGenerated, StepCancelled))
+    @handles(RolloutRequested, emits=(RolloutGenerated, StepCancelled, *HEALING))
     async def on_rollout_requested(self, event: RolloutRequested) -> None:
         data, rollout = self.config.data, self.config.rollout
         if not self.prompts:
@@ -190,6 +251,7 @@ class Generator(Actor):
         )
         sampling = self._sampling(rollout.temperature)
         started = time.perf_counter()
+        self.rollout_in_flight = event.rollout_id
         try:
             samples = await self._sample_groups(
                 prompts, data.n_samples_per_prompt, sampling, "rollout", event.rollout_id
@@ -215,7 +277,7 @@ class Generator(Actor):
             )
         )
 
-    @handles(EvalRequested, emits=(EvalFinished, StepCancelled))
+    @handles(EvalRequested, emits=(EvalFinished, StepCancelled, *HEALING))
     async def on_eval_requested(self, event: EvalRequested) -> None:
         """Evaluate on ``eval_data`` (or the prompt data) at ``eval_temperature``.
 
@@ -274,7 +336,7 @@ class Generator(Actor):
                 for _ in range(n_samples)
             ]
             seed = engine_seed(self.config.run.seed, kind, rollout_id, index)
-            completions = await self._on_engine(index, EngineWorker.generate, requests, sampling, seed)
+            completions = await self._generate(index, requests, sampling, seed)
             self.cancel.check()
             results[index] = await anyio.to_thread.run_sync(
                 self._score, self.engine_names[index], prompts, groups, n_samples, completions
@@ -303,19 +365,250 @@ class Generator(Actor):
             raise Cancelled(self.cancel.reason)
         return sorted((s for samples in results for s in samples), key=lambda s: s.group)
 
+    async def _generate(
+        self, index: int, requests: list[GenerateRequest], sampling: SamplingParams, seed: int
+    ) -> list[Completion]:
+        """Engine ``index``'s share of a rollout, sampled with its seed: on the engine itself,
+        or while it is suspended on a stand-in (the same seed, so the same samples where the
+        weights are the same); an engine that fails and is restarted samples it again."""
+        while True:
+            target: int | None = index
+            if self.cells and self.cells[index].state is CellState.SUSPENDED:
+                target = stand_in(self.cells, index)
+            if target is None:
+                raise EngineFailed("every engine is suspended: no engine can sample")
+            if not self.cells:
+                return await self._on_engine(target, EngineWorker.generate, requests, sampling, seed)
+            cell = self.cells[target]
+            async with cell.busy:
+                if cell.state is CellState.SUSPENDED:
+                    continue  # suspended while it waited: choose again
+                try:
+                    return await self._on_engine(target, EngineWorker.generate, requests, sampling, seed)
+                except Exception:
+                    if cell.suspended:
+                        continue  # suspended mid-call: a stand-in samples it
+                    raise
+
     async def _on_engine(
         self, index: int, method: Callable[Concatenate[EngineWorker, P], R], *args: P.args, **kwargs: P.kwargs
     ) -> R:
         """``method(*args, **kwargs)`` of engine ``index``; a failure whose message does not
         name the engine (a rank process that died, an HTTP error) is raised as
-        ``EngineFailed`` naming it."""
+        ``EngineFailed`` naming it. When engines heal, one that fails is restarted (with the
+        current weights) and the call made again on it."""
         name = self.engine_names[index]
+        while True:
+            cell = self.cells[index] if self.cells else None
+            if cell is not None and cell.state is CellState.FAILED:
+                await self._restart(index)
+            worker = self.engines[index]
+            try:
+                return await worker.call(method, *args, **kwargs)
+            except Exception as error:
+                if isinstance(error, Cancelled):
+                    raise
+                failure = error if name in str(error) else EngineFailed(f"{name}: {describe_error(error)}")
+                if not self.heals or cell is None or cell.state is CellState.SUSPENDED:
+                    if failure is error:
+                        raise
+                    raise failure from error
+                if self.engines[index] is worker and cell.state is CellState.RUNNING:
+                    await self._failed(index, brief_error(failure), hung=False)
+
+    # --- healing --------------------------------------------------------------------------------
+    #
+    # Restarts happen only inside handlers (a call that failed, or ``CellFailed`` handled in
+    # turn), never beside one: a restarted engine loads the publication every engine serves,
+    # and no publication can move on meanwhile. What runs beside the handlers (the health
+    # checks, a fault, a suspension) only kills an engine and says so.
+
+    async def _failed(self, index: int, reason: str, *, hung: bool) -> None:
+        """Engine ``index`` died or hung: it is stopped and ``CellFailed`` says so; the next
+        call on it, or the Generator's own ``CellFailed`` handler, restarts it."""
+        cell = self.cells[index]
+        cell.state = CellState.FAILED
+        cell.failure, cell.hung = reason, hung
+        await close_workers([self.engines[index]], timeout=1.0)
+        await self.publish(
+            CellFailed(
+                cell=cell.name,
+                reason=reason,
+                hung=hung,
+                restarts=cell.restarts,
+                rollout_id=self.rollout_in_flight,
+            )
+        )
+
+    @handles(CellFailed, emits=(CellFailed, CellRestarted, WeightsLoaded))
+    async def on_cell_failed(self, event: CellFailed) -> None:
+        """An engine the health checks found dead or hung (or one a call saw fail that no
+        call has restarted yet): restart it now, not at its next use."""
+        cell = next((c for c in self.cells if c.name == event.cell), None)
+        if cell is not None and cell.state is CellState.FAILED:
+            await self._restart(cell.index)
+
+    async def _restart(self, index: int) -> None:
+        """Restart failed engine ``index``, after its backoff, and give it the publication
+        every engine serves; a start that fails is another failure. ``RestartsSpent`` (the
+        run fails) past ``control.max_restarts``."""
+        cell = self.cells[index]
+        control = self.config.control
+        failed_at = time.perf_counter()
+        while True:
+            attempt = check_restart(cell, control, cell.failure)
+            cell.restarts = attempt
+            await self.context.clock.sleep(restart_backoff(attempt, control))
+            try:
+                version = await self._start_engine(index)
+            except Exception as error:
+                await self._failed(
+                    index, f"{cell.engine} did not start again: {brief_error(error)}", hung=False
+                )
+                continue
+            cell.state = CellState.RUNNING
+            cell.failed_checks, cell.healthy = 0, True
+            await self.publish(
+                CellRestarted(
+                    cell=cell.name,
+                    attempt=attempt,
+                    pid=cell.pids[0] if cell.pids else 0,
+                    weight_version=version,
+                    restart_seconds=time.perf_counter() - failed_at,
+                )
+            )
+            return
+
+    async def _start_engine(self, index: int) -> str:
+        """Start engine ``index`` again and give it the publication every engine serves;
+        returns the version it serves."""
+        (worker,) = await self.context.start_workers(
+            type(self).build_worker,
+            len(self.engine_names),
+            own_processes="all" if engines_isolated(self.config) else False,
+            only=[index],
+        )
+        self.engines[index] = worker
+        await self._describe(index)
+        served = self.served
+        if served is None:
+            return "default"  # nothing published yet: the base model, as the others serve
+        skip = skip_tensor_list(self.config)
+        started = time.perf_counter()
+        loaded = await worker.call(
+            EngineWorker.load, served.weights, served.weight_version, skip, served.probe
+        )
+        if loaded.digest != served.digest or (
+            served.canary and loaded.canary is not None and loaded.canary != served.canary
+        ):
+            raise EngineFailed(
+                f"{self.engine_names[index]} loaded weight version {served.weight_version} again but "
+                f"serves digest {loaded.digest or '-'}, not {served.digest}"
+            )
+        await self.publish(
+            msgspec.structs.replace(loaded, load_seconds=time.perf_counter() - started, restore=True)
+        )
+        return served.weight_version
+
+    async def _watch_health(self) -> None:
+        """Check every running engine each ``control.heartbeat_interval_seconds``: its
+        server's health route, or (an embedded engine) a call answered by its process. An
+        engine whose process died, or that fails ``heartbeat_max_failures`` checks in a row
+        (hung), is killed and reported failed."""
+        control = self.config.control
+        while True:
+            await self.context.clock.sleep(control.heartbeat_interval_seconds)
+            await asyncio.gather(*(self._check(index) for index in range(len(self.cells))))
+
+    async def _check(self, index: int) -> None:
+        control = self.config.control
+        cell, worker = self.cells[index], self.engines[index]
+        if cell.state is not CellState.RUNNING:
+            return
+        timeout = control.heartbeat_timeout_seconds
+        died = False
         try:
-            return await self.engines[index].call(method, *args, **kwargs)
+            if cell.health_url is not None:
+                reason = await anyio.to_thread.run_sync(_http_health, cell.engine, cell.health_url, timeout)
+            else:
+                reason = await wait_for(
+                    worker.call(EngineWorker.health, timeout), timeout, self.context.clock
+                )
+        except TimeoutError:
+            reason = f"{cell.engine} did not answer its heartbeat within {timeout:g}s"
         except Exception as error:
-            if isinstance(error, Cancelled) or name in str(error):
-                raise
-            raise EngineFailed(f"{name}: {describe_error(error)}") from error
+            reason, died = f"{cell.engine}: {brief_error(error)}", True
+        if self.engines[index] is not worker or cell.state is not CellState.RUNNING:
+            return  # failed, restarted or suspended meanwhile
+        if not reason:
+            if not cell.healthy:
+                cell.healthy = True
+                await self.publish(CellHealth(cell=cell.name, healthy=True))
+            cell.failed_checks = 0
+            return
+        cell.failed_checks += 1
+        if cell.healthy:
+            cell.healthy = False
+            await self.publish(CellHealth(cell=cell.name, healthy=False, reason=reason))
+        if died:
+            await self._failed(index, reason, hung=False)
+        elif cell.failed_checks >= control.heartbeat_max_failures:
+            await self._failed(index, f"{reason} ({cell.failed_checks} checks in a row)", hung=True)
+
+    async def _inject(self, event: FaultInjectionRequested) -> None:
+        """Deliver a fault to process ``sub_index`` of the cell's engine."""
+        cell = next((c for c in self.cells if c.name == event.cell), None)
+        error = ""
+        pid = 0
+        if cell is None:
+            error = f"{event.cell}: no such rollout cell"
+        elif cell.state is not CellState.RUNNING:
+            error = f"{event.cell}: not running ({cell.state.value})"
+        elif event.sub_index >= len(cell.pids):
+            error = f"{event.cell}: sub_index {event.sub_index} out of range ({len(cell.pids)} processes)"
+        else:
+            pid = cell.pids[event.sub_index]
+            if pid == os.getpid():
+                error = f"{event.cell}: its engine runs in the generator's own process"
+            else:
+                try:
+                    os.kill(pid, FAULT_SIGNALS[event.mode])
+                except ProcessLookupError:
+                    error = f"{event.cell}: process {pid} is gone"
+        if error:
+            logger.warning("fault not injected: %s", error)
+        await self.publish(
+            FaultInjected(cell=event.cell, mode=event.mode, pid=pid, sub_index=event.sub_index, error=error)
+        )
+
+    async def _suspend(self, event: CellSuspendRequested) -> None:
+        """Stop the engine now: its share of a rollout goes to a stand-in, publications go on
+        without it."""
+        cell = next((c for c in self.cells if c.name == event.cell), None)
+        if cell is None or cell.state is CellState.SUSPENDED:
+            return
+        cell.state = CellState.SUSPENDED
+        await close_workers([self.engines[cell.index]], timeout=1.0)
+        await self.publish(CellSuspended(cell=cell.name))
+
+    @handles(CellSuspendRequested, emits=(CellResumed, CellFailed, CellRestarted, WeightsLoaded))
+    async def on_cell_suspend_requested(self, event: CellSuspendRequested) -> None:
+        """A resume (a suspension is taken at once, out of band): start the engine again
+        with the publication every engine serves."""
+        cell = next((c for c in self.cells if c.name == event.cell), None)
+        if event.suspend or cell is None or cell.state is not CellState.SUSPENDED:
+            return
+        try:
+            version = await self._start_engine(cell.index)
+        except Exception as error:
+            await self._failed(cell.index, f"{cell.engine} did not resume: {brief_error(error)}", hung=False)
+            await self._restart(cell.index)
+            return
+        cell.state = CellState.RUNNING
+        cell.failed_checks, cell.healthy = 0, True
+        await self.publish(
+            CellResumed(cell=cell.name, pid=cell.pids[0] if cell.pids else 0, weight_version=version)
+        )
 
     def _score(
         self,
@@ -354,23 +647,32 @@ class Generator(Actor):
 
     # --- weights ------------------------------------------------------------------------------
 
-    @handles(WeightsStaged, emits=(WeightsLoaded,))
+    @handles(WeightsStaged, emits=(WeightsLoaded, *HEALING))
     async def on_weights_staged(self, event: WeightsStaged) -> None:
         # Every engine loads at once and resolves the handle itself (the staged data belongs
-        # to the trainer).
+        # to the trainer). A suspended engine loads it when it resumes.
         # The skip list applies here as on the trainer: digests are compared whole.
         skip = skip_tensor_list(self.config)
 
-        async def load(index: int) -> Event:
+        async def load(index: int) -> Event | None:
+            cell = self.cells[index] if self.cells else None
+            if cell is not None and cell.state is CellState.SUSPENDED:
+                return None
             started = time.perf_counter()
-            loaded = await self._on_engine(
-                index, EngineWorker.load, event.weights, event.weight_version, skip, event.probe
-            )
+            try:
+                loaded = await self._on_engine(
+                    index, EngineWorker.load, event.weights, event.weight_version, skip, event.probe
+                )
+            except Exception:
+                if cell is not None and cell.suspended:
+                    return None  # suspended mid-load: it loads what every engine serves on resume
+                raise
             return msgspec.structs.replace(loaded, load_seconds=time.perf_counter() - started)
 
         await self._on_every_engine(load)
+        self.served = event
 
-    async def _on_every_engine(self, work: Callable[[int], Awaitable[Event]]) -> None:
+    async def _on_every_engine(self, work: Callable[[int], Awaitable[Event | None]]) -> None:
         """``work(index)`` for every engine at once; the events they return are published in
         engine order (each as soon as it and those before it are done), so a run's event log
         does not depend on which engine was faster. After a failure the rest are waited for,
@@ -385,7 +687,7 @@ class Generator(Actor):
                 except Exception as error:
                     first = first or error
                     continue
-                if first is None:
+                if first is None and event is not None:
                     await self.publish(event)
         finally:
             for task in tasks:
@@ -393,7 +695,7 @@ class Generator(Actor):
         if first is not None:
             raise first
 
-    @handles(WeightsCheckRequested, emits=(WeightsCheckFinished,))
+    @handles(WeightsCheckRequested, emits=(WeightsCheckFinished, *HEALING))
     async def on_weights_check_requested(self, event: WeightsCheckRequested) -> None:
         async def check(index: int) -> Event:
             return await self._on_engine(index, EngineWorker.check, event)
@@ -440,6 +742,17 @@ class Generator(Actor):
 
 class EngineFailed(RuntimeError):
     """A call on one engine failed; the message starts with the engine's name."""
+
+
+def _http_health(engine: str, url: str, timeout: float) -> str:
+    """An engine server's health check, made from the Generator: "" when it answered 200."""
+    import httpx
+
+    try:
+        status = httpx.get(url, timeout=timeout).status_code
+    except httpx.HTTPError as error:
+        return f"{engine}: {url} did not answer: {type(error).__name__}"
+    return "" if status == 200 else f"{engine}: {url} answered {status}"
 
 
 def _memory_reply(event: OffloadRequested | OnloadRequested) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from miles_events.policy_sync.loader import load_policy_sync
 from schemas.config import Config
 from schemas.events import (
     DataReleased,
+    Event,
     ModelWeightsLoaded,
     ModelWeightsLoadRequested,
     ModelWeightsRequested,
@@ -104,8 +105,13 @@ class PolicySyncDriver(Actor):
     async def on_policy_sync_requested(self, event: PolicySyncRequested) -> None:
         self.spawn(self._run_hook(event), emits=HOOK_EMITS)
 
-    def interrupt(self, event: StopRequested) -> None:
-        if event.now and self._running is not None and not self._running.done():
+    def interrupt(self, event: Event) -> None:
+        if (
+            isinstance(event, StopRequested)
+            and event.now
+            and self._running is not None
+            and not self._running.done()
+        ):
             self._cut = event.reason
             self._running.cancel()
 

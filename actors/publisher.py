@@ -20,8 +20,10 @@ from dataclasses import dataclass, field
 
 from miles_events.bus.actor import Actor, ActorContext, WorkerGroup, handles
 from miles_events.rl.versions import engine_names, next_version
-from schemas.config import Config
+from schemas.config import Config, engines_heal, engines_isolated
 from schemas.events import (
+    CellResumed,
+    CellSuspended,
     DataReleased,
     PublicationFailed,
     PublicationPhase,
@@ -54,6 +56,12 @@ class Publisher(Actor):
         """The version each engine serves, as of the last publication every engine loaded."""
         self.first_version = "1"
         self.current: Publication | None = None
+        self.suspended: set[str] = set()
+        """Engines whose cell is suspended: a publication goes on without them."""
+        self.keep_served = engines_heal(config)
+        """Whether the staged weights of the last publication are kept until the next one
+        is through: an engine restarted meanwhile loads them again."""
+        self.served_weights: WeightsStaged | None = None
 
     @classmethod
     def resources(cls, config: Config) -> WorkerGroup:
@@ -66,7 +74,9 @@ class Publisher(Actor):
         ray. The publication's data plane is the Publisher's choice; the session opens it."""
         transport = config.publisher.transport
         if transport == "auto":
-            return "inprocess" if config.run.runtime == "local" else "shm"
+            # Engines in processes of their own (healing ones) read through shared memory.
+            in_one_process = config.run.runtime == "local" and not engines_isolated(config)
+            return "inprocess" if in_one_process else "shm"
         return transport
 
     @handles(RunStarted, emits=())
@@ -90,7 +100,11 @@ class Publisher(Actor):
         publication.staged = event
         publication.staged_at = self.context.clock.monotonic()
         self._arm("load", self.config.publisher.load_timeout)
-        wrong = {e: v for e, v in self.served.items() if self._expected_version(v) != event.weight_version}
+        wrong = {
+            e: v
+            for e, v in self.served.items()
+            if e not in self.suspended and self._expected_version(v) != event.weight_version
+        }
         if wrong:
             await self._fail(
                 "version",
@@ -101,9 +115,37 @@ class Publisher(Actor):
     def _expected_version(self, served: str) -> str:
         return self.first_version if served == "default" else next_version(served)
 
+    @handles(CellSuspended, emits=(DataReleased, WeightsPublished, PublicationFailed))
+    async def on_cell_suspended(self, event: CellSuspended) -> None:
+        engine = self._engine_of(event.cell)
+        if engine is None:
+            return
+        self.suspended.add(engine)
+        publication = self.current
+        if publication is not None and publication.staged is not None and self._all_loaded(publication):
+            await self._complete(publication)
+
+    @handles(CellResumed, emits=())
+    async def on_cell_resumed(self, event: CellResumed) -> None:
+        engine = self._engine_of(event.cell)
+        if engine is not None:
+            self.suspended.discard(engine)
+            self.served[engine] = event.weight_version
+
+    def _engine_of(self, cell: str) -> str | None:
+        prefix, _, index = cell.partition("-")
+        if prefix != "rollout" or not index.isdigit() or int(index) >= len(self.engines):
+            return None
+        return self.engines[int(index)]
+
+    def _all_loaded(self, publication: Publication) -> bool:
+        return set(publication.loaded) >= set(self.engines) - self.suspended
+
     @handles(WeightsLoaded, emits=(DataReleased, WeightsPublished, PublicationFailed))
     async def on_weights_loaded(self, event: WeightsLoaded) -> None:
         publication = self.current
+        if event.restore:
+            return  # a restarted engine serving the last publication again, not a saga
         if publication is None or publication.staged is None:
             return
         if event.weight_version != publication.staged.weight_version:
@@ -116,23 +158,27 @@ class Publisher(Actor):
             )
             return
         publication.loaded[event.engine] = event
-        if set(publication.loaded) >= set(self.engines):
+        if self._all_loaded(publication):
             await self._complete(publication)
 
     async def _complete(self, publication: Publication) -> None:
         self._cancel_timer()
         staged = publication.staged
         assert staged is not None
-        previous = [self.served[e] for e in self.engines]
-        for engine in self.engines:
+        engines = [e for e in self.engines if e in publication.loaded]
+        previous = [self.served[e] for e in engines]
+        for engine in engines:
             self.served[engine] = staged.weight_version
         now = self.context.clock.monotonic()
         self.current = None
-        await self.publish(DataReleased(ref=staged.weights))
+        released = self.served_weights if self.keep_served else staged
+        self.served_weights = staged
+        if released is not None:
+            await self.publish(DataReleased(ref=released.weights))
         await self.publish(
             WeightsPublished(
                 weight_version=staged.weight_version,
-                engines=list(self.engines),
+                engines=engines,
                 previous_versions=previous,
                 rollout_id=publication.rollout_id,
                 stage_seconds=publication.staged_at - publication.requested_at,

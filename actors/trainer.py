@@ -50,11 +50,12 @@ from miles_events.rl.probe import probe_batch, probe_vocab_size
 from miles_events.rl.prompts import data_cursor, load_prompts
 from miles_events.rl.versions import next_version, version_number
 from schemas.checkpoint import TrainerState
-from schemas.config import Config, skip_tensor_list
+from schemas.config import Config, engines_heal, skip_tensor_list
 from schemas.data import DataRef
 from schemas.events import (
     CriticStepFinished,
     DataReleased,
+    Event,
     MemoryOffloaded,
     MemoryOnloaded,
     ModelWeightsLoaded,
@@ -111,6 +112,9 @@ class Trainer(Actor):
         self.resumed_from: str | None = None
         """The checkpoint directory restored at start, if any."""
         self._published: DataRef | None = None
+        self._held: dict[str, DataRef] = {}
+        """Publications before the last that engines may still load again (engines that
+        heal), until the Publisher releases them."""
         self._manifests: dict[str, str] = {}
         """Weight version -> the checksum manifest written for it, until it is verified."""
         self._num_saves = 0
@@ -206,9 +210,10 @@ class Trainer(Actor):
         try:
             if self._saves is not None:
                 await self._saves.close()
-            if self._published is not None:
-                self._free(self._published)
-                self._published = None
+            for held in [*self._held.values(), *([self._published] if self._published else [])]:
+                self._free(held)
+            self._held.clear()
+            self._published = None
             self._staging.clear()
         finally:
             if self._backend is not None:
@@ -219,8 +224,8 @@ class Trainer(Actor):
 
     # --- training --------------------------------------------------------------------------
 
-    def interrupt(self, event: StopRequested) -> None:
-        if event.now:
+    def interrupt(self, event: Event) -> None:
+        if isinstance(event, StopRequested) and event.now:
             self.cancel.cancel(event.reason)
 
     @handles(
@@ -424,7 +429,11 @@ class Trainer(Actor):
         staged = await anyio.to_thread.run_sync(self._stage_weights, version, engine_dtype)
         probe = await anyio.to_thread.run_sync(self._probe)
         previous, self._published = self._published, staged.ref
-        if previous is not None:  # its readers have not said they are done: not reused
+        if previous is not None and engines_heal(self.config):
+            # The last publication stays until the Publisher releases it, after this one:
+            # an engine restarted meanwhile loads it again.
+            self._held[previous.key] = previous
+        elif previous is not None:  # its readers have not said they are done: not reused
             self._staging.forget(previous.key)
             self._free(previous)
         self.weight_version = version
@@ -469,6 +478,7 @@ class Trainer(Actor):
         self.saves.released(event.ref.key)
         if self._published is not None and self._published.key == event.ref.key:
             self._published = None
+        self._held.pop(event.ref.key, None)
 
     # --- external policy sync ----------------------------------------------------------------
 

@@ -46,6 +46,7 @@ from schemas.events import (
     ProbeBatch,
     PublicationMismatch,
     PublicationVerified,
+    RestoreVerified,
     TensorMismatch,
     WeightsLoaded,
     WeightsPublished,
@@ -75,6 +76,9 @@ class Verifier(Actor):
         super().__init__(config, context)
         self.staged: dict[str, WeightsStaged] = {}
         self.loaded: dict[str, dict[str, WeightsLoaded]] = {}
+        self.served: WeightsStaged | None = None
+        """The trainer's side of the last publication verified: what a restarted engine
+        that loads it again must serve."""
 
     @classmethod
     def resources(cls, config: Config) -> WorkerGroup:
@@ -84,9 +88,44 @@ class Verifier(Actor):
     async def on_weights_staged(self, event: WeightsStaged) -> None:
         self.staged[event.weight_version] = event
 
-    @handles(WeightsLoaded, emits=())
+    @handles(WeightsLoaded, emits=(RestoreVerified, PublicationMismatch))
     async def on_weights_loaded(self, event: WeightsLoaded) -> None:
+        if event.restore:
+            await self._verify_restore(event)
+            return
         self.loaded.setdefault(event.weight_version, {})[event.engine] = event
+
+    async def _verify_restore(self, event: WeightsLoaded) -> None:
+        """A restarted engine loaded the last publication again: the same checks as the
+        publication's, on that engine alone."""
+        if not self.config.verifier.enabled:
+            return
+        staged = self.served if self.served and self.served.weight_version == event.weight_version else None
+        started = time.perf_counter()
+        mismatches, proven, probe_max_diff = await self._verdict(
+            staged, {event.engine: event}, [event.engine]
+        )
+        if mismatches:
+            await self.publish(
+                PublicationMismatch(
+                    weight_version=event.weight_version,
+                    mismatches=mismatches,
+                    expected_digest=staged.digest if staged else "",
+                    engine_digests={event.engine: event.digest},
+                    verify_seconds=time.perf_counter() - started,
+                )
+            )
+            return
+        assert staged is not None
+        await self.publish(
+            RestoreVerified(
+                engine=event.engine,
+                weight_version=event.weight_version,
+                digest=staged.digest,
+                write_proof="canary" if proven else "none",
+                probe_max_diff=probe_max_diff,
+            )
+        )
 
     def _name_mismatches(
         self, staged: WeightsStaged | None, differing: dict[str, WeightsLoaded | None]
@@ -156,52 +195,12 @@ class Verifier(Actor):
             for stale in [v for v in table if version_number(v) < current]:
                 del table[stale]
         started = time.perf_counter()
-        differing: dict[str, WeightsLoaded | None] = {
-            engine: loaded.get(engine)
-            for engine in event.engines
-            if staged is None
-            or engine not in loaded
-            or loaded[engine].digest != staged.digest
-            or loaded[engine].checksum_error
-        }
         if not self.config.verifier.enabled:
             return
-        mismatches: list[TensorMismatch] = (
-            await anyio.to_thread.run_sync(self._name_mismatches, staged, differing) if differing else []
-        )
+        mismatches, proven, probe_max_diff = await self._verdict(staged, loaded, event.engines)
+        self.served = staged
         engine_digests = {e: loaded[e].digest for e in event.engines if e in loaded}
         expected_digest = staged.digest if staged is not None else ""
-        if staged is None or staged.num_tensors == 0:
-            mismatches.insert(0, TensorMismatch(engine="trainer", tensor="*", expected="", actual=""))
-        proven = staged is not None and bool(staged.canary)
-        for engine in event.engines:
-            reply = loaded.get(engine)
-            if staged is None or not staged.canary or reply is None or reply.canary is None:
-                proven = False  # an engine that cannot hold a canary: the digests alone
-            elif reply.canary != staged.canary:
-                mismatches.append(
-                    TensorMismatch(
-                        engine=engine,
-                        tensor=CANARY_TENSOR,
-                        expected=staged.canary,
-                        actual=reply.canary,
-                        reason="the engine does not hold this publication's canary: its load did not apply the payload",
-                    )
-                )
-        probe_max_diff = None
-        if staged is not None and staged.probe is not None:
-            probe_max_diff = 0.0
-            for engine in event.engines:
-                reply = loaded.get(engine)
-                if reply is None:
-                    continue  # no load to probe: already a mismatch of its digest
-                mismatch = self._probe_mismatch(engine, staged.probe, reply)
-                if mismatch is None:
-                    probe_max_diff = max(
-                        probe_max_diff, max_difference(staged.probe.logprobs, reply.probe_logprobs or [])
-                    )
-                else:
-                    mismatches.append(mismatch)
         elapsed = time.perf_counter() - started
         if mismatches:
             await self.publish(
@@ -228,3 +227,53 @@ class Verifier(Actor):
                     probe_max_diff=probe_max_diff,
                 )
             )
+
+    async def _verdict(
+        self, staged: WeightsStaged | None, loaded: dict[str, WeightsLoaded], engines: list[str]
+    ) -> tuple[list[TensorMismatch], bool, float | None]:
+        """Every mismatch between what the trainer staged and what ``engines`` loaded
+        (digests, canary, probe), whether the canary proved each load wrote, and the largest
+        probe difference that passed."""
+        differing: dict[str, WeightsLoaded | None] = {
+            engine: loaded.get(engine)
+            for engine in engines
+            if staged is None
+            or engine not in loaded
+            or loaded[engine].digest != staged.digest
+            or loaded[engine].checksum_error
+        }
+        mismatches: list[TensorMismatch] = (
+            await anyio.to_thread.run_sync(self._name_mismatches, staged, differing) if differing else []
+        )
+        if staged is None or staged.num_tensors == 0:
+            mismatches.insert(0, TensorMismatch(engine="trainer", tensor="*", expected="", actual=""))
+        proven = staged is not None and bool(staged.canary)
+        for engine in engines:
+            reply = loaded.get(engine)
+            if staged is None or not staged.canary or reply is None or reply.canary is None:
+                proven = False  # an engine that cannot hold a canary: the digests alone
+            elif reply.canary != staged.canary:
+                mismatches.append(
+                    TensorMismatch(
+                        engine=engine,
+                        tensor=CANARY_TENSOR,
+                        expected=staged.canary,
+                        actual=reply.canary,
+                        reason="the engine does not hold this publication's canary: its load did not apply the payload",
+                    )
+                )
+        probe_max_diff = None
+        if staged is not None and staged.probe is not None:
+            probe_max_diff = 0.0
+            for engine in engines:
+                reply = loaded.get(engine)
+                if reply is None:
+                    continue  # no load to probe: already a mismatch of its digest
+                mismatch = self._probe_mismatch(engine, staged.probe, reply)
+                if mismatch is None:
+                    probe_max_diff = max(
+                        probe_max_diff, max_difference(staged.probe.logprobs, reply.probe_logprobs or [])
+                    )
+                else:
+                    mismatches.append(mismatch)
+        return mismatches, proven, probe_max_diff

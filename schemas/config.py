@@ -118,6 +118,20 @@ class RunConfig(Section):
     external_policy_sync_run_until_stop: bool = False
     """With an external policy synchronizer: rollouts go on past ``num_rollout`` until the
     plugin's ``after_local_train`` stops the run (or a signal does)."""
+    control_server_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
+    """The control server's port (miles' ``--control-server-port``; 0: no server): miles'
+    cells API (health, cells, suspend and resume, fault injection) plus save and stop, each
+    request an event on the bus. Every request but the health check needs the bearer token
+    (``[control]``)."""
+    ft_components: list[Literal["rollout", "train"]] = msgspec.field(default_factory=list)
+    """What the run heals (miles' ``--ft-components``): ``rollout``, an engine that dies or
+    hangs is restarted with the current weights and its prompts sampled again; the control
+    server lists a cell for each engine (``rollout-{i}``) and for the trainer's ranks
+    (``actor-{i}``)."""
+    mini_ft_controller: bool = False
+    """Run miles' mini fault-tolerance controller beside the control server: it polls the
+    cells, and heals one that is unhealthy or suspended by suspending and resuming it
+    (``[control]`` intervals). Needs ``control_server_port``."""
 
 
 class BuiltinModelConfig(Section):
@@ -439,6 +453,17 @@ def skip_tensor_list(config: Config) -> list[str]:
     return list(ENGINE_SKIP_TENSOR_LIST.get(config.generator.engine, []))
 
 
+def engines_heal(config: Config) -> bool:
+    """Whether engines that die or hang are restarted (``run.ft_components``)."""
+    return "rollout" in config.run.ft_components
+
+
+def engines_isolated(config: Config) -> bool:
+    """Whether every engine rank has a process of its own, the first included: embedded
+    engines that heal (each can die and start again alone)."""
+    return engines_heal(config) and config.generator.engine == "torch"
+
+
 def critic_config(config: Config) -> Config:
     """The run's config as the critic's trainer group sees it (``trainer.use_critic``): its
     own rank count and learning rate (``trainer.critic_num_ranks``, ``trainer.critic_lr``),
@@ -542,6 +567,42 @@ class PolicySyncConfig(Section):
     load weights) may take before the hook fails."""
 
 
+class ControlConfig(Section):
+    """The control server (``run.control_server_port``), the mini fault-tolerance
+    controller (``run.mini_ft_controller``) and the limits of healing (``run.ft_components``)."""
+
+    host: str = "127.0.0.1"
+    """The address the control server binds: loopback unless set (``0.0.0.0``: every
+    interface, still behind the token)."""
+    token: str | None = None
+    """The bearer token every request but the health check must carry. Unset: the
+    ``MILES_CONTROL_TOKEN`` environment variable, else one generated and written to
+    ``<run.dir>/control-token`` (mode 0600)."""
+    max_request_bytes: PositiveInt = 65536
+    """A request body larger than this is refused (413)."""
+    max_restarts: NonNegativeInt = 3
+    """Restarts of one cell in a run; past them the run fails with one line."""
+    restart_backoff_seconds: NonNegativeFloat = 1.0
+    """The wait before a cell's first restart; each later restart waits twice the last,
+    up to ``restart_backoff_max_seconds``."""
+    restart_backoff_max_seconds: NonNegativeFloat = 300.0
+    heartbeat_interval_seconds: PositiveFloat = 10.0
+    """How often each engine is checked (its server's health endpoint, an embedded engine's
+    heartbeat)."""
+    heartbeat_timeout_seconds: PositiveFloat = 10.0
+    """A check not answered within this is a failed one."""
+    heartbeat_max_failures: PositiveInt = 3
+    """Consecutive failed checks after which an engine is taken as hung: killed and restarted."""
+    controller_poll_seconds: PositiveFloat = 10.0
+    """How often the mini FT controller reads the cells."""
+    controller_suspend_seconds: NonNegativeFloat = 10.0
+    """How long the controller keeps a cell suspended before it resumes it."""
+    controller_backoff_seconds: PositiveFloat = 5.0
+    """The controller's wait after its n-th consecutive failed heal: this times 2**n, up to
+    ``controller_backoff_max_seconds``."""
+    controller_backoff_max_seconds: PositiveFloat = 300.0
+
+
 class BusConfig(Section):
     mailbox_size: PositiveInt = 4096
     """Events a subscriber's mailbox holds; a publisher to a full one waits."""
@@ -633,3 +694,4 @@ class Config(Section):
     console: ConsoleConfig = msgspec.field(default_factory=ConsoleConfig)
     tracking: TrackingConfig = msgspec.field(default_factory=TrackingConfig)
     policy_sync: PolicySyncConfig = msgspec.field(default_factory=PolicySyncConfig)
+    control: ControlConfig = msgspec.field(default_factory=ControlConfig)

@@ -359,6 +359,9 @@ class WeightsLoaded(Event, frozen=True, kw_only=True):
     probe_logprobs: list[list[float]] | None = None
     """The engine's log-probabilities of the publication's probe batch after this load;
     None when the publication carried no probe."""
+    restore: bool = False
+    """A restarted engine loaded the current publication again (``run.ft_components``):
+    not part of a publication saga; the Verifier answers it with ``RestoreVerified``."""
 
 
 class WeightsPublished(Event, frozen=True, kw_only=True):
@@ -667,6 +670,120 @@ class ModelWeightsLoaded(Event, frozen=True, kw_only=True):
     """Why the weights were not loaded (one line); "" when they were."""
 
 
+# --- fault tolerance and the control server -------------------------------------------
+
+FaultMode = Literal["sigkill", "exit", "segfault", "deadlock"]
+"""How ``inject-fault`` breaks a cell (miles' modes): SIGKILL, a clean exit, SIGSEGV, or
+SIGSTOP (the process hangs, holding what it holds)."""
+
+
+class CheckpointRequested(Event, frozen=True, kw_only=True):
+    """Someone (the control server's ``POST /api/v1/save``) asks for a checkpoint: the
+    current step's, once it is trained (or the last trained step's, when none is running)."""
+
+    reason: str = ""
+
+
+class CellSuspendRequested(Event, frozen=True, kw_only=True):
+    """Suspend (``suspend``) or resume a cell (``PATCH /api/v1/cells/{name}``): a
+    suspended engine is stopped and given no work; resumed, it is started again with the
+    current weights."""
+
+    cell: str
+    suspend: bool
+
+
+class FaultInjectionRequested(Event, frozen=True, kw_only=True):
+    """``POST /api/v1/cells/{name}/inject-fault``: break process ``sub_index`` of the cell."""
+
+    cell: str
+    mode: FaultMode
+    sub_index: int = 0
+
+
+class FaultInjected(Event, frozen=True, kw_only=True):
+    """The fault was delivered: ``pid`` got the signal (or was asked to exit)."""
+
+    cell: str
+    mode: FaultMode
+    pid: int
+    sub_index: int = 0
+    error: str = ""
+    """Why the fault was not delivered (no such process, one shared with the actor); ""
+    when it was."""
+
+
+class CellFailed(Event, frozen=True, kw_only=True):
+    """A cell's process died or hung (or a fault could not be delivered: ``restart``
+    False): the actor that owns it restarts it unless its restarts are spent."""
+
+    cell: str
+    reason: str
+    """One line: what was seen (``engine-1 (pid 123) died: killed by SIGKILL``)."""
+    hung: bool = False
+    """Its health checks went unanswered (it was killed); False: it died."""
+    restarts: int = 0
+    """Restarts of this cell before this failure."""
+    rollout_id: int | None = None
+    """The rollout in flight, whose prompts on this cell are sampled again."""
+
+
+class CellRestarted(Event, frozen=True, kw_only=True):
+    """The cell runs again: a new process, given the current weights (``weight_version``)."""
+
+    cell: str
+    attempt: int
+    """1 for the first restart of this cell in the run."""
+    pid: int
+    weight_version: str
+    restart_seconds: float
+    """From the failure seen to the weights loaded again."""
+
+
+class CellSuspended(Event, frozen=True, kw_only=True):
+    cell: str
+
+
+class CellResumed(Event, frozen=True, kw_only=True):
+    cell: str
+    pid: int
+    weight_version: str
+
+
+class CellHealth(Event, frozen=True, kw_only=True):
+    """A cell's health changed (its health endpoint or heartbeat answered, or stopped
+    answering ``failures`` times in a row)."""
+
+    cell: str
+    healthy: bool
+    reason: str = ""
+
+
+HealStep = Literal["suspend", "resume", "done", "failed"]
+
+
+class CellHealing(Event, frozen=True, kw_only=True):
+    """A step of the mini FT controller's heal of an unhealthy cell (``run.mini_ft_controller``)."""
+
+    cell: str
+    step: HealStep
+    reason: str = ""
+    """Why the heal failed (``failed``)."""
+    backoff_seconds: float = 0.0
+    """How long the controller leaves the cell alone after a failed heal."""
+
+
+class RestoreVerified(Event, frozen=True, kw_only=True):
+    """A restarted engine serves the current publication again: its digest (and canary,
+    probe) match what the trainer published as ``weight_version``."""
+
+    engine: str
+    weight_version: str
+    digest: str
+    write_proof: Literal["canary", "none"] = "none"
+    probe_max_diff: float | None = None
+
+
 AnyEvent = (
     RunStarted
     | StopRequested
@@ -708,6 +825,17 @@ AnyEvent = (
     | ModelWeightsStaged
     | ModelWeightsLoadRequested
     | ModelWeightsLoaded
+    | CheckpointRequested
+    | CellSuspendRequested
+    | FaultInjectionRequested
+    | FaultInjected
+    | CellFailed
+    | CellRestarted
+    | CellSuspended
+    | CellResumed
+    | CellHealth
+    | CellHealing
+    | RestoreVerified
 )
 """The tagged union every decoder uses; the tag is the class name, under ``"type"``."""
 

@@ -15,7 +15,7 @@ import torch
 
 from actors.generator import Generator, engine_seed, sorted_versions
 from miles_events.bus.actor import WorkerGroup
-from miles_events.bus.workers import Worker, WorkerFactory, start_in_process
+from miles_events.bus.workers import OwnProcesses, Worker, WorkerFactory, start_in_process
 from miles_events.device.fingerprint import fingerprints
 from miles_events.rl.checksum import per_gpu_checksum
 from miles_events.rl.checksum_manifest import read_manifest, write_manifest
@@ -79,8 +79,19 @@ class FakeContext:
     async def publish(self, event: Event) -> None:
         self.events.append(event)
 
-    async def start_workers(self, factory: WorkerFactory, ranks: int) -> list[Worker]:
-        return await start_in_process(factory, ranks, self.config, self.transport, self.run_dir, self.run_id)
+    async def start_workers(
+        self, factory: WorkerFactory, ranks: int, *, own_processes: OwnProcesses = False, only=None
+    ) -> list[Worker]:
+        return await start_in_process(
+            factory,
+            ranks,
+            self.config,
+            self.transport,
+            self.run_dir,
+            self.run_id,
+            own_processes=own_processes,
+            only=only,
+        )
 
     def of(self, event_type: type[Event]) -> list:
         return [e for e in self.events if isinstance(e, event_type)]

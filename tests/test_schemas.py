@@ -183,6 +183,7 @@ EXAMPLES: dict[str, dict[str, Any]] = {
         load_seconds=0.25,
         canary="0f" * 8,
         probe_logprobs=[[-0.5]],
+        restore=False,
     ),
     "WeightsPublished": dict(
         weight_version="4",
@@ -308,6 +309,19 @@ EXAMPLES: dict[str, dict[str, Any]] = {
         digest="cd" * 32,
     ),
     "ModelWeightsLoaded": dict(request_id="sync-2", role="critic", digest="cd" * 32, error="no fit"),
+    "CheckpointRequested": dict(reason="asked for by the control server"),
+    "CellSuspendRequested": dict(cell="rollout-1", suspend=True),
+    "FaultInjectionRequested": dict(cell="rollout-1", mode="sigkill", sub_index=0),
+    "FaultInjected": dict(cell="rollout-1", mode="sigkill", pid=4242, sub_index=0, error=""),
+    "CellFailed": dict(cell="rollout-1", reason="engine-1 died", hung=False, restarts=0, rollout_id=3),
+    "CellRestarted": dict(cell="rollout-1", attempt=1, pid=4243, weight_version="4", restart_seconds=3.5),
+    "CellSuspended": dict(cell="rollout-1"),
+    "CellResumed": dict(cell="rollout-1", pid=4244, weight_version="4"),
+    "CellHealth": dict(cell="rollout-0", healthy=False, reason="engine-0 did not answer"),
+    "CellHealing": dict(cell="rollout-1", step="failed", reason="ConnectError", backoff_seconds=10.0),
+    "RestoreVerified": dict(
+        engine="engine-1", weight_version="4", digest="cd" * 32, write_proof="canary", probe_max_diff=0.0
+    ),
 }
 
 

@@ -13,6 +13,7 @@ matching and the snapshot comparison (bitwise, or within one ULP).
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -227,6 +228,17 @@ class Engine(ABC):
     memory_device: str = "server"
     """Where the memory ``release_memory`` frees is: ``cuda:0``, ``cpu``, or ``server`` for
     a server engine (its own process and device)."""
+
+    health_url: str | None = None
+    """Where the engine's server answers its health check (vLLM's ``/health``, SGLang's
+    ``/health_generate``); None for an engine without a server (its rank's heartbeat is
+    its check)."""
+
+    def process_ids(self) -> list[int]:
+        """The processes that make up the engine, the one a fault is injected into first
+        (``inject-fault``'s ``sub_index``): the engine's own process, or its server's
+        process group leader; none for a server it only connects to."""
+        return [os.getpid()]
 
     def close(self) -> None:
         """Release the engine's memory."""

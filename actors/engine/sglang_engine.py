@@ -111,6 +111,7 @@ class SglangEngine(Engine):
         self.settings = config.sglang
         self.http = _Http(url, self.settings.request_timeout)
         self.metrics_url = f"{self.http.url}/metrics"
+        self.health_url = f"{self.http.url}{api.HEALTH_GENERATE}"
         self.transport = transport
         self._tokenizer = tokenizer
         self._stop_token_ids = generation_eos_ids(config.model.path) if config.model.path else []
@@ -135,6 +136,9 @@ class SglangEngine(Engine):
                 f"{config.generator.num_engines} engines (or give none to launch them)"
             )
         return cls(urls[index], name=name, config=config, transport=transport)
+
+    def process_ids(self) -> list[int]:
+        return [self.server.process.pid] if self.server is not None else []
 
     def close(self) -> None:
         if self.server is not None:

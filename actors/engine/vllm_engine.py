@@ -203,6 +203,7 @@ class VllmEngine(Engine):
         self.name = name
         self.url = url.rstrip("/")
         self.metrics_url = f"{self.url}/metrics"
+        self.health_url = f"{self.url}/health"
         self.model_path = Path(model_path)
         self.run_dir = run_dir
         self.config = config
@@ -687,6 +688,9 @@ class VllmEngine(Engine):
         if woken:
             self._post("/wake_up", params={"tags": woken})
         return 0
+
+    def process_ids(self) -> list[int]:
+        return [self.server.process.pid] if self.server is not None else []
 
     def close(self) -> None:
         """Close the HTTP client and end a launched server's whole process group."""

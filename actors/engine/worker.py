@@ -242,6 +242,20 @@ class EngineWorker:
             num_bytes = self.engine.resume_memory(list(tags))
         return measure.part(num_bytes)
 
+    def health(self, timeout: float) -> str:
+        """An embedded engine's heartbeat: answered at all (by the engine's process, beside
+        a generation in progress), it is healthy: "". ``timeout`` is the caller's bound."""
+        return ""
+
+    def health_url(self) -> str | None:
+        """Where the engine's server answers its health check (``Engine.health_url``); None
+        for an engine whose heartbeat is ``health``."""
+        return self.engine.health_url
+
+    def process_ids(self) -> list[int]:
+        """The engine's processes (``Engine.process_ids``), the first its main one."""
+        return self.engine.process_ids()
+
     def close(self) -> None:
         if self.scrape_target is not None:
             remove_target(self.scrape_target)

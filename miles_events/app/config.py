@@ -31,7 +31,7 @@ from actors.trainer_backend import check_backend
 from miles_events.policy_sync.loader import load_policy_sync
 from miles_events.rl.prompts import not_a_file
 from miles_events.util.registry import load_function
-from schemas.config import Config
+from schemas.config import Config, engines_isolated
 
 PATH_KEYS: tuple[tuple[str, str], ...] = (
     ("run", "dir"),
@@ -427,6 +427,7 @@ def validate(config: Config) -> None:
             raise ConfigError(f"data.eval_data: no such file {data.eval_data}", key="data.eval_data")
         if problem is not None:
             raise ConfigError(f"data.eval_data: {data.eval_data} {problem}", key="data.eval_data")
+    _check_fault_tolerance(config)
     rollout_samples = data.rollout_batch_size * data.n_samples_per_prompt
     global_batch = trainer.global_batch_size or rollout_samples
     if rollout_samples % global_batch:
@@ -735,3 +736,38 @@ def dump_config(config: Config) -> str:
 def config_digest(config: Config) -> str:
     """sha256 (hex) of the config's canonical JSON (keys sorted)."""
     return hashlib.sha256(msgspec.json.encode(config, order="sorted")).hexdigest()
+
+
+def _check_fault_tolerance(config: Config) -> None:
+    """What ``run.ft_components``, the control server and the mini FT controller need."""
+    run = config.run
+    if "train" in run.ft_components:
+        raise ConfigError(
+            'run.ft_components: "train" (restarting the trainer\'s ranks from the latest checkpoint) '
+            'is not available yet; heal the engines with ["rollout"]',
+            key="run.ft_components",
+        )
+    if len(set(run.ft_components)) != len(run.ft_components):
+        raise ConfigError("run.ft_components: each component once", key="run.ft_components")
+    if "rollout" in run.ft_components and run.offload_rollout:
+        raise ConfigError(
+            "run.ft_components: healing engines whose memory is offloaded (run.offload_rollout) is not "
+            "supported: a restarted engine would hold memory the trainer was given",
+            key="run.ft_components",
+        )
+    if engines_isolated(config) and config.publisher.transport == "inprocess":
+        raise ConfigError(
+            'publisher.transport: "inprocess" cannot reach engines that heal (each runs in a process of '
+            'its own); use "auto" or "shm"',
+            key="publisher.transport",
+        )
+    if run.mini_ft_controller and not run.control_server_port:
+        raise ConfigError(
+            "run.mini_ft_controller: needs the control server (set run.control_server_port)",
+            key="run.mini_ft_controller",
+        )
+    if run.mini_ft_controller and not run.ft_components:
+        raise ConfigError(
+            'run.mini_ft_controller: heals cells, and there are none: set run.ft_components = ["rollout"]',
+            key="run.mini_ft_controller",
+        )

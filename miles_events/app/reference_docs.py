@@ -1,6 +1,8 @@
-"""Generate the config, events and metrics references in ``docs/`` from the code.
+"""Generate the config, events and metrics references and the control server's OpenAPI
+document in ``docs/`` from the code.
 
-    python -m miles_events.app.reference_docs          # rewrite docs/config.md, events.md, metrics.md
+    python -m miles_events.app.reference_docs          # rewrite docs/config.md, events.md, metrics.md,
+                                                       # control-api.json
     python -m miles_events.app.reference_docs --check  # exit 1 if they are out of date
 
 Field descriptions are the attribute docstrings in ``schemas/`` (read with ``ast``), types
@@ -12,10 +14,12 @@ from __future__ import annotations
 import argparse
 import ast
 import inspect
+import json
 import sys
 import typing
 from collections.abc import Set as AbstractSet
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -24,7 +28,21 @@ from miles_events.sinks.metrics import metrics_reference
 from schemas import config as config_module
 from schemas import events as events_module
 from schemas.config import Config
-from schemas.events import EVENT_TYPES, ActorFailed, Event, RunFinished, StopRequested
+from schemas.events import (
+    EVENT_TYPES,
+    ActorFailed,
+    CellFailed,
+    CellHealing,
+    CellHealth,
+    CellSuspended,
+    CellSuspendRequested,
+    CheckpointRequested,
+    Event,
+    FaultInjected,
+    FaultInjectionRequested,
+    RunFinished,
+    StopRequested,
+)
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
@@ -199,6 +217,21 @@ def event_routes() -> dict[type[Event], tuple[list[str], list[str]]]:
     emitted[RunFinished].append(
         "the session (an actor or sink failed to start, the event log cannot be written, the coordinator failed)"
     )
+    for cls, route in (
+        (StopRequested, "`POST /api/v1/stop`"),
+        (CheckpointRequested, "`POST /api/v1/save`"),
+        (CellSuspendRequested, "`PATCH /api/v1/cells/{name}`"),
+        (FaultInjectionRequested, "`POST /api/v1/cells/{name}/inject-fault`"),
+    ):
+        emitted[cls].append(f"the control server (on {route})")
+    emitted[CellHealing].append("the mini FT controller (each step of a heal)")
+    for cls, why in (
+        (CellHealth, "its health checks"),
+        (CellFailed, "its health checks: an engine found dead or hung"),
+        (CellSuspended, "a suspension, taken at once"),
+        (FaultInjected, "a fault injection, delivered at once"),
+    ):
+        emitted[cls].append(f"generator (beside its handlers: {why})")
     for sink in SINKS:
         kinds = sink.handlers()
         for cls in EVENT_TYPES:
@@ -210,11 +243,25 @@ def event_routes() -> dict[type[Event], tuple[list[str], list[str]]]:
     return {cls: (emitted[cls], handled[cls]) for cls in EVENT_TYPES}
 
 
+def control_api_document() -> dict[str, Any]:
+    """The control server's OpenAPI document, as FastAPI makes it from its routes."""
+    from miles_events.sinks.control.cells import CellBook
+    from miles_events.sinks.control.server import build_app
+
+    async def publish(event: Event) -> None:
+        raise RuntimeError("the document is made without a bus")
+
+    app = build_app(CellBook(Config()), publish, "", 1)
+    document: dict[str, Any] = app.app.openapi()  # type: ignore[attr-defined]
+    return document
+
+
 def generated() -> dict[Path, str]:
     return {
         DOCS / "config.md": config_reference(),
         DOCS / "events.md": events_reference(),
         DOCS / "metrics.md": metrics_reference(),
+        DOCS / "control-api.json": json.dumps(control_api_document(), indent=2, sort_keys=True) + "\n",
     }
 
 

@@ -13,6 +13,7 @@ from actors.verifier import Verifier
 from miles_events.bus.actor import Actor
 from miles_events.sinks.base import Sink
 from miles_events.sinks.console import ConsoleSink
+from miles_events.sinks.control.server import ControlServer
 from miles_events.sinks.event_log import EventLogSink
 from miles_events.sinks.metrics import RunMetrics
 from miles_events.sinks.tracking import TrackingSink
@@ -28,4 +29,4 @@ ACTORS: tuple[type[Actor], ...] = (
     Coordinator,
 )
 """Every actor a run may have; a run has those ``wanted`` by its config."""
-SINKS: tuple[type[Sink], ...] = (EventLogSink, RunMetrics, ConsoleSink, TrackingSink)
+SINKS: tuple[type[Sink], ...] = (EventLogSink, RunMetrics, ConsoleSink, TrackingSink, ControlServer)

@@ -27,6 +27,8 @@ from miles_events.app.logs import DriverLog, OpenRunLog
 from miles_events.app.preflight import INPUT_ERRORS, load_and_check
 from miles_events.runtime.malloc import cap_this_process
 from miles_events.sinks.base import Sink, SinkContext
+from miles_events.sinks.control.controller import MiniFtController
+from miles_events.sinks.control.server import control_server
 from miles_events.sinks.metrics import MetricsExporter, metrics_exporter
 from schemas.config import Config
 
@@ -143,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def make_sinks(config: Config, log: DriverLog | None = None) -> list[Sink]:
     """The run's sinks besides the event log: the run's log file (opened once the run has its
-    directory), tracking, the metrics exporter (and where it serves), the console."""
+    directory), tracking, the metrics exporter (and where it serves), the control server,
+    the console."""
     from miles_events.sinks.console import make_console
     from miles_events.sinks.tracking import make_tracking
 
@@ -155,6 +158,11 @@ def make_sinks(config: Config, log: DriverLog | None = None) -> list[Sink]:
         sinks.append(exporter)
         if config.console.mode != "quiet":
             sinks.append(ShowMetricsUrl(exporter))
+    control = control_server(config)
+    if control is not None:
+        sinks.append(control)
+        if config.run.mini_ft_controller:
+            sinks.append(MiniFtController(config, lambda: control.url, control.token))
     sinks.append(make_console(config))
     return sinks
 

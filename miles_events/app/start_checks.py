@@ -38,6 +38,7 @@ from miles_events.rl.hf_model import BaseModelMismatch, base_model_built
 from miles_events.rl.model_size import DTYPE_BYTES, builtin_parameter_count
 from miles_events.rl.prompts import DataError
 from miles_events.sinks.base import Sink
+from miles_events.sinks.control.server import ControlError
 from miles_events.sinks.metrics import MetricsError
 from miles_events.sinks.tracking import TrackingError
 from miles_events.util.file_modes import nearest_existing
@@ -52,6 +53,7 @@ START_ERRORS: tuple[type[Exception], ...] = (
     RunDirError,
     BaseModelMismatch,
     PySpyError,
+    ControlError,
 )
 """What a start-up check raises for something the user can fix (exit 2)."""
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Protocol, TypeVar
@@ -19,11 +19,13 @@ from typing import Any, ClassVar, Literal, Protocol, TypeVar
 from miles_events.bus.clock import Clock
 from miles_events.bus.handlers import HandlerTable, handles
 from miles_events.bus.workers import (
+    OwnProcesses,
     RankDied,
     RankFailed,
     RankPlace,
     Worker,
     WorkerFactory,
+    brief_error,
     call_all,
     call_each,
     close_workers,
@@ -36,6 +38,7 @@ from schemas.plan import RunPlan
 __all__ = [
     "Actor",
     "ActorContext",
+    "OwnProcesses",
     "RankDied",
     "RankFailed",
     "RankPlace",
@@ -43,6 +46,7 @@ __all__ = [
     "Worker",
     "WorkerFactory",
     "WorkerGroup",
+    "brief_error",
     "call_all",
     "call_each",
     "close_workers",
@@ -92,10 +96,16 @@ class ActorContext(Protocol):
         ...
 
     async def start_workers(
-        self, factory: WorkerFactory[T], ranks: int, *, own_processes: bool = False
+        self,
+        factory: WorkerFactory[T],
+        ranks: int,
+        *,
+        own_processes: OwnProcesses = False,
+        only: Sequence[int] | None = None,
     ) -> list[Worker[T]]:
         """The ``ranks`` workers of the actor's worker group, started (``miles_events.bus.workers``);
-        ``own_processes``: every rank but 0 in a process of its own, on every runtime."""
+        ``own_processes``: every rank but 0 (``"all"``: every rank) in a process of its own,
+        on every runtime; ``only``: just those ranks (one started again)."""
         ...
 
 
@@ -186,11 +196,15 @@ class Actor(HandlerTable):
         finally:
             self._emitting = None
 
-    def interrupt(self, event: StopRequested) -> None:
-        """A stop was asked for: called at once, even while a handler runs (out of band, on
-        the actor's event loop), so that long work can end at its next cancellation point.
-        Must not block. Actors whose handlers can run long override it; the default does
-        nothing."""
+    interrupt_types: ClassVar[tuple[type[Event], ...]] = (StopRequested,)
+    """The events ``interrupt`` is given, out of band (an actor that heals its ranks takes
+    fault injections and suspensions so too)."""
+
+    def interrupt(self, event: Event) -> None:
+        """A stop (or another of ``interrupt_types``) was asked for: called at once, even
+        while a handler runs (out of band, on the actor's event loop), so that long work can
+        end at its next cancellation point. Must not block. Actors whose handlers can run
+        long override it; the default does nothing."""
 
     @classmethod
     def interruptible(cls) -> bool:

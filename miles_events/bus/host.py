@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import traceback
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -21,10 +21,10 @@ from miles_events.bus.actor import Actor
 from miles_events.bus.clock import SYSTEM_CLOCK, Clock, wait_for
 from miles_events.bus.errors import describe_error, innermost
 from miles_events.bus.event_bus import BusClosed, Mailbox
-from miles_events.bus.workers import StartWorkers, Worker, WorkerFactory, start_in_process
+from miles_events.bus.workers import OwnProcesses, StartWorkers, Worker, WorkerFactory, start_in_process
 from miles_events.transport.base import Transport
 from schemas.config import Config
-from schemas.events import ActorFailed, Event, StopRequested
+from schemas.events import ActorFailed, Event
 from schemas.plan import RunPlan
 
 logger = logging.getLogger(__name__)
@@ -50,7 +50,12 @@ class HostContext:
     """How the runtime hosting the actor starts its ranks; None: all in this process."""
 
     async def start_workers(
-        self, factory: WorkerFactory[T], ranks: int, *, own_processes: bool = False
+        self,
+        factory: WorkerFactory[T],
+        ranks: int,
+        *,
+        own_processes: OwnProcesses = False,
+        only: Sequence[int] | None = None,
     ) -> list[Worker[T]]:
         if self._start_workers is None:
             return await start_in_process(
@@ -61,9 +66,10 @@ class HostContext:
                 self.run_dir,
                 self.run_id,
                 own_processes=own_processes,
+                only=only,
                 actor=self.name,
             )
-        return await self._start_workers(factory, ranks, own_processes=own_processes)
+        return await self._start_workers(factory, ranks, own_processes=own_processes, only=only)
 
     async def publish(self, event: Event) -> None:
         if not event.time or not event.source:
@@ -134,7 +140,7 @@ class ActorHost:
             self.deliver_interrupt(event)
 
     def deliver_interrupt(self, event: Event) -> None:
-        if isinstance(event, StopRequested) and self.failed is None:
+        if isinstance(event, self.actor.interrupt_types) and self.failed is None:
             try:
                 self.actor.interrupt(event)
             except Exception:

@@ -7,6 +7,7 @@ Tests of one actor use it, and so does re-driving an actor from a recorded event
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING
 from miles_events.bus.actor import Actor, ActorContext
 from miles_events.bus.clock import SYSTEM_CLOCK, Clock
 from miles_events.bus.host import actor_failed
-from miles_events.bus.workers import T, Worker, WorkerFactory, start_in_process
+from miles_events.bus.workers import OwnProcesses, T, Worker, WorkerFactory, start_in_process
 from miles_events.transport.base import Transport
 from miles_events.transport.inprocess import InProcessTransport
 from schemas.config import Config
@@ -48,7 +49,12 @@ class RecordingContext:
         self.published.append(actor_failed(self.name, error, self.clock))
 
     async def start_workers(
-        self, factory: WorkerFactory[T], ranks: int, *, own_processes: bool = False
+        self,
+        factory: WorkerFactory[T],
+        ranks: int,
+        *,
+        own_processes: OwnProcesses = False,
+        only: Sequence[int] | None = None,
     ) -> list[Worker[T]]:
         return await start_in_process(
             factory,
@@ -58,6 +64,7 @@ class RecordingContext:
             self.run_dir,
             self.run_id,
             own_processes=own_processes,
+            only=only,
             actor=self.name,
         )
 

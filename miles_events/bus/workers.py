@@ -40,7 +40,7 @@ import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar
+from typing import Any, Concatenate, Generic, Literal, ParamSpec, Protocol, TypeVar
 
 from miles_events.transport.base import Transport
 from schemas.config import Config
@@ -137,12 +137,24 @@ class Worker(Protocol[T_co]):
         ...
 
 
+OwnProcesses = bool | Literal["all"]
+"""Where an actor's ranks run: False, where the runtime puts them; True, every rank but 0
+in a process of its own; ``"all"``, every rank, 0 included (a rank that may be killed and
+started again alone, as a healed engine)."""
+
+
 class StartWorkers(Protocol):
-    """How a runtime starts an actor's ranks: ``ranks`` objects built by ``factory``; with
-    ``own_processes``, every rank but 0 in a process of its own."""
+    """How a runtime starts an actor's ranks: ``ranks`` objects built by ``factory``, laid
+    out as ``own_processes`` says; ``only``: just these ranks of the group (one started
+    again after it died), in that order."""
 
     def __call__(
-        self, factory: WorkerFactory[T], ranks: int, *, own_processes: bool = False
+        self,
+        factory: WorkerFactory[T],
+        ranks: int,
+        *,
+        own_processes: OwnProcesses = False,
+        only: Sequence[int] | None = None,
     ) -> Awaitable[list[Worker[T]]]: ...
 
 
@@ -221,26 +233,27 @@ async def start_in_process(
     run_dir: Path,
     run_id: str = "",
     *,
-    own_processes: bool = False,
+    own_processes: OwnProcesses = False,
+    only: Sequence[int] | None = None,
     actor: str = "",
     log_into: Callable[[Path, int, str], object] | None = None,
     start_timeout: float = 120.0,
 ) -> list[Worker[T]]:
     """Every rank in this process, each on a thread of its own (the local runtime, and
-    actors hosted in the driver); with ``own_processes``, rank 0 here and every other in a
-    spawned process of its own, which logs through ``log_into`` (the run's log) as
-    ``<actor> rank <r>`` and must start within ``start_timeout`` seconds."""
-    places = [RankPlace(rank, ranks, run_dir, run_id) for rank in range(ranks)]
+    actors hosted in the driver); with ``own_processes``, rank 0 here (``"all"``: in a
+    process too) and every other in a spawned process of its own, which logs through
+    ``log_into`` (the run's log) as ``<actor> rank <r>`` and must start within
+    ``start_timeout`` seconds. ``only``: just those ranks."""
+    places = [RankPlace(rank, ranks, run_dir, run_id) for rank in (range(ranks) if only is None else only)]
     if not own_processes:
         return list(await build_in_process(factory, config, transport, places))
     from miles_events.bus.rank_process import start_rank_process
 
-    async def local() -> Worker[T]:
-        (worker,) = await build_in_process(factory, config, transport, places[:1])
-        return worker
-
-    spawned = [
-        start_rank_process(
+    async def start(place: RankPlace) -> Worker[T]:
+        if place.rank == 0 and own_processes != "all":
+            (worker,) = await build_in_process(factory, config, transport, [place])
+            return worker
+        return await start_rank_process(
             factory,
             place,
             config=config,
@@ -249,9 +262,8 @@ async def start_in_process(
             log_into=log_into,
             start_timeout=start_timeout,
         )
-        for place in places[1:]
-    ]
-    return await gather_workers([local(), *spawned])
+
+    return await gather_workers([start(place) for place in places])
 
 
 async def gather_workers(starts: Sequence[Awaitable[Any]]) -> list[Any]:

@@ -20,7 +20,7 @@ from miles_events.bus.workers import StartWorkers, start_in_process
 from miles_events.runtime.run_log import log_into
 from miles_events.transport.base import Transport
 from schemas.config import Config
-from schemas.events import Event, StopRequested
+from schemas.events import Event
 from schemas.plan import RunPlan
 
 logger = logging.getLogger(__name__)
@@ -142,7 +142,9 @@ class InProcessHosts:
         except Exception as error:
             raise ActorStartError(f"{cls.name}: {describe_error(error)}") from error
         mailbox = bus.subscribe(cls.name, tuple(actor.handlers()))
-        interrupts = bus.subscribe(f"{cls.name}/interrupt", (StopRequested,)) if cls.interruptible() else None
+        interrupts = (
+            bus.subscribe(f"{cls.name}/interrupt", cls.interrupt_types) if cls.interruptible() else None
+        )
         host = ActorHost(actor, mailbox, actor.context.publish, self.run.clock, interrupts)
         self.hosts.append(host)
         return host

@@ -47,7 +47,7 @@ from miles_events.runtime.ray_workers import start_ray_workers
 from miles_events.runtime.run_log import log_into
 from miles_events.transport.base import Transport, open_transport
 from schemas.config import Config
-from schemas.events import ActorFailed, Event, StopRequested
+from schemas.events import ActorFailed, Event
 from schemas.plan import RunPlan
 
 logger = logging.getLogger(__name__)
@@ -423,7 +423,7 @@ class RayRuntime:
         for (cls, handle), pid in zip(remote, started, strict=True):
             mailbox = bus.subscribe(cls.name, tuple(cls.handlers()))
             interrupts = (
-                bus.subscribe(f"{cls.name}/interrupt", (StopRequested,)) if cls.interruptible() else None
+                bus.subscribe(f"{cls.name}/interrupt", cls.interrupt_types) if cls.interruptible() else None
             )
             self.proxies.append(
                 RemoteActorProxy(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar
 
@@ -20,6 +20,7 @@ import msgspec
 from miles_events.bus.actor import WorkerGroup
 from miles_events.bus.clock import SYSTEM_CLOCK, wait_for
 from miles_events.bus.workers import (
+    OwnProcesses,
     RankDied,
     RankPlace,
     Worker,
@@ -151,17 +152,22 @@ async def start_ray_workers(
     first_bundle: int,
     timeout: float,
     actor: str = "",
-    own_processes: bool = False,
+    own_processes: OwnProcesses = False,
+    only: Sequence[int] | None = None,
 ) -> list[Worker[T]]:
     """Rank 0 here, ranks 1.. in their own processes, all started concurrently (with or
-    without ``own_processes``: on ray, every rank but 0 has a process of its own)."""
+    without ``own_processes``: on ray, every rank but 0 has a process of its own). With
+    ``own_processes="all"`` rank 0 has one too, and rank r sits on the bundle after the
+    actor's first + r (the group declares a bundle for the actor and one per rank).
+    ``only``: just those ranks."""
     import ray
     from ray.exceptions import RayActorError, RayTaskError
     from ray.util import get_current_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     placement = get_current_placement_group()
-    if ranks > 1 and placement is None:
+    every = own_processes == "all"
+    if (ranks > 1 or every) and placement is None:
         raise RuntimeError("a worker group of several ranks needs its actor placed in a placement group")
     remote_cls = ray.remote(RankHost)
     config_json = msgspec.json.encode(config)
@@ -176,7 +182,7 @@ async def start_ray_workers(
             max_concurrency=RANK_CONCURRENCY,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=placement,  # type: ignore[arg-type]
-                placement_group_bundle_index=first_bundle + rank,
+                placement_group_bundle_index=first_bundle + rank + (1 if every else 0),
             ),
         ).remote(
             factory,
@@ -207,4 +213,5 @@ async def start_ray_workers(
         (worker,) = await build_in_process(factory, config, transport, [RankPlace(0, ranks, run_dir, run_id)])
         return worker
 
-    return await gather_workers([local(), *(remote(rank) for rank in range(1, ranks))])
+    wanted = range(ranks) if only is None else only
+    return await gather_workers([remote(rank) if rank or every else local() for rank in wanted])

@@ -34,11 +34,16 @@ from miles_events.sinks.base import Sink, SinkContext
 from schemas.config import Config
 from schemas.events import (
     ActorFailed,
+    CellFailed,
+    CellRestarted,
+    CellResumed,
+    CellSuspended,
     CheckpointFailed,
     CheckpointSaved,
     CriticStepFinished,
     EvalFinished,
     Event,
+    FaultInjected,
     MemoryOffloaded,
     MemoryOnloaded,
     PublicationEvidenceFailed,
@@ -429,6 +434,33 @@ class PlainProgress(ConsoleSink):
     @handles(ActorFailed)
     def _actor_failed(self, event: ActorFailed) -> None:
         self._line(f"actor {event.actor} failed: {event.error}")
+
+    @handles(CellFailed)
+    def _cell_failed(self, event: CellFailed) -> None:
+        during = f" during rollout {event.rollout_id}" if event.rollout_id is not None else ""
+        self._line(f"{event.cell} {'hung' if event.hung else 'failed'}{during}: {event.reason}")
+
+    @handles(CellRestarted)
+    def _cell_restarted(self, event: CellRestarted) -> None:
+        self._line(
+            f"{event.cell} restarted (restart {event.attempt}, pid {event.pid}) serving weight version "
+            f"{event.weight_version} in {event.restart_seconds:.1f}s"
+        )
+
+    @handles(CellSuspended)
+    def _cell_suspended(self, event: CellSuspended) -> None:
+        self._line(f"{event.cell} suspended")
+
+    @handles(CellResumed)
+    def _cell_resumed(self, event: CellResumed) -> None:
+        self._line(f"{event.cell} resumed (pid {event.pid}) serving weight version {event.weight_version}")
+
+    @handles(FaultInjected)
+    def _fault_injected(self, event: FaultInjected) -> None:
+        if event.error:
+            self._line(f"fault {event.mode} not injected: {event.error}")
+        else:
+            self._line(f"fault {event.mode} injected into {event.cell} (pid {event.pid})")
 
     @handles(RunFinished)
     def _run_finished(self, event: RunFinished) -> None:

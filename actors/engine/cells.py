@@ -1,0 +1,104 @@
+"""The Generator's engines as cells that heal (``run.ft_components = ["rollout"]``).
+
+A cell is one engine (``rollout-{i}``, as miles names them) and the state the Generator
+keeps of it: whether it runs, is being restarted or is suspended, how often it was
+restarted, its processes (where a fault is injected) and its health checks. What the
+Generator does with a cell that failed, and when, is here as plain functions of that
+state; the calls themselves (start a rank, load the weights) are the Generator's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import signal
+from dataclasses import dataclass, field
+
+from schemas.config import ControlConfig
+from schemas.events import FaultMode
+
+FAULT_SIGNALS: dict[FaultMode, signal.Signals] = {
+    "sigkill": signal.SIGKILL,
+    "exit": signal.SIGTERM,
+    "segfault": signal.SIGSEGV,
+    "deadlock": signal.SIGSTOP,
+}
+"""The signal each ``inject-fault`` mode sends: ``exit`` asks the process to end (SIGTERM),
+``deadlock`` freezes it where it is (SIGSTOP: it holds what it holds and answers nothing)."""
+
+
+def rollout_cell(index: int) -> str:
+    """Engine ``index``'s cell: ``rollout-{index}`` (miles' name)."""
+    return f"rollout-{index}"
+
+
+def actor_cell(rank: int) -> str:
+    """Trainer rank ``rank``'s cell: ``actor-{rank}`` (miles' name)."""
+    return f"actor-{rank}"
+
+
+class CellState(enum.Enum):
+    RUNNING = "running"
+    FAILED = "failed"
+    """Died or hung, stopped, and not restarted yet."""
+    SUSPENDED = "suspended"
+
+
+class RestartsSpent(RuntimeError):
+    """A cell failed once more than ``control.max_restarts`` allows: the run fails."""
+
+
+@dataclass
+class EngineCell:
+    """What the Generator knows of one engine beyond its worker."""
+
+    index: int
+    engine: str
+    state: CellState = CellState.RUNNING
+    restarts: int = 0
+    pids: list[int] = field(default_factory=list)
+    health_url: str | None = None
+    failed_checks: int = 0
+    healthy: bool = True
+    failure: str = ""
+    """Why it failed last."""
+    hung: bool = False
+    busy: asyncio.Lock = field(default_factory=asyncio.Lock)
+    """Held by each generation on the engine: a stand-in's work waits for its own."""
+
+    @property
+    def name(self) -> str:
+        return rollout_cell(self.index)
+
+    @property
+    def suspended(self) -> bool:
+        """Whether it is suspended now (read again after each wait: another task may suspend it)."""
+        return self.state is CellState.SUSPENDED
+
+
+def restart_backoff(attempt: int, control: ControlConfig) -> float:
+    """Seconds to wait before restart ``attempt`` (1, 2, ...) of a cell: the base, doubled
+    for each restart before, up to the cap."""
+    wait: float = control.restart_backoff_seconds * 2.0 ** (attempt - 1)
+    return min(wait, control.restart_backoff_max_seconds)
+
+
+def check_restart(cell: EngineCell, control: ControlConfig, failure: str) -> int:
+    """The number of the restart a failure of ``cell`` asks for; ``RestartsSpent`` past the limit."""
+    attempt = cell.restarts + 1
+    if attempt > control.max_restarts:
+        raise RestartsSpent(
+            f"{cell.name} ({cell.engine}) failed again after {cell.restarts} restarts "
+            f"(control.max_restarts = {control.max_restarts}): {failure}"
+        )
+    return attempt
+
+
+def stand_in(cells: list[EngineCell], index: int) -> int | None:
+    """The running engine that samples for suspended engine ``index`` (the next running one
+    after it, round the ring); None when none runs."""
+    for step in range(1, len(cells) + 1):
+        candidate = cells[(index + step) % len(cells)]
+        if candidate.state is not CellState.SUSPENDED:
+            return candidate.index
+    return None
