@@ -462,10 +462,15 @@ class Generator(Actor):
             try:
                 version = await self._start_engine(index)
             except Exception as error:
+                if cell.suspended:
+                    return  # suspended meanwhile: its resume starts it
                 await self._failed(
                     index, f"{cell.engine} did not start again: {brief_error(error)}", hung=False
                 )
                 continue
+            if cell.suspended:  # suspended while it started: it stays stopped until resumed
+                await close_workers([self.engines[index]], timeout=1.0)
+                return
             cell.state = CellState.RUNNING
             cell.failed_checks, cell.healthy = 0, True
             await self.publish(
@@ -489,6 +494,9 @@ class Generator(Actor):
             only=[index],
         )
         self.engines[index] = worker
+        if self.cells[index].suspended:
+            await close_workers([worker], timeout=1.0)
+            raise EngineFailed(f"{self.engine_names[index]} was suspended while it started")
         await self._describe(index)
         served = self.served
         if served is None:
@@ -598,9 +606,12 @@ class Generator(Actor):
         cell = next((c for c in self.cells if c.name == event.cell), None)
         if event.suspend or cell is None or cell.state is not CellState.SUSPENDED:
             return
+        cell.state = CellState.RESUMING
         try:
             version = await self._start_engine(cell.index)
         except Exception as error:
+            if cell.suspended:
+                return  # suspended again while it started
             await self._failed(cell.index, f"{cell.engine} did not resume: {brief_error(error)}", hung=False)
             await self._restart(cell.index)
             return

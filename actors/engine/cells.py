@@ -42,6 +42,8 @@ class CellState(enum.Enum):
     FAILED = "failed"
     """Died or hung, stopped, and not restarted yet."""
     SUSPENDED = "suspended"
+    RESUMING = "resuming"
+    """Starting again after a suspension."""
 
 
 class RestartsSpent(RuntimeError):

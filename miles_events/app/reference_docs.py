@@ -217,21 +217,23 @@ def event_routes() -> dict[type[Event], tuple[list[str], list[str]]]:
     emitted[RunFinished].append(
         "the session (an actor or sink failed to start, the event log cannot be written, the coordinator failed)"
     )
-    for cls, route in (
+    commands: list[tuple[type[Event], str]] = [
         (StopRequested, "`POST /api/v1/stop`"),
         (CheckpointRequested, "`POST /api/v1/save`"),
         (CellSuspendRequested, "`PATCH /api/v1/cells/{name}`"),
         (FaultInjectionRequested, "`POST /api/v1/cells/{name}/inject-fault`"),
-    ):
-        emitted[cls].append(f"the control server (on {route})")
+    ]
+    for command, path in commands:
+        emitted[command].append(f"the control server (on {path})")
     emitted[CellHealing].append("the mini FT controller (each step of a heal)")
-    for cls, why in (
+    beside: list[tuple[type[Event], str]] = [
         (CellHealth, "its health checks"),
         (CellFailed, "its health checks: an engine found dead or hung"),
         (CellSuspended, "a suspension, taken at once"),
         (FaultInjected, "a fault injection, delivered at once"),
-    ):
-        emitted[cls].append(f"generator (beside its handlers: {why})")
+    ]
+    for fact, why in beside:
+        emitted[fact].append(f"generator (beside its handlers: {why})")
     for sink in SINKS:
         kinds = sink.handlers()
         for cls in EVENT_TYPES:
