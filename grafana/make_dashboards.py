@@ -47,6 +47,7 @@ TRAINER_VERSION = 'max by (run) (miles_weight_version{run=~"$run", role="trainer
 ENGINES = 'run=~"$run", role="engine", engine=~"$engine"'
 # A healthy run has no failure series at all; "(none)" = 0 keeps the panels from showing "No data".
 NO_FAILURE = 'label_replace(0 * max(miles_rollout_id{run=~"$run"}), "actor", "(none)", "", "")'
+NO_FAULT = 'label_replace(0 * max(miles_rollout_id{run=~"$run"}), "cell", "(none)", "", "")'
 
 
 def _last_value_series(
@@ -361,6 +362,60 @@ def _bus_and_failures() -> list[PanelSpec]:
     ]
 
 
+def _faults_and_restarts() -> list[PanelSpec]:
+    return [
+        timeseries(
+            "Engine health",
+            "1 while an engine (its cell, rollout-{i}) runs and answers its health checks; 0 while it fails "
+            "them, is restarted or is suspended (run.ft_components).",
+            Query('max by (cell) (miles_cell_healthy{run=~"$run"})', "{{cell}}"),
+            width=8,
+        ),
+        stat(
+            "Engine restarts",
+            "Engines started again after dying, hanging or a suspension, by cell.",
+            Query('sum by (cell) (miles_cell_restarts_total{run=~"$run"})', "{{cell}}"),
+            thresholds=BAD_FROM_ONE,
+            width=8,
+        ),
+        timeseries(
+            "Engine failures over time",
+            "Engines found dead or hung per interval, by cell and kind.",
+            Query(
+                'sum by (cell, kind) (increase(miles_cell_failures_total{run=~"$run"}[$__rate_interval]))',
+                "{{cell}} {{kind}}",
+            ),
+            width=8,
+            bars=True,
+        ),
+        timeseries(
+            "Restart time",
+            "From an engine's failure seen to its weights loaded again (95th percentile, and the mean).",
+            Query(
+                "histogram_quantile(0.95, sum by (le) "
+                '(rate(miles_cell_restart_duration_seconds_bucket{run=~"$run"}[$__rate_interval])))',
+                "p95",
+            ),
+            Query(
+                'sum(miles_cell_restart_duration_seconds_sum{run=~"$run"}) '
+                '/ sum(miles_cell_restart_duration_seconds_count{run=~"$run"})',
+                "mean",
+            ),
+            unit="s",
+            width=12,
+        ),
+        timeseries(
+            "Faults injected",
+            "Faults delivered through the control server's inject-fault, by cell and mode.",
+            Query(
+                f'sum by (cell, mode) (miles_fault_injections_total{{run=~"$run"}}) or on () {NO_FAULT}',
+                "{{cell}} {{mode}}",
+            ),
+            width=12,
+        ),
+    ]
+
+
 SERVERS = 'run=~"$run", engine=~"$engine"'
 """The series of the run's inference servers, scraped through their file_sd targets
 (``metrics.engine_targets_dir``), which label them with the run and the engine."""
@@ -447,7 +502,7 @@ def _inference_engines() -> list[PanelSpec]:
 
 def overview() -> Json:
     """The RL overview of one run: weights, learning, throughput and latency, the trainer's
-    ranks, the bus, and the inference servers' own metrics."""
+    ranks, the bus, faults and restarts, and the inference servers' own metrics."""
     return dashboard(
         "miles-rl-overview",
         "miles-events: RL overview",
@@ -459,6 +514,7 @@ def overview() -> Json:
             ("Throughput & latency", _throughput_and_latency()),
             ("Trainer ranks", _trainer_ranks()),
             ("Bus & failures", _bus_and_failures()),
+            ("Faults & restarts", _faults_and_restarts()),
             ("Inference engines", _inference_engines()),
         ],
     )

@@ -459,3 +459,29 @@ def test_the_vllm_example_passes_the_input_checks_and_is_tiny_with_what_vllm_on_
     tiny = _flat(msgspec.to_builtins(load_config(EXAMPLES / "tiny.toml")))
     changed = {key: vllm[key] for key in vllm if vllm[key] != tiny.get(key)}
     assert changed == VLLM_EXAMPLE_CHANGES
+
+
+@pytest.mark.parametrize(
+    ("overrides", "starts"),
+    [
+        (['run.ft_components=["train"]'], 'run.ft_components: "train" (restarting the trainer\'s ranks'),
+        (['run.ft_components=["rollout", "rollout"]'], "run.ft_components: each component once"),
+        (
+            ['run.ft_components=["rollout"]', "run.offload_rollout=true"],
+            "run.ft_components: healing engines whose memory",
+        ),
+        (
+            ['run.ft_components=["rollout"]', 'publisher.transport="inprocess"', 'run.runtime="local"'],
+            'publisher.transport: "inprocess" cannot reach',
+        ),
+        (["run.mini_ft_controller=true"], "run.mini_ft_controller: needs the control server"),
+        (
+            ["run.mini_ft_controller=true", "run.control_server_port=8080"],
+            "run.mini_ft_controller: heals cells, and there are none",
+        ),
+    ],
+)
+def test_what_healing_and_the_control_server_need_is_checked(
+    tmp_path: Path, overrides: list[str], starts: str
+) -> None:
+    assert starts in error_of(write_config(tmp_path, BASE), overrides)

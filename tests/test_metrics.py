@@ -38,6 +38,7 @@ from schemas.events import (
     CriticStepFinished,
     EvalFinished,
     Event,
+    FaultInjected,
     MemoryOffloaded,
     PublicationMismatch,
     PublicationVerified,
@@ -61,6 +62,8 @@ PER_RANK = {
 }
 """Metrics of a trainer that reports its ranks (``TrainStepFinished.ranks``; the fixture
 run's trainer did not)."""
+FAULT_ONLY = {"miles_fault_injections_total"}
+"""Series only once a fault is injected through the control server."""
 OFFLOAD_ONLY = {
     "miles_memory_moved_bytes",
     "miles_memory_device_freed_bytes",
@@ -320,7 +323,10 @@ def test_every_documented_metric_gets_a_series_in_a_full_run(events: list[Event]
     for event in events:
         metrics.observe(event)
     with_samples = {exposed_name(f) for f in metrics.registry.collect() if f.samples}
-    assert with_samples == {spec.name for spec in METRICS} - FAILURE_ONLY - PER_RANK - PPO_ONLY - OFFLOAD_ONLY
+    assert (
+        with_samples
+        == {spec.name for spec in METRICS} - FAILURE_ONLY - PER_RANK - PPO_ONLY - OFFLOAD_ONLY - FAULT_ONLY
+    )
 
 
 def test_documented_labels_are_the_exposed_labels(events: list[Event]) -> None:
@@ -332,6 +338,7 @@ def test_documented_labels_are_the_exposed_labels(events: list[Event]) -> None:
     metrics.observe(two_rank_step())
     metrics.observe(critic_step())
     metrics.observe(MemoryOffloaded(run_id="r", target="rollout"))
+    metrics.observe(FaultInjected(run_id="r", cell="rollout-0", mode="sigkill", pid=1))
     for event in events:
         metrics.observe(event)
     exposed = {

@@ -20,12 +20,15 @@ from miles_events.rl.probe import PROBE_TENSOR
 from schemas.config import Config, GeneratorConfig, PublisherConfig, VerifierConfig
 from schemas.data import DataRef
 from schemas.events import (
+    CellResumed,
+    CellSuspended,
     DataReleased,
     ProbeBatch,
     PublicationFailed,
     PublicationMismatch,
     PublicationVerified,
     PublishRequested,
+    RestoreVerified,
     RunStarted,
     WeightsLoaded,
     WeightsPublished,
@@ -448,3 +451,95 @@ async def test_an_unprobed_publication_says_so():
         v, staged("1"), loaded("engine-0", "1", "default"), published("1", engines=("engine-0",))
     )
     assert isinstance(out, PublicationVerified) and out.probe_max_diff is None
+
+
+# --- engines that heal (run.ft_components) ------------------------------------------------
+
+
+def healing(engines: int = 2) -> Config:
+    return msgspec.structs.replace(
+        config(engines), run=msgspec.structs.replace(Config().run, ft_components=["rollout"])
+    )
+
+
+async def test_healing_keeps_the_last_publication_until_the_next_one_is_through():
+    """A restarted engine loads the last publication again: its data is released only once
+    the next publication is through (without healing, at once)."""
+    p = publisher(healing())
+    ref = lambda v: DataRef("shm", f"weights-v{v}", "trainer")  # noqa: E731
+    first = msgspec.structs.replace(staged("1"), weights=ref(1))
+    out = await feed(
+        p,
+        started(),
+        PublishRequested(),
+        first,
+        loaded("engine-0", "1", "default"),
+        loaded("engine-1", "1", "default"),
+    )
+    assert not [e for e in out if isinstance(e, DataReleased)], "the served publication is kept"
+    second = msgspec.structs.replace(staged("2"), weights=ref(2))
+    out = await feed(
+        p, PublishRequested(rollout_id=0), second, loaded("engine-0", "2", "1"), loaded("engine-1", "2", "1")
+    )
+    assert [e.ref for e in out if isinstance(e, DataReleased)] == [ref(1)]
+
+
+async def test_a_restored_load_is_not_part_of_a_publication():
+    p = publisher(healing())
+    await feed(p, started(), PublishRequested(), staged("1"), loaded("engine-0", "1", "default"))
+    restore = msgspec.structs.replace(loaded("engine-1", "1", "default"), restore=True)
+    assert await feed(p, restore) == [], "only the saga's own loads complete it"
+
+
+async def test_a_publication_goes_on_without_a_suspended_engine_and_counts_it_again_once_resumed():
+    p = publisher(healing())
+    await feed(
+        p,
+        started(),
+        PublishRequested(),
+        staged("1"),
+        loaded("engine-0", "1", "default"),
+        loaded("engine-1", "1", "default"),
+    )
+    out = await feed(
+        p,
+        CellSuspended(cell="rollout-1"),
+        PublishRequested(rollout_id=0),
+        staged("2"),
+        loaded("engine-0", "2", "1"),
+    )
+    (published_event,) = [e for e in out if isinstance(e, WeightsPublished)]
+    assert published_event.engines == ["engine-0"] and published_event.previous_versions == ["1"]
+    # Resumed with version 2, engine-1 takes part in publication 3 again, from version 2.
+    out = await feed(
+        p,
+        CellResumed(cell="rollout-1", pid=7, weight_version="2"),
+        PublishRequested(rollout_id=1),
+        staged("3"),
+        loaded("engine-0", "3", "2"),
+    )
+    assert not [e for e in out if isinstance(e, WeightsPublished)], "engine-1 is waited for again"
+    out = await feed(p, loaded("engine-1", "3", "2"))
+    assert [e.engines for e in out if isinstance(e, WeightsPublished)] == [["engine-0", "engine-1"]]
+
+
+async def test_an_engine_suspended_mid_publication_completes_it_with_the_others():
+    p = publisher(healing())
+    await feed(p, started(), PublishRequested(), staged("1"), loaded("engine-0", "1", "default"))
+    out = await feed(p, CellSuspended(cell="rollout-1"))
+    assert [e.engines for e in out if isinstance(e, WeightsPublished)] == [["engine-0"]]
+
+
+async def test_a_restored_engine_is_verified_against_the_last_verified_publication(tmp_path):
+    v = verifier(tmp_path)
+    first = msgspec.structs.replace(staged("1"), canary="c1")
+    good = msgspec.structs.replace(loaded("engine-0", "1", "default"), canary="c1")
+    await feed(v, first, good, msgspec.structs.replace(good, engine="engine-1"), published("1"))
+    restored = msgspec.structs.replace(good, engine="engine-1", restore=True)
+    (out,) = await feed(v, restored)
+    assert isinstance(out, RestoreVerified)
+    assert (out.engine, out.weight_version, out.write_proof) == ("engine-1", "1", "canary")
+    stale = msgspec.structs.replace(restored, canary="c0")
+    (out,) = await feed(v, stale)
+    assert isinstance(out, PublicationMismatch)
+    assert [(m.engine, m.tensor) for m in out.mismatches] == [("engine-1", CANARY_TENSOR)]

@@ -9,6 +9,7 @@ failure-path tests start (and must end) their own.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import time
@@ -21,6 +22,8 @@ import torch
 from actors.engine.base import SamplingParams
 from actors.engine.server_process import ServerStartError
 from actors.engine.vllm_engine import VllmEngine, launch_server
+from actors.engine.worker import EngineWorker, UnverifiableTensors
+from miles_events.bus.actor import RankPlace
 from miles_events.device.fingerprint import fingerprints, tensor_fingerprint
 from miles_events.rl.canary import CANARY_TENSOR, publication_canary
 from miles_events.rl.hf_model import prepare_base_model
@@ -484,3 +487,24 @@ def test_offload_maps_onto_vllms_own_sleep_routes(monkeypatch: pytest.MonkeyPatc
     assert "--enable-sleep-mode" not in server_command(
         "py", "/m", 1, config, dtype="float32", max_model_len=8
     )
+
+
+def test_an_engine_whose_digests_would_keep_the_unreadable_linears_is_refused_naming_them(
+    engine: VllmEngine, run_dir: Path, base_model: Path
+):
+    """Without ``verifier.skip_tensor_list`` no publication's digests could match: the engine's
+    rank refuses to start (the run's one line) naming a few of the tensors and the setting."""
+    config = _config(run_dir, base_model)
+    config = msgspec.structs.replace(
+        config,
+        generator=msgspec.structs.replace(config.generator, engine="vllm"),
+        verifier=msgspec.structs.replace(config.verifier, skip_tensor_list=[]),
+    )
+    with pytest.raises(UnverifiableTensors) as refused:
+        EngineWorker(config, engine, RankPlace(0, 1, run_dir))
+    message = str(refused.value)
+    assert re.search(
+        r"^engine-0 \(vllm\) cannot read back \d+ of the tensors it serves in the trainer's layout", message
+    )
+    assert "model.layers.0.mlp.down_proj.weight" in message, message
+    assert 'set verifier.skip_tensor_list = ["proj.weight"]' in message, message

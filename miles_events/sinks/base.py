@@ -8,6 +8,10 @@ written; ``start`` before any actor starts, events in bus order, ``flush`` after
 the bus delivered, ``close`` once the bus is closed and drained (``release`` instead, when
 the run never started).
 
+Two sinks bring commands from outside the run onto the bus, as the session does for a
+signal: the control server (each request an event) and the mini FT controller (each step
+of a heal); no sink publishes what it observes.
+
 A sink must never hold up the run: a handler that raises is logged once and the sink
 keeps draining (a stalled mailbox would hold up every publisher through backpressure).
 """

@@ -32,11 +32,17 @@ from miles_events.sinks.base import Sink, SinkContext
 from schemas.config import Config
 from schemas.events import (
     ActorFailed,
+    CellFailed,
+    CellHealth,
+    CellRestarted,
+    CellResumed,
+    CellSuspended,
     CheckpointFailed,
     CheckpointSaved,
     CriticStepFinished,
     EvalFinished,
     Event,
+    FaultInjected,
     MemoryOffloaded,
     MemoryOnloaded,
     PublicationFailed,
@@ -115,6 +121,11 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("miles_memory_moved_bytes", "gauge", "target direction", "Offload and onload: tensor bytes the last move of `target` (`rollout`, `actor`, `critic`) moved in `direction` (`offload`, `onload`), all engines or ranks together.", "MemoryOffloaded, MemoryOnloaded"),
     _m("miles_memory_device_freed_bytes", "gauge", "target direction", "On a GPU, the device memory the last move really freed (offload) or took (onload, negative), from `torch.cuda.mem_get_info`; 0 off CUDA.", "MemoryOffloaded, MemoryOnloaded (parts)"),
     _m("miles_memory_move_duration_seconds", "histogram", "target direction", "Time of an offload or onload.", "MemoryOffloaded.seconds, MemoryOnloaded.seconds"),
+    _m("miles_cell_healthy", "gauge", "cell", "1 while the engine of `cell` (`rollout-{i}`) runs and answers its health checks, 0 while it fails them, is being restarted or is suspended (every engine's series from RunStarted on).", "RunStarted, CellHealth, CellFailed, CellRestarted, CellSuspended, CellResumed"),
+    _m("miles_cell_failures_total", "counter", "cell kind", "Engines found dead (`kind=died`) or hung (`hung`) (both series of every engine from RunStarted on).", "CellFailed"),
+    _m("miles_cell_restarts_total", "counter", "cell", "Engines started again after a failure, or a suspension (`run.ft_components`).", "CellRestarted, CellResumed"),
+    _m("miles_cell_restart_duration_seconds", "histogram", "", "Time from an engine's failure seen to its weights loaded again.", "CellRestarted.restart_seconds"),
+    _m("miles_fault_injections_total", "counter", "cell mode", "Faults delivered through the control server's inject-fault.", "FaultInjected"),
     _m("miles_eval_score", "gauge", "metric", "The last evaluation, one series per metric it reports.", "EvalFinished.metrics"),
     _m("miles_eval_duration_seconds", "histogram", "", "Time of an evaluation.", "EvalFinished.eval_seconds"),
     _m("miles_weight_version", "gauge", "role engine", 'Weight version as a number (`"default"` = 0). `role="trainer"` (with `engine=""`): staged by the trainer; `role="engine"`: served by that engine. Trainer = the run\'s start version and engines = 0 at RunStarted.', "RunStarted, WeightsStaged, WeightsLoaded"),
@@ -296,6 +307,41 @@ class RunMetrics(Sink):
         self.trainer_ranks(run).set(e.trainer_ranks)
         self.tokens_generated(run)
         self.train_tokens(run)
+        f = self.families.__getitem__
+        for index in range(len(e.engines)):
+            cell = f"rollout-{index}"
+            f("miles_cell_healthy")(run, cell).set(1)
+            f("miles_cell_restarts_total")(run, cell)
+            for kind in ("died", "hung"):
+                f("miles_cell_failures_total")(run, cell, kind)
+        f("miles_cell_restart_duration_seconds")(run)
+
+    @handles(CellHealth)
+    def _cell_health(self, e: CellHealth) -> None:
+        self.families["miles_cell_healthy"](e.run_id, e.cell).set(1 if e.healthy else 0)
+
+    @handles(CellFailed)
+    def _cell_failed(self, e: CellFailed) -> None:
+        f = self.families.__getitem__
+        f("miles_cell_healthy")(e.run_id, e.cell).set(0)
+        f("miles_cell_failures_total")(e.run_id, e.cell, "hung" if e.hung else "died").inc()
+
+    @handles(CellSuspended)
+    def _cell_suspended(self, e: CellSuspended) -> None:
+        self.families["miles_cell_healthy"](e.run_id, e.cell).set(0)
+
+    @handles(CellRestarted, CellResumed)
+    def _cell_back(self, e: CellRestarted | CellResumed) -> None:
+        f = self.families.__getitem__
+        f("miles_cell_healthy")(e.run_id, e.cell).set(1)
+        f("miles_cell_restarts_total")(e.run_id, e.cell).inc()
+        if isinstance(e, CellRestarted):
+            f("miles_cell_restart_duration_seconds")(e.run_id).observe(e.restart_seconds)
+
+    @handles(FaultInjected)
+    def _fault_injected(self, e: FaultInjected) -> None:
+        if not e.error:
+            self.families["miles_fault_injections_total"](e.run_id, e.cell, e.mode).inc()
 
     @handles(RunFinished)
     def _run_finished(self, e: RunFinished) -> None:
