@@ -43,7 +43,7 @@ from miles_events.device.fingerprint import tensor_fingerprint
 from miles_events.device.staging import StagingPool
 from miles_events.device.threads import phase_threads
 from miles_events.rl.canary import CANARY_TENSOR, publication_canary
-from miles_events.rl.checksum_manifest import remove_manifest, write_manifest
+from miles_events.rl.checksum_manifest import manifest_path, remove_manifest, write_manifest
 from miles_events.rl.finite import finite_part
 from miles_events.rl.hf_model import modeling_module, torch_dtype
 from miles_events.rl.probe import probe_batch, probe_vocab_size
@@ -68,6 +68,7 @@ from schemas.events import (
     PublicationVerified,
     PublishRequested,
     RankStep,
+    RestoreVerified,
     RolloutGenerated,
     SaveRequested,
     StepCancelled,
@@ -462,6 +463,11 @@ class Trainer(Actor):
     async def on_weights_published(self, event: WeightsPublished) -> None:
         if not self.config.verifier.enabled:
             self._drop_manifest(event.weight_version)
+
+    @handles(RestoreVerified, emits=())
+    async def on_restore_verified(self, event: RestoreVerified) -> None:
+        # A restarted engine wrote the manifest of a verified publication again.
+        remove_manifest(self.context.run_dir, manifest_path(event.digest))
 
     def _drop_manifest(self, weight_version: str) -> None:
         manifest = self._manifests.pop(weight_version, None)

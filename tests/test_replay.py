@@ -286,10 +286,21 @@ def ppo_counts(config, kinds) -> None:
     assert kinds.count("CriticStepFinished") == 3 and kinds.count("CriticStateStaged") == 2
 
 
+def heal_counts(config, kinds) -> None:
+    assert config.run.ft_components == ["rollout"] and config.run.control_server_port
+    assert kinds.count("CellRestarted") == 2 and kinds.count("CellResumed") == 1
+    assert kinds.count("RestoreVerified") == 3 and kinds.count("CheckpointRequested") == 1
+
+
 @pytest.mark.parametrize("name", ["coordinator", "verifier", "publisher"])
-@pytest.mark.parametrize(("fixture", "check"), [("ppo_run", ppo_counts), ("offload_run", offload_counts)])
+@pytest.mark.parametrize(
+    ("fixture", "check"),
+    [("ppo_run", ppo_counts), ("offload_run", offload_counts), ("heal_run", heal_counts)],
+)
 async def test_a_run_of_a_seed_branch_redrives_to_the_recorded_decisions(name, fixture, check):
-    """PPO with a critic, and offload and onload, each re-driven from a recorded run."""
+    """PPO with a critic, offload and onload, and engines that heal (the Verifier's verdicts
+    on restored engines, the Publisher's publications without a suspended one, a save asked
+    for through the control server), each re-driven from a recorded run."""
     runs = split_runs(read_events(FIXTURES / fixture / "events.log"))
     ((run_id, events),) = runs.items()
     config = load_config(FIXTURES / fixture / "configs" / f"{run_id}.toml", check=False)

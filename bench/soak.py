@@ -1,0 +1,213 @@
+"""A soak of a run that heals: many rollouts of the embedded default with random faults,
+then what the event log and the process say about them.
+
+    .venv/bin/python bench/soak.py [--rollouts 300] [--every 4] [--runtime local] [--seed 1]
+        [--set KEY=VALUE ...] [--work-dir DIR]
+
+The run (``examples/tiny.toml``, 2 engines, ``run.ft_components = ["rollout"]``, a save
+every 10 rollouts keeping 3) gets a fault every ``--every`` seconds through the control
+server: a random engine and a random mode of ``sigkill``, ``segfault``, ``exit``,
+``deadlock``, or a suspension resumed a few seconds later. Faults stop before the last 10%
+of the rollouts. Printed: the faults delivered, the steps lost and doubled (every rollout
+id must be trained once: goal 0 and 0), the recovery time per fault kind (from the fault
+to the engine's weights verified again, and to the next verified publication), the
+driver's and the engines' RSS at 25% and at the end, and the run directory's size at 25%
+and at the end. The last line is ``RESULT ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from actors.engine.server_process import free_port
+from miles_events.bus.event_log import read_events
+from schemas.events import (
+    CellFailed,
+    CellRestarted,
+    CellResumed,
+    FaultInjected,
+    PublicationVerified,
+    RestoreVerified,
+    RunFinished,
+    TrainStepFinished,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+MODES = ("sigkill", "segfault", "exit", "deadlock", "suspend")
+TOKEN = "soak-token"
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of ``pid`` and its descendants."""
+    total = 0
+    pids = [pid]
+    while pids:
+        current = pids.pop()
+        try:
+            for line in Path(f"/proc/{current}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+            children = Path(f"/proc/{current}/task/{current}/children").read_text().split()
+        except OSError:
+            continue
+        pids.extend(int(c) for c in children)
+    return total
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rollouts", type=int, default=300)
+    parser.add_argument("--every", type=float, default=4.0)
+    parser.add_argument("--runtime", default="local", choices=("local", "ray"))
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--work-dir", type=Path, default=None)
+    args = parser.parse_args()
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="soak-"))
+    work.mkdir(parents=True, exist_ok=True)
+    run_dir = work / "run"
+    port = free_port()
+    overrides = [
+        f'run.dir="{run_dir}"',
+        f'run.runtime="{args.runtime}"',
+        f"run.num_rollout={args.rollouts}",
+        "run.eval_interval=1000",
+        "run.save_interval=10",
+        "generator.num_engines=2",
+        'run.ft_components=["rollout"]',
+        f"run.control_server_port={port}",
+        "control.max_restarts=1000",
+        "control.restart_backoff_seconds=0",
+        "control.heartbeat_interval_seconds=1",
+        "control.heartbeat_timeout_seconds=2",
+        "control.heartbeat_max_failures=2",
+        'console.mode="plain"',
+        "metrics.enabled=false",
+        *args.set,
+    ]
+    command = [sys.executable, "-m", "miles_events.run", str(ROOT / "examples" / "tiny.toml")]
+    for item in overrides:
+        command += ["--set", item]
+    out = work / "run.out"
+    env = dict(os.environ, MILES_CONTROL_TOKEN=TOKEN, PYTHONPATH=str(ROOT))
+    chooser = random.Random(args.seed)
+    delivered: Counter[str] = Counter()
+    samples: dict[str, tuple[int, int]] = {}
+    with out.open("w") as stdout:
+        process = subprocess.Popen(command, stdout=stdout, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+        client = httpx.Client(
+            base_url=f"http://127.0.0.1:{port}/api/v1",
+            headers={"Authorization": f"Bearer {TOKEN}"},
+            timeout=10,
+        )
+
+        def trained() -> int:
+            return out.read_text().count(f"/{args.rollouts}]: ")
+
+        try:
+            while process.poll() is None and trained() < 3:
+                time.sleep(0.5)
+            while process.poll() is None and trained() < 0.9 * args.rollouts:
+                if "quarter" not in samples and trained() >= args.rollouts // 4:
+                    samples["quarter"] = (rss_bytes(process.pid), dir_bytes(run_dir))
+                time.sleep(args.every)
+                cell = f"rollout-{chooser.randrange(2)}"
+                mode = chooser.choice(MODES)
+                try:
+                    if mode == "suspend":
+                        if (
+                            client.patch(f"/cells/{cell}", json={"spec": {"suspend": True}}).status_code
+                            == 200
+                        ):
+                            time.sleep(2)
+                            client.patch(f"/cells/{cell}", json={"spec": {"suspend": False}})
+                            delivered[mode] += 1
+                    elif client.post(f"/cells/{cell}/inject-fault", json={"mode": mode}).status_code == 200:
+                        delivered[mode] += 1
+                except httpx.HTTPError:
+                    pass  # the run is ending
+            while process.poll() is None and trained() < args.rollouts:
+                time.sleep(0.5)
+            samples["end"] = (rss_bytes(process.pid), dir_bytes(run_dir))
+            code = process.wait(timeout=600)
+        finally:
+            if process.poll() is None:
+                process.kill()
+            client.close()
+    log = list(read_events(run_dir / "events.log"))
+    steps = Counter(e.rollout_id for e in log if isinstance(e, TrainStepFinished))
+    lost = sum(1 for r in range(args.rollouts) if steps[r] == 0)
+    doubled = sum(count - 1 for count in steps.values() if count > 1)
+    finished = next((e for e in reversed(log) if isinstance(e, RunFinished)), None)
+    recovery: dict[str, list[float]] = defaultdict(list)
+    to_publication: dict[str, list[float]] = defaultdict(list)
+    for at, fault in enumerate(log):
+        if not isinstance(fault, FaultInjected) or fault.error:
+            continue
+        engine = f"engine-{fault.cell.split('-')[1]}"
+        later = log[at + 1 :]
+        back = next(
+            (e for e in later if isinstance(e, CellRestarted | CellResumed) and e.cell == fault.cell), None
+        )
+        if back is None:
+            continue
+        restored = next(
+            (
+                e
+                for e in later
+                if isinstance(e, RestoreVerified) and e.engine == engine and e.time >= back.time - 1
+            ),
+            None,
+        )
+        if restored is not None:
+            recovery[fault.mode].append(restored.time - fault.time)
+        published = next(
+            (e for e in later if isinstance(e, PublicationVerified) and e.time > back.time), None
+        )
+        if published is not None:
+            to_publication[fault.mode].append(published.time - fault.time)
+    failures = Counter("hung" if e.hung else "died" for e in log if isinstance(e, CellFailed))
+    print(f"run {run_dir}: exit {code}, {finished.status if finished else 'no RunFinished'}")
+    print(f"faults delivered: {dict(delivered)}; cells failed: {dict(failures)}")
+    print(f"steps trained {sum(steps.values())} of {args.rollouts}: lost {lost}, doubled {doubled}")
+    for mode in sorted(recovery):
+        weights = statistics.median(recovery[mode])
+        publication = statistics.median(to_publication[mode]) if to_publication[mode] else float("nan")
+        print(
+            f"recovery {mode}: median {weights:.2f} s to the engine's weights verified, "
+            f"{publication:.2f} s to the next verified publication ({len(recovery[mode])} faults)"
+        )
+    (rss_q, dir_q), (rss_e, dir_e) = samples.get("quarter", (0, 0)), samples.get("end", (0, 0))
+    print(
+        f"RSS (driver and its processes): {rss_q / 2**20:.0f} MiB at 25%, {rss_e / 2**20:.0f} MiB at the end"
+    )
+    print(f"run directory: {dir_q / 2**20:.1f} MiB at 25%, {dir_e / 2**20:.1f} MiB at the end")
+    print(
+        f"RESULT faults={sum(delivered.values())} lost={lost} doubled={doubled} "
+        f"rss_growth={rss_e / rss_q if rss_q else float('nan'):.2f} "
+        f"run_dir_growth={dir_e / dir_q if dir_q else float('nan'):.2f} status={finished.status if finished else '-'}"
+    )
+    return 0 if code == 0 and lost == 0 and doubled == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
