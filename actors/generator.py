@@ -142,6 +142,7 @@ class Generator(Actor):
         self.served: WeightsStaged | None = None
         """The publication every engine loaded last: what a restarted engine loads again."""
         self.rollout_in_flight: int | None = None
+        self._watcher: asyncio.Task[None] | None = None
 
     @classmethod
     def resources(cls, config: Config) -> WorkerGroup:
@@ -207,9 +208,12 @@ class Generator(Actor):
 
     async def ready(self) -> None:
         if self.heals:
-            self.spawn(self._watch_health(), emits=(CellHealth, CellFailed))
+            self._watcher = self.spawn(self._watch_health(), emits=(CellHealth, CellFailed))
 
     async def stop(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None
         engines, self.engines = self.engines, []
         await close_workers(engines)
 
@@ -427,9 +431,11 @@ class Generator(Actor):
         """Engine ``index`` died or hung: it is stopped and ``CellFailed`` says so; the next
         call on it, or the Generator's own ``CellFailed`` handler, restarts it."""
         cell = self.cells[index]
+        if cell.suspended:
+            return  # stopped on purpose meanwhile: its resume starts it
         cell.state = CellState.FAILED
         cell.failure, cell.hung = reason, hung
-        await close_workers([self.engines[index]], timeout=1.0)
+        worker = self.engines[index]
         await self.publish(
             CellFailed(
                 cell=cell.name,
@@ -439,6 +445,7 @@ class Generator(Actor):
                 rollout_id=self.rollout_in_flight,
             )
         )
+        await close_workers([worker], timeout=1.0)
 
     @handles(CellFailed, emits=(CellFailed, CellRestarted, WeightsLoaded))
     async def on_cell_failed(self, event: CellFailed) -> None:
@@ -497,14 +504,18 @@ class Generator(Actor):
         if self.cells[index].suspended:
             await close_workers([worker], timeout=1.0)
             raise EngineFailed(f"{self.engine_names[index]} was suspended while it started")
-        await self._describe(index)
+        # A new engine that hangs in its first calls is a failed start, not a stuck run.
+        bound = self.config.publisher.load_timeout
+        await wait_for(self._describe(index), bound, self.context.clock)
         served = self.served
         if served is None:
             return "default"  # nothing published yet: the base model, as the others serve
         skip = skip_tensor_list(self.config)
         started = time.perf_counter()
-        loaded = await worker.call(
-            EngineWorker.load, served.weights, served.weight_version, skip, served.probe
+        loaded = await wait_for(
+            worker.call(EngineWorker.load, served.weights, served.weight_version, skip, served.probe),
+            bound,
+            self.context.clock,
         )
         if loaded.digest != served.digest or (
             served.canary and loaded.canary is not None and loaded.canary != served.canary
@@ -530,6 +541,8 @@ class Generator(Actor):
 
     async def _check(self, index: int) -> None:
         control = self.config.control
+        if index >= len(self.engines):
+            return  # stopping
         cell, worker = self.cells[index], self.engines[index]
         if cell.state is not CellState.RUNNING:
             return
@@ -595,6 +608,9 @@ class Generator(Actor):
         cell = next((c for c in self.cells if c.name == event.cell), None)
         if cell is None or cell.state is CellState.SUSPENDED:
             return
+        if stand_in(self.cells, cell.index) is None:
+            logger.warning("%s not suspended: it is the last running engine", cell.name)
+            return
         cell.state = CellState.SUSPENDED
         await close_workers([self.engines[cell.index]], timeout=1.0)
         await self.publish(CellSuspended(cell=cell.name))
@@ -614,6 +630,9 @@ class Generator(Actor):
                 return  # suspended again while it started
             await self._failed(cell.index, f"{cell.engine} did not resume: {brief_error(error)}", hung=False)
             await self._restart(cell.index)
+            return
+        if cell.suspended:  # suspended again while it started
+            await close_workers([self.engines[cell.index]], timeout=1.0)
             return
         cell.state = CellState.RUNNING
         cell.failed_checks, cell.healthy = 0, True
@@ -755,12 +774,19 @@ class EngineFailed(RuntimeError):
     """A call on one engine failed; the message starts with the engine's name."""
 
 
+class ServerGone(ConnectionError):
+    """An engine's server refuses connections: its process is gone."""
+
+
 def _http_health(engine: str, url: str, timeout: float) -> str:
-    """An engine server's health check, made from the Generator: "" when it answered 200."""
+    """An engine server's health check, made from the Generator: "" when it answered 200;
+    ``ServerGone`` when nothing listens there any more."""
     import httpx
 
     try:
         status = httpx.get(url, timeout=timeout).status_code
+    except httpx.ConnectError as error:
+        raise ServerGone(f"{url} refuses connections: the server is gone") from error
     except httpx.HTTPError as error:
         return f"{engine}: {url} did not answer: {type(error).__name__}"
     return "" if status == 200 else f"{engine}: {url} answered {status}"

@@ -139,7 +139,7 @@ class Publisher(Actor):
         return self.engines[int(index)]
 
     def _all_loaded(self, publication: Publication) -> bool:
-        return set(publication.loaded) >= set(self.engines) - self.suspended
+        return bool(publication.loaded) and set(publication.loaded) >= set(self.engines) - self.suspended
 
     @handles(WeightsLoaded, emits=(DataReleased, WeightsPublished, PublicationFailed))
     async def on_weights_loaded(self, event: WeightsLoaded) -> None:

@@ -100,7 +100,9 @@ class Verifier(Actor):
         publication's, on that engine alone."""
         if not self.config.verifier.enabled:
             return
-        staged = self.served if self.served and self.served.weight_version == event.weight_version else None
+        staged = self.staged.get(event.weight_version)  # not published yet (a restore raced it)
+        if staged is None and self.served and self.served.weight_version == event.weight_version:
+            staged = self.served
         started = time.perf_counter()
         mismatches, proven, probe_max_diff = await self._verdict(
             staged, {event.engine: event}, [event.engine]

@@ -11,8 +11,8 @@ server: a random engine and a random mode of ``sigkill``, ``segfault``, ``exit``
 of the rollouts. Printed: the faults delivered, the steps lost and doubled (every rollout
 id must be trained once: goal 0 and 0), the recovery time per fault kind (from the fault
 to the engine's weights verified again, and to the next verified publication), the
-driver's and the engines' RSS at 25% and at the end, and the run directory's size at 25%
-and at the end. The last line is ``RESULT ...``.
+driver's and its processes' RSS at 25% and 3 rollouts before the end, and the run
+directory's size then. The last line is ``RESULT ...``.
 """
 
 from __future__ import annotations
@@ -145,9 +145,9 @@ def main() -> int:
                         delivered[mode] += 1
                 except httpx.HTTPError:
                     pass  # the run is ending
-            while process.poll() is None and trained() < args.rollouts:
-                time.sleep(0.5)
-            samples["end"] = (rss_bytes(process.pid), dir_bytes(run_dir))
+            while process.poll() is None and trained() < args.rollouts - 3:
+                time.sleep(0.2)
+            samples["end"] = (rss_bytes(process.pid), dir_bytes(run_dir))  # the last rollouts
             code = process.wait(timeout=600)
         finally:
             if process.poll() is None:

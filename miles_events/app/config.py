@@ -761,6 +761,12 @@ def _check_fault_tolerance(config: Config) -> None:
             'its own); use "auto" or "shm"',
             key="publisher.transport",
         )
+    if engines_isolated(config) and config.ray.colocate:
+        raise ConfigError(
+            "run.ft_components: healing embedded engines with ray.colocate is not supported (each engine "
+            "then has a bundle of its own, apart from the trainer's ranks)",
+            key="run.ft_components",
+        )
     if run.mini_ft_controller and not run.control_server_port:
         raise ConfigError(
             "run.mini_ft_controller: needs the control server (set run.control_server_port)",

@@ -99,7 +99,8 @@ class CellBook:
         if (record := self.cells.get(name)) is not None:
             record.phase = "Pending"
             record.condition("Allocated", "False", "Restarting", reason)
-            record.condition("Healthy", "False", "Hung" if hung else "Died", reason)
+            # Its actor restarts it: neither healthy nor for a controller to heal meanwhile.
+            record.condition("Healthy", "Unknown", "Hung" if hung else "Died", reason)
 
     def running(self, name: str, reason: str) -> None:
         if (record := self.cells.get(name)) is not None:
@@ -130,7 +131,10 @@ class CellBook:
             if healthy:
                 record.condition("Healthy", "True", "HealthCheckPassed")
             else:
-                record.condition("Healthy", "False", "HealthCheckFailed", reason)
+                # As miles' checker: a missed check below the limit keeps the status and
+                # says why; past the limit the cell is failed (and restarted).
+                status = record.conditions["Healthy"].status if "Healthy" in record.conditions else "Unknown"
+                record.condition("Healthy", status, "HealthCheckFailed", reason)
 
     def running_of_type(self, cell_type: str) -> list[CellRecord]:
         return [r for r in self.cells.values() if r.cell_type == cell_type and not r.suspend]
