@@ -265,6 +265,8 @@ class Generator(Actor):
                 StepCancelled(rollout_id=event.rollout_id, phase="generate", reason=str(cancelled))
             )
             return
+        finally:
+            self.rollout_in_flight = None  # a failure after generation names no rollout
         batch = RolloutBatch(rollout_id=event.rollout_id, samples=samples)
         payload = msgspec.msgpack.encode(batch)
         ref = self.context.transport.stager.put_bytes(f"rollout-{event.rollout_id}", payload, owner=self.name)
@@ -434,7 +436,7 @@ class Generator(Actor):
         if cell.suspended:
             return  # stopped on purpose meanwhile: its resume starts it
         cell.state = CellState.FAILED
-        cell.failure, cell.hung = reason, hung
+        cell.failure = reason
         worker = self.engines[index]
         await self.publish(
             CellFailed(

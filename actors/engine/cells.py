@@ -64,7 +64,6 @@ class EngineCell:
     healthy: bool = True
     failure: str = ""
     """Why it failed last."""
-    hung: bool = False
     busy: asyncio.Lock = field(default_factory=asyncio.Lock)
     """Held by each generation on the engine: a stand-in's work waits for its own."""
 

@@ -30,7 +30,7 @@ from typing import Any
 
 from miles_events.bus.handlers import handles
 from miles_events.sinks.base import Sink, SinkContext
-from miles_events.sinks.control.cells import CellBook
+from miles_events.sinks.control.cells import CellBook, CellRecord
 from miles_events.sinks.control.models import Cell, CellList, CellPatch, InjectFault, Ok, Status
 from schemas.config import Config
 from schemas.events import (
@@ -191,11 +191,11 @@ def build_app(
         logger.exception("control server: %s %s failed", request.method, request.url.path)
         return JSONResponse(status_body(500, "InternalError", type(error).__name__), status_code=500)
 
-    def cell_of(name: str) -> Cell:
+    def record_of(name: str) -> CellRecord:
         record = book.get(name)
         if record is None:
             raise fail(404, f"Cell '{name}' not found")
-        return record.render()
+        return record
 
     guarded = [Depends(authorized)]
 
@@ -209,13 +209,11 @@ def build_app(
 
     @app.get(f"{API}/cells/{{name}}", response_model=Cell, dependencies=guarded, responses=failure)
     async def get_cell(name: str) -> Cell:
-        return cell_of(name)
+        return record_of(name).render()
 
     @app.patch(f"{API}/cells/{{name}}", response_model=Cell, dependencies=guarded, responses=failure)
     async def patch_cell(name: str, patch: CellPatch) -> Cell:
-        cell_of(name)
-        record = book.get(name)
-        assert record is not None
+        record = record_of(name)
         suspend = patch.spec.suspend if patch.spec is not None else None
         if suspend is None or suspend == record.suspend:
             return record.render()
@@ -236,9 +234,7 @@ def build_app(
         f"{API}/cells/{{name}}/inject-fault", response_model=Ok, dependencies=guarded, responses=failure
     )
     async def inject_fault(name: str, fault: InjectFault) -> Ok:
-        record = book.get(name)
-        if record is None:
-            raise fail(404, f"Cell '{name}' not found")
+        record = record_of(name)
         if record.cell_type != "rollout":
             raise fail(400, f"{name}: fault injection is supported on rollout cells")
         await publish(FaultInjectionRequested(cell=name, mode=fault.mode, sub_index=fault.sub_index))
