@@ -20,6 +20,13 @@ Read top to bottom, the handlers are the loop:
     StopRequested            -> after the current step's publication (or eval): save that
                                 step unless it was saved, then finish
     failure facts            -> RunFinished(failed) with one clear line
+    a trainer rank failed    -> with ``"train"`` in ``run.ft_components`` (``CellFailed``
+                                actor-i): once the group is back (``CellRestarted``) and
+                                the saves in flight are written, the latest checkpoint the
+                                run saved is restored (``TrainerRestoreRequested`` names
+                                the rollouts done again), published once restored
+                                (``TrainerRestored``), and the rollouts after it asked for
+                                again with the same ids
     external policy sync     -> with ``run.external_policy_sync_path``, the plugin's hooks
                                 (``PolicySyncRequested``) in the seed's places: initialize
                                 before the opening, after_inference_publication after each
@@ -44,6 +51,7 @@ from dataclasses import dataclass
 import anyio.to_thread
 import msgspec
 
+from actors.protocols.healing import is_actor_cell
 from actors.protocols.memory import MemoryCommand, MemoryPlan
 from actors.protocols.opening import Opening, opening_protocol
 from actors.protocols.steps import (
@@ -61,6 +69,8 @@ from miles_events.rl.checksum_manifest import read_manifest
 from schemas.config import Config
 from schemas.events import (
     ActorFailed,
+    CellFailed,
+    CellRestarted,
     CheckpointFailed,
     CheckpointRequested,
     CheckpointSaved,
@@ -91,6 +101,9 @@ from schemas.events import (
     SaveRequested,
     StepCancelled,
     StopRequested,
+    TrainerRestored,
+    TrainerRestoreRequested,
+    TrainStateStaged,
     TrainStepFinished,
     WeightsCheckFinished,
     WeightsCheckRequested,
@@ -126,6 +139,19 @@ class AfterEval(enum.Enum):
     """The eval before training: the first rollout."""
     NEXT_STEP = "next step"
     """The periodic eval after a step's publication: the next rollout, or finish."""
+
+
+@dataclass
+class Rewind:
+    """A trainer group that failed, until it holds a checkpoint again (``"train"`` in
+    ``run.ft_components``)."""
+
+    through: int
+    """The last rollout trained or in training when it failed: done again up to it."""
+    restarted: bool = False
+    """The group is back (``CellRestarted``)."""
+    asked: bool = False
+    """The restore was asked for (``TrainerRestoreRequested``)."""
 
 
 @dataclass(frozen=True)
@@ -207,6 +233,16 @@ class Coordinator(Actor):
         """Rollouts go on past ``num_rollout`` until the synchronizer stops the run."""
         self._finalize_asked = False
         self._finalized = False
+        self._requested = plan.start_rollout_id - 1
+        """The last rollout asked for."""
+        self._checkpoints: dict[int, str] = {}
+        """The checkpoints the run saved, by rollout id."""
+        self._staged_saves: set[int] = set()
+        """Saves whose train state is staged and not yet written."""
+        self._rewind: Rewind | None = None
+        """A trainer group that failed, until it is restored."""
+        self._rewound_to: int | None = None
+        """The rollout a restored trainer holds, until its publication is through."""
 
     # -- the opening ------------------------------------------------------------------
 
@@ -339,6 +375,9 @@ class Coordinator(Actor):
             # The step's publication is through: as the seed's ``should_stop`` break, the
             # run ends here (once the step is saved).
             await self._stop_now()
+        elif rollout_id == self._rewound_to:
+            self._rewound_to = None  # the restored state's publication: its eval was run before
+            await self._next_step(rollout_id)
         elif should_run_periodic_action(rollout_id, self.run.eval_interval, self.plan.num_rollout_per_epoch):
             await self._eval(rollout_id, AfterEval.NEXT_STEP)
         else:
@@ -358,6 +397,7 @@ class Coordinator(Actor):
             await self._finish("completed")
 
     async def _request_rollout(self, rollout_id: int) -> None:
+        self._requested = rollout_id
         await self.publish(RolloutRequested(rollout_id=rollout_id))
 
     async def _eval(self, rollout_id: int, then: AfterEval) -> None:
@@ -524,20 +564,93 @@ class Coordinator(Actor):
             SaveRequested(rollout_id=rollout_id, reason=reason, publication_follows=publication_follows)
         )
 
-    @handles(CheckpointSaved, emits=(RunFinished, SaveRequested, PublishRequested, *MEMORY))
+    @handles(
+        CheckpointSaved,
+        emits=(RunFinished, SaveRequested, PublishRequested, TrainerRestoreRequested, *MEMORY),
+    )
     async def on_checkpoint_saved(self, event: CheckpointSaved) -> None:
         self._pending_saves.discard(event.rollout_id)
+        self._staged_saves.discard(event.rollout_id)
+        self._checkpoints[event.rollout_id] = event.path
+        if self._rewind is not None:
+            await self._restore_when_saved()
+            return
         waiting, self._save_waiting = self._save_waiting, None
         if waiting is not None and self._finishing is None:
             await self._save_then_publish(*waiting)
         elif self._finishing is not None and not self._pending_saves:
             await self._publish_finished(self._finishing)
 
+    # -- a trainer group that heals (``"train"`` in ``run.ft_components``) ------------------
+
+    @handles(TrainStateStaged, emits=())
+    async def on_train_state_staged(self, event: TrainStateStaged) -> None:
+        if event.rollout_id in self._pending_saves:
+            self._staged_saves.add(event.rollout_id)
+
+    @handles(CellFailed, emits=())
+    async def on_cell_failed(self, event: CellFailed) -> None:
+        """A trainer rank failed: its group is restarted (by the Trainer), and the run goes
+        back to the latest checkpoint. A save asked for whose state was not staged is never
+        written: it is asked for again when its step is trained again."""
+        if not is_actor_cell(event.cell) or self._finishing is not None:
+            return
+        through = max(self.last_rollout_id, self._requested)
+        if self._rewind is None:
+            logger.warning("%s failed (%s): restoring the latest checkpoint", event.cell, event.reason)
+            self._rewind = Rewind(through)
+        else:
+            self._rewind = Rewind(max(through, self._rewind.through))
+        self._pending_eval = None
+        self._save_waiting = None
+        lost = self._pending_saves - self._staged_saves
+        self._pending_saves -= lost
+        self._saved -= lost
+
+    @handles(CellRestarted, emits=(TrainerRestoreRequested,))
+    async def on_cell_restarted(self, event: CellRestarted) -> None:
+        if self._rewind is not None and is_actor_cell(event.cell) and self._finishing is None:
+            self._rewind.restarted = True
+            await self._restore_when_saved()
+
+    async def _restore_when_saved(self) -> None:
+        """Ask the restarted trainer for the latest checkpoint once no save is in flight
+        (the save being written may be that checkpoint)."""
+        rewind = self._rewind
+        if rewind is None or not rewind.restarted or rewind.asked or self._pending_saves:
+            return
+        rewind.asked = True
+        if self._checkpoints:
+            rollout_id = max(self._checkpoints)
+            checkpoint: str | None = self._checkpoints[rollout_id]
+        else:  # none saved yet: the state the run started from
+            rollout_id, checkpoint = self.plan.start_rollout_id - 1, None
+        redo = list(range(rollout_id + 1, rewind.through + 1))
+        logger.info(
+            "restoring %s (rollout %d); rollouts done again: %s",
+            checkpoint or "the run's start",
+            rollout_id,
+            ", ".join(map(str, redo)) or "none",
+        )
+        await self.publish(TrainerRestoreRequested(checkpoint=checkpoint, rollout_id=rollout_id, redo=redo))
+
+    @handles(TrainerRestored, emits=(PublishRequested, *MEMORY))
+    async def on_trainer_restored(self, event: TrainerRestored) -> None:
+        """The trainer holds the checkpoint: the engines are given it (a publication, the
+        next version), then the rollout after it is asked for again."""
+        if self._rewind is None or self._finishing is not None:
+            return
+        self._rewind = None
+        self.last_rollout_id = event.rollout_id
+        self._rewound_to = event.rollout_id
+        await self._publish_after_memory(PublishRequested(rollout_id=event.rollout_id))
+
     # -- failures and stops -------------------------------------------------------------
 
     @handles(CheckpointFailed, emits=(RunFinished,))
     async def on_checkpoint_failed(self, event: CheckpointFailed) -> None:
         self._pending_saves.discard(event.rollout_id)
+        self._staged_saves.discard(event.rollout_id)
         await self._finish("failed", f"checkpoint of rollout {event.rollout_id} failed: {event.reason}")
 
     @handles(PublicationFailed, emits=(RunFinished,))

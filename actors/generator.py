@@ -40,7 +40,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import os
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from functools import partial
@@ -51,15 +50,9 @@ import msgspec
 
 from actors.engine import engine_module
 from actors.engine.base import Completion, GenerateRequest, SamplingParams
-from actors.engine.cells import (
-    FAULT_SIGNALS,
-    CellState,
-    EngineCell,
-    check_restart,
-    restart_backoff,
-    stand_in,
-)
+from actors.engine.cells import CellState, EngineCell, stand_in
 from actors.engine.worker import EngineWorker, engine_worker
+from actors.protocols.healing import check_restart, deliver_fault, restart_backoff
 from miles_events.bus.actor import (
     Actor,
     ActorContext,
@@ -232,7 +225,7 @@ class Generator(Actor):
 
     def interrupt(self, event: Event) -> None:
         # Faults and suspensions land beside the handler in progress (mid-rollout).
-        if isinstance(event, FaultInjectionRequested):
+        if isinstance(event, FaultInjectionRequested) and event.cell.startswith("rollout-"):
             self.spawn(self._inject(event), emits=(FaultInjected,))
         elif isinstance(event, CellSuspendRequested) and event.suspend:
             self.spawn(self._suspend(event), emits=(CellSuspended,))
@@ -465,7 +458,7 @@ class Generator(Actor):
         control = self.config.control
         failed_at = time.perf_counter()
         while True:
-            attempt = check_restart(cell, control, cell.failure)
+            attempt = check_restart(f"{cell.name} ({cell.engine})", cell.restarts, control, cell.failure)
             cell.restarts = attempt
             await self.context.clock.sleep(restart_backoff(attempt, control))
             try:
@@ -587,17 +580,8 @@ class Generator(Actor):
             error = f"{event.cell}: no such rollout cell"
         elif cell.state is not CellState.RUNNING:
             error = f"{event.cell}: not running ({cell.state.value})"
-        elif event.sub_index >= len(cell.pids):
-            error = f"{event.cell}: sub_index {event.sub_index} out of range ({len(cell.pids)} processes)"
         else:
-            pid = cell.pids[event.sub_index]
-            if pid == os.getpid():
-                error = f"{event.cell}: its engine runs in the generator's own process"
-            else:
-                try:
-                    os.kill(pid, FAULT_SIGNALS[event.mode])
-                except ProcessLookupError:
-                    error = f"{event.cell}: process {pid} is gone"
+            pid, error = deliver_fault(event.cell, cell.pids, event.sub_index, event.mode)
         if error:
             logger.warning("fault not injected: %s", error)
         await self.publish(

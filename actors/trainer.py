@@ -14,6 +14,8 @@ the end of the run drops whatever is left).
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -23,6 +25,7 @@ from typing import TYPE_CHECKING
 import anyio
 import msgspec
 
+from actors.protocols.healing import actor_cell, check_restart, deliver_fault, restart_backoff
 from actors.protocols.memory import RolloutGate, gates_training
 from actors.trainer_backend import backend_module, build_backend
 from actors.trainer_backend.base import TrainerBackend
@@ -35,8 +38,17 @@ from actors.trainer_backend.save_staging import (
     TrainStateSnapshot,
     weights_copy,
 )
-from miles_events.bus.actor import Actor, ActorContext, WorkerGroup, handles
+from miles_events.bus.actor import (
+    Actor,
+    ActorContext,
+    RankDied,
+    RankFailed,
+    WorkerGroup,
+    brief_error,
+    handles,
+)
 from miles_events.bus.cancel import Cancellation, Cancelled
+from miles_events.bus.clock import wait_for
 from miles_events.checkpoint.format import read_checkpoint
 from miles_events.device.buckets import Buckets, fingerprint_buckets, plan_layouts, require_finite_buckets
 from miles_events.device.fingerprint import tensor_fingerprint
@@ -50,12 +62,17 @@ from miles_events.rl.probe import probe_batch, probe_vocab_size
 from miles_events.rl.prompts import data_cursor, load_prompts
 from miles_events.rl.versions import next_version, version_number
 from schemas.checkpoint import TrainerState
-from schemas.config import Config, engines_heal, skip_tensor_list
+from schemas.config import Config, engines_heal, skip_tensor_list, trainer_heals
 from schemas.data import DataRef
 from schemas.events import (
+    CellFailed,
+    CellHealth,
+    CellRestarted,
     CriticStepFinished,
     DataReleased,
     Event,
+    FaultInjected,
+    FaultInjectionRequested,
     MemoryOffloaded,
     MemoryOnloaded,
     ModelWeightsLoaded,
@@ -73,6 +90,8 @@ from schemas.events import (
     SaveRequested,
     StepCancelled,
     StopRequested,
+    TrainerRestored,
+    TrainerRestoreRequested,
     TrainMetrics,
     TrainStateStaged,
     TrainStepFinished,
@@ -85,6 +104,13 @@ if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger(__name__)
+
+RANK_FAULTS = (RankDied, RankFailed)
+"""How a rank that died or hung shows in a call on the group: what a trainer that heals
+(``"train"`` in ``run.ft_components``) restarts its group for."""
+
+HEALING = (CellFailed, CellRestarted)
+"""What a handler of a trainer that heals may publish beside its own events."""
 
 PUBLICATION_WAIT_SECONDS = 60.0
 """How long a save staged in the background waits for the publication asked for with it
@@ -135,6 +161,11 @@ class Trainer(Actor):
         self._offloaded_probe: ProbeBatch | None = None
         """The probe answered with the weights as they were offloaded (``run.offload_train``):
         the offloaded model runs no forward."""
+        self._restarts = 0
+        """Restarts of the group in the run (``control.max_restarts`` bounds them)."""
+        self._hung: set[int] = set()
+        """Ranks the heartbeat found hung (and killed)."""
+        self._watcher: asyncio.Task[None] | None = None
         self._gate: RolloutGate[RolloutGenerated] = RolloutGate(
             gates_training(config, "actor") and not context.plan.rollout_only
         )
@@ -142,7 +173,12 @@ class Trainer(Actor):
 
     @classmethod
     def resources(cls, config: Config) -> WorkerGroup:
-        return trainer_worker_group("actor", config)
+        group = trainer_worker_group("actor", config)
+        if trainer_heals(config):
+            # Every rank in a process of its own, rank 0 included: on ray the group holds a
+            # bundle for the Trainer and one per rank.
+            group = dataclasses.replace(group, num_ranks=group.num_ranks + 1)
+        return group
 
     @classmethod
     def process_modules(cls, config: Config) -> list[str]:
@@ -175,9 +211,10 @@ class Trainer(Actor):
             )
         config = self.config
         if uses_rank_group(config):
-            self._backend = await RankGroupBackend.start(config, self.context)
+            await self._start_group()
         else:
             self._backend = await anyio.to_thread.run_sync(lambda: build_backend(config))
+        assert self._backend is not None
         self._saves = SaveStaging(
             self._backend,
             self.context.transport.stager,
@@ -189,25 +226,34 @@ class Trainer(Actor):
             assert config.model.path is not None
             vocab = await anyio.to_thread.run_sync(probe_vocab_size, config.model.path)
             self._probe_ids = probe_batch(vocab, config.run.seed)
+        await self._load_start_state()
         plan = self.context.plan
         if plan.load_checkpoint is not None:
-            await anyio.to_thread.run_sync(self._restore, Path(plan.load_checkpoint))
+            # The saved version on resume; "default" for rollout-only (its first publication is "1").
+            self.weight_version = plan.weight_version
+            self.resumed_from = plan.load_checkpoint
+
+    async def _load_start_state(self) -> None:
+        """The state the run starts from: the checkpoint the plan chose (and verified: not
+        hashed again) and the KL reference."""
+        plan = self.context.plan
+        if plan.load_checkpoint is not None:
+            await anyio.to_thread.run_sync(self._load_checkpoint, Path(plan.load_checkpoint), False)
         if plan.reference_checkpoint is not None:
             await anyio.to_thread.run_sync(self._load_reference, Path(plan.reference_checkpoint))
 
-    def _restore(self, path: Path) -> None:
-        # The plan chose and verified this checkpoint for this run: not hashed again.
-        loaded = read_checkpoint(path, verify=False)
+    def _load_checkpoint(self, path: Path, verify: bool) -> None:
+        loaded = read_checkpoint(path, verify=verify)
         state = loaded.trainer_state
         self.backend.load_state(loaded.weights, loaded.optimizer, loaded.rng, state.num_optimizer_steps)
-        # The saved version on resume; "default" for rollout-only (its first publication is "1").
-        self.weight_version = self.context.plan.weight_version
-        self.resumed_from = str(path)
 
     def _load_reference(self, path: Path) -> None:
         self.backend.load_reference(read_checkpoint(path, verify=False).weights)
 
     async def stop(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None
         try:
             if self._saves is not None:
                 await self._saves.close()
@@ -223,15 +269,168 @@ class Trainer(Actor):
     def _free(self, ref: DataRef) -> None:
         self.context.transport.stager.free(ref)
 
+    # --- healing (``"train"`` in ``run.ft_components``) -------------------------------------
+    #
+    # A rank that dies or hangs fails the call the group is in; the handler that made it
+    # restarts the whole group (every rank in a process of its own) in its place, and says
+    # so (``CellFailed``, ``CellRestarted``). The restarted group holds the state the run
+    # started from; the Coordinator then asks for the latest checkpoint the run saved
+    # (``TrainerRestoreRequested``) and has the rollouts after it done again. The heartbeat,
+    # beside the handlers, only kills a rank that stopped answering.
+
+    async def _start_group(self) -> None:
+        heals = trainer_heals(self.config)
+        backend = await RankGroupBackend.start(
+            self.config, self.context, own_processes="all" if heals else True
+        )
+        self._backend = backend
+        if self._saves is not None:
+            self._saves.backend = backend
+        if heals:
+            self._hung.clear()
+            self._watcher = self.spawn(self._watch_health(backend), emits=(CellHealth,))
+
+    async def _restart_group(self, failure: RankDied | RankFailed, rollout_id: int | None) -> None:
+        """The group failed (``failure``): stop every rank and start the group again, after
+        its backoff, with the state the run started from; ``RestartsSpent`` (the run fails
+        in one line) past ``control.max_restarts``."""
+        control = self.config.control
+        failed_at = time.perf_counter()
+        rank = failure.rank if failure.rank is not None else 0
+        hung = rank in self._hung or (
+            isinstance(failure, RankFailed) and isinstance(failure.error, TimeoutError)
+        )
+        reason = str(failure).splitlines()[0]
+        while True:
+            await self.publish(
+                CellFailed(
+                    cell=actor_cell(rank),
+                    reason=reason,
+                    hung=hung,
+                    restarts=self._restarts,
+                    rollout_id=rollout_id,
+                )
+            )
+            if self._watcher is not None:
+                self._watcher.cancel()
+                self._watcher = None
+            if self._backend is not None:
+                await self._backend.close()
+                self._backend = None
+            what = f"{actor_cell(rank)} (trainer rank {rank})"
+            self._restarts = check_restart(what, self._restarts, control, reason)
+            await self.context.clock.sleep(restart_backoff(self._restarts, control))
+            try:
+                await self._start_group()
+                await self._load_start_state()
+            except RANK_FAULTS as error:
+                rank = error.rank if error.rank is not None else 0
+                reason, hung = f"the trainer group did not start again: {brief_error(error)}", False
+                continue
+            break
+        self._last_trained = None
+        assert isinstance(self._backend, RankGroupBackend)
+        for index, pid in enumerate(self._backend.pids):
+            await self.publish(
+                CellRestarted(
+                    cell=actor_cell(index),
+                    attempt=self._restarts,
+                    pid=pid,
+                    weight_version=self.weight_version,
+                    restart_seconds=time.perf_counter() - failed_at,
+                )
+            )
+
+    async def _watch_health(self, group: RankGroupBackend) -> None:
+        """Each ``control.heartbeat_interval_seconds``, every rank answers a call from its
+        process within ``heartbeat_timeout_seconds``; one that misses
+        ``heartbeat_max_failures`` in a row (stopped, or stuck outside Python) is killed, so
+        that the call waiting on it fails and the group is restarted."""
+        control = self.config.control
+        missed = [0] * len(group.workers)
+        while True:
+            await self.context.clock.sleep(control.heartbeat_interval_seconds)
+            for rank in range(len(group.workers)):
+                timeout = control.heartbeat_timeout_seconds
+                try:
+                    await wait_for(group.heartbeat(rank), timeout, self.context.clock)
+                except TimeoutError:
+                    reason = f"trainer rank {rank} did not answer its heartbeat within {timeout:g}s"
+                except Exception as error:
+                    # Gone: the call waiting on it fails and the group is restarted there.
+                    await self.publish(
+                        CellHealth(cell=actor_cell(rank), healthy=False, reason=brief_error(error))
+                    )
+                    return
+                else:
+                    if missed[rank]:
+                        await self.publish(CellHealth(cell=actor_cell(rank), healthy=True))
+                    missed[rank] = 0
+                    continue
+                missed[rank] += 1
+                if missed[rank] == 1:
+                    await self.publish(CellHealth(cell=actor_cell(rank), healthy=False, reason=reason))
+                if missed[rank] >= control.heartbeat_max_failures:
+                    logger.warning("%s (%d checks in a row): killing it", reason, missed[rank])
+                    self._hung.add(rank)
+                    await group.kill(rank)
+                    return
+
+    async def _inject(self, event: FaultInjectionRequested) -> None:
+        """Deliver a fault to the process of the cell's rank (``actor-{rank}``)."""
+        rank = int(event.cell.removeprefix("actor-"))
+        backend = self._backend
+        pids = (
+            [backend.pids[rank]] if isinstance(backend, RankGroupBackend) and rank < len(backend.pids) else []
+        )
+        pid, error = deliver_fault(event.cell, pids, event.sub_index, event.mode)
+        if error:
+            logger.warning("fault not injected: %s", error)
+        await self.publish(
+            FaultInjected(cell=event.cell, mode=event.mode, pid=pid, sub_index=event.sub_index, error=error)
+        )
+
+    @handles(TrainerRestoreRequested, emits=(TrainerRestored, *HEALING))
+    async def on_trainer_restore_requested(self, event: TrainerRestoreRequested) -> None:
+        """Load the checkpoint the Coordinator chose (verified: it was written in this run,
+        and is read back only now), or keep the run's start the group was started with."""
+        started = time.perf_counter()
+        if event.checkpoint is not None:
+            try:
+                await anyio.to_thread.run_sync(self._load_checkpoint, Path(event.checkpoint), True)
+            except RANK_FAULTS as error:
+                if not trainer_heals(self.config):
+                    raise
+                await self._restart_group(error, None)
+                return  # the Coordinator asks again once the group is back
+        logger.info(
+            "the trainer holds %s again (rollout %d); its next publication follows version %s",
+            event.checkpoint or "the run's start",
+            event.rollout_id,
+            self.weight_version,
+        )
+        await self.publish(
+            TrainerRestored(
+                checkpoint=event.checkpoint,
+                rollout_id=event.rollout_id,
+                weight_version=self.weight_version,
+                restore_seconds=time.perf_counter() - started,
+            )
+        )
+
     # --- training --------------------------------------------------------------------------
+
+    interrupt_types = (StopRequested, FaultInjectionRequested)
 
     def interrupt(self, event: Event) -> None:
         if isinstance(event, StopRequested) and event.now:
             self.cancel.cancel(event.reason)
+        elif isinstance(event, FaultInjectionRequested) and event.cell.startswith("actor-"):
+            self.spawn(self._inject(event), emits=(FaultInjected,))
 
     @handles(
         RolloutGenerated,
-        emits=(DataReleased, TrainStepFinished, StepCancelled, MemoryOnloaded, MemoryOffloaded),
+        emits=(DataReleased, TrainStepFinished, StepCancelled, MemoryOnloaded, MemoryOffloaded, *HEALING),
     )
     async def on_rollout_generated(self, event: RolloutGenerated) -> None:
         if self.context.plan.rollout_only:
@@ -247,7 +446,7 @@ class Trainer(Actor):
 
     @handles(
         CriticStepFinished,
-        emits=(DataReleased, TrainStepFinished, StepCancelled, MemoryOnloaded, MemoryOffloaded),
+        emits=(DataReleased, TrainStepFinished, StepCancelled, MemoryOnloaded, MemoryOffloaded, *HEALING),
     )
     async def on_critic_step_finished(self, event: CriticStepFinished) -> None:
         self._valued[event.rollout_id] = event
@@ -257,7 +456,7 @@ class Trainer(Actor):
 
     @handles(
         MemoryOffloaded,
-        emits=(DataReleased, TrainStepFinished, StepCancelled, MemoryOnloaded, MemoryOffloaded),
+        emits=(DataReleased, TrainStepFinished, StepCancelled, MemoryOnloaded, MemoryOffloaded, *HEALING),
     )
     async def on_memory_offloaded(self, event: MemoryOffloaded) -> None:
         ready = self._gate.released(event)
@@ -316,14 +515,22 @@ class Trainer(Actor):
             return batch, metrics, self.backend.rank_steps()
 
         cancelled: Cancelled | None = None
+        fault: RankDied | RankFailed | None = None
         try:
             batch, metrics, ranks = await anyio.to_thread.run_sync(read_and_train)
         except Cancelled as error:
             cancelled = error
+        except RANK_FAULTS as error:
+            if not trainer_heals(self.config):
+                raise
+            fault = error
         finally:
             # Released even when training raises (the seed's ``finally``): its owner frees it.
             for ref in [event.batch] + ([valued.values] if valued is not None else []):
                 await self.publish(DataReleased(ref=ref))
+        if fault is not None:
+            await self._restart_group(fault, event.rollout_id)
+            return
         if cancelled is not None:
             await self.publish(
                 StepCancelled(rollout_id=event.rollout_id, phase="train", reason=str(cancelled))
@@ -414,11 +621,15 @@ class Trainer(Actor):
             canary=tensor_fingerprint(canary[CANARY_TENSOR]),
         )
 
-    @handles(PublishRequested, emits=(WeightsStaged,))
+    @handles(PublishRequested, emits=(WeightsStaged, *HEALING))
     async def on_publish_requested(self, event: PublishRequested) -> None:
         try:
             await self._publish_weights(event)
             self.saves.prepare_memory_soon(self._num_saves, lambda work: self.spawn(work, emits=()))
+        except RANK_FAULTS as error:
+            if not trainer_heals(self.config):
+                raise
+            await self._restart_group(error, event.rollout_id)
         finally:  # staged or failed: a save waiting for it goes on
             if event.rollout_id is not None:
                 self.publications.take_up(event.rollout_id)
@@ -514,12 +725,18 @@ class Trainer(Actor):
 
     # --- checkpoints -----------------------------------------------------------------------
 
-    @handles(SaveRequested, emits=(TrainStateStaged,))
+    @handles(SaveRequested, emits=(TrainStateStaged, *HEALING))
     async def on_save_requested(self, event: SaveRequested) -> None:
         self._num_saves += 1
         # The counter keeps keys unique when one rollout is saved twice (say, sentinel then last).
         prefix = f"train-state-r{event.rollout_id}-{self._num_saves}"
-        snapshot = await anyio.to_thread.run_sync(self.saves.snapshot, prefix)
+        try:
+            snapshot = await anyio.to_thread.run_sync(self.saves.snapshot, prefix)
+        except RANK_FAULTS as error:
+            if not trainer_heals(self.config):
+                raise
+            await self._restart_group(error, event.rollout_id)
+            return
         trainer_state = self._trainer_state(event.rollout_id)
         if snapshot.background:
             # The host copy, serialisation and staging go on beside the next events; the

@@ -125,9 +125,12 @@ class RunConfig(Section):
     (``[control]``)."""
     ft_components: list[Literal["rollout", "train"]] = msgspec.field(default_factory=list)
     """What the run heals (miles' ``--ft-components``): ``rollout``, an engine that dies or
-    hangs is restarted with the current weights and its prompts sampled again; the control
-    server lists a cell for each engine (``rollout-{i}``) and for the trainer's ranks
-    (``actor-{i}``)."""
+    hangs is restarted with the current weights and its prompts sampled again; ``train``, a
+    trainer rank that dies or hangs restarts the trainer's group (every rank in a process of
+    its own, a rank group even of one rank: ``trainer.sharding``) from the latest checkpoint
+    the run saved, and the rollouts after it are generated and trained again with the same
+    ids. The control server lists a cell for each engine (``rollout-{i}``) and each trainer
+    rank (``actor-{i}``)."""
     mini_ft_controller: bool = False
     """Run miles' mini fault-tolerance controller beside the control server: it polls the
     cells, and heals one that is unhealthy or suspended by suspending and resuming it
@@ -456,6 +459,11 @@ def skip_tensor_list(config: Config) -> list[str]:
 def engines_heal(config: Config) -> bool:
     """Whether engines that die or hang are restarted (``run.ft_components``)."""
     return "rollout" in config.run.ft_components
+
+
+def trainer_heals(config: Config) -> bool:
+    """Whether a trainer group whose rank dies or hangs is restarted (``run.ft_components``)."""
+    return "train" in config.run.ft_components
 
 
 def engines_isolated(config: Config) -> bool:

@@ -784,6 +784,29 @@ class RestoreVerified(Event, frozen=True, kw_only=True):
     probe_max_diff: float | None = None
 
 
+class TrainerRestoreRequested(Event, frozen=True, kw_only=True):
+    """The trainer's group was restarted after a rank failed (``"train"`` in
+    ``run.ft_components``): load ``checkpoint``, the latest the run saved (None: the state
+    the run started from), whose last rollout is ``rollout_id``. The rollouts in ``redo``,
+    trained or in training after it, are generated and trained again, with the same ids."""
+
+    checkpoint: str | None
+    rollout_id: int
+    """The last rollout the restored state has trained (``start_rollout_id - 1`` for the
+    run's start)."""
+    redo: list[int] = msgspec.field(default_factory=list)
+
+
+class TrainerRestored(Event, frozen=True, kw_only=True):
+    """The restarted trainer holds the state of ``checkpoint`` (None: the run's start); its
+    next publication is the version after ``weight_version``."""
+
+    checkpoint: str | None
+    rollout_id: int
+    weight_version: str
+    restore_seconds: float = 0.0
+
+
 AnyEvent = (
     RunStarted
     | StopRequested
@@ -836,6 +859,8 @@ AnyEvent = (
     | CellHealth
     | CellHealing
     | RestoreVerified
+    | TrainerRestoreRequested
+    | TrainerRestored
 )
 """The tagged union every decoder uses; the tag is the class name, under ``"type"``."""
 

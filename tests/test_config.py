@@ -464,7 +464,19 @@ def test_the_vllm_example_passes_the_input_checks_and_is_tiny_with_what_vllm_on_
 @pytest.mark.parametrize(
     ("overrides", "starts"),
     [
-        (['run.ft_components=["train"]'], 'run.ft_components: "train" (restarting the trainer\'s ranks'),
+        (['run.ft_components=["train"]'], "trainer.sharding: a trainer that heals runs its ranks"),
+        (
+            ['run.ft_components=["train"]', "trainer.num_ranks=2", "trainer.use_critic=true"],
+            "trainer.use_critic: healing the trainer with a critic",
+        ),
+        (
+            ['run.ft_components=["train"]', 'trainer.sharding="ddp"', "run.offload_train=true"],
+            "run.offload_train: healing the trainer",
+        ),
+        (
+            ['run.ft_components=["train"]', "trainer.num_ranks=2", "ray.colocate=true"],
+            "ray.colocate: healing the trainer",
+        ),
         (['run.ft_components=["rollout", "rollout"]'], "run.ft_components: each component once"),
         (
             ['run.ft_components=["rollout"]', "run.offload_rollout=true"],

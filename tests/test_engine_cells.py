@@ -7,15 +7,8 @@ import signal
 
 import pytest
 
-from actors.engine.cells import (
-    FAULT_SIGNALS,
-    CellState,
-    EngineCell,
-    RestartsSpent,
-    check_restart,
-    restart_backoff,
-    stand_in,
-)
+from actors.engine.cells import CellState, EngineCell, stand_in
+from actors.protocols.healing import FAULT_SIGNALS, RestartsSpent, check_restart, restart_backoff
 from schemas.config import ControlConfig
 
 
@@ -26,14 +19,13 @@ def test_the_backoff_doubles_from_the_base_up_to_the_cap() -> None:
 
 def test_restarts_past_the_limit_are_one_line_naming_the_cell_and_the_setting() -> None:
     control = ControlConfig(max_restarts=2)
-    cell = EngineCell(1, "engine-1")
-    assert check_restart(cell, control, "died") == 1
-    cell.restarts = 2
+    assert check_restart("rollout-1 (engine-1)", 0, control, "died") == 1
+    assert check_restart("rollout-1 (engine-1)", 1, control, "died") == 2
     with pytest.raises(
         RestartsSpent,
         match=r"rollout-1 \(engine-1\) failed again after 2 restarts \(control.max_restarts = 2\): died",
     ):
-        check_restart(cell, control, "died")
+        check_restart("rollout-1 (engine-1)", 2, control, "died")
 
 
 def test_a_suspended_engine_is_stood_in_for_by_the_next_running_one() -> None:

@@ -292,15 +292,29 @@ def heal_counts(config, kinds) -> None:
     assert kinds.count("RestoreVerified") == 3 and kinds.count("CheckpointRequested") == 1
 
 
+def trainer_heal_counts(config, kinds) -> None:
+    assert config.run.ft_components == ["train"] and config.trainer.num_ranks == 2
+    assert kinds.count("CellFailed") == 1 and kinds.count("CellRestarted") == 2
+    assert kinds.count("TrainerRestoreRequested") == 1 and kinds.count("TrainerRestored") == 1
+    assert kinds.count("TrainStepFinished") == 12  # 3 and 4 trained twice (5 died in training)
+
+
 @pytest.mark.parametrize("name", ["coordinator", "verifier", "publisher"])
 @pytest.mark.parametrize(
     ("fixture", "check"),
-    [("ppo_run", ppo_counts), ("offload_run", offload_counts), ("heal_run", heal_counts)],
+    [
+        ("ppo_run", ppo_counts),
+        ("offload_run", offload_counts),
+        ("heal_run", heal_counts),
+        ("trainer_heal_run", trainer_heal_counts),
+    ],
 )
 async def test_a_run_of_a_seed_branch_redrives_to_the_recorded_decisions(name, fixture, check):
-    """PPO with a critic, offload and onload, and engines that heal (the Verifier's verdicts
+    """PPO with a critic, offload and onload, engines that heal (the Verifier's verdicts
     on restored engines, the Publisher's publications without a suspended one, a save asked
-    for through the control server), each re-driven from a recorded run."""
+    for through the control server), and a trainer that heals (the Coordinator's restore of
+    the latest checkpoint and the rollouts it asks for again), each re-driven from a
+    recorded run."""
     runs = split_runs(read_events(FIXTURES / fixture / "events.log"))
     ((run_id, events),) = runs.items()
     config = load_config(FIXTURES / fixture / "configs" / f"{run_id}.toml", check=False)

@@ -322,6 +322,12 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     "RestoreVerified": dict(
         engine="engine-1", weight_version="4", digest="cd" * 32, write_proof="canary", probe_max_diff=0.0
     ),
+    "TrainerRestoreRequested": dict(
+        checkpoint="/runs/x/checkpoints/rollout_000002", rollout_id=2, redo=[3, 4]
+    ),
+    "TrainerRestored": dict(
+        checkpoint="/runs/x/checkpoints/rollout_000002", rollout_id=2, weight_version="6", restore_seconds=0.2
+    ),
 }
 
 

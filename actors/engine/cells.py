@@ -11,30 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import signal
 from dataclasses import dataclass, field
 
-from schemas.config import ControlConfig
-from schemas.events import FaultMode
-
-FAULT_SIGNALS: dict[FaultMode, signal.Signals] = {
-    "sigkill": signal.SIGKILL,
-    "exit": signal.SIGTERM,
-    "segfault": signal.SIGSEGV,
-    "deadlock": signal.SIGSTOP,
-}
-"""The signal each ``inject-fault`` mode sends: ``exit`` asks the process to end (SIGTERM),
-``deadlock`` freezes it where it is (SIGSTOP: it holds what it holds and answers nothing)."""
-
-
-def rollout_cell(index: int) -> str:
-    """Engine ``index``'s cell: ``rollout-{index}`` (miles' name)."""
-    return f"rollout-{index}"
-
-
-def actor_cell(rank: int) -> str:
-    """Trainer rank ``rank``'s cell: ``actor-{rank}`` (miles' name)."""
-    return f"actor-{rank}"
+from actors.protocols.healing import rollout_cell
 
 
 class CellState(enum.Enum):
@@ -44,10 +23,6 @@ class CellState(enum.Enum):
     SUSPENDED = "suspended"
     RESUMING = "resuming"
     """Starting again after a suspension."""
-
-
-class RestartsSpent(RuntimeError):
-    """A cell failed once more than ``control.max_restarts`` allows: the run fails."""
 
 
 @dataclass
@@ -75,24 +50,6 @@ class EngineCell:
     def suspended(self) -> bool:
         """Whether it is suspended now (read again after each wait: another task may suspend it)."""
         return self.state is CellState.SUSPENDED
-
-
-def restart_backoff(attempt: int, control: ControlConfig) -> float:
-    """Seconds to wait before restart ``attempt`` (1, 2, ...) of a cell: the base, doubled
-    for each restart before, up to the cap."""
-    wait: float = control.restart_backoff_seconds * 2.0 ** (attempt - 1)
-    return min(wait, control.restart_backoff_max_seconds)
-
-
-def check_restart(cell: EngineCell, control: ControlConfig, failure: str) -> int:
-    """The number of the restart a failure of ``cell`` asks for; ``RestartsSpent`` past the limit."""
-    attempt = cell.restarts + 1
-    if attempt > control.max_restarts:
-        raise RestartsSpent(
-            f"{cell.name} ({cell.engine}) failed again after {cell.restarts} restarts "
-            f"(control.max_restarts = {control.max_restarts}): {failure}"
-        )
-    return attempt
 
 
 def stand_in(cells: list[EngineCell], index: int) -> int | None:

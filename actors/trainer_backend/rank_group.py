@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import anyio.from_thread
 
 from actors.trainer_backend.base import TrainerBackend
-from miles_events.bus.actor import RankFailed, Role, WorkerGroup, call_each, close_workers
+from miles_events.bus.actor import OwnProcesses, RankFailed, Role, WorkerGroup, call_each, close_workers
 from miles_events.bus.cancel import Cancellation, Cancelled
 from miles_events.device.threads import phase_thread_count, phase_threads
 from miles_events.rl.finite import NonFiniteError
@@ -197,6 +197,11 @@ class TrainerRank:
     def clear_memory(self) -> None:
         self.backend.clear_memory()
 
+    def health(self) -> str:
+        """The heartbeat: answered at all (by the rank's process, beside a call in
+        progress), the rank is alive and not stopped: ""."""
+        return ""
+
     def close(self) -> None:
         self.parallel.close()
 
@@ -232,17 +237,20 @@ class RankGroupBackend(TrainerBackend):
         """The critic's: the last rollout's values, from every rank."""
 
     @classmethod
-    async def start(cls, config: Config, context: ActorContext, role: str = "actor") -> RankGroupBackend:
+    async def start(
+        cls, config: Config, context: ActorContext, role: str = "actor", own_processes: OwnProcesses = True
+    ) -> RankGroupBackend:
         """Open the rendezvous, start the ranks (their process group formed), or fail naming
         the rank that did not start. ``role``: ``critic`` builds the critic's value model
-        (``config`` is then the critic's, ``schemas.config.critic_config``)."""
+        (``config`` is then the critic's, ``schemas.config.critic_config``);
+        ``own_processes="all"``: rank 0 too in a process of its own (a group that heals)."""
         from torch.distributed import TCPStore  # type: ignore[attr-defined]  # not in its __all__
 
         ranks = config.trainer.num_ranks
         timeout = datetime.timedelta(seconds=rendezvous_seconds(config.trainer.collective_timeout))
         store = TCPStore("127.0.0.1", 0, ranks, is_master=True, timeout=timeout, wait_for_workers=False)
         factory = partial(trainer_rank, store_address=("127.0.0.1", store.port), role=role)
-        workers = await context.start_workers(factory, ranks, own_processes=True)
+        workers = await context.start_workers(factory, ranks, own_processes=own_processes)
         return cls(config, workers, store)
 
     def _on_loop(self, function: Callable[[], Coroutine[Any, Any, R]]) -> R:
@@ -373,6 +381,21 @@ class RankGroupBackend(TrainerBackend):
 
     def clear_memory(self) -> None:
         self._each(TrainerRank.clear_memory)
+
+    @property
+    def pids(self) -> list[int]:
+        """Each rank's process, in rank order."""
+        return [worker.pid for worker in self.workers]
+
+    async def heartbeat(self, rank: int) -> None:
+        """Rank ``rank``'s heartbeat (on the actor's event loop): returns once its process
+        answered; raises as its call would (``RankDied``)."""
+        await self.workers[rank].call(TrainerRank.health)
+
+    async def kill(self, rank: int) -> None:
+        """End rank ``rank``'s process now (hung): the calls waiting on it fail."""
+        self._failed = True
+        await close_workers(self.workers[rank : rank + 1], 0.0)
 
     async def close(self) -> None:
         await close_workers(self.workers, FAILED_CLOSE_SECONDS if self._failed else None)

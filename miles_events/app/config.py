@@ -31,7 +31,7 @@ from actors.trainer_backend import check_backend
 from miles_events.policy_sync.loader import load_policy_sync
 from miles_events.rl.prompts import not_a_file
 from miles_events.util.registry import load_function
-from schemas.config import Config, engines_isolated
+from schemas.config import Config, engines_isolated, resolved_sharding, trainer_heals
 
 PATH_KEYS: tuple[tuple[str, str], ...] = (
     ("run", "dir"),
@@ -741,12 +741,6 @@ def config_digest(config: Config) -> str:
 def _check_fault_tolerance(config: Config) -> None:
     """What ``run.ft_components``, the control server and the mini FT controller need."""
     run = config.run
-    if "train" in run.ft_components:
-        raise ConfigError(
-            'run.ft_components: "train" (restarting the trainer\'s ranks from the latest checkpoint) '
-            'is not available yet; heal the engines with ["rollout"]',
-            key="run.ft_components",
-        )
     if len(set(run.ft_components)) != len(run.ft_components):
         raise ConfigError("run.ft_components: each component once", key="run.ft_components")
     if "rollout" in run.ft_components and run.offload_rollout:
@@ -767,6 +761,8 @@ def _check_fault_tolerance(config: Config) -> None:
             "then has a bundle of its own, apart from the trainer's ranks)",
             key="run.ft_components",
         )
+    if trainer_heals(config):
+        _check_trainer_heals(config)
     if run.mini_ft_controller and not run.control_server_port:
         raise ConfigError(
             "run.mini_ft_controller: needs the control server (set run.control_server_port)",
@@ -777,3 +773,44 @@ def _check_fault_tolerance(config: Config) -> None:
             'run.mini_ft_controller: heals cells, and there are none: set run.ft_components = ["rollout"]',
             key="run.mini_ft_controller",
         )
+
+
+def _check_trainer_heals(config: Config) -> None:
+    """What healing the trainer's group (``"train"`` in ``run.ft_components``) needs."""
+    run, trainer = config.run, config.trainer
+    refusals = (
+        (
+            resolved_sharding(trainer) == "none",
+            "trainer.sharding",
+            'a trainer that heals runs its ranks in processes of their own: set trainer.sharding = "fsdp2" '
+            '(or "ddp"), or trainer.num_ranks >= 2',
+        ),
+        (
+            trainer.use_critic,
+            "trainer.use_critic",
+            "healing the trainer with a critic is not supported (the critic's group would not rewind with it)",
+        ),
+        (
+            run.offload_train,
+            "run.offload_train",
+            "healing the trainer with run.offload_train is not supported (a restarted group holds its memory)",
+        ),
+        (
+            run.external_policy_sync_path is not None,
+            "run.external_policy_sync_path",
+            "healing the trainer with an external policy synchronizer is not supported (its peers do not rewind)",
+        ),
+        (
+            config.ray.colocate,
+            "ray.colocate",
+            "healing the trainer with ray.colocate is not supported (each rank then has a bundle of its own)",
+        ),
+        (
+            run.rollout_only_from_checkpoint,
+            "run.ft_components",
+            '"train" heals training, and a rollout-only run trains nothing',
+        ),
+    )
+    for refused, key, reason in refusals:
+        if refused:
+            raise ConfigError(f"{key}: {reason}", key=key)

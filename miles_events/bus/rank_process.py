@@ -192,7 +192,7 @@ class ProcessWorker(Generic[T]):
         with self._send_lock:
             self._conn.close()
         for future in pending.values():
-            self._settle(future, RankDied(message), failed=True)
+            self._settle(future, RankDied(message, self.rank), failed=True)
         self._settle(self._done, None)
 
     def _deliver(self, message: tuple[int, bool, Any]) -> None:
@@ -240,7 +240,7 @@ class ProcessWorker(Generic[T]):
         future: asyncio.Future[Any] = self._loop.create_future()
         with self._lock:
             if self._ended is not None:
-                raise RankDied(self._ended)
+                raise RankDied(self._ended, self.rank)
             call_id = next(self._ids)
             self._pending[call_id] = future
         try:

@@ -80,6 +80,11 @@ def method_name(method: Callable[..., object]) -> str:
 class RankDied(RuntimeError):
     """A rank's process ended: ``trainer rank 1 (pid 12345) died: killed by SIGKILL``."""
 
+    def __init__(self, message: str, rank: int | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+        """The rank that died (None where unknown)."""
+
 
 DEATH_GRACE_SECONDS = 2.0
 """How long ``call_each`` waits, once a rank's call failed, for another rank's death to be

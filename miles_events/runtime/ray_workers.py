@@ -113,7 +113,7 @@ class RayWorker(Generic[T]):
         except RayTaskError as error:
             raise (error.cause or error) from None  # the rank's own exception, as in process
         except RayActorError as error:
-            raise RankDied(f"{self.name} (pid {self.pid}) died: {actor_death(error)}") from error
+            raise RankDied(f"{self.name} (pid {self.pid}) died: {actor_death(error)}", self.rank) from error
 
     def notify(self, method: Callable[Concatenate[T, P], object], *args: P.args, **kwargs: P.kwargs) -> None:
         self.handle.call.remote(method_name(method), args, kwargs)

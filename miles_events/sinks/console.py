@@ -55,6 +55,8 @@ from schemas.events import (
     RolloutGenerated,
     RunFinished,
     RunStarted,
+    TrainerRestored,
+    TrainerRestoreRequested,
     TrainStepFinished,
     WeightsLoaded,
     WeightsPublished,
@@ -323,6 +325,8 @@ class PlainProgress(ConsoleSink):
         self.valued: dict[int, CriticStepFinished] = {}
         self.published: dict[int, WeightsPublished] = {}
         self.initial_publications = 0
+        self.restored: int | None = None
+        """The rollout a restored trainer holds, until its publication's outcome."""
         """Publications before the first rollout (rollout-only republishes once)."""
         self.memory_seconds: dict[int, float] = {}
         """Seconds a rollout's step spent offloading and onloading, until its line."""
@@ -442,9 +446,32 @@ class PlainProgress(ConsoleSink):
 
     @handles(CellRestarted)
     def _cell_restarted(self, event: CellRestarted) -> None:
+        if event.cell.startswith("actor-"):
+            holding = f"trainer rank, after weight version {event.weight_version},"
+        else:
+            holding = f"serving weight version {event.weight_version}"
         self._line(
-            f"{event.cell} restarted (restart {event.attempt}, pid {event.pid}) serving weight version "
-            f"{event.weight_version} in {event.restart_seconds:.1f}s"
+            f"{event.cell} restarted (restart {event.attempt}, pid {event.pid}) {holding} "
+            f"in {event.restart_seconds:.1f}s"
+        )
+
+    @handles(TrainerRestoreRequested)
+    def _trainer_restore_requested(self, event: TrainerRestoreRequested) -> None:
+        redo = ", ".join(map(str, event.redo)) or "none"
+        self._line(
+            f"trainer restores {event.checkpoint or 'the run start'} (rollout {event.rollout_id}); "
+            f"rollouts done again: {redo}"
+        )
+        # Trained, not published, and done again: their lines come with their second training.
+        for rollout_id in event.redo:
+            self.trained.pop(rollout_id, None)
+
+    @handles(TrainerRestored)
+    def _trainer_restored(self, event: TrainerRestored) -> None:
+        self.restored = event.rollout_id
+        self._line(
+            f"trainer restored rollout {event.rollout_id} in {event.restore_seconds:.1f}s; "
+            f"its next publication follows weight version {event.weight_version}"
         )
 
     @handles(CellSuspended)
@@ -480,6 +507,9 @@ class PlainProgress(ConsoleSink):
         published = self.published.pop(rollout_id, None)
         critic = self.valued.pop(rollout_id, None)
         if train is None:
+            if rollout_id == self.restored:
+                self.restored = None
+                self._line(f"restored weights of rollout {rollout_id}: {outcome}")
             return
         reward = f"reward {generated.reward_mean:.3f} " if generated else ""
         times = f"gen {generated.generate_seconds:.2f}s " if generated else ""

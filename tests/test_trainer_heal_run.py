@@ -1,0 +1,168 @@
+"""Whole runs whose trainer heals (``"train"`` in ``run.ft_components``), through the CLI
+and the control server: a rank killed with ``inject-fault``, by ``kill -9`` from outside,
+and hung (SIGSTOP: the heartbeat kills it). Each time the trainer's group is restarted
+from the latest checkpoint the run saved, the rollouts after it are generated and trained
+again with the same ids, and the run ends with the very weights of a run without faults:
+no step lost, none counted twice (slow: real processes, a real Ray cluster)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from miles_events.bus.event_log import read_events
+from schemas.events import (
+    CellFailed,
+    CellRestarted,
+    FaultInjected,
+    PublicationMismatch,
+    PublicationVerified,
+    RunFinished,
+    TrainerRestored,
+    TrainerRestoreRequested,
+    TrainStepFinished,
+    WeightsPublished,
+)
+from tests.test_heal_run import LiveRun, run_to_end
+
+pytestmark = pytest.mark.slow
+
+NUM_ROLLOUT = 10
+TRAIN_HEALS = (
+    f"run.num_rollout={NUM_ROLLOUT}",
+    "generator.num_engines=1",
+    "trainer.num_ranks=2",
+    'run.ft_components=["train"]',
+    "run.save_interval=3",
+)
+
+
+def kept_steps(log: list[Any]) -> list[int]:
+    """The steps the run kept, in order: each restore drops the steps trained after the
+    checkpoint it goes back to."""
+    kept: list[int] = []
+    for event in log:
+        if isinstance(event, TrainStepFinished):
+            kept.append(event.rollout_id)
+        elif isinstance(event, TrainerRestoreRequested):
+            kept = [r for r in kept if r <= event.rollout_id]
+    return kept
+
+
+def check_whole(run_dir: Path) -> tuple[str, list[Any]]:
+    """Every step kept once and in order, consecutive versions each verified, each restore
+    answered and naming what it does again; returns the final digest and the log."""
+    log = list(read_events(run_dir / "events.log"))
+    assert kept_steps(log) == list(range(NUM_ROLLOUT)), "every step kept once: none lost, none doubled"
+    versions = [int(e.weight_version) for e in log if isinstance(e, WeightsPublished)]
+    assert versions == list(range(1, len(versions) + 1)), "consecutive weight versions"
+    verified = [e for e in log if isinstance(e, PublicationVerified)]
+    assert [int(e.weight_version) for e in verified] == versions
+    assert not [e for e in log if isinstance(e, PublicationMismatch)]
+    asked = [e for e in log if isinstance(e, TrainerRestoreRequested)]
+    restored = [e for e in log if isinstance(e, TrainerRestored)]
+    assert [(e.checkpoint, e.rollout_id) for e in restored] == [(e.checkpoint, e.rollout_id) for e in asked]
+    for request in asked:
+        # The steps done again are those trained (or in training) after the checkpoint.
+        after = log.index(request)
+        trained_after = [e.rollout_id for e in log[after:] if isinstance(e, TrainStepFinished)]
+        assert trained_after[: len(request.redo)] == request.redo
+    finished = log[-1]
+    assert isinstance(finished, RunFinished) and finished.status == "completed", finished
+    return verified[-1].digest, log
+
+
+@pytest.fixture(scope="module")
+def unhurt(tmp_path_factory) -> str:
+    run_dir = tmp_path_factory.mktemp("unhurt") / "run"
+    result = run_to_end(run_dir, 'run.runtime="local"', *TRAIN_HEALS)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    digest, log = check_whole(run_dir)
+    assert not [e for e in log if isinstance(e, CellFailed | TrainerRestoreRequested)]
+    return digest
+
+
+def test_a_rank_killed_mid_step_restores_the_latest_checkpoint_and_trains_the_same_weights(
+    tmp_path: Path, unhurt: str
+) -> None:
+    """On the local runtime, SIGKILL into actor-1 through inject-fault while rollout 4 or 5
+    trains: the group comes back, restores the checkpoint of rollout 2, and rollouts 3.. are
+    generated and trained again to the very weights of the run without faults."""
+    run = LiveRun(tmp_path / "run", 'run.runtime="local"', *TRAIN_HEALS)
+    try:
+        run.wait_for(r"rollout 3 \[")
+        run.inject("actor-1", "sigkill")
+        run.wait_for("trainer restored")
+    finally:
+        code, out = run.finish()
+    assert code == 0, out[-3000:]
+    digest, log = check_whole(run.run_dir)
+    assert digest == unhurt, "the healed run trained the very weights of the run without faults"
+    failed = [e for e in log if isinstance(e, CellFailed)]
+    assert [(e.cell, e.hung) for e in failed] == [("actor-1", False)]
+    assert "killed by SIGKILL" in failed[0].reason
+    assert sorted(e.cell for e in log if isinstance(e, CellRestarted)) == ["actor-0", "actor-1"]
+    (request,) = [e for e in log if isinstance(e, TrainerRestoreRequested)]
+    assert request.checkpoint is not None and request.checkpoint.endswith("rollout_000002")
+    assert request.redo and request.redo[0] == 3
+    injected = [e for e in log if isinstance(e, FaultInjected)]
+    assert [(e.cell, e.mode, e.error) for e in injected] == [("actor-1", "sigkill", "")]
+    assert "rollouts done again: 3" in out and "Traceback" not in out
+
+
+def test_on_ray_a_kill_9_then_a_hung_rank_each_heal_to_the_same_weights(tmp_path: Path, unhurt: str) -> None:
+    """On the ray runtime: kill -9 of a rank's process from outside, then rank 0 frozen
+    (SIGSTOP, through inject-fault) until the heartbeat kills it. The same weights again."""
+    run = LiveRun(
+        tmp_path / "run",
+        'run.runtime="ray"',
+        *TRAIN_HEALS,
+        "control.heartbeat_interval_seconds=0.5",
+        "control.heartbeat_timeout_seconds=1",
+        "control.heartbeat_max_failures=2",
+    )
+    try:
+        run.wait_for(r"rollout 2 \[")
+        ranks = subprocess.run(
+            ["pgrep", "-f", "ray::RankHost"], capture_output=True, text=True
+        ).stdout.split()
+        assert len(ranks) == 2, "each trainer rank that heals has a process of its own"
+        os.kill(int(ranks[-1]), signal.SIGKILL)
+        run.wait_for("trainer restored")
+        run.wait_for(r"rollout 6 \[")
+        run.inject("actor-0", "deadlock")
+        deadline = time.monotonic() + 120
+        while run.out.read_text().count("trainer restored") < 2:
+            assert run.process.poll() is None and time.monotonic() < deadline, run.out.read_text()[-3000:]
+            time.sleep(0.1)
+    finally:
+        code, out = run.finish()
+    assert code == 0, out[-3000:]
+    digest, log = check_whole(run.run_dir)
+    assert digest == unhurt
+    failed = [e for e in log if isinstance(e, CellFailed)]
+    assert [e.hung for e in failed] == [False, True], [e.reason for e in failed]
+    assert failed[1].cell == "actor-0" and "died" in failed[0].reason
+
+
+def test_past_its_restarts_a_trainer_rank_fails_the_run_with_one_line(tmp_path: Path) -> None:
+    """control.max_restarts = 0: the first rank death ends the run (exit 1) in one line
+    naming the cell and the limit."""
+    run = LiveRun(tmp_path / "run", 'run.runtime="local"', *TRAIN_HEALS, "control.max_restarts=0")
+    try:
+        run.wait_for(r"rollout 1 \[")
+        run.inject("actor-1", "segfault")
+    finally:
+        code, out = run.finish()
+    assert code == 1, out[-3000:]
+    last = out.strip().splitlines()[-1]
+    assert (
+        last.startswith("error: run failed: ") and "actor-1" in last and "control.max_restarts = 0" in last
+    ), last
+    assert "Traceback" not in out
