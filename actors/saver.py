@@ -54,6 +54,9 @@ class Saver(Actor):
     """Writes checkpoints from staged trainer state; one save at a time, in bus order."""
 
     name = "saver"
+    # A checkpoint is written whole under a hidden name and renamed into place, so a save
+    # cut short by the process's death leaves nothing a resume would pick: written again.
+    restartable = True
 
     def __init__(self, config: Config, context: ActorContext) -> None:
         super().__init__(config, context)

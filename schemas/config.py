@@ -472,6 +472,14 @@ def engines_isolated(config: Config) -> bool:
     return engines_heal(config) and config.generator.engine == "torch"
 
 
+def restart_backoff(attempt: int, control: ControlConfig) -> float:
+    """Seconds to wait before restart ``attempt`` (1, 2, ...) of a cell, or of an actor
+    that restarts (``Actor.restartable``): the base, doubled for each restart before, up to
+    the cap."""
+    wait: float = control.restart_backoff_seconds * 2.0 ** (attempt - 1)
+    return min(wait, control.restart_backoff_max_seconds)
+
+
 def critic_config(config: Config) -> Config:
     """The run's config as the critic's trainer group sees it (``trainer.use_critic``): its
     own rank count and learning rate (``trainer.critic_num_ranks``, ``trainer.critic_lr``),

@@ -42,6 +42,27 @@ class Echo(Actor):
         (Path(self.context.run_dir) / f"{self.name}.stopped").write_text(str(os.getpid()))
 
 
+class Phoenix(Actor):
+    """A light actor that is restarted when its process dies (``restartable``): its process
+    dies while handling RolloutRequested 777 the first time (a file in the run directory
+    remembers), and answers it with a StopRequested naming its process the next time."""
+
+    name = "phoenix"
+    restartable = True
+
+    @classmethod
+    def resources(cls, config):  # type: ignore[no-untyped-def]
+        return WorkerGroup(cpus_per_rank=0.5)
+
+    @handles(RolloutRequested, emits=(StopRequested,))
+    async def on_rollout(self, event: RolloutRequested) -> None:
+        marker = Path(self.context.run_dir) / f"{self.name}.died-{event.rollout_id}"
+        if event.rollout_id >= 777 and not marker.exists():
+            marker.write_text(str(os.getpid()))
+            os._exit(1)
+        await self.publish(StopRequested(reason=f"{os.getpid()}:{event.rollout_id}"))
+
+
 class Model(Actor):
     """Stands for a model actor (role rollout: a process of its own, always): answers each
     EvalRequested with a StopRequested naming its process, the id, the

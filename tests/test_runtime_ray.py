@@ -19,10 +19,18 @@ from miles_events.runtime.base import ActorStartError, Preparation, RunContext
 from miles_events.runtime.leftovers import PROCESSES_FILE, Process, alive, ray_processes, start_time
 from miles_events.runtime.ray import RayRuntime
 from miles_events.transport.shm import ShmTransport
-from schemas.config import Config, RayConfig, RunConfig
-from schemas.events import ActorFailed, EvalRequested, Event, RolloutRequested, StopRequested
+from schemas.config import Config, ControlConfig, RayConfig, RunConfig
+from schemas.events import (
+    ActorFailed,
+    CellFailed,
+    CellRestarted,
+    EvalRequested,
+    Event,
+    RolloutRequested,
+    StopRequested,
+)
 from schemas.plan import RunPlan
-from tests.ray_actors import PREPARED, Echo, Learner, Model, Ranked, fill_the_disk, write_pid
+from tests.ray_actors import PREPARED, Echo, Learner, Model, Phoenix, Ranked, fill_the_disk, write_pid
 from tests.support import cmdline
 
 pytestmark = pytest.mark.slow
@@ -89,6 +97,48 @@ async def test_a_dead_actor_process_is_reported_not_hung(tmp_path):
         failed = await asyncio.wait_for(failures.get(), 60)
         assert isinstance(failed, ActorFailed) and failed.actor == "echo"
         assert "actor process died" in failed.error
+    finally:
+        bus.close()
+        await runtime.stop()
+        ShmTransport("ray-test").close()
+
+
+async def test_a_restartable_actor_whose_process_dies_mid_event_is_started_again_and_handles_it_once(
+    tmp_path,
+):
+    """The Saver's kind of actor (``restartable``): its process dies while handling an
+    event; it is started again (``CellFailed``, ``CellRestarted``), the event delivered again
+    and answered once, by the new process; past ``control.max_restarts`` it is dead
+    (``ActorFailed`` naming the limit)."""
+    bus = EventBus("ray-test")
+    config = Config(
+        run=RunConfig(runtime="ray"),
+        ray=RayConfig(own_process=["phoenix"]),
+        control=ControlConfig(max_restarts=1, restart_backoff_seconds=0),
+    )
+    plan = RunPlan(start_rollout_id=0, num_rollout=1, num_rollout_per_epoch=1, runtime="ray")
+    runtime = RayRuntime(RunContext("ray-test", config, tmp_path, "shm", plan), ShmTransport("ray-test"))
+    await runtime.start(bus, [Phoenix])
+    try:
+        seen = bus.subscribe("seen", (StopRequested, CellFailed, CellRestarted, ActorFailed))
+        first_pid = runtime.processes()[0][1]
+        await bus.publish(RolloutRequested(rollout_id=1))
+        got = await collect(seen, 1)
+        await bus.publish(RolloutRequested(rollout_id=777))
+        await bus.publish(RolloutRequested(rollout_id=2))
+        got += await collect(seen, 4)
+        kinds = [type(e).__name__ for e in got]
+        assert kinds == ["StopRequested", "CellFailed", "CellRestarted", "StopRequested", "StopRequested"]
+        answers = [e.reason for e in got if isinstance(e, StopRequested)]
+        assert answers[0] == f"{first_pid}:1"
+        new_pid = got[2].pid
+        assert new_pid != first_pid and answers[1:] == [f"{new_pid}:777", f"{new_pid}:2"]
+        assert got[1].cell == "phoenix" and "actor process died" in got[1].reason
+        # Restarts spent: the next death is the actor's end.
+        await bus.publish(RolloutRequested(rollout_id=778))
+        last = await collect(seen, 2)
+        assert isinstance(last[0], CellFailed)
+        assert isinstance(last[1], ActorFailed) and "control.max_restarts = 1" in last[1].error
     finally:
         bus.close()
         await runtime.stop()

@@ -8,6 +8,7 @@ no step lost, none counted twice (slow: real processes, a real Ray cluster)."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -17,6 +18,7 @@ from typing import Any
 import pytest
 
 from miles_events.bus.event_log import read_events
+from miles_events.checkpoint.resume import choose_resume_checkpoint
 from schemas.events import (
     CellFailed,
     CellRestarted,
@@ -116,18 +118,28 @@ def test_a_rank_killed_mid_step_restores_the_latest_checkpoint_and_trains_the_sa
     assert "rollouts done again: 3" in out and "Traceback" not in out
 
 
-def test_on_ray_a_kill_9_then_a_hung_rank_each_heal_to_the_same_weights(tmp_path: Path, unhurt: str) -> None:
-    """On the ray runtime: kill -9 of a rank's process from outside, then rank 0 frozen
-    (SIGSTOP, through inject-fault) until the heartbeat kills it. The same weights again."""
+def test_on_ray_the_saver_and_a_rank_killed_then_a_rank_hung_heal_to_the_same_weights(
+    tmp_path: Path, unhurt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the ray runtime: kill -9 of the Saver's process (``ray.own_process``: started
+    again, the checkpoints still written) and of a rank's process from outside, then rank 0
+    frozen (SIGSTOP, through inject-fault) until the heartbeat kills it. The same weights
+    again, and the run's last checkpoint is the one a resume picks."""
+    monkeypatch.setenv("MILES_LOG_LEVEL", "INFO")  # the actors' pids in the run's log
     run = LiveRun(
         tmp_path / "run",
         'run.runtime="ray"',
+        'ray.own_process=["saver"]',
         *TRAIN_HEALS,
         "control.heartbeat_interval_seconds=0.5",
         "control.heartbeat_timeout_seconds=1",
         "control.heartbeat_max_failures=2",
     )
     try:
+        run.wait_for(r"rollout 1 \[")
+        saver = re.search(r"started saver \(ray actor, pid (\d+)\)", (run.run_dir / "run.log").read_text())
+        assert saver, "the Saver has a process of its own"
+        os.kill(int(saver.group(1)), signal.SIGKILL)
         run.wait_for(r"rollout 2 \[")
         ranks = subprocess.run(
             ["pgrep", "-f", "ray::RankHost"], capture_output=True, text=True
@@ -146,9 +158,14 @@ def test_on_ray_a_kill_9_then_a_hung_rank_each_heal_to_the_same_weights(tmp_path
     assert code == 0, out[-3000:]
     digest, log = check_whole(run.run_dir)
     assert digest == unhurt
-    failed = [e for e in log if isinstance(e, CellFailed)]
+    failed = [e for e in log if isinstance(e, CellFailed) and e.cell.startswith("actor-")]
     assert [e.hung for e in failed] == [False, True], [e.reason for e in failed]
     assert failed[1].cell == "actor-0" and "died" in failed[0].reason
+    assert [e.cell for e in log if isinstance(e, CellFailed | CellRestarted) and e.cell == "saver"] == [
+        "saver",
+        "saver",
+    ], "the Saver died and was started again"
+    assert choose_resume_checkpoint(run.run_dir).checkpoint == run.run_dir / "checkpoints" / "rollout_000009"
 
 
 def test_past_its_restarts_a_trainer_rank_fails_the_run_with_one_line(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import signal
 
-from schemas.config import ControlConfig
+from schemas.config import ControlConfig, restart_backoff
 from schemas.events import FaultMode
 
 FAULT_SIGNALS: dict[FaultMode, signal.Signals] = {
@@ -36,15 +36,20 @@ def is_actor_cell(cell: str) -> bool:
     return cell.startswith("actor-")
 
 
+__all__ = [
+    "FAULT_SIGNALS",
+    "RestartsSpent",
+    "actor_cell",
+    "check_restart",
+    "deliver_fault",
+    "is_actor_cell",
+    "restart_backoff",
+    "rollout_cell",
+]
+
+
 class RestartsSpent(RuntimeError):
     """A cell failed once more than ``control.max_restarts`` allows: the run fails."""
-
-
-def restart_backoff(attempt: int, control: ControlConfig) -> float:
-    """Seconds to wait before restart ``attempt`` (1, 2, ...) of a cell: the base, doubled
-    for each restart before, up to the cap."""
-    wait: float = control.restart_backoff_seconds * 2.0 ** (attempt - 1)
-    return min(wait, control.restart_backoff_max_seconds)
 
 
 def check_restart(what: str, restarts: int, control: ControlConfig, failure: str) -> int:

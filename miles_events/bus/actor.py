@@ -196,6 +196,10 @@ class Actor(HandlerTable):
         finally:
             self._emitting = None
 
+    restartable: ClassVar[bool] = False
+    """Whether the actor, in a process of its own (``ray.own_process``) that dies, is
+    started again (``control.max_restarts``, ``restart_backoff_*``) and given the events it
+    was handling: an actor whose handling of an event can be done twice to one effect."""
     interrupt_types: ClassVar[tuple[type[Event], ...]] = (StopRequested,)
     """The events ``interrupt`` is given, out of band (an actor that heals its ranks takes
     fault injections and suspensions so too)."""

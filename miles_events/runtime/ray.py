@@ -22,6 +22,7 @@ import asyncio
 import functools
 import logging
 import os
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +47,8 @@ from miles_events.runtime.ray_cluster import ARENAS_MARK, RayCluster
 from miles_events.runtime.ray_workers import start_ray_workers
 from miles_events.runtime.run_log import log_into
 from miles_events.transport.base import Transport, open_transport
-from schemas.config import Config
-from schemas.events import ActorFailed, Event
+from schemas.config import Config, ControlConfig, restart_backoff
+from schemas.events import ActorFailed, CellFailed, CellRestarted, Event
 from schemas.plan import RunPlan
 
 logger = logging.getLogger(__name__)
@@ -143,6 +144,14 @@ class RemoteActorHost:
         return self.emitted
 
 
+def actor_died(error: BaseException) -> bool:
+    """Whether a call on a Ray actor failed because its process is gone (not because the
+    handler raised)."""
+    from ray.exceptions import RayActorError
+
+    return isinstance(error, RayActorError)
+
+
 class RemoteActorProxy:
     """Driver side of one remote actor."""
 
@@ -155,8 +164,17 @@ class RemoteActorProxy:
         max_batch: int,
         clock: Clock = SYSTEM_CLOCK,
         interrupts: Mailbox | None = None,
+        respawn: Callable[[], Awaitable[tuple[Any, int]]] | None = None,
+        control: ControlConfig | None = None,
     ) -> None:
+        """``respawn``: starts the actor again (a new handle and its pid), for an actor that
+        is restarted when its process dies (``Actor.restartable``), within ``control``'s
+        limits."""
         self.bus = bus
+        self.respawn = respawn
+        self.control = control or ControlConfig()
+        self.restarts = 0
+        self._restarting = asyncio.Lock()
         self.interrupts = interrupts
         self.clock = clock
         self.name = name
@@ -191,18 +209,26 @@ class RemoteActorProxy:
                 continue
             self.in_flight = True
             try:
-                self.emitted = await self.handle.deliver.remote(encode_batch(batch))
-            except Exception as error:
-                await self._died(error, batch[0])
+                while not self.dead:
+                    handle = self.handle
+                    try:
+                        self.emitted = await handle.deliver.remote(encode_batch(batch))
+                        break
+                    except Exception as error:
+                        if not await self._restarted(error, handle, batch[0]):
+                            await self._died(error, batch[0])
+                    # Restarted: the batch it was handling is delivered again.
             finally:
                 self.in_flight = False
 
     async def _collect(self) -> None:
+        handle = self.handle
         while not self.dead:
             try:
-                payload = await self.handle.poll.remote(self.max_batch)
+                payload = await handle.poll.remote(self.max_batch)
             except Exception as error:
-                await self._died(error, None)
+                if not await self._restarted(error, handle, None):
+                    await self._died(error, None)
                 return
             if not payload:
                 return
@@ -219,16 +245,65 @@ class RemoteActorProxy:
                     logger.warning("dropping events %s published after the run ended", self.name)
                     break
 
+    async def _restarted(self, error: BaseException, handle: Any, event: Event | None) -> bool:
+        """Whether the actor whose call on ``handle`` failed runs again: restarted here
+        (once, whichever of the delivery and the collection saw its death first), or by
+        the other already. False when it is not restartable, its restarts are spent, or its
+        start fails: it is dead."""
+        if self.respawn is None or self.bus.closed or not actor_died(error):
+            return False
+        async with self._restarting:
+            if self.handle is not handle:
+                return not self.dead
+            if self.dead:
+                return False
+            control, attempt = self.control, self.restarts + 1
+            reason = f"actor process died: {describe_error(error)}"
+            on = f" on {type(event).__name__}" if event is not None else ""
+            logger.error("actor %s is gone%s: %s", self.name, on, error)
+            await self.bus.publish(
+                CellFailed(cell=self.name, reason=reason, restarts=self.restarts), source="runtime"
+            )
+            if attempt > control.max_restarts:
+                logger.error(
+                    "%s: its restarts are spent (control.max_restarts = %d)", self.name, control.max_restarts
+                )
+                return False
+            started = self.clock.monotonic()
+            await self.clock.sleep(restart_backoff(attempt, control))
+            try:
+                self.handle, pid = await self.respawn()
+            except Exception as start_error:
+                logger.error("%s did not start again: %s", self.name, describe_error(start_error))
+                return False
+            self.restarts = attempt
+            self.emitted = self.collected = 0
+            self._tasks[1] = asyncio.create_task(self._collect(), name=f"collect-{self.name}")
+            await self.bus.publish(
+                CellRestarted(
+                    cell=self.name,
+                    attempt=attempt,
+                    pid=pid,
+                    weight_version="",
+                    restart_seconds=self.clock.monotonic() - started,
+                ),
+                source="runtime",
+            )
+            return True
+
     async def _died(self, error: BaseException, event: Event | None) -> None:
         if self.dead:
             return
         self.dead = True
         logger.error("actor %s is gone: %s", self.name, error)
+        spent = ""
+        if self.respawn is not None:
+            spent = f" (after {self.restarts} restarts; control.max_restarts = {self.control.max_restarts})"
         if not self.bus.closed:
             await self.bus.publish(
                 ActorFailed(
                     actor=self.name,
-                    error=f"actor process died: {describe_error(error)}",
+                    error=f"actor process died: {describe_error(error)}{spent}",
                     event_type=type(event).__name__ if event else "",
                     event_seq=event.seq if event else -1,
                 ),
@@ -332,6 +407,8 @@ class RayRuntime:
         self._placement_groups: list[Any] = []
         self._handles: list[Any] = []
         self._pids: dict[str, int] = {}
+        self._restarts: dict[str, int] = {}
+        """Restarts of each restartable actor (``Actor.restartable``)."""
 
     def _create_placement_groups(self, groups: dict[str, Any]) -> dict[str, Any]:
         from ray.util.placement_group import placement_group
@@ -420,14 +497,30 @@ class RayRuntime:
         except TimeoutError:
             raise RuntimeError(f"actors were not ready within {timeout:g}s") from None
         self._raise_start_errors([cls for cls, _ in remote], done)
+        places = {
+            cls: (group, first, placed[role])
+            for role, (_, members) in groups.items()
+            for cls, group, first in members
+        }
         for (cls, handle), pid in zip(remote, started, strict=True):
             mailbox = bus.subscribe(cls.name, tuple(cls.handlers()))
             interrupts = (
                 bus.subscribe(f"{cls.name}/interrupt", cls.interrupt_types) if cls.interruptible() else None
             )
+            respawn = functools.partial(self._respawn, cls, *places[cls]) if cls.restartable else None
             self.proxies.append(
                 RemoteActorProxy(
-                    bus, cls.name, handle, mailbox, config.bus.max_batch, self.run.clock, interrupts
+                    bus,
+                    cls.name,
+                    handle,
+                    mailbox,
+                    # One event at a time to an actor that restarts: the one it was handling
+                    # when it died is the one delivered again.
+                    1 if cls.restartable else config.bus.max_batch,
+                    self.run.clock,
+                    interrupts,
+                    respawn=respawn,
+                    control=config.control,
                 )
             )
             self._pids[cls.name] = pid
@@ -468,38 +561,63 @@ class RayRuntime:
     def _create_remote(self, groups: dict[str, Any], placed: dict[str, Any]) -> list[tuple[type[Actor], Any]]:
         """Each placed actor as a Ray actor, on the first bundle of its ranks (created; its
         ``start`` not yet called)."""
+        remote: list[tuple[type[Actor], Any]] = []
+        for role, (_, members) in groups.items():
+            for cls, group, first in members:
+                handle = self._create_one(cls, group, first, placed[role])
+                self._handles.append(handle)
+                remote.append((cls, handle))
+        return remote
+
+    def _create_one(
+        self, cls: type[Actor], group: WorkerGroup, first: int, placement: Any, restart: int = 0
+    ) -> Any:
+        """``cls`` as a Ray actor on bundle ``first`` of ``placement`` (its ``restart``-th
+        start again: a name of its own)."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         config = self.run.config
-        remote_cls = ray.remote(RemoteActorHost)
-        config_json = msgspec.json.encode(config)
-        plan_json = msgspec.json.encode(self.run.plan)
-        remote: list[tuple[type[Actor], Any]] = []
-        for role, (_, members) in groups.items():
-            for cls, group, first in members:
-                handle = remote_cls.options(
-                    name=f"miles-{self.run.run_id}-{cls.name}",
-                    num_cpus=group.cpus_per_rank,
-                    num_gpus=group.gpus_per_rank,
-                    max_concurrency=16,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        placement_group=placed[role], placement_group_bundle_index=first
-                    ),
-                ).remote(
-                    cls,
-                    config_json,
-                    plan_json,
-                    self.run.run_id,
-                    str(self.run.run_dir),
-                    self.run.transport,
-                    config.bus.mailbox_size,
-                    first,
-                    logging.getLogger().getEffectiveLevel(),
-                )
-                self._handles.append(handle)
-                remote.append((cls, handle))
-        return remote
+        again = f"-{restart}" if restart else ""
+        return (
+            ray.remote(RemoteActorHost)
+            .options(
+                name=f"miles-{self.run.run_id}-{cls.name}{again}",
+                num_cpus=group.cpus_per_rank,
+                num_gpus=group.gpus_per_rank,
+                max_concurrency=16,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=placement, placement_group_bundle_index=first
+                ),
+            )
+            .remote(
+                cls,
+                msgspec.json.encode(config),
+                msgspec.json.encode(self.run.plan),
+                self.run.run_id,
+                str(self.run.run_dir),
+                self.run.transport,
+                config.bus.mailbox_size,
+                first,
+                logging.getLogger().getEffectiveLevel(),
+            )
+        )
+
+    async def _respawn(
+        self, cls: type[Actor], group: WorkerGroup, first: int, placement: Any
+    ) -> tuple[Any, int]:
+        """Start ``cls`` again where it ran (its bundle is free once its process is gone):
+        created, started and told every actor has started; its handle and pid."""
+        self._restarts[cls.name] = restart = self._restarts.get(cls.name, 0) + 1
+        handle = self._create_one(cls, group, first, placement, restart)
+        self._handles.append(handle)
+        timeout = self.run.config.ray.actor_start_timeout
+        pid: int = await wait_for(handle.start.remote(), timeout, self.run.clock)
+        await wait_for(handle.ready.remote(), timeout, self.run.clock)
+        self._pids[cls.name] = pid
+        self._record_processes()
+        logger.info("started %s again (ray actor, pid %d)", cls.name, pid)
+        return handle, pid
 
     def _record_processes(self) -> None:
         """So that a run after a ``kill -9`` of this driver can kill what is left of the

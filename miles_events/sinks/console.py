@@ -447,11 +447,13 @@ class PlainProgress(ConsoleSink):
     @handles(CellRestarted)
     def _cell_restarted(self, event: CellRestarted) -> None:
         if event.cell.startswith("actor-"):
-            holding = f"trainer rank, after weight version {event.weight_version},"
-        else:
-            holding = f"serving weight version {event.weight_version}"
+            holding = f" trainer rank, after weight version {event.weight_version},"
+        elif event.cell.startswith("rollout-"):
+            holding = f" serving weight version {event.weight_version}"
+        else:  # an actor of its own process that restarts (the Saver)
+            holding = ""
         self._line(
-            f"{event.cell} restarted (restart {event.attempt}, pid {event.pid}) {holding} "
+            f"{event.cell} restarted (restart {event.attempt}, pid {event.pid}){holding} "
             f"in {event.restart_seconds:.1f}s"
         )
 
