@@ -71,6 +71,8 @@ from schemas.events import (
     ActorFailed,
     CellFailed,
     CellRestarted,
+    CellResumed,
+    CellSuspended,
     CheckpointFailed,
     CheckpointRequested,
     CheckpointSaved,
@@ -369,8 +371,8 @@ class Coordinator(Actor):
 
     async def _step_published(self, rollout_id: int) -> None:
         """Step ``rollout_id``'s publication is through (and the engines' memory back)."""
-        if self._finishing is not None:
-            return
+        if self._finishing is not None or self._rewind is not None:
+            return  # going back to a checkpoint: the loop goes on from there
         if self._stop is not None:
             # The step's publication is through: as the seed's ``should_stop`` break, the
             # run ends here (once the step is saved).
@@ -407,8 +409,8 @@ class Coordinator(Actor):
     @handles(EvalFinished, emits=(RolloutRequested, RunFinished, SaveRequested))
     async def on_eval_finished(self, event: EvalFinished) -> None:
         pending, self._pending_eval = self._pending_eval, None
-        if self._finishing is not None:
-            return  # once finishing, nothing new is asked for
+        if self._finishing is not None or self._rewind is not None:
+            return  # once finishing (or going back to a checkpoint), nothing new is asked for
         if self._stop is not None:
             await self._stop_now()
         elif pending is None:
@@ -448,6 +450,8 @@ class Coordinator(Actor):
 
     @handles(TrainStepFinished, emits=(SaveRequested, PublishRequested, PolicySyncRequested, *MEMORY))
     async def on_train_step_finished(self, event: TrainStepFinished) -> None:
+        if self._rewind is not None:
+            return  # the trainer's group lost it since: done again from the checkpoint
         rollout_id = event.rollout_id
         self.last_rollout_id = rollout_id
         if self._finishing is not None:
@@ -593,14 +597,28 @@ class Coordinator(Actor):
         """A trainer rank failed: its group is restarted (by the Trainer), and the run goes
         back to the latest checkpoint. A save asked for whose state was not staged is never
         written: it is asked for again when its step is trained again."""
-        if not is_actor_cell(event.cell) or self._finishing is not None:
-            return
+        if is_actor_cell(event.cell) and self._finishing is None:
+            logger.warning("%s failed (%s): restoring the latest checkpoint", event.cell, event.reason)
+            self._rewind_from_here(again=True)
+
+    @handles(CellSuspended, emits=())
+    async def on_cell_suspended(self, event: CellSuspended) -> None:
+        """The trainer's group was suspended (its ranks stopped): as a failure, the latest
+        checkpoint is restored once it is resumed."""
+        if is_actor_cell(event.cell) and self._finishing is None:
+            self._rewind_from_here(again=False)
+
+    def _rewind_from_here(self, again: bool) -> None:
+        """The trainer's group lost its state: the run goes back to the latest checkpoint
+        once it is back. ``again``: a failure while going back starts it over (a
+        suspension's other ranks' say nothing new)."""
         through = max(self.last_rollout_id, self._requested)
         if self._rewind is None:
-            logger.warning("%s failed (%s): restoring the latest checkpoint", event.cell, event.reason)
             self._rewind = Rewind(through)
-        else:
+        elif again:
             self._rewind = Rewind(max(through, self._rewind.through))
+        else:
+            return
         self._pending_eval = None
         self._save_waiting = None
         lost = self._pending_saves - self._staged_saves
@@ -609,7 +627,15 @@ class Coordinator(Actor):
 
     @handles(CellRestarted, emits=(TrainerRestoreRequested,))
     async def on_cell_restarted(self, event: CellRestarted) -> None:
-        if self._rewind is not None and is_actor_cell(event.cell) and self._finishing is None:
+        await self._trainer_back(event.cell)
+
+    @handles(CellResumed, emits=(TrainerRestoreRequested,))
+    async def on_cell_resumed(self, event: CellResumed) -> None:
+        await self._trainer_back(event.cell)
+
+    async def _trainer_back(self, cell: str) -> None:
+        """The trainer's group runs again (restarted or resumed): the restore follows."""
+        if self._rewind is not None and is_actor_cell(cell) and self._finishing is None:
             self._rewind.restarted = True
             await self._restore_when_saved()
 

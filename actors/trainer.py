@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import anyio
 import msgspec
 
-from actors.protocols.healing import actor_cell, check_restart, deliver_fault, restart_backoff
+from actors.protocols.healing import actor_cell, check_restart, deliver_fault, is_actor_cell, restart_backoff
 from actors.protocols.memory import RolloutGate, gates_training
 from actors.trainer_backend import backend_module, build_backend
 from actors.trainer_backend.base import TrainerBackend
@@ -68,6 +68,9 @@ from schemas.events import (
     CellFailed,
     CellHealth,
     CellRestarted,
+    CellResumed,
+    CellSuspended,
+    CellSuspendRequested,
     CriticStepFinished,
     DataReleased,
     Event,
@@ -166,6 +169,8 @@ class Trainer(Actor):
         self._hung: set[int] = set()
         """Ranks the heartbeat found hung (and killed)."""
         self._watcher: asyncio.Task[None] | None = None
+        self._suspended = False
+        """The group was stopped on purpose (an ``actor-{i}`` cell suspended) until resumed."""
         self._gate: RolloutGate[RolloutGenerated] = RolloutGate(
             gates_training(config, "actor") and not context.plan.rollout_only
         )
@@ -294,6 +299,9 @@ class Trainer(Actor):
         """The group failed (``failure``): stop every rank and start the group again, after
         its backoff, with the state the run started from; ``RestartsSpent`` (the run fails
         in one line) past ``control.max_restarts``."""
+        if self._suspended:
+            logger.info("the trainer's group is suspended: %s", failure)
+            return  # stopped on purpose: its resume starts it, and the run goes back then
         control = self.config.control
         failed_at = time.perf_counter()
         rank = failure.rank if failure.rank is not None else 0
@@ -376,6 +384,44 @@ class Trainer(Actor):
                     await group.kill(rank)
                     return
 
+    async def _suspend(self) -> None:
+        """Stop the group now (an ``actor-{i}`` cell suspended: the trainer's ranks are one
+        group): the step in progress fails and is done again once the group is resumed."""
+        backend = self._backend
+        if self._suspended or not isinstance(backend, RankGroupBackend):
+            return
+        self._suspended = True
+        if self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None
+        for rank in range(len(backend.workers)):
+            await backend.kill(rank)
+        for rank in range(len(backend.workers)):
+            await self.publish(CellSuspended(cell=actor_cell(rank)))
+
+    @handles(CellSuspendRequested, emits=(CellResumed, *HEALING))
+    async def on_cell_suspend_requested(self, event: CellSuspendRequested) -> None:
+        """A resume of the suspended group (a suspension is taken at once, out of band): it
+        starts again with the state the run started from, and the Coordinator has the
+        latest checkpoint restored."""
+        if event.suspend or not is_actor_cell(event.cell) or not self._suspended:
+            return
+        self._suspended = False
+        if self._backend is not None:
+            await self._backend.close()
+            self._backend = None
+        try:
+            await self._start_group()
+            await self._load_start_state()
+        except RANK_FAULTS as error:
+            await self._restart_group(error, None)
+            return
+        assert isinstance(self._backend, RankGroupBackend)
+        for rank, pid in enumerate(self._backend.pids):
+            await self.publish(
+                CellResumed(cell=actor_cell(rank), pid=pid, weight_version=self.weight_version)
+            )
+
     async def _inject(self, event: FaultInjectionRequested) -> None:
         """Deliver a fault to the process of the cell's rank (``actor-{rank}``)."""
         rank = int(event.cell.removeprefix("actor-"))
@@ -420,13 +466,15 @@ class Trainer(Actor):
 
     # --- training --------------------------------------------------------------------------
 
-    interrupt_types = (StopRequested, FaultInjectionRequested)
+    interrupt_types = (StopRequested, FaultInjectionRequested, CellSuspendRequested)
 
     def interrupt(self, event: Event) -> None:
         if isinstance(event, StopRequested) and event.now:
             self.cancel.cancel(event.reason)
-        elif isinstance(event, FaultInjectionRequested) and event.cell.startswith("actor-"):
+        elif isinstance(event, FaultInjectionRequested) and is_actor_cell(event.cell):
             self.spawn(self._inject(event), emits=(FaultInjected,))
+        elif isinstance(event, CellSuspendRequested) and event.suspend and is_actor_cell(event.cell):
+            self.spawn(self._suspend(), emits=(CellSuspended,))
 
     @handles(
         RolloutGenerated,

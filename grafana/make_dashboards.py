@@ -365,22 +365,23 @@ def _bus_and_failures() -> list[PanelSpec]:
 def _faults_and_restarts() -> list[PanelSpec]:
     return [
         timeseries(
-            "Engine health",
-            "1 while an engine (its cell, rollout-{i}) runs and answers its health checks; 0 while it fails "
-            "them, is restarted or is suspended (run.ft_components).",
+            "Cell health",
+            "1 while an engine (rollout-{i}) or a trainer rank (actor-{i}) runs and answers its health checks; "
+            "0 while it fails them, is restarted or is suspended (run.ft_components).",
             Query('max by (cell) (miles_cell_healthy{run=~"$run"})', "{{cell}}"),
             width=8,
         ),
         stat(
-            "Engine restarts",
-            "Engines started again after dying, hanging or a suspension, by cell.",
+            "Restarts",
+            "Engines, trainer ranks and the Saver's process started again after dying, hanging or a "
+            "suspension, by cell.",
             Query('sum by (cell) (miles_cell_restarts_total{run=~"$run"})', "{{cell}}"),
             thresholds=BAD_FROM_ONE,
             width=8,
         ),
         timeseries(
-            "Engine failures over time",
-            "Engines found dead or hung per interval, by cell and kind.",
+            "Failures over time",
+            "Engines, trainer ranks and the Saver's process found dead or hung per interval, by cell and kind.",
             Query(
                 'sum by (cell, kind) (increase(miles_cell_failures_total{run=~"$run"}[$__rate_interval]))',
                 "{{cell}} {{kind}}",
@@ -390,7 +391,8 @@ def _faults_and_restarts() -> list[PanelSpec]:
         ),
         timeseries(
             "Restart time",
-            "From an engine's failure seen to its weights loaded again (95th percentile, and the mean).",
+            "From a failure seen to the cell running again: an engine's weights loaded again, the trainer's "
+            "ranks started (95th percentile, and the mean).",
             Query(
                 "histogram_quantile(0.95, sum by (le) "
                 '(rate(miles_cell_restart_duration_seconds_bucket{run=~"$run"}[$__rate_interval])))',
@@ -412,6 +414,18 @@ def _faults_and_restarts() -> list[PanelSpec]:
                 "{{cell}} {{mode}}",
             ),
             width=12,
+        ),
+        timeseries(
+            "Trainer restores and rollouts done again",
+            "The trainer's group given the latest checkpoint back after a rank failed or the group was "
+            "suspended, and the rollouts generated and trained again after it, per interval.",
+            Query('sum(increase(miles_trainer_restores_total{run=~"$run"}[$__rate_interval]))', "restores"),
+            Query(
+                'sum(increase(miles_rollouts_redone_total{run=~"$run"}[$__rate_interval]))',
+                "rollouts done again",
+            ),
+            width=24,
+            bars=True,
         ),
     ]
 

@@ -46,6 +46,8 @@ from schemas.events import (
     RunFinished,
     RunStarted,
     TensorMismatch,
+    TrainerRestored,
+    TrainerRestoreRequested,
     TrainStepFinished,
     WeightsPublished,
     WeightsStaged,
@@ -569,3 +571,11 @@ def test_each_memory_move_sets_its_bytes_freed_memory_and_duration() -> None:
     onload = {"run": "r", "target": "actor", "direction": "onload"}
     assert metrics.registry.get_sample_value("miles_memory_moved_bytes", onload) == 7
     assert metrics.registry.get_sample_value("miles_memory_device_freed_bytes", onload) == 0
+
+
+def test_a_trainer_that_goes_back_to_a_checkpoint_counts_its_restores_and_the_rollouts_done_again() -> None:
+    metrics = RunMetrics()
+    metrics.observe(TrainerRestoreRequested(checkpoint="c", rollout_id=2, redo=[3, 4, 5], run_id="r"))
+    metrics.observe(TrainerRestored(checkpoint="c", rollout_id=2, weight_version="6", run_id="r"))
+    assert value(metrics, "miles_rollouts_redone_total", run="r") == 3
+    assert value(metrics, "miles_trainer_restores_total", run="r") == 1

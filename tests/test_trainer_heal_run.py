@@ -22,6 +22,7 @@ from miles_events.checkpoint.resume import choose_resume_checkpoint
 from schemas.events import (
     CellFailed,
     CellRestarted,
+    CellResumed,
     FaultInjected,
     PublicationMismatch,
     PublicationVerified,
@@ -90,17 +91,30 @@ def unhurt(tmp_path_factory) -> str:
     return digest
 
 
-def test_a_rank_killed_mid_step_restores_the_latest_checkpoint_and_trains_the_same_weights(
+def test_a_rank_killed_then_the_group_suspended_each_restore_the_latest_checkpoint_to_the_same_weights(
     tmp_path: Path, unhurt: str
 ) -> None:
     """On the local runtime, SIGKILL into actor-1 through inject-fault while rollout 4 or 5
     trains: the group comes back, restores the checkpoint of rollout 2, and rollouts 3.. are
-    generated and trained again to the very weights of the run without faults."""
+    generated and trained again. Then actor-0 suspended by hand (the group stops, training
+    pauses) and resumed: the latest checkpoint again. The very weights of the run without
+    faults."""
     run = LiveRun(tmp_path / "run", 'run.runtime="local"', *TRAIN_HEALS)
     try:
         run.wait_for(r"rollout 3 \[")
         run.inject("actor-1", "sigkill")
         run.wait_for("trainer restored")
+        run.wait_for(r"rollout 6 \[")
+        assert run.suspend("actor-0", True)["spec"]["suspend"] is True
+        run.wait_for("actor-1 suspended")
+        cells = run.client.get("/cells").json()["items"]
+        assert [c["status"]["phase"] for c in cells] == ["Suspended", "Suspended"]
+        run.suspend("actor-0", False)
+        run.wait_for("actor-1 resumed")
+        deadline = time.monotonic() + 60
+        while run.out.read_text().count("trainer restored") < 2:
+            assert run.process.poll() is None and time.monotonic() < deadline, run.out.read_text()[-3000:]
+            time.sleep(0.1)
     finally:
         code, out = run.finish()
     assert code == 0, out[-3000:]
@@ -110,9 +124,11 @@ def test_a_rank_killed_mid_step_restores_the_latest_checkpoint_and_trains_the_sa
     assert [(e.cell, e.hung) for e in failed] == [("actor-1", False)]
     assert "killed by SIGKILL" in failed[0].reason
     assert sorted(e.cell for e in log if isinstance(e, CellRestarted)) == ["actor-0", "actor-1"]
-    (request,) = [e for e in log if isinstance(e, TrainerRestoreRequested)]
+    assert sorted(e.cell for e in log if isinstance(e, CellResumed)) == ["actor-0", "actor-1"]
+    request, again = [e for e in log if isinstance(e, TrainerRestoreRequested)]
     assert request.checkpoint is not None and request.checkpoint.endswith("rollout_000002")
     assert request.redo and request.redo[0] == 3
+    assert again.checkpoint is not None and again.checkpoint.endswith("rollout_000005")
     injected = [e for e in log if isinstance(e, FaultInjected)]
     assert [(e.cell, e.mode, e.error) for e in injected] == [("actor-1", "sigkill", "")]
     assert "rollouts done again: 3" in out and "Traceback" not in out

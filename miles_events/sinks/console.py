@@ -482,7 +482,11 @@ class PlainProgress(ConsoleSink):
 
     @handles(CellResumed)
     def _cell_resumed(self, event: CellResumed) -> None:
-        self._line(f"{event.cell} resumed (pid {event.pid}) serving weight version {event.weight_version}")
+        if event.cell.startswith("actor-"):
+            holding = f"trainer rank, after weight version {event.weight_version}"
+        else:
+            holding = f"serving weight version {event.weight_version}"
+        self._line(f"{event.cell} resumed (pid {event.pid}) {holding}")
 
     @handles(FaultInjected)
     def _fault_injected(self, event: FaultInjected) -> None:

@@ -51,6 +51,8 @@ from schemas.events import (
     RolloutGenerated,
     RunFinished,
     RunStarted,
+    TrainerRestored,
+    TrainerRestoreRequested,
     TrainStepFinished,
     WeightsLoaded,
     WeightsPublished,
@@ -121,10 +123,12 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("miles_memory_moved_bytes", "gauge", "target direction", "Offload and onload: tensor bytes the last move of `target` (`rollout`, `actor`, `critic`) moved in `direction` (`offload`, `onload`), all engines or ranks together.", "MemoryOffloaded, MemoryOnloaded"),
     _m("miles_memory_device_freed_bytes", "gauge", "target direction", "On a GPU, the device memory the last move really freed (offload) or took (onload, negative), from `torch.cuda.mem_get_info`; 0 off CUDA.", "MemoryOffloaded, MemoryOnloaded (parts)"),
     _m("miles_memory_move_duration_seconds", "histogram", "target direction", "Time of an offload or onload.", "MemoryOffloaded.seconds, MemoryOnloaded.seconds"),
-    _m("miles_cell_healthy", "gauge", "cell", "1 while the engine of `cell` (`rollout-{i}`) runs and answers its health checks, 0 while it fails them, is being restarted or is suspended (every engine's series from RunStarted on).", "RunStarted, CellHealth, CellFailed, CellRestarted, CellSuspended, CellResumed"),
-    _m("miles_cell_failures_total", "counter", "cell kind", "Engines found dead (`kind=died`) or hung (`hung`) (both series of every engine from RunStarted on).", "CellFailed"),
-    _m("miles_cell_restarts_total", "counter", "cell", "Engines started again after a failure, or a suspension (`run.ft_components`).", "CellRestarted, CellResumed"),
-    _m("miles_cell_restart_duration_seconds", "histogram", "", "Time from an engine's failure seen to its weights loaded again.", "CellRestarted.restart_seconds"),
+    _m("miles_cell_healthy", "gauge", "cell", "1 while the engine (`rollout-{i}`) or trainer rank (`actor-{i}`) of `cell` runs and answers its health checks, 0 while it fails them, is being restarted or is suspended (every engine's and rank's series from RunStarted on; `saver` once the Saver's process died).", "RunStarted, CellHealth, CellFailed, CellRestarted, CellSuspended, CellResumed"),
+    _m("miles_cell_failures_total", "counter", "cell kind", "Engines, trainer ranks and the Saver's process found dead (`kind=died`) or hung (`hung`) (both series of every engine and rank from RunStarted on).", "CellFailed"),
+    _m("miles_cell_restarts_total", "counter", "cell", "Cells started again after a failure, or a suspension (`run.ft_components`; the Saver of its own process).", "CellRestarted, CellResumed"),
+    _m("miles_cell_restart_duration_seconds", "histogram", "", "Time from a failure seen to the cell running again (an engine: its weights loaded again; the trainer's group: its ranks started).", "CellRestarted.restart_seconds"),
+    _m("miles_trainer_restores_total", "counter", "", "Times the trainer's group, restarted or resumed, was given the latest checkpoint back.", "TrainerRestored"),
+    _m("miles_rollouts_redone_total", "counter", "", "Rollouts generated and trained again after the trainer went back to a checkpoint.", "TrainerRestoreRequested.redo"),
     _m("miles_fault_injections_total", "counter", "cell mode", "Faults delivered through the control server's inject-fault.", "FaultInjected"),
     _m("miles_eval_score", "gauge", "metric", "The last evaluation, one series per metric it reports.", "EvalFinished.metrics"),
     _m("miles_eval_duration_seconds", "histogram", "", "Time of an evaluation.", "EvalFinished.eval_seconds"),
@@ -308,13 +312,15 @@ class RunMetrics(Sink):
         self.tokens_generated(run)
         self.train_tokens(run)
         f = self.families.__getitem__
-        for index in range(len(e.engines)):
-            cell = f"rollout-{index}"
+        cells = [f"rollout-{index}" for index in range(len(e.engines))]
+        for cell in [*cells, *(f"actor-{rank}" for rank in range(e.trainer_ranks))]:
             f("miles_cell_healthy")(run, cell).set(1)
             f("miles_cell_restarts_total")(run, cell)
             for kind in ("died", "hung"):
                 f("miles_cell_failures_total")(run, cell, kind)
         f("miles_cell_restart_duration_seconds")(run)
+        f("miles_trainer_restores_total")(run)
+        f("miles_rollouts_redone_total")(run)
 
     @handles(CellHealth)
     def _cell_health(self, e: CellHealth) -> None:
@@ -337,6 +343,14 @@ class RunMetrics(Sink):
         f("miles_cell_restarts_total")(e.run_id, e.cell).inc()
         if isinstance(e, CellRestarted):
             f("miles_cell_restart_duration_seconds")(e.run_id).observe(e.restart_seconds)
+
+    @handles(TrainerRestoreRequested)
+    def _trainer_restore_requested(self, e: TrainerRestoreRequested) -> None:
+        self.families["miles_rollouts_redone_total"](e.run_id).inc(len(e.redo))
+
+    @handles(TrainerRestored)
+    def _trainer_restored(self, e: TrainerRestored) -> None:
+        self.families["miles_trainer_restores_total"](e.run_id).inc()
 
     @handles(FaultInjected)
     def _fault_injected(self, e: FaultInjected) -> None:

@@ -217,9 +217,10 @@ def build_app(
         suspend = patch.spec.suspend if patch.spec is not None else None
         if suspend is None or suspend == record.suspend:
             return record.render()
-        if record.cell_type != "rollout":
-            raise fail(400, f"{name}: only rollout cells can be suspended")
-        if suspend and not [r for r in book.running_of_type(record.cell_type) if r.name != name]:
+        # A trainer rank's cell suspends the trainer's group: training pauses until it is
+        # resumed (then from the latest checkpoint); the last engine would stop the run.
+        others = [r for r in book.running_of_type(record.cell_type) if r.name != name]
+        if suspend and record.cell_type == "rollout" and not others:
             raise fail(
                 409, f"{name} is the last running {record.cell_type} cell: suspending it would stop the run"
             )
