@@ -20,6 +20,7 @@ them, never the per-tensor map itself (``miles_events.rl.checksum_manifest``).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import ClassVar, Literal
 
 import msgspec
@@ -884,3 +885,16 @@ def run_started(plan: RunPlan) -> RunStarted:
 def plan_of(event: RunStarted) -> RunPlan:
     """The plan a recorded ``RunStarted`` announced (what re-driving an actor needs)."""
     return msgspec.convert({name: getattr(event, name) for name in PLAN_FIELDS}, RunPlan)
+
+
+def kept_steps(events: Iterable[Event]) -> list[int]:
+    """The training steps a run kept, in order (its ``TrainStepFinished`` rollout ids): a
+    trainer that went back to a checkpoint (``TrainerRestoreRequested``) drops the steps it
+    had trained after it, and trains them again."""
+    kept: list[int] = []
+    for event in events:
+        if isinstance(event, TrainStepFinished):
+            kept.append(event.rollout_id)
+        elif isinstance(event, TrainerRestoreRequested):
+            kept = [r for r in kept if r <= event.rollout_id]
+    return kept

@@ -31,6 +31,7 @@ from schemas.events import (
     TrainerRestoreRequested,
     TrainStepFinished,
     WeightsPublished,
+    kept_steps,
 )
 from tests.test_heal_run import LiveRun, run_to_end
 
@@ -44,18 +45,6 @@ TRAIN_HEALS = (
     'run.ft_components=["train"]',
     "run.save_interval=3",
 )
-
-
-def kept_steps(log: list[Any]) -> list[int]:
-    """The steps the run kept, in order: each restore drops the steps trained after the
-    checkpoint it goes back to."""
-    kept: list[int] = []
-    for event in log:
-        if isinstance(event, TrainStepFinished):
-            kept.append(event.rollout_id)
-        elif isinstance(event, TrainerRestoreRequested):
-            kept = [r for r in kept if r <= event.rollout_id]
-    return kept
 
 
 def check_whole(run_dir: Path) -> tuple[str, list[Any]]:
