@@ -9,9 +9,13 @@ from actors.coordinator import Coordinator, should_run_periodic_action
 from actors.publisher import Publisher
 from miles_events.bus.clock import ManualClock
 from miles_events.bus.testing import RecordingContext, feed
+from schemas.checkpoint import DataCursor, TrainerState
 from schemas.config import Config, RunConfig, VerifierConfig
+from schemas.data import DataRef
 from schemas.events import (
     ActorFailed,
+    CellFailed,
+    CellRestarted,
     CheckpointFailed,
     CheckpointSaved,
     EvalFinished,
@@ -27,7 +31,10 @@ from schemas.events import (
     StepCancelled,
     StopRequested,
     TensorMismatch,
+    TrainerRestored,
+    TrainerRestoreRequested,
     TrainMetrics,
+    TrainStateStaged,
     TrainStepFinished,
     WeightsCheckFinished,
     WeightsLoaded,
@@ -435,3 +442,80 @@ async def test_a_failed_compare_stops_the_run_with_the_seeds_message():
         "inference weight check 'compare' did not succeed on every engine: "
         "engine-0: 3 of 27 tensors differ from the snapshot"
     )
+
+
+# --- a trainer that heals ("train" in run.ft_components) -------------------------------------
+
+
+def staged(rollout_id: int) -> TrainStateStaged:
+    ref = DataRef("inprocess", f"s{rollout_id}", "trainer", 1)
+    return TrainStateStaged(
+        rollout_id=rollout_id,
+        weights=ref,
+        optimizer=ref,
+        rng=ref,
+        trainer_state=TrainerState(
+            rollout_id=rollout_id,
+            weight_version="1",
+            num_optimizer_steps=1,
+            data=DataCursor(next_rollout_id=rollout_id + 1, epoch=0, offset=0),
+            seed=1,
+            run_id="r",
+        ),
+        reason="interval",
+    )
+
+
+def written(rollout_id: int) -> CheckpointSaved:
+    return CheckpointSaved(rollout_id=rollout_id, path=f"ckpt-{rollout_id}", weight_version="1", num_bytes=1)
+
+
+async def test_a_failed_trainer_group_restores_the_latest_checkpoint_once_the_save_in_flight_is_written():
+    """Rank 1 dies training rollout 3 while the save of rollout 2 is being written: once the
+    group is back and the save is in, the checkpoint of rollout 2 is restored, published as
+    the next version, and rollout 3 asked for again; a late step and its publication are
+    left be meanwhile."""
+    c = make(num_rollout=5, save_interval=3, skip_eval_before_train=True, eval_interval=2)
+    await feed(c, started(c), verified(1, None))
+    for r in range(2):
+        await feed(c, trained(r), verified(r + 2, r))
+    await feed(c, trained(2), staged(2), verified(4, 2))  # the save of 2 staged, not yet written
+    out = await feed(
+        c,
+        CellFailed(cell="actor-1", reason="rank 1 died", rollout_id=3),
+        CellRestarted(cell="actor-0", attempt=1, pid=1, weight_version="4", restart_seconds=1.0),
+        CellRestarted(cell="actor-1", attempt=1, pid=2, weight_version="4", restart_seconds=1.0),
+    )
+    assert out == [], "the restore waits for the save being written"
+    (request,) = await feed(c, written(2))
+    assert isinstance(request, TrainerRestoreRequested)
+    assert (request.checkpoint, request.rollout_id, request.redo) == ("ckpt-2", 2, [3])
+    out = await feed(c, TrainerRestored(checkpoint="ckpt-2", rollout_id=2, weight_version="4"))
+    assert kinds(out) == [("PublishRequested", 2)]
+    # The restored weights' publication: no eval again for rollout 2's state, rollout 3 again.
+    assert kinds(await feed(c, verified(5, 2))) == [("RolloutRequested", 3)]
+
+
+async def test_a_group_lost_before_any_checkpoint_goes_back_to_the_runs_start_and_forgets_unstaged_saves():
+    c = make(num_rollout=4, save_interval=1)
+    await feed(c, started(c), verified(1, None))
+    out = await feed(c, trained(0))
+    assert kinds(out) == [("SaveRequested", 0), ("PublishRequested", 0)]
+    # The group dies staging that save: it is never written, and not waited for.
+    out = await feed(
+        c,
+        CellFailed(cell="actor-0", reason="rank 0 died", rollout_id=0),
+        CellRestarted(cell="actor-0", attempt=1, pid=1, weight_version="1", restart_seconds=1.0),
+    )
+    (request,) = out
+    assert isinstance(request, TrainerRestoreRequested)
+    assert (request.checkpoint, request.rollout_id, request.redo) == (None, -1, [0])
+    await feed(c, TrainerRestored(checkpoint=None, rollout_id=-1, weight_version="1"))
+    assert kinds(await feed(c, verified(2, -1))) == [("RolloutRequested", 0)]
+
+
+async def test_an_engine_cell_failing_does_not_move_the_loop():
+    c = make(num_rollout=2)
+    await feed(c, started(c), verified(1, None))
+    assert await feed(c, CellFailed(cell="rollout-0", reason="engine died", rollout_id=0)) == []
+    assert kinds(await feed(c, trained(0))) == [("PublishRequested", 0)]
