@@ -100,6 +100,14 @@ class LiveRun:
             assert time.monotonic() < deadline, f"no {text!r} in:\n{self.out.read_text()[-3000:]}"
             time.sleep(0.1)
 
+    def wait_count(self, text: str, count: int, timeout: float = 120) -> None:
+        """Until the run printed ``text`` (plain) ``count`` times."""
+        deadline = time.monotonic() + timeout
+        while self.out.read_text().count(text) < count:
+            assert self.process.poll() is None, self.out.read_text()[-3000:]
+            assert time.monotonic() < deadline, f"not {count} {text!r} in:\n{self.out.read_text()[-3000:]}"
+            time.sleep(0.1)
+
     def inject(self, cell: str, mode: str) -> None:
         response = self.client.post(f"/cells/{cell}/inject-fault", json={"mode": mode})
         assert response.json() == {"status": "ok"}, response.text
@@ -217,10 +225,7 @@ def test_on_ray_a_kill_9_of_an_engine_heals_and_the_controller_resumes_a_suspend
         run.wait_for(r"rollout-\d (restarted|resumed)")
         resumed = run.out.read_text().count(" resumed (")
         run.suspend("rollout-0", True)
-        deadline = time.monotonic() + 60
-        while run.out.read_text().count(" resumed (") == resumed:
-            assert time.monotonic() < deadline, run.out.read_text()[-3000:]
-            time.sleep(0.1)
+        run.wait_count(" resumed (", resumed + 1, timeout=60)
     finally:
         code, out = run.finish()
     assert code == 0, out[-3000:]
@@ -231,18 +236,23 @@ def test_on_ray_a_kill_9_of_an_engine_heals_and_the_controller_resumes_a_suspend
     assert any(isinstance(e, CellFailed) and "died" in e.reason for e in log)
 
 
-def test_past_its_restarts_an_engine_fails_the_run_with_one_line(tmp_path: Path):
-    """control.max_restarts = 0: the first death ends the run (exit 1) with one line naming
-    the cell and the limit; the steps already trained stay saved in the log."""
-    run = LiveRun(tmp_path / "run", 'run.runtime="local"', "control.max_restarts=0")
+def fails_in_one_line(run: LiveRun, cell: str) -> None:
+    """With ``control.max_restarts = 0``: a segfault into ``cell`` once the run trains ends
+    it (exit 1) with one line naming the cell and the limit, no traceback."""
     try:
-        run.wait_for(r"rollout 2 \[")
-        run.inject("rollout-1", "segfault")
+        run.wait_for(r"rollout 1 \[")
+        run.inject(cell, "segfault")
     finally:
         code, out = run.finish()
     assert code == 1, out[-3000:]
     last = out.strip().splitlines()[-1]
-    assert (
-        last.startswith("error: run failed: ") and "rollout-1" in last and "control.max_restarts = 0" in last
-    ), last
+    assert last.startswith("error: run failed: ") and cell in last and "control.max_restarts = 0" in last, (
+        last
+    )
     assert "Traceback" not in out
+
+
+def test_past_its_restarts_an_engine_fails_the_run_with_one_line(tmp_path: Path):
+    """control.max_restarts = 0: the first death ends the run (exit 1) with one line naming
+    the cell and the limit."""
+    fails_in_one_line(LiveRun(tmp_path / "run", 'run.runtime="local"', "control.max_restarts=0"), "rollout-1")
