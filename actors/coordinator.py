@@ -197,9 +197,7 @@ class Coordinator(Actor):
         super().__init__(config, context)
         plan = self.plan = context.plan
         self.run = config.run
-        self._opening: Opening = opening_protocol(
-            config, plan, functools.partial(read_manifest, context.run_dir)
-        )
+        self._opening: Opening = self._new_opening()
         """The protocol before the first rollout; it alone asks for weight checks."""
         self._check: EngineReplies | None = None
         """The replies to the weight check in flight."""
@@ -245,8 +243,15 @@ class Coordinator(Actor):
         """A trainer group that failed, until it is restored."""
         self._rewound_to: int | None = None
         """The rollout a restored trainer holds, until its publication is through."""
+        self._opened = False
+        """The opening is through (the loop began)."""
 
     # -- the opening ------------------------------------------------------------------
+
+    def _new_opening(self) -> Opening:
+        return opening_protocol(
+            self.config, self.plan, functools.partial(read_manifest, self.context.run_dir)
+        )
 
     async def ready(self) -> None:
         """Every actor has started: the run begins."""
@@ -304,6 +309,7 @@ class Coordinator(Actor):
 
     async def _loop_begins(self) -> None:
         """The opening is through: an eval-only run evaluates, a training run starts."""
+        self._opened = True
         if self._finishing is not None:
             return
         if self._stop is not None:
@@ -351,8 +357,8 @@ class Coordinator(Actor):
         """A publication is through. ``rollout_id`` None: the opening's (the initial
         publication, or the proof's); else the one after training rollout ``rollout_id``,
         which the engines' KV cache follows back (the seed's ``onload_kv``)."""
-        if self._finishing is not None:
-            return
+        if self._finishing is not None or self._rewind is not None:
+            return  # going back to a checkpoint: the loop goes on from there
         if self._sync:  # the seed's after_inference_publication, then the loop goes on
             await self.publish(PolicySyncRequested(hook="after_inference_publication", rollout_id=rollout_id))
         else:
@@ -660,7 +666,7 @@ class Coordinator(Actor):
         )
         await self.publish(TrainerRestoreRequested(checkpoint=checkpoint, rollout_id=rollout_id, redo=redo))
 
-    @handles(TrainerRestored, emits=(PublishRequested, *MEMORY))
+    @handles(TrainerRestored, emits=(PublishRequested, *OPENING))
     async def on_trainer_restored(self, event: TrainerRestored) -> None:
         """The trainer holds the checkpoint: the engines are given it (a publication, the
         next version), then the rollout after it is asked for again."""
@@ -668,6 +674,12 @@ class Coordinator(Actor):
             return
         self._rewind = None
         self.last_rollout_id = event.rollout_id
+        if not self._opened:
+            # Lost during the opening: the opening again, with the restored weights.
+            self._check = None
+            self._opening = self._new_opening()
+            await self._follow(self._opening.step(STARTED))
+            return
         self._rewound_to = event.rollout_id
         await self._publish_after_memory(PublishRequested(rollout_id=event.rollout_id))
 

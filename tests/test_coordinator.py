@@ -519,3 +519,17 @@ async def test_an_engine_cell_failing_does_not_move_the_loop():
     await feed(c, started(c), verified(1, None))
     assert await feed(c, CellFailed(cell="rollout-0", reason="engine died", rollout_id=0)) == []
     assert kinds(await feed(c, trained(0))) == [("PublishRequested", 0)]
+
+
+async def test_a_group_lost_during_the_opening_runs_the_opening_again():
+    c = make(num_rollout=2)
+    assert kinds(await feed(c, started(c))) == [("PublishRequested", None)]
+    out = await feed(
+        c,
+        CellFailed(cell="actor-1", reason="rank 1 died"),
+        CellRestarted(cell="actor-0", attempt=1, pid=1, weight_version="default", restart_seconds=1.0),
+    )
+    assert kinds(out) == [("TrainerRestoreRequested", -1)]
+    out = await feed(c, TrainerRestored(checkpoint=None, rollout_id=-1, weight_version="default"))
+    assert kinds(out) == [("PublishRequested", None)]
+    assert kinds(await feed(c, verified(1, None))) == [("RolloutRequested", 0)]
