@@ -171,6 +171,10 @@ class Trainer(Actor):
         self._watcher: asyncio.Task[None] | None = None
         self._suspended = False
         """The group was stopped on purpose (an ``actor-{i}`` cell suspended) until resumed."""
+        self._restoring = False
+        """The group lost its state (failed, or suspended) and holds the run's start until the
+        Coordinator's ``TrainerRestoreRequested``: what it was asked before that is not done
+        (the Coordinator asks for it again from the checkpoint)."""
         self._gate: RolloutGate[RolloutGenerated] = RolloutGate(
             gates_training(config, "actor") and not context.plan.rollout_only
         )
@@ -302,6 +306,7 @@ class Trainer(Actor):
         if self._suspended:
             logger.info("the trainer's group is suspended: %s", failure)
             return  # stopped on purpose: its resume starts it, and the run goes back then
+        self._restoring = True
         control = self.config.control
         failed_at = time.perf_counter()
         rank = failure.rank if failure.rank is not None else 0
@@ -391,6 +396,7 @@ class Trainer(Actor):
         if self._suspended or not isinstance(backend, RankGroupBackend):
             return
         self._suspended = True
+        self._restoring = True
         if self._watcher is not None:
             self._watcher.cancel()
             self._watcher = None
@@ -440,6 +446,8 @@ class Trainer(Actor):
     async def on_trainer_restore_requested(self, event: TrainerRestoreRequested) -> None:
         """Load the checkpoint the Coordinator chose (verified: it was written in this run,
         and is read back only now), or keep the run's start the group was started with."""
+        if self._suspended:
+            return  # suspended again meanwhile: its resume has the Coordinator ask again
         started = time.perf_counter()
         if event.checkpoint is not None:
             try:
@@ -449,6 +457,7 @@ class Trainer(Actor):
                     raise
                 await self._restart_group(error, None)
                 return  # the Coordinator asks again once the group is back
+        self._restoring = False
         logger.info(
             "the trainer holds %s again (rollout %d); its next publication follows version %s",
             event.checkpoint or "the run's start",
@@ -540,6 +549,11 @@ class Trainer(Actor):
     async def _train_rollout(self, event: RolloutGenerated, valued: CriticStepFinished | None) -> None:
         """Train on the rollout (with PPO, on the GAE advantages of the critic's values
         ``valued``; before ``num_critic_only_steps``, not at all), then release its data."""
+        if self._restoring:
+            # Asked for before the group lost its state: done again after the restore.
+            for ref in [event.batch] + ([valued.values] if valued is not None else []):
+                await self.publish(DataReleased(ref=ref))
+            return
         started = time.perf_counter()
         # The version being improved upon: the one in force when the batch arrives.
         version = self.weight_version
@@ -672,6 +686,8 @@ class Trainer(Actor):
     @handles(PublishRequested, emits=(WeightsStaged, *HEALING))
     async def on_publish_requested(self, event: PublishRequested) -> None:
         try:
+            if self._restoring:
+                return  # asked for before the group lost its state: the restore's comes after
             await self._publish_weights(event)
             self.saves.prepare_memory_soon(self._num_saves, lambda work: self.spawn(work, emits=()))
         except RANK_FAULTS as error:
@@ -775,6 +791,8 @@ class Trainer(Actor):
 
     @handles(SaveRequested, emits=(TrainStateStaged, *HEALING))
     async def on_save_requested(self, event: SaveRequested) -> None:
+        if self._restoring:
+            return  # asked for before the group lost its state: asked again when trained again
         self._num_saves += 1
         # The counter keeps keys unique when one rollout is saved twice (say, sentinel then last).
         prefix = f"train-state-r{event.rollout_id}-{self._num_saves}"

@@ -2,16 +2,16 @@
 then what the event log and the process say about them.
 
     .venv/bin/python bench/soak.py [--rollouts 300] [--every 4] [--runtime local] [--seed 1]
-        [--cells rollout,train] [--set KEY=VALUE ...] [--work-dir DIR]
+        [--cells rollout,train] [--faults N] [--set KEY=VALUE ...] [--work-dir DIR]
 
 The run (``examples/tiny.toml``, 2 engines and, with ``train`` in ``--cells``, a trainer of
 2 ranks; ``run.ft_components`` as ``--cells``; a save every 5 rollouts keeping 3) gets a
 fault every ``--every`` seconds through the control server: a random cell (an engine,
 ``rollout-{i}``, or a trainer rank, ``actor-{i}``) and a random mode of ``sigkill``,
 ``segfault``, ``exit``, ``deadlock``, or a suspension resumed a few seconds later. Faults
-stop before the last 10% of the rollouts. Printed: the faults delivered, the steps lost and
-doubled (every rollout id must be kept once, a trainer's restore dropping the steps after
-its checkpoint: goal 0 and 0), the rollouts done again, the recovery time per cell type and
+stop before the last 10% of the rollouts, or once ``--faults`` were delivered. Printed: the
+faults delivered, the steps lost and doubled (every rollout id must be kept once, a
+trainer's restore dropping the steps after its checkpoint: goal 0 and 0), the rollouts done again, the recovery time per cell type and
 fault kind (from the fault to the cell's weights verified again, an engine's, or restored,
 the trainer's, and to the next verified publication), the driver's and its processes' RSS at
 25% and 3 rollouts before the end, and the run directory's size then. The last line is
@@ -85,6 +85,7 @@ def main() -> int:
     parser.add_argument("--every", type=float, default=4.0)
     parser.add_argument("--runtime", default="local", choices=("local", "ray"))
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--faults", type=int, default=None, help="stop faulting after this many")
     parser.add_argument("--cells", default="rollout,train", help="what heals and gets faults: rollout, train")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--work-dir", type=Path, default=None)
@@ -141,7 +142,11 @@ def main() -> int:
         try:
             while process.poll() is None and trained() < 3:
                 time.sleep(0.5)
-            while process.poll() is None and trained() < 0.9 * args.rollouts:
+            while (
+                process.poll() is None
+                and trained() < 0.9 * args.rollouts
+                and (args.faults is None or sum(delivered.values()) < args.faults)
+            ):
                 if "quarter" not in samples and trained() >= args.rollouts // 4:
                     samples["quarter"] = (rss_bytes(process.pid), dir_bytes(run_dir))
                 time.sleep(args.every)

@@ -1,6 +1,6 @@
-"""The soak, short: a run whose engines and trainer ranks heal, given a random fault every
-two seconds through the control server (``bench/soak.py``, which runs it long), keeps every
-step once: none lost, none doubled, and it completes (slow: real processes)."""
+"""The soak, short: a run whose engines and trainer ranks heal, given four random faults
+three seconds apart through the control server (``bench/soak.py``, which runs it long),
+keeps every step once: none lost, none doubled, and it completes (slow: real processes)."""
 
 from __future__ import annotations
 
@@ -40,4 +40,4 @@ def test_a_short_soak_of_random_faults_keeps_every_step_once(tmp_path: Path) -> 
     found = re.match(r"RESULT faults=(\d+) lost=(\d+) doubled=(\d+) redone=\d+ .* status=(\w+)$", last)
     assert found, last
     faults, lost, doubled, status = found.groups()
-    assert int(faults) >= 3 and (lost, doubled, status) == ("0", "0", "completed"), last
+    assert int(faults) >= 2 and (lost, doubled, status) == ("0", "0", "completed"), last
