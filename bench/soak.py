@@ -11,11 +11,11 @@ fault every ``--every`` seconds through the control server: a random cell (an en
 ``segfault``, ``exit``, ``deadlock``, or a suspension resumed a few seconds later. Faults
 stop before the last 10% of the rollouts, or once ``--faults`` were delivered. Printed: the
 faults delivered, the steps lost and doubled (every rollout id must be kept once, a
-trainer's restore dropping the steps after its checkpoint: goal 0 and 0), the rollouts done again, the recovery time per cell type and
-fault kind (from the fault to the cell's weights verified again, an engine's, or restored,
-the trainer's, and to the next verified publication), the driver's and its processes' RSS at
-25% and 3 rollouts before the end, and the run directory's size then. The last line is
-``RESULT ...``.
+trainer's restore dropping the steps after its checkpoint: goal 0 and 0), the rollouts
+done again, the recovery time per cell type and fault kind (from the fault to the cell's
+weights verified again, an engine's, or restored, the trainer's, and to the next verified
+publication), the driver's and its processes' RSS at 25% and 3 rollouts before the end,
+and the run directory's size then. The last line is ``RESULT ...``.
 """
 
 from __future__ import annotations
