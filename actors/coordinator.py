@@ -666,7 +666,7 @@ class Coordinator(Actor):
         )
         await self.publish(TrainerRestoreRequested(checkpoint=checkpoint, rollout_id=rollout_id, redo=redo))
 
-    @handles(TrainerRestored, emits=(PublishRequested, *OPENING))
+    @handles(TrainerRestored, emits=(PublishRequested, WeightsCheckRequested, *MEMORY))
     async def on_trainer_restored(self, event: TrainerRestored) -> None:
         """The trainer holds the checkpoint: the engines are given it (a publication, the
         next version), then the rollout after it is asked for again."""
