@@ -605,26 +605,21 @@ class Coordinator(Actor):
         written: it is asked for again when its step is trained again."""
         if is_actor_cell(event.cell) and self._finishing is None:
             logger.warning("%s failed (%s): restoring the latest checkpoint", event.cell, event.reason)
-            self._rewind_from_here(again=True)
+            self._rewind_from_here()
 
     @handles(CellSuspended, emits=())
     async def on_cell_suspended(self, event: CellSuspended) -> None:
         """The trainer's group was suspended (its ranks stopped): as a failure, the latest
         checkpoint is restored once it is resumed."""
         if is_actor_cell(event.cell) and self._finishing is None:
-            self._rewind_from_here(again=False)
+            self._rewind_from_here()
 
-    def _rewind_from_here(self, again: bool) -> None:
+    def _rewind_from_here(self) -> None:
         """The trainer's group lost its state: the run goes back to the latest checkpoint
-        once it is back. ``again``: a failure while going back starts it over (a
-        suspension's other ranks' say nothing new)."""
+        once it is back. Lost again while going back (a restore asked for and not answered
+        is never answered), it starts over: the restore is asked for once it is back."""
         through = max(self.last_rollout_id, self._requested)
-        if self._rewind is None:
-            self._rewind = Rewind(through)
-        elif again:
-            self._rewind = Rewind(max(through, self._rewind.through))
-        else:
-            return
+        self._rewind = Rewind(max(through, self._rewind.through) if self._rewind is not None else through)
         self._pending_eval = None
         self._save_waiting = None
         lost = self._pending_saves - self._staged_saves
@@ -670,8 +665,8 @@ class Coordinator(Actor):
     async def on_trainer_restored(self, event: TrainerRestored) -> None:
         """The trainer holds the checkpoint: the engines are given it (a publication, the
         next version), then the rollout after it is asked for again."""
-        if self._rewind is None or self._finishing is not None:
-            return
+        if self._rewind is None or not self._rewind.asked or self._finishing is not None:
+            return  # a restore's answer from before the group was lost again
         self._rewind = None
         self.last_rollout_id = event.rollout_id
         if not self._opened:

@@ -457,6 +457,8 @@ class Trainer(Actor):
                     raise
                 await self._restart_group(error, None)
                 return  # the Coordinator asks again once the group is back
+        if self._suspended:
+            return  # suspended while it loaded: its resume has the Coordinator ask again
         self._restoring = False
         logger.info(
             "the trainer holds %s again (rollout %d); its next publication follows version %s",

@@ -16,6 +16,8 @@ from schemas.events import (
     ActorFailed,
     CellFailed,
     CellRestarted,
+    CellResumed,
+    CellSuspended,
     CheckpointFailed,
     CheckpointSaved,
     EvalFinished,
@@ -533,3 +535,24 @@ async def test_a_group_lost_during_the_opening_runs_the_opening_again():
     out = await feed(c, TrainerRestored(checkpoint=None, rollout_id=-1, weight_version="default"))
     assert kinds(out) == [("PublishRequested", None)]
     assert kinds(await feed(c, verified(1, None))) == [("RolloutRequested", 0)]
+
+
+async def test_a_group_suspended_again_before_its_restore_is_answered_is_asked_again():
+    """Found by the soak: a suspension that lands after the restore was asked for and before
+    the trainer answered it (the trainer then never answers it) starts the restore over; an
+    answer from before the suspension is left be."""
+    c = make(num_rollout=3)
+    await feed(c, started(c), verified(1, None), trained(0), verified(2, 0))
+
+    def resumed(rank: int) -> CellResumed:
+        return CellResumed(cell=f"actor-{rank}", pid=rank, weight_version="2")
+
+    out = await feed(c, *(CellSuspended(cell=f"actor-{r}") for r in (0, 1)), resumed(0), resumed(1))
+    assert kinds(out) == [("TrainerRestoreRequested", -1)]
+    out = await feed(c, *(CellSuspended(cell=f"actor-{r}") for r in (0, 1)))
+    assert out == []
+    late = TrainerRestored(checkpoint=None, rollout_id=-1, weight_version="2")
+    assert await feed(c, late) == [], "an answer from before the suspension moves nothing"
+    out = await feed(c, resumed(0), resumed(1))
+    assert kinds(out) == [("TrainerRestoreRequested", -1)]
+    assert kinds(await feed(c, late)) == [("PublishRequested", -1)]
