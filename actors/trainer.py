@@ -260,9 +260,7 @@ class Trainer(Actor):
         self.backend.load_reference(read_checkpoint(path, verify=False).weights)
 
     async def stop(self) -> None:
-        if self._watcher is not None:
-            self._watcher.cancel()
-            self._watcher = None
+        self._stop_watching()
         try:
             if self._saves is not None:
                 await self._saves.close()
@@ -299,6 +297,12 @@ class Trainer(Actor):
             self._hung.clear()
             self._watcher = self.spawn(self._watch_health(backend), emits=(CellHealth,))
 
+    def _stop_watching(self) -> None:
+        """Cancel the heartbeat of the group that is going away."""
+        if self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None
+
     async def _restart_group(self, failure: RankDied | RankFailed, rollout_id: int | None) -> None:
         """The group failed (``failure``): stop every rank and start the group again, after
         its backoff, with the state the run started from; ``RestartsSpent`` (the run fails
@@ -324,9 +328,7 @@ class Trainer(Actor):
                     rollout_id=rollout_id,
                 )
             )
-            if self._watcher is not None:
-                self._watcher.cancel()
-                self._watcher = None
+            self._stop_watching()
             if self._backend is not None:
                 await self._backend.close()
                 self._backend = None
@@ -397,9 +399,7 @@ class Trainer(Actor):
             return
         self._suspended = True
         self._restoring = True
-        if self._watcher is not None:
-            self._watcher.cancel()
-            self._watcher = None
+        self._stop_watching()
         for rank in range(len(backend.workers)):
             await backend.kill(rank)
         for rank in range(len(backend.workers)):
