@@ -66,7 +66,7 @@ from actors.protocols.steps import (
 )
 from miles_events.bus.actor import Actor, ActorContext, WorkerGroup, handles
 from miles_events.rl.checksum_manifest import read_manifest
-from schemas.config import Config
+from schemas.config import Config, staleness_bound
 from schemas.events import (
     ActorFailed,
     CellFailed,
@@ -110,6 +110,7 @@ from schemas.events import (
     WeightsCheckFinished,
     WeightsCheckRequested,
     WeightsPublished,
+    WeightsStaged,
     run_started,
 )
 
@@ -175,6 +176,7 @@ AFTER_PUBLICATION = (
     RolloutRequested,
     RunFinished,
     SaveRequested,
+    PublishRequested,
     PolicySyncRequested,
     *MEMORY,
 )
@@ -245,6 +247,14 @@ class Coordinator(Actor):
         """The rollout a restored trainer holds, until its publication is through."""
         self._opened = False
         """The opening is through (the loop began)."""
+        self._bound = staleness_bound(config)
+        """Asynchronous training (``run.max_staleness``): rollouts asked for ahead of training."""
+        self._published_step = plan.start_rollout_id - 1
+        """The last step whose publication is through (the opening's: the one before the start)."""
+        self._staged_step = plan.start_rollout_id - 1
+        """The last step whose weights the trainer staged for publication."""
+        self._due: tuple[int, SaveReason | None] | None = None
+        """Asynchronously: a trained step whose save and publication wait for their turn."""
 
     # -- the opening ------------------------------------------------------------------
 
@@ -323,6 +333,12 @@ class Coordinator(Actor):
         elif run.eval_interval is not None and not run.skip_eval_before_train:
             await self._eval(start, AfterEval.FIRST_ROLLOUT)
         else:
+            await self._first_rollout(start)
+
+    async def _first_rollout(self, start: int) -> None:
+        if self._bound:
+            await self._request_ahead()
+        else:
             await self._request_rollout(start)
 
     # -- publications -----------------------------------------------------------------
@@ -359,6 +375,8 @@ class Coordinator(Actor):
         which the engines' KV cache follows back (the seed's ``onload_kv``)."""
         if self._finishing is not None or self._rewind is not None:
             return  # going back to a checkpoint: the loop goes on from there
+        if rollout_id is not None:
+            self._published_step = rollout_id
         if self._sync:  # the seed's after_inference_publication, then the loop goes on
             await self.publish(PolicySyncRequested(hook="after_inference_publication", rollout_id=rollout_id))
         else:
@@ -400,7 +418,10 @@ class Coordinator(Actor):
             logger.info("debug_exit_after_rollout=%d reached at rollout_id=%d", debug_exit, rollout_id)
             await self._finish("completed", f"debug_exit_after_rollout={debug_exit}")
         elif rollout_id + 1 < self.plan.num_rollout or self._until_stopped:
-            await self._request_rollout(rollout_id + 1)
+            if self._bound:
+                await self._request_ahead()
+            else:
+                await self._request_rollout(rollout_id + 1)
         else:
             await self._finish("completed")
 
@@ -408,11 +429,59 @@ class Coordinator(Actor):
         self._requested = rollout_id
         await self.publish(RolloutRequested(rollout_id=rollout_id))
 
+    # -- asynchronous training (``run.max_staleness``) ------------------------------------
+    #
+    # Rollout r is sampled on the weights published after step r - 1 - k. With
+    # ``staleness_policy = "wait"`` it is asked for once that publication is through, and the
+    # publication of step n once rollout n + k is asked for: the Generator, which handles its
+    # events in order, then meets every request and every publication in one order whatever
+    # the timing, and a run is the same from the same config. With ``drop`` or ``mask`` a
+    # rollout is asked for once the weights of the step k + 1 before it are staged (not yet
+    # loaded or verified), and the Trainer judges each token's age. Either way publications go one at a time, in step order, and the
+    # Trainer trains step n + 1 only after it staged step n's publication (and save).
+
+    def _ahead_limit(self) -> int:
+        """The last rollout that may be asked for now."""
+        base = self._published_step if self.run.staleness_policy == "wait" else self._staged_step
+        return min(base + 1 + self._bound, self.plan.num_rollout - 1)
+
+    @handles(WeightsStaged, emits=(RolloutRequested, SaveRequested, PublishRequested))
+    async def on_weights_staged(self, event: WeightsStaged) -> None:
+        """``drop`` / ``mask``: the rollouts a step's staged weights keep within the bound are
+        asked for at once (the engines meet the weights first), not after the publication."""
+        if not self._bound or self.run.staleness_policy == "wait" or event.rollout_id is None:
+            return
+        self._staged_step = max(self._staged_step, event.rollout_id)
+        if self._opened and self._rewind is None:
+            await self._request_ahead()
+
+    async def _request_ahead(self) -> None:
+        """Ask for every rollout the staleness bound allows now."""
+        if self._finishing is not None or self._stop is not None or self._pending_eval is not None:
+            return
+        for rollout_id in range(self._requested + 1, self._ahead_limit() + 1):
+            await self._request_rollout(rollout_id)
+        await self._publish_due()
+
+    async def _publish_due(self) -> None:
+        """The trained step's save and publication, once its turn came: the publication
+        before it through and (``wait``) the rollout ``k`` after it asked for."""
+        if self._due is None or self._finishing is not None:
+            return
+        rollout_id, reason = self._due
+        if self._published_step != rollout_id - 1:
+            return
+        last = self.plan.num_rollout - 1
+        if self.run.staleness_policy == "wait" and self._requested < min(rollout_id + self._bound, last):
+            return
+        self._due = None
+        await self._save_and_publish(rollout_id, reason)
+
     async def _eval(self, rollout_id: int, then: AfterEval) -> None:
         self._pending_eval = PendingEval(rollout_id, then)
         await self.publish(EvalRequested(rollout_id=rollout_id))
 
-    @handles(EvalFinished, emits=(RolloutRequested, RunFinished, SaveRequested))
+    @handles(EvalFinished, emits=(RolloutRequested, RunFinished, SaveRequested, PublishRequested))
     async def on_eval_finished(self, event: EvalFinished) -> None:
         pending, self._pending_eval = self._pending_eval, None
         if self._finishing is not None or self._rewind is not None:
@@ -424,7 +493,7 @@ class Coordinator(Actor):
         elif pending.then is AfterEval.FINISH:
             await self._finish("completed")
         elif pending.then is AfterEval.FIRST_ROLLOUT:
-            await self._request_rollout(pending.rollout_id)
+            await self._first_rollout(pending.rollout_id)
         else:
             await self._next_step(pending.rollout_id)
 
@@ -454,7 +523,10 @@ class Coordinator(Actor):
         else:
             await self._finish("completed")
 
-    @handles(TrainStepFinished, emits=(SaveRequested, PublishRequested, PolicySyncRequested, *MEMORY))
+    @handles(
+        TrainStepFinished,
+        emits=(SaveRequested, PublishRequested, RolloutRequested, PolicySyncRequested, *MEMORY),
+    )
     async def on_train_step_finished(self, event: TrainStepFinished) -> None:
         if self._rewind is not None:
             return  # the trainer's group lost it since: done again from the checkpoint
@@ -501,6 +573,13 @@ class Coordinator(Actor):
         await self._save_then_publish(rollout_id, reason)
 
     async def _save_then_publish(self, rollout_id: int, reason: SaveReason | None) -> None:
+        if self._bound:
+            self._due = (rollout_id, reason)
+            await self._publish_due()
+        else:
+            await self._save_and_publish(rollout_id, reason)
+
+    async def _save_and_publish(self, rollout_id: int, reason: SaveReason | None) -> None:
         if reason is not None:
             await self._save(rollout_id, reason, publication_follows=True)
         await self._publish_after_memory(PublishRequested(rollout_id=rollout_id))
@@ -576,7 +655,14 @@ class Coordinator(Actor):
 
     @handles(
         CheckpointSaved,
-        emits=(RunFinished, SaveRequested, PublishRequested, TrainerRestoreRequested, *MEMORY),
+        emits=(
+            RunFinished,
+            SaveRequested,
+            PublishRequested,
+            RolloutRequested,
+            TrainerRestoreRequested,
+            *MEMORY,
+        ),
     )
     async def on_checkpoint_saved(self, event: CheckpointSaved) -> None:
         self._pending_saves.discard(event.rollout_id)

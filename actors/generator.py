@@ -100,7 +100,7 @@ from schemas.events import (
     WeightsLoaded,
     WeightsStaged,
 )
-from schemas.rollout import RolloutBatch, Sample
+from schemas.rollout import RolloutBatch, Sample, VersionSpan
 
 logger = logging.getLogger(__name__)
 
@@ -655,6 +655,7 @@ class Generator(Actor):
                         )
                     ),
                     weight_version=completion.weight_version,
+                    version_spans=[VersionSpan(0, completion.weight_version)],
                     engine=engine,
                     finish_reason=completion.finish_reason,
                 )

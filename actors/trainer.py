@@ -60,9 +60,10 @@ from miles_events.rl.finite import finite_part
 from miles_events.rl.hf_model import modeling_module, torch_dtype
 from miles_events.rl.probe import probe_batch, probe_vocab_size
 from miles_events.rl.prompts import data_cursor, load_prompts
+from miles_events.rl.staleness import Staleness, within_bound
 from miles_events.rl.versions import next_version, version_number
 from schemas.checkpoint import TrainerState
-from schemas.config import Config, engines_heal, skip_tensor_list, trainer_heals
+from schemas.config import Config, engines_heal, skip_tensor_list, staleness_bound, trainer_heals
 from schemas.data import DataRef
 from schemas.events import (
     CellFailed,
@@ -179,6 +180,15 @@ class Trainer(Actor):
             gates_training(config, "actor") and not context.plan.rollout_only
         )
         """Rollouts held until the engines released their memory (``run.offload_rollout``)."""
+        self._bound = staleness_bound(config)
+        """Asynchronous training (``run.max_staleness``): rollouts arrive ahead of their turn."""
+        self._ahead: dict[int, RolloutGenerated] = {}
+        """Asynchronously: rollouts generated, until their turn."""
+        self._turn = context.plan.start_rollout_id
+        """Asynchronously: the rollout trained next, once ``_turn_open``."""
+        self._turn_open = True
+        """The step before ``_turn`` is published (staged, and saved if asked): the weights
+        and the state a publication or a save of it reads are not moved on before."""
 
     @classmethod
     def resources(cls, config: Config) -> WorkerGroup:
@@ -494,6 +504,10 @@ class Trainer(Actor):
     async def on_rollout_generated(self, event: RolloutGenerated) -> None:
         if self.context.plan.rollout_only:
             return  # rollout-only from a checkpoint: nothing is trained (the loop releases the batch)
+        if self._bound:
+            self._ahead[event.rollout_id] = event
+            await self._train_in_turn()
+            return
         if not self.config.trainer.use_critic:
             ready = self._gate.arrived(event.rollout_id, event)
             if ready is not None:
@@ -502,6 +516,15 @@ class Trainer(Actor):
         # PPO: the critic values the rollout first (the seed's order); trained once it has.
         self._generated[event.rollout_id] = event
         await self._train_when_valued(event.rollout_id)
+
+    async def _train_in_turn(self) -> None:
+        """Asynchronously: train the rollouts whose turn came, in rollout order, each once the
+        step before it is published."""
+        while self._turn_open and self._turn in self._ahead:
+            event = self._ahead.pop(self._turn)
+            self._turn += 1
+            self._turn_open = False
+            await self._train_rollout(event, None)
 
     @handles(
         CriticStepFinished,
@@ -565,23 +588,29 @@ class Trainer(Actor):
         if not critic_only and self.backend.offloaded:
             await self._onload(event.rollout_id)  # the seed's ``train`` wakes the model up
 
-        def read_and_train() -> tuple[RolloutBatch, TrainMetrics, list[RankStep]]:
+        def read_and_train() -> tuple[RolloutBatch, TrainMetrics, list[RankStep], Staleness | None]:
             batch = msgspec.msgpack.decode(reader.get_bytes(event.batch), type=RolloutBatch)
             if critic_only:
-                return batch, TrainMetrics(), []
-            trainable = finite_part(batch, trainer.on_non_finite)
+                return batch, TrainMetrics(), [], None
+            aged = within_bound(
+                finite_part(batch, trainer.on_non_finite),
+                version,
+                self._bound or None,
+                self.config.run.staleness_policy,
+            )
+            trainable = aged.batch
             if not trainable.samples:
-                return batch, TrainMetrics(), []
+                return batch, TrainMetrics(), [], aged
             if valued is not None:
                 trainable = self._with_advantages(trainable, reader.get_bytes(valued.values))
             with phase_threads(trainer.num_threads):
                 metrics = self.backend.train(trainable, self.cancel)
-            return batch, metrics, self.backend.rank_steps()
+            return batch, metrics, self.backend.rank_steps(), aged
 
         cancelled: Cancelled | None = None
         fault: RankDied | RankFailed | None = None
         try:
-            batch, metrics, ranks = await anyio.to_thread.run_sync(read_and_train)
+            batch, metrics, ranks, aged = await anyio.to_thread.run_sync(read_and_train)
         except Cancelled as error:
             cancelled = error
         except RANK_FAULTS as error:
@@ -613,6 +642,12 @@ class Trainer(Actor):
                 weight_version=version,
                 metrics=metrics,
                 staleness_max=staleness_max(version, [s.weight_version for s in batch.samples]),
+                token_staleness=aged.histogram if aged is not None else [],
+                stale_samples=aged.stale_samples if aged is not None else 0,
+                stale_tokens=aged.stale_tokens if aged is not None else 0,
+                trained_prompts=[s.index for s in aged.batch.samples]
+                if aged and metrics.train_tokens
+                else [],
                 train_seconds=time.perf_counter() - started,
                 critic_only=critic_only,
                 ranks=ranks,
@@ -685,8 +720,25 @@ class Trainer(Actor):
             canary=tensor_fingerprint(canary[CANARY_TENSOR]),
         )
 
-    @handles(PublishRequested, emits=(WeightsStaged, *HEALING))
+    @handles(
+        PublishRequested,
+        emits=(
+            WeightsStaged,
+            DataReleased,
+            TrainStepFinished,
+            StepCancelled,
+            MemoryOnloaded,
+            MemoryOffloaded,
+            *HEALING,
+        ),
+    )
     async def on_publish_requested(self, event: PublishRequested) -> None:
+        await self._publish_step(event)
+        if self._bound and event.rollout_id is not None and event.rollout_id == self._turn - 1:
+            self._turn_open = True  # its weights are staged: the next rollout may train
+            await self._train_in_turn()
+
+    async def _publish_step(self, event: PublishRequested) -> None:
         try:
             if self._restoring:
                 return  # asked for before the group lost its state: the restore's comes after

@@ -174,7 +174,7 @@ def main() -> int:
                 process.kill()
             client.close()
     log = list(read_events(run_dir / "events.log"))
-    steps = Counter(kept_steps(log))
+    steps = Counter(e.rollout_id for e in kept_steps(log))
     lost = sum(1 for r in range(args.rollouts) if steps[r] == 0)
     doubled = sum(count - 1 for count in steps.values() if count > 1)
     redone = sum(len(e.redo) for e in log if isinstance(e, TrainerRestoreRequested))

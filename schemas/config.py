@@ -118,6 +118,23 @@ class RunConfig(Section):
     external_policy_sync_run_until_stop: bool = False
     """With an external policy synchronizer: rollouts go on past ``num_rollout`` until the
     plugin's ``after_local_train`` stops the run (or a signal does)."""
+    max_staleness: NonNegativeInt = 0
+    """Asynchronous training: how many publications the weights a rollout is sampled with
+    may lag behind the policy that trains on it. Rollout ``r`` is sampled on the weights
+    published after step ``r - 1 - max_staleness``, so rollouts ``n + 1 .. n + k`` are
+    generated while step ``n`` trains. 0: the seed's synchronous loop (each rollout on the
+    weights of the step before it). Publications land on the engines between rollouts."""
+    fully_async: bool = False
+    """The seed's ``--fully-async`` (its asynchronous driver: the next rollout is generated
+    while the current one trains): ``max_staleness = 1`` where ``max_staleness`` is 0."""
+    staleness_policy: Literal["wait", "drop", "mask"] = "wait"
+    """With ``max_staleness``: ``wait``, a rollout is asked for only once the publication that
+    keeps it within the bound is through (generation waits for it; a run is the same from
+    the same config, bit for bit on the local runtime); ``drop`` and ``mask``, rollouts are
+    asked for as soon as the trainer is at most ``max_staleness`` rollouts behind, sampled on
+    whatever the engines serve then, and a sample with a token older than the bound is left
+    out of training (``drop``) or its stale tokens are (``mask``), counted in
+    ``TrainStepFinished.stale_samples`` / ``stale_tokens``."""
     control_server_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
     """The control server's port (miles' ``--control-server-port``; 0: no server): miles'
     cells API (health, cells, suspend and resume, fault injection) plus save and stop, each
@@ -424,6 +441,12 @@ class TrainerConfig(Section):
     log-probabilities about 1e-2 off. ``off``: everything in ``model.dtype``."""
     use_rollout_logprobs: bool = False
     """Use the engine's logprobs as old logprobs instead of recomputing them."""
+    rollout_is_cap: PositiveFloat | None = None
+    """Importance correction for tokens sampled on older weights (asynchronous training), as
+    decoupled PPO: each token's loss is weighted by ``min(pi_old / pi_rollout, cap)``, where
+    ``pi_rollout`` is the engine's probability of the token (``response_logprobs``) and
+    ``pi_old`` the trainer's before the step (truncated importance sampling). Unset: none.
+    Needs ``rollout.temperature = 1``."""
     shared_prompts: bool = True
     """Run each distinct prompt of a micro-batch once (a GRPO group's samples share it) and
     the responses on its copied KV cache, instead of every sample's whole sequence (Qwen2/3,
@@ -459,6 +482,12 @@ def skip_tensor_list(config: Config) -> list[str]:
 def engines_heal(config: Config) -> bool:
     """Whether engines that die or hang are restarted (``run.ft_components``)."""
     return "rollout" in config.run.ft_components
+
+
+def staleness_bound(config: Config) -> int:
+    """How many publications a rollout's weights may lag (``run.max_staleness``; the seed's
+    ``fully_async`` is 1); 0: the synchronous loop."""
+    return config.run.max_staleness or (1 if config.run.fully_async else 0)
 
 
 def trainer_heals(config: Config) -> bool:

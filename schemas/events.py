@@ -79,6 +79,10 @@ class RunStarted(Event, frozen=True, kw_only=True):
     trainer_sharding: str = "none"
     """How the trainer's ranks share the model, ``trainer.sharding`` resolved: ``fsdp2``,
     ``ddp``, or ``none`` (one rank, no process group)."""
+    regenerated: list[int] = []
+    """On resume: the rollouts from ``start_rollout_id`` on that the runs before asked for
+    (queued, in flight, generated or trained after the checkpoint): none of their samples is
+    kept, each is generated again with the same id, prompts and seeds."""
 
 
 class StopRequested(Event, frozen=True, kw_only=True):
@@ -204,6 +208,9 @@ class TrainMetrics(msgspec.Struct, frozen=True, kw_only=True):
     num_optimizer_steps: int = 0
     lr: float = 0.0
     """The learning rate of the rollout's last optimizer step (``trainer.lr_decay_style``)."""
+    importance_weight: float = 0.0
+    """With ``trainer.rollout_is_cap``: the mean truncated importance weight of the trained
+    tokens (1 where the engine sampled with the trainer's weights)."""
 
 
 class RankStep(msgspec.Struct, frozen=True, kw_only=True):
@@ -232,6 +239,17 @@ class TrainStepFinished(Event, frozen=True, kw_only=True):
     """The backend's report, as it gave it."""
     staleness_max: int = 0
     """Trainer version minus the oldest version a sample was generated with."""
+    token_staleness: list[int] = []
+    """How many trained response tokens were sampled ``i`` publications behind the trainer's
+    version, at index ``i`` (tokens left out are not counted)."""
+    stale_samples: int = 0
+    """Samples left out of training because a token was older than ``run.max_staleness``
+    publications (``run.staleness_policy`` ``drop``, and ``wait`` should one occur)."""
+    stale_tokens: int = 0
+    """Response tokens older than the bound: of the samples left out, or masked (``mask``)."""
+    trained_prompts: list[int] = []
+    """The dataset index of the prompt of each sample trained on, in sample order: a run's
+    log says which prompts its steps trained (a resumed run's, exactly once)."""
     train_seconds: float = 0.0
     critic_only: bool = False
     """PPO before ``trainer.num_critic_only_steps``: the critic trained, the policy did not."""
@@ -887,14 +905,16 @@ def plan_of(event: RunStarted) -> RunPlan:
     return msgspec.convert({name: getattr(event, name) for name in PLAN_FIELDS}, RunPlan)
 
 
-def kept_steps(events: Iterable[Event]) -> list[int]:
-    """The training steps a run kept, in order (its ``TrainStepFinished`` rollout ids): a
-    trainer that went back to a checkpoint (``TrainerRestoreRequested``) drops the steps it
-    had trained after it, and trains them again."""
-    kept: list[int] = []
+def kept_steps(events: Iterable[Event]) -> list[TrainStepFinished]:
+    """The training steps a run kept, in order: a trainer that went back to a checkpoint
+    (``TrainerRestoreRequested``), or a run resumed from one (``RunStarted``), drops the steps
+    trained after it, and trains them again."""
+    kept: list[TrainStepFinished] = []
     for event in events:
         if isinstance(event, TrainStepFinished):
-            kept.append(event.rollout_id)
+            kept.append(event)
         elif isinstance(event, TrainerRestoreRequested):
-            kept = [r for r in kept if r <= event.rollout_id]
+            kept = [e for e in kept if e.rollout_id <= event.rollout_id]
+        elif isinstance(event, RunStarted):
+            kept = [e for e in kept if e.rollout_id < event.start_rollout_id]
     return kept

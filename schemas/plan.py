@@ -36,6 +36,9 @@ class RunPlan(msgspec.Struct, frozen=True, kw_only=True):
     lineage: str = ""
     """The run id of the fresh run this run continues (its own on a fresh run); every
     checkpoint it saves records it."""
+    regenerated: tuple[int, ...] = ()
+    """On resume: the rollouts from ``start_rollout_id`` on that the runs before asked for
+    (their samples are not kept; each is generated again with the same id and seeds)."""
     trainer_ranks: int = 1
     """``trainer.num_ranks``: the processes that train."""
     trainer_sharding: str = "none"

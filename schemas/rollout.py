@@ -5,6 +5,14 @@ from __future__ import annotations
 import msgspec
 
 
+class VersionSpan(msgspec.Struct, frozen=True, array_like=True):
+    """From response token ``start`` on (to the next span), the tokens were sampled with
+    weight version ``weight_version``."""
+
+    start: int
+    weight_version: str
+
+
 class Sample(msgspec.Struct, frozen=True, kw_only=True):
     index: int
     """Position of the prompt in the dataset (the data order is a pure function of the seed)."""
@@ -22,6 +30,12 @@ class Sample(msgspec.Struct, frozen=True, kw_only=True):
     engine: str
     finish_reason: str
     """``"stop"`` (a stop token or string) or ``"length"`` (max new tokens)."""
+    version_spans: list[VersionSpan] = []
+    """The weight version of each response token, as spans in token order (the first starts
+    at 0); empty: every token is of ``weight_version``."""
+    loss_mask: list[int] = []
+    """1 for each response token trained on, 0 for one left out (a stale token under
+    ``run.staleness_policy = "mask"``); empty: every token."""
     advantages: list[float] = []
     """Each response token's advantage, where the trainer is given them (PPO with a critic:
     the GAE of the critic's values); empty: GRPO's group-normalised reward for every token."""

@@ -497,3 +497,38 @@ def test_what_healing_and_the_control_server_need_is_checked(
     tmp_path: Path, overrides: list[str], starts: str
 ) -> None:
     assert starts in error_of(write_config(tmp_path, BASE), overrides)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "starts"),
+    [
+        (
+            ["run.max_staleness=1", "trainer.use_critic=true"],
+            "trainer.use_critic: asynchronous training with a critic",
+        ),
+        (
+            ["run.fully_async=true", "run.offload_train=true"],
+            "run.offload_train: asynchronous training needs",
+        ),
+        (
+            ["run.max_staleness=2", "run.offload_rollout=true"],
+            "run.offload_rollout: asynchronous training needs",
+        ),
+        (
+            ["run.max_staleness=1", "ray.colocate=true"],
+            "ray.colocate: asynchronous training needs the engines",
+        ),
+        (
+            ["run.max_staleness=1", 'run.ft_components=["train"]', "trainer.num_ranks=2"],
+            'run.ft_components: "train" with asynchronous training',
+        ),
+        (
+            ["trainer.rollout_is_cap=2.0", "rollout.temperature=0.7"],
+            "trainer.rollout_is_cap: the engine's logprobs",
+        ),
+    ],
+)
+def test_what_asynchronous_training_works_with_is_checked(
+    tmp_path: Path, overrides: list[str], starts: str
+) -> None:
+    assert starts in error_of(write_config(tmp_path, BASE), overrides)

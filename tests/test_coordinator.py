@@ -556,3 +556,88 @@ async def test_a_group_suspended_again_before_its_restore_is_answered_is_asked_a
     out = await feed(c, resumed(0), resumed(1))
     assert kinds(out) == [("TrainerRestoreRequested", -1)]
     assert kinds(await feed(c, late)) == [("PublishRequested", -1)]
+
+
+# -- asynchronous training (run.max_staleness) -------------------------------------------
+
+
+async def test_with_max_staleness_k_rollouts_run_k_ahead_and_each_publication_waits_for_the_rollout_k_after():
+    """Rollout r is asked for once step r - 1 - k is published; step n's publication once
+    rollout n + k is asked for: the Generator meets requests and publications in one order."""
+    c = make(num_rollout=5, max_staleness=1)
+    out = await feed(
+        c,
+        started(c),
+        verified(1, None),  # rollouts 0 and 1 on the initial weights
+        trained(0),  # rollout 1 was asked for: publish step 0
+        verified(2, 0),  # rollout 2 on step 0's weights
+        trained(1),
+        trained(2),  # cannot come before step 1's publication: the Trainer waits for it
+    )
+    assert kinds(out) == [
+        ("PublishRequested", None),
+        ("RolloutRequested", 0),
+        ("RolloutRequested", 1),
+        ("PublishRequested", 0),
+        ("RolloutRequested", 2),
+        ("PublishRequested", 1),
+    ]
+
+
+async def test_a_publication_waits_for_the_rollout_it_must_follow_and_for_the_one_before_it():
+    c = make(num_rollout=6, max_staleness=2)
+    out = await feed(c, started(c), verified(1, None), trained(0), trained(1))
+    # 0, 1, 2 on the initial weights; step 0's publication once rollout 2 is asked for;
+    # step 1's only after step 0's is through.
+    assert kinds(out) == [
+        ("PublishRequested", None),
+        ("RolloutRequested", 0),
+        ("RolloutRequested", 1),
+        ("RolloutRequested", 2),
+        ("PublishRequested", 0),
+    ]
+    more = await feed(c, verified(2, 0))
+    assert kinds(more) == [("RolloutRequested", 3), ("PublishRequested", 1)]
+
+
+async def test_asynchronous_saves_go_with_their_steps_publication_and_the_last_rollout_finishes():
+    c = make(num_rollout=3, max_staleness=1, save_interval=2)
+    out = await feed(
+        c, started(c), verified(1, None), trained(0), verified(2, 0), trained(1), verified(3, 1), trained(2)
+    )
+    # Step 2's save (the last) waits for step 1's to be written, and its publication with it.
+    assert kinds(out)[-3:] == [("RolloutRequested", 2), ("SaveRequested", 1), ("PublishRequested", 1)]
+    assert kinds(await feed(c, saved(1))) == [("SaveRequested", 2), ("PublishRequested", 2)]
+    assert kinds(await feed(c, verified(4, 2), saved(2))) == [("RunFinished", "completed")]
+
+
+async def test_asynchronous_stop_saves_the_last_step_trained_and_asks_for_nothing_more():
+    c = make(num_rollout=10, max_staleness=1)
+    await feed(c, started(c), verified(1, None), trained(0), verified(2, 0), trained(1))
+    out = await feed(c, StopRequested(reason="user"), verified(3, 1), trained(2))
+    assert kinds(out) == [("SaveRequested", 1)]  # step 2 is trained after the stop: not kept
+    assert kinds(await feed(c, saved(1))) == [("RunFinished", "stopped")]
+
+
+async def test_drop_and_mask_ask_for_rollouts_once_the_weights_keeping_them_in_bound_are_staged():
+    from schemas.events import WeightsStaged
+
+    c = make(num_rollout=6, max_staleness=1, staleness_policy="drop")
+    await feed(c, started(c), verified(1, None), trained(0))
+    staged_0 = WeightsStaged(
+        weight_version="2",
+        weights=DataRef("inprocess", "w2", "trainer", 1),
+        digest="d",
+        num_tensors=1,
+        num_bytes=1,
+        rollout_id=0,
+    )
+    assert kinds(await feed(c, staged_0)) == [("RolloutRequested", 2)]  # before the publication is through
+
+
+def test_fully_async_is_a_staleness_bound_of_one():
+    from schemas.config import staleness_bound
+
+    assert staleness_bound(Config(run=RunConfig(fully_async=True))) == 1
+    assert staleness_bound(Config(run=RunConfig(fully_async=True, max_staleness=3))) == 3
+    assert staleness_bound(Config()) == 0

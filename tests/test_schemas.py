@@ -90,6 +90,7 @@ EXAMPLES: dict[str, dict[str, Any]] = {
         checkpoint_iteration=1,
         trainer_ranks=2,
         trainer_sharding="fsdp2",
+        regenerated=[2, 3],
     ),
     "StopRequested": dict(reason="sentinel file", now=True),
     "StepCancelled": dict(rollout_id=3, phase="generate", reason="interrupted by signal"),
@@ -127,6 +128,10 @@ EXAMPLES: dict[str, dict[str, Any]] = {
             num_optimizer_steps=4,
         ),
         staleness_max=1,
+        token_staleness=[100, 1948],
+        stale_samples=1,
+        stale_tokens=3,
+        trained_prompts=[4, 4, 9, 9],
         train_seconds=3.0,
         critic_only=False,
         ranks=[

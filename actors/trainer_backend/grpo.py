@@ -188,6 +188,13 @@ class LossTerms:
     clipfrac: Tensor
 
 
+def truncated_importance(old_logp: Tensor, rollout_logp: Tensor, cap: float) -> Tensor:
+    """``min(exp(old_logp - rollout_logp), cap)`` per token, without gradient: how much more
+    likely the policy before the step makes a token than the one that sampled it, cut at
+    ``cap`` (truncated importance sampling)."""
+    return torch.exp((old_logp - rollout_logp).detach()).clamp(max=cap)
+
+
 def policy_loss(
     logp: Tensor,
     old_logp: Tensor,
@@ -202,6 +209,7 @@ def policy_loss(
     kl_coef: float = 0.0,
     kl_type: KLType = "k3",
     num_tokens: float | None = None,
+    importance: Tensor | None = None,
 ) -> LossTerms:
     """GRPO loss: ``pg_loss + kl_coef * kl - entropy_coef * entropy``.
 
@@ -209,7 +217,9 @@ def policy_loss(
     is per token (see ``expand_advantages``). ``num_tokens`` is the denominator of the
     token-level mean, by default the tokens of this batch; pass the token count of the
     whole optimizer step when this batch is one micro-batch of it. ``kl`` is reported
-    whenever ``ref_logp`` is given and enters the loss with ``kl_coef``.
+    whenever ``ref_logp`` is given and enters the loss with ``kl_coef``. ``importance``
+    (no gradient) weighs each token's policy-gradient term (decoupled PPO's correction for
+    tokens sampled by an older policy).
     """
     mask = mask.to(logp.dtype)
     denominator = float(mask.sum().item()) if num_tokens is None else float(num_tokens)
@@ -219,6 +229,8 @@ def policy_loss(
         return (values * mask).sum() / denominator
 
     token_loss, clipped = ppo_clip_token_loss(logp, old_logp, advantages, eps_clip, eps_clip_high)
+    if importance is not None:
+        token_loss = token_loss * importance.detach()
     pg_loss = token_mean(token_loss)
     loss = pg_loss
     kl = logp.new_zeros(())

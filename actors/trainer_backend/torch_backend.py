@@ -45,6 +45,7 @@ from actors.trainer_backend.grpo import (
     group_advantages,
     logprobs_and_entropy,
     policy_loss,
+    truncated_importance,
 )
 from actors.trainer_backend.parallel import Parallel, by_name, local_shard, share
 from miles_events.bus.cancel import Cancellation, Cancelled
@@ -110,8 +111,7 @@ def pack_samples(samples: list[Sample], indices: list[int]) -> MicroBatch:
         # Logits at position t predict token t + 1.
         index_rows.append(list(range(prompt_len - 1, prompt_len - 1 + response_len)) + [0] * response_pad)
         target_rows.append(list(sample.response_ids) + [0] * response_pad)
-    lengths = torch.tensor([len(s.response_ids) for s in samples])
-    mask = (torch.arange(max_response).unsqueeze(0) < lengths.unsqueeze(1)).to(torch.float32)
+    mask = response_mask(samples, max_response)
     return MicroBatch(
         indices,
         torch.tensor(input_rows, dtype=torch.long),
@@ -164,7 +164,6 @@ def pack_shared_prompts(samples: list[Sample], indices: list[int]) -> SharedProm
         position_rows.append([prompt_len + k for k in range(fed)])
         input_mask_rows.append([1] * len(feed) + [0] * (fed - len(feed)))
         target_rows.append(response + [0] * (max_response - len(response)))
-    lengths = torch.tensor([len(s.response_ids) for s in samples])
     return SharedPromptBatch(
         indices=indices,
         prompt_ids=torch.tensor([[0] * (width - len(p)) + list(p) for p in distinct], dtype=torch.long),
@@ -174,8 +173,24 @@ def pack_shared_prompts(samples: list[Sample], indices: list[int]) -> SharedProm
         response_positions=torch.tensor(position_rows, dtype=torch.long).reshape(len(samples), fed),
         response_input_mask=torch.tensor(input_mask_rows, dtype=torch.long).reshape(len(samples), fed),
         targets=torch.tensor(target_rows, dtype=torch.long),
-        mask=(torch.arange(max_response).unsqueeze(0) < lengths.unsqueeze(1)).to(torch.float32),
+        mask=response_mask(samples, max_response),
     )
+
+
+def response_mask(samples: list[Sample], max_response: int) -> torch.Tensor:
+    """``[batch, max_response]`` float32: 1.0 for each response token trained on (all of
+    them, less those a sample's ``loss_mask`` leaves out), 0.0 elsewhere."""
+    lengths = torch.tensor([len(s.response_ids) for s in samples])
+    mask = (torch.arange(max_response).unsqueeze(0) < lengths.unsqueeze(1)).to(torch.float32)
+    for row, sample in enumerate(samples):
+        if sample.loss_mask:
+            mask[row, : len(sample.loss_mask)] = torch.tensor(sample.loss_mask, dtype=torch.float32)
+    return mask
+
+
+def trained_tokens(sample: Sample) -> int:
+    """The response tokens of ``sample`` its loss counts."""
+    return sum(sample.loss_mask) if sample.loss_mask else len(sample.response_ids)
 
 
 def shares_prompts(samples: list[Sample]) -> bool:
@@ -494,9 +509,13 @@ class TorchTrainerBackend(TrainerBackend):
         first_step = len(steps[0])
         old_logps: list[torch.Tensor | None] = []
         ref_logps: list[torch.Tensor | None] = []
+        rollout_logps: list[torch.Tensor | None] = []
         with torch.no_grad():
             for position, micro in enumerate(micro_batches):
                 self._check_cancel(cancel)  # a cancellation point: nothing has changed yet
+                rollout_logps.append(
+                    None if trainer.rollout_is_cap is None else self._rollout_logprobs(samples, micro)
+                )
                 if trainer.use_rollout_logprobs:
                     old_logps.append(self._rollout_logprobs(samples, micro))
                 elif position < first_step:
@@ -507,7 +526,7 @@ class TorchTrainerBackend(TrainerBackend):
                     None if self.reference is None else self._forward(micro, False, reference=True)[0]
                 )
 
-        totals = dict.fromkeys(("loss", "pg_loss", "kl", "entropy", "clipfrac"), 0.0)
+        totals = dict.fromkeys(("loss", "pg_loss", "kl", "entropy", "clipfrac", "importance"), 0.0)
         total_tokens = 0
         grad_norm = 0.0
         lr = self.lr_schedule.lr_at(self._num_optimizer_steps)
@@ -515,19 +534,26 @@ class TorchTrainerBackend(TrainerBackend):
         trained_steps = 0
         for number, (step, indices) in enumerate(zip(steps, step_indices, strict=True), start=1):
             # The whole step's tokens, every rank's part: each rank knows the whole rollout.
-            step_tokens = sum(len(samples[i].response_ids) for i in indices)
+            step_tokens = sum(trained_tokens(samples[i]) for i in indices)
             step_totals = dict.fromkeys(totals, 0.0)
             self.optimizer.zero_grad(set_to_none=True)
             for count, micro in enumerate(step, start=1):
                 if trained_steps == 0:
                     self._check_cancel(cancel)  # before the first optimizer step only
-                old_logp, ref_logp = old_logps[position], ref_logps[position]
+                old_logp, ref_logp, rollout_logp = (
+                    old_logps[position],
+                    ref_logps[position],
+                    rollout_logps[position],
+                )
                 position += 1
                 mask = micro.mask.to(self.device)
                 with self.parallel.no_sync(self.root, last=count == len(step)):
                     logp, entropy = self._forward(micro, with_entropy=True)
                     if old_logp is None:
                         old_logp = logp.detach()
+                    importance = None
+                    if rollout_logp is not None and trainer.rollout_is_cap is not None:
+                        importance = truncated_importance(old_logp, rollout_logp, trainer.rollout_is_cap)
                     if entropy is not None and not trainer.entropy_coef:
                         entropy = entropy.detach()  # logged only: no backward through the softmax
                     terms = policy_loss(
@@ -545,12 +571,18 @@ class TorchTrainerBackend(TrainerBackend):
                         kl_coef=trainer.kl_loss_coef if trainer.use_kl_loss else 0.0,
                         kl_type=trainer.kl_loss_type,
                         num_tokens=step_tokens,
+                        importance=importance,
                     )
                     (terms.loss * loss_scale if self.parallel.sharded else terms.loss).backward()
                 # Terms are sums / step_tokens: scale back to sums for the rollout-wide mean.
                 weight = max(step_tokens, 1)
+                weighted = (
+                    (importance * mask).sum() / max(step_tokens, 1)
+                    if importance is not None
+                    else terms.kl.new_zeros(())
+                )
                 values = torch.stack(
-                    [terms.loss.detach(), terms.pg_loss, terms.kl, terms.entropy, terms.clipfrac]
+                    [terms.loss.detach(), terms.pg_loss, terms.kl, terms.entropy, terms.clipfrac, weighted]
                 ).tolist()  # one device-to-host read per micro-batch
                 for key, value in zip(step_totals, values, strict=True):
                     step_totals[key] += value * weight
@@ -576,6 +608,7 @@ class TorchTrainerBackend(TrainerBackend):
             entropy=totals["entropy"] / denominator,
             grad_norm=grad_norm,
             clipfrac=totals["clipfrac"] / denominator,
+            importance_weight=totals["importance"] / denominator,
             train_tokens=total_tokens,
             num_optimizer_steps=trained_steps,
             lr=lr,

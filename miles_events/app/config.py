@@ -31,7 +31,7 @@ from actors.trainer_backend import check_backend
 from miles_events.policy_sync.loader import load_policy_sync
 from miles_events.rl.prompts import not_a_file
 from miles_events.util.registry import load_function
-from schemas.config import Config, engines_isolated, resolved_sharding, trainer_heals
+from schemas.config import Config, engines_isolated, resolved_sharding, staleness_bound, trainer_heals
 
 PATH_KEYS: tuple[tuple[str, str], ...] = (
     ("run", "dir"),
@@ -428,6 +428,7 @@ def validate(config: Config) -> None:
         if problem is not None:
             raise ConfigError(f"data.eval_data: {data.eval_data} {problem}", key="data.eval_data")
     _check_fault_tolerance(config)
+    _check_asynchronous(config)
     rollout_samples = data.rollout_batch_size * data.n_samples_per_prompt
     global_batch = trainer.global_batch_size or rollout_samples
     if rollout_samples % global_batch:
@@ -441,6 +442,13 @@ def validate(config: Config) -> None:
             f"trainer.micro_batch_size: {trainer.micro_batch_size} must be <= the global batch "
             f"of {global_batch} samples",
             key="trainer.micro_batch_size",
+        )
+    if trainer.rollout_is_cap is not None and config.rollout.temperature != 1.0:
+        raise ConfigError(
+            f"trainer.rollout_is_cap: the engine's logprobs are of logits / rollout.temperature "
+            f"({config.rollout.temperature:g}) and the trainer's of the untempered policy; sample at "
+            "temperature 1 to correct for them",
+            key="trainer.rollout_is_cap",
         )
     if trainer.use_rollout_logprobs and config.rollout.temperature != 1.0:
         raise ConfigError(
@@ -773,6 +781,54 @@ def _check_fault_tolerance(config: Config) -> None:
             'run.mini_ft_controller: heals cells, and there are none: set run.ft_components = ["rollout"]',
             key="run.mini_ft_controller",
         )
+
+
+def _check_asynchronous(config: Config) -> None:
+    """What asynchronous training (``run.max_staleness``, ``run.fully_async``) works with."""
+    run = config.run
+    if not staleness_bound(config):
+        return
+    why = "rollouts are generated ahead of training"
+    refusals = (
+        (
+            run.rollout_only_from_checkpoint,
+            "run.rollout_only_from_checkpoint",
+            "a rollout-only run trains nothing: nothing to be ahead of",
+        ),
+        (
+            config.trainer.use_critic,
+            "trainer.use_critic",
+            f"asynchronous training with a critic is not supported ({why}; the critic values each rollout in step)",
+        ),
+        (
+            run.offload_train,
+            "run.offload_train",
+            f"asynchronous training needs the trainer's memory while the engines generate ({why})",
+        ),
+        (
+            run.offload_rollout,
+            "run.offload_rollout",
+            f"asynchronous training needs the engines' memory while the trainer trains ({why})",
+        ),
+        (
+            config.ray.colocate,
+            "ray.colocate",
+            f"asynchronous training needs the engines and the trainer apart, as the seed's asynchronous driver does ({why})",
+        ),
+        (
+            run.external_policy_sync_path is not None,
+            "run.external_policy_sync_path",
+            f"asynchronous training with an external policy synchronizer is not supported (its hooks run between steps, {why})",
+        ),
+        (
+            trainer_heals(config),
+            "run.ft_components",
+            f'"train" with asynchronous training is not supported (a restored trainer would meet rollouts asked for before it; {why})',
+        ),
+    )
+    for refused, key, reason in refusals:
+        if refused:
+            raise ConfigError(f"{key}: {reason}", key=key)
 
 
 def _check_trainer_heals(config: Config) -> None:

@@ -22,6 +22,8 @@ import msgspec
 
 from actors.engine import reads_back_every_tensor
 from miles_events.app.config import config_digest
+from miles_events.app.run_dir import EVENT_LOG
+from miles_events.bus.event_log import read_events
 from miles_events.checkpoint.format import CheckpointError, checkpoint_rollout_id, has_critic
 from miles_events.checkpoint.resume import (
     checkpoint_dirs,
@@ -36,6 +38,7 @@ from miles_events.rl.versions import engine_names
 from miles_events.runtime.base import Preparation
 from schemas.checkpoint import TrainerState
 from schemas.config import Config, resolved_sharding
+from schemas.events import RolloutRequested
 from schemas.plan import RunPlan
 
 logger = logging.getLogger(__name__)
@@ -152,6 +155,12 @@ def make_plan(config: Config, runtime: str, run_id: str = "") -> PlannedRun:
                 )
     if run.start_rollout_id is not None:
         start = run.start_rollout_id
+    regenerated = _asked_before(Path(run.dir), start) if resumed else ()
+    if regenerated:
+        logger.info(
+            "rollouts asked for before, after the checkpoint, generated again: %s",
+            ", ".join(map(str, regenerated)),
+        )
     plan = RunPlan(
         start_rollout_id=start,
         num_rollout=num_rollout,
@@ -170,8 +179,23 @@ def make_plan(config: Config, runtime: str, run_id: str = "") -> PlannedRun:
         probe=probe_publications(config),
         trainer_ranks=config.trainer.num_ranks,
         trainer_sharding=resolved_sharding(config.trainer),
+        regenerated=regenerated,
     )
     return PlannedRun(plan, moves)
+
+
+def _asked_before(run_dir: Path, start: int) -> tuple[int, ...]:
+    """The rollouts from ``start`` on that the run directory's event log says were asked
+    for (what a resume generates again); every readable record counts."""
+    path = run_dir / EVENT_LOG
+    asked: set[int] = set()
+    try:
+        for event in read_events(path, on_damage=lambda *_: None):
+            if isinstance(event, RolloutRequested) and event.rollout_id >= start:
+                asked.add(event.rollout_id)
+    except (OSError, ValueError):
+        pass  # no log, or one cut short: what it read counts
+    return tuple(sorted(asked))
 
 
 def probe_publications(config: Config) -> bool:
