@@ -184,6 +184,22 @@ def _learning() -> list[PanelSpec]:
         _last_value_series(
             "Staleness", "Staleness of each trained batch, in weight versions.", "miles_rollout_staleness"
         ),
+        timeseries(
+            "Token staleness",
+            "Response tokens trained per interval, by how many publications behind the trainer's "
+            "version they were sampled (asynchronous training: up to run.max_staleness), and the "
+            "tokens past the bound left out (run.staleness_policy drop or mask).",
+            Query(
+                'sum by (staleness) (increase(miles_trained_tokens_by_staleness_total{run=~"$run"}[$__rate_interval]))',
+                "{{staleness}} behind",
+            ),
+            Query('sum(increase(miles_stale_tokens_total{run=~"$run"}[$__rate_interval]))', "past the bound"),
+            Query(
+                'sum(increase(miles_stale_samples_total{run=~"$run"}[$__rate_interval]))', "samples dropped"
+            ),
+            width=24,
+            bars=True,
+        ),
         _last_value_series("Loss", "Loss of each train step.", "miles_train_loss"),
         _last_value_series("KL", "KL to the reference policy of each train step.", "miles_train_kl"),
         _last_value_series("Grad norm", "Gradient norm of each train step.", "miles_train_grad_norm"),

@@ -66,6 +66,8 @@ PER_RANK = {
 run's trainer did not)."""
 FAULT_ONLY = {"miles_fault_injections_total"}
 """Series only once a fault is injected through the control server."""
+BY_STALENESS = {"miles_trained_tokens_by_staleness_total"}
+"""Series from steps that report their tokens' staleness (the recorded log predates it)."""
 OFFLOAD_ONLY = {
     "miles_memory_moved_bytes",
     "miles_memory_device_freed_bytes",
@@ -107,6 +109,9 @@ def two_rank_step(run_id: str = "r", rollout_id: int = 0) -> TrainStepFinished:
         rollout_id=rollout_id,
         weight_version=str(rollout_id),
         train_seconds=1.25,
+        token_staleness=[0, 40, 2],
+        stale_samples=1,
+        stale_tokens=3,
         ranks=[
             RankStep(rank=0, pid=11, step_seconds=1.25, peak_memory_bytes=430 << 20, state_bytes=96 << 20),
             RankStep(rank=1, pid=12, step_seconds=1.5, peak_memory_bytes=400 << 20, state_bytes=94 << 20),
@@ -327,7 +332,13 @@ def test_every_documented_metric_gets_a_series_in_a_full_run(events: list[Event]
     with_samples = {exposed_name(f) for f in metrics.registry.collect() if f.samples}
     assert (
         with_samples
-        == {spec.name for spec in METRICS} - FAILURE_ONLY - PER_RANK - PPO_ONLY - OFFLOAD_ONLY - FAULT_ONLY
+        == {spec.name for spec in METRICS}
+        - FAILURE_ONLY
+        - PER_RANK
+        - PPO_ONLY
+        - OFFLOAD_ONLY
+        - FAULT_ONLY
+        - BY_STALENESS
     )
 
 
@@ -579,3 +590,15 @@ def test_a_trainer_that_goes_back_to_a_checkpoint_counts_its_restores_and_the_ro
     metrics.observe(TrainerRestored(checkpoint="c", rollout_id=2, weight_version="6", run_id="r"))
     assert value(metrics, "miles_rollouts_redone_total", run="r") == 3
     assert value(metrics, "miles_trainer_restores_total", run="r") == 1
+
+
+def test_trained_tokens_are_counted_by_staleness_and_stale_ones_apart() -> None:
+    metrics = RunMetrics()
+    metrics.attach_bus(EventBus("r"))
+    metrics.observe(two_rank_step())
+    metrics.observe(two_rank_step(rollout_id=1))
+    assert value(metrics, "miles_trained_tokens_by_staleness_total", run="r", staleness="1") == 80
+    assert value(metrics, "miles_trained_tokens_by_staleness_total", run="r", staleness="2") == 4
+    assert value(metrics, "miles_trained_tokens_by_staleness_total", run="r", staleness="0") is None
+    assert value(metrics, "miles_stale_samples_total", run="r") == 2
+    assert value(metrics, "miles_stale_tokens_total", run="r") == 6

@@ -36,6 +36,13 @@ def recorded():
     return events, load_config(FIXTURE / "configs" / f"{run_id}.toml", check=False)
 
 
+def async_counts(config, kinds) -> None:
+    assert config.run.max_staleness == 2 and config.run.staleness_policy == "wait"
+    # Three rollouts asked for before the first step is trained.
+    assert kinds[: kinds.index("TrainStepFinished")].count("RolloutRequested") == 3
+    assert kinds.count("TrainStepFinished") == 8 and kinds.count("PublicationVerified") == 9
+
+
 @pytest.mark.parametrize("name", ["coordinator", "verifier", "publisher"])
 async def test_redriven_actor_makes_the_recorded_decisions(recorded, name):
     events, config = recorded
@@ -307,6 +314,7 @@ def trainer_heal_counts(config, kinds) -> None:
         ("offload_run", offload_counts),
         ("heal_run", heal_counts),
         ("trainer_heal_run", trainer_heal_counts),
+        ("async_run", async_counts),
     ],
 )
 async def test_a_run_of_a_seed_branch_redrives_to_the_recorded_decisions(name, fixture, check):
@@ -314,7 +322,8 @@ async def test_a_run_of_a_seed_branch_redrives_to_the_recorded_decisions(name, f
     on restored engines, the Publisher's publications without a suspended one, a save asked
     for through the control server), and a trainer that heals (the Coordinator's restore of
     the latest checkpoint and the rollouts it asks for again), each re-driven from a
-    recorded run."""
+    recorded run, and an asynchronous run (the Coordinator's schedule of rollouts ahead and
+    of held publications)."""
     runs = split_runs(read_events(FIXTURES / fixture / "events.log"))
     ((run_id, events),) = runs.items()
     config = load_config(FIXTURES / fixture / "configs" / f"{run_id}.toml", check=False)

@@ -103,6 +103,9 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("miles_rollout_duration_seconds", "histogram", "", "Time to generate a rollout.", "RolloutGenerated.generate_seconds"),
     _m("miles_tokens_generated_total", "counter", "", "Response tokens generated for training rollouts.", "RolloutGenerated.response_tokens"),
     _m("miles_rollout_staleness", "gauge", "", "Trainer version minus the oldest version a sample of the last trained batch was generated with.", "TrainStepFinished.staleness_max"),
+    _m("miles_trained_tokens_by_staleness_total", "counter", "staleness", "Response tokens trained on, by how many publications behind the trainer's version they were sampled (`staleness`: 0 in the synchronous loop, up to `run.max_staleness` asynchronously).", "TrainStepFinished.token_staleness"),
+    _m("miles_stale_samples_total", "counter", "", "Samples left out of training for a token older than `run.max_staleness` publications (`run.staleness_policy` drop).", "TrainStepFinished.stale_samples"),
+    _m("miles_stale_tokens_total", "counter", "", "Response tokens older than `run.max_staleness` publications: of the samples left out, or masked (`mask`).", "TrainStepFinished.stale_tokens"),
     _m("miles_train_loss", "gauge", "", "Loss of the last train step.", "TrainStepFinished.metrics"),
     _m("miles_train_kl", "gauge", "", "KL to the reference of the last train step.", "TrainStepFinished"),
     _m("miles_train_grad_norm", "gauge", "", "Gradient norm of the last train step.", "TrainStepFinished"),
@@ -237,6 +240,11 @@ class RunMetrics(Sink):
             f("miles_train_clipfrac"),
         )
         self.lr = f("miles_train_lr")
+        self.tokens_by_staleness, self.stale_samples, self.stale_tokens = (
+            f("miles_trained_tokens_by_staleness_total"),
+            f("miles_stale_samples_total"),
+            f("miles_stale_tokens_total"),
+        )
         self.train_tokens, self.train_seconds = (
             f("miles_train_tokens_total"),
             f("miles_train_duration_seconds"),
@@ -381,6 +389,11 @@ class RunMetrics(Sink):
         self.entropy(run).set(m.entropy)
         self.clipfrac(run).set(m.clipfrac)
         self.staleness(run).set(e.staleness_max)
+        for staleness, tokens in enumerate(e.token_staleness):
+            if tokens:
+                self.tokens_by_staleness(run, str(staleness)).inc(tokens)
+        self.stale_samples(run).inc(e.stale_samples)
+        self.stale_tokens(run).inc(e.stale_tokens)
         self.train_tokens(run).inc(m.train_tokens)
         if e.train_seconds > 0:
             self.train_seconds(run).observe(e.train_seconds)
