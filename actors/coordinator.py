@@ -445,7 +445,7 @@ class Coordinator(Actor):
         base = self._published_step if self.run.staleness_policy == "wait" else self._staged_step
         return min(base + 1 + self._bound, self.plan.num_rollout - 1)
 
-    @handles(WeightsStaged, emits=(RolloutRequested, SaveRequested, PublishRequested))
+    @handles(WeightsStaged, emits=(RolloutRequested,))
     async def on_weights_staged(self, event: WeightsStaged) -> None:
         """``drop`` / ``mask``: the rollouts a step's staged weights keep within the bound are
         asked for at once (the engines meet the weights first), not after the publication."""
@@ -453,15 +453,20 @@ class Coordinator(Actor):
             return
         self._staged_step = max(self._staged_step, event.rollout_id)
         if self._opened and self._rewind is None:
-            await self._request_ahead()
+            await self._ask_ahead()  # a publication's turn does not depend on a staging here
 
     async def _request_ahead(self) -> None:
         """Ask for every rollout the staleness bound allows now."""
+        if await self._ask_ahead():
+            await self._publish_due()
+
+    async def _ask_ahead(self) -> bool:
+        """Ask for the rollouts the bound allows now; False when nothing new may be asked for."""
         if self._finishing is not None or self._stop is not None or self._pending_eval is not None:
-            return
+            return False
         for rollout_id in range(self._requested + 1, self._ahead_limit() + 1):
             await self._request_rollout(rollout_id)
-        await self._publish_due()
+        return True
 
     async def _publish_due(self) -> None:
         """The trained step's save and publication, once its turn came: the publication
