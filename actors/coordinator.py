@@ -477,8 +477,9 @@ class Coordinator(Actor):
         if self._published_step != rollout_id - 1:
             return
         last = self.plan.num_rollout - 1
-        if self.run.staleness_policy == "wait" and self._requested < min(rollout_id + self._bound, last):
-            return
+        hold = self.run.staleness_policy == "wait" and not self.config.rollout.partial
+        if hold and self._requested < min(rollout_id + self._bound, last):
+            return  # (with rollout.partial a publication lands inside a rollout anyway)
         self._due = None
         await self._save_and_publish(rollout_id, reason)
 

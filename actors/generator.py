@@ -38,6 +38,7 @@ torch threads (0: the cores it may use, shared by all engines) while it generate
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hashlib
 import logging
 import time
@@ -108,6 +109,9 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
+_BESIDE: contextvars.ContextVar[bool] = contextvars.ContextVar("beside", default=False)
+"""Set in a task whose engine calls run beside the call in progress (``call_beside``)."""
+
 HEALING: tuple[type[Event], ...] = (CellFailed, CellRestarted, WeightsLoaded)
 """What a handler publishes when an engine it calls fails and is restarted."""
 
@@ -135,6 +139,10 @@ class Generator(Actor):
         self.served: WeightsStaged | None = None
         """The publication every engine loaded last: what a restarted engine loads again."""
         self.rollout_in_flight: int | None = None
+        self._beside: dict[str, asyncio.Task[None]] = {}
+        """``rollout.partial``: publications being loaded beside the rollout in flight, by version."""
+        self._loads_started: set[str] = set()
+        """The versions whose load began (beside a rollout or in turn)."""
         self._watcher: asyncio.Task[None] | None = None
 
     @classmethod
@@ -221,11 +229,18 @@ class Generator(Actor):
             stop=tuple(rollout.stop),
         )
 
-    interrupt_types = (StopRequested, FaultInjectionRequested, CellSuspendRequested)
+    interrupt_types = (StopRequested, FaultInjectionRequested, CellSuspendRequested, WeightsStaged)
 
     def interrupt(self, event: Event) -> None:
-        # Faults and suspensions land beside the handler in progress (mid-rollout).
-        if isinstance(event, FaultInjectionRequested) and event.cell.startswith("rollout-"):
+        # Faults and suspensions land beside the handler in progress (mid-rollout); so does a
+        # publication with ``rollout.partial``, between the engines' decode steps.
+        if isinstance(event, WeightsStaged):
+            started = event.weight_version in self._loads_started  # handled in turn already
+            if self.config.rollout.partial and self.rollout_in_flight is not None and not started:
+                self._beside[event.weight_version] = self.spawn(
+                    self._load_beside(event), emits=(WeightsLoaded,)
+                )
+        elif isinstance(event, FaultInjectionRequested) and event.cell.startswith("rollout-"):
             self.spawn(self._inject(event), emits=(FaultInjected,))
         elif isinstance(event, CellSuspendRequested) and event.suspend:
             self.spawn(self._suspend(event), emits=(CellSuspended,))
@@ -269,7 +284,9 @@ class Generator(Actor):
                 batch=ref,
                 num_samples=len(samples),
                 reward_mean=_mean([s.reward for s in samples]),
-                weight_versions=sorted_versions(s.weight_version for s in samples),
+                weight_versions=sorted_versions(
+                    span.weight_version for s in samples for span in s.version_spans
+                ),
                 response_tokens=sum(len(s.response_ids) for s in samples),
                 generate_seconds=time.perf_counter() - started,
                 samples=kept_samples(samples, rollout.log_samples, rollout.log_sample_chars),
@@ -403,6 +420,8 @@ class Generator(Actor):
                 await self._restart(index)
             worker = self.engines[index]
             try:
+                if _BESIDE.get():
+                    return await worker.call_beside(method, *args, **kwargs)
                 return await worker.call(method, *args, **kwargs)
             except Exception as error:
                 if isinstance(error, Cancelled):
@@ -655,7 +674,8 @@ class Generator(Actor):
                         )
                     ),
                     weight_version=completion.weight_version,
-                    version_spans=[VersionSpan(0, completion.weight_version)],
+                    version_spans=[VersionSpan(start, version) for start, version in completion.version_spans]
+                    or [VersionSpan(0, completion.weight_version)],
                     engine=engine,
                     finish_reason=completion.finish_reason,
                 )
@@ -664,8 +684,22 @@ class Generator(Actor):
 
     # --- weights ------------------------------------------------------------------------------
 
+    async def _load_beside(self, event: WeightsStaged) -> None:
+        """``rollout.partial``: the publication loaded while a rollout is generated, each
+        engine's load landing between two of its decode steps."""
+        _BESIDE.set(True)
+        await self._load_everywhere(event)
+
     @handles(WeightsStaged, emits=(WeightsLoaded, *HEALING))
     async def on_weights_staged(self, event: WeightsStaged) -> None:
+        beside = self._beside.pop(event.weight_version, None)
+        if beside is not None:
+            await asyncio.wait([beside])  # loaded mid-rollout (its failure is the actor's already)
+            return
+        await self._load_everywhere(event)
+
+    async def _load_everywhere(self, event: WeightsStaged) -> None:
+        self._loads_started.add(event.weight_version)
         # Every engine loads at once and resolves the handle itself (the staged data belongs
         # to the trainer). A suspended engine loads it when it resumes.
         # The skip list applies here as on the trainer: digests are compared whole.

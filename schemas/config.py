@@ -231,6 +231,15 @@ class RolloutConfig(Section):
     """Stop strings; the tokenizer's EOS token always stops."""
     max_batch_size: PositiveInt = 256
     """Sequences decoded together by one engine."""
+    partial: bool = False
+    """Asynchronous training (``run.max_staleness``): a publication that comes while a
+    rollout is being generated is loaded at once, between two decode steps of the embedded
+    engine (eager decoding; between chunks of ``max_batch_size`` requests otherwise), and the
+    requests in flight continue on the new weights, each token keeping the version that
+    sampled it (``Sample.version_spans``). Nothing is aborted. Off: publications land between
+    rollouts (requests in flight finish on the weights they began with), and a run is the
+    same bit for bit from the same config on the local runtime; on, it is not (where a load
+    lands depends on timing)."""
     decode: Literal["auto", "eager", "static", "cuda_graph"] = "auto"
     """How the embedded engine decodes. ``eager``: a growing KV cache, one host look per
     token. ``static``: a static KV cache and sampling on the device, the host looking every

@@ -103,12 +103,13 @@ def trained_prompts(log: list) -> Counter[int]:
     return Counter(prompt for step in steps for prompt in step.trained_prompts)
 
 
-def check_verified(log: list) -> None:
+def check_verified(log: list, num_rollout: int = NUM_ROLLOUT) -> None:
     versions = [int(e.weight_version) for e in log if isinstance(e, WeightsPublished)]
     verified = [int(e.weight_version) for e in log if isinstance(e, PublicationVerified)]
     assert verified == versions and not [e for e in log if isinstance(e, PublicationMismatch)]
     finished = log[-1]
     assert isinstance(finished, RunFinished) and finished.status == "completed", finished
+    assert finished.last_rollout_id == num_rollout - 1
 
 
 @pytest.fixture(scope="module")
@@ -160,3 +161,23 @@ def test_an_asynchronous_run_killed_at_random_moments_trains_every_prompt_exactl
     for start in resumed:
         # The log says which rollouts were asked for after the checkpoint: generated again.
         assert start.regenerated and start.regenerated[0] == start.start_rollout_id
+
+
+def test_partial_rollouts_take_publications_mid_rollout_and_each_token_keeps_its_version(tmp_path: Path):
+    """With ``rollout.partial`` and generation slower than training (many small chunks),
+    publications land inside rollouts: samples span two versions, none past the bound."""
+    log = run_to_end(
+        tmp_path / "partial",
+        'run.runtime="local"',
+        "run.max_staleness=1",
+        "rollout.partial=true",
+        "rollout.max_batch_size=16",
+        "trainer.micro_batch_size=128",
+        "run.num_rollout=6",
+    )
+    check_verified(log, num_rollout=6)
+    generated = [e for e in log if isinstance(e, RolloutGenerated)]
+    assert any(len(e.weight_versions) == 2 for e in generated), [e.weight_versions for e in generated]
+    steps = [e for e in log if type(e).__name__ == "TrainStepFinished"]
+    assert all(len(e.token_staleness) <= 2 and e.stale_tokens == 0 for e in steps)
+    assert any(len(e.token_staleness) == 2 and e.token_staleness[0] for e in steps)  # tokens of two ages

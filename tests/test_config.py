@@ -526,6 +526,11 @@ def test_what_healing_and_the_control_server_need_is_checked(
             ["trainer.rollout_is_cap=2.0", "rollout.temperature=0.7"],
             "trainer.rollout_is_cap: the engine's logprobs",
         ),
+        (["rollout.partial=true"], "rollout.partial: needs asynchronous training"),
+        (
+            ["rollout.partial=true", "run.max_staleness=1", 'run.ft_components=["rollout"]'],
+            "rollout.partial: with engines that heal",
+        ),
     ],
 )
 def test_what_asynchronous_training_works_with_is_checked(

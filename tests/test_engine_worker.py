@@ -5,6 +5,8 @@ checks answer with the event the Generator publishes, less the header the bus st
 
 from __future__ import annotations
 
+import contextlib
+
 import logging
 from pathlib import Path
 
@@ -142,6 +144,9 @@ class ServingEngine:
     def __init__(self) -> None:
         self.weight_version = "default"
         self.checksum_reply = single_rank_report({"w": "0123456789abcdef"}, "checksummed")
+
+    def in_flight_load(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
     def unreadable_tensors(self) -> list[str]:
         return []

@@ -16,7 +16,8 @@ from __future__ import annotations
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from miles_events.bus.cancel import Cancellation
@@ -93,6 +94,10 @@ class Completion:
     weight_version: str
     matched_stop: str | None = None
     """The stop string that ended the completion; None for EOS or length."""
+    version_spans: list[tuple[int, str]] = field(default_factory=list)
+    """(first response token, weight version) of each version the completion was sampled
+    with, in order, when a load landed while it was generated (``rollout.partial``); empty:
+    every token is of ``weight_version``."""
 
 
 class Engine(ABC):
@@ -128,6 +133,12 @@ class Engine(ABC):
         result is identical: the Generator seeds ``generator`` per rollout and engine so
         that a resumed run regenerates the same samples.
         """
+
+    def in_flight_load(self) -> AbstractContextManager[None]:
+        """Held around a load (and the fingerprint after it) that may come while a
+        generation runs (``rollout.partial``): the embedded engine's waits for a decode step
+        boundary. Engines without one take no load mid-generation (the config refuses)."""
+        return nullcontext()
 
     @abstractmethod
     def load_weights(self, weights: DataRef, weight_version: str) -> int:

@@ -203,6 +203,9 @@ class Decoded:
     response_ids: list[list[int]]
     response_logprobs: list[list[float]]
     ends: list[RowEnd]
+    version_changes: list[tuple[int, str]] = field(default_factory=list)
+    """(response token index, weight version) where a load landed between decode steps:
+    that token and those after it were sampled with that version."""
 
 
 EndCheck = Callable[[list[int]], RowEnd | None]

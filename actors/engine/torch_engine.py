@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,7 @@ from actors.engine.base import (
     single_rank_report,
     tensors_match,
 )
+from actors.engine.in_flight import InFlightUpdates
 from actors.engine.sampling import sample_tokens
 from actors.engine.static_decode import Decoded, EndCheck, Prefill, RowEnd, StaticDecoder, row_end, supports
 from miles_events.bus.cancel import Cancellation
@@ -94,6 +96,8 @@ class TorchEngine(Engine):
         """Where ``load_weights`` reads published weights from."""
         self.device = next(model.parameters()).device
         self._weight_version = "default"
+        self.updates = InFlightUpdates()
+        """Loads that land between decode steps (``rollout.partial``)."""
         self._canary = torch.zeros(CANARY_BYTES, dtype=torch.uint8, device=self.device)
         """The publication canary of the payload loaded last (``miles_events.rl.canary``)."""
         self._canary_loaded = False
@@ -210,8 +214,12 @@ class TorchEngine(Engine):
         with torch.inference_mode():
             for start in range(0, len(prompt_ids), self.max_batch_size):
                 chunk = prompt_ids[start : start + self.max_batch_size]
-                completions.extend(self._generate_chunk(chunk, sampling, generator, cancel))
+                with self.updates.generating():  # a waiting load lands between chunks
+                    completions.extend(self._generate_chunk(chunk, sampling, generator, cancel))
         return completions
+
+    def in_flight_load(self) -> AbstractContextManager[None]:
+        return self.updates.loading()
 
     def _forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, cache: Any
@@ -306,6 +314,7 @@ class TorchEngine(Engine):
         keys = list({tuple(decoded.response_ids[row]) for row in rows if decoded.ends[row].text is None})
         texts = self.tokenizer.batch_decode([list(k) for k in keys], skip_special_tokens=True)
         decoded_text = dict(zip(keys, texts, strict=True))
+        changes = decoded.version_changes
         return [
             Completion(
                 prompt_ids=list(prompt_ids[row]),
@@ -315,6 +324,11 @@ class TorchEngine(Engine):
                 finish_reason="stop" if end.reason == "stop" else "length",
                 weight_version=version,
                 matched_stop=end.matched,
+                version_spans=(
+                    [(0, version)] + [(t, v) for t, v in changes if t < len(decoded.response_ids[row])]
+                    if changes
+                    else []
+                ),
             )
             for row, end in zip(rows, decoded.ends, strict=True)
         ]
@@ -337,6 +351,8 @@ class TorchEngine(Engine):
         response_ids: list[list[int]] = [[] for _ in range(rows)]
         response_logprobs: list[list[float]] = [[] for _ in range(rows)]
         ended: dict[int, RowEnd] = {}
+        changes: list[tuple[int, str]] = []
+        version = self._weight_version
 
         for step in range(sampling.max_new_tokens):
             if cancel is not None:
@@ -365,11 +381,16 @@ class TorchEngine(Engine):
                 next_position = next_position[keep]
                 active = [active[slot] for slot in running]
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(active), 1))], dim=1)
+            if self.updates.boundary() and self._weight_version != version:
+                # A load landed: the tokens from the next on are sampled with its weights
+                # (the cache of the tokens before keeps the keys and values it had).
+                version = self._weight_version
+                changes.append((step + 1, version))
             logits = self._forward(tokens.unsqueeze(1), attention_mask, next_position.unsqueeze(1), cache)
             next_position = next_position + 1
         for row in range(rows):
             ended.setdefault(row, RowEnd(len(response_ids[row]) - 1, "length"))
-        return Decoded(response_ids, response_logprobs, [ended[row] for row in range(rows)])
+        return Decoded(response_ids, response_logprobs, [ended[row] for row in range(rows)], changes)
 
     def probe_logprobs(
         self, prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]]

@@ -148,6 +148,16 @@ class EngineWorker:
         ``load_seconds`` it measured. A checksum reply that cannot be used is not a failure of
         the load: it is reported in ``checksum_error``, for the Verifier to fail the
         publication with."""
+        with self.engine.in_flight_load():
+            return self._load(weights, weight_version, skip_tensor_list, probe)
+
+    def _load(
+        self,
+        weights: DataRef,
+        weight_version: str,
+        skip_tensor_list: Sequence[str],
+        probe: ProbeBatch | None,
+    ) -> WeightsLoaded:
         previous = self.engine.weight_version
         num_bytes = self.engine.load_weights(weights, weight_version)
         digest = manifest = error = ""

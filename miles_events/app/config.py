@@ -31,7 +31,14 @@ from actors.trainer_backend import check_backend
 from miles_events.policy_sync.loader import load_policy_sync
 from miles_events.rl.prompts import not_a_file
 from miles_events.util.registry import load_function
-from schemas.config import Config, engines_isolated, resolved_sharding, staleness_bound, trainer_heals
+from schemas.config import (
+    Config,
+    engines_heal,
+    engines_isolated,
+    resolved_sharding,
+    staleness_bound,
+    trainer_heals,
+)
 
 PATH_KEYS: tuple[tuple[str, str], ...] = (
     ("run", "dir"),
@@ -786,6 +793,24 @@ def _check_fault_tolerance(config: Config) -> None:
 def _check_asynchronous(config: Config) -> None:
     """What asynchronous training (``run.max_staleness``, ``run.fully_async``) works with."""
     run = config.run
+    if config.rollout.partial and not staleness_bound(config):
+        raise ConfigError(
+            "rollout.partial: needs asynchronous training (set run.max_staleness >= 1): the synchronous "
+            "loop never publishes while a rollout is generated",
+            key="rollout.partial",
+        )
+    if config.rollout.partial and config.generator.engine != "torch":
+        raise ConfigError(
+            f"rollout.partial: the {config.generator.engine} engine cannot take a load between decode steps "
+            'here (the embedded engine, generator.engine = "torch", can)',
+            key="rollout.partial",
+        )
+    if config.rollout.partial and engines_heal(config):
+        raise ConfigError(
+            'rollout.partial: with engines that heal ("rollout" in run.ft_components) is not supported (a '
+            "restart would meet a load landing beside the rollout)",
+            key="rollout.partial",
+        )
     if not staleness_bound(config):
         return
     why = "rollouts are generated ahead of training"

@@ -272,6 +272,12 @@ class ProcessWorker(Generic[T]):
         result: R = await self._request("call", method_name(method), args, kwargs)
         return result
 
+    async def call_beside(
+        self, method: Callable[Concatenate[T, P], R], *args: P.args, **kwargs: P.kwargs
+    ) -> R:
+        # The rank's process runs RANK_CONCURRENCY calls at once: every call is beside.
+        return await self.call(method, *args, **kwargs)
+
     def notify(self, method: Callable[Concatenate[T, P], object], *args: P.args, **kwargs: P.kwargs) -> None:
         name = method_name(method)
         if self._ended is not None:

@@ -129,6 +129,13 @@ class Worker(Protocol[T_co]):
         is raised here."""
         ...
 
+    async def call_beside(
+        self, method: Callable[Concatenate[T_co, P], R], *args: P.args, **kwargs: P.kwargs
+    ) -> R:
+        """As ``call``, on a thread of its own even while another call of the rank runs (a
+        weight load that lands between the decode steps of a generation in progress)."""
+        ...
+
     def notify(
         self, method: Callable[Concatenate[T_co, P], object], *args: P.args, **kwargs: P.kwargs
     ) -> None:
@@ -201,6 +208,12 @@ class InProcessWorker(Generic[T]):
     async def call(self, method: Callable[Concatenate[T, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
         bound: Callable[P, R] = getattr(self.target, method_name(method))
         return await self._run(bound, *args, **kwargs)
+
+    async def call_beside(
+        self, method: Callable[Concatenate[T, P], R], *args: P.args, **kwargs: P.kwargs
+    ) -> R:
+        bound: Callable[P, R] = getattr(self.target, method_name(method))
+        return await asyncio.to_thread(bound, *args, **kwargs)
 
     def notify(self, method: Callable[Concatenate[T, P], object], *args: P.args, **kwargs: P.kwargs) -> None:
         getattr(self.target, method_name(method))(*args, **kwargs)

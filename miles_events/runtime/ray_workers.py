@@ -105,6 +105,12 @@ class RayWorker(Generic[T]):
         result: R = await self._call(method_name(method), args, kwargs)
         return result
 
+    async def call_beside(
+        self, method: Callable[Concatenate[T, P], R], *args: P.args, **kwargs: P.kwargs
+    ) -> R:
+        # The rank's Ray actor runs RANK_CONCURRENCY calls at once: every call is beside.
+        return await self.call(method, *args, **kwargs)
+
     async def _call(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         from ray.exceptions import RayActorError, RayTaskError
 
