@@ -165,7 +165,8 @@ def test_an_asynchronous_run_killed_at_random_moments_trains_every_prompt_exactl
 
 def test_partial_rollouts_take_publications_mid_rollout_and_each_token_keeps_its_version(tmp_path: Path):
     """With ``rollout.partial`` and generation slower than training (many small chunks),
-    publications land inside rollouts: samples span two versions, none past the bound."""
+    publications land inside rollouts: samples span two versions, none past the bound; the
+    trainer weighs each token by its truncated importance weight (``trainer.rollout_is_cap``)."""
     log = run_to_end(
         tmp_path / "partial",
         'run.runtime="local"',
@@ -174,6 +175,7 @@ def test_partial_rollouts_take_publications_mid_rollout_and_each_token_keeps_its
         "rollout.max_batch_size=16",
         "trainer.micro_batch_size=128",
         "run.num_rollout=6",
+        "trainer.rollout_is_cap=2.0",
     )
     check_verified(log, num_rollout=6)
     generated = [e for e in log if isinstance(e, RolloutGenerated)]
@@ -181,3 +183,5 @@ def test_partial_rollouts_take_publications_mid_rollout_and_each_token_keeps_its
     steps = [e for e in log if type(e).__name__ == "TrainStepFinished"]
     assert all(len(e.token_staleness) <= 2 and e.stale_tokens == 0 for e in steps)
     assert any(len(e.token_staleness) == 2 and e.token_staleness[0] for e in steps)  # tokens of two ages
+    # Truncated importance weights: about 1 where the engine sampled with the trainer's weights.
+    assert all(0.5 < e.metrics.importance_weight <= 2.0 for e in steps), [e.metrics for e in steps]

@@ -311,3 +311,23 @@ def test_entropy_bonus_lowers_the_loss_and_pushes_entropy_up() -> None:
     terms.loss.backward()
     # Gradient descent lowers the dominant logit: the distribution flattens.
     assert logits.grad is not None and logits.grad[0, 0, 0].item() > 0
+
+
+def test_truncated_importance_weights_tokens_by_the_policy_over_the_sampler_cut_at_the_cap():
+    from actors.trainer_backend.grpo import truncated_importance
+
+    old = torch.tensor([[-1.0, -2.0, -0.5]])
+    rollout = torch.tensor([[-1.0, -3.0, -0.1]])
+    weights = truncated_importance(old, rollout, cap=2.0)
+    assert torch.allclose(weights, torch.tensor([[1.0, 2.0, math.exp(-0.4)]]))
+    assert not weights.requires_grad
+
+
+def test_importance_weights_scale_each_tokens_policy_gradient_term():
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    advantages, mask = torch.tensor([[1.0, 1.0]]), torch.ones(1, 2)
+    plain = policy_loss(logp, logp.detach(), advantages, mask, eps_clip=0.2)
+    weighted = policy_loss(
+        logp, logp.detach(), advantages, mask, eps_clip=0.2, importance=torch.tensor([[1.0, 0.0]])
+    )
+    assert weighted.pg_loss.item() == pytest.approx(plain.pg_loss.item() / 2)

@@ -442,6 +442,39 @@ async def test_train_step_reports_the_trainer_version_and_staleness(base_model: 
     assert finished.staleness_max == 2
 
 
+async def test_asynchronously_rollouts_train_in_order_each_once_the_step_before_is_published(
+    base_model: Path, tmp_path: Path
+) -> None:
+    config = make_config(base_model, tmp_path)
+    config = msgspec.structs.replace(config, run=msgspec.structs.replace(config.run, max_staleness=2))
+    trainer, context = await started_trainer(config, tmp_path)
+    await trainer.handle(PublishRequested(rollout_id=None))
+    await trainer.handle(rollout_event(context, 1, two_group_samples("1")))  # ahead of its turn
+    await trainer.handle(rollout_event(context, 0, two_group_samples("1")))
+    assert [e.rollout_id for e in context.of_type(TrainStepFinished)] == [0]  # 1 waits for 0's publication
+    await trainer.handle(PublishRequested(rollout_id=0))
+    finished = context.of_type(TrainStepFinished)
+    assert [e.rollout_id for e in finished] == [0, 1]
+    # Rollout 1 was sampled on version 1 and trained by version 2: one publication behind.
+    assert finished[1].weight_version == "2" and finished[1].token_staleness[1] > 0
+    assert sorted(finished[1].trained_prompts) == [0, 0, 1, 1]
+
+
+async def test_asynchronously_a_sample_past_the_bound_is_left_out_and_counted(
+    base_model: Path, tmp_path: Path
+) -> None:
+    config = make_config(base_model, tmp_path)
+    config = msgspec.structs.replace(config, run=msgspec.structs.replace(config.run, max_staleness=1))
+    trainer, context = await started_trainer(config, tmp_path)
+    for version in (None, 0):  # the trainer is at version 2
+        await trainer.handle(PublishRequested(rollout_id=version))
+    samples = two_group_samples("2")[:2] + two_group_samples("default")[2:]  # group 1 two versions behind
+    await trainer.handle(rollout_event(context, 0, samples))
+    (finished,) = context.of_type(TrainStepFinished)
+    assert (finished.stale_samples, finished.stale_tokens) == (2, 6)
+    assert finished.trained_prompts == [0, 0] and finished.token_staleness == [5]
+
+
 # --- publication -------------------------------------------------------------------------------
 
 
