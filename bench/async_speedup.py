@@ -9,8 +9,9 @@ each stage on a core of its own (``rollout.num_threads = 1``, ``trainer.num_thre
 on ``ray`` the Generator and the Trainer are separate processes). Time per trained rollout
 is read from each run's event log: from the first rollout asked for to the last step's
 publication verified, over the rollouts trained (start-up and the opening left out). Also
-printed: the mean reward of the last 5 rollouts and the last eval of each run (equal reward
-after the same number of trained rollouts), and the trained tokens by staleness. The last
+printed: the mean reward of the last 5 rollouts and the eval after the last one (greedy, on
+the eval set: equal reward after the same number of trained rollouts?), and the trained
+tokens by staleness. ``--set trainer.rollout_is_cap=2`` corrects for the stale tokens. The last
 line is ``RESULT ...`` with the median ratio sync / async (goal >= 1.7; 2 is the limit of two
 stages).
 """
@@ -46,7 +47,7 @@ def run(work: Path, name: str, args: argparse.Namespace, staleness: int) -> dict
         f"run.num_rollout={args.rollouts}",
         f"run.max_staleness={staleness}",
         "run.save_interval=1000",
-        "run.eval_interval=1000",
+        f"run.eval_interval={args.rollouts}",
         "run.skip_eval_before_train=true",
         "rollout.num_threads=1",
         "trainer.num_threads=1",
@@ -101,7 +102,8 @@ def main() -> None:
             print(
                 f"repeat {repeat} {name:>10}: {float(result['per_rollout']):.3f} s/rollout "
                 f"(generate {float(result['gen']):.3f} s, train {float(result['train']):.3f} s median); "
-                f"reward last 5 {float(result['reward_last5']):.3f}; tokens by staleness {result['staleness']}"
+                f"reward last 5 {float(result['reward_last5']):.3f}, last eval {float(result['eval']):.3f}; "
+                f"tokens by staleness {result['staleness']}"
             )
         print(f"repeat {repeat}: sync / async = {ratio:.2f}x")
     print(

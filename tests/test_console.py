@@ -8,6 +8,7 @@ from io import StringIO
 from pathlib import Path
 from types import SimpleNamespace
 
+import msgspec
 import pytest
 from rich.console import Console
 
@@ -452,3 +453,10 @@ async def test_a_ppo_run_shows_the_critic_only_step_and_the_critics_value_loss()
     assert "reward 0.008 critic only vloss 0.0036 | gen " in rollout_lines[0]
     assert " critic 0.06s train 0.00s " in rollout_lines[0]
     assert all(" loss " in line and " vloss " in line for line in rollout_lines[1:]), rollout_lines
+
+
+async def test_a_resume_names_the_rollouts_it_generates_again():
+    events = resumed_at(100, 150, trained=())
+    events[0] = msgspec.structs.replace(events[0], regenerated=[100, 101])
+    lines = await plain_lines(events)
+    assert lines[1] == "rollouts 100, 101: asked for after the checkpoint before the resume, generated again"

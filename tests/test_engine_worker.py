@@ -6,7 +6,6 @@ checks answer with the event the Generator publishes, less the header the bus st
 from __future__ import annotations
 
 import contextlib
-
 import logging
 from pathlib import Path
 

@@ -352,6 +352,9 @@ class PlainProgress(ConsoleSink):
         )
         if p.trainer_shape():
             self._line(f"trainer: {p.trainer_shape()}")
+        if event.regenerated:
+            again = ", ".join(map(str, event.regenerated))
+            self._line(f"rollouts {again}: asked for after the checkpoint before the resume, generated again")
 
     @handles(RolloutGenerated)
     def _rollout_generated(self, event: RolloutGenerated) -> None:
