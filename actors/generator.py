@@ -12,8 +12,10 @@ models concurrently), and every call below goes to all of them at once. It react
   rollout (one group per prompt; groups go to engines round-robin), scores them with the
   reward function, puts the ``RolloutBatch`` in the data plane and emits
   ``RolloutGenerated`` (with ``rollout.log_samples`` of the samples, texts cut short, for
-  the event log). Each engine samples with a ``torch.Generator`` seeded from
-  (run seed, rollout_id, engine index), so a resumed run regenerates identical samples.
+  the event log). The embedded engine seeds each sample on its own, from (run seed,
+  rollout_id, prompt position in the rollout, sample number): its draws do not depend on
+  the engine, batch or chunk that decodes it. Server engines seed from (run seed,
+  rollout_id, engine index). Either way a resumed run regenerates identical samples.
 - ``EvalRequested``: the same on the eval prompts at ``eval_temperature``; ``EvalFinished``.
 - ``WeightsStaged``: every engine loads the staged weights from their handle and
   fingerprints what it now serves; one ``WeightsLoaded`` per engine (digest, counts and the
@@ -352,7 +354,12 @@ class Generator(Actor):
                 for _ in range(n_samples)
             ]
             seed = engine_seed(self.config.run.seed, kind, rollout_id, index)
-            completions = await self._generate(index, requests, sampling, seed)
+            seeds = [
+                sample_seed(self.config.run.seed, kind, rollout_id, g, k)
+                for g in groups
+                for k in range(n_samples)
+            ]
+            completions = await self._generate(index, requests, sampling, seed, seeds)
             self.cancel.check()
             results[index] = await anyio.to_thread.run_sync(
                 self._score, self.engine_names[index], prompts, groups, n_samples, completions
@@ -382,7 +389,12 @@ class Generator(Actor):
         return sorted((s for samples in results for s in samples), key=lambda s: s.group)
 
     async def _generate(
-        self, index: int, requests: list[GenerateRequest], sampling: SamplingParams, seed: int
+        self,
+        index: int,
+        requests: list[GenerateRequest],
+        sampling: SamplingParams,
+        seed: int,
+        sample_seeds: list[int],
     ) -> list[Completion]:
         """Engine ``index``'s share of a rollout, sampled with its seed: on the engine itself,
         or while it is suspended on a stand-in (the same seed, so the same samples where the
@@ -394,13 +406,17 @@ class Generator(Actor):
             if target is None:
                 raise EngineFailed("every engine is suspended: no engine can sample")
             if not self.cells:
-                return await self._on_engine(target, EngineWorker.generate, requests, sampling, seed)
+                return await self._on_engine(
+                    target, EngineWorker.generate, requests, sampling, seed, sample_seeds
+                )
             cell = self.cells[target]
             async with cell.busy:
                 if cell.state is CellState.SUSPENDED:
                     continue  # suspended while it waited: choose again
                 try:
-                    return await self._on_engine(target, EngineWorker.generate, requests, sampling, seed)
+                    return await self._on_engine(
+                        target, EngineWorker.generate, requests, sampling, seed, sample_seeds
+                    )
                 except Exception:
                     if cell.suspended:
                         continue  # suspended mid-call: a stand-in samples it
@@ -826,6 +842,13 @@ def _memory_reply(event: OffloadRequested | OnloadRequested) -> dict[str, Any]:
 def engine_seed(run_seed: int, kind: str, rollout_id: int, engine_index: int) -> int:
     """The sampling seed of one engine for one rollout (``kind`` keeps eval draws apart)."""
     key = f"{kind}:{run_seed}:{rollout_id}:{engine_index}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+
+
+def sample_seed(run_seed: int, kind: str, rollout_id: int, group: int, sample: int) -> int:
+    """The sampling seed of one sample: the ``sample``-th of the rollout's ``group``-th
+    prompt (the embedded engine seeds each sample so, whatever engine or batch decodes it)."""
+    key = f"{kind}:{run_seed}:{rollout_id}:{group}:{sample}".encode()
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
 
 

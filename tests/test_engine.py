@@ -620,3 +620,29 @@ def test_the_canary_is_served_from_the_buffer_the_load_wrote(engine: TorchEngine
     assert engine.served_canary() == tensor_fingerprint(publication_canary("run", "1"))
     engine._canary.zero_()  # what the engine holds is what it reports, not what it was sent
     assert engine.served_canary() == tensor_fingerprint(torch.zeros(16, dtype=torch.uint8))
+
+
+def test_per_sample_seeds_draw_the_same_whatever_the_batch_or_chunk(model_dir: Path) -> None:
+    """With a seed per request, a sample comes out the same decoded alone, in another
+    order, or in chunks of another size, with either decode loop."""
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=6)
+    seeds = [101, 202, 303, 404, 505, 606]
+    whole = TorchEngine.from_pretrained(model_dir, max_batch_size=8, decode="eager")
+    reference = [c.response_ids for c in whole.generate(PROMPTS, sampling, seeds=seeds)]
+    for decode, size in (("eager", 2), ("static", 4), ("static", 1)):
+        engine = TorchEngine.from_pretrained(model_dir, max_batch_size=size, decode=decode)
+        assert [c.response_ids for c in engine.generate(PROMPTS, sampling, seeds=seeds)] == reference
+    reversed_ = whole.generate(PROMPTS[::-1], sampling, seeds=seeds[::-1])
+    assert [c.response_ids for c in reversed_][::-1] == reference
+    other = whole.generate(PROMPTS, sampling, seeds=[s + 1 for s in seeds])
+    assert [c.response_ids for c in other] != reference
+
+
+def test_sample_uniforms_are_a_pure_function_of_the_seed_and_spread_over_the_unit_interval() -> None:
+    from actors.engine.sampling import sample_uniforms
+
+    draws = sample_uniforms(list(range(1000)), 8)
+    assert draws.shape == (1000, 8) and draws.dtype == torch.float32
+    assert torch.equal(draws[3:4], sample_uniforms([3], 8))
+    assert 0.0 <= draws.min() and draws.max() < 1.0
+    assert abs(draws.mean().item() - 0.5) < 0.01 and abs(draws.std().item() - (1 / 12) ** 0.5) < 0.01

@@ -123,6 +123,7 @@ class Engine(ABC):
         sampling: SamplingParams,
         generator: torch.Generator | None = None,
         cancel: Cancellation | None = None,
+        seeds: Sequence[int] | None = None,
     ) -> list[Completion]:
         """Sample one completion per request, in request order.
 
@@ -131,7 +132,9 @@ class Engine(ABC):
 
         Given the same weights, requests, sampling parameters and generator state, the
         result is identical: the Generator seeds ``generator`` per rollout and engine so
-        that a resumed run regenerates the same samples.
+        that a resumed run regenerates the same samples. ``seeds`` (one per request), where
+        the engine takes them (the embedded engine), seed each sample on its own: its draws
+        do not depend on the engine, the batch or the chunk it is decoded in.
         """
 
     def in_flight_load(self) -> AbstractContextManager[None]:

@@ -4,6 +4,27 @@ from __future__ import annotations
 
 import torch
 
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
+_MIX_1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_MIX_2 = 0x94D049BB133111EB - (1 << 64)
+
+
+def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """A logical right shift of int64 values (torch's ``>>`` carries the sign)."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def sample_uniforms(seeds: list[int], steps: int) -> torch.Tensor:
+    """``[len(seeds), steps]`` float32 U[0, 1) draws: row ``i`` is the stream of seed
+    ``seeds[i]`` (SplitMix64, one value per decode step), so a sample draws the same numbers
+    whatever engine, batch or chunk it is decoded in."""
+    seed = torch.tensor(seeds, dtype=torch.int64).unsqueeze(1)
+    z = seed + (torch.arange(1, steps + 1, dtype=torch.int64).unsqueeze(0) * _GOLDEN)
+    z = (z ^ _shift_right(z, 30)) * _MIX_1
+    z = (z ^ _shift_right(z, 27)) * _MIX_2
+    z = z ^ _shift_right(z, 31)
+    return _shift_right(z, 40).to(torch.float32) / float(1 << 24)
+
 
 def sample_tokens(
     logits: torch.Tensor, temperature: float, top_p: float, uniform: torch.Tensor | None

@@ -208,6 +208,7 @@ class SglangEngine(Engine):
         sampling: SamplingParams,
         generator: torch.Generator | None = None,
         cancel: Cancellation | None = None,
+        seeds: Sequence[int] | None = None,
     ) -> list[Completion]:
         prompts = [self._encode(r) for r in requests]
         seeds = (

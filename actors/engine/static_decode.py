@@ -460,12 +460,14 @@ class StaticDecoder:
         eos_ids: frozenset[int],
         ends: EndCheck | None = None,
         cancel_check: Callable[[], None] | None = None,
+        uniforms: torch.Tensor | None = None,
     ) -> Decoded:
         """Sample up to ``max_new_tokens`` tokens for every row of ``prefill``: a row ends
-        at a token of ``eos_ids``, else where ``ends`` says, else at the length."""
+        at a token of ``eos_ids``, else where ``ends`` says, else at the length. ``uniforms``
+        ([rows, max_new_tokens]): each row's own draws, in place of ``generator``'s."""
         with self._on_device():
             return self._decode(
-                prefill, max_new_tokens, temperature, top_p, generator, eos_ids, ends, cancel_check
+                prefill, max_new_tokens, temperature, top_p, generator, eos_ids, ends, cancel_check, uniforms
             )
 
     def _decode(
@@ -478,6 +480,7 @@ class StaticDecoder:
         eos_ids: frozenset[int],
         ends: EndCheck | None,
         cancel_check: Callable[[], None] | None,
+        uniforms: torch.Tensor | None = None,
     ) -> Decoded:
         rows = prefill.logits.shape[0]
         width = prefill.attention_mask.shape[1]
@@ -488,7 +491,9 @@ class StaticDecoder:
             self._capture(buf, _batch_sizes(batch), temperature, top_p)
 
         with _Draws(generator, temperature, rows) as draw:
-            if temperature > 0:
+            if temperature > 0 and uniforms is not None:
+                buf.uniforms[:steps, :rows].copy_(uniforms[:, :steps].T)
+            elif temperature > 0:
                 buf.uniforms[:steps, :rows].copy_(draw(steps))
             order = list(range(rows)) + [0] * (batch - rows)
             self._place(buf, prefill, order, order[:rows], width)

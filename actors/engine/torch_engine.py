@@ -51,7 +51,7 @@ from actors.engine.base import (
     tensors_match,
 )
 from actors.engine.in_flight import InFlightUpdates
-from actors.engine.sampling import sample_tokens
+from actors.engine.sampling import sample_tokens, sample_uniforms
 from actors.engine.static_decode import Decoded, EndCheck, Prefill, RowEnd, StaticDecoder, row_end, supports
 from miles_events.bus.cancel import Cancellation
 from miles_events.device.buckets import Buckets, bucket_parameters, fingerprint_buckets
@@ -197,8 +197,12 @@ class TorchEngine(Engine):
         sampling: SamplingParams,
         generator: torch.Generator | None = None,
         cancel: Cancellation | None = None,
+        seeds: Sequence[int] | None = None,
     ) -> list[Completion]:
-        """Sample one completion per request (see the module docstring for the semantics)."""
+        """Sample one completion per request (see the module docstring for the semantics);
+        with ``seeds``, each request's draws come from its own seed, not from ``generator``."""
+        if seeds is not None and len(seeds) != len(requests):
+            raise ValueError(f"{len(seeds)} seeds for {len(requests)} requests")
         self._require_resident("generate", ("weights", "kv_cache", "cuda_graph"))
         encoded: dict[str, list[int]] = {}  # a group's samples share one prompt text
 
@@ -214,8 +218,12 @@ class TorchEngine(Engine):
         with torch.inference_mode():
             for start in range(0, len(prompt_ids), self.max_batch_size):
                 chunk = prompt_ids[start : start + self.max_batch_size]
+                uniforms = None
+                if seeds is not None and sampling.temperature > 0:
+                    chunk_seeds = list(seeds[start : start + self.max_batch_size])
+                    uniforms = sample_uniforms(chunk_seeds, sampling.max_new_tokens).to(self.device)
                 with self.updates.generating():  # a waiting load lands between chunks
-                    completions.extend(self._generate_chunk(chunk, sampling, generator, cancel))
+                    completions.extend(self._generate_chunk(chunk, sampling, generator, cancel, uniforms))
         return completions
 
     def in_flight_load(self) -> AbstractContextManager[None]:
@@ -289,7 +297,9 @@ class TorchEngine(Engine):
         sampling: SamplingParams,
         generator: torch.Generator | None,
         cancel: Cancellation | None = None,
+        uniforms: torch.Tensor | None = None,
     ) -> list[Completion]:
+        """``uniforms`` ([rows, max_new_tokens]): each row's draws, in place of ``generator``'s."""
         version = self._weight_version
         cache, prefill = self._prefill(prompt_ids)
         eos_ids = frozenset() if sampling.ignore_eos else self._eos_ids
@@ -300,13 +310,14 @@ class TorchEngine(Engine):
                 sampling.max_new_tokens,
                 sampling.temperature,
                 sampling.top_p,
-                generator,
+                generator if uniforms is None else None,
                 eos_ids,
                 ends,
                 cancel.check if cancel is not None else None,
+                uniforms,
             )
         else:
-            decoded = self._decode_eager(cache, prefill, sampling, generator, eos_ids, ends, cancel)
+            decoded = self._decode_eager(cache, prefill, sampling, generator, eos_ids, ends, cancel, uniforms)
 
         # Each distinct response is decoded once (short answers repeat within a group), all
         # in one batch call.
@@ -342,6 +353,7 @@ class TorchEngine(Engine):
         eos_ids: frozenset[int],
         ends: EndCheck | None,
         cancel: Cancellation | None,
+        uniforms: torch.Tensor | None = None,
     ) -> Decoded:
         """The decode loop with a growing cache and a look at every token: one step's
         launches and one host sync per token."""
@@ -358,7 +370,9 @@ class TorchEngine(Engine):
             if cancel is not None:
                 cancel.check()  # a cancellation point: every decode step
             uniform = None
-            if sampling.temperature > 0:
+            if sampling.temperature > 0 and uniforms is not None:
+                uniform = uniforms[active, step]
+            elif sampling.temperature > 0:
                 draws = torch.rand(rows, generator=generator, dtype=torch.float32)
                 uniform = draws[active].to(self.device)
             tokens, logprobs = sample_tokens(logits, sampling.temperature, sampling.top_p, uniform)

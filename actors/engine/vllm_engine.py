@@ -328,6 +328,7 @@ class VllmEngine(Engine):
         sampling: SamplingParams,
         generator: torch.Generator | None = None,
         cancel: Cancellation | None = None,
+        seeds: Sequence[int] | None = None,
     ) -> list[Completion]:
         """Sample one completion per request, all in flight at once (the server batches).
 

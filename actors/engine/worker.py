@@ -123,15 +123,20 @@ class EngineWorker:
         return self.engine.weight_version
 
     def generate(
-        self, requests: Sequence[GenerateRequest], sampling: SamplingParams, seed: int
+        self,
+        requests: Sequence[GenerateRequest],
+        sampling: SamplingParams,
+        seed: int,
+        sample_seeds: Sequence[int] | None = None,
     ) -> list[Completion]:
-        """One completion per request, sampled from a generator seeded with ``seed``;
-        raises ``Cancelled`` once ``cancel`` was called."""
+        """One completion per request, sampled from a generator seeded with ``seed`` (the
+        embedded engine: each from its own of ``sample_seeds``); raises ``Cancelled`` once
+        ``cancel`` was called."""
         import torch
 
         generator = torch.Generator().manual_seed(seed)
         with phase_threads(self.config.rollout.num_threads, sharers=self.place.ranks_sharing_cores):
-            return self.engine.generate(requests, sampling, generator, self.cancellation)
+            return self.engine.generate(requests, sampling, generator, self.cancellation, sample_seeds)
 
     def cancel(self, reason: str) -> None:
         self.cancellation.cancel(reason)
