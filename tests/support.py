@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import os
 import re
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -17,7 +19,32 @@ from miles_events.sinks.base import Sink, SinkContext, SinkHost
 from schemas.config import Config
 from schemas.events import Event, RankStep, RunStarted, TrainStepFinished
 
-__all__ = ["cmdline", "drive_sink", "flip_byte", "not_console", "torch_save_bytes", "with_ranks"]
+__all__ = [
+    "cli_env",
+    "cmdline",
+    "drive_sink",
+    "flip_byte",
+    "not_console",
+    "tiny_command",
+    "torch_save_bytes",
+    "with_ranks",
+]
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiny_command(run_dir: Path, *overrides: str) -> list[str]:
+    """The CLI on ``examples/tiny.toml``, run in ``run_dir``, with each of ``overrides`` a ``--set``."""
+    args = [sys.executable, "-m", "miles_events.run", str(ROOT / "examples" / "tiny.toml")]
+    for override in (f'run.dir="{run_dir}"', *overrides):
+        args += ["--set", override]
+    return args
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    """The environment a test's CLI run gets: this checkout first on the path."""
+    return dict(os.environ, PYTHONPATH=str(ROOT), **extra)
+
 
 CONSOLE_LINE = re.compile(
     r"(metrics: |run |initial |republication |weights republished |eval at |rollout |checkpoint |"

@@ -10,7 +10,6 @@ import random
 import re
 import signal
 import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -28,6 +27,7 @@ from schemas.events import (
     WeightsStaged,
     kept_steps,
 )
+from tests.support import cli_env, tiny_command
 
 pytestmark = pytest.mark.slow
 
@@ -55,16 +55,12 @@ ASYNC = (
 
 
 def command(run_dir: Path, *overrides: str) -> list[str]:
-    args = [sys.executable, "-m", "miles_events.run", str(ROOT / "examples" / "tiny.toml")]
-    for override in (f'run.dir="{run_dir}"', *ASYNC, *overrides):
-        args += ["--set", override]
-    return args
+    return tiny_command(run_dir, *ASYNC, *overrides)
 
 
 def run_to_end(run_dir: Path, *overrides: str) -> list:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
     result = subprocess.run(
-        command(run_dir, *overrides), capture_output=True, text=True, timeout=300, cwd=ROOT, env=env
+        command(run_dir, *overrides), capture_output=True, text=True, timeout=300, cwd=ROOT, env=cli_env()
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     return list(read_events(run_dir / "events.log", on_damage=lambda damaged: None))
@@ -74,14 +70,13 @@ def killed_at_random(run_dir: Path, rng: random.Random, *overrides: str) -> bool
     """A run started (resumed when a checkpoint is there) and killed, with every process
     of it, at a random moment within 0.8 s after its first step; False if it ended first."""
     out = run_dir.parent / f"{run_dir.name}.out"
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
     with out.open("w") as sink:
         process = subprocess.Popen(
             command(run_dir, "run.resume=true", *overrides),
             stdout=sink,
             stderr=subprocess.STDOUT,
             cwd=ROOT,
-            env=env,
+            env=cli_env(),
             start_new_session=True,
         )
     deadline = time.monotonic() + 180

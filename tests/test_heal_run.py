@@ -11,7 +11,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -35,6 +34,7 @@ from schemas.events import (
     TrainStepFinished,
     WeightsPublished,
 )
+from tests.support import cli_env, tiny_command
 
 pytestmark = pytest.mark.slow
 
@@ -56,16 +56,12 @@ HEAL = (
 
 
 def command(run_dir: Path, *overrides: str) -> list[str]:
-    args = [sys.executable, "-m", "miles_events.run", str(ROOT / "examples" / "tiny.toml")]
-    for override in (f'run.dir="{run_dir}"', *HEAL, *overrides):
-        args += ["--set", override]
-    return args
+    return tiny_command(run_dir, *HEAL, *overrides)
 
 
 def run_to_end(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
     return subprocess.run(
-        command(run_dir, *overrides), capture_output=True, text=True, timeout=300, cwd=ROOT, env=env
+        command(run_dir, *overrides), capture_output=True, text=True, timeout=300, cwd=ROOT, env=cli_env()
     )
 
 
@@ -77,7 +73,7 @@ class LiveRun:
         self.port = free_port()
         self.out = run_dir.parent / f"{run_dir.name}.out"
         self.out_file = self.out.open("w")
-        env = dict(os.environ, PYTHONPATH=str(ROOT), MILES_CONTROL_TOKEN="heal-test-token")
+        env = cli_env(MILES_CONTROL_TOKEN="heal-test-token")
         self.process = subprocess.Popen(
             command(run_dir, f"run.control_server_port={self.port}", *overrides),
             stdout=self.out_file,

@@ -442,12 +442,16 @@ async def test_train_step_reports_the_trainer_version_and_staleness(base_model: 
     assert finished.staleness_max == 2
 
 
+def asynchronous(config: Config, max_staleness: int) -> Config:
+    return msgspec.structs.replace(
+        config, run=msgspec.structs.replace(config.run, max_staleness=max_staleness)
+    )
+
+
 async def test_asynchronously_rollouts_train_in_order_each_once_the_step_before_is_published(
     base_model: Path, tmp_path: Path
 ) -> None:
-    config = make_config(base_model, tmp_path)
-    config = msgspec.structs.replace(config, run=msgspec.structs.replace(config.run, max_staleness=2))
-    trainer, context = await started_trainer(config, tmp_path)
+    trainer, context = await started_trainer(asynchronous(make_config(base_model, tmp_path), 2), tmp_path)
     await trainer.handle(PublishRequested(rollout_id=None))
     await trainer.handle(rollout_event(context, 1, two_group_samples("1")))  # ahead of its turn
     await trainer.handle(rollout_event(context, 0, two_group_samples("1")))
@@ -463,9 +467,7 @@ async def test_asynchronously_rollouts_train_in_order_each_once_the_step_before_
 async def test_asynchronously_a_sample_past_the_bound_is_left_out_and_counted(
     base_model: Path, tmp_path: Path
 ) -> None:
-    config = make_config(base_model, tmp_path)
-    config = msgspec.structs.replace(config, run=msgspec.structs.replace(config.run, max_staleness=1))
-    trainer, context = await started_trainer(config, tmp_path)
+    trainer, context = await started_trainer(asynchronous(make_config(base_model, tmp_path), 1), tmp_path)
     for version in (None, 0):  # the trainer is at version 2
         await trainer.handle(PublishRequested(rollout_id=version))
     samples = two_group_samples("2")[:2] + two_group_samples("default")[2:]  # group 1 two versions behind
