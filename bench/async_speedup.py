@@ -9,7 +9,8 @@ each stage on a core of its own (``rollout.num_threads = 1``, ``trainer.num_thre
 on ``ray`` the Generator and the Trainer are separate processes). Time per trained rollout
 is read from each run's event log: from the first rollout asked for to the last step's
 publication verified, over the rollouts trained (start-up and the opening left out). Also
-printed: the mean reward of the last 5 rollouts and the eval after the last one (greedy, on
+printed: how long the engines waited between rollouts (for training and publication), the
+mean reward of the last 5 rollouts and the eval after the last one (greedy, on
 the eval set: equal reward after the same number of trained rollouts?), and the trained
 tokens by staleness. ``--set trainer.rollout_is_cap=2`` corrects for the stale tokens. The last
 line is ``RESULT ...`` with the median ratio sync / async (goal >= 1.7; 2 is the limit of two
@@ -65,6 +66,12 @@ def run(work: Path, name: str, args: argparse.Namespace, staleness: int) -> dict
     steps = [e for e in log if isinstance(e, TrainStepFinished)]
     rewards = [e.reward_mean for e in log if isinstance(e, RolloutGenerated)]
     evals = [e.metrics.get("eval/reward_mean", 0.0) for e in log if isinstance(e, EvalFinished)]
+    # How long the engines sat idle between a rollout generated and the next asked for
+    # (waiting, in the synchronous loop, for the step's training and publication; with a
+    # bound, for the publication that keeps the next rollout within it).
+    asked = {e.rollout_id: e.time for e in log if isinstance(e, RolloutRequested)}
+    done = {e.rollout_id: e.time for e in log if isinstance(e, RolloutGenerated)}
+    waited = [max(0.0, asked[r] - done[r - 1]) for r in sorted(asked) if r - 1 in done]
     by_staleness: list[int] = []
     for step in steps:
         for age, tokens in enumerate(step.token_staleness):
@@ -77,6 +84,7 @@ def run(work: Path, name: str, args: argparse.Namespace, staleness: int) -> dict
         "gen": statistics.median(e.generate_seconds for e in log if isinstance(e, RolloutGenerated)),
         "train": statistics.median(e.train_seconds for e in steps),
         "staleness": by_staleness,
+        "waited": statistics.fmean(waited) if waited else 0.0,
     }
 
 
@@ -101,7 +109,8 @@ def main() -> None:
         for name, result in (("sync", sync), (f"async k={args.staleness}", asynchronous)):
             print(
                 f"repeat {repeat} {name:>10}: {float(result['per_rollout']):.3f} s/rollout "
-                f"(generate {float(result['gen']):.3f} s, train {float(result['train']):.3f} s median); "
+                f"(generate {float(result['gen']):.3f} s, train {float(result['train']):.3f} s median, "
+                f"engines waited {float(result['waited']):.3f} s a rollout); "
                 f"reward last 5 {float(result['reward_last5']):.3f}, last eval {float(result['eval']):.3f}; "
                 f"tokens by staleness {result['staleness']}"
             )
