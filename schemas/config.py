@@ -233,10 +233,12 @@ class RolloutConfig(Section):
     """Sequences decoded together by one engine."""
     partial: bool = False
     """Asynchronous training (``run.max_staleness``): a publication that comes while a
-    rollout is being generated is loaded at once, between two decode steps of the embedded
-    engine (eager decoding; between chunks of ``max_batch_size`` requests otherwise), and the
-    requests in flight continue on the new weights, each token keeping the version that
-    sampled it (``Sample.version_spans``). Nothing is aborted. Off: publications land between
+    rollout is being generated is loaded at once: between two decode steps of the embedded
+    engine (eager decoding; between chunks of ``max_batch_size`` requests otherwise), or on an
+    SGLang server with its requests paused (``sglang.pause_mode`` retract or in_place) and
+    then continued. The requests in flight go on with the new weights, each token keeping
+    the version that sampled it (``Sample.version_spans``; SGLang's ``weight_versions``
+    spans). Nothing is aborted. vLLM engines are refused. Off: publications land between
     rollouts (requests in flight finish on the weights they began with), and a run is the
     same bit for bit from the same config on the local runtime; on, it is not (where a load
     lands depends on timing)."""

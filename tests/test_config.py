@@ -528,6 +528,15 @@ def test_what_healing_and_the_control_server_need_is_checked(
         ),
         (["rollout.partial=true"], "rollout.partial: needs asynchronous training"),
         (
+            [
+                "rollout.partial=true",
+                "run.max_staleness=1",
+                'generator.engine="sglang"',
+                'sglang.pause_mode="abort"',
+            ],
+            "rollout.partial: sglang.pause_mode = 'abort' would abort",
+        ),
+        (
             ["rollout.partial=true", "run.max_staleness=1", 'run.ft_components=["rollout"]'],
             "rollout.partial: with engines that heal",
         ),

@@ -3,6 +3,7 @@ body it sends is validated by SGLang's own classes there."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from actors.engine import engine_class
+from actors.engine import sglang_api as api
 from actors.engine.base import SamplingParams
 from actors.engine.server_process import ServerStartError
 from actors.engine.sglang_engine import SglangEngine, SglangError
@@ -286,3 +288,29 @@ def test_a_launched_server_has_the_memory_saver_exactly_when_the_rollout_offload
     on = Config(model=ModelConfig(path="/m"), run=RunConfig(offload_rollout=True))
     assert SglangEngine.launch_args(on, port=1).enable_memory_saver
     assert not SglangEngine.launch_args(Config(model=ModelConfig(path="/m")), port=1).enable_memory_saver
+
+
+def test_a_load_during_a_request_gives_its_completion_the_servers_version_spans(setup):
+    """``rollout.partial`` on SGLang: a request paused (retract, in_place) for a load goes on
+    with the new weights; the server's ``weight_versions`` spans name each token's version."""
+    engine, _, _ = setup
+    reply = {
+        "text": "5 6 7",
+        "output_ids": [5, 6, 7],
+        "meta_info": {
+            "id": "r",
+            "finish_reason": {"type": "length", "length": 3},
+            "weight_version": "4",
+            "weight_versions": [
+                {"version": "3", "start": 0, "end": 1},
+                {"version": "4", "start": 1, "end": 3},
+            ],
+            "output_token_logprobs": [[-0.1, 5, None], [-0.2, 6, None], [-0.3, 7, None]],
+        },
+    }
+    [parsed] = api.parse_generate_reply(json.dumps(reply).encode())
+    completion = engine._completion([1, 2], parsed)
+    assert completion.weight_version == "3" and completion.version_spans == [(0, "3"), (1, "4")]
+    unchanged = dict(reply, meta_info={**reply["meta_info"], "weight_versions": None, "weight_version": "4"})
+    [single] = api.parse_generate_reply(json.dumps(unchanged).encode())
+    assert engine._completion([1, 2], single).version_spans == []

@@ -254,14 +254,18 @@ class SglangEngine(Engine):
                 f"{self.name}: request {reply.meta_info.id} aborted: {reason and reason.message}"
             )
         matched = reply.meta_info.finish_reason.matched if reply.meta_info.finish_reason else None
+        # A load while the request ran (``rollout.partial``: paused, the weights updated, then
+        # continued): the server's spans say which version sampled which output tokens.
+        spans = [(span.start, span.version) for span in reply.weight_version_spans]
         return Completion(
             prompt_ids=prompt_ids,
             response_ids=list(reply.output_ids),
             response_logprobs=reply.output_logprobs,
             response=reply.text,
             finish_reason=finish,
-            weight_version=reply.weight_version,
+            weight_version=spans[0][1] if spans else reply.weight_version,
             matched_stop=matched if isinstance(matched, str) else None,
+            version_spans=spans if len({version for _, version in spans}) > 1 else [],
         )
 
     # --- weights -------------------------------------------------------------------------------

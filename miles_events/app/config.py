@@ -799,11 +799,25 @@ def _check_asynchronous(config: Config) -> None:
             "loop never publishes while a rollout is generated",
             key="rollout.partial",
         )
-    if config.rollout.partial and config.generator.engine != "torch":
+    if config.rollout.partial and config.generator.engine not in ("torch", "sglang"):
         raise ConfigError(
-            f"rollout.partial: the {config.generator.engine} engine cannot take a load between decode steps "
-            'here (the embedded engine, generator.engine = "torch", can)',
+            f"rollout.partial: the {config.generator.engine} engine cannot take a load while it generates "
+            'here (the embedded engine, generator.engine = "torch", and SGLang servers can)',
             key="rollout.partial",
+        )
+    if (
+        config.rollout.partial
+        and config.generator.engine == "sglang"
+        and config.sglang.pause_mode
+        not in (
+            "retract",
+            "in_place",
+        )
+    ):
+        raise ConfigError(
+            f"rollout.partial: sglang.pause_mode = {config.sglang.pause_mode!r} would abort the requests in "
+            'flight at each publication: use "retract" or "in_place"',
+            key="sglang.pause_mode",
         )
     if config.rollout.partial and engines_heal(config):
         raise ConfigError(
