@@ -14,8 +14,8 @@ models concurrently), and every call below goes to all of them at once. It react
   ``RolloutGenerated`` (with ``rollout.log_samples`` of the samples, texts cut short, for
   the event log). The embedded engine seeds each sample on its own, from (run seed,
   rollout_id, prompt position in the rollout, sample number): its draws do not depend on
-  the engine, batch or chunk that decodes it. Server engines seed from (run seed,
-  rollout_id, engine index). Either way a resumed run regenerates identical samples.
+  the engine, batch or chunk that decodes it; SGLang servers get those seeds as each
+  request's ``sampling_seed``. vLLM seeds from (run seed, rollout_id, engine index). Either way a resumed run regenerates identical samples.
 - ``EvalRequested``: the same on the eval prompts at ``eval_temperature``; ``EvalFinished``.
 - ``WeightsStaged``: every engine loads the staged weights from their handle and
   fingerprints what it now serves; one ``WeightsLoaded`` per engine (digest, counts and the

@@ -314,3 +314,15 @@ def test_a_load_during_a_request_gives_its_completion_the_servers_version_spans(
     unchanged = dict(reply, meta_info={**reply["meta_info"], "weight_versions": None, "weight_version": "4"})
     [single] = api.parse_generate_reply(json.dumps(unchanged).encode())
     assert engine._completion([1, 2], single).version_spans == []
+
+
+def test_each_sample_is_sent_with_its_own_seed_where_given(setup):
+    engine, server, _ = setup
+    engine.generate([[1, 2], [3]], SamplingParams(temperature=1.0, max_new_tokens=2), seeds=[11, 22])
+    sent = [
+        sp["sampling_seed"]
+        for _, path, body in server.state.requests
+        if path == "/generate"
+        for sp in body["sampling_params"]
+    ]
+    assert sent == [11, 22] and server.state.refused == []

@@ -211,11 +211,15 @@ class SglangEngine(Engine):
         seeds: Sequence[int] | None = None,
     ) -> list[Completion]:
         prompts = [self._encode(r) for r in requests]
-        seeds = (
-            torch.randint(0, _SEED_BOUND, (len(prompts),), generator=generator).tolist()
-            if generator is not None
-            else [None] * len(prompts)
-        )
+        # The server's ``sampling_seed`` per request: each sample's own seed where given (the
+        # same samples whatever engine serves them), else drawn from ``generator``.
+        request_seeds: list[int | None]
+        if seeds is not None:
+            request_seeds = [seed % _SEED_BOUND for seed in seeds]
+        elif generator is not None:
+            request_seeds = torch.randint(0, _SEED_BOUND, (len(prompts),), generator=generator).tolist()
+        else:
+            request_seeds = [None] * len(prompts)
         size = self.config.rollout.max_batch_size
         completions: list[Completion] = []
         for start in range(0, len(prompts), size):
@@ -224,7 +228,9 @@ class SglangEngine(Engine):
             batch = prompts[start : start + size]
             body = api.GenerateRequest(
                 input_ids=batch,
-                sampling_params=[self._sampling(sampling, seed) for seed in seeds[start : start + size]],
+                sampling_params=[
+                    self._sampling(sampling, seed) for seed in request_seeds[start : start + size]
+                ],
                 return_logprob=True,
             )
             replies = api.parse_generate_reply(self.http.ok(api.GENERATE, body.body()))

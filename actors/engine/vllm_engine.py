@@ -358,11 +358,15 @@ class VllmEngine(Engine):
                 groups[-1] = (ids, groups[-1][1] + 1)
             else:
                 groups.append((ids, 1))
+        # One seed per HTTP request (a group of samples of one prompt), from ``generator``:
+        # vLLM seeds a request's k-th sample itself, so per-sample ``seeds`` are not used.
         if generator is not None:
-            seeds: list[int | None] = torch.randint(0, MAX_SEED, (len(groups),), generator=generator).tolist()
+            request_seeds: list[int | None] = torch.randint(
+                0, MAX_SEED, (len(groups),), generator=generator
+            ).tolist()
         else:
-            seeds = [None] * len(groups)
-        return asyncio.run(self._generate_all(groups, seeds, sampling, cancel))
+            request_seeds = [None] * len(groups)
+        return asyncio.run(self._generate_all(groups, request_seeds, sampling, cancel))
 
     def _generate_body(
         self, request_id: str, ids: list[int], n: int, seed: int | None, sampling: SamplingParams
