@@ -5,6 +5,7 @@
 
 Runs ``examples/tiny.toml`` with ``run.max_staleness = 0`` (the seed's synchronous loop) and
 ``= --staleness`` (``staleness_policy = "wait"``), interleaved (sync, async, sync, async, ...),
+pair ``i`` with ``run.seed = --seed + i``,
 each stage on a core of its own (``rollout.num_threads = 1``, ``trainer.num_threads = 1``;
 on ``ray`` the Generator and the Trainer are separate processes). Time per trained rollout
 is read from each run's event log: from the first rollout asked for to the last step's
@@ -40,12 +41,15 @@ from schemas.events import (
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(work: Path, name: str, args: argparse.Namespace, staleness: int) -> dict[str, float | list[int]]:
+def run(
+    work: Path, name: str, args: argparse.Namespace, staleness: int, seed: int
+) -> dict[str, float | list[int]]:
     run_dir = work / name
     sets = [
         f'run.dir="{run_dir}"',
         f'run.runtime="{args.runtime}"',
         f"run.num_rollout={args.rollouts}",
+        f"run.seed={seed}",
         f"run.max_staleness={staleness}",
         "run.save_interval=1000",
         f"run.eval_interval={args.rollouts}",
@@ -95,15 +99,25 @@ def main() -> None:
     parser.add_argument("--rollouts", type=int, default=30)
     parser.add_argument("--staleness", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=1,
+        help="run.seed of the first pair; pair i runs seed + i (runs are deterministic)",
+    )
     parser.add_argument("--runtime", default="ray", choices=["ray", "local"])
     parser.add_argument("--set", action="append", default=[], help="KEY=VALUE, as the CLI's --set")
     parser.add_argument("--work-dir", type=Path, default=None)
     args = parser.parse_args()
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="async-bench-"))
     ratios = []
+    evals: dict[str, list[float]] = {"sync": [], "async": []}
     for repeat in range(args.repeats):
-        sync = run(work, f"sync-{repeat}", args, 0)
-        asynchronous = run(work, f"async-{repeat}", args, args.staleness)
+        seed = args.seed + repeat
+        sync = run(work, f"sync-{repeat}", args, 0, seed)
+        asynchronous = run(work, f"async-{repeat}", args, args.staleness, seed)
+        evals["sync"].append(float(sync["eval"]))
+        evals["async"].append(float(asynchronous["eval"]))
         ratio = float(sync["per_rollout"]) / float(asynchronous["per_rollout"])
         ratios.append(ratio)
         for name, result in (("sync", sync), (f"async k={args.staleness}", asynchronous)):
@@ -114,7 +128,11 @@ def main() -> None:
                 f"reward last 5 {float(result['reward_last5']):.3f}, last eval {float(result['eval']):.3f}; "
                 f"tokens by staleness {result['staleness']}"
             )
-        print(f"repeat {repeat}: sync / async = {ratio:.2f}x")
+        print(f"repeat {repeat} (run.seed {seed}): sync / async = {ratio:.2f}x")
+    print(
+        f"eval after {args.rollouts} rollouts, mean over seeds: sync {statistics.fmean(evals['sync']):.3f}, "
+        f"async {statistics.fmean(evals['async']):.3f}"
+    )
     print(
         f"RESULT async_speedup median={statistics.median(ratios):.2f}x runs={args.repeats} "
         f"rollouts={args.rollouts} staleness={args.staleness} runtime={args.runtime}"
