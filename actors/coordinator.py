@@ -255,6 +255,15 @@ class Coordinator(Actor):
         """The last step whose weights the trainer staged for publication."""
         self._due: tuple[int, SaveReason | None] | None = None
         """Asynchronously: a trained step whose save and publication wait for their turn."""
+        self._generated_through = plan.start_rollout_id - 1
+        """The last rollout generated."""
+        self._publish_asked = plan.start_rollout_id - 1
+        """Asynchronously: the last step whose publication was asked for (the Trainer trains
+        the next rollout once it has staged it)."""
+        self._cancelled_steps: set[int] = set()
+        """Steps whose training was cut (``StepCancelled`` of phase train)."""
+        self._stop_when_trained = False
+        """Asynchronously: a stop waits for the step the Trainer is training to finish."""
 
     # -- the opening ------------------------------------------------------------------
 
@@ -443,7 +452,11 @@ class Coordinator(Actor):
     def _ahead_limit(self) -> int:
         """The last rollout that may be asked for now."""
         base = self._published_step if self.run.staleness_policy == "wait" else self._staged_step
-        return min(base + 1 + self._bound, self.plan.num_rollout - 1)
+        last = self.plan.num_rollout - 1
+        debug_exit = self.run.debug_exit_after_rollout
+        if debug_exit is not None:
+            last = min(last, self.plan.start_rollout_id + debug_exit - 1)
+        return min(base + 1 + self._bound, last)
 
     @handles(WeightsStaged, emits=(RolloutRequested,))
     async def on_weights_staged(self, event: WeightsStaged) -> None:
@@ -471,8 +484,10 @@ class Coordinator(Actor):
     async def _publish_due(self) -> None:
         """The trained step's save and publication, once its turn came: the publication
         before it through and (``wait``) the rollout ``k`` after it asked for."""
-        if self._due is None or self._finishing is not None:
-            return
+        if self._due is None or self._finishing is not None or self._stop is not None:
+            return  # a stop saves the step instead: no publication lets the Trainer go on
+        if self._pending_eval is not None:
+            return  # the eval runs on the weights it was asked for; the loop goes on after it
         rollout_id, reason = self._due
         if self._published_step != rollout_id - 1:
             return
@@ -481,6 +496,7 @@ class Coordinator(Actor):
         if hold and self._requested < min(rollout_id + self._bound, last):
             return  # (with rollout.partial a publication lands inside a rollout anyway)
         self._due = None
+        self._publish_asked = rollout_id
         await self._save_and_publish(rollout_id, reason)
 
     async def _eval(self, rollout_id: int, then: AfterEval) -> None:
@@ -510,6 +526,7 @@ class Coordinator(Actor):
         rollout is the whole step. Its batch goes back untrained, as the seed's loop removes
         the rollout's data refs before it continues."""
         if not self.plan.rollout_only:
+            self._generated_through = max(self._generated_through, event.rollout_id)
             if self._finishing is None:
                 await self._after_memory(self.memory.after_generation(event.rollout_id), _nothing)
             return
@@ -540,6 +557,9 @@ class Coordinator(Actor):
         self.last_rollout_id = rollout_id
         if self._finishing is not None:
             return  # once finishing, nothing new is asked for
+        if self._stop_when_trained:
+            await self._stop_now()  # the step in training when the stop came: saved
+            return
         if self._sync:  # the seed's after_local_train, before the step's save and publication
             await self.publish(PolicySyncRequested(hook="after_local_train", rollout_id=rollout_id))
         else:
@@ -824,12 +844,31 @@ class Coordinator(Actor):
         stops after the last complete step, saving it unless it was saved."""
         if self._finishing is not None:
             return
+        if event.phase == "train":
+            self._cancelled_steps.add(event.rollout_id)
         self._pending_eval = None
         await self._stop_now()
 
+    def _training_now(self) -> bool:
+        """Asynchronously: whether the Trainer is training the step after the last one
+        trained (its rollout generated and the publication before it asked for)."""
+        step = self.last_rollout_id + 1
+        return (
+            self._bound > 0
+            and step < self.plan.num_rollout
+            and step <= self._generated_through
+            and self._publish_asked >= self.last_rollout_id
+            and step not in self._cancelled_steps
+        )
+
     async def _stop_now(self) -> None:
         """Finish stopped, after saving the last trained step unless a save of it was asked
-        for already: a stopped run resumes with nothing redone."""
+        for already: a stopped run resumes with nothing redone. Asynchronously, a step the
+        Trainer is training meanwhile is waited for and saved (its state is the Trainer's)."""
+        if self._training_now():
+            self._stop_when_trained = True
+            return
+        self._stop_when_trained = False
         last = self.last_rollout_id
         if not self.plan.rollout_only and last >= self.plan.start_rollout_id and last not in self._saved:
             await self._save(last, "stop")

@@ -75,7 +75,7 @@ from miles_events.rl.rewards import RewardFn, reward_of
 from miles_events.rl.sample_excerpts import kept_samples
 from miles_events.rl.versions import engine_names
 from miles_events.util.registry import load_function
-from schemas.config import Config, engines_heal, engines_isolated, skip_tensor_list
+from schemas.config import Config, engines_heal, engines_isolated, skip_tensor_list, staleness_bound
 from schemas.events import (
     CellFailed,
     CellHealth,
@@ -101,6 +101,7 @@ from schemas.events import (
     WeightsCheckFinished,
     WeightsCheckRequested,
     WeightsLoaded,
+    WeightsLoadStarted,
     WeightsStaged,
 )
 from schemas.rollout import RolloutBatch, Sample, VersionSpan
@@ -240,7 +241,7 @@ class Generator(Actor):
             started = event.weight_version in self._loads_started  # handled in turn already
             if self.config.rollout.partial and self.rollout_in_flight is not None and not started:
                 self._beside[event.weight_version] = self.spawn(
-                    self._load_beside(event), emits=(WeightsLoaded,)
+                    self._load_beside(event), emits=(WeightsLoadStarted, WeightsLoaded)
                 )
         elif isinstance(event, FaultInjectionRequested) and event.cell.startswith("rollout-"):
             self.spawn(self._inject(event), emits=(FaultInjected,))
@@ -706,7 +707,7 @@ class Generator(Actor):
         _BESIDE.set(True)
         await self._load_everywhere(event)
 
-    @handles(WeightsStaged, emits=(WeightsLoaded, *HEALING))
+    @handles(WeightsStaged, emits=(WeightsLoadStarted, WeightsLoaded, *HEALING))
     async def on_weights_staged(self, event: WeightsStaged) -> None:
         beside = self._beside.pop(event.weight_version, None)
         if beside is not None:
@@ -716,6 +717,8 @@ class Generator(Actor):
 
     async def _load_everywhere(self, event: WeightsStaged) -> None:
         self._loads_started.add(event.weight_version)
+        if staleness_bound(self.config):  # it may have waited behind a rollout: its clock starts now
+            await self.publish(WeightsLoadStarted(weight_version=event.weight_version))
         # Every engine loads at once and resolves the handle itself (the staged data belongs
         # to the trainer). A suspended engine loads it when it resumes.
         # The skip list applies here as on the trainer: digests are compared whole.

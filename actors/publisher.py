@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from miles_events.bus.actor import Actor, ActorContext, WorkerGroup, handles
 from miles_events.rl.versions import engine_names, next_version
-from schemas.config import Config, engines_heal, engines_isolated
+from schemas.config import Config, engines_heal, engines_isolated, staleness_bound
 from schemas.events import (
     CellResumed,
     CellSuspended,
@@ -30,6 +30,7 @@ from schemas.events import (
     PublishRequested,
     RunStarted,
     WeightsLoaded,
+    WeightsLoadStarted,
     WeightsPublished,
     WeightsStaged,
 )
@@ -58,6 +59,8 @@ class Publisher(Actor):
         self.current: Publication | None = None
         self.suspended: set[str] = set()
         """Engines whose cell is suspended: a publication goes on without them."""
+        self._asynchronous = staleness_bound(config) > 0
+        """Asynchronous training: the engines may load a publication after a rollout."""
         self.keep_served = engines_heal(config)
         """Whether the staged weights of the last publication are kept until the next one
         is through: an engine restarted meanwhile loads them again."""
@@ -99,7 +102,13 @@ class Publisher(Actor):
             )
         publication.staged = event
         publication.staged_at = self.context.clock.monotonic()
-        self._arm("load", self.config.publisher.load_timeout)
+        if self._asynchronous:
+            # The Generator may load it only after the rollout it generates: the load's
+            # clock starts when it begins (``WeightsLoadStarted``).
+            self._cancel_timer()
+            publication.phase = "load"
+        else:
+            self._arm("load", self.config.publisher.load_timeout)
         wrong = {
             e: v
             for e, v in self.served.items()
@@ -111,6 +120,13 @@ class Publisher(Actor):
                 f"trainer staged version {event.weight_version!r}, which does not follow what the "
                 f"engines serve ({wrong!r}): each publication must add exactly one",
             )
+
+    @handles(WeightsLoadStarted, emits=(PublicationFailed,))
+    async def on_weights_load_started(self, event: WeightsLoadStarted) -> None:
+        publication = self.current
+        if publication is not None and publication.staged is not None:
+            if publication.staged.weight_version == event.weight_version and publication.phase == "load":
+                self._arm("load", self.config.publisher.load_timeout)
 
     def _expected_version(self, served: str) -> str:
         return self.first_version if served == "default" else next_version(served)

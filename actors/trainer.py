@@ -847,6 +847,12 @@ class Trainer(Actor):
     async def on_save_requested(self, event: SaveRequested) -> None:
         if self._restoring:
             return  # asked for before the group lost its state: asked again when trained again
+        if self._bound and self._last_trained is not None and self._last_trained[0] > event.rollout_id:
+            # Asynchronously the Coordinator asks for a step's save before the next is trained;
+            # the state here is a later step's, which a checkpoint of this one must not hold.
+            raise RuntimeError(
+                f"asked to save rollout {event.rollout_id} after training rollout {self._last_trained[0]}"
+            )
         self._num_saves += 1
         # The counter keeps keys unique when one rollout is saved twice (say, sentinel then last).
         prefix = f"train-state-r{event.rollout_id}-{self._num_saves}"

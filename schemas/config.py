@@ -123,7 +123,8 @@ class RunConfig(Section):
     may lag behind the policy that trains on it. Rollout ``r`` is sampled on the weights
     published after step ``r - 1 - max_staleness``, so rollouts ``n + 1 .. n + k`` are
     generated while step ``n`` trains. 0: the seed's synchronous loop (each rollout on the
-    weights of the step before it). Publications land on the engines between rollouts."""
+    weights of the step before it). Publications land on the engines between rollouts (with
+    ``rollout.partial``, between decode steps of the rollout in flight)."""
     fully_async: bool = False
     """The seed's ``--fully-async`` (its asynchronous driver: the next rollout is generated
     while the current one trains): ``max_staleness = 1`` where ``max_staleness`` is 0."""
@@ -553,7 +554,10 @@ class PublisherConfig(Section):
     stage_timeout: PositiveFloat = 120.0
     """Seconds the trainer's staging of a publication may take before the publication fails."""
     load_timeout: PositiveFloat = 120.0
-    """Seconds each engine's load of a publication may take before the publication fails."""
+    """Seconds each engine's load of a publication may take before the publication fails.
+    With asynchronous training (``run.max_staleness``) counted from when the Generator
+    begins the load (``WeightsLoadStarted``): a publication may wait behind the rollout being
+    generated."""
 
 
 class VerifierConfig(Section):

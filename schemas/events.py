@@ -352,6 +352,14 @@ class WeightsStaged(Event, frozen=True, kw_only=True):
     """The behavioural probe, when the run probes publications (``verifier.probe``)."""
 
 
+class WeightsLoadStarted(Event, frozen=True, kw_only=True):
+    """Asynchronous training (``run.max_staleness``): the Generator began loading the
+    publication of ``weight_version`` on its engines. A publication may wait behind the
+    rollout being generated; its load timeout (``publisher.load_timeout``) counts from here."""
+
+    weight_version: str
+
+
 class WeightsLoaded(Event, frozen=True, kw_only=True):
     """One engine now serves ``weight_version``; the digest is of what it serves."""
 
@@ -841,6 +849,7 @@ AnyEvent = (
     | EvalFinished
     | PublishRequested
     | WeightsStaged
+    | WeightsLoadStarted
     | WeightsLoaded
     | WeightsPublished
     | PublicationFailed

@@ -10,7 +10,7 @@ from actors.publisher import Publisher
 from miles_events.bus.clock import ManualClock
 from miles_events.bus.testing import RecordingContext, feed
 from schemas.checkpoint import DataCursor, TrainerState
-from schemas.config import Config, RunConfig, VerifierConfig
+from schemas.config import Config, RolloutConfig, RunConfig, VerifierConfig
 from schemas.data import DataRef
 from schemas.events import (
     ActorFailed,
@@ -26,6 +26,7 @@ from schemas.events import (
     PublicationMismatch,
     PublicationVerified,
     PublishRequested,
+    RolloutGenerated,
     RolloutRequested,
     RunFinished,
     RunStarted,
@@ -51,10 +52,12 @@ def make(
     per_epoch: int | None = 100,
     verifier: bool = True,
     check_weight_update_equal: bool = False,
+    partial: bool = False,
     **run,
 ) -> Coordinator:
     config = Config(
         run=RunConfig(num_rollout=num_rollout, **run),
+        rollout=RolloutConfig(partial=partial),
         verifier=VerifierConfig(enabled=verifier, check_weight_update_equal=check_weight_update_equal),
     )
     plan = RunPlan(
@@ -611,12 +614,49 @@ async def test_asynchronous_saves_go_with_their_steps_publication_and_the_last_r
     assert kinds(await feed(c, verified(4, 2), saved(2))) == [("RunFinished", "completed")]
 
 
+def generated(rollout_id: int) -> RolloutGenerated:
+    return RolloutGenerated(
+        rollout_id=rollout_id, batch=DataRef("inprocess", f"r{rollout_id}", "generator", 1), num_samples=1,
+        reward_mean=0.0, weight_versions=["1"],
+    )  # fmt: skip
+
+
 async def test_asynchronous_stop_saves_the_last_step_trained_and_asks_for_nothing_more():
     c = make(num_rollout=10, max_staleness=1)
-    await feed(c, started(c), verified(1, None), trained(0), verified(2, 0), trained(1))
-    out = await feed(c, StopRequested(reason="user"), verified(3, 1), trained(2))
-    assert kinds(out) == [("SaveRequested", 1)]  # step 2 is trained after the stop: not kept
-    assert kinds(await feed(c, saved(1))) == [("RunFinished", "stopped")]
+    await feed(c, started(c), verified(1, None), generated(0), generated(1), trained(0), verified(2, 0))
+    await feed(c, generated(2), trained(1))  # step 1's publication asked for: 2 may train
+    out = await feed(c, StopRequested(reason="user"), trained(2), verified(3, 1))
+    # Step 2 was trained (its publication never asked for): the stop saves it.
+    assert kinds(out) == [("SaveRequested", 2)]
+    assert kinds(await feed(c, saved(2))) == [("RunFinished", "stopped")]
+
+
+async def test_an_asynchronous_stop_waits_for_the_step_in_training_and_saves_it():
+    """The Trainer trains step n + 1 once step n's publication is asked for: a stop that
+    comes then saves step n + 1 once it is trained, never step n with n + 1's state."""
+    c = make(num_rollout=10, max_staleness=1)
+    await feed(c, started(c), verified(1, None), generated(0), generated(1), trained(0), verified(2, 0))
+    await feed(c, generated(2), trained(1))
+    assert kinds(await feed(c, StopRequested(reason="user"), verified(3, 1))) == []  # step 2 is training
+    assert kinds(await feed(c, trained(2))) == [("SaveRequested", 2)]
+    assert kinds(await feed(c, saved(2))) == [("RunFinished", "stopped")]
+
+
+async def test_an_asynchronous_stop_after_the_step_in_training_was_cut_saves_the_one_before():
+    c = make(num_rollout=10, max_staleness=1)
+    await feed(c, started(c), verified(1, None), generated(0), generated(1), trained(0), verified(2, 0))
+    await feed(c, generated(2), trained(1), verified(3, 1))
+    cut = StepCancelled(rollout_id=2, phase="train", reason="stop now")
+    assert kinds(await feed(c, StopRequested(reason="user", now=True), cut)) == [("SaveRequested", 1)]
+
+
+async def test_with_partial_rollouts_a_publication_waits_for_the_eval_asked_before_it():
+    c = make(num_rollout=6, max_staleness=2, eval_interval=1, skip_eval_before_train=True, partial=True)
+    await feed(c, started(c), verified(1, None), trained(0))
+    out = await feed(c, verified(2, 0), trained(1))
+    assert ("EvalRequested", 0) in kinds(out) and ("PublishRequested", 1) not in kinds(out)
+    after = await feed(c, EvalFinished(rollout_id=0, metrics={}))
+    assert ("PublishRequested", 1) in kinds(after)
 
 
 async def test_drop_and_mask_ask_for_rollouts_once_the_weights_keeping_them_in_bound_are_staged():

@@ -160,6 +160,24 @@ async def test_an_engine_that_never_loads_turns_into_publication_failed():
     assert len(failed) == 1 and failed[0].phase == "load" and "engine-1" in failed[0].reason
 
 
+async def test_asynchronously_the_load_timeout_counts_from_the_generators_start_of_the_load():
+    """A publication may wait behind the rollout being generated (``run.max_staleness``):
+    its load clock starts at ``WeightsLoadStarted``, not at the staging."""
+    from schemas.events import WeightsLoadStarted
+
+    clock = ManualClock()
+    cfg = config(engines=1, load_timeout=5)
+    cfg = msgspec.structs.replace(cfg, run=msgspec.structs.replace(cfg.run, max_staleness=1))
+    p = publisher(cfg, clock)
+    await feed(p, started(), PublishRequested(), staged("1"))
+    await clock.advance(600)  # a long rollout before the load
+    assert not [e for e in p.context.published if isinstance(e, PublicationFailed)]
+    await feed(p, WeightsLoadStarted(weight_version="1"))
+    await clock.advance(5)
+    failed = [e for e in p.context.published if isinstance(e, PublicationFailed)]
+    assert len(failed) == 1 and failed[0].phase == "load"
+
+
 async def test_a_trainer_that_never_stages_turns_into_publication_failed():
     clock = ManualClock()
     p = publisher(config(stage_timeout=5), clock)

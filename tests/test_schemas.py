@@ -327,6 +327,7 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     "RestoreVerified": dict(
         engine="engine-1", weight_version="4", digest="cd" * 32, write_proof="canary", probe_max_diff=0.0
     ),
+    "WeightsLoadStarted": dict(weight_version="4"),
     "TrainerRestoreRequested": dict(
         checkpoint="/runs/x/checkpoints/rollout_000002", rollout_id=2, redo=[3, 4]
     ),
