@@ -187,3 +187,20 @@ def test_a_resume_that_finds_only_checkpoints_an_overwrite_moved_aside_says_wher
     message = str(caught.value)
     assert "\n" not in message and "run.overwrite moved an earlier run's checkpoints to" in message
     assert "checkpoints.replaced-" in message and "run.resume = false" in message
+
+
+def test_a_resume_names_the_rollouts_its_log_asked_for_after_the_checkpoint(tmp_path, base):
+    from miles_events.bus.event_log import EventLogWriter
+    from schemas.events import RolloutRequested
+
+    run_dir = tmp_path / "run"
+    save(run_dir, base, 1)
+    with EventLogWriter(run_dir / "events.log") as log:
+        for rollout_id in (0, 1, 2, 3, 2):  # 2 and 3 asked for after the checkpoint (2 twice)
+            log.append(RolloutRequested(rollout_id=rollout_id, run_id="run-a", seq=rollout_id + 1))
+    plan = make_plan(config(run_dir, num_rollout=6, resume=True), "local").plan
+    assert (plan.start_rollout_id, plan.regenerated) == (2, (2, 3))
+    loaded = make_plan(
+        config(tmp_path / "other", num_rollout=6, load=str(run_dir / "checkpoints")), "local"
+    ).plan
+    assert loaded.start_rollout_id == 2 and loaded.regenerated == ()

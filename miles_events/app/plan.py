@@ -155,7 +155,8 @@ def make_plan(config: Config, runtime: str, run_id: str = "") -> PlannedRun:
                 )
     if run.start_rollout_id is not None:
         start = run.start_rollout_id
-    regenerated = _asked_before(Path(run.dir), start) if resumed else ()
+    # Only this run's own log says what it asked for (``run.load`` may start another lineage).
+    regenerated = _asked_before(Path(run.dir), start) if resumed and run.resume else ()
     if regenerated:
         logger.info(
             "rollouts asked for before, after the checkpoint, generated again: %s",
