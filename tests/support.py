@@ -47,7 +47,7 @@ def cli_env(**extra: str) -> dict[str, str]:
 
 
 CONSOLE_LINE = re.compile(
-    r"(metrics: |run |initial |republication |weights republished |eval at |rollout |checkpoint |"
+    r"(metrics: |run |initial |republication |weights republished |eval at |rollout |rollouts |checkpoint |"
     r"actor |weight version |the engines serve |publication evidence |events: |trainer: )"
 )
 """How each line the plain console (and the CLI around it) prints to stdout begins."""
