@@ -342,13 +342,14 @@ class Coordinator(Actor):
         elif run.eval_interval is not None and not run.skip_eval_before_train:
             await self._eval(start, AfterEval.FIRST_ROLLOUT)
         else:
-            await self._first_rollout(start)
+            await self._rollouts_from(start)
 
-    async def _first_rollout(self, start: int) -> None:
+    async def _rollouts_from(self, rollout_id: int) -> None:
+        """Ask for rollout ``rollout_id`` (asynchronously: every one the bound allows now)."""
         if self._bound:
             await self._request_ahead()
         else:
-            await self._request_rollout(start)
+            await self._request_rollout(rollout_id)
 
     # -- publications -----------------------------------------------------------------
 
@@ -427,10 +428,7 @@ class Coordinator(Actor):
             logger.info("debug_exit_after_rollout=%d reached at rollout_id=%d", debug_exit, rollout_id)
             await self._finish("completed", f"debug_exit_after_rollout={debug_exit}")
         elif rollout_id + 1 < self.plan.num_rollout or self._until_stopped:
-            if self._bound:
-                await self._request_ahead()
-            else:
-                await self._request_rollout(rollout_id + 1)
+            await self._rollouts_from(rollout_id + 1)
         else:
             await self._finish("completed")
 
@@ -446,8 +444,9 @@ class Coordinator(Actor):
     # events in order, then meets every request and every publication in one order whatever
     # the timing, and a run is the same from the same config. With ``drop`` or ``mask`` a
     # rollout is asked for once the weights of the step k + 1 before it are staged (not yet
-    # loaded or verified), and the Trainer judges each token's age. Either way publications go one at a time, in step order, and the
-    # Trainer trains step n + 1 only after it staged step n's publication (and save).
+    # loaded or verified), and the Trainer judges each token's age. Either way publications
+    # go one at a time, in step order, and the Trainer trains step n + 1 only after it staged
+    # step n's publication (and save).
 
     def _ahead_limit(self) -> int:
         """The last rollout that may be asked for now."""
@@ -515,7 +514,7 @@ class Coordinator(Actor):
         elif pending.then is AfterEval.FINISH:
             await self._finish("completed")
         elif pending.then is AfterEval.FIRST_ROLLOUT:
-            await self._first_rollout(pending.rollout_id)
+            await self._rollouts_from(pending.rollout_id)
         else:
             await self._next_step(pending.rollout_id)
 
@@ -546,10 +545,7 @@ class Coordinator(Actor):
         else:
             await self._finish("completed")
 
-    @handles(
-        TrainStepFinished,
-        emits=(SaveRequested, PublishRequested, RolloutRequested, PolicySyncRequested, *MEMORY),
-    )
+    @handles(TrainStepFinished, emits=(SaveRequested, PublishRequested, PolicySyncRequested, *MEMORY))
     async def on_train_step_finished(self, event: TrainStepFinished) -> None:
         if self._rewind is not None:
             return  # the trainer's group lost it since: done again from the checkpoint
@@ -681,14 +677,7 @@ class Coordinator(Actor):
 
     @handles(
         CheckpointSaved,
-        emits=(
-            RunFinished,
-            SaveRequested,
-            PublishRequested,
-            RolloutRequested,
-            TrainerRestoreRequested,
-            *MEMORY,
-        ),
+        emits=(RunFinished, SaveRequested, PublishRequested, TrainerRestoreRequested, *MEMORY),
     )
     async def on_checkpoint_saved(self, event: CheckpointSaved) -> None:
         self._pending_saves.discard(event.rollout_id)

@@ -15,7 +15,8 @@ models concurrently), and every call below goes to all of them at once. It react
   the event log). The embedded engine seeds each sample on its own, from (run seed,
   rollout_id, prompt position in the rollout, sample number): its draws do not depend on
   the engine, batch or chunk that decodes it; SGLang servers get those seeds as each
-  request's ``sampling_seed``. vLLM seeds from (run seed, rollout_id, engine index). Either way a resumed run regenerates identical samples.
+  request's ``sampling_seed``. vLLM seeds from (run seed, rollout_id, engine index). Either
+  way a resumed run regenerates identical samples.
 - ``EvalRequested``: the same on the eval prompts at ``eval_temperature``; ``EvalFinished``.
 - ``WeightsStaged``: every engine loads the staged weights from their handle and
   fingerprints what it now serves; one ``WeightsLoaded`` per engine (digest, counts and the
@@ -73,7 +74,7 @@ from miles_events.rl.hf_model import chat_template, load_tokenizer, modeling_mod
 from miles_events.rl.prompts import Prompt, load_prompts, rollout_prompts, with_template_ids
 from miles_events.rl.rewards import RewardFn, reward_of
 from miles_events.rl.sample_excerpts import kept_samples
-from miles_events.rl.versions import engine_names
+from miles_events.rl.versions import engine_names, version_number
 from miles_events.util.registry import load_function
 from schemas.config import Config, engines_heal, engines_isolated, skip_tensor_list, staleness_bound
 from schemas.events import (
@@ -144,8 +145,9 @@ class Generator(Actor):
         self.rollout_in_flight: int | None = None
         self._beside: dict[str, asyncio.Task[None]] = {}
         """``rollout.partial``: publications being loaded beside the rollout in flight, by version."""
-        self._loads_started: set[str] = set()
-        """The versions whose load began (beside a rollout or in turn)."""
+        self._load_started = 0
+        """The version number of the last publication whose load began (beside a rollout or
+        in turn): publications come one at a time, in version order."""
         self._watcher: asyncio.Task[None] | None = None
 
     @classmethod
@@ -238,7 +240,7 @@ class Generator(Actor):
         # Faults and suspensions land beside the handler in progress (mid-rollout); so does a
         # publication with ``rollout.partial``, between the engines' decode steps.
         if isinstance(event, WeightsStaged):
-            started = event.weight_version in self._loads_started  # handled in turn already
+            started = version_number(event.weight_version) <= self._load_started  # handled in turn
             if self.config.rollout.partial and self.rollout_in_flight is not None and not started:
                 self._beside[event.weight_version] = self.spawn(
                     self._load_beside(event), emits=(WeightsLoadStarted, WeightsLoaded)
@@ -716,7 +718,7 @@ class Generator(Actor):
         await self._load_everywhere(event)
 
     async def _load_everywhere(self, event: WeightsStaged) -> None:
-        self._loads_started.add(event.weight_version)
+        self._load_started = max(self._load_started, version_number(event.weight_version))
         if staleness_bound(self.config):  # it may have waited behind a rollout: its clock starts now
             await self.publish(WeightsLoadStarted(weight_version=event.weight_version))
         # Every engine loads at once and resolves the handle itself (the staged data belongs
