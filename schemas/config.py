@@ -351,7 +351,10 @@ class VllmConfig(Section):
 
 class TrainerConfig(Section):
     backend: str = "torch"
-    """The trainer backend: ``torch`` (PyTorch: CPU, or a GPU per rank)."""
+    """The trainer backend: ``torch`` (a Hugging Face model in PyTorch: CPU, or a GPU per
+    rank) or ``megatron`` (Megatron-core's GPT model, converted from the Hugging Face
+    checkpoint of a Llama or Qwen2 model: the ``[megatron]`` section; always a rank group,
+    its ranks data-parallel replicas)."""
     num_ranks: PositiveInt = 1
     """Trainer ranks: one ``torch.distributed`` process group (gloo on CPU, NCCL on GPU),
     rank 0 in the Trainer's process, the others in processes of their own (Ray actors in the
@@ -530,6 +533,7 @@ def critic_config(config: Config) -> Config:
         config,
         trainer=msgspec.structs.replace(
             trainer,
+            backend="torch",  # the value model is a Hugging Face model whichever the policy's backend
             num_ranks=trainer.critic_num_ranks or trainer.num_ranks,
             lr=trainer.critic_lr or trainer.lr,
             use_kl_loss=False,
@@ -538,10 +542,30 @@ def critic_config(config: Config) -> Config:
 
 
 def resolved_sharding(trainer: TrainerConfig) -> Literal["none", "fsdp2", "ddp"]:
-    """``trainer.sharding`` resolved: ``auto`` is ``none`` for one rank, ``fsdp2`` for more."""
+    """``trainer.sharding`` resolved: ``auto`` is ``none`` for one rank, ``fsdp2`` for more;
+    the ``megatron`` backend's ranks are always a group of data-parallel replicas (``ddp``)."""
+    if trainer.backend == "megatron":
+        return "ddp"
     if trainer.sharding == "auto":
         return "none" if trainer.num_ranks == 1 else "fsdp2"
     return trainer.sharding
+
+
+class MegatronConfig(Section):
+    """The ``megatron`` trainer backend (``trainer.backend``): Megatron-core's GPT model.
+    ``trainer.num_ranks`` ranks form ``tensor_parallel_size x pipeline_parallel_size x``
+    data-parallel groups; today every rank is a data-parallel replica."""
+
+    tensor_parallel_size: PositiveInt = 1
+    """Ranks each layer's matrices are split over (Megatron's TP). Only 1 is built: larger
+    sizes are refused at start."""
+    pipeline_parallel_size: PositiveInt = 1
+    """Stages the layers are split into (Megatron's PP). Only 1 is built: larger sizes are
+    refused at start."""
+    transformer_impl: Literal["auto", "local", "transformer_engine"] = "auto"
+    """The layer spec: ``local`` (Megatron's own attention and torch's norms),
+    ``transformer_engine`` (Transformer Engine's fused layers; needs it installed and a
+    GPU), ``auto``: Transformer Engine's where it is installed and a GPU is there."""
 
 
 class PublisherConfig(Section):
@@ -745,6 +769,7 @@ class Config(Section):
     vllm: VllmConfig = msgspec.field(default_factory=VllmConfig)
     sglang: SglangConfig = msgspec.field(default_factory=SglangConfig)
     trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
+    megatron: MegatronConfig = msgspec.field(default_factory=MegatronConfig)
     publisher: PublisherConfig = msgspec.field(default_factory=PublisherConfig)
     verifier: VerifierConfig = msgspec.field(default_factory=VerifierConfig)
     saver: SaverConfig = msgspec.field(default_factory=SaverConfig)

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
 BACKENDS: dict[str, str] = {
     "torch": "actors.trainer_backend.torch_backend:TorchTrainerBackend",
+    "megatron": "actors.trainer_backend.megatron_backend:MegatronTrainerBackend",
 }
 """Trainer backend name -> ``"module:Class"`` of its ``TrainerBackend`` subclass."""
 

@@ -3,7 +3,8 @@
 
 The Trainer actor starts the ranks as its worker group (``miles_events.bus.workers``, each
 rank in a process of its own but rank 0, which shares the actor's): each builds a
-``TorchTrainerBackend`` over a ``ProcessGroup`` (``actors.trainer_backend.parallel``),
+``TorchTrainerBackend`` over a ``ProcessGroup`` (``actors.trainer_backend.parallel``; the
+Megatron backend over a ``MegatronGroup``, ``megatron_backend``),
 meeting the others at a TCP store whose port the actor holds (chosen free when it is
 opened: no race for it). Every backend call then goes to every rank at once, with the same
 arguments (a rollout goes whole to each rank, which trains its part of it) but for state
@@ -109,21 +110,30 @@ class TrainerRank:
             device = torch.device("cpu")
         sharding = resolved_sharding(config.trainer)
         assert sharding != "none"
-        self.parallel = ProcessGroup(
-            sharding,
-            place.rank,
-            config.trainer.num_ranks,
-            store_address,
-            config.trainer.collective_timeout,
-            device,
-            rendezvous_seconds(config.trainer.collective_timeout),
-        )
-        if role == "critic":
-            from actors.trainer_backend.critic_backend import TorchCriticBackend
+        meeting = rendezvous_seconds(config.trainer.collective_timeout)
+        self.backend: TorchTrainerBackend
+        self.parallel: ProcessGroup
+        if config.trainer.backend == "megatron":  # a critic's config is always torch's
+            from actors.trainer_backend.megatron_backend import MegatronGroup, MegatronTrainerBackend
 
-            self.backend: TorchTrainerBackend = TorchCriticBackend(config, self.parallel)
+            self.parallel = MegatronGroup(config, place.rank, store_address, device, meeting)
+            self.backend = MegatronTrainerBackend(config, self.parallel)
         else:
-            self.backend = TorchTrainerBackend(config, self.parallel)
+            self.parallel = ProcessGroup(
+                sharding,
+                place.rank,
+                config.trainer.num_ranks,
+                store_address,
+                config.trainer.collective_timeout,
+                device,
+                meeting,
+            )
+            if role == "critic":
+                from actors.trainer_backend.critic_backend import TorchCriticBackend
+
+                self.backend = TorchCriticBackend(config, self.parallel)
+            else:
+                self.backend = TorchTrainerBackend(config, self.parallel)
         self._lock = threading.Lock()
         self._cancellations: dict[int, Cancellation] = {}
         """Each training call's cancellation, by its number: one asked for before its call

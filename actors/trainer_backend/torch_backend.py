@@ -273,16 +273,13 @@ class TorchTrainerBackend(TrainerBackend):
         self.dtype = torch_dtype(config.model.dtype)
         self.model = self._build_model(config.model.path)
         self.model.eval()
-        unique, tied = split_tied(self.model.state_dict())
-        self._tied_names = set(tied)
-        """Names of tensors tied to one listed earlier (an output head sharing the embedding)."""
-        self._shapes = {name: t.shape for name, t in unique.items()}
-        """The whole (unsharded) shape of every tensor but the tied duplicates."""
+        self._shapes, self._tied_names = self._published_shapes()
         self._parameter_names = [name for name, p in self.model.named_parameters() if p.requires_grad]
         self._buckets: Buckets | None = None
         if not self.parallel.sharded:
             # The weights live in one flat bucket per dtype (each parameter a view), before the
             # optimizer sees them: a publication stages them with one copy per dtype.
+            unique, _ = split_tied(self.model.state_dict())
             self._buckets = bucket_parameters(self.model, unique)
         self.reference: PreTrainedModel | None = None
         self.reference_root: torch.nn.Module | None = None
@@ -290,9 +287,9 @@ class TorchTrainerBackend(TrainerBackend):
             # Frozen at the base weights for the whole run, resumed or not.
             self.reference = copy.deepcopy(self.model).requires_grad_(False)
             self.reference_root = self.parallel.wrap(
-                ResponseLogits(self.reference), self.reference, trainable=False
+                self._logits_module(self.reference), self.reference, trainable=False
             )
-        self.root = self.parallel.wrap(ResponseLogits(self.model), self.model, trainable=True)
+        self.root = self.parallel.wrap(self._logits_module(self.model), self.model, trainable=True)
         self.optimizer = torch.optim.AdamW(
             [p for p in self.root.parameters() if p.requires_grad],
             lr=trainer.lr,
@@ -313,6 +310,19 @@ class TorchTrainerBackend(TrainerBackend):
     def _build_model(self, path: str) -> PreTrainedModel:
         """The model trained, from the Hugging Face directory ``path``, on ``self.device``."""
         return load_model(path, self.config.model.dtype, self.device)
+
+    def _published_shapes(self) -> tuple[dict[str, torch.Size], set[str]]:
+        """The whole (unsharded) shape of every tensor ``named_weights`` gives, by its Hugging
+        Face name; and the names of tensors tied to one of those (an output head sharing the
+        embedding), which a checkpoint may hold or not."""
+        unique, tied = split_tied(self.model.state_dict())
+        return {name: t.shape for name, t in unique.items()}, set(tied)
+
+    def _logits_module(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The forward every micro-batch goes through, over ``model`` (the policy or the
+        reference): ``(input_ids, attention_mask, logit_index)`` to the logits that predict
+        each response token."""
+        return ResponseLogits(model)  # type: ignore[arg-type]
 
     # --- forward passes ------------------------------------------------------------------
 

@@ -1,0 +1,146 @@
+"""The Megatron-core trainer backend: Megatron's GPT model trained as the torch backend trains.
+
+The model is Megatron-core's ``GPTModel`` (``megatron_model``), built from the run's Hugging
+Face checkpoint and loaded through ``megatron_convert``; everything else is the torch
+backend's (``TorchTrainerBackend``, which this subclasses): the GRPO and PPO losses, the
+micro-batches and optimizer steps, cancellation, the learning-rate schedule, non-finite
+handling, AdamW. Its ranks are the torch backend's rank group (``rank_group.TrainerRank``):
+each rank a process in one ``torch.distributed`` group (NCCL on GPUs, gloo on the CPU),
+with Megatron's parallel state initialised over it (``MegatronGroup``). The ranks are
+data-parallel replicas (``megatron.tensor_parallel_size`` and ``pipeline_parallel_size``
+are 1): each trains its part of every optimizer step, and their gradients are all-reduced
+(torch's DistributedDataParallel).
+
+What leaves the backend is in Hugging Face's names and order: publications (so engines,
+the Verifier and rollout-only runs see what the torch backend would give them) and the
+weights of a checkpoint. A checkpoint's optimizer state is Megatron's: AdamW's state keyed
+by the Megatron parameter names (one ``linear_qkv`` where Hugging Face has three
+projections). A checkpoint loads back into either backend's weights; its optimizer state
+into this backend's only.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from actors.trainer_backend.megatron_convert import MegatronLayout, to_hf, to_megatron
+from actors.trainer_backend.megatron_model import (
+    ResponseLogits,
+    build_gpt,
+    destroy_parallel,
+    initialize_parallel,
+    load_megatron_state,
+    megatron_state,
+    resolved_impl,
+)
+from actors.trainer_backend.parallel import Parallel, ProcessGroup
+from actors.trainer_backend.torch_backend import (
+    MicroBatch,
+    SharedPromptBatch,
+    TorchTrainerBackend,
+    check_fits,
+    pack_samples,
+)
+from miles_events.rl.hf_model import load_model
+from schemas.config import Config
+from schemas.rollout import Sample
+
+logger = logging.getLogger(__name__)
+
+
+class MegatronGroup(ProcessGroup):
+    """A rank of the trainer's process group with Megatron's parallel state over it."""
+
+    def __init__(
+        self,
+        config: Config,
+        rank: int,
+        store_address: tuple[str, int],
+        device: torch.device,
+        rendezvous_seconds: float | None = None,
+    ) -> None:
+        trainer, megatron = config.trainer, config.megatron
+        super().__init__(
+            "ddp",
+            rank,
+            trainer.num_ranks,
+            store_address,
+            trainer.collective_timeout,
+            device,
+            rendezvous_seconds,
+        )
+        initialize_parallel(megatron.tensor_parallel_size, megatron.pipeline_parallel_size, config.run.seed)
+
+    def close(self) -> None:
+        destroy_parallel()
+        super().close()
+
+
+class MegatronTrainerBackend(TorchTrainerBackend):
+    """GRPO (or PPO's policy loss) on Megatron-core's GPT model, as one rank of a
+    ``MegatronGroup``."""
+
+    has_reference = True
+
+    def __init__(self, config: Config, parallel: Parallel | None = None) -> None:
+        if not isinstance(parallel, MegatronGroup):
+            raise ValueError("the Megatron backend runs as a rank group (MegatronGroup): build it through TrainerRank")
+        self.layout: MegatronLayout | None = None
+        self._hf_order: list[str] = []
+        super().__init__(config, parallel)
+
+    def _build_model(self, path: str) -> Any:
+        # The Hugging Face model is read once, on the host, and converted.
+        hf = load_model(path, self.config.model.dtype, torch.device("cpu"))
+        layout = MegatronLayout.of(hf.config)
+        weights = hf.state_dict()
+        self.layout = layout
+        self._hf_order = [n for n in weights if not (layout.tied_embeddings and n == "lm_head.weight")]
+        impl = resolved_impl(self.config.megatron.transformer_impl)
+        model = build_gpt(layout, self.dtype, self.device, impl)
+        load_megatron_state(model, to_megatron(weights, layout))
+        del hf, weights
+        return model
+
+    def _published_shapes(self) -> tuple[dict[str, torch.Size], set[str]]:
+        layout = self._layout
+        hf = to_hf(megatron_state(self.model), layout)
+        return {name: hf[name].shape for name in self._hf_order}, (
+            {"lm_head.weight"} if layout.tied_embeddings else set()
+        )
+
+    def _logits_module(self, model: torch.nn.Module) -> torch.nn.Module:
+        return ResponseLogits(model)  # type: ignore[arg-type]
+
+    @property
+    def _layout(self) -> MegatronLayout:
+        assert self.layout is not None, "the model is built"
+        return self.layout
+
+    def _pack(self, samples: list[Sample], indices: list[int]) -> MicroBatch | SharedPromptBatch:
+        return pack_samples(samples, indices)
+
+    # --- state ---------------------------------------------------------------------------
+
+    def named_weights(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        # Every rank holds the whole model: rank 0 gives it (the others nothing, as sharded
+        # torch backends do).
+        if self.parallel.rank != 0:
+            return {}
+        hf = to_hf(megatron_state(self.model), self._layout)
+        return {name: hf[name].detach() if dtype is None else hf[name].detach().to(dtype) for name in self._hf_order}
+
+    def _load_weights(self, model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+        """Hugging Face ``weights`` (rank 0's; the others are handed none) into ``model`` on
+        every rank: converted and copied on rank 0, then broadcast."""
+        import torch.distributed as dist
+
+        if self.parallel.rank == 0:
+            check_fits(self._shapes, self._shapes.keys() | self._tied_names, weights)
+            load_megatron_state(model, to_megatron(weights, self._layout))
+        if self.parallel.world_size > 1:
+            for tensor in megatron_state(model).values():
+                dist.broadcast(tensor.data, src=0)
