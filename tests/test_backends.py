@@ -41,7 +41,7 @@ def test_the_builtin_names_resolve_to_the_torch_classes():
     ("lookup", "message"),
     [
         (engine_class, "unknown engine 'vllmm'; known: sglang, torch, vllm"),
-        (backend_class, "unknown trainer backend 'vllmm'; known: torch"),
+        (backend_class, "unknown trainer backend 'vllmm'; known: megatron, torch"),
     ],
 )
 def test_an_unknown_name_is_one_line_naming_the_known_ones(lookup, message):

@@ -215,10 +215,65 @@ def test_an_unknown_engine_backend_names_the_known_ones(tmp_path: Path) -> None:
 
 
 def test_an_unknown_trainer_backend_names_the_known_ones(tmp_path: Path) -> None:
-    message = error_of(write_config(tmp_path, BASE), ['trainer.backend="megatron"'])
+    message = error_of(write_config(tmp_path, BASE), ['trainer.backend="megatronn"'])
     assert message.endswith(
-        '--set trainer.backend="megatron": trainer.backend: unknown trainer backend '
-        "'megatron'; known: torch"
+        '--set trainer.backend="megatronn": trainer.backend: unknown trainer backend '
+        "'megatronn'; known: megatron, torch"
+    )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["megatron.tensor_parallel_size=2"],
+            "megatron.tensor_parallel_size: 2: tensor parallelism is not built yet; the megatron backend's "
+            "trainer.num_ranks ranks are data-parallel replicas (set it to 1)",
+        ),
+        (
+            ["megatron.pipeline_parallel_size=4"],
+            "megatron.pipeline_parallel_size: 4: pipeline parallelism is not built yet",
+        ),
+        (
+            ['trainer.sharding="fsdp2"'],
+            "trainer.sharding: \"fsdp2\" is the torch backend's; the megatron backend's ranks are "
+            'data-parallel replicas: leave it "auto" (or "ddp")',
+        ),
+        (
+            ['megatron.transformer_impl="transformer_engine"'],
+            'megatron.transformer_impl: "transformer_engine" needs Transformer Engine, which is not installed',
+        ),
+    ],
+)
+def test_what_the_megatron_backend_cannot_do_is_refused_in_one_line(
+    tmp_path: Path, overrides, message
+) -> None:
+    pytest.importorskip("megatron.core")
+    if "transformer_engine" in message:
+        import importlib.util
+
+        if importlib.util.find_spec("transformer_engine") is not None:
+            pytest.skip("Transformer Engine is installed here")
+    got = error_of(write_config(tmp_path, BASE), ['trainer.backend="megatron"', *overrides])
+    assert message in got
+
+
+def test_the_megatron_section_without_the_megatron_backend_is_refused(tmp_path: Path) -> None:
+    message = error_of(write_config(tmp_path, BASE), ["megatron.pipeline_parallel_size=2"])
+    assert message.endswith(
+        'megatron.pipeline_parallel_size: set for the megatron trainer backend, and trainer.backend is "torch"'
+    )
+
+
+def test_a_model_the_megatron_backend_cannot_convert_is_refused_before_the_run(tmp_path: Path) -> None:
+    pytest.importorskip("megatron.core")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "gemma2", "num_hidden_layers": 2}')
+    message = error_of(write_config(tmp_path, BASE), ['trainer.backend="megatron"', f'model.path="{model}"'])
+    assert message.endswith(
+        "model.path: the megatron trainer backend: model type 'gemma2' has no Megatron conversion; "
+        "converted: llama, qwen2"
     )
 
 

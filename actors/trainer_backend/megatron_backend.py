@@ -87,7 +87,9 @@ class MegatronTrainerBackend(TorchTrainerBackend):
 
     def __init__(self, config: Config, parallel: Parallel | None = None) -> None:
         if not isinstance(parallel, MegatronGroup):
-            raise ValueError("the Megatron backend runs as a rank group (MegatronGroup): build it through TrainerRank")
+            raise ValueError(
+                "the Megatron backend runs as a rank group (MegatronGroup): build it through TrainerRank"
+            )
         self.layout: MegatronLayout | None = None
         self._hf_order: list[str] = []
         super().__init__(config, parallel)
@@ -113,7 +115,7 @@ class MegatronTrainerBackend(TorchTrainerBackend):
         )
 
     def _logits_module(self, model: torch.nn.Module) -> torch.nn.Module:
-        return ResponseLogits(model)  # type: ignore[arg-type]
+        return ResponseLogits(model)
 
     @property
     def _layout(self) -> MegatronLayout:
@@ -131,7 +133,10 @@ class MegatronTrainerBackend(TorchTrainerBackend):
         if self.parallel.rank != 0:
             return {}
         hf = to_hf(megatron_state(self.model), self._layout)
-        return {name: hf[name].detach() if dtype is None else hf[name].detach().to(dtype) for name in self._hf_order}
+        return {
+            name: hf[name].detach() if dtype is None else hf[name].detach().to(dtype)
+            for name in self._hf_order
+        }
 
     def _load_weights(self, model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
         """Hugging Face ``weights`` (rank 0's; the others are handed none) into ``model`` on

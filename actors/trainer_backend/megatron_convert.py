@@ -74,7 +74,9 @@ class MegatronLayout:
         if c.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {c['hidden_act']!r}: Megatron's SwiGLU needs 'silu'")
         if c.get("mlp_bias"):
-            raise ValueError("mlp_bias: the MLP projections have biases, which this conversion does not carry")
+            raise ValueError(
+                "mlp_bias: the MLP projections have biases, which this conversion does not carry"
+            )
         if model_type == "qwen2" and c.get("use_sliding_window"):
             raise ValueError("use_sliding_window: Megatron's GPT attention here is full attention")
         heads = int(c["num_attention_heads"])
@@ -90,7 +92,9 @@ class MegatronLayout:
         }
         qkv_bias = model_type == "qwen2" or bool(c.get("attention_bias"))
         if model_type == "llama" and c.get("attention_bias"):
-            raise ValueError("attention_bias: Llama's output projection then has a bias, which Megatron's has not")
+            raise ValueError(
+                "attention_bias: Llama's output projection then has a bias, which Megatron's has not"
+            )
         return cls(
             model_type=str(model_type),
             num_layers=int(c["num_hidden_layers"]),
@@ -148,7 +152,9 @@ def _rope_scaling(scaling: Mapping[str, Any]) -> float | None:
 
 
 def _attention_norm(layer: str, fused: bool) -> str:
-    return f"{layer}.self_attention.linear_qkv.layer_norm_weight" if fused else f"{layer}.input_layernorm.weight"
+    return (
+        f"{layer}.self_attention.linear_qkv.layer_norm_weight" if fused else f"{layer}.input_layernorm.weight"
+    )
 
 
 def _mlp_norm(layer: str, fused: bool) -> str:
@@ -234,13 +240,9 @@ def to_megatron(weights: Mapping[str, torch.Tensor], layout: MegatronLayout) -> 
     for i in range(layout.num_layers):
         layer, hf = f"decoder.layers.{i}", f"model.layers.{i}"
         attention = f"{hf}.self_attn"
-        out[f"{layer}.self_attention.linear_qkv.weight"] = fuse_qkv(
-            *(weights[f"{attention}.{p}_proj.weight"] for p in "qkv"), layout=layout
-        )
-        if layout.qkv_bias:
-            out[f"{layer}.self_attention.linear_qkv.bias"] = fuse_qkv(
-                *(weights[f"{attention}.{p}_proj.bias"] for p in "qkv"), layout=layout
-            )
+        for kind in ("weight", "bias") if layout.qkv_bias else ("weight",):
+            q, k, v = (weights[f"{attention}.{p}_proj.{kind}"] for p in "qkv")
+            out[f"{layer}.self_attention.linear_qkv.{kind}"] = fuse_qkv(q, k, v, layout)
         out[f"{layer}.mlp.linear_fc1.weight"] = torch.cat(
             [weights[f"{hf}.mlp.gate_proj.weight"], weights[f"{hf}.mlp.up_proj.weight"]]
         )

@@ -71,7 +71,8 @@ def initialize_parallel(tensor_parallel: int, pipeline_parallel: int, seed: int)
     """Megatron's parallel state over the process group this process has joined, and its
     RNG tracker seeded as ``model_parallel_cuda_manual_seed`` seeds it (on the CPU, a tracker
     of CPU generator states)."""
-    from megatron.core import parallel_state, tensor_parallel as mp_tensor_parallel
+    from megatron.core import parallel_state
+    from megatron.core import tensor_parallel as mp_tensor_parallel
 
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_parallel, pipeline_parallel)
@@ -165,7 +166,10 @@ def transformer_config(layout: MegatronLayout, dtype: torch.dtype, on_cpu: bool)
 
 
 def build_gpt(
-    layout: MegatronLayout, dtype: torch.dtype, device: torch.device, impl: Literal["local", "transformer_engine"]
+    layout: MegatronLayout,
+    dtype: torch.dtype,
+    device: torch.device,
+    impl: Literal["local", "transformer_engine"],
 ) -> GPTModel:
     """An uninitialised ``GPTModel`` of ``layout`` on ``device`` (load its weights next)."""
     from megatron.core.models.gpt import GPTModel
@@ -189,16 +193,26 @@ def build_gpt(
         post_process=True,
         share_embeddings_and_output_weights=layout.tied_embeddings,
         position_embedding_type="rope",
-        rotary_base=int(layout.rotary_base) if layout.rotary_base.is_integer() else layout.rotary_base,  # type: ignore[arg-type]
+        rotary_base=int(layout.rotary_base) if layout.rotary_base.is_integer() else layout.rotary_base,
         rope_scaling=scaling is not None,
         rope_scaling_factor=scaling if scaling is not None else 8.0,
     )
     model = model.to(device)
     if layout.padding_idx is not None:
-        # As Hugging Face's embedding (``padding_idx``): the padding token's row gets no gradient.
-        row = torch.tensor([layout.padding_idx], device=device)
-        model.embedding.word_embeddings.weight.register_hook(lambda grad: grad.index_fill(0, row, 0.0))
+        model.embedding.word_embeddings.register_forward_hook(_padding_without_gradient(layout.padding_idx))
     return model
+
+
+def _padding_without_gradient(padding_idx: int) -> Any:
+    """A forward hook on the embedding: as Hugging Face's ``padding_idx``, the rows looked up
+    for the padding token pass no gradient back to the embedding (a tied output layer's
+    gradient to that row stays)."""
+
+    def hook(module: torch.nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
+        padding = (args[0] == padding_idx).unsqueeze(-1)
+        return torch.where(padding, output.detach(), output)
+
+    return hook
 
 
 def megatron_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -212,12 +226,16 @@ def load_megatron_state(model: torch.nn.Module, weights: dict[str, torch.Tensor]
     own = megatron_state(model)
     missing, unexpected = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
     if missing or unexpected:
-        raise ValueError(f"Megatron weights do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise ValueError(
+            f"Megatron weights do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
     with torch.no_grad():
         for name, tensor in own.items():
             given = weights[name]
             if given.shape != tensor.shape:
-                raise ValueError(f"Megatron tensor {name}: shape {tuple(given.shape)}, model {tuple(tensor.shape)}")
+                raise ValueError(
+                    f"Megatron tensor {name}: shape {tuple(given.shape)}, model {tuple(tensor.shape)}"
+                )
             tensor.copy_(given)
 
 
@@ -231,7 +249,9 @@ class ResponseLogits(torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, index: torch.Tensor
+    ) -> torch.Tensor:
         model = self.model
         length = input_ids.shape[1]
         positions = torch.arange(length, device=input_ids.device).unsqueeze(0).expand_as(input_ids)
@@ -244,7 +264,9 @@ class ResponseLogits(torch.nn.Module):
             rotary_pos_emb=model.rotary_pos_emb(length),
         )
         picked = hidden.transpose(0, 1).gather(1, index.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
-        weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
+        weight = (
+            model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
+        )
         logits, _ = model.output_layer(picked.transpose(0, 1).contiguous(), weight=weight)
         out: torch.Tensor = logits.transpose(0, 1)
         return out

@@ -222,8 +222,8 @@ class ProcessGroup(Parallel):
 
     def wrap(self, root: torch.nn.Module, model: torch.nn.Module, trainable: bool) -> torch.nn.Module:
         if self.sharding == "ddp":
-            if not trainable:
-                return root  # a frozen replica (the KL reference): nothing to reduce
+            if not trainable or self.world_size == 1:
+                return root  # a frozen replica (the KL reference), or one rank: nothing to reduce
             from torch.nn.parallel import DistributedDataParallel
 
             ids = [self.device.index] if self.device.type == "cuda" else None

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import json
 import math
 import os
 import re
@@ -33,6 +34,7 @@ from miles_events.rl.prompts import not_a_file
 from miles_events.util.registry import load_function
 from schemas.config import (
     Config,
+    MegatronConfig,
     engines_heal,
     engines_isolated,
     resolved_sharding,
@@ -397,6 +399,7 @@ def validate(config: Config) -> None:
     _validate_own_process(config)
     _validate_transport(config)
     _validate_ranks(config)
+    _validate_megatron(config)
     _validate_critic(config)
     run, data, trainer = config.run, config.data, config.trainer
     if config.model.gguf is not None and config.model.path is not None:
@@ -565,6 +568,74 @@ def _validate_ranks(config: Config) -> None:
             'shard with "fsdp2" (or "auto"), or replicate with "ddp"',
             key="trainer.sharding",
         )
+
+
+MEGATRON_INSTALL = "pip install --no-deps megatron-core==0.16.1"
+"""How to install what the ``megatron`` trainer backend needs (megatron-core's own needs are
+torch, numpy and packaging, which every run has)."""
+
+
+def _validate_megatron(config: Config) -> None:
+    """The ``megatron`` trainer backend: megatron-core installed, its ranks data-parallel
+    replicas, a model it converts; the ``[megatron]`` section only with it."""
+    import importlib.util
+
+    trainer, megatron = config.trainer, config.megatron
+    if trainer.backend != "megatron":
+        changed = [
+            f"megatron.{field}"
+            for field in megatron.__struct_fields__
+            if getattr(megatron, field) != getattr(MegatronConfig(), field)
+        ]
+        if changed:
+            raise ConfigError(
+                f'{changed[0]}: set for the megatron trainer backend, and trainer.backend is "{trainer.backend}"',
+                key=changed[0],
+            )
+        return
+    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+        raise ConfigError(
+            f'trainer.backend: "megatron" needs megatron-core, which is not installed: {MEGATRON_INSTALL}',
+            key="trainer.backend",
+        )
+    if trainer.sharding not in ("auto", "ddp"):
+        raise ConfigError(
+            f"trainer.sharding: \"{trainer.sharding}\" is the torch backend's; the megatron backend's ranks "
+            'are data-parallel replicas: leave it "auto" (or "ddp")',
+            key="trainer.sharding",
+        )
+    for key, size, what in (
+        ("megatron.tensor_parallel_size", megatron.tensor_parallel_size, "tensor"),
+        ("megatron.pipeline_parallel_size", megatron.pipeline_parallel_size, "pipeline"),
+    ):
+        if size > 1:
+            raise ConfigError(
+                f"{key}: {size}: {what} parallelism is not built yet; the megatron backend's "
+                f"trainer.num_ranks ranks are data-parallel replicas (set it to 1)",
+                key=key,
+            )
+    if (
+        megatron.transformer_impl == "transformer_engine"
+        and importlib.util.find_spec("transformer_engine") is None
+    ):
+        raise ConfigError(
+            'megatron.transformer_impl: "transformer_engine" needs Transformer Engine, which is not installed; '
+            'use "local" (or "auto")',
+            key="megatron.transformer_impl",
+        )
+    model = config.model
+    if model.path is None and model.gguf is None:
+        return  # the built-in model: a Qwen2 or a Llama, both converted
+    hf_config = Path(model.path) / "config.json" if model.path is not None else None
+    if hf_config is not None and hf_config.is_file():
+        from actors.trainer_backend.megatron_convert import MegatronLayout
+
+        try:
+            MegatronLayout.of(json.loads(hf_config.read_text()))
+        except (ValueError, KeyError) as error:
+            raise ConfigError(
+                f"model.path: the megatron trainer backend: {error}", key="model.path"
+            ) from None
 
 
 def _validate_critic(config: Config) -> None:

@@ -1,0 +1,168 @@
+"""Runs whose trainer is the Megatron backend, through the CLI as a user starts them.
+
+On the CPU (Megatron-core's layers run there too): every publication verified on both
+runtimes, the same training as the torch backend's (the same model, converted), the
+checkpoint a Hugging Face directory transformers loads with Megatron's optimizer state
+beside it, resume bitwise exact, two data-parallel ranks training as one. On a GPU (skipped
+without CUDA): the embedded default learns, every publication verified, and resumes.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from miles_events.checkpoint.format import read_checkpoint
+from miles_events.checkpoint.resume import latest_checkpoint
+from schemas.events import EvalFinished, PublicationVerified, RunStarted, TrainStepFinished, WeightsStaged
+from tests.test_e2e import SMALL, events, published_versions, rollouts, run_cli
+
+pytest.importorskip("megatron.core")
+pytestmark = pytest.mark.slow
+
+MEGATRON = ('trainer.backend="megatron"',)
+COMMON = (*SMALL, "run.num_rollout=3", "run.save_interval=2", "trainer.num_threads=1", 'run.runtime="local"')
+"""Three rollouts, checkpoints after the second and the last."""
+UPDATE_TOLERANCE = 1e-4
+"""As in tests/test_trainer_ranks.py: two trainings' updates differ by at most this part of
+the update's L2 norm when they differ only in the order float sums are taken."""
+
+
+def digests(log: list) -> dict[str, str]:
+    return {e.weight_version: e.digest for e in log if isinstance(e, WeightsStaged)}
+
+
+def update_difference(
+    base: dict[str, torch.Tensor], a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]
+) -> float:
+    apart = sum(float(((a[n].double() - b[n].double()) ** 2).sum()) for n in a) ** 0.5
+    update = sum(float(((a[n].double() - base[n].double()) ** 2).sum()) for n in a) ** 0.5
+    return apart / update
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+    made = {}
+    for name, overrides in {
+        "megatron": MEGATRON,
+        "megatron-ray": (*MEGATRON, 'run.runtime="ray"'),
+        "torch": (),
+        "megatron-first-2": (*MEGATRON, "run.debug_exit_after_rollout=2"),
+        "megatron-2-ranks": (*MEGATRON, "trainer.num_ranks=2", "run.debug_exit_after_rollout=2"),
+    }.items():
+        run_dir = tmp_path_factory.mktemp(name)
+        made[name] = (run_dir, run_cli(run_dir, *COMMON, *overrides))
+    return made
+
+
+def ok(runs, name: str) -> Path:
+    run_dir, result = runs[name]
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir
+
+
+@pytest.mark.parametrize("name", ["megatron", "megatron-ray"])
+def test_a_megatron_run_verifies_every_publication(runs, name):
+    log = events(ok(runs, name))
+    (started,) = [e for e in log if isinstance(e, RunStarted)]
+    assert (started.trainer_ranks, started.trainer_sharding) == (1, "ddp")
+    published = published_versions(log)
+    assert published == ["1", "2", "3", "4"]
+    assert [e.weight_version for e in log if isinstance(e, PublicationVerified)] == published
+
+
+def test_the_megatron_backend_trains_what_the_torch_backend_trains(runs):
+    megatron, torch_run = events(ok(runs, "megatron")), events(ok(runs, "torch"))
+    # The first rollout is the same: the same base weights, converted, serve the same samples.
+    assert rollouts(megatron)[0] == rollouts(torch_run)[0]
+    assert digests(megatron)["1"] == digests(torch_run)["1"], (
+        "the initial publication is the base model's bytes"
+    )
+    first = next(e.metrics for e in megatron if isinstance(e, TrainStepFinished))
+    reference = next(e.metrics for e in torch_run if isinstance(e, TrainStepFinished))
+    assert first.train_tokens == reference.train_tokens
+    assert first.loss == pytest.approx(reference.loss, abs=1e-6)
+    assert first.grad_norm == pytest.approx(reference.grad_norm, rel=1e-5)
+
+
+def test_a_megatron_checkpoint_is_a_directory_transformers_loads_with_megatrons_optimizer_state(runs):
+    checkpoint = latest_checkpoint(ok(runs, "megatron"))
+    assert checkpoint is not None
+    model = AutoModelForCausalLM.from_pretrained(checkpoint)
+    saved = read_checkpoint(checkpoint)
+    for name, tensor in model.state_dict().items():
+        if name in saved.weights:
+            assert torch.equal(tensor, saved.weights[name]), name
+    keys = set(saved.optimizer["state"])
+    assert "decoder.layers.0.self_attention.linear_qkv.weight" in keys, "Megatron's parameter names"
+    assert not keys & set(model.state_dict())
+
+
+def test_a_resumed_megatron_run_ends_with_bitwise_the_weights_of_an_uninterrupted_one(runs, tmp_path):
+    source = ok(runs, "megatron-first-2")
+    into = tmp_path / "run"
+    shutil.copytree(source, into)
+    before = events(into)
+    result = run_cli(into, *COMMON, *MEGATRON, "run.resume=true")
+    assert result.returncode == 0, result.stderr[-3000:]
+    second = events(into)[len(before) :]
+    whole = events(ok(runs, "megatron"))
+    assert rollouts(events(into)) == rollouts(whole)
+    assert digests(events(into)) == digests(whole)
+    assert [e.weight_version for e in second if isinstance(e, PublicationVerified)] == ["3", "4"]
+    a = read_checkpoint(latest_checkpoint(ok(runs, "megatron")))
+    b = read_checkpoint(latest_checkpoint(into))
+    assert a.trainer_state.rollout_id == b.trainer_state.rollout_id == 2
+    for name, tensor in a.weights.items():
+        assert torch.equal(tensor, b.weights[name]), name
+    for name, state in a.optimizer["state"].items():
+        assert torch.equal(state["exp_avg"], b.optimizer["state"][name]["exp_avg"]), name
+
+
+def test_two_data_parallel_megatron_ranks_train_what_one_rank_trains(runs):
+    two_dir, one_dir = ok(runs, "megatron-2-ranks"), ok(runs, "megatron-first-2")
+    two_log = events(two_dir)
+    (started,) = [e for e in two_log if isinstance(e, RunStarted)]
+    assert started.trainer_ranks == 2
+    two = [e.metrics for e in two_log if isinstance(e, TrainStepFinished)]
+    one = [e.metrics for e in events(one_dir) if isinstance(e, TrainStepFinished)]
+    assert two[0].train_tokens == one[0].train_tokens
+    assert two[0].loss == pytest.approx(one[0].loss, abs=1e-6)
+    assert two[0].grad_norm == pytest.approx(one[0].grad_norm, rel=1e-5)
+    one_weights = read_checkpoint(latest_checkpoint(one_dir)).weights
+    two_weights = read_checkpoint(latest_checkpoint(two_dir)).weights
+    base_model = AutoModelForCausalLM.from_pretrained(one_dir / "base_model").state_dict()
+    base = {name: base_model[name] for name in one_weights}
+    assert update_difference(base, one_weights, two_weights) <= UPDATE_TOLERANCE
+
+
+# --- on a GPU ---------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_a_gpu_the_embedded_default_learns_with_megatron_verified_and_resumes(tmp_path):
+    run_dir = tmp_path / "run"
+    on_gpu = (*MEGATRON, 'run.runtime="local"', "run.save_interval=10", "run.eval_interval=10")
+    result = run_cli(run_dir, *on_gpu, "run.num_rollout=40", "run.debug_exit_after_rollout=30", timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    first = events(run_dir)
+    result = run_cli(run_dir, *on_gpu, "run.num_rollout=40", "run.resume=true", timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    log = events(run_dir)
+    second = log[len(first) :]
+    (started,) = [e for e in second if isinstance(e, RunStarted)]
+    assert started.resumed
+    trained = [e.rollout_id for e in log if isinstance(e, TrainStepFinished)]
+    assert sorted(set(trained)) == list(range(40))
+    published = published_versions(log)
+    verified = [e.weight_version for e in log if isinstance(e, PublicationVerified)]
+    assert published and sorted(set(verified), key=int) == sorted(set(published), key=int)
+    evals = [e for e in log if isinstance(e, EvalFinished)]
+    assert evals[0].metrics["accuracy"] < 0.2
+    assert evals[-1].metrics["accuracy"] >= 0.8, [e.metrics["accuracy"] for e in evals]
