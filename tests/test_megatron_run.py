@@ -124,6 +124,22 @@ def test_a_resumed_megatron_run_ends_with_bitwise_the_weights_of_an_uninterrupte
         assert torch.equal(state["exp_avg"], b.optimizer["state"][name]["exp_avg"]), name
 
 
+def test_rollout_only_from_a_megatron_checkpoint_proves_the_engines_serve_it(runs, tmp_path):
+    checkpoints = ok(runs, "megatron") / "checkpoints"
+    evidence = tmp_path / "evidence.json"
+    result = run_cli(
+        tmp_path / "run",
+        *COMMON,
+        *MEGATRON,
+        "run.rollout_only_from_checkpoint=true",
+        f'run.load="{checkpoints}"',
+        f'run.rollout_only_publication_evidence="{evidence}"',
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "the engines serve the checkpoint exactly" in result.stdout
+    assert evidence.is_file()
+
+
 def test_two_data_parallel_megatron_ranks_train_what_one_rank_trains(runs):
     two_dir, one_dir = ok(runs, "megatron-2-ranks"), ok(runs, "megatron-first-2")
     two_log = events(two_dir)

@@ -97,11 +97,12 @@ class MegatronTrainerBackend(TorchTrainerBackend):
     def _build_model(self, path: str) -> Any:
         # The Hugging Face model is read once, on the host, and converted.
         hf = load_model(path, self.config.model.dtype, torch.device("cpu"))
-        layout = MegatronLayout.of(hf.config)
+        impl = resolved_impl(self.config.megatron.transformer_impl)
+        # Transformer Engine's spec folds each norm into the linear layer after it.
+        layout = MegatronLayout.of(hf.config, fused_norms=impl == "transformer_engine")
         weights = hf.state_dict()
         self.layout = layout
         self._hf_order = [n for n in weights if not (layout.tied_embeddings and n == "lm_head.weight")]
-        impl = resolved_impl(self.config.megatron.transformer_impl)
         model = build_gpt(layout, self.dtype, self.device, impl)
         load_megatron_state(model, to_megatron(weights, layout))
         del hf, weights
