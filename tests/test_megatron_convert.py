@@ -235,3 +235,11 @@ def test_on_a_gpu_megatrons_bf16_logits_equal_hugging_faces_within_bf16_error(me
     got = response_logits(gpt, ids).float()
     relative = float((got - expected).norm() / expected.norm())
     assert relative < 1e-2, relative
+
+
+def test_a_bfloat16_model_holds_every_tensor_in_bfloat16(megatron_parallel):
+    """As the Hugging Face model does: norms included (so checkpoints keep the model's dtype)."""
+    from actors.trainer_backend.megatron_model import build_gpt, megatron_state
+
+    gpt = build_gpt(MegatronLayout.of(qwen2()), torch.bfloat16, torch.device("cpu"), "local")
+    assert {t.dtype for t in megatron_state(gpt).values()} == {torch.bfloat16}

@@ -197,7 +197,9 @@ def build_gpt(
         rope_scaling=scaling is not None,
         rope_scaling_factor=scaling if scaling is not None else 8.0,
     )
-    model = model.to(device)
+    # Every tensor in ``dtype``: torch's norms keep float32 weights otherwise (and then run
+    # unfused beside bfloat16 activations).
+    model = model.to(device=device, dtype=dtype)
     if layout.padding_idx is not None:
         model.embedding.word_embeddings.register_forward_hook(_padding_without_gradient(layout.padding_idx))
     return model

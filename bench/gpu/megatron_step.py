@@ -1,6 +1,6 @@
 """The Megatron backend against the torch backend on one GPU: logits, step time, publication.
 
-    python3 bench/gpu/megatron.py [--rounds 5] [--samples 8 --prompt-tokens 64
+    python3 bench/gpu/megatron_step.py [--rounds 5] [--samples 8 --prompt-tokens 64
         --response-tokens 448 --micro-batch 8] [--layers 24]
 
 A Qwen2-0.5B-shaped model (hidden 896, 24 layers, 14 heads / 2 KV groups, SwiGLU 4864, QKV
