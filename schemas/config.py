@@ -364,7 +364,8 @@ class TrainerConfig(Section):
     """How the ranks share the model: ``fsdp2`` shards parameters, gradients and optimizer
     state across them (torch FSDP2); ``ddp`` gives each a whole replica and all-reduces the
     gradients; ``none``: one rank, no process group (the single-process trainer); ``auto``:
-    ``none`` for one rank, ``fsdp2`` for more."""
+    ``none`` for one rank, ``fsdp2`` for more. The megatron backend's ranks are always
+    ``ddp`` replicas (``auto`` or ``ddp``)."""
     cpus_per_rank: PositiveFloat = 1.0
     """CPUs reserved for each rank (its bundle of the ``actor`` placement group, on ray)."""
     gpus_per_rank: NonNegativeFloat = 0.0

@@ -42,7 +42,8 @@ class RunPlan(msgspec.Struct, frozen=True, kw_only=True):
     trainer_ranks: int = 1
     """``trainer.num_ranks``: the processes that train."""
     trainer_sharding: str = "none"
-    """``trainer.sharding`` resolved: ``none`` for one rank, ``fsdp2`` for more on ``auto``."""
+    """``trainer.sharding`` resolved: ``none`` for one rank, ``fsdp2`` for more on ``auto``;
+    ``ddp`` with the megatron backend."""
     probe: bool = False
     """Whether every publication carries the behavioural probe (``verifier.probe``: on, or
     auto with an engine that cannot read back every tensor it serves)."""

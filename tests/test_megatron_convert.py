@@ -115,6 +115,40 @@ def test_gate_rows_come_first_in_the_fused_mlp():
     )
 
 
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_adams_state_converts_both_ways_bitwise(name):
+    """AdamW's moments are elementwise: converted as the weights are; the step is a scalar."""
+    from actors.trainer_backend.megatron_convert import optimizer_to_hf, optimizer_to_megatron
+
+    model = random_model(name)
+    layout = MegatronLayout.of(model.config)
+    megatron = to_megatron(model.state_dict(), layout)
+    generator = torch.Generator().manual_seed(3)
+    state = {
+        "state": {
+            n: {
+                "step": torch.tensor(7.0),
+                "exp_avg": torch.randn(t.shape, generator=generator),
+                "exp_avg_sq": torch.rand(t.shape, generator=generator),
+            }
+            for n, t in megatron.items()
+        },
+        "param_groups": [{"lr": 1e-3, "params": list(megatron)}],
+    }
+    hf = optimizer_to_hf(state, layout)
+    assert sorted(hf["state"]) == hf_names(layout) == sorted(hf["param_groups"][0]["params"])
+    q = hf["state"]["model.layers.0.self_attn.q_proj.weight"]
+    assert (
+        q["step"] == 7.0
+        and q["exp_avg"].shape == model.state_dict()["model.layers.0.self_attn.q_proj.weight"].shape
+    )
+    back = optimizer_to_megatron(hf, layout)
+    assert back["param_groups"] == state["param_groups"]
+    for n, values in state["state"].items():
+        for field, tensor in values.items():
+            assert torch.equal(back["state"][n][field], tensor), (n, field)
+
+
 @pytest.mark.parametrize(
     ("config", "message"),
     [
@@ -166,7 +200,7 @@ def megatron_parallel() -> Iterator[None]:
     )
     if torch.cuda.is_available():
         torch.cuda.set_device(0)
-    initialize_parallel(1, 1, seed=1)
+    initialize_parallel(1, 1, seed=1, timeout_seconds=60)
     yield
     destroy_parallel()
     dist.destroy_process_group()

@@ -36,6 +36,7 @@ pytestmark = pytest.mark.slow
 MEGATRON = ('trainer.backend="megatron"',)
 COMMON = (*SMALL, "run.num_rollout=3", "run.save_interval=2", "trainer.num_threads=1", 'run.runtime="local"')
 """Three rollouts, checkpoints after the second and the last."""
+KL = ("trainer.use_kl_loss=true", "trainer.kl_loss_coef=0.1", "run.debug_exit_after_rollout=2")
 UPDATE_TOLERANCE = 1e-4
 """As in tests/test_trainer_ranks.py: two trainings' updates differ by at most this part of
 the update's L2 norm when they differ only in the order float sums are taken."""
@@ -62,6 +63,8 @@ def runs(tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]
         "torch": (),
         "megatron-first-2": (*MEGATRON, "run.debug_exit_after_rollout=2"),
         "megatron-2-ranks": (*MEGATRON, "trainer.num_ranks=2", "run.debug_exit_after_rollout=2"),
+        "megatron-kl": (*MEGATRON, *KL),
+        "torch-kl": KL,
     }.items():
         run_dir = tmp_path_factory.mktemp(name)
         made[name] = (run_dir, run_cli(run_dir, *COMMON, *overrides))
@@ -98,7 +101,20 @@ def test_the_megatron_backend_trains_what_the_torch_backend_trains(runs):
     assert first.grad_norm == pytest.approx(reference.grad_norm, rel=1e-5)
 
 
-def test_a_megatron_checkpoint_is_a_directory_transformers_loads_with_megatrons_optimizer_state(runs):
+def test_with_a_kl_loss_the_megatron_backend_trains_what_the_torch_backend_trains(runs):
+    """The KL reference is Megatron's model too (built again: its modules hold process groups)."""
+    megatron, torch_run = events(ok(runs, "megatron-kl")), events(ok(runs, "torch-kl"))
+    steps = [e.metrics for e in megatron if isinstance(e, TrainStepFinished)]
+    reference = [e.metrics for e in torch_run if isinstance(e, TrainStepFinished)]
+    assert len(steps) == len(reference) == 2 and reference[1].kl > 0
+    for got, expected in zip(steps, reference, strict=True):
+        assert got.kl == pytest.approx(expected.kl, rel=1e-4, abs=1e-7)
+        assert got.loss == pytest.approx(expected.loss, abs=1e-6)
+
+
+def test_a_megatron_checkpoint_is_what_the_torch_backend_saves(runs):
+    """A Hugging Face directory transformers loads, and the optimizer state keyed by Hugging
+    Face names (Megatron's fused parameters' moments split as the weights are)."""
     checkpoint = latest_checkpoint(ok(runs, "megatron"))
     assert checkpoint is not None
     model = AutoModelForCausalLM.from_pretrained(checkpoint)
@@ -106,9 +122,24 @@ def test_a_megatron_checkpoint_is_a_directory_transformers_loads_with_megatrons_
     for name, tensor in model.state_dict().items():
         if name in saved.weights:
             assert torch.equal(tensor, saved.weights[name]), name
-    keys = set(saved.optimizer["state"])
-    assert "decoder.layers.0.self_attention.linear_qkv.weight" in keys, "Megatron's parameter names"
-    assert not keys & set(model.state_dict())
+    torch_saved = read_checkpoint(latest_checkpoint(ok(runs, "torch")))
+    assert set(saved.optimizer["state"]) == set(torch_saved.optimizer["state"])
+    for name, state in saved.optimizer["state"].items():
+        assert state["exp_avg"].shape == saved.weights[name].shape, name
+
+
+def test_a_megatron_checkpoint_resumes_on_the_torch_backend(runs, tmp_path):
+    into = tmp_path / "run"
+    shutil.copytree(ok(runs, "megatron-first-2"), into)
+    before = events(into)
+    result = run_cli(into, *COMMON, "run.resume=true")
+    assert result.returncode == 0, result.stderr[-3000:]
+    second = events(into)[len(before) :]
+    (started,) = [e for e in second if isinstance(e, RunStarted)]
+    assert started.resumed and started.trainer_sharding == "none"
+    assert [e.weight_version for e in second if isinstance(e, PublicationVerified)] == ["3", "4"]
+    # The weights republished at the resume are the bytes the Megatron run published.
+    assert next(e for e in second if isinstance(e, WeightsStaged)).digest == digests(before)["3"]
 
 
 def test_a_resumed_megatron_run_ends_with_bitwise_the_weights_of_an_uninterrupted_one(runs, tmp_path):

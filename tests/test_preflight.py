@@ -587,3 +587,29 @@ def test_on_the_ray_runtime_the_model_checks_run_in_a_child_and_the_driver_impor
         f"data.prompt_data: {tmp_path}/bad.jsonl:2: the prompt 'abc' has no tokens with the built-in model's tokenizer",
         "",
     ], done.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "value"),
+    [("trainer", "autocast", "bfloat16"), ("megatron", "transformer_impl", "transformer_engine")],
+)
+def test_the_megatron_backends_gpu_only_settings_are_refused_without_a_gpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, section: str, key: str, value: str
+) -> None:
+    import msgspec
+
+    monkeypatch.setattr(preflight, "cuda_present", lambda: False)
+    base = data_config(tmp_path, runtime="local")
+    megatron = msgspec.structs.replace(
+        base, trainer=msgspec.structs.replace(base.trainer, backend="megatron")
+    )
+    config = msgspec.structs.replace(
+        megatron, **{section: msgspec.structs.replace(getattr(megatron, section), **{key: value})}
+    )
+    with pytest.raises(ConfigError, match=f'{section}.{key}: "{value}"') as caught:
+        preflight.check_device(config)
+    assert "needs a CUDA GPU" in str(caught.value)
+    if section == "trainer":  # the torch backend autocasts on the CPU
+        preflight.check_device(
+            msgspec.structs.replace(config, trainer=msgspec.structs.replace(config.trainer, backend="torch"))
+        )

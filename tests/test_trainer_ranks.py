@@ -256,6 +256,17 @@ def test_an_optimizer_state_keyed_by_index_is_keyed_by_name_and_back():
         by_index(named, ["a"])
 
 
+def test_a_state_listing_its_parameters_in_another_order_loads_each_moment_onto_its_own_parameter():
+    """A state converted from another backend (the Megatron one's) lists them in its order."""
+    a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3))
+    optimizer = torch.optim.AdamW([a, b])
+    moments = {name: {"step": torch.tensor(1.0), "exp_avg": torch.full(shape, 5.0), "exp_avg_sq": torch.ones(shape)}
+               for name, shape in (("a", (2,)), ("b", (3,)))}  # fmt: skip
+    named = {"state": moments, "param_groups": [{**optimizer.param_groups[0], "params": ["b", "a"]}]}
+    optimizer.load_state_dict(by_index(named, ["a", "b"]))
+    assert optimizer.state[a]["exp_avg"].shape == (2,) and optimizer.state[b]["exp_avg"].shape == (3,)
+
+
 def test_the_single_process_optimizer_state_is_keyed_by_parameter_name(model: Path):
     config = make_config(model)
     _metrics, _weights, optimizer, _bytes = train_one_process(config, [rollout(0, 8)])

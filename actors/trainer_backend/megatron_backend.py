@@ -13,10 +13,10 @@ are 1): each trains its part of every optimizer step, and their gradients are al
 
 What leaves the backend is in Hugging Face's names and order: publications (so engines,
 the Verifier and rollout-only runs see what the torch backend would give them) and the
-weights of a checkpoint. A checkpoint's optimizer state is Megatron's: AdamW's state keyed
-by the Megatron parameter names (one ``linear_qkv`` where Hugging Face has three
-projections). A checkpoint loads back into either backend's weights; its optimizer state
-into this backend's only.
+weights of a checkpoint, and its optimizer state: AdamW's moments of Megatron's fused
+parameters split as the weights are (the state is elementwise, so exactly), keyed by Hugging
+Face names as the torch backend keys them. A checkpoint of either backend, and of either
+layer spec, resumes on the other.
 """
 
 from __future__ import annotations
@@ -26,7 +26,14 @@ from typing import Any
 
 import torch
 
-from actors.trainer_backend.megatron_convert import MegatronLayout, to_hf, to_megatron
+from actors.trainer_backend.megatron_convert import (
+    MegatronLayout,
+    meta_tensors,
+    optimizer_to_hf,
+    optimizer_to_megatron,
+    to_hf,
+    to_megatron,
+)
 from actors.trainer_backend.megatron_model import (
     ResponseLogits,
     build_gpt,
@@ -36,7 +43,7 @@ from actors.trainer_backend.megatron_model import (
     megatron_state,
     resolved_impl,
 )
-from actors.trainer_backend.parallel import Parallel, ProcessGroup
+from actors.trainer_backend.parallel import Parallel, ProcessGroup, by_name
 from actors.trainer_backend.torch_backend import (
     MicroBatch,
     SharedPromptBatch,
@@ -72,7 +79,16 @@ class MegatronGroup(ProcessGroup):
             device,
             rendezvous_seconds,
         )
-        initialize_parallel(megatron.tensor_parallel_size, megatron.pipeline_parallel_size, config.run.seed)
+        try:
+            initialize_parallel(
+                megatron.tensor_parallel_size,
+                megatron.pipeline_parallel_size,
+                config.run.seed,
+                trainer.collective_timeout,
+            )
+        except BaseException:
+            super().close()
+            raise
 
     def close(self) -> None:
         destroy_parallel()
@@ -108,9 +124,17 @@ class MegatronTrainerBackend(TorchTrainerBackend):
         del hf, weights
         return model
 
+    def _frozen_copy(self, model: Any) -> Any:
+        # A Megatron module holds process groups, which do not copy: built again, loaded the same.
+        copy = build_gpt(
+            self._layout, self.dtype, self.device, resolved_impl(self.config.megatron.transformer_impl)
+        )
+        load_megatron_state(copy, megatron_state(model))
+        return copy.eval().requires_grad_(False)
+
     def _published_shapes(self) -> tuple[dict[str, torch.Size], set[str]]:
         layout = self._layout
-        hf = to_hf(megatron_state(self.model), layout)
+        hf = to_hf(meta_tensors(layout), layout)
         return {name: hf[name].shape for name in self._hf_order}, (
             {"lm_head.weight"} if layout.tied_embeddings else set()
         )
@@ -138,6 +162,26 @@ class MegatronTrainerBackend(TorchTrainerBackend):
             name: hf[name].detach() if dtype is None else hf[name].detach().to(dtype)
             for name in self._hf_order
         }
+
+    def optimizer_state_dict(self) -> dict[str, Any]:
+        # Keyed by Hugging Face names, as the torch backend's: a checkpoint of either backend
+        # (and of either layer spec) resumes on the other.
+        state = super().optimizer_state_dict()
+        return optimizer_to_hf(state, self._layout) if state else state
+
+    def load_state(
+        self,
+        weights: dict[str, torch.Tensor],
+        optimizer: dict[str, Any],
+        rng: dict[str, Any],
+        num_optimizer_steps: int,
+    ) -> None:
+        if optimizer:
+            # Keyed by index (checkpoints of the torch backend written before it keyed them by
+            # name): Hugging Face's parameter order.
+            named = by_name(optimizer, self._hf_order)
+            optimizer = optimizer_to_megatron(named, self._layout)
+        super().load_state(weights, optimizer, rng, num_optimizer_steps)
 
     def _load_weights(self, model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
         """Hugging Face ``weights`` (rank 0's; the others are handed none) into ``model`` on

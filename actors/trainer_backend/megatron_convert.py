@@ -281,3 +281,70 @@ def to_hf(weights: Mapping[str, torch.Tensor], layout: MegatronLayout) -> dict[s
         out[f"{hf}.mlp.down_proj.weight"] = renamed.pop(f"{hf}.mlp.down_proj.weight")
     out.update(renamed)  # the final norm, and an untied output head
     return out
+
+
+def optimizer_to_hf(state: Mapping[str, Any], layout: MegatronLayout) -> dict[str, Any]:
+    """An optimizer's ``state_dict()`` keyed by Megatron parameter names, keyed by Hugging Face
+    names instead: each per-parameter tensor (AdamW's moments) converted as its parameter is,
+    which is exact since the state is elementwise; a scalar (the step) given to every Hugging
+    Face tensor of its parameter. ``ValueError`` where the tensors do not fit the layout."""
+    hf_of: dict[str, list[str]] = {}
+    for hf, megatron in hf_to_megatron_names(layout).items():
+        hf_of.setdefault(megatron, []).append(hf)
+    out: dict[str, dict[str, Any]] = {}
+    for field, values in _fields(state.get("state", {})).items():
+        if _parameter_shaped(values, layout.megatron_shapes()):
+            converted = to_hf(values, layout)
+        else:
+            converted = {hf: value for megatron, value in values.items() for hf in hf_of[megatron]}
+        for hf, value in converted.items():
+            out.setdefault(hf, {})[field] = value
+    groups = [
+        {**group, "params": [hf for megatron in group["params"] for hf in hf_of[megatron]]}
+        for group in state.get("param_groups", [])
+    ]
+    return {"state": out, "param_groups": groups}
+
+
+def optimizer_to_megatron(state: Mapping[str, Any], layout: MegatronLayout) -> dict[str, Any]:
+    """``optimizer_to_hf``'s inverse: keyed by Hugging Face names (as the torch backend saves
+    it), keyed by Megatron's; a scalar is taken from the first Hugging Face tensor of its
+    parameter."""
+    megatron_of = hf_to_megatron_names(layout)
+    hf_shapes = {name: tuple(t.shape) for name, t in to_hf(meta_tensors(layout), layout).items()}
+    out: dict[str, dict[str, Any]] = {}
+    for field, values in _fields(state.get("state", {})).items():
+        if _parameter_shaped(values, hf_shapes):
+            converted = to_megatron(values, layout)
+        else:
+            converted = {}
+            for hf, value in values.items():
+                converted.setdefault(megatron_of[hf], value)
+        for megatron, value in converted.items():
+            out.setdefault(megatron, {})[field] = value
+    groups = [
+        {**group, "params": list(dict.fromkeys(megatron_of[hf] for hf in group["params"]))}
+        for group in state.get("param_groups", [])
+    ]
+    return {"state": out, "param_groups": groups}
+
+
+def _fields(per_parameter: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per-parameter optimizer state, field by field: ``{field: {parameter: value}}``."""
+    fields: dict[str, dict[str, Any]] = {}
+    for name, values in per_parameter.items():
+        for field, value in values.items():
+            fields.setdefault(field, {})[name] = value
+    return fields
+
+
+def _parameter_shaped(values: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) -> bool:
+    """Whether ``values`` holds one tensor of its parameter's shape for every parameter."""
+    return set(values) == set(shapes) and all(
+        isinstance(v, torch.Tensor) and tuple(v.shape) == shapes[name] for name, v in values.items()
+    )
+
+
+def meta_tensors(layout: MegatronLayout) -> dict[str, torch.Tensor]:
+    """Every Megatron tensor of ``layout`` on the meta device: shapes to convert, no data."""
+    return {name: torch.empty(shape, device="meta") for name, shape in layout.megatron_shapes().items()}

@@ -23,6 +23,7 @@ what lets the Megatron backend be tested on machines with no GPU.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -59,23 +60,23 @@ def resolved_impl(impl: TransformerImpl) -> Literal["local", "transformer_engine
     return impl
 
 
-def megatron_installed() -> bool:
-    try:
-        import megatron.core  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def initialize_parallel(tensor_parallel: int, pipeline_parallel: int, seed: int) -> None:
-    """Megatron's parallel state over the process group this process has joined, and its
-    RNG tracker seeded as ``model_parallel_cuda_manual_seed`` seeds it (on the CPU, a tracker
-    of CPU generator states)."""
+def initialize_parallel(
+    tensor_parallel: int, pipeline_parallel: int, seed: int, timeout_seconds: float
+) -> None:
+    """Megatron's parallel state over the process group this process has joined (any state a
+    group before it left is dropped first), its collectives bounded by ``timeout_seconds``,
+    and its RNG tracker seeded as ``model_parallel_cuda_manual_seed`` seeds it (on the CPU, a
+    tracker of CPU generator states)."""
     from megatron.core import parallel_state
     from megatron.core import tensor_parallel as mp_tensor_parallel
 
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_parallel, pipeline_parallel)
+    destroy_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_parallel,
+        pipeline_parallel,
+        distributed_timeout_minutes=max(1, math.ceil(timeout_seconds / 60)),
+        create_gloo_process_groups=False,
+    )
     if torch.cuda.is_available():
         mp_tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
         return
@@ -96,7 +97,8 @@ def destroy_parallel() -> None:
 
 def use_host() -> None:
     """In a process with no CUDA device: Megatron's calls of ``torch.cuda.current_device()``
-    (which would fail) name the CPU instead."""
+    (which would fail) name the CPU instead (``initialize_parallel`` then installs a tracker
+    of CPU RNG states)."""
     if not torch.cuda.is_available():
         torch.cuda.current_device = _host_device  # type: ignore[assignment]
 
@@ -177,12 +179,21 @@ def build_gpt(
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     on_cpu = device.type == "cpu"
+    # The final norm named outright: left to the layer spec, megatron-core picks it by what
+    # imports (Transformer Engine, else Apex, whose fused norm is LayerNorm only).
+    norm: type
     if impl == "transformer_engine":
-        spec = get_gpt_layer_with_transformer_engine_spec()
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        layer, norm = get_gpt_layer_with_transformer_engine_spec(), TENorm
     else:
-        spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        layer, norm = get_gpt_layer_local_spec(normalization="RMSNorm"), WrappedTorchNorm
+    spec = TransformerBlockSubmodules(layer_specs=[layer] * layout.num_layers, layer_norm=norm)
     scaling = layout.rope_scaling_factor
     model = GPTModel(
         config=transformer_config(layout, dtype, on_cpu),

@@ -81,17 +81,20 @@ def by_name(optimizer_state: dict[str, Any], names: list[str]) -> dict[str, Any]
 
 def by_index(optimizer_state: dict[str, Any], names: list[str]) -> dict[str, Any]:
     """``by_name``'s inverse: a state keyed by parameter name keyed by index, as
-    ``torch.optim.Optimizer.load_state_dict`` takes it."""
+    ``torch.optim.Optimizer.load_state_dict`` takes it, each group's parameters in the
+    optimizer's order."""
     index = {name: i for i, name in enumerate(names)}
     unknown = sorted(
         {str(p) for group in optimizer_state["param_groups"] for p in group["params"]} - set(index)
     )
     if unknown:
         raise ValueError(f"the optimizer state names parameters the model does not have: {unknown[:5]}")
+    # In the optimizer's own order: ``load_state_dict`` pairs a group's parameters by position
+    # (a state converted from another backend lists them in that backend's order).
     return {
         "state": {index[name]: value for name, value in optimizer_state["state"].items()},
         "param_groups": [
-            {**group, "params": [index[name] for name in group["params"]]}
+            {**group, "params": sorted(index[name] for name in group["params"])}
             for group in optimizer_state["param_groups"]
         ],
     }

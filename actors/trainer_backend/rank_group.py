@@ -113,11 +113,12 @@ class TrainerRank:
         meeting = rendezvous_seconds(config.trainer.collective_timeout)
         self.backend: TorchTrainerBackend
         self.parallel: ProcessGroup
+        backend: type[TorchTrainerBackend]
         if config.trainer.backend == "megatron":  # a critic's config is always torch's
             from actors.trainer_backend.megatron_backend import MegatronGroup, MegatronTrainerBackend
 
             self.parallel = MegatronGroup(config, place.rank, store_address, device, meeting)
-            self.backend = MegatronTrainerBackend(config, self.parallel)
+            backend = MegatronTrainerBackend
         else:
             self.parallel = ProcessGroup(
                 sharding,
@@ -131,9 +132,14 @@ class TrainerRank:
             if role == "critic":
                 from actors.trainer_backend.critic_backend import TorchCriticBackend
 
-                self.backend = TorchCriticBackend(config, self.parallel)
+                backend = TorchCriticBackend
             else:
-                self.backend = TorchTrainerBackend(config, self.parallel)
+                backend = TorchTrainerBackend
+        try:
+            self.backend = backend(config, self.parallel)
+        except BaseException:
+            self.parallel.close()  # the process (rank 0's is the Trainer's) leaves the group
+            raise
         self._lock = threading.Lock()
         self._cancellations: dict[int, Cancellation] = {}
         """Each training call's cancellation, by its number: one asked for before its call

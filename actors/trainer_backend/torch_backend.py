@@ -285,7 +285,7 @@ class TorchTrainerBackend(TrainerBackend):
         self.reference_root: torch.nn.Module | None = None
         if trainer.use_kl_loss and self.has_reference:
             # Frozen at the base weights for the whole run, resumed or not.
-            self.reference = copy.deepcopy(self.model).requires_grad_(False)
+            self.reference = self._frozen_copy(self.model)
             self.reference_root = self.parallel.wrap(
                 self._logits_module(self.reference), self.reference, trainable=False
             )
@@ -310,6 +310,10 @@ class TorchTrainerBackend(TrainerBackend):
     def _build_model(self, path: str) -> PreTrainedModel:
         """The model trained, from the Hugging Face directory ``path``, on ``self.device``."""
         return load_model(path, self.config.model.dtype, self.device)
+
+    def _frozen_copy(self, model: Any) -> Any:
+        """A copy of ``model`` that does not train (the KL reference, frozen at the base weights)."""
+        return copy.deepcopy(model).requires_grad_(False)
 
     def _published_shapes(self) -> tuple[dict[str, torch.Size], set[str]]:
         """The whole (unsharded) shape of every tensor ``named_weights`` gives, by its Hugging

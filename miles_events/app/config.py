@@ -571,6 +571,8 @@ def _validate_ranks(config: Config) -> None:
 
 
 MEGATRON_INSTALL = "pip install --no-deps megatron-core==0.16.1"
+MEGATRON_SERIES = "0.16."
+"""The megatron-core releases whose APIs the backend calls."""
 """How to install what the ``megatron`` trainer backend needs (megatron-core's own needs are
 torch, numpy and packaging, which every run has)."""
 
@@ -578,6 +580,7 @@ torch, numpy and packaging, which every run has)."""
 def _validate_megatron(config: Config) -> None:
     """The ``megatron`` trainer backend: megatron-core installed, its ranks data-parallel
     replicas, a model it converts; the ``[megatron]`` section only with it."""
+    import importlib.metadata
     import importlib.util
 
     trainer, megatron = config.trainer, config.megatron
@@ -596,6 +599,13 @@ def _validate_megatron(config: Config) -> None:
     if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
         raise ConfigError(
             f'trainer.backend: "megatron" needs megatron-core, which is not installed: {MEGATRON_INSTALL}',
+            key="trainer.backend",
+        )
+    version = importlib.metadata.version("megatron-core")
+    if not version.startswith(MEGATRON_SERIES):
+        raise ConfigError(
+            f'trainer.backend: "megatron" is built on megatron-core {MEGATRON_SERIES}x, and {version} is '
+            f"installed: {MEGATRON_INSTALL}",
             key="trainer.backend",
         )
     if trainer.sharding not in ("auto", "ddp"):
@@ -623,19 +633,25 @@ def _validate_megatron(config: Config) -> None:
             'use "local" (or "auto")',
             key="megatron.transformer_impl",
         )
-    model = config.model
-    if model.path is None and model.gguf is None:
-        return  # the built-in model: a Qwen2 or a Llama, both converted
-    hf_config = Path(model.path) / "config.json" if model.path is not None else None
-    if hf_config is not None and hf_config.is_file():
-        from actors.trainer_backend.megatron_convert import MegatronLayout
+    check_megatron_model(config)
 
-        try:
-            MegatronLayout.of(json.loads(hf_config.read_text()))
-        except (ValueError, KeyError) as error:
-            raise ConfigError(
-                f"model.path: the megatron trainer backend: {error}", key="model.path"
-            ) from None
+
+def check_megatron_model(config: Config) -> None:
+    """With the megatron trainer backend, a model directory (``model.path``; a GGUF model once
+    converted) whose config Megatron's GPT model can express. The built-in model (a Qwen2 or a
+    Llama) always can."""
+    path = config.model.path
+    if config.trainer.backend != "megatron" or path is None:
+        return
+    hf_config = Path(path) / "config.json"
+    if not hf_config.is_file():
+        return  # the model check names a directory without its config
+    from actors.trainer_backend.megatron_convert import MegatronLayout
+
+    try:
+        MegatronLayout.of(json.loads(hf_config.read_text()))
+    except (ValueError, KeyError) as error:
+        raise ConfigError(f"model.path: the megatron trainer backend: {error}", key="model.path") from None
 
 
 def _validate_critic(config: Config) -> None:

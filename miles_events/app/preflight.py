@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Literal
 
 import msgspec
 
-from miles_events.app.config import ConfigError, load_config
+from miles_events.app.config import ConfigError, check_megatron_model, load_config
 from miles_events.app.memory import ModelShape, available_memory, cuda_present, rollout_memory
 from miles_events.rl.gguf import GgufError, converted_dir, find_gguf, is_converted, resolve_gguf
 from miles_events.rl.lr_schedule import LrSchedule, ScheduleError
@@ -354,6 +354,18 @@ def gpu_settings(config: Config) -> list[tuple[str, str]]:
             '"cuda_ipc" needs a CUDA GPU, and this host has none visible (weights would go through shared '
             'memory instead); use "auto", "shm" or "disk"',
         ))  # fmt: skip
+    if config.trainer.backend == "megatron" and config.megatron.transformer_impl == "transformer_engine":
+        needs.append((
+            "megatron.transformer_impl",
+            '"transformer_engine" needs a CUDA GPU, and this host has none visible; use "local" (or "auto")',
+        ))  # fmt: skip
+    if config.trainer.backend == "megatron" and config.trainer.autocast == "bfloat16":
+        needs.append((
+            "trainer.autocast",
+            '"bfloat16" with the megatron trainer backend needs a CUDA GPU (its linear layers keep '
+            "autocast through their backward on CUDA only), and this host has none visible; use \"off\", "
+            'or model.dtype = "bfloat16"',
+        ))  # fmt: skip
     if config.trainer.gpus_per_rank > 0:
         needs.append((
             "trainer.gpus_per_rank",
@@ -523,6 +535,7 @@ def check_input(config: Config) -> None:
     model's memory, the data files, the model directory, the prompts with the run's
     tokenizer, the reward function, then a rollout's memory."""
     check_device(config)
+    check_megatron_model(config)
     check_vllm_head_size(config)
     check_vllm_offload(config)
     check_group_size(config)
