@@ -633,7 +633,15 @@ class Trainer(Actor):
             self._last_trained = (event.rollout_id, version)
             if not self.config.run.offload_train:
                 if valued is None:  # the seed's ``clear_memory()`` (not with a critic)
-                    await anyio.to_thread.run_sync(self.backend.clear_memory)
+                    try:
+                        await anyio.to_thread.run_sync(self.backend.clear_memory)
+                    except RANK_FAULTS as error:
+                        # The group failed (or was suspended) after the step: its state is
+                        # lost with it, so the step is done again after the restore.
+                        if not trainer_heals(self.config):
+                            raise
+                        await self._restart_group(error, event.rollout_id)
+                        return
             elif valued is not None:  # with a critic, each group offloads after its step
                 await self._offload(event.rollout_id)
         await self.publish(

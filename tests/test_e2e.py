@@ -468,7 +468,7 @@ def test_a_nan_reward_stops_the_run_with_one_line_naming_the_rollout(tmp_path):
         ),
         (
             'trainer.backend="no_such_backend"',
-            "trainer.backend: unknown trainer backend 'no_such_backend'; known: torch",
+            "trainer.backend: unknown trainer backend 'no_such_backend'; known: megatron, torch",
         ),
         (
             "model.builtin.hidden_size=100000000",

@@ -29,6 +29,7 @@ from schemas.events import (
     WeightsStaged,
 )
 from tests.test_e2e import SMALL, events, published_versions, rollouts, run_cli
+from tests.test_trainer_ranks_run import UPDATE_TOLERANCE, digests, update_difference
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.slow
@@ -37,21 +38,6 @@ MEGATRON = ('trainer.backend="megatron"',)
 COMMON = (*SMALL, "run.num_rollout=3", "run.save_interval=2", "trainer.num_threads=1", 'run.runtime="local"')
 """Three rollouts, checkpoints after the second and the last."""
 KL = ("trainer.use_kl_loss=true", "trainer.kl_loss_coef=0.1", "run.debug_exit_after_rollout=2")
-UPDATE_TOLERANCE = 1e-4
-"""As in tests/test_trainer_ranks.py: two trainings' updates differ by at most this part of
-the update's L2 norm when they differ only in the order float sums are taken."""
-
-
-def digests(log: list) -> dict[str, str]:
-    return {e.weight_version: e.digest for e in log if isinstance(e, WeightsStaged)}
-
-
-def update_difference(
-    base: dict[str, torch.Tensor], a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]
-) -> float:
-    apart = sum(float(((a[n].double() - b[n].double()) ** 2).sum()) for n in a) ** 0.5
-    update = sum(float(((a[n].double() - base[n].double()) ** 2).sum()) for n in a) ** 0.5
-    return apart / update
 
 
 @pytest.fixture(scope="module")
