@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM
 from miles_events.checkpoint.format import read_checkpoint
 from miles_events.checkpoint.resume import latest_checkpoint
 from schemas.events import (
+    CriticStepFinished,
     EvalFinished,
     MemoryOffloaded,
     MemoryOnloaded,
@@ -38,6 +39,8 @@ MEGATRON = ('trainer.backend="megatron"',)
 COMMON = (*SMALL, "run.num_rollout=3", "run.save_interval=2", "trainer.num_threads=1", 'run.runtime="local"')
 """Three rollouts, checkpoints after the second and the last."""
 KL = ("trainer.use_kl_loss=true", "trainer.kl_loss_coef=0.1", "run.debug_exit_after_rollout=2")
+PPO = ("trainer.use_critic=true", "run.debug_exit_after_rollout=2")
+"""PPO: the critic is the torch backend's value model whichever backend trains the policy."""
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +54,8 @@ def runs(tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]
         "megatron-2-ranks": (*MEGATRON, "trainer.num_ranks=2", "run.debug_exit_after_rollout=2"),
         "megatron-kl": (*MEGATRON, *KL),
         "torch-kl": KL,
+        "megatron-ppo": (*MEGATRON, *PPO),
+        "torch-ppo": PPO,
     }.items():
         run_dir = tmp_path_factory.mktemp(name)
         made[name] = (run_dir, run_cli(run_dir, *COMMON, *overrides))
@@ -96,6 +101,20 @@ def test_with_a_kl_loss_the_megatron_backend_trains_what_the_torch_backend_train
     for got, expected in zip(steps, reference, strict=True):
         assert got.kl == pytest.approx(expected.kl, rel=1e-4, abs=1e-7)
         assert got.loss == pytest.approx(expected.loss, abs=1e-6)
+
+
+def test_with_a_critic_the_megatron_policy_trains_on_its_advantages_as_the_torch_one(runs):
+    megatron, torch_run = events(ok(runs, "megatron-ppo")), events(ok(runs, "torch-ppo"))
+    assert [e.metrics for e in megatron if isinstance(e, CriticStepFinished)] == [
+        e.metrics for e in torch_run if isinstance(e, CriticStepFinished)
+    ], "the same critic on the same rollouts"
+    steps = [e.metrics for e in megatron if isinstance(e, TrainStepFinished)]
+    reference = [e.metrics for e in torch_run if isinstance(e, TrainStepFinished)]
+    assert len(steps) == 2
+    assert steps[0].loss == pytest.approx(reference[0].loss, abs=1e-6)
+    assert steps[0].grad_norm == pytest.approx(reference[0].grad_norm, rel=1e-5)
+    published = published_versions(megatron)
+    assert published == [e.weight_version for e in megatron if isinstance(e, PublicationVerified)]
 
 
 def test_a_megatron_checkpoint_is_what_the_torch_backend_saves(runs):
