@@ -611,6 +611,10 @@ class Trainer(Actor):
         fault: RankDied | RankFailed | None = None
         try:
             batch, metrics, ranks, aged = await anyio.to_thread.run_sync(read_and_train)
+            if not critic_only and valued is None and not self.config.run.offload_train:
+                # The seed's ``clear_memory()`` (not with a critic). A group that fails (or is
+                # suspended) here has lost the step with its state, as one failing in it.
+                await anyio.to_thread.run_sync(self.backend.clear_memory)
         except Cancelled as error:
             cancelled = error
         except RANK_FAULTS as error:
@@ -631,19 +635,8 @@ class Trainer(Actor):
             return
         if not critic_only:
             self._last_trained = (event.rollout_id, version)
-            if not self.config.run.offload_train:
-                if valued is None:  # the seed's ``clear_memory()`` (not with a critic)
-                    try:
-                        await anyio.to_thread.run_sync(self.backend.clear_memory)
-                    except RANK_FAULTS as error:
-                        # The group failed (or was suspended) after the step: its state is
-                        # lost with it, so the step is done again after the restore.
-                        if not trainer_heals(self.config):
-                            raise
-                        await self._restart_group(error, event.rollout_id)
-                        return
-            elif valued is not None:  # with a critic, each group offloads after its step
-                await self._offload(event.rollout_id)
+            if self.config.run.offload_train and valued is not None:
+                await self._offload(event.rollout_id)  # with a critic, each group after its step
         await self.publish(
             TrainStepFinished(
                 rollout_id=event.rollout_id,
