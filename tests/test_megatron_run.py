@@ -30,7 +30,7 @@ from schemas.events import (
     WeightsStaged,
 )
 from tests.test_e2e import SMALL, events, published_versions, rollouts, run_cli
-from tests.test_trainer_ranks_run import UPDATE_TOLERANCE, digests, update_difference
+from tests.test_trainer_ranks_run import assert_two_ranks_train_what_one_trains, digests
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.slow
@@ -189,16 +189,7 @@ def test_two_data_parallel_megatron_ranks_train_what_one_rank_trains(runs):
     two_log = events(two_dir)
     (started,) = [e for e in two_log if isinstance(e, RunStarted)]
     assert started.trainer_ranks == 2
-    two = [e.metrics for e in two_log if isinstance(e, TrainStepFinished)]
-    one = [e.metrics for e in events(one_dir) if isinstance(e, TrainStepFinished)]
-    assert two[0].train_tokens == one[0].train_tokens
-    assert two[0].loss == pytest.approx(one[0].loss, abs=1e-6)
-    assert two[0].grad_norm == pytest.approx(one[0].grad_norm, rel=1e-5)
-    one_weights = read_checkpoint(latest_checkpoint(one_dir)).weights
-    two_weights = read_checkpoint(latest_checkpoint(two_dir)).weights
-    base_model = AutoModelForCausalLM.from_pretrained(one_dir / "base_model").state_dict()
-    base = {name: base_model[name] for name in one_weights}
-    assert update_difference(base, one_weights, two_weights) <= UPDATE_TOLERANCE
+    assert_two_ranks_train_what_one_trains(two_dir, one_dir)
 
 
 # --- on a GPU ---------------------------------------------------------------------------------

@@ -119,7 +119,12 @@ def test_a_two_rank_checkpoint_is_one_directory_transformers_loads(runs, runtime
 
 
 def test_two_ranks_train_what_one_rank_trains(runs):
-    two_dir, one_dir = runs["first-2"][0], runs["first-1"][0]
+    assert_two_ranks_train_what_one_trains(runs["first-2"][0], runs["first-1"][0])
+
+
+def assert_two_ranks_train_what_one_trains(two_dir: Path, one_dir: Path) -> None:
+    """The runs' first rollout (the same samples, the same weights) trained alike, and their
+    checkpoints' updates within ``UPDATE_TOLERANCE``."""
     two = [e.metrics for e in events(two_dir) if isinstance(e, TrainStepFinished)]
     one = [e.metrics for e in events(one_dir) if isinstance(e, TrainStepFinished)]
     # The first rollout is the same one: same samples, same weights.

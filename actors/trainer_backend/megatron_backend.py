@@ -21,14 +21,12 @@ layer spec, resumes on the other.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 
 from actors.trainer_backend.megatron_convert import (
     MegatronLayout,
-    meta_tensors,
     optimizer_to_hf,
     optimizer_to_megatron,
     to_hf,
@@ -54,8 +52,6 @@ from actors.trainer_backend.torch_backend import (
 from miles_events.rl.hf_model import load_model
 from schemas.config import Config
 from schemas.rollout import Sample
-
-logger = logging.getLogger(__name__)
 
 
 class MegatronGroup(ProcessGroup):
@@ -99,8 +95,6 @@ class MegatronTrainerBackend(TorchTrainerBackend):
     """GRPO (or PPO's policy loss) on Megatron-core's GPT model, as one rank of a
     ``MegatronGroup``."""
 
-    has_reference = True
-
     def __init__(self, config: Config, parallel: Parallel | None = None) -> None:
         if not isinstance(parallel, MegatronGroup):
             raise ValueError(
@@ -108,34 +102,32 @@ class MegatronTrainerBackend(TorchTrainerBackend):
             )
         self.layout: MegatronLayout | None = None
         self._hf_order: list[str] = []
+        self._impl = resolved_impl(config.megatron.transformer_impl)
         super().__init__(config, parallel)
 
     def _build_model(self, path: str) -> Any:
         # The Hugging Face model is read once, on the host, and converted.
         hf = load_model(path, self.config.model.dtype, torch.device("cpu"))
-        impl = resolved_impl(self.config.megatron.transformer_impl)
         # Transformer Engine's spec folds each norm into the linear layer after it.
-        layout = MegatronLayout.of(hf.config, fused_norms=impl == "transformer_engine")
+        layout = MegatronLayout.of(hf.config, fused_norms=self._impl == "transformer_engine")
         weights = hf.state_dict()
         self.layout = layout
         self._hf_order = [n for n in weights if not (layout.tied_embeddings and n == "lm_head.weight")]
-        model = build_gpt(layout, self.dtype, self.device, impl)
+        model = build_gpt(layout, self.dtype, self.device, self._impl)
         load_megatron_state(model, to_megatron(weights, layout))
         del hf, weights
         return model
 
     def _frozen_copy(self, model: Any) -> Any:
         # A Megatron module holds process groups, which do not copy: built again, loaded the same.
-        copy = build_gpt(
-            self._layout, self.dtype, self.device, resolved_impl(self.config.megatron.transformer_impl)
-        )
+        copy = build_gpt(self._layout, self.dtype, self.device, self._impl)
         load_megatron_state(copy, megatron_state(model))
         return copy.eval().requires_grad_(False)
 
     def _published_shapes(self) -> tuple[dict[str, torch.Size], set[str]]:
         layout = self._layout
-        hf = to_hf(meta_tensors(layout), layout)
-        return {name: hf[name].shape for name in self._hf_order}, (
+        shapes = layout.hf_shapes()
+        return {name: torch.Size(shapes[name]) for name in self._hf_order}, (
             {"lm_head.weight"} if layout.tied_embeddings else set()
         )
 

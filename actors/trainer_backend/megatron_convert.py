@@ -114,6 +114,12 @@ class MegatronLayout:
             fused_norms=fused_norms,
         )
 
+    def hf_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every Hugging Face tensor the conversion gives (tied duplicates left out), with its
+        shape, in Hugging Face's order."""
+        meta = {name: torch.empty(shape, device="meta") for name, shape in self.megatron_shapes().items()}
+        return {name: tuple(t.shape) for name, t in to_hf(meta, self).items()}
+
     @property
     def heads_per_group(self) -> int:
         return self.num_attention_heads // self.num_query_groups
@@ -311,7 +317,7 @@ def optimizer_to_megatron(state: Mapping[str, Any], layout: MegatronLayout) -> d
     it), keyed by Megatron's; a scalar is taken from the first Hugging Face tensor of its
     parameter."""
     megatron_of = hf_to_megatron_names(layout)
-    hf_shapes = {name: tuple(t.shape) for name, t in to_hf(meta_tensors(layout), layout).items()}
+    hf_shapes = layout.hf_shapes()
     out: dict[str, dict[str, Any]] = {}
     for field, values in _fields(state.get("state", {})).items():
         if _parameter_shaped(values, hf_shapes):
@@ -343,8 +349,3 @@ def _parameter_shaped(values: Mapping[str, Any], shapes: Mapping[str, tuple[int,
     return set(values) == set(shapes) and all(
         isinstance(v, torch.Tensor) and tuple(v.shape) == shapes[name] for name, v in values.items()
     )
-
-
-def meta_tensors(layout: MegatronLayout) -> dict[str, torch.Tensor]:
-    """Every Megatron tensor of ``layout`` on the meta device: shapes to convert, no data."""
-    return {name: torch.empty(shape, device="meta") for name, shape in layout.megatron_shapes().items()}

@@ -14,10 +14,10 @@ attends to it), the output layer applied only at the positions that predict a re
 token.
 
 Megatron-core is written for CUDA; its layers compute on the CPU as well, but a few of its
-calls name the CUDA device outright. ``use_host`` makes a CPU process able to run them: the
-current CUDA device reads as the CPU (in a process that has no CUDA device, where the call
-would fail anyway), and the tensor-parallel RNG tracker forks the CPU generator. That is
-what lets the Megatron backend be tested on machines with no GPU.
+calls name the CUDA device outright. In a process that has no CUDA device (where such a call
+would fail anyway) ``use_host`` makes the current CUDA device read as the CPU, and
+``initialize_parallel`` installs a tensor-parallel RNG tracker over the CPU generator. That
+is what lets the Megatron backend be tested on machines with no GPU.
 """
 
 from __future__ import annotations

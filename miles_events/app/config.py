@@ -571,10 +571,10 @@ def _validate_ranks(config: Config) -> None:
 
 
 MEGATRON_INSTALL = "pip install --no-deps megatron-core==0.16.1"
-MEGATRON_SERIES = "0.16."
-"""The megatron-core releases whose APIs the backend calls."""
 """How to install what the ``megatron`` trainer backend needs (megatron-core's own needs are
 torch, numpy and packaging, which every run has)."""
+MEGATRON_SERIES = "0.16."
+"""The megatron-core releases whose APIs the backend calls."""
 
 
 def _validate_megatron(config: Config) -> None:
