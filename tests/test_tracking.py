@@ -134,6 +134,15 @@ def wandb_records(path: Path) -> list[Any]:
     return records
 
 
+def wandb_diagnosis(run_file: Path, records: list[Any]) -> str:
+    """What an offline run wrote, for a failed assertion: its record types, in order, and the
+    end of wandb's own log of the run."""
+    kinds = [r.WhichOneof("record_type") for r in records]
+    internal = run_file.parent / "logs" / "debug-internal.log"
+    tail = internal.read_text(errors="replace").splitlines()[-40:] if internal.exists() else ["(no log)"]
+    return f"{run_file.stat().st_size} bytes, records {kinds}; debug-internal.log ends:\n" + "\n".join(tail)
+
+
 async def test_wandb_offline_run_records_the_metrics_against_rollout_id_and_finishes(tmp_path, monkeypatch):
     # The sink sets these for wandb's service process; restore them after the test.
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -155,7 +164,7 @@ async def test_wandb_offline_run_records_the_metrics_against_rollout_id_and_fini
     rewards = [
         (row["rollout_id"], row["rollout/reward_mean"]) for row in history if "rollout/reward_mean" in row
     ]
-    assert rewards == [(0, 0.0078125), (1, 0.0234375), (2, 0.0234375)]
+    assert rewards == [(0, 0.0078125), (1, 0.0234375), (2, 0.0234375)], wandb_diagnosis(run_file, records)
     (run_record,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     assert run_record.run_id == "run-1" and run_record.project == "miles-events"
     (exit_record,) = [r.exit for r in records if r.WhichOneof("record_type") == "exit"]
