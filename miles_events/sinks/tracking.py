@@ -211,6 +211,8 @@ class WandbSink(TrackingSink):
     def __init__(self, run: Any = None) -> None:
         super().__init__()
         self.run = run
+        self._owns_service = False
+        """This sink started the run, and so wandb's service of this process."""
 
     def prepare(self, config: Config) -> None:
         if self.run is None:
@@ -220,6 +222,7 @@ class WandbSink(TrackingSink):
     async def start(self, context: SinkContext) -> None:
         if self.run is None:
             self.run = start_wandb(context)
+            self._owns_service = True
         self.run.define_metric("rollout_id")
         for section in SECTIONS:
             self.run.define_metric(f"{section}/*", step_metric="rollout_id")
@@ -234,7 +237,17 @@ class WandbSink(TrackingSink):
     async def close(self) -> None:
         if self.run is not None:
             # Finishing syncs the run's files (uploads when online): keep the loop free.
-            await anyio.to_thread.run_sync(lambda: self.run.finish(exit_code=self.exit_code))
+            await anyio.to_thread.run_sync(self._finish)
+
+    def _finish(self) -> None:
+        self.run.finish(exit_code=self.exit_code)
+        if self._owns_service:
+            # ``finish`` returns before wandb's service has written the run's last records
+            # (its file may still be the bare header): tearing the service down waits for
+            # them, so the run's files are whole once the session has closed its sinks.
+            import wandb
+
+            wandb.teardown(exit_code=self.exit_code)
 
 
 def _missing(package: str, setting: str) -> TrackingError:
