@@ -570,12 +570,24 @@ class MegatronConfig(Section):
 
 
 class PublisherConfig(Section):
-    transport: Literal["auto", "inprocess", "shm", "disk", "cuda_ipc"] = "auto"
+    transport: Literal["auto", "inprocess", "shm", "disk", "cuda_ipc", "collective"] = "auto"
     """``auto``: in-process on the local runtime, shared memory on ray; ``disk``: files under
     ``<run.dir>/transport`` (a handle is a path); ``cuda_ipc``: weights staged on a GPU stay
     there and engines in other processes on the same host read them through CUDA IPC
     handles (slime's colocated path; the trainer's weights on CUDA, the engines embedded),
-    everything else as ``shm``."""
+    everything else as ``shm``; ``collective``: weights broadcast from the trainer's
+    publishing rank to each engine over a process group of their own (NCCL between GPUs,
+    gloo otherwise) in buckets of ``bucket_bytes``, across GPUs and hosts (embedded
+    engines), everything else as ``shm``."""
+    bucket_bytes: PositiveInt = 512 * 2**20
+    """``collective``: the most bytes one broadcast carries (slime's and miles' bucket size);
+    an engine places each as it lands, so no more than this is in flight beside its weights."""
+    broadcast_timeout: PositiveFloat = 60.0
+    """``collective``: seconds a broadcast, or a wait to form a channel, may take before the
+    engine's load fails (``PublicationFailed``) and the channel is formed anew."""
+    collective_host: str | None = None
+    """``collective``: the address engines reach the trainer's publishing rank at. Unset: the
+    address of that host's default route (loopback where it has none)."""
     stage_timeout: PositiveFloat = 120.0
     """Seconds the trainer's staging of a publication may take before the publication fails."""
     load_timeout: PositiveFloat = 120.0

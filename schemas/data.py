@@ -8,12 +8,16 @@ import msgspec
 
 class DataRef(msgspec.Struct, frozen=True):
     transport: str
-    """Which transport holds the data: ``"inprocess"``, ``"shm"``, ``"disk"`` or ``"cuda_ipc"``."""
+    """Which transport holds the data: ``"inprocess"``, ``"shm"``, ``"disk"``, ``"cuda_ipc"``
+    or ``"collective"``."""
     key: str
     """The transport's name for it; unique within a run."""
     owner: str
     """The actor that created it and frees it on ``DataReleased``."""
     num_bytes: int = 0
+    address: str = ""
+    """Where the owner sends the data from on request (``"collective"``: ``host:port`` of its
+    rendezvous store); empty where the data lies in storage a reader opens itself."""
 
 
 class TensorSlot(msgspec.Struct, frozen=True, array_like=True):

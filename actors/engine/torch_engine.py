@@ -54,7 +54,13 @@ from actors.engine.in_flight import InFlightUpdates
 from actors.engine.sampling import sample_tokens, sample_uniforms
 from actors.engine.static_decode import Decoded, EndCheck, Prefill, RowEnd, StaticDecoder, row_end, supports
 from miles_events.bus.cancel import Cancellation
-from miles_events.device.buckets import Buckets, bucket_parameters, fingerprint_buckets
+from miles_events.device.buckets import (
+    Buckets,
+    bucket_parameters,
+    byte_view,
+    fingerprint_buckets,
+    layouts_tensor_bytes,
+)
 from miles_events.device.fingerprint import tensor_fingerprint
 from miles_events.device.offload import HOST, HostCopies, move_buckets
 from miles_events.rl.canary import CANARY_BYTES, CANARY_TENSOR, split_canary
@@ -62,7 +68,7 @@ from miles_events.rl.checksum import is_skipped
 from miles_events.rl.hf_model import cache_kwarg, load_model, load_tokenizer
 from miles_events.rl.probe import teacher_forced_logprobs
 from miles_events.rl.weights import split_tied
-from miles_events.transport.base import Transport
+from miles_events.transport.base import BucketStream, Transport
 from schemas.checksums import EngineChecksumReport, Selector, TensorCheckAction, WeightsCheckResult
 from schemas.config import Config
 from schemas.data import BucketLayout, DataRef
@@ -436,6 +442,9 @@ class TorchEngine(Engine):
                 f"not {weights.transport} ({weights.key})"
             )
         self._require_resident("load weights", ("weights",))
+        stream = self.transport.reader.stream_buckets(weights, self.name, self.device)
+        if stream is not None:
+            return self._load_stream(stream, weight_version)
         staged = self.transport.reader.get_buckets(weights)
         if staged is not None and self._load_buckets(staged, weight_version):
             num_bytes = staged.tensor_bytes
@@ -445,6 +454,33 @@ class TorchEngine(Engine):
             num_bytes = sum(t.numel() * t.element_size() for t in payload.values())
         self.transport.reader.done_reading(weights, self.device)
         return num_bytes
+
+    def _load_stream(self, stream: BucketStream, weight_version: str) -> int:
+        """Load buckets sent piece by piece (``collective``): straight into the served
+        buckets, each piece as it lands, where they share the layouts; else assembled whole
+        and loaded tensor by tensor. A piece that fails to land fails the load, the served
+        weights part-written: the fingerprints of what the engine serves then tell."""
+        plan = self._bucket_plan(stream.layouts)
+        if plan is None:
+            staged = stream.assemble(self.device)
+            self.load_tensors(staged.tensors(), weight_version)
+            return staged.tensor_bytes
+        model, canary = plan
+        targets: dict[int, torch.Tensor] = {
+            index: byte_view(buffer) for index, buffer in zip(model, self._buckets.buffers, strict=True)
+        }
+        canary_bucket = None
+        if canary:
+            layout = stream.layouts[canary[0]]
+            canary_bucket = torch.empty(layout.numel, dtype=torch.uint8, device=self.device)
+            targets[canary[0]] = canary_bucket
+        with torch.no_grad():
+            stream.receive(lambda bucket, start, end: targets[bucket][start:end])
+            if canary_bucket is not None:
+                self._canary.copy_(canary_bucket[:CANARY_BYTES])
+        self._canary_loaded = self._canary_loaded or canary_bucket is not None
+        self._weight_version = str(weight_version)
+        return layouts_tensor_bytes(stream.layouts)
 
     def _load_buckets(self, staged: Buckets, weight_version: str) -> bool:
         """Load ``staged`` bucket by bucket when its model buckets are laid out exactly as

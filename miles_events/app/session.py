@@ -48,7 +48,7 @@ class RunResult:
     seconds: float
 
 
-SHARED_MEMORY_TRANSPORTS = frozenset({"shm", "cuda_ipc"})
+SHARED_MEMORY_TRANSPORTS = frozenset({"shm", "cuda_ipc", "collective"})
 """The transports whose files live in shared memory (CUDA IPC keeps all but GPU buckets there)."""
 
 
@@ -126,7 +126,7 @@ class Session:
             transport_name = Publisher.data_plane(config)
             if transport_name in SHARED_MEMORY_TRANSPORTS:
                 remove_dead_owners(shm_root(), SHM_PREFIX)  # what runs whose driver died left
-            transport = open_transport(transport_name, self.run_id, self.run_dir)
+            transport = open_transport(transport_name, self.run_id, self.run_dir, config)
             if isinstance(transport, FilesTransport) and isinstance(transport.files, ShmFiles):
                 claim(transport.root)  # this run's directory in shared memory is this driver's
         except BaseException:

@@ -430,7 +430,7 @@ def serve_rank(conn: Connection, parent: int) -> None:
 
     def build() -> Any:
         config = msgspec.json.decode(start.config_json, type=Config)
-        transport = open_transport(start.transport, start.run_id, Path(start.run_dir))
+        transport = open_transport(start.transport, start.run_id, Path(start.run_dir), config)
         return start.factory(config, transport, start.place)
 
     try:

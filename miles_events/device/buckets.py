@@ -72,6 +72,20 @@ def plan_layouts(tensors: Mapping[str, torch.Tensor]) -> tuple[BucketLayout, ...
     return tuple(layouts)
 
 
+def byte_view(buffer: torch.Tensor) -> torch.Tensor:
+    """``buffer``'s bytes (a flat bucket of any dtype), without a copy."""
+    import torch
+
+    return buffer.view(torch.uint8)
+
+
+def layouts_tensor_bytes(layouts: Iterable[BucketLayout]) -> int:
+    """The bytes of the tensors ``layouts`` hold, without the gaps between them."""
+    return sum(
+        slot.numel * _torch_dtype(layout.dtype).itemsize for layout in layouts for slot in layout.slots
+    )
+
+
 @dataclass(frozen=True)
 class Buckets:
     """Flat buffers (one a dtype) and their layouts; ``tensors()`` views every tensor."""
@@ -120,11 +134,7 @@ class Buckets:
     @property
     def tensor_bytes(self) -> int:
         """The bytes of the tensors alone, without the gaps between them."""
-        return sum(
-            slot.numel * buffer.element_size()
-            for layout, buffer in zip(self.layouts, self.buffers, strict=True)
-            for slot in layout.slots
-        )
+        return layouts_tensor_bytes(self.layouts)
 
     @property
     def device(self) -> torch.device:

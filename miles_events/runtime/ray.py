@@ -78,7 +78,7 @@ class RemoteActorHost:
         self.plan = msgspec.json.decode(plan_json, type=RunPlan)
         self.run_id = run_id
         self.run_dir = Path(run_dir)
-        self.transport = open_transport(transport, run_id, self.run_dir)
+        self.transport = open_transport(transport, run_id, self.run_dir, self.config)
         self.first_bundle = first_bundle
         self.outbox = Mailbox(f"{actor_cls.name}-outbox", outbox_size, (Event,))
         self.emitted = 0

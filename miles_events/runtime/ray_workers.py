@@ -75,7 +75,7 @@ class RankHost:
         self.failure: BaseException | None = None
         self.target: Any = None
         try:
-            self.target = factory(config, open_transport(transport, run_id, Path(run_dir)), place)
+            self.target = factory(config, open_transport(transport, run_id, Path(run_dir), config), place)
         except Exception as error:
             self.failure = error
         freeze_start_up()  # the process is this rank's alone, for the rest of its life

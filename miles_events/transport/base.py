@@ -11,24 +11,28 @@ run's data plane: its name and the two ends, opened on the same storage.
 One file per transport: ``inprocess.py`` keeps objects in this process (the local runtime),
 ``shm.py`` writes them under ``/dev/shm`` so any process on the host maps them (the ray
 runtime), ``disk.py`` writes them under the run directory, where a handle is a path any
-reader can open itself, and ``cuda_ipc.py`` shares weights staged on a GPU with the
-processes on the same host by CUDA IPC handles, without a copy. Whoever consumes a
+reader can open itself, ``cuda_ipc.py`` shares weights staged on a GPU with the
+processes on the same host by CUDA IPC handles, without a copy, and ``collective.py``
+broadcasts weights to each engine over a process group (NCCL, gloo), across GPUs and hosts. Whoever consumes a
 reference publishes ``DataReleased``; the owner then calls its stager's ``free``.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from miles_events.util.registry import registered
-from schemas.data import DataRef
+from schemas.data import BucketLayout, DataRef
 
 if TYPE_CHECKING:  # torch is imported by what puts or gets tensors, not by every reader of events
     import torch
 
     from miles_events.device.buckets import Buckets
+    from schemas.config import Config
 
 
 def _safetensors() -> Any:
@@ -42,6 +46,30 @@ def _safetensors() -> Any:
 TENSORS_METADATA = {"format": "pt"}
 """The header metadata of every safetensors file a transport writes, as Hugging Face writes
 it: a staged file is a checkpoint's weights file as it is."""
+
+
+@dataclass
+class BucketStream:
+    """The buckets of one set of weights as they arrive (``BucketReader.stream_buckets``):
+    ``layouts`` at once, then ``receive`` (or ``assemble``) once, chunk by chunk."""
+
+    key: str
+    layouts: tuple[BucketLayout, ...]
+    _chunks: Callable[[Callable[[int, int, int], torch.Tensor]], None]
+
+    def receive(self, into: Callable[[int, int, int], torch.Tensor]) -> None:
+        """Receive every chunk: ``into(bucket, start, end)`` gives the uint8 tensor (any
+        device) that the bucket's bytes ``[start, end)`` land in, as they land."""
+        self._chunks(into)
+
+    def assemble(self, device: torch.device | str = "cpu") -> Buckets:
+        """Every bucket whole, in new buffers on ``device``."""
+        from miles_events.device.buckets import Buckets, byte_view
+
+        buckets = Buckets.allocate(self.layouts, device)
+        views = [byte_view(buffer) for buffer in buckets.buffers]
+        self.receive(lambda bucket, start, end: views[bucket][start:end])
+        return buckets
 
 
 # --- the producer's end, by kind -------------------------------------------------------------
@@ -112,6 +140,15 @@ class BucketReader(ABC):
         copy); None where it does not."""
         return None
 
+    def stream_buckets(
+        self, ref: DataRef, reader: str = "", device: torch.device | None = None
+    ) -> BucketStream | None:
+        """``ref``'s buckets as they arrive, where this transport sends them on request
+        (``collective``): their layouts at once, each piece placed where its reader says as it
+        lands (``reader``: the reading engine's name, its channel's; ``device``: where it
+        places them). None where the data lies in storage the reader opens itself."""
+        return None
+
     def tensors_file(self, ref: DataRef) -> Path | None:
         """The one safetensors file holding ``ref``'s tensors, where this transport keeps
         them in one (a reader that only copies them, as the Saver, needs no torch then);
@@ -166,8 +203,9 @@ class Transport:
         self.reader = reader
 
     @classmethod
-    def open(cls, run_id: str, run_dir: Path | None = None) -> Transport:
-        """The transport of run ``run_id``, whose directory is ``run_dir``."""
+    def open(cls, run_id: str, run_dir: Path | None = None, config: Config | None = None) -> Transport:
+        """The transport of run ``run_id``, whose directory is ``run_dir``, set up as
+        ``config`` says (``publisher``'s settings)."""
         return cls(run_id)  # type: ignore[call-arg]
 
     def close(self) -> None:
@@ -205,10 +243,13 @@ TRANSPORTS: dict[str, str] = {
     "shm": "miles_events.transport.shm:ShmTransport",
     "disk": "miles_events.transport.disk:DiskTransport",
     "cuda_ipc": "miles_events.transport.cuda_ipc:CudaIpcTransport",
+    "collective": "miles_events.transport.collective:CollectiveTransport",
 }
 """Transport name -> ``"module:Class"``, imported when a run opens it."""
 
 
-def open_transport(name: str, run_id: str, run_dir: Path | None = None) -> Transport:
+def open_transport(
+    name: str, run_id: str, run_dir: Path | None = None, config: Config | None = None
+) -> Transport:
     cls: type[Transport] = registered(TRANSPORTS, name, "transport")
-    return cls.open(run_id, run_dir)
+    return cls.open(run_id, run_dir, config)

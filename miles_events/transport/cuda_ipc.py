@@ -436,7 +436,7 @@ class CudaIpcReader(Reader):
     def state_file(self, ref: DataRef) -> Path:
         return self.shm.state_file(ref)
 
-    def tensors_file(self, ref: DataRef) -> Path:
+    def tensors_file(self, ref: DataRef) -> Path | None:
         return self.shm.tensors_file(ref)
 
     def get_tensors(self, ref: DataRef) -> dict[str, torch.Tensor]:

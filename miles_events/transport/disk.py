@@ -28,6 +28,8 @@ from schemas.data import DataRef
 if TYPE_CHECKING:  # torch is imported by what puts or gets tensors, not by every reader of events
     import torch
 
+    from schemas.config import Config
+
 TRANSPORT_DIR = "transport"
 TENSORS_FILE = "model.safetensors"
 
@@ -147,7 +149,7 @@ class DiskTransport(FilesTransport):
         super().__init__(run_id, DiskStager(self.files), DiskReader(self.files))
 
     @classmethod
-    def open(cls, run_id: str, run_dir: Path | None = None) -> DiskTransport:
+    def open(cls, run_id: str, run_dir: Path | None = None, config: Config | None = None) -> DiskTransport:
         if run_dir is None:
             raise ValueError("the disk transport needs the run directory")
         return cls(run_id, run_dir)

@@ -122,7 +122,7 @@ class ShmReader(Reader):
         tensors: dict[str, torch.Tensor] = _safetensors().load_file(str(self.files.path(ref.key)))
         return tensors
 
-    def tensors_file(self, ref: DataRef) -> Path:
+    def tensors_file(self, ref: DataRef) -> Path | None:
         return self.files.path(ref.key)
 
     def get_bytes(self, ref: DataRef) -> bytes:
