@@ -48,7 +48,12 @@ def test_the_config_opens_it_with_the_publishers_bucket_size_and_timeout(tmp_pat
     plane = open_transport("collective", "run-open", tmp_path, config)
     try:
         assert isinstance(plane, CollectiveTransport)
-        assert plane.stager.settings == plane.reader.settings == CollectiveSettings(4096, 7.5, None)
+        assert (
+            plane.stager.settings
+            == plane.reader.settings
+            == plane.reader.channels.settings
+            == CollectiveSettings(4096, 7.5, None)
+        )
     finally:
         plane.close()
 

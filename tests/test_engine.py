@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import types
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -19,7 +20,8 @@ from miles_events.device.fingerprint import fingerprints, tensor_fingerprint
 from miles_events.rl.canary import CANARY_TENSOR, publication_canary
 from miles_events.rl.checksum import per_gpu_checksum, report_checksums
 from miles_events.rl.hf_model import load_model, load_tokenizer, prepare_base_model
-from miles_events.transport.base import open_transport
+from miles_events.transport.base import BucketStream, open_transport
+from miles_events.transport.collective import CollectiveSettings, CollectiveTransport
 from schemas.checksums import EngineChecksumReport, ParallelismInfo
 from schemas.config import BuiltinModelConfig, ModelConfig
 from schemas.data import DataRef
@@ -520,6 +522,56 @@ def test_weights_staged_in_buckets_of_another_layout_load_tensor_by_tensor(
     engine.load_weights(ref, "1")
     assert engine.weight_version == "1" and served_checksums(engine) == fingerprints(state)
     plane.close()
+
+
+def test_weights_broadcast_over_the_collective_land_in_the_served_buckets_chunk_by_chunk(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings = CollectiveSettings(bucket_bytes=4096, timeout=10.0)
+    plane = CollectiveTransport("run-collective", tmp_path, settings)
+    engine = TorchEngine.from_pretrained(model_dir, transport=plane)
+    state = perturbed_state(engine, seed=5)
+    canary = publication_canary("run-collective", "1")
+    ref = plane.stager.put_buckets(
+        "weights-v1", Buckets.of({**state, CANARY_TENSOR: canary}), owner="trainer"
+    )
+    monkeypatch.setattr(engine, "load_tensors", lambda *args: pytest.fail("loaded tensor by tensor"))
+    served = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in engine._buckets.buffers]
+    landed: list[tuple[int, int]] = []
+    receive = BucketStream.receive
+
+    def recording(self: BucketStream, into: Callable[[int, int, int], torch.Tensor]) -> None:
+        def placed(bucket: int, start: int, end: int) -> torch.Tensor:
+            target = into(bucket, start, end)
+            landed.append((target.data_ptr(), end - start))
+            return target
+
+        receive(self, placed)
+
+    monkeypatch.setattr(BucketStream, "receive", recording)
+    try:
+        assert engine.load_weights(ref, "1") == sum(t.numel() * t.element_size() for t in state.values()) + 16
+        assert engine.weight_version == "1" and served_checksums(engine) == fingerprints(state)
+        assert engine.served_canary() == tensor_fingerprint(canary)
+        model_chunks = [(p, n) for p, n in landed if any(lo <= p < hi for lo, hi in served)]
+        assert len(model_chunks) == len(landed) - 1  # all but the canary's land in the served buffers
+        assert len(model_chunks) > 1 and all(n <= 4096 for _, n in landed)
+    finally:
+        plane.close()
+
+
+def test_weights_broadcast_in_another_layout_load_tensor_by_tensor(model_dir: Path, tmp_path: Path) -> None:
+    plane = CollectiveTransport("run-collective-other", tmp_path, CollectiveSettings(timeout=10.0))
+    engine = TorchEngine.from_pretrained(model_dir, transport=plane)
+    state = perturbed_state(engine, seed=6)
+    ref = plane.stager.put_buckets(
+        "weights-v1", Buckets.of(dict(reversed(list(state.items())))), owner="trainer"
+    )
+    try:
+        engine.load_weights(ref, "1")
+        assert engine.weight_version == "1" and served_checksums(engine) == fingerprints(state)
+    finally:
+        plane.close()
 
 
 def test_load_weights_refuses_a_handle_of_another_transport(model_dir: Path, tmp_path: Path) -> None:

@@ -24,9 +24,11 @@ from actors.engine.server_process import ServerStartError
 from actors.engine.vllm_engine import VllmEngine, launch_server
 from actors.engine.worker import EngineWorker, UnverifiableTensors
 from miles_events.bus.actor import RankPlace
+from miles_events.device.buckets import Buckets
 from miles_events.device.fingerprint import fingerprints, tensor_fingerprint
 from miles_events.rl.canary import CANARY_TENSOR, publication_canary
 from miles_events.rl.hf_model import prepare_base_model
+from miles_events.transport.collective import CollectiveSettings, CollectiveTransport
 from miles_events.transport.inprocess import InProcessTransport
 from schemas.config import BuiltinModelConfig, Config, ModelConfig, RunConfig, VllmConfig
 
@@ -268,6 +270,45 @@ def test_a_push_over_http_loads_and_keeps_the_publication_canary(
     finally:
         pusher._client.close()
     engine._weight_version = pusher.weight_version
+
+
+def test_the_servers_worker_receives_weights_broadcast_over_the_collective_transport(
+    engine: VllmEngine, run_dir: Path, base_model: Path, tmp_path: Path
+):
+    # vLLM's worker joins the engine's channel to the publishing rank (gloo) and loads.
+    plane = CollectiveTransport("vllm-collective", tmp_path, CollectiveSettings(bucket_bytes=64 * 1024))
+    receiver = VllmEngine(
+        name="engine-0", url=engine.url, model_path=base_model, run_dir=run_dir,
+        config=VllmConfig(), transport=plane,
+    )  # fmt: skip
+
+    def broadcast(tensors: dict[str, torch.Tensor], version: str) -> int:
+        canary = publication_canary("vllm-test", version)
+        buckets = Buckets.of({**tensors, CANARY_TENSOR: canary})
+        ref = plane.stager.put_buckets(f"weights-{version}", buckets, owner="trainer")
+        try:
+            return receiver.load_weights(ref, version)
+        finally:
+            plane.stager.free(ref)
+
+    try:
+        assert receiver.holds_canary
+        before = receiver.generate(PROMPTS, GREEDY)
+        broadcast(_perturbed(_base_tensors(base_model), seed=11), "11")
+        assert receiver.weight_version == "11"
+        assert receiver.served_canary() == tensor_fingerprint(publication_canary("vllm-test", "11"))
+        assert [c.response_logprobs for c in receiver.generate(PROMPTS, GREEDY)] != [
+            c.response_logprobs for c in before
+        ]
+        broadcast(_base_tensors(base_model), "12")  # over the same channel
+        assert receiver.served_canary() == tensor_fingerprint(publication_canary("vllm-test", "12"))
+        assert [c.response_ids for c in receiver.generate(PROMPTS, GREEDY)] == [
+            c.response_ids for c in before
+        ]
+    finally:
+        receiver._client.close()
+        plane.close()
+    engine._weight_version = receiver.weight_version
 
 
 def test_a_payload_with_a_missing_tensor_is_refused_before_the_server_sees_it(

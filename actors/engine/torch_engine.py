@@ -444,7 +444,9 @@ class TorchEngine(Engine):
         self._require_resident("load weights", ("weights",))
         stream = self.transport.reader.stream_buckets(weights, self.name, self.device)
         if stream is not None:
-            return self._load_stream(stream, weight_version)
+            num_bytes = self._load_stream(stream, weight_version)
+            self.transport.reader.done_reading(weights, self.device)
+            return num_bytes
         staged = self.transport.reader.get_buckets(weights)
         if staged is not None and self._load_buckets(staged, weight_version):
             num_bytes = staged.tensor_bytes

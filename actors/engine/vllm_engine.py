@@ -210,7 +210,11 @@ class VllmEngine(Engine):
         self.transport = transport
         self.server = server
         """The launched server; None when connected to ``urls``."""
-        self.holds_canary = config.publication == "push"
+        self.holds_canary = config.publication == "push" or (
+            transport is not None and transport.name == "collective"
+        )
+        """The worker extension keeps the canary of what it loaded: pushed, or received over
+        the collective transport."""
         self.tokenizer = load_tokenizer(self.model_path)
         self._stop_token_ids = generation_eos_ids(self.model_path)
         """The generation config's EOS ids: the server is told them (its sampling defaults
@@ -512,29 +516,49 @@ class VllmEngine(Engine):
 
     def load_weights(self, weights: DataRef, weight_version: str) -> int:
         """Pause, load the tensors behind ``weights``, set the version, drop the prefix
-        cache, resume; returns the bytes of model tensors loaded."""
+        cache, resume; returns the bytes of model tensors loaded.
+
+        Weights sent on request (``publisher.transport = "collective"``) go straight to the
+        server's worker: it joins this engine's channel to the trainer's publishing rank
+        (gloo, on vLLM's CPU build) and receives and loads them itself, through the worker
+        extension, keeping their canary. Others are read here and pushed or written to disk
+        (``vllm.publication``)."""
         if self.transport is None:
             raise ValueError(
                 f"engine {self.name} has no transport to read {weights.transport}:{weights.key} from"
             )
-        payload = self.transport.reader.get_tensors(weights)
-        model_tensors, canary = split_canary(payload)
-        self._check_payload(model_tensors)
-        contiguous = {n: t.detach().contiguous().cpu() for n, t in model_tensors.items()}
-        num_bytes = sum(t.numel() * t.element_size() for t in contiguous.values())
+        if weights.address:
+            num_bytes = weights.num_bytes
+            settings = getattr(self.transport.reader, "settings", None)
+            timeout = str(getattr(settings, "timeout", 60.0))
+            ref_json = msgspec.json.encode(weights).decode()
+
+            def load() -> None:
+                self.collective_rpc("miles_receive_weights", ref_json, self.name, timeout)
+
+        else:
+            payload = self.transport.reader.get_tensors(weights)
+            model_tensors, canary = split_canary(payload)
+            self._check_payload(model_tensors)
+            contiguous = {n: t.detach().contiguous().cpu() for n, t in model_tensors.items()}
+            num_bytes = sum(t.numel() * t.element_size() for t in contiguous.values())
+
+            def load() -> None:
+                if self.config.publication == "push":
+                    if canary is not None:
+                        contiguous[CANARY_TENSOR] = canary.contiguous()
+                    encoded = base64.b64encode(save(contiguous)).decode("ascii")
+                    self.collective_rpc("miles_push_weights", encoded)
+                else:
+                    directory = self._write_weights_dir(contiguous, weight_version)
+                    self.collective_rpc("reload_weights", weights_path=str(directory))
+                    # A tied LM head's packed copy is not redone by the reload (the extension's).
+                    self.collective_rpc("miles_refresh_shared_weights")
+
         started = time.perf_counter()
         self._post("/pause", params={"mode": "wait"})
         try:
-            if self.config.publication == "push":
-                if canary is not None:
-                    contiguous[CANARY_TENSOR] = canary.contiguous()
-                encoded = base64.b64encode(save(contiguous)).decode("ascii")
-                self.collective_rpc("miles_push_weights", encoded)
-            else:
-                directory = self._write_weights_dir(contiguous, weight_version)
-                self.collective_rpc("reload_weights", weights_path=str(directory))
-                # A tied LM head's packed copy is not redone by the reload (the extension's).
-                self.collective_rpc("miles_refresh_shared_weights")
+            load()
             self._post("/update_weight_version", json={"new_version": str(weight_version)})
             self._post("/reset_prefix_cache")
         finally:

@@ -2,7 +2,8 @@
 
 This module is imported inside the vLLM server's worker processes, in vLLM's own
 environment (``.venv-vllm``), with the repository root on ``PYTHONPATH``: it imports only
-torch, safetensors and the project's dependency-light checksum helpers. The engine calls
+torch, safetensors and the project's dependency-light checksum helpers (and, to receive
+over the collective transport, its reading end and msgspec, which vLLM needs too). The engine calls
 each method over ``/collective_rpc``, whose arguments are strings (so tensors travel as
 base64 safetensors bytes) and whose results are JSON.
 
@@ -10,6 +11,8 @@ base64 safetensors bytes) and whose results are JSON.
   through vLLM's own in-place ``reload_weights``, and keep its canary in this worker's
   memory, copied in the same pass as the weights.
 - ``miles_load_weights_from_dir``: the same from a safetensors directory the worker reads.
+- ``miles_receive_weights``: the same, received over the collective transport: the worker
+  joins the engine's channel to the trainer's publishing rank (gloo) itself.
 - ``miles_canary``: the fingerprint of the canary of the publication loaded last.
 - ``miles_reset_tensors``: random data under every named tensor (SGLang's ``reset_tensors``).
 - ``miles_checksums``: fingerprints of the served tensors that keep the Hugging Face layout
@@ -38,6 +41,8 @@ class MilesWorkerExtension:
     """Mixed into vLLM's worker class; ``self.model_runner`` is the worker's runner."""
 
     _miles_canary: torch.Tensor | None = None
+    _miles_channels: Any = None
+    """``ChannelReader`` of the collective transport: this worker's channels, formed once."""
 
     def _miles_load(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
         canary = tensors.pop(CANARY_TENSOR, None)
@@ -87,6 +92,23 @@ class MilesWorkerExtension:
     def miles_push_weights(self, payload_b64: str) -> dict[str, Any]:
         """Load the safetensors bytes ``payload_b64`` (base64) into the served model."""
         return self._miles_load(dict(load(base64.b64decode(payload_b64))))
+
+    def miles_receive_weights(self, ref_json: str, reader: str, timeout: str) -> dict[str, Any]:
+        """Receive the weights ``ref_json`` (a ``DataRef`` of the ``collective`` transport)
+        over channel ``reader`` (the engine's name) to the trainer's publishing rank, formed
+        at the first load (gloo), and load them into the served model."""
+        import msgspec
+
+        from miles_events.transport.collective import ChannelReader, CollectiveSettings
+        from schemas.data import DataRef
+
+        ref = msgspec.json.decode(ref_json, type=DataRef)
+        if MilesWorkerExtension._miles_channels is None:
+            MilesWorkerExtension._miles_channels = ChannelReader(CollectiveSettings(timeout=float(timeout)))
+        stream = MilesWorkerExtension._miles_channels.stream_buckets(ref, reader)
+        if stream is None:
+            raise ValueError(f"{ref.transport}:{ref.key} is not sent on request")
+        return self._miles_load(dict(stream.assemble().tensors()))
 
     def miles_load_weights_from_dir(self, directory: str) -> dict[str, Any]:
         """Load every ``*.safetensors`` file of ``directory`` into the served model."""

@@ -399,13 +399,11 @@ class ReaderChannel:
         self.lock = threading.Lock()
 
 
-class CollectiveReader(ShmReader):
-    """Joins a channel per reader name and receives what the references name."""
+class ChannelReader:
+    """The reading end's channels, one per reader name and publishing rank, and the loads
+    over them; what a process that reads nothing else holds (a vLLM worker)."""
 
-    name = "collective"
-
-    def __init__(self, files: ShmFiles, settings: CollectiveSettings) -> None:
-        super().__init__(files)
+    def __init__(self, settings: CollectiveSettings) -> None:
         self.settings = settings
         self._channels: dict[tuple[str, str], ReaderChannel] = {}
         self._lock = threading.Lock()
@@ -494,6 +492,31 @@ class CollectiveReader(ShmReader):
 
         return BucketStream(header.key, header.layouts, chunks)
 
+    def close(self) -> None:
+        with self._lock:
+            channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            taken = channel.lock.acquire(timeout=1.0)  # after a load in progress
+            channel.group.shutdown()
+            if taken:
+                channel.lock.release()
+
+
+class CollectiveReader(ShmReader):
+    """Receives weight buckets over its channels, reads the rest from shared memory."""
+
+    name = "collective"
+
+    def __init__(self, files: ShmFiles, settings: CollectiveSettings) -> None:
+        super().__init__(files)
+        self.settings = settings
+        self.channels = ChannelReader(settings)
+
+    def stream_buckets(
+        self, ref: DataRef, reader: str = "", device: torch.device | None = None
+    ) -> BucketStream | None:
+        return self.channels.stream_buckets(ref, reader, device)
+
     def get_buckets(self, ref: DataRef) -> Buckets | None:
         stream = self.stream_buckets(ref)
         return None if stream is None else stream.assemble()
@@ -506,13 +529,7 @@ class CollectiveReader(ShmReader):
         return None if ref.address else super().tensors_file(ref)
 
     def close(self) -> None:
-        with self._lock:
-            channels, self._channels = list(self._channels.values()), {}
-        for channel in channels:
-            taken = channel.lock.acquire(timeout=1.0)  # after a load in progress
-            channel.group.shutdown()
-            if taken:
-                channel.lock.release()
+        self.channels.close()
 
 
 def _receive_into(
