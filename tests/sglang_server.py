@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import anyio
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -152,6 +153,13 @@ class ServerState:
     """(method, path with query, body) of every call, in order."""
     refused: list[tuple[str, str]] = field(default_factory=list)
     """(path, reason) of every refused body."""
+    receive_broadcasts: bool = False
+    """Join each weight update group and take every tensor of ``/update_weights_from_distributed``
+    from its broadcast, as SGLang's ranks do (``join_as_sglang``, ``receive_as_sglang``);
+    unset, the distributed update only records the names."""
+    process_groups: dict[str, Any] = field(default_factory=dict)
+    received: dict[str, Any] = field(default_factory=dict)
+    """name -> the last tensor received for it."""
 
     def load(self, seed: str) -> None:
         self.tensors = {name: _content(seed, name) for name in TENSOR_NAMES}
@@ -274,6 +282,16 @@ def build_app(state: ServerState) -> FastAPI:
             return refusal(error)
         if not 0 < obj.rank_offset < obj.world_size:
             return JSONResponse({"success": False, "message": "rank_offset outside the group"}, 400)
+        if state.receive_broadcasts:
+            try:
+                state.process_groups[obj.group_name] = await anyio.to_thread.run_sync(
+                    join_as_sglang, obj.master_address, obj.master_port, obj.rank_offset, obj.world_size,
+                    obj.group_name, obj.backend,
+                )  # fmt: skip
+            except Exception as error:
+                return JSONResponse(
+                    {"success": False, "message": f"Failed to initialize custom process group: {error}."}
+                )
         state.groups[obj.group_name] = {"rank_offset": obj.rank_offset, "world_size": obj.world_size}
         return JSONResponse({"success": True, "message": "Succeeded to initialize custom process group."})
 
@@ -296,6 +314,12 @@ def build_app(state: ServerState) -> FastAPI:
             return JSONResponse(
                 {"success": False, "message": "names, dtypes and shapes differ in length"}, 400
             )
+        if state.receive_broadcasts:
+            group = state.process_groups[obj.group_name]
+            received = await anyio.to_thread.run_sync(
+                receive_as_sglang, group, obj.names, obj.dtypes, obj.shapes
+            )
+            state.received.update(received)
         for name in obj.names:
             state.tensors[name] = _content(f"distributed:{obj.group_name}", name)
         if obj.weight_version is not None:
@@ -422,6 +446,55 @@ def build_app(state: ServerState) -> FastAPI:
         return _check(state, obj.action, list(obj.skip_tensor_list or []))
 
     return app
+
+
+def join_as_sglang(
+    master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str
+) -> Any:
+    """Rank ``rank_offset`` (tensor-parallel rank 0) joins the group as SGLang 0.5.23's
+    ``WeightUpdater.init_weights_update_group`` does, through its ``init_custom_process_group``
+    (``sglang.srt.utils.common``): torch's rendezvous at ``tcp://address:port``, its store
+    behind a ``PrefixStore`` of the group's name, torch's ``_new_process_group_helper``.
+    (SGLang itself is not imported into this process: it patches ``transformers``.)"""
+    from torch.distributed.distributed_c10d import (
+        Backend,
+        PrefixStore,
+        _new_process_group_helper,
+        _world,
+        default_pg_timeout,
+        rendezvous,
+    )
+
+    store, rank, world_size = next(
+        rendezvous(
+            f"tcp://{master_address}:{master_port}", rank_offset, world_size, timeout=default_pg_timeout
+        )
+    )
+    store.set_timeout(default_pg_timeout)
+    group, _ = _new_process_group_helper(
+        world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
+        group_name=group_name, backend_options=None, timeout=default_pg_timeout,
+    )  # fmt: skip
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
+
+
+def receive_as_sglang(
+    group: Any, names: list[str], dtypes: list[str], shapes: list[list[int]]
+) -> dict[str, Any]:
+    """Every tensor of one request, each from a broadcast of its own from rank 0, as SGLang
+    0.5.23's ``WeightUpdater.receive_weights_from_distributed`` takes them."""
+    import torch
+    import torch.distributed
+
+    weights, handles = {}, []
+    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+        weight = torch.empty(shape, dtype=getattr(torch, dtype))
+        handles.append(torch.distributed.broadcast(weight, src=0, group=group, async_op=True))
+        weights[name] = weight
+    for handle in handles:
+        handle.wait()
+    return weights
 
 
 def _completion(

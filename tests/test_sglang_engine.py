@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
@@ -326,3 +328,80 @@ def test_each_sample_is_sent_with_its_own_seed_where_given(setup):
         for sp in body["sampling_params"]
     ]
     assert sent == [11, 22] and server.state.refused == []
+
+
+PUBLISHER = """
+import sys, msgspec, torch
+from miles_events.device.buckets import Buckets
+from miles_events.transport.collective import CollectiveSettings, CollectiveTransport
+from tests.test_sglang_engine import staged_weights
+plane = CollectiveTransport("sglang-publisher", None, CollectiveSettings(timeout=30.0))
+for line in sys.stdin:
+    ref = plane.stager.put_buckets(f"weights-v{line.strip()}", Buckets.of(staged_weights(int(line))), "trainer")
+    print(msgspec.json.encode(ref).decode(), flush=True)
+plane.close()
+"""
+
+
+def staged_weights(version: int) -> dict[str, torch.Tensor]:
+    """A publication: the model's tensors (two dtypes) and the canary, which SGLang is not sent."""
+    from miles_events.rl.canary import CANARY_TENSOR, publication_canary
+
+    generator = torch.Generator().manual_seed(version)
+    return {
+        "model.embed_tokens.weight": torch.randn(64, 16, generator=generator).to(torch.bfloat16),
+        "model.norm.weight": torch.randn(16, generator=generator),
+        "lm_head.weight": torch.randn(64, 16, generator=generator).to(torch.bfloat16),
+        CANARY_TENSOR: publication_canary("sglang", str(version)),
+    }
+
+
+def test_a_collective_publication_is_broadcast_tensor_by_tensor_to_the_servers_group(tmp_path):
+    """The trainer's publishing rank (another process) and a server's rank form the group as
+    SGLang's ``init_weights_update_group`` does; each publication is posted in buckets of at
+    most ``publisher.bucket_bytes`` while every tensor comes in a broadcast of its own, as
+    SGLang receives them."""
+    from miles_events.rl.canary import CANARY_TENSOR
+    from miles_events.transport.collective import CollectiveTransport
+    from schemas.config import PublisherConfig
+    from schemas.data import DataRef
+
+    model = tmp_path / "model"
+    model.mkdir()
+    publisher = subprocess.Popen(
+        [sys.executable, "-c", PUBLISHER], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )  # fmt: skip
+    plane = CollectiveTransport("sglang-engine", tmp_path)
+    try:
+        with serve(NEWER, str(model)) as server:
+            server.state.receive_broadcasts = True
+            config = config_for(server.url, newer=True)
+            config.publisher = PublisherConfig(
+                transport="collective", bucket_bytes=3000, broadcast_timeout=30.0
+            )
+            engine = SglangEngine(server.url, name="engine-0", config=config, transport=plane)
+            assert publisher.stdin is not None and publisher.stdout is not None
+            for version in (1, 2):
+                publisher.stdin.write(f"{version}\n")
+                publisher.stdin.flush()
+                ref = msgspec.json.decode(publisher.stdout.readline(), type=DataRef)
+                engine.load_weights(ref, str(version))
+                expected = staged_weights(version)
+                del expected[CANARY_TENSOR]
+                assert set(server.state.received) == set(expected)
+                assert all(torch.equal(server.state.received[n], t) for n, t in expected.items())
+                assert engine.weight_version == str(version)
+            paths = [path for _, path, _ in server.state.requests]
+            assert paths.count(api.INIT_WEIGHTS_UPDATE_GROUP) == 1  # formed once, at the first load
+            updates = [
+                body for _, path, body in server.state.requests if path == api.UPDATE_WEIGHTS_FROM_DISTRIBUTED
+            ]
+            assert len(updates) == 4  # two buckets of at most 3000 bytes a publication
+            assert [u.get("weight_version") for u in updates] == [None, "1", None, "2"]
+            assert server.state.refused == []
+    finally:
+        if publisher.stdin is not None:
+            publisher.stdin.close()
+        publisher.wait(timeout=30)
+        plane.close()

@@ -10,9 +10,12 @@ engine is refused with one line.
   drawn from the Generator's ``torch.Generator`` (so a resumed run asks for the same
   samples); the cancellation is checked between batches.
 - ``load_weights``: pause (``sglang.pause_mode``), flush the cache (retried while busy),
-  ``/update_weights_from_disk`` with the directory of a ``disk`` handle (between
-  ``/begin_weight_update`` and ``/end_weight_update`` where ``sglang.weight_update_session``),
-  ``/update_weight_version`` (``abort_all_requests`` false), continue.
+  ``/update_weights_from_disk`` with the directory of a ``disk`` handle, or, over the
+  ``collective`` transport, ``/update_weights_from_distributed`` per bucket while the
+  trainer's publishing rank broadcasts each tensor (the server's ranks join the channel's
+  group at the first load: ``/init_weights_update_group``), all between
+  ``/begin_weight_update`` and ``/end_weight_update`` where ``sglang.weight_update_session``;
+  then ``/update_weight_version`` (``abort_all_requests`` false), continue.
 - ``checksums`` and ``weights_check``: ``/weights_checker``.
 """
 
@@ -36,8 +39,10 @@ from actors.engine.base import (
 )
 from actors.engine.server_process import ServerProcess, ServerStartError, start_on_a_port
 from miles_events.bus.cancel import Cancellation
+from miles_events.rl.canary import CANARY_TENSOR
 from miles_events.rl.hf_model import generation_eos_ids
 from miles_events.transport.base import Transport
+from miles_events.transport.collective import CollectiveError, CollectiveSettings, DrivenReceivers
 from schemas.checksums import (
     CheckAction,
     EngineChecksumReport,
@@ -117,6 +122,10 @@ class SglangEngine(Engine):
         self._stop_token_ids = generation_eos_ids(config.model.path) if config.model.path else []
         """The generation config's EOS ids, sent with each request (``stop_token_ids``)."""
         self._weight_version = self._served_version()
+        self._receivers = DrivenReceivers(CollectiveSettings.of(config))
+        """``publisher.transport = "collective"``: this engine's channel to the publishing rank."""
+        self._update_group: str | None = None
+        """The server's weight update group, once formed."""
 
     @classmethod
     def from_config(cls, config: Config, *, index: int, name: str, transport: Transport) -> SglangEngine:
@@ -284,23 +293,29 @@ class SglangEngine(Engine):
         )
 
     def load_weights(self, weights: DataRef, weight_version: str) -> int:
-        if weights.transport != "disk":
+        if weights.transport == "collective":
+            self._join_update_group(weights)
+        elif weights.transport != "disk":
             raise ValueError(
                 f"{self.name}: an SGLang server loads published weights from disk "
-                f"(publisher.transport = 'disk'), not from {weights.transport!r}"
+                f"(publisher.transport = 'disk') or over a collective ('collective'), not from "
+                f"{weights.transport!r}"
             )
-        path = Path(self.transport.reader.path(weights))  # type: ignore[attr-defined]
         settings = self.settings
         self.http.ok(api.PAUSE_GENERATION, api.pause_generation_body(settings.pause_mode))
         try:
             self._flush_cache()
             if settings.weight_update_session:
                 self.http.success(api.BEGIN_WEIGHT_UPDATE, api.BeginWeightUpdateRequest())
-            self.http.success(
-                api.UPDATE_WEIGHTS_FROM_DISK,
-                api.UpdateWeightsFromDiskRequest(model_path=str(path), weight_version=weight_version),
-                api.UpdateWeightsFromDiskReply,
-            )
+            if weights.transport == "collective":
+                self._update_from_distributed(weights, weight_version)
+            else:
+                path = Path(self.transport.reader.path(weights))  # type: ignore[attr-defined]
+                self.http.success(
+                    api.UPDATE_WEIGHTS_FROM_DISK,
+                    api.UpdateWeightsFromDiskRequest(model_path=str(path), weight_version=weight_version),
+                    api.UpdateWeightsFromDiskReply,
+                )
             if settings.weight_update_session:
                 self.http.success(api.END_WEIGHT_UPDATE, api.EndWeightUpdateRequest())
             self.http.success(
@@ -312,6 +327,57 @@ class SglangEngine(Engine):
         finally:
             self.http.ok(api.CONTINUE_GENERATION, api.ContinueGenerationRequest().body())
         return weights.num_bytes
+
+    def _join_update_group(self, weights: DataRef) -> None:
+        """At this engine's first collective load (or after a failed one): join its channel
+        to the trainer's publishing rank and have the server's ranks form the group with it
+        (``/init_weights_update_group``, rank 0 the publisher's, the server's ``tp_size``
+        ranks from 1), the old group destroyed first."""
+        rendezvous, joined = self._receivers.join(weights.address, self.name, self.settings.tp_size, "cuda")
+        if not joined:
+            return
+        if self._update_group is not None:
+            self.http.call(
+                api.DESTROY_WEIGHTS_UPDATE_GROUP,
+                api.DestroyWeightsUpdateGroupRequest(group_name=self._update_group).body(),
+            )  # a group whose publisher is gone: refusing is fine
+        try:
+            self.http.success(
+                api.INIT_WEIGHTS_UPDATE_GROUP,
+                api.InitWeightsUpdateGroupRequest(
+                    master_address=rendezvous.host, master_port=rendezvous.port, rank_offset=1,
+                    world_size=rendezvous.world_size, group_name=rendezvous.group_name, backend=rendezvous.backend,
+                ),
+            )  # fmt: skip
+        except SglangError:
+            self._receivers.drop(weights.address, self.name)
+            raise
+        self._update_group = rendezvous.group_name
+
+    def _update_from_distributed(self, weights: DataRef, weight_version: str) -> None:
+        """Ask for ``weights`` on the channel and post its tensors, in buckets of at most
+        ``publisher.bucket_bytes``, as ``/update_weights_from_distributed`` while the publishing
+        rank broadcasts them one by one; each post returns once its broadcasts are in. The
+        canary is not sent: SGLang knows only the model's names."""
+        assert self._update_group is not None
+        try:
+            header = self._receivers.ask(weights.address, self.name, weights.key, skip=(CANARY_TENSOR,))
+            specs = [
+                api.TensorSpec(slot.name, layout.dtype, slot.shape)
+                for layout in header.layouts
+                for slot in layout.slots
+                if slot.name != CANARY_TENSOR
+            ]
+            for request in api.update_weights_from_distributed_requests(
+                specs,
+                weight_version,
+                max_bytes=self.config.publisher.bucket_bytes,
+                group_name=self._update_group,
+            ):
+                self.http.success(api.UPDATE_WEIGHTS_FROM_DISTRIBUTED, request)
+        except (SglangError, CollectiveError):
+            self._receivers.drop(weights.address, self.name)  # the next load forms the group anew
+            raise
 
     # --- offload and onload ------------------------------------------------------------------
 

@@ -44,7 +44,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
@@ -88,10 +88,34 @@ class CollectiveSettings:
 
 
 class Hello(msgspec.Struct, frozen=True):
-    """A reader joining: its name (an engine's) and where it places what lands."""
+    """A reader joining: its name (an engine's) and where it places what lands.
+
+    ``tensors``: the receivers are another process's ranks (an SGLang server's, ``ranks`` of
+    them) that form the group the way SGLang's ``init_weights_update_group`` does and take
+    each tensor in a broadcast of its own (SGLang's ``update_weights_from_distributed``);
+    the reader only drives them."""
 
     name: str
     device: str
+    protocol: Literal["chunks", "tensors"] = "chunks"
+    ranks: int = 1
+
+
+class Rendezvous(msgspec.Struct, frozen=True):
+    """Where the receivers of a ``tensors`` channel form its group with the publishing rank
+    (rank 0): SGLang's ``/init_weights_update_group`` fields."""
+
+    host: str
+    port: int
+    world_size: int
+    group_name: str
+    backend: str
+
+
+class Ask(msgspec.Struct, frozen=True):
+    key: str
+    skip: tuple[str, ...] = ()
+    """``tensors``: names left out of the broadcasts (the receivers do not know them)."""
 
 
 class Chunk(msgspec.Struct, frozen=True, array_like=True):
@@ -131,6 +155,21 @@ def outbound_host() -> str:
         return "127.0.0.1"
 
 
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def connect(address: str, timeout: float) -> Any:
+    """A connection of its own to the rendezvous store at ``address`` (``host:port``)."""
+    host, _, port = address.rpartition(":")
+    try:
+        return _dist().TCPStore(host, int(port), is_master=False, timeout=_timedelta(timeout))
+    except (RuntimeError, ValueError) as error:
+        raise CollectiveError(
+            f"cannot reach the publishing rank at {address}: {_first_line(error)}"
+        ) from None
+
+
 def _dist() -> Any:
     """``torch.distributed``, whose stores and process groups its ``__all__`` leaves out."""
     import torch.distributed
@@ -154,12 +193,28 @@ def new_group(store: Any, rank: int, backend: str, timeout: float) -> Any:
     return dist.ProcessGroupGloo(store, rank, 2, _timedelta(timeout))
 
 
+def sglang_group(
+    store: Any, rank: int, world_size: int, group_name: str, backend: str, timeout: float
+) -> Any:
+    """The group SGLang's ranks form in ``/init_weights_update_group``: torch's own helper on
+    the rendezvous store behind a ``PrefixStore`` of the group's name, as SGLang's
+    ``init_custom_process_group`` builds it, here for the publishing rank (rank 0, whose
+    store hosts the rendezvous)."""
+    from torch.distributed.distributed_c10d import Backend, _new_process_group_helper, _world
+
+    group, _ = _new_process_group_helper(
+        world_size, rank, [], Backend(backend), _dist().PrefixStore(group_name, store),
+        group_name=group_name, backend_options=None, timeout=_timedelta(timeout),
+    )  # fmt: skip
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
+
+
 def _broadcast(group: Any, tensor: torch.Tensor, timeout: float, what: str) -> None:
     try:
         group.broadcast([tensor], _broadcast_options()).wait(_timedelta(timeout))
     except RuntimeError as error:
-        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        raise CollectiveError(f"{what}: {first}") from None
+        raise CollectiveError(f"{what}: {_first_line(error)}") from None
 
 
 def _broadcast_options() -> Any:
@@ -200,6 +255,9 @@ class Channel:
     backend: str
     asks: int = 0
     """The index of the ask its thread waits for (or serves)."""
+    rendezvous: Any = None
+    """``tensors``: the store the receivers form the group on (hosted here)."""
+    group_name: str = ""
     stopped: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
     thread: threading.Thread | None = None
@@ -274,6 +332,22 @@ class ChannelServer:
             self.channels[hello.name] = channel
         if previous is not None:  # its engine restarted, or a broadcast on it failed
             self._stop(previous)
+        if hello.protocol == "tensors":
+            # The receivers' own rendezvous, as SGLang's ranks make it: a store hosted here.
+            channel.rendezvous = dist.TCPStore(
+                "0.0.0.0",
+                0,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=_timedelta(self.settings.timeout),
+            )
+            host = self.address.rpartition(":")[0]
+            # Unique in every receiving process (torch keeps a process's group names).
+            channel.group_name = f"miles-{os.getpid()}-{number}"
+            point = Rendezvous(
+                host, channel.rendezvous.port, 1 + hello.ranks, channel.group_name, channel.backend
+            )
+            self.store.set(f"{channel.prefix}/rendezvous", msgspec.msgpack.encode(point))
         self.store.set(f"{channel.prefix}/backend", channel.backend)
         channel.thread = self._spawn(self._serve, f"collective-{hello.name}", channel)
 
@@ -287,9 +361,18 @@ class ChannelServer:
 
         client = self._client()
         try:
-            group = new_group(
-                dist.PrefixStore(f"{channel.prefix}/group", client), 0, channel.backend, self.settings.timeout
-            )
+            if channel.hello.protocol == "tensors":
+                world = 1 + channel.hello.ranks
+                group = sglang_group(
+                    channel.rendezvous, 0, world, channel.group_name, channel.backend, self.settings.timeout
+                )
+            else:
+                group = new_group(
+                    dist.PrefixStore(f"{channel.prefix}/group", client),
+                    0,
+                    channel.backend,
+                    self.settings.timeout,
+                )
         except RuntimeError as error:
             logger.warning(
                 "collective: channel %s (%s) not formed: %s", channel.number, channel.hello.name, error
@@ -304,8 +387,12 @@ class ChannelServer:
             with channel.lock:
                 channel.asks += 1
             try:
-                self._send(group, channel, key.decode())
-            except CollectiveError as error:
+                ask = msgspec.msgpack.decode(key, type=Ask)
+                if channel.hello.protocol == "tensors":
+                    self._send_tensors(group, channel, ask, client)
+                else:
+                    self._send(group, channel, ask.key)
+            except (CollectiveError, msgspec.DecodeError) as error:
                 logger.warning(
                     "collective: channel %s (%s) dropped: %s", channel.number, channel.hello.name, error
                 )
@@ -335,6 +422,36 @@ class ChannelServer:
             elif gpu_wire and piece.device.type != "cuda":
                 piece = piece.to(torch.device("cuda", torch.cuda.current_device()))
             _broadcast(group, piece, timeout, f"{what}: chunk {number + 1}/{len(header.chunks)}")
+
+    def _send_tensors(self, group: Any, channel: Channel, ask: Ask, client: Any) -> None:
+        """The header to the store (the reader drives receivers that are not this group's
+        rank 1), then every tensor but ``ask.skip`` in a broadcast of its own, in the
+        header's order (SGLang's receive: one ``broadcast`` a tensor, by bucket request)."""
+        buckets = self.held(ask.key)
+        what = f"channel {channel.hello.name}: {ask.key}"
+        if buckets is None:
+            header = Header(
+                ask.key, error=f"{ask.key} is not staged here (freed, or staged by an earlier trainer)"
+            )
+        else:
+            header = Header(ask.key, buckets.layouts)
+        client.set(f"{channel.prefix}/header/{channel.asks - 1}", msgspec.msgpack.encode(header))
+        if buckets is None:
+            return
+        sent = [
+            (slot.name, buffer[slot.offset : slot.offset + slot.numel])
+            for layout, buffer in zip(buckets.layouts, buckets.buffers, strict=True)
+            for slot in layout.slots
+            if slot.name not in ask.skip
+        ]
+        for number, (name, tensor) in enumerate(sent):
+            if channel.backend == "nccl" and tensor.device.type != "cuda":
+                import torch
+
+                tensor = tensor.to(torch.device("cuda", torch.cuda.current_device()))
+            _broadcast(
+                group, tensor, self.settings.timeout, f"{what}: tensor {number + 1}/{len(sent)} ({name})"
+            )
 
     def close(self) -> None:
         """Stop every thread: those waiting return at once, one in a broadcast once it ends."""
@@ -408,16 +525,6 @@ class ChannelReader:
         self._channels: dict[tuple[str, str], ReaderChannel] = {}
         self._lock = threading.Lock()
 
-    def _connect(self, address: str) -> Any:
-        dist = _dist()
-
-        host, _, port = address.rpartition(":")
-        try:
-            return dist.TCPStore(host, int(port), is_master=False, timeout=_timedelta(self.settings.timeout))
-        except (RuntimeError, ValueError) as error:
-            first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-            raise CollectiveError(f"cannot reach the publishing rank at {address}: {first}") from None
-
     def _channel(self, address: str, name: str, device: torch.device) -> ReaderChannel:
         """``name``'s channel to the publishing rank at ``address``, formed where it has none."""
         dist = _dist()
@@ -426,7 +533,7 @@ class ChannelReader:
             channel = self._channels.get((address, name))
             if channel is not None:
                 return channel
-            store = self._connect(address)  # the channel's own connection
+            store = connect(address, self.settings.timeout)  # the channel's own connection
             number = store.add("channels", 1)
             store.set(f"join/{number}", msgspec.msgpack.encode(Hello(name, device.type)))
             try:
@@ -436,8 +543,9 @@ class ChannelReader:
                     dist.PrefixStore(f"channel/{number}/group", store), 1, backend, self.settings.timeout
                 )
             except RuntimeError as error:
-                first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-                raise CollectiveError(f"channel {name} to {address} not formed: {first}") from None
+                raise CollectiveError(
+                    f"channel {name} to {address} not formed: {_first_line(error)}"
+                ) from None
             channel = ReaderChannel(store, number, group, backend)
             self._channels[(address, name)] = channel
             return channel
@@ -464,7 +572,9 @@ class ChannelReader:
             self._drop(ref.address, name, channel)
             raise CollectiveError(f"{what}: the channel's previous load was never received")
         try:
-            channel.store.set(f"channel/{channel.number}/ask/{channel.asks}", ref.key)
+            channel.store.set(
+                f"channel/{channel.number}/ask/{channel.asks}", msgspec.msgpack.encode(Ask(ref.key))
+            )
             channel.asks += 1
             header = msgspec.msgpack.decode(
                 _receive_bytes(channel.group, self.settings.timeout, f"{what}: header"), type=Header
@@ -500,6 +610,62 @@ class ChannelReader:
             channel.group.shutdown()
             if taken:
                 channel.lock.release()
+
+
+@dataclass
+class DrivenChannel:
+    store: Any
+    number: int
+    rendezvous: Rendezvous
+    asks: int = 0
+
+
+class DrivenReceivers:
+    """The reading end for receivers in another process (an SGLang server's ranks): joins a
+    ``tensors`` channel for them, says where they form its group (``Rendezvous``), asks for
+    each publication and reads its header; they take each tensor themselves."""
+
+    def __init__(self, settings: CollectiveSettings) -> None:
+        self.settings = settings
+        self._channels: dict[tuple[str, str], DrivenChannel] = {}
+
+    def join(self, address: str, name: str, ranks: int, device: str) -> tuple[Rendezvous, bool]:
+        """The rendezvous of ``name``'s channel to ``address``, and whether it was joined now
+        (its receivers are yet to form the group)."""
+        channel = self._channels.get((address, name))
+        if channel is not None:
+            return channel.rendezvous, False
+        store = connect(address, self.settings.timeout)
+        try:
+            number = store.add("channels", 1)
+            store.set(f"join/{number}", msgspec.msgpack.encode(Hello(name, device, "tensors", ranks)))
+            store.wait([f"channel/{number}/rendezvous"])
+            rendezvous = msgspec.msgpack.decode(store.get(f"channel/{number}/rendezvous"), type=Rendezvous)
+        except RuntimeError as error:
+            raise CollectiveError(f"channel {name} to {address} not formed: {_first_line(error)}") from None
+        self._channels[(address, name)] = DrivenChannel(store, number, rendezvous)
+        return rendezvous, True
+
+    def ask(self, address: str, name: str, key: str, skip: tuple[str, ...] = ()) -> Header:
+        """Ask for ``key`` on ``name``'s channel: the header, once the publishing rank is about
+        to broadcast its tensors (all but ``skip``, in the header's order)."""
+        channel = self._channels[(address, name)]
+        prefix = f"channel/{channel.number}"
+        try:
+            channel.store.set(f"{prefix}/ask/{channel.asks}", msgspec.msgpack.encode(Ask(key, skip)))
+            channel.store.wait([f"{prefix}/header/{channel.asks}"])
+            header = msgspec.msgpack.decode(channel.store.get(f"{prefix}/header/{channel.asks}"), type=Header)
+        except RuntimeError as error:
+            self.drop(address, name)
+            raise CollectiveError(f"channel {name}: {key}: header: {_first_line(error)}") from None
+        channel.asks += 1
+        if header.error:
+            raise CollectiveError(f"channel {name}: {key}: {header.error}")
+        return header
+
+    def drop(self, address: str, name: str) -> None:
+        """Forget ``name``'s channel: the next load joins anew (its receivers form a new group)."""
+        self._channels.pop((address, name), None)
 
 
 class CollectiveReader(ShmReader):
