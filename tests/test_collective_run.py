@@ -49,3 +49,44 @@ def test_two_engines_load_every_publication_over_the_collective_and_each_is_veri
     assert loaded == [(v, f"engine-{i}") for v in ("1", "2", "3", "4") for i in (0, 1)]
     # The Saver's state goes through shared memory beside the collective: the checkpoint is whole.
     assert [e.rollout_id for e in log if isinstance(e, CheckpointSaved)] == [1, 2]
+
+
+def test_a_broadcast_that_hangs_fails_the_run_within_its_timeout_naming_the_engine(tmp_path, monkeypatch):
+    """The publishing rank stalls sending version 3 to engine-1: that engine's load fails once
+    ``publisher.broadcast_timeout`` has passed, and the run stops on the event saying so."""
+    import asyncio
+    import time
+
+    from actors.coordinator import Coordinator
+    from actors.generator import Generator
+    from actors.publisher import Publisher
+    from actors.saver import Saver
+    from actors.trainer import Trainer
+    from actors.verifier import Verifier
+    from miles_events.app.config import load_config
+    from miles_events.app.session import Session
+    from miles_events.transport import collective
+    from schemas.events import ActorFailed
+    from tests.test_e2e import SMALL, TINY
+
+    send = collective.ChannelServer._send
+
+    def stall_engine_1_at_v3(self, group, channel, key):  # type: ignore[no-untyped-def]
+        if channel.hello.name == "engine-1" and key == "weights-v3":
+            time.sleep(6)  # past the timeout: the engine's wait for the header gives up first
+            return
+        send(self, group, channel, key)
+
+    monkeypatch.setattr(collective.ChannelServer, "_send", stall_engine_1_at_v3)
+    config = load_config(TINY, [
+        *SMALL, f'run.dir="{tmp_path}"', "metrics.port=0", 'run.runtime="local"', "run.num_rollout=4",
+        "generator.num_engines=2", 'publisher.transport="collective"', "publisher.broadcast_timeout=2",
+    ])  # fmt: skip
+    started = time.monotonic()
+    result = asyncio.run(Session(config, [Generator, Trainer, Publisher, Verifier, Saver, Coordinator]).run())
+    assert time.monotonic() - started < 60
+    log = events(tmp_path)
+    assert result.finished.status == "failed"
+    (failed,) = [e for e in log if isinstance(e, ActorFailed)]
+    assert "CollectiveError" in failed.error and "channel engine-1: weights-v3: header" in failed.error
+    assert published_versions(log) == ["1", "2"]

@@ -202,7 +202,8 @@ def sglang_group(
     store hosts the rendezvous)."""
     from torch.distributed.distributed_c10d import Backend, _new_process_group_helper, _world
 
-    group, _ = _new_process_group_helper(
+    helper: Any = _new_process_group_helper  # its group_name is a typed alias of str
+    group, _ = helper(
         world_size, rank, [], Backend(backend), _dist().PrefixStore(group_name, store),
         group_name=group_name, backend_options=None, timeout=_timedelta(timeout),
     )  # fmt: skip
@@ -380,14 +381,14 @@ class ChannelServer:
             return
         while True:
             with channel.lock:
-                ask = f"{channel.prefix}/ask/{channel.asks}"
-            key = self._wait(client, ask, lambda: channel.stopped or self._closed)
-            if key is None:
+                ask_key = f"{channel.prefix}/ask/{channel.asks}"
+            value = self._wait(client, ask_key, lambda: channel.stopped or self._closed)
+            if value is None:
                 break
             with channel.lock:
                 channel.asks += 1
             try:
-                ask = msgspec.msgpack.decode(key, type=Ask)
+                ask = msgspec.msgpack.decode(value, type=Ask)
                 if channel.hello.protocol == "tensors":
                     self._send_tensors(group, channel, ask, client)
                 else:
