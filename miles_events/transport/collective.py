@@ -281,7 +281,7 @@ class ChannelServer:
         self.held = held
         self.store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=IDLE)
         self.address = f"{settings.host or outbound_host()}:{self.store.port}"
-        self.device_type = "cpu"
+        self.device: torch.device | None = None
         """Where the staged buckets are: NCCL only between a GPU here and a GPU there."""
         self.channels: dict[str, Channel] = {}
         self._lock = threading.Lock()
@@ -326,7 +326,8 @@ class ChannelServer:
     def _start(self, number: int, hello: Hello) -> None:
         dist = _dist()
 
-        nccl = hello.device == "cuda" and self.device_type == "cuda" and dist.is_nccl_available()
+        here = self.device.type if self.device is not None else "cpu"
+        nccl = hello.device == "cuda" and here == "cuda" and dist.is_nccl_available()
         channel = Channel(number, hello, "nccl" if nccl else "gloo")
         with self._lock:
             previous = self.channels.get(hello.name)
@@ -361,6 +362,10 @@ class ChannelServer:
         dist = _dist()
 
         client = self._client()
+        if channel.backend == "nccl" and self.device is not None:
+            import torch
+
+            torch.cuda.set_device(self.device)  # a thread's own: NCCL works on its current GPU
         try:
             if channel.hello.protocol == "tensors":
                 world = 1 + channel.hello.ranks
@@ -483,7 +488,7 @@ class CollectiveStager(ShmStager):
     def put_buckets(self, key: str, buckets: Buckets, owner: str) -> DataRef:
         if self._server is None:
             self._server = ChannelServer(self.settings, self._held_buckets)
-        self._server.device_type = buckets.device.type
+        self._server.device = buckets.device
         with self._lock:
             self._held[key] = buckets
         return DataRef(self.name, key, owner, buckets.tensor_bytes, address=self._server.address)
@@ -534,6 +539,10 @@ class ChannelReader:
             channel = self._channels.get((address, name))
             if channel is not None:
                 return channel
+            if device.type == "cuda":
+                import torch
+
+                torch.cuda.set_device(device)  # NCCL forms the group on the current GPU
             store = connect(address, self.settings.timeout)  # the channel's own connection
             number = store.add("channels", 1)
             store.set(f"join/{number}", msgspec.msgpack.encode(Hello(name, device.type)))
