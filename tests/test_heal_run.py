@@ -33,6 +33,7 @@ from schemas.events import (
     RunFinished,
     TrainStepFinished,
     WeightsPublished,
+    WeightsStaged,
 )
 from tests.support import cli_env, tiny_command
 
@@ -195,6 +196,35 @@ def test_an_engine_killed_then_one_hung_then_one_suspended_heal_to_the_same_weig
         ("rollout-0", "deadlock", ""),
     ]
     assert "rollout-1 failed" in out and "rollout-0 hung" in out
+
+
+def test_over_the_collective_a_killed_and_a_hung_engine_rejoin_and_heal_to_the_same_weights(
+    tmp_path: Path, unhurt
+):
+    """With ``publisher.transport = "collective"``: each engine restarted in place of a killed
+    or a hung one joins under its name anew, its channel is formed again, and its restore comes
+    over it, verified; the run trains the weights of the run without faults."""
+    run = LiveRun(
+        tmp_path / "run",
+        'run.runtime="local"',
+        'publisher.transport="collective"',
+        "publisher.broadcast_timeout=10",
+    )
+    try:
+        run.wait_for(r"rollout 3 \[")
+        run.inject("rollout-1", "sigkill")
+        run.wait_for("rollout-1 restarted")
+        run.inject("rollout-0", "deadlock")
+        run.wait_for("rollout-0 restarted")
+    finally:
+        code, out = run.finish()
+    assert code == 0, out[-3000:]
+    digests, log = check_whole(run.run_dir)
+    assert digests == unhurt
+    staged = [e for e in log if isinstance(e, WeightsStaged)]
+    assert staged and all(e.weights.transport == "collective" for e in staged)
+    restored = [(e.engine, e.weight_version) for e in log if isinstance(e, RestoreVerified)]
+    assert [engine for engine, _ in restored] == ["engine-1", "engine-0"]
 
 
 def test_on_ray_a_kill_9_of_an_engine_heals_and_the_controller_resumes_a_suspended_cell(
