@@ -707,7 +707,7 @@ class Trainer(Actor):
             require_finite_buckets(buckets, f"weight version {version}")
             # The skip list applies here as on the engines: digests are compared whole.
             checksums = fingerprint_buckets(buckets, [*skip_tensor_list(self.config), CANARY_TENSOR])
-            ref = self.context.transport.stager.put_buckets(key, buckets, owner=self.name)
+            ref = self.context.transport.stager.publish_buckets(key, buckets, owner=self.name)
         except BaseException:
             self._staging.give_back(key)  # nobody has read it
             raise

@@ -7,7 +7,7 @@ processes.
 
 This process is the trainer's publishing rank: it stages the built-in model's weights (as
 ``--config`` and ``--set`` shape it, the publication canary with them) as the trainer does,
-with ``put_buckets``. A second process is an engine: it reads each publication with
+with ``publish_buckets``. A second process is an engine: it reads each publication with
 ``stream_buckets``, each chunk landing in buffers laid out as the staged ones (the embedded
 engine's load). The baseline is the same bytes, in the same chunks, broadcast over a bare gloo
 group of the same two processes into one preallocated buffer. Each repeat times one of each,
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     total = sum(buffer.numel() * buffer.element_size() for buffer in staged.buffers)
 
     plane = CollectiveTransport("bench-collective", work, CollectiveSettings(bucket_bytes, 60.0, "127.0.0.1"))
-    ref = plane.stager.put_buckets("weights-v1", staged, owner="trainer")
+    ref = plane.stager.publish_buckets("weights-v1", staged, owner="trainer")
     store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     engine = subprocess.Popen(
         [sys.executable, "-c", ENGINE, "127.0.0.1", str(store.port)],

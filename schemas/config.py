@@ -581,7 +581,10 @@ class PublisherConfig(Section):
     engines), everything else as ``shm``."""
     bucket_bytes: PositiveInt = 512 * 2**20
     """``collective``: the most bytes one broadcast carries (slime's and miles' bucket size);
-    an engine places each as it lands, so no more than this is in flight beside its weights."""
+    the embedded engine places each as it lands in the weights it serves, so no more than this
+    is in flight beside them. An SGLang server is sent one tensor a broadcast (its protocol),
+    in requests of at most this many bytes; a vLLM server's worker receives a publication
+    whole before it loads it."""
     broadcast_timeout: PositiveFloat = 60.0
     """``collective``: seconds a broadcast, or a wait to form a channel, may take before the
     engine's load fails (``PublicationFailed``) and the channel is formed anew."""

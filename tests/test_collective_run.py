@@ -9,6 +9,7 @@ from schemas.events import (
     CheckpointSaved,
     PublicationVerified,
     RunFinished,
+    TrainStateStaged,
     WeightsLoaded,
     WeightsStaged,
 )
@@ -48,6 +49,8 @@ def test_two_engines_load_every_publication_over_the_collective_and_each_is_veri
     loaded = sorted((e.weight_version, e.engine) for e in log if isinstance(e, WeightsLoaded))
     assert loaded == [(v, f"engine-{i}") for v in ("1", "2", "3", "4") for i in (0, 1)]
     # The Saver's state goes through shared memory beside the collective: the checkpoint is whole.
+    states = [e for e in log if isinstance(e, TrainStateStaged)]
+    assert states and all(e.weights.transport == "collective" and not e.weights.address for e in states)
     assert [e.rollout_id for e in log if isinstance(e, CheckpointSaved)] == [1, 2]
 
 
@@ -71,11 +74,11 @@ def test_a_broadcast_that_hangs_fails_the_run_within_its_timeout_naming_the_engi
 
     send = collective.ChannelServer._send
 
-    def stall_engine_1_at_v3(self, group, channel, key):  # type: ignore[no-untyped-def]
-        if channel.hello.name == "engine-1" and key == "weights-v3":
+    def stall_engine_1_at_v3(self, group, channel, ask, client):  # type: ignore[no-untyped-def]
+        if channel.hello.name == "engine-1" and ask.key == "weights-v3":
             time.sleep(6)  # past the timeout: the engine's wait for the header gives up first
             return
-        send(self, group, channel, key)
+        send(self, group, channel, ask, client)
 
     monkeypatch.setattr(collective.ChannelServer, "_send", stall_engine_1_at_v3)
     config = load_config(TINY, [

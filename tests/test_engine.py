@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import msgspec
@@ -532,7 +532,7 @@ def test_weights_broadcast_over_the_collective_land_in_the_served_buckets_chunk_
     engine = TorchEngine.from_pretrained(model_dir, transport=plane)
     state = perturbed_state(engine, seed=5)
     canary = publication_canary("run-collective", "1")
-    ref = plane.stager.put_buckets(
+    ref = plane.stager.publish_buckets(
         "weights-v1", Buckets.of({**state, CANARY_TENSOR: canary}), owner="trainer"
     )
     monkeypatch.setattr(engine, "load_tensors", lambda *args: pytest.fail("loaded tensor by tensor"))
@@ -560,15 +560,49 @@ def test_weights_broadcast_over_the_collective_land_in_the_served_buckets_chunk_
         plane.close()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_an_engine_on_a_gpu_loads_weights_broadcast_over_the_collective(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    plane = CollectiveTransport(
+        "run-collective-gpu", tmp_path, CollectiveSettings(bucket_bytes=4096, timeout=30.0)
+    )
+    engine = TorchEngine.from_pretrained(model_dir, transport=plane, device="cuda")
+    gen = seeded(7)
+    state = {
+        name: tensor.cpu() + 0.01 * torch.randn(tensor.shape, generator=gen, dtype=tensor.dtype)
+        for name, tensor in engine.served_tensors().items()
+    }
+    canary = publication_canary("run-collective-gpu", "1")
+    staged = Buckets.of({**state, CANARY_TENSOR: canary}, device="cuda")  # a trainer on the same GPU
+    try:
+        engine.load_weights(plane.stager.publish_buckets("weights-v1", staged, owner="trainer"), "1")
+        assert engine.weight_version == "1"
+        assert served_checksums(engine) == fingerprints(state)
+        assert engine.served_canary() == tensor_fingerprint(canary)
+    finally:
+        plane.close()
+
+
 def test_weights_broadcast_in_another_layout_load_tensor_by_tensor(model_dir: Path, tmp_path: Path) -> None:
     plane = CollectiveTransport("run-collective-other", tmp_path, CollectiveSettings(timeout=10.0))
     engine = TorchEngine.from_pretrained(model_dir, transport=plane)
     state = perturbed_state(engine, seed=6)
-    ref = plane.stager.put_buckets(
+    ref = plane.stager.publish_buckets(
         "weights-v1", Buckets.of(dict(reversed(list(state.items())))), owner="trainer"
     )
+    by_tensor = []
+    load_tensors = engine.load_tensors
+
+    def counted(tensors: Mapping[str, torch.Tensor], version: str) -> None:
+        by_tensor.append(version)
+        load_tensors(tensors, version)
+
+    engine.load_tensors = counted  # type: ignore[method-assign]
     try:
         engine.load_weights(ref, "1")
+        assert by_tensor == ["1"]
         assert engine.weight_version == "1" and served_checksums(engine) == fingerprints(state)
     finally:
         plane.close()

@@ -337,7 +337,7 @@ from miles_events.transport.collective import CollectiveSettings, CollectiveTran
 from tests.test_sglang_engine import staged_weights
 plane = CollectiveTransport("sglang-publisher", None, CollectiveSettings(timeout=30.0))
 for line in sys.stdin:
-    ref = plane.stager.put_buckets(f"weights-v{line.strip()}", Buckets.of(staged_weights(int(line))), "trainer")
+    ref = plane.stager.publish_buckets(f"weights-v{line.strip()}", Buckets.of(staged_weights(int(line))), "trainer")
     print(msgspec.json.encode(ref).decode(), flush=True)
 plane.close()
 """

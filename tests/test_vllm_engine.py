@@ -285,7 +285,7 @@ def test_the_servers_worker_receives_weights_broadcast_over_the_collective_trans
     def broadcast(tensors: dict[str, torch.Tensor], version: str) -> int:
         canary = publication_canary("vllm-test", version)
         buckets = Buckets.of({**tensors, CANARY_TENSOR: canary})
-        ref = plane.stager.put_buckets(f"weights-{version}", buckets, owner="trainer")
+        ref = plane.stager.publish_buckets(f"weights-{version}", buckets, owner="trainer")
         try:
             return receiver.load_weights(ref, version)
         finally:

@@ -42,7 +42,7 @@ from miles_events.bus.cancel import Cancellation
 from miles_events.rl.canary import CANARY_TENSOR
 from miles_events.rl.hf_model import generation_eos_ids
 from miles_events.transport.base import Transport
-from miles_events.transport.collective import CollectiveError, CollectiveSettings, DrivenReceivers
+from miles_events.transport.collective import CollectiveSettings, DrivenReceivers
 from schemas.checksums import (
     CheckAction,
     EngineChecksumReport,
@@ -336,12 +336,12 @@ class SglangEngine(Engine):
         rendezvous, joined = self._receivers.join(weights.address, self.name, self.settings.tp_size, "cuda")
         if not joined:
             return
-        if self._update_group is not None:
-            self.http.call(
-                api.DESTROY_WEIGHTS_UPDATE_GROUP,
-                api.DestroyWeightsUpdateGroupRequest(group_name=self._update_group).body(),
-            )  # a group whose publisher is gone: refusing is fine
         try:
+            if self._update_group is not None:
+                self.http.call(
+                    api.DESTROY_WEIGHTS_UPDATE_GROUP,
+                    api.DestroyWeightsUpdateGroupRequest(group_name=self._update_group).body(),
+                )  # a group whose publisher is gone: refusing is fine
             self.http.success(
                 api.INIT_WEIGHTS_UPDATE_GROUP,
                 api.InitWeightsUpdateGroupRequest(
@@ -349,7 +349,7 @@ class SglangEngine(Engine):
                     world_size=rendezvous.world_size, group_name=rendezvous.group_name, backend=rendezvous.backend,
                 ),
             )  # fmt: skip
-        except SglangError:
+        except BaseException:  # not formed: the next load joins anew
             self._receivers.drop(weights.address, self.name)
             raise
         self._update_group = rendezvous.group_name
@@ -375,7 +375,7 @@ class SglangEngine(Engine):
                 group_name=self._update_group,
             ):
                 self.http.success(api.UPDATE_WEIGHTS_FROM_DISTRIBUTED, request)
-        except (SglangError, CollectiveError):
+        except BaseException:
             self._receivers.drop(weights.address, self.name)  # the next load forms the group anew
             raise
 

@@ -444,7 +444,10 @@ class TorchEngine(Engine):
         self._require_resident("load weights", ("weights",))
         stream = self.transport.reader.stream_buckets(weights, self.name, self.device)
         if stream is not None:
-            num_bytes = self._load_stream(stream, weight_version)
+            try:
+                num_bytes = self._load_stream(stream, weight_version)
+            finally:
+                stream.close()
             self.transport.reader.done_reading(weights, self.device)
             return num_bytes
         staged = self.transport.reader.get_buckets(weights)

@@ -516,7 +516,8 @@ class VllmEngine(Engine):
 
     def load_weights(self, weights: DataRef, weight_version: str) -> int:
         """Pause, load the tensors behind ``weights``, set the version, drop the prefix
-        cache, resume; returns the bytes of model tensors loaded.
+        cache, resume; returns the bytes of model tensors loaded (received, the canary's
+        included, over the collective).
 
         Weights sent on request (``publisher.transport = "collective"``) go straight to the
         server's worker: it joins this engine's channel to the trainer's publishing rank

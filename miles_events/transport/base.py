@@ -51,24 +51,37 @@ it: a staged file is a checkpoint's weights file as it is."""
 @dataclass
 class BucketStream:
     """The buckets of one set of weights as they arrive (``BucketReader.stream_buckets``):
-    ``layouts`` at once, then ``receive`` (or ``assemble``) once, chunk by chunk."""
+    ``layouts`` at once, then ``receive`` (or ``assemble``) once, chunk by chunk. A stream
+    not received is ``close``d: its reader gives up what it holds for it."""
 
     key: str
     layouts: tuple[BucketLayout, ...]
     _chunks: Callable[[Callable[[int, int, int], torch.Tensor]], None]
+    _abandon: Callable[[], None] = lambda: None
+    _done: bool = False
 
     def receive(self, into: Callable[[int, int, int], torch.Tensor]) -> None:
         """Receive every chunk: ``into(bucket, start, end)`` gives the uint8 tensor (any
         device) that the bucket's bytes ``[start, end)`` land in, as they land."""
+        self._done = True
         self._chunks(into)
+
+    def close(self) -> None:
+        """After ``receive``, nothing; before it, the stream is given up."""
+        if not self._done:
+            self._done = True
+            self._abandon()
 
     def assemble(self, device: torch.device | str = "cpu") -> Buckets:
         """Every bucket whole, in new buffers on ``device``."""
         from miles_events.device.buckets import Buckets, byte_view
 
-        buckets = Buckets.allocate(self.layouts, device)
-        views = [byte_view(buffer) for buffer in buckets.buffers]
-        self.receive(lambda bucket, start, end: views[bucket][start:end])
+        try:
+            buckets = Buckets.allocate(self.layouts, device)
+            views = [byte_view(buffer) for buffer in buckets.buffers]
+            self.receive(lambda bucket, start, end: views[bucket][start:end])
+        finally:
+            self.close()
         return buckets
 
 
@@ -91,6 +104,11 @@ class BucketStager(ABC):
         as they are (in process, CUDA IPC) keeps them; the others store their tensors as
         ``put_tensors`` does, from one device-to-host copy per bucket."""
         return self.put_tensors(key, buckets.to("cpu").tensors(), owner)
+
+    def publish_buckets(self, key: str, buckets: Buckets, owner: str) -> DataRef:
+        """Stage weights for the engines to load (a publication), as ``put_buckets`` does,
+        where the transport does not send them to the engines itself (``collective`` does)."""
+        return self.put_buckets(key, buckets, owner)
 
     def reads_of(self, ref: DataRef) -> tuple[Any, ...]:
         """What the readers of ``ref`` (this end's own buffers, not freed yet) said they

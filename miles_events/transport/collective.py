@@ -12,26 +12,30 @@ that dies, hangs or restarts costs its own channel, the others go on, and a rest
 is sent the weights alone. The price is one broadcast per engine instead of one for all:
 the publishing rank's link carries the weights once per engine.
 
-Rendezvous. ``put_buckets`` keeps the staged buckets in the publishing process and hosts a
-``TCPStore`` there (its address is the reference's ``address``). A reader joins by adding
-itself to the store (``channel/<n>``: its name and device), the publisher answers with the
-group's backend, and both build the group on the store under the channel's prefix.
+Rendezvous. ``publish_buckets`` keeps a publication's buckets in the publishing process and
+hosts a ``TCPStore`` there (its address is the reference's ``address``). A reader joins by
+adding itself to the store (``join/<n>``: its name, device and GPU), the publisher answers
+with the group's backend (NCCL between two GPUs, gloo otherwise, and between two ranks on
+one GPU, which NCCL cannot join), and both build the group on the store under the
+channel's prefix.
 
 A load is asked for by the reader: it writes the key under ``channel/<n>/ask/<i>``, and the
-channel's thread in the publishing process broadcasts a header (the buckets' layouts, the
-chunks, or why the key cannot be sent: it was freed) and then every chunk: bucket ``b``'s
-bytes ``[start, end)``, at most ``bucket_bytes`` each. The reader places each chunk as it
-lands (``BucketStream.receive``): an engine whose weights share the layouts receives them
-straight into its own buffers, so no more than a chunk is in flight beside what it serves.
+channel's thread in the publishing process writes a header beside it (the buckets' layouts,
+the chunks, or why the key cannot be sent: it was freed) and broadcasts every chunk: bucket
+``b``'s bytes ``[start, end)``, at most ``bucket_bytes`` each. The reader places each chunk
+as it lands (``BucketStream.receive``): an engine whose weights share the layouts receives
+them straight into its own buffers, so no more than a chunk is in flight beside what it
+serves.
 
 Every broadcast and every wait on the store has ``publisher.broadcast_timeout``: a peer
 that died or hangs turns into a ``CollectiveError`` naming the channel, key and chunk on
-the reader (its engine's load fails, and the Publisher says so with ``PublicationFailed``)
-and drops the channel on both sides; the next load forms a new one.
+the reader (its engine's load fails, and with it the Generator's handler: ``ActorFailed``)
+and drops the channel on both sides (its group shut down, an NCCL one aborted); the next
+load forms a new one.
 
-Everything that is not a set of weight buckets (rollout batches, the Saver's train state,
-weights put as tensors) goes through shared memory (``miles_events.transport.shm``), as
-the ``cuda_ipc`` transport does: those never leave the host.
+Everything else (rollout batches, the Saver's train state, weights put rather than
+published) goes through shared memory (``miles_events.transport.shm``), as the
+``cuda_ipc`` transport does: those never leave the host.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,6 +104,9 @@ class Hello(msgspec.Struct, frozen=True):
     device: str
     protocol: Literal["chunks", "tensors"] = "chunks"
     ranks: int = 1
+    gpu: str = ""
+    """The UUID of the reader's GPU: NCCL cannot join two ranks on one GPU (a colocated
+    engine), which then go over gloo."""
 
 
 class Rendezvous(msgspec.Struct, frozen=True):
@@ -155,6 +163,14 @@ def outbound_host() -> str:
         return "127.0.0.1"
 
 
+def gpu_uuid(device: torch.device) -> str:
+    """The UUID of ``device`` (a CUDA device), the same in every process that sees it."""
+    import torch
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
 def _first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
@@ -188,7 +204,9 @@ def new_group(store: Any, rank: int, backend: str, timeout: float) -> Any:
 
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
-        options._timeout = _timedelta(timeout)
+        # Past our own wait's timeout, which aborts the group first: NCCL's watchdog would
+        # end the whole process.
+        options._timeout = _timedelta(2 * timeout + 30)
         return dist.ProcessGroupNCCL(store, rank, 2, options)
     return dist.ProcessGroupGloo(store, rank, 2, _timedelta(timeout))
 
@@ -227,21 +245,23 @@ def _broadcast_options() -> Any:
     return options
 
 
-def _send_bytes(group: Any, data: bytes, timeout: float, what: str) -> None:
-    import torch
+def release_group(group: Any, backend: str, registered: bool = False) -> None:
+    """Give a channel's group up: NCCL's aborted (a broadcast may be stuck in it), gloo's shut
+    down; one registered with torch's own (``sglang_group``) destroyed there too."""
+    try:
+        if registered:
+            _dist().destroy_process_group(group)
+        elif backend == "nccl":
+            group.abort()
+        else:
+            group.shutdown()
+    except (RuntimeError, ValueError) as error:  # already broken: nothing left to give up
+        logger.debug("collective: releasing a group: %s", error)
 
-    _broadcast(group, torch.tensor([len(data)], dtype=torch.int64), timeout, what)
-    _broadcast(group, torch.frombuffer(bytearray(data), dtype=torch.uint8), timeout, what)
 
-
-def _receive_bytes(group: Any, timeout: float, what: str) -> bytes:
-    import torch
-
-    length = torch.zeros(1, dtype=torch.int64)
-    _broadcast(group, length, timeout, what)
-    data = torch.empty(int(length.item()), dtype=torch.uint8)
-    _broadcast(group, data, timeout, what)
-    return data.numpy().tobytes()
+NCCL_SENDS = threading.Lock()
+"""One NCCL broadcast at a time in the publishing process: kernels of several communicators
+queued at once on one GPU may deadlock."""
 
 
 # --- the publishing end ------------------------------------------------------------------------
@@ -268,6 +288,10 @@ class Channel:
         return f"channel/{self.number}"
 
 
+def _not_staged(key: str) -> Header:
+    return Header(key, error=f"{key} is not staged here (freed, or staged by an earlier trainer)")
+
+
 class ChannelServer:
     """Hosts the rendezvous store and one thread per channel, in the publishing process.
 
@@ -282,7 +306,7 @@ class ChannelServer:
         self.store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=IDLE)
         self.address = f"{settings.host or outbound_host()}:{self.store.port}"
         self.device: torch.device | None = None
-        """Where the staged buckets are: NCCL only between a GPU here and a GPU there."""
+        """Where the published buckets are: NCCL only between a GPU here and another GPU."""
         self.channels: dict[str, Channel] = {}
         self._lock = threading.Lock()
         self._closed = False
@@ -297,37 +321,54 @@ class ChannelServer:
         return thread
 
     def _client(self) -> Any:
-        dist = _dist()
+        return _dist().TCPStore("127.0.0.1", self.store.port, is_master=False, timeout=IDLE)
 
-        return dist.TCPStore("127.0.0.1", self.store.port, is_master=False, timeout=IDLE)
-
-    def _wait(self, client: Any, key: str, stopped: Callable[[], bool]) -> bytes | None:
-        """The value of ``key`` once written; None once ``stopped``."""
+    def _wait(
+        self, client: Any, key: str, stopped: Callable[[], bool], timeout: datetime.timedelta = IDLE
+    ) -> bytes | None:
+        """The value of ``key`` once written (and deleted); None once ``stopped``, or after
+        ``timeout`` where it is shorter than ``IDLE``."""
         while not stopped():
             try:
-                client.wait([key])
-            except RuntimeError:  # DistStoreError: nothing for IDLE; look again
+                client.wait([key], timeout)
+            except RuntimeError as error:
+                if timeout < IDLE:
+                    return None
+                if "timeout" not in str(error).lower():
+                    time.sleep(1.0)  # the store is going away: look again, not in a spin
                 continue
-            return None if stopped() else bytes(client.get(key))
+            if stopped():
+                return None
+            value = bytes(client.get(key))
+            client.delete_key(key)
+            return value
         return None
 
     def _watch(self) -> None:
-        """Start a channel for every reader that joins; stop the one it replaces."""
+        """Start a channel for every reader that joins; stop the one it replaces. A join
+        number taken by a reader that died before it wrote its hello is skipped once later
+        readers have joined and the timeout has passed."""
         client = self._client()
-        while (value := self._wait(client, f"join/{self._next_join}", lambda: self._closed)) is not None:
-            number, self._next_join = self._next_join, self._next_join + 1
-            try:
-                hello = msgspec.msgpack.decode(value, type=Hello)
-            except msgspec.DecodeError:
-                logger.warning("collective: the reader of channel %d sent an unreadable hello", number)
+        patience = _timedelta(self.settings.timeout)
+        while not self._closed:
+            number = self._next_join
+            value = self._wait(client, f"join/{number}", lambda: self._closed, patience)
+            if value is None:
+                if not self._closed and client.add("channels", 0) > number:
+                    logger.warning("collective: the reader of channel %d never said who it is", number)
+                    self._next_join += 1
                 continue
-            self._start(number, hello)
+            self._next_join += 1
+            try:
+                self._start(number, msgspec.msgpack.decode(value, type=Hello))
+            except Exception as error:  # one bad join must not end every later one
+                logger.warning("collective: channel %d not started: %s", number, _first_line(error))
 
     def _start(self, number: int, hello: Hello) -> None:
         dist = _dist()
 
-        here = self.device.type if self.device is not None else "cpu"
-        nccl = hello.device == "cuda" and here == "cuda" and dist.is_nccl_available()
+        here = gpu_uuid(self.device) if self.device is not None and self.device.type == "cuda" else ""
+        nccl = hello.device == "cuda" and here not in ("", hello.gpu) and dist.is_nccl_available()
         channel = Channel(number, hello, "nccl" if nccl else "gloo")
         with self._lock:
             previous = self.channels.get(hello.name)
@@ -359,105 +400,88 @@ class ChannelServer:
             self.store.set(f"{channel.prefix}/ask/{channel.asks}", b"")  # wakes its wait
 
     def _serve(self, channel: Channel) -> None:
-        dist = _dist()
-
         client = self._client()
-        if channel.backend == "nccl" and self.device is not None:
-            import torch
-
-            torch.cuda.set_device(self.device)  # a thread's own: NCCL works on its current GPU
+        group = None
         try:
-            if channel.hello.protocol == "tensors":
-                world = 1 + channel.hello.ranks
-                group = sglang_group(
-                    channel.rendezvous, 0, world, channel.group_name, channel.backend, self.settings.timeout
-                )
-            else:
-                group = new_group(
-                    dist.PrefixStore(f"{channel.prefix}/group", client),
-                    0,
-                    channel.backend,
-                    self.settings.timeout,
-                )
-        except RuntimeError as error:
-            logger.warning(
-                "collective: channel %s (%s) not formed: %s", channel.number, channel.hello.name, error
-            )
-            return
-        while True:
-            with channel.lock:
-                ask_key = f"{channel.prefix}/ask/{channel.asks}"
-            value = self._wait(client, ask_key, lambda: channel.stopped or self._closed)
-            if value is None:
-                break
-            with channel.lock:
-                channel.asks += 1
-            try:
-                ask = msgspec.msgpack.decode(value, type=Ask)
-                if channel.hello.protocol == "tensors":
-                    self._send_tensors(group, channel, ask, client)
-                else:
-                    self._send(group, channel, ask.key)
-            except (CollectiveError, msgspec.DecodeError) as error:
-                logger.warning(
-                    "collective: channel %s (%s) dropped: %s", channel.number, channel.hello.name, error
-                )
-                break
-        with self._lock:
-            if self.channels.get(channel.hello.name) is channel:
-                del self.channels[channel.hello.name]
+            if channel.backend == "nccl" and self.device is not None:
+                import torch
 
-    def _send(self, group: Any, channel: Channel, key: str) -> None:
+                torch.cuda.set_device(self.device)  # a thread's own: NCCL works on its current GPU
+            group = self._form(channel, client)
+            while True:
+                with channel.lock:
+                    ask_key = f"{channel.prefix}/ask/{channel.asks}"
+                value = self._wait(client, ask_key, lambda: channel.stopped or self._closed)
+                if value is None:
+                    break
+                with channel.lock:
+                    channel.asks += 1
+                ask = msgspec.msgpack.decode(value, type=Ask)
+                self._send(group, channel, ask, client)
+        except Exception as error:  # the channel goes; its reader's load says why
+            logger.warning(
+                "collective: channel %s (%s) dropped: %s", channel.number, channel.hello.name, error
+            )
+        finally:
+            if group is not None:
+                release_group(group, channel.backend, registered=channel.hello.protocol == "tensors")
+            channel.rendezvous = None
+            with self._lock:
+                if self.channels.get(channel.hello.name) is channel:
+                    del self.channels[channel.hello.name]
+
+    def _form(self, channel: Channel, client: Any) -> Any:
+        timeout = self.settings.timeout
+        if channel.hello.protocol == "tensors":
+            world = 1 + channel.hello.ranks
+            return sglang_group(channel.rendezvous, 0, world, channel.group_name, channel.backend, timeout)
+        return new_group(_dist().PrefixStore(f"{channel.prefix}/group", client), 0, channel.backend, timeout)
+
+    def _send(self, group: Any, channel: Channel, ask: Ask, client: Any) -> None:
+        """The header beside the ask, then the buckets' bytes: in chunks of at most
+        ``bucket_bytes`` (``chunks``), or every tensor but ``ask.skip`` in a broadcast of its
+        own in the header's order (``tensors``: SGLang's receive)."""
         import torch
 
-        buckets = self.held(key)
-        timeout = self.settings.timeout
-        what = f"channel {channel.hello.name}: {key}"
-        if buckets is None:
-            header = Header(key, error=f"{key} is not staged here (freed, or staged by an earlier trainer)")
-        else:
-            header = Header(key, buckets.layouts, plan_chunks(buckets.layouts, self.settings.bucket_bytes))
-        _send_bytes(group, msgspec.msgpack.encode(header), timeout, f"{what}: header")
-        if buckets is None:
-            return
-        gpu_wire = channel.backend == "nccl"
-        for number, chunk in enumerate(header.chunks):
-            piece = byte_view(buckets.buffers[chunk.bucket])[chunk.start : chunk.end]
-            if piece.device.type == "cuda" and not gpu_wire:
-                piece = piece.cpu()
-            elif gpu_wire and piece.device.type != "cuda":
-                piece = piece.to(torch.device("cuda", torch.cuda.current_device()))
-            _broadcast(group, piece, timeout, f"{what}: chunk {number + 1}/{len(header.chunks)}")
-
-    def _send_tensors(self, group: Any, channel: Channel, ask: Ask, client: Any) -> None:
-        """The header to the store (the reader drives receivers that are not this group's
-        rank 1), then every tensor but ``ask.skip`` in a broadcast of its own, in the
-        header's order (SGLang's receive: one ``broadcast`` a tensor, by bucket request)."""
         buckets = self.held(ask.key)
         what = f"channel {channel.hello.name}: {ask.key}"
         if buckets is None:
-            header = Header(
-                ask.key, error=f"{ask.key} is not staged here (freed, or staged by an earlier trainer)"
-            )
-        else:
+            header = _not_staged(ask.key)
+        elif channel.hello.protocol == "tensors":
             header = Header(ask.key, buckets.layouts)
+        else:
+            header = Header(
+                ask.key, buckets.layouts, plan_chunks(buckets.layouts, self.settings.bucket_bytes)
+            )
         client.set(f"{channel.prefix}/header/{channel.asks - 1}", msgspec.msgpack.encode(header))
         if buckets is None:
             return
-        sent = [
-            (slot.name, buffer[slot.offset : slot.offset + slot.numel])
-            for layout, buffer in zip(buckets.layouts, buckets.buffers, strict=True)
-            for slot in layout.slots
-            if slot.name not in ask.skip
-        ]
-        for number, (name, tensor) in enumerate(sent):
-            if channel.backend == "nccl" and tensor.device.type != "cuda":
-                import torch
-
-                tensor = tensor.to(torch.device("cuda", torch.cuda.current_device()))
-            _broadcast(
-                group, tensor, self.settings.timeout, f"{what}: tensor {number + 1}/{len(sent)} ({name})"
-            )
+        if channel.hello.protocol == "tensors":
+            sent = [
+                (f"tensor {slot.name}", buffer[slot.offset : slot.offset + slot.numel])
+                for layout, buffer in zip(buckets.layouts, buckets.buffers, strict=True)
+                for slot in layout.slots
+                if slot.name not in ask.skip
+            ]
+        else:
+            sent = [
+                (
+                    f"chunk {number + 1}/{len(header.chunks)}",
+                    byte_view(buckets.buffers[c.bucket])[c.start : c.end],
+                )
+                for number, c in enumerate(header.chunks)
+            ]
+        nccl = channel.backend == "nccl"
+        for label, piece in sent:
+            if piece.device.type == "cuda" and not nccl:
+                piece = piece.cpu()
+            elif nccl and piece.device.type != "cuda":
+                piece = piece.to(torch.device("cuda", torch.cuda.current_device()))
+            if nccl:
+                with NCCL_SENDS:
+                    _broadcast(group, piece, self.settings.timeout, f"{what}: {label}")
+            else:
+                _broadcast(group, piece, self.settings.timeout, f"{what}: {label}")
 
     def close(self) -> None:
         """Stop every thread: those waiting return at once, one in a broadcast once it ends."""
@@ -472,7 +496,7 @@ class ChannelServer:
 
 
 class CollectiveStager(ShmStager):
-    """Keeps staged weight buckets and serves them over the channels; the rest goes to shm."""
+    """Keeps published buckets and serves them over the channels; the rest goes to shm."""
 
     def __init__(self, files: ShmFiles, settings: CollectiveSettings) -> None:
         super().__init__(files, name="collective")
@@ -485,7 +509,7 @@ class CollectiveStager(ShmStager):
         with self._lock:
             return self._held.get(key)
 
-    def put_buckets(self, key: str, buckets: Buckets, owner: str) -> DataRef:
+    def publish_buckets(self, key: str, buckets: Buckets, owner: str) -> DataRef:
         if self._server is None:
             self._server = ChannelServer(self.settings, self._held_buckets)
         self._server.device = buckets.device
@@ -522,6 +546,18 @@ class ReaderChannel:
         self.lock = threading.Lock()
 
 
+def read_header(store: Any, prefix: str, index: int, what: str) -> Header:
+    """The header the publishing end wrote for ask ``index`` (the store's timeout)."""
+    key = f"{prefix}/header/{index}"
+    try:
+        store.wait([key])
+        header = msgspec.msgpack.decode(store.get(key), type=Header)
+        store.delete_key(key)
+    except (RuntimeError, msgspec.DecodeError) as error:
+        raise CollectiveError(f"{what}: header: {_first_line(error)}") from None
+    return header
+
+
 class ChannelReader:
     """The reading end's channels, one per reader name and publishing rank, and the loads
     over them; what a process that reads nothing else holds (a vLLM worker)."""
@@ -533,8 +569,6 @@ class ChannelReader:
 
     def _channel(self, address: str, name: str, device: torch.device) -> ReaderChannel:
         """``name``'s channel to the publishing rank at ``address``, formed where it has none."""
-        dist = _dist()
-
         with self._lock:
             channel = self._channels.get((address, name))
             if channel is not None:
@@ -544,13 +578,14 @@ class ChannelReader:
 
                 torch.cuda.set_device(device)  # NCCL forms the group on the current GPU
             store = connect(address, self.settings.timeout)  # the channel's own connection
-            number = store.add("channels", 1)
-            store.set(f"join/{number}", msgspec.msgpack.encode(Hello(name, device.type)))
             try:
+                number = store.add("channels", 1)
+                gpu = gpu_uuid(device) if device.type == "cuda" else ""
+                store.set(f"join/{number}", msgspec.msgpack.encode(Hello(name, device.type, gpu=gpu)))
                 store.wait([f"channel/{number}/backend"])
                 backend = store.get(f"channel/{number}/backend").decode()
                 group = new_group(
-                    dist.PrefixStore(f"channel/{number}/group", store), 1, backend, self.settings.timeout
+                    _dist().PrefixStore(f"channel/{number}/group", store), 1, backend, self.settings.timeout
                 )
             except RuntimeError as error:
                 raise CollectiveError(
@@ -561,15 +596,18 @@ class ChannelReader:
             return channel
 
     def _drop(self, address: str, name: str, channel: ReaderChannel) -> None:
+        """Give the channel up (its publishing end drops it too, at its next failed
+        broadcast or when this name joins again): the next load forms a new one."""
         with self._lock:
             if self._channels.get((address, name)) is channel:
                 del self._channels[(address, name)]
+        release_group(channel.group, channel.backend)
 
     def stream_buckets(
         self, ref: DataRef, reader: str = "", device: torch.device | None = None
     ) -> BucketStream | None:
         """The buckets behind ``ref`` as they land, over the channel of ``reader`` (an
-        engine's name; default: this process); None for data that is not weight buckets."""
+        engine's name; default: this process); None for data that is not published buckets."""
         import torch
 
         if not ref.address:
@@ -580,19 +618,18 @@ class ChannelReader:
         what = f"channel {name}: {ref.key}"
         if not channel.lock.acquire(timeout=self.settings.timeout):
             self._drop(ref.address, name, channel)
-            raise CollectiveError(f"{what}: the channel's previous load was never received")
+            raise CollectiveError(f"{what}: the channel's previous load never finished")
+        prefix = f"channel/{channel.number}"
         try:
-            channel.store.set(
-                f"channel/{channel.number}/ask/{channel.asks}", msgspec.msgpack.encode(Ask(ref.key))
-            )
+            channel.store.set(f"{prefix}/ask/{channel.asks}", msgspec.msgpack.encode(Ask(ref.key)))
             channel.asks += 1
-            header = msgspec.msgpack.decode(
-                _receive_bytes(channel.group, self.settings.timeout, f"{what}: header"), type=Header
-            )
-        except CollectiveError:
+            header = read_header(channel.store, prefix, channel.asks - 1, what)
+        except (RuntimeError, CollectiveError) as error:
             self._drop(ref.address, name, channel)
             channel.lock.release()
-            raise
+            if isinstance(error, CollectiveError):
+                raise
+            raise CollectiveError(f"{what}: ask: {_first_line(error)}") from None
         if header.error:
             channel.lock.release()
             raise CollectiveError(f"{what}: {header.error}")
@@ -604,20 +641,24 @@ class ChannelReader:
                     _receive_into(
                         channel, target, f"{what}: chunk {number + 1}/{len(header.chunks)}", self.settings
                     )
-            except CollectiveError:
-                self._drop(ref.address, name, channel)
+            except BaseException:
+                self._drop(ref.address, name, channel)  # the publisher may be mid-stream
                 raise
             finally:
                 channel.lock.release()
 
-        return BucketStream(header.key, header.layouts, chunks)
+        def abandon() -> None:  # never received: the publisher is left mid-stream
+            self._drop(ref.address, name, channel)
+            channel.lock.release()
+
+        return BucketStream(header.key, header.layouts, chunks, abandon)
 
     def close(self) -> None:
         with self._lock:
             channels, self._channels = list(self._channels.values()), {}
         for channel in channels:
             taken = channel.lock.acquire(timeout=1.0)  # after a load in progress
-            channel.group.shutdown()
+            release_group(channel.group, channel.backend)
             if taken:
                 channel.lock.release()
 
@@ -651,7 +692,7 @@ class DrivenReceivers:
             store.set(f"join/{number}", msgspec.msgpack.encode(Hello(name, device, "tensors", ranks)))
             store.wait([f"channel/{number}/rendezvous"])
             rendezvous = msgspec.msgpack.decode(store.get(f"channel/{number}/rendezvous"), type=Rendezvous)
-        except RuntimeError as error:
+        except (RuntimeError, msgspec.DecodeError) as error:
             raise CollectiveError(f"channel {name} to {address} not formed: {_first_line(error)}") from None
         self._channels[(address, name)] = DrivenChannel(store, number, rendezvous)
         return rendezvous, True
@@ -661,16 +702,18 @@ class DrivenReceivers:
         to broadcast its tensors (all but ``skip``, in the header's order)."""
         channel = self._channels[(address, name)]
         prefix = f"channel/{channel.number}"
+        what = f"channel {name}: {key}"
         try:
             channel.store.set(f"{prefix}/ask/{channel.asks}", msgspec.msgpack.encode(Ask(key, skip)))
-            channel.store.wait([f"{prefix}/header/{channel.asks}"])
-            header = msgspec.msgpack.decode(channel.store.get(f"{prefix}/header/{channel.asks}"), type=Header)
-        except RuntimeError as error:
+            channel.asks += 1
+            header = read_header(channel.store, prefix, channel.asks - 1, what)
+        except (RuntimeError, CollectiveError) as error:
             self.drop(address, name)
-            raise CollectiveError(f"channel {name}: {key}: header: {_first_line(error)}") from None
-        channel.asks += 1
+            if isinstance(error, CollectiveError):
+                raise
+            raise CollectiveError(f"{what}: ask: {_first_line(error)}") from None
         if header.error:
-            raise CollectiveError(f"channel {name}: {key}: {header.error}")
+            raise CollectiveError(f"{what}: {header.error}")
         return header
 
     def drop(self, address: str, name: str) -> None:
@@ -679,7 +722,7 @@ class DrivenReceivers:
 
 
 class CollectiveReader(ShmReader):
-    """Receives weight buckets over its channels, reads the rest from shared memory."""
+    """Receives published buckets over its channels, reads the rest from shared memory."""
 
     name = "collective"
 
