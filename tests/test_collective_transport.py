@@ -202,6 +202,21 @@ def test_a_stream_given_up_before_it_is_received_leaves_the_next_load_free(tmp_p
         plane.close()
 
 
+def test_a_reader_that_died_before_saying_who_it_is_holds_up_only_the_next_join(tmp_path: Path):
+    plane = transport(tmp_path, "run-orphan", timeout=1.0)
+    try:
+        ref = plane.stager.publish_buckets("weights-v1", Buckets.of(weights()), owner="trainer")
+        orphan = collective.connect(ref.address, 5.0)
+        orphan.add("channels", 1)  # took a number, then died before its hello
+        with pytest.raises(CollectiveError, match="channel engine-0 to .* not formed"):
+            plane.reader.stream_buckets(ref, reader="engine-0")
+        stream = plane.reader.stream_buckets(ref, reader="engine-0")  # the number was given up
+        assert stream is not None
+        assert torch.equal(stream.assemble().tensors()["embed.weight"], weights()["embed.weight"])
+    finally:
+        plane.close()
+
+
 def test_an_engine_that_joins_again_under_its_name_replaces_its_channel(tmp_path: Path):
     plane = transport(tmp_path, "run-restart")
     dead = transport(tmp_path, "run-restart")  # an engine's process that dies mid-load

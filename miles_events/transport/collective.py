@@ -171,6 +171,19 @@ def gpu_uuid(device: torch.device) -> str:
     return str(torch.cuda.get_device_properties(index).uuid)
 
 
+def unblock_joins(store: Any, number: int) -> None:
+    """After join ``number`` went unanswered: give up the number the publishing end waits
+    for, where it is an earlier one whose reader never said who it is (died between taking
+    its number and writing its hello), so that the joins after it go on."""
+    try:
+        if number and store.check(["next_join"]):
+            waiting = int(store.get("next_join"))
+            if waiting < number:
+                store.compare_set(f"join/{waiting}", "", b"")
+    except (RuntimeError, ValueError) as error:  # the publishing end is gone: nothing holds up
+        logger.debug("collective: unblocking joins: %s", error)
+
+
 def _first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
@@ -323,17 +336,12 @@ class ChannelServer:
     def _client(self) -> Any:
         return _dist().TCPStore("127.0.0.1", self.store.port, is_master=False, timeout=IDLE)
 
-    def _wait(
-        self, client: Any, key: str, stopped: Callable[[], bool], timeout: datetime.timedelta = IDLE
-    ) -> bytes | None:
-        """The value of ``key`` once written (and deleted); None once ``stopped``, or after
-        ``timeout`` where it is shorter than ``IDLE``."""
+    def _wait(self, client: Any, key: str, stopped: Callable[[], bool]) -> bytes | None:
+        """The value of ``key`` once written (and deleted); None once ``stopped``."""
         while not stopped():
             try:
-                client.wait([key], timeout)
+                client.wait([key])
             except RuntimeError as error:
-                if timeout < IDLE:
-                    return None
                 if "timeout" not in str(error).lower():
                     time.sleep(1.0)  # the store is going away: look again, not in a spin
                 continue
@@ -345,20 +353,21 @@ class ChannelServer:
         return None
 
     def _watch(self) -> None:
-        """Start a channel for every reader that joins; stop the one it replaces. A join
-        number taken by a reader that died before it wrote its hello is skipped once later
-        readers have joined and the timeout has passed."""
+        """Start a channel for every reader that joins, in the order of their numbers; stop
+        the one each replaces. ``next_join`` says which number it waits for: a reader whose
+        join goes unanswered gives that number up (``unblock_joins``), in case its reader
+        died between taking it and saying who it is."""
         client = self._client()
-        patience = _timedelta(self.settings.timeout)
         while not self._closed:
             number = self._next_join
-            value = self._wait(client, f"join/{number}", lambda: self._closed, patience)
+            client.set("next_join", str(number))
+            value = self._wait(client, f"join/{number}", lambda: self._closed)
             if value is None:
-                if not self._closed and client.add("channels", 0) > number:
-                    logger.warning("collective: the reader of channel %d never said who it is", number)
-                    self._next_join += 1
-                continue
+                break
             self._next_join += 1
+            if not value:
+                logger.warning("collective: the reader of channel %d never said who it is", number)
+                continue
             try:
                 self._start(number, msgspec.msgpack.decode(value, type=Hello))
             except Exception as error:  # one bad join must not end every later one
@@ -578,6 +587,7 @@ class ChannelReader:
 
                 torch.cuda.set_device(device)  # NCCL forms the group on the current GPU
             store = connect(address, self.settings.timeout)  # the channel's own connection
+            number = 0
             try:
                 number = store.add("channels", 1)
                 gpu = gpu_uuid(device) if device.type == "cuda" else ""
@@ -588,6 +598,7 @@ class ChannelReader:
                     _dist().PrefixStore(f"channel/{number}/group", store), 1, backend, self.settings.timeout
                 )
             except RuntimeError as error:
+                unblock_joins(store, number)
                 raise CollectiveError(
                     f"channel {name} to {address} not formed: {_first_line(error)}"
                 ) from None
@@ -687,12 +698,14 @@ class DrivenReceivers:
         if channel is not None:
             return channel.rendezvous, False
         store = connect(address, self.settings.timeout)
+        number = 0
         try:
             number = store.add("channels", 1)
             store.set(f"join/{number}", msgspec.msgpack.encode(Hello(name, device, "tensors", ranks)))
             store.wait([f"channel/{number}/rendezvous"])
             rendezvous = msgspec.msgpack.decode(store.get(f"channel/{number}/rendezvous"), type=Rendezvous)
         except (RuntimeError, msgspec.DecodeError) as error:
+            unblock_joins(store, number)
             raise CollectiveError(f"channel {name} to {address} not formed: {_first_line(error)}") from None
         self._channels[(address, name)] = DrivenChannel(store, number, rendezvous)
         return rendezvous, True
