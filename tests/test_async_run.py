@@ -119,17 +119,21 @@ def test_an_asynchronous_run_stays_in_its_bound_and_is_the_same_bit_for_bit(tmp_
     assert max(staleness) == 2 and all(s <= 2 for s in staleness), staleness
     again = run_to_end(tmp_path / "again", 'run.runtime="local"')
 
-    def decisions(log: list) -> list:
-        return [
-            (
-                type(e).__name__,
-                getattr(e, "rollout_id", None),
-                getattr(e, "digest", None),
-                getattr(e, "reward_mean", None),
-            )
-            for e in log
-            if isinstance(e, WeightsStaged | RolloutGenerated) or type(e).__name__.endswith("Requested")
-        ]
+    def decisions(log: list) -> dict[str, list]:
+        """Each kind's events in order: what was asked for, the rewards sampled and the
+        weights staged. How the kinds interleave is the machine's timing (a rollout may be
+        generated before or after the save of an earlier step is asked for), not the run's."""
+        by_kind: dict[str, list] = {}
+        for e in log:
+            if isinstance(e, WeightsStaged | RolloutGenerated) or type(e).__name__.endswith("Requested"):
+                by_kind.setdefault(type(e).__name__, []).append(
+                    (
+                        getattr(e, "rollout_id", None),
+                        getattr(e, "digest", None),
+                        getattr(e, "reward_mean", None),
+                    )
+                )
+        return by_kind
 
     assert decisions(again) == decisions(uninterrupted)
 
