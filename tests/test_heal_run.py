@@ -109,6 +109,15 @@ class LiveRun:
         response = self.client.post(f"/cells/{cell}/inject-fault", json={"mode": mode})
         assert response.json() == {"status": "ok"}, response.text
 
+    def kill_one_then_hang_the_other(self) -> None:
+        """Once rollout 3 runs: SIGKILL into rollout-1, and once it is back, a hang (SIGSTOP)
+        into rollout-0, until it is back too."""
+        self.wait_for(r"rollout 3 \[")
+        self.inject("rollout-1", "sigkill")
+        self.wait_for("rollout-1 restarted")
+        self.inject("rollout-0", "deadlock")
+        self.wait_for("rollout-0 restarted")
+
     def suspend(self, cell: str, suspend: bool) -> dict[str, Any]:
         response = self.client.patch(f"/cells/{cell}", json={"spec": {"suspend": suspend}})
         assert response.status_code == 200, response.text
@@ -169,11 +178,7 @@ def test_an_engine_killed_then_one_hung_then_one_suspended_heal_to_the_same_weig
     trains exactly the weights of the run without faults."""
     run = LiveRun(tmp_path / "run", 'run.runtime="local"')
     try:
-        run.wait_for(r"rollout 3 \[")
-        run.inject("rollout-1", "sigkill")
-        run.wait_for("rollout-1 restarted")
-        run.inject("rollout-0", "deadlock")
-        run.wait_for("rollout-0 restarted")
+        run.kill_one_then_hang_the_other()
         assert run.suspend("rollout-1", True)["spec"]["suspend"] is True
         run.wait_for("rollout-1 suspended")
         cells = run.client.get("/cells").json()["items"]
@@ -211,11 +216,7 @@ def test_over_the_collective_a_killed_and_a_hung_engine_rejoin_and_heal_to_the_s
         "publisher.broadcast_timeout=10",
     )
     try:
-        run.wait_for(r"rollout 3 \[")
-        run.inject("rollout-1", "sigkill")
-        run.wait_for("rollout-1 restarted")
-        run.inject("rollout-0", "deadlock")
-        run.wait_for("rollout-0 restarted")
+        run.kill_one_then_hang_the_other()
     finally:
         code, out = run.finish()
     assert code == 0, out[-3000:]
