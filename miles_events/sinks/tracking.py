@@ -41,6 +41,7 @@ import msgspec
 
 from miles_events.bus.handlers import handles
 from miles_events.sinks.base import Sink, SinkContext
+from miles_events.util.error_text import first_line
 from miles_events.util.file_modes import why_unwritable
 from schemas.config import Config
 from schemas.events import (
@@ -360,9 +361,8 @@ def start_wandb(run: SinkContext) -> Any:
             settings=wandb.Settings(console="off"),
         )
     except Exception as error:
-        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
         raise TrackingError(
-            f"tracking.wandb: cannot start a {tracking.wandb_mode} run: {first_line}"
+            f"tracking.wandb: cannot start a {tracking.wandb_mode} run: {first_line(error)}"
         ) from None
 
 

@@ -40,6 +40,7 @@ published) goes through shared memory (``miles_events.transport.shm``), as the
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
@@ -56,6 +57,7 @@ import msgspec
 from miles_events.device.buckets import byte_view
 from miles_events.transport.base import BucketStream, FilesTransport
 from miles_events.transport.shm import ShmFiles, ShmReader, ShmStager
+from miles_events.util.error_text import first_line
 from schemas.data import BucketLayout, DataRef
 
 if TYPE_CHECKING:
@@ -184,8 +186,35 @@ def unblock_joins(store: Any, number: int) -> None:
         logger.debug("collective: unblocking joins: %s", error)
 
 
-def _first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+def join(store: Any, address: str, hello: Hello, answer: str) -> tuple[int, bytes]:
+    """Join the publishing end at ``address`` as ``hello`` says: the channel's number and
+    the publishing end's ``answer`` for it (``backend`` or ``rendezvous``)."""
+    number = 0
+    try:
+        number = store.add("channels", 1)
+        store.set(f"join/{number}", msgspec.msgpack.encode(hello))
+        store.wait([f"channel/{number}/{answer}"])
+        return number, bytes(store.get(f"channel/{number}/{answer}"))
+    except RuntimeError as error:
+        unblock_joins(store, number)
+        raise CollectiveError(f"channel {hello.name} to {address} not formed: {first_line(error)}") from None
+
+
+def ask_for(store: Any, prefix: str, index: int, ask: Ask, what: str) -> Header:
+    """Write ask ``index`` of the channel at ``prefix`` and read the header the publishing
+    end writes beside it (the store's timeout)."""
+    key = f"{prefix}/header/{index}"
+    try:
+        store.set(f"{prefix}/ask/{index}", msgspec.msgpack.encode(ask))
+    except RuntimeError as error:
+        raise CollectiveError(f"{what}: ask: {first_line(error)}") from None
+    try:
+        store.wait([key])
+        header = msgspec.msgpack.decode(store.get(key), type=Header)
+        store.delete_key(key)
+    except (RuntimeError, msgspec.DecodeError) as error:
+        raise CollectiveError(f"{what}: header: {first_line(error)}") from None
+    return header
 
 
 def connect(address: str, timeout: float) -> Any:
@@ -194,9 +223,7 @@ def connect(address: str, timeout: float) -> Any:
     try:
         return _dist().TCPStore(host, int(port), is_master=False, timeout=_timedelta(timeout))
     except (RuntimeError, ValueError) as error:
-        raise CollectiveError(
-            f"cannot reach the publishing rank at {address}: {_first_line(error)}"
-        ) from None
+        raise CollectiveError(f"cannot reach the publishing rank at {address}: {first_line(error)}") from None
 
 
 def _dist() -> Any:
@@ -246,7 +273,7 @@ def _broadcast(group: Any, tensor: torch.Tensor, timeout: float, what: str) -> N
     try:
         group.broadcast([tensor], _broadcast_options()).wait(_timedelta(timeout))
     except RuntimeError as error:
-        raise CollectiveError(f"{what}: {_first_line(error)}") from None
+        raise CollectiveError(f"{what}: {first_line(error)}") from None
 
 
 def _broadcast_options() -> Any:
@@ -371,7 +398,7 @@ class ChannelServer:
             try:
                 self._start(number, msgspec.msgpack.decode(value, type=Hello))
             except Exception as error:  # one bad join must not end every later one
-                logger.warning("collective: channel %d not started: %s", number, _first_line(error))
+                logger.warning("collective: channel %d not started: %s", number, first_line(error))
 
     def _start(self, number: int, hello: Hello) -> None:
         dist = _dist()
@@ -486,10 +513,7 @@ class ChannelServer:
                 piece = piece.cpu()
             elif nccl and piece.device.type != "cuda":
                 piece = piece.to(torch.device("cuda", torch.cuda.current_device()))
-            if nccl:
-                with NCCL_SENDS:
-                    _broadcast(group, piece, self.settings.timeout, f"{what}: {label}")
-            else:
+            with NCCL_SENDS if nccl else contextlib.nullcontext():
                 _broadcast(group, piece, self.settings.timeout, f"{what}: {label}")
 
     def close(self) -> None:
@@ -555,18 +579,6 @@ class ReaderChannel:
         self.lock = threading.Lock()
 
 
-def read_header(store: Any, prefix: str, index: int, what: str) -> Header:
-    """The header the publishing end wrote for ask ``index`` (the store's timeout)."""
-    key = f"{prefix}/header/{index}"
-    try:
-        store.wait([key])
-        header = msgspec.msgpack.decode(store.get(key), type=Header)
-        store.delete_key(key)
-    except (RuntimeError, msgspec.DecodeError) as error:
-        raise CollectiveError(f"{what}: header: {_first_line(error)}") from None
-    return header
-
-
 class ChannelReader:
     """The reading end's channels, one per reader name and publishing rank, and the loads
     over them; what a process that reads nothing else holds (a vLLM worker)."""
@@ -587,20 +599,16 @@ class ChannelReader:
 
                 torch.cuda.set_device(device)  # NCCL forms the group on the current GPU
             store = connect(address, self.settings.timeout)  # the channel's own connection
-            number = 0
+            gpu = gpu_uuid(device) if device.type == "cuda" else ""
+            number, answer = join(store, address, Hello(name, device.type, gpu=gpu), "backend")
+            backend = answer.decode()
             try:
-                number = store.add("channels", 1)
-                gpu = gpu_uuid(device) if device.type == "cuda" else ""
-                store.set(f"join/{number}", msgspec.msgpack.encode(Hello(name, device.type, gpu=gpu)))
-                store.wait([f"channel/{number}/backend"])
-                backend = store.get(f"channel/{number}/backend").decode()
                 group = new_group(
                     _dist().PrefixStore(f"channel/{number}/group", store), 1, backend, self.settings.timeout
                 )
             except RuntimeError as error:
-                unblock_joins(store, number)
                 raise CollectiveError(
-                    f"channel {name} to {address} not formed: {_first_line(error)}"
+                    f"channel {name} to {address} not formed: {first_line(error)}"
                 ) from None
             channel = ReaderChannel(store, number, group, backend)
             self._channels[(address, name)] = channel
@@ -630,17 +638,13 @@ class ChannelReader:
         if not channel.lock.acquire(timeout=self.settings.timeout):
             self._drop(ref.address, name, channel)
             raise CollectiveError(f"{what}: the channel's previous load never finished")
-        prefix = f"channel/{channel.number}"
+        channel.asks += 1
         try:
-            channel.store.set(f"{prefix}/ask/{channel.asks}", msgspec.msgpack.encode(Ask(ref.key)))
-            channel.asks += 1
-            header = read_header(channel.store, prefix, channel.asks - 1, what)
-        except (RuntimeError, CollectiveError) as error:
+            header = ask_for(channel.store, f"channel/{channel.number}", channel.asks - 1, Ask(ref.key), what)
+        except CollectiveError:
             self._drop(ref.address, name, channel)
             channel.lock.release()
-            if isinstance(error, CollectiveError):
-                raise
-            raise CollectiveError(f"{what}: ask: {_first_line(error)}") from None
+            raise
         if header.error:
             channel.lock.release()
             raise CollectiveError(f"{what}: {header.error}")
@@ -698,15 +702,11 @@ class DrivenReceivers:
         if channel is not None:
             return channel.rendezvous, False
         store = connect(address, self.settings.timeout)
-        number = 0
+        number, answer = join(store, address, Hello(name, device, "tensors", ranks), "rendezvous")
         try:
-            number = store.add("channels", 1)
-            store.set(f"join/{number}", msgspec.msgpack.encode(Hello(name, device, "tensors", ranks)))
-            store.wait([f"channel/{number}/rendezvous"])
-            rendezvous = msgspec.msgpack.decode(store.get(f"channel/{number}/rendezvous"), type=Rendezvous)
-        except (RuntimeError, msgspec.DecodeError) as error:
-            unblock_joins(store, number)
-            raise CollectiveError(f"channel {name} to {address} not formed: {_first_line(error)}") from None
+            rendezvous = msgspec.msgpack.decode(answer, type=Rendezvous)
+        except msgspec.DecodeError as error:
+            raise CollectiveError(f"channel {name} to {address} not formed: {first_line(error)}") from None
         self._channels[(address, name)] = DrivenChannel(store, number, rendezvous)
         return rendezvous, True
 
@@ -714,17 +714,15 @@ class DrivenReceivers:
         """Ask for ``key`` on ``name``'s channel: the header, once the publishing rank is about
         to broadcast its tensors (all but ``skip``, in the header's order)."""
         channel = self._channels[(address, name)]
-        prefix = f"channel/{channel.number}"
         what = f"channel {name}: {key}"
+        channel.asks += 1
         try:
-            channel.store.set(f"{prefix}/ask/{channel.asks}", msgspec.msgpack.encode(Ask(key, skip)))
-            channel.asks += 1
-            header = read_header(channel.store, prefix, channel.asks - 1, what)
-        except (RuntimeError, CollectiveError) as error:
+            header = ask_for(
+                channel.store, f"channel/{channel.number}", channel.asks - 1, Ask(key, skip), what
+            )
+        except CollectiveError:
             self.drop(address, name)
-            if isinstance(error, CollectiveError):
-                raise
-            raise CollectiveError(f"{what}: ask: {_first_line(error)}") from None
+            raise
         if header.error:
             raise CollectiveError(f"{what}: {header.error}")
         return header
